@@ -1,0 +1,3 @@
+from gateway.service import main
+
+main()

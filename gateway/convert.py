@@ -1,0 +1,71 @@
+"""Database records to public API messages."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from google.protobuf import timestamp_pb2
+
+from services.chunks import split
+from services.db.models import JobStatus
+from services.db.repository import ImageRecord, JobRecord
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+STATUS = {s: pb.JobStatus.Value(f"JOB_STATUS_{s.value}") for s in JobStatus}
+
+
+def timestamp(when: datetime | None) -> timestamp_pb2.Timestamp | None:
+    if when is None:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(when)
+    return ts
+
+
+def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.Job:
+    routing = job.routing or {}
+    return pb.Job(
+        job_id=job.id,
+        status=STATUS[job.status],
+        model=job.model,
+        prompt=job.prompt,
+        width=job.width,
+        height=job.height,
+        steps=job.steps,
+        num_images=job.num_images,
+        lane=job.lane,
+        progress=pb.Progress(step=job.progress_step, total=job.progress_total or job.steps),
+        timings=pb.StageTimings(
+            created_time=timestamp(job.created_at),
+            scheduled_time=timestamp(job.scheduled_at),
+            started_time=timestamp(job.started_at),
+            decoding_time=timestamp(job.decoding_at),
+            finished_time=timestamp(job.finished_at),
+        ),
+        worker_id=job.worker_id or "",
+        attempts=job.attempt,
+        error=job.error,
+        routing=pb.Routing(
+            worker_id=routing.get("worker_id") or "",
+            reason=routing.get("reason", ""),
+            candidates=[
+                pb.RoutingCandidate(worker_id=c["worker_id"], eligible=c["eligible"],
+                                    score_seconds=c["finish_s"] or 0.0, note=c["note"])
+                for c in routing.get("candidates", [])
+            ],
+        ),
+        images=[
+            pb.Image(data=i.data, mime_type=i.mime_type, width=i.width, height=i.height, seed=i.seed)
+            for i in images or []
+        ],
+    )
+
+
+def image_chunks(job_id: str, image: ImageRecord) -> list[pb.JobEvent]:
+    return [
+        pb.JobEvent(job_id=job_id, image_chunk=pb.ImageChunk(
+            index=image.index, offset=offset, data=data, last=last, mime_type=image.mime_type,
+            width=image.width, height=image.height, seed=image.seed,
+        ))
+        for offset, data, last in split(image.data)
+    ]

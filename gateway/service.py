@@ -1,0 +1,228 @@
+"""The public gRPC front door: ``darkroom.v1.ImageGeneration``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import grpc
+
+from gateway.auth import ApiKeyInterceptor
+from gateway.convert import STATUS, image_chunks, job_message, timestamp
+from gateway.validation import validate_submit
+from scheduler.policy import REFERENCE_PIXELS
+from services.db.migrate import upgrade
+from services.db.models import ACTIVE_ON_WORKER, JobStatus
+from services.db.repository import JobRecord, Repository
+from services.lifecycle import run_service
+from services.models.registry import ModelRegistry
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from services.rpc.server import build_server, channel
+from services.rpc.status import stream_errors, unary_errors
+from services.settings import Settings
+
+log = logging.getLogger("darkroom.gateway")
+
+# While a job is not on a worker that can stream it, StreamJob re-reads it this often.
+POLL_S = 0.05
+
+
+class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
+    def __init__(self, settings: Settings, repo: Repository, registry: ModelRegistry) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.registry = registry
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        return sampler_pb2_grpc.SamplerStub(ch)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    @unary_errors
+    async def SubmitJob(  # noqa: N802 - gRPC method names
+        self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.SubmitJobResponse:
+        new = validate_submit(request, self.registry, max_prompt_chars=self.settings.max_prompt_chars)
+        now = datetime.now(UTC)
+        job, deduplicated = await self.repo.create_job(new, now=now)
+        start, finish = await self._estimate(job, now)
+        return pb.SubmitJobResponse(
+            job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated,
+            estimated_start_time=timestamp(start), estimated_finish_time=timestamp(finish),
+        )
+
+    async def _estimate(self, job: JobRecord, now: datetime) -> tuple[datetime, datetime]:
+        """A first estimate: the queue ahead spread over the live workers."""
+        spec = self.registry.get(job.model)
+        run_s = spec.step_ms_512 / 1000 * job.steps * job.width * job.height / REFERENCE_PIXELS * job.num_images
+        ahead = await self.repo.queued_ahead(job.priority)
+        workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s, now=now)
+        wait_s = max(ahead - 1, 0) * run_s / max(len(workers), 1)
+        start = now + timedelta(seconds=wait_s)
+        return start, start + timedelta(seconds=run_s)
+
+    @unary_errors
+    async def GetJob(  # noqa: N802
+        self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Job:
+        job = await self.repo.get_job(request.job_id)
+        images = await self.repo.get_images(job.id) if job.status == JobStatus.SUCCEEDED else []
+        return job_message(job, images)
+
+    @stream_errors
+    async def StreamJob(  # noqa: N802
+        self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.JobEvent]:
+        job = await self.repo.get_job(request.job_id)
+        last_status: JobStatus | None = None
+        last_step = -1
+        while True:
+            if job.status != last_status:
+                last_status = job.status
+                yield pb.JobEvent(job_id=job.id, status=STATUS[job.status])
+            if job.status.terminal:
+                images = await self.repo.get_images(job.id) if job.status == JobStatus.SUCCEEDED else []
+                for image in images:
+                    for event in image_chunks(job.id, image):
+                        yield event
+                yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
+                return
+            if job.status in ACTIVE_ON_WORKER and job.worker_id:
+                async for event in self._follow_worker(job, last_step):
+                    if event.HasField("progress"):
+                        last_step = event.progress.step
+                    elif event.HasField("status"):
+                        last_status = JobStatus(pb.JobStatus.Name(event.status).removeprefix("JOB_STATUS_"))
+                    yield event
+            else:
+                await asyncio.sleep(POLL_S)
+            job = await self.repo.get_job(job.id)
+
+    async def _follow_worker(self, job: JobRecord, last_step: int) -> AsyncIterator[pb.JobEvent]:
+        """Relays the worker's own stream of the job: status and per-step progress.
+        Output and the terminal event come from the stored result, so that every
+        client, early or late, gets them from one place."""
+        worker = await self.repo.get_worker(job.worker_id or "")
+        if worker is None:
+            await asyncio.sleep(POLL_S)
+            return
+        stages = {sampler_pb2.SAMPLER_STAGE_RUNNING: pb.JOB_STATUS_RUNNING,
+                  sampler_pb2.SAMPLER_STAGE_DECODING: pb.JOB_STATUS_DECODING}
+        try:
+            async for event in self._sampler(worker.address).WatchJob(sampler_pb2.WatchJobRequest(job_id=job.id)):
+                if event.attempt != job.attempt:
+                    return
+                kind = event.WhichOneof("event")
+                if kind == "stage":
+                    yield pb.JobEvent(job_id=job.id, status=stages[event.stage])
+                elif kind == "progress" and event.progress.step > last_step:
+                    yield pb.JobEvent(job_id=job.id, progress=pb.Progress(
+                        step=event.progress.step, total=event.progress.total))
+                elif kind == "finished":
+                    return
+        except grpc.aio.AioRpcError as exc:
+            # NOT_FOUND: the worker has not picked the job up yet (or has moved on);
+            # anything else: it is gone. Either way, read the job again.
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                log.debug("watching %s on %s failed: %s", job.id, worker.id, exc.code())
+            await asyncio.sleep(POLL_S)
+
+    @unary_errors
+    async def CancelJob(  # noqa: N802
+        self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CancelJobResponse:
+        job = await self.repo.request_cancel(request.job_id, now=datetime.now(UTC))
+        if job.status in (JobStatus.RUNNING, JobStatus.DECODING) and job.worker_id:
+            worker = await self.repo.get_worker(job.worker_id)
+            if worker is not None:
+                # The fast path; the worker also sees the flag in the database.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self._sampler(worker.address).CancelJob(
+                        sampler_pb2.SamplerCancelRequest(job_id=job.id), timeout=5)
+        return pb.CancelJobResponse(job_id=job.id, status=STATUS[job.status])
+
+    @unary_errors
+    async def ListModels(  # noqa: N802
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s,
+                                               now=datetime.now(UTC))
+        return pb.ListModelsResponse(models=[
+            pb.ModelInfo(
+                name=spec.name, family=spec.family, max_width=spec.max_width, max_height=spec.max_height,
+                max_steps=spec.max_steps, default_steps=spec.default_steps,
+                warm_on=[w.id for w in workers if spec.name in w.warm_models],
+            )
+            for spec in (self.registry.get(n) for n in self.registry.names())
+        ])
+
+    @unary_errors
+    async def GetStats(  # noqa: N802
+        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetStatsResponse:
+        now = datetime.now(UTC)
+        workers = await self.repo.all_workers("sampler")
+        held = await self.repo.held_per_worker()
+        totals = await self.repo.totals()
+        stale = timedelta(seconds=self.settings.worker_stale_after_s)
+        return pb.GetStatsResponse(
+            workers=[
+                pb.WorkerStats(
+                    worker_id=w.id,
+                    available=w.status == "ready" and now - w.last_heartbeat < stale,
+                    processing=held.get(w.id, 0),
+                    completed=w.completed,
+                    average_seconds=w.busy_seconds / w.completed if w.completed else 0.0,
+                    estimated_load_seconds=held.get(w.id, 0) * (w.busy_seconds / w.completed if w.completed else 0),
+                    errors=w.errors,
+                    temperature_c=w.temperature_c,
+                    vram_used_bytes=w.vram_used_bytes,
+                    vram_total_bytes=w.vram_total_bytes,
+                    device=w.device,
+                    warm_models=list(w.warm_models),
+                )
+                for w in workers if w.status != "gone"
+            ],
+            totals=pb.GlobalStats(
+                requests=totals.requests, queued=totals.queued, completed=totals.completed,
+                failed=totals.failed, running=totals.running, cancelled=totals.cancelled,
+            ),
+        )
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    await asyncio.to_thread(upgrade, settings.database_url)
+    registry = ModelRegistry.load(settings.model_registry or None)
+    repo = Repository(settings.database_url)
+    servicer = ImageGenerationServicer(settings, repo, registry)
+    interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
+    server = build_server(
+        [(lambda s: image_generation_pb2_grpc.add_ImageGenerationServicer_to_server(servicer, s),
+          "darkroom.v1.ImageGeneration")],
+        settings.gateway_host, settings.gateway_port, interceptors,
+    )
+    try:
+        await server.grpc.start()
+        await server.set_serving(True)
+        log.info("gateway listening on %s:%d", settings.gateway_host, server.port)
+        await stop.wait()
+        await server.set_serving(False)
+        await server.grpc.stop(settings.shutdown_grace_s)
+    finally:
+        await servicer.close()
+        await repo.close()
+
+
+def main() -> None:
+    run_service("gateway", serve)

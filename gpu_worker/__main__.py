@@ -1,0 +1,3 @@
+from gpu_worker.service import main
+
+main()

@@ -1,0 +1,160 @@
+"""The ``darkroom`` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+from services.settings import Settings
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    settings = Settings.from_env()
+    if getattr(args, "data_dir", None):
+        settings = replace(settings, data_dir=Path(args.data_dir).expanduser().resolve())
+    if getattr(args, "port", None) is not None:
+        settings = replace(settings, gateway_port=args.port)
+    return settings
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.stack import LocalStack
+
+    stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    try:
+        stack.start()
+        print(f"darkroom: gateway listening on {stack.gateway_address} (data in {stack.settings.data_dir})",
+              flush=True)
+        if args.demo_prompt is not None:
+            return _generate_into(stack.gateway_address, args.demo_prompt, args)
+        stopped.wait()
+        print("darkroom: stopping", flush=True)
+        return 0
+    finally:
+        stack.stop()
+
+
+def _request(prompt: str, args: argparse.Namespace):  # noqa: ANN202
+    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+    request = pb.SubmitJobRequest(
+        model=args.model, prompt=prompt, negative_prompt=args.negative_prompt or "",
+        width=args.width or 0, height=args.height or 0, steps=args.steps or 0, num_images=1,
+    )
+    if args.seed is not None:
+        request.seed = args.seed
+    if args.guidance is not None:
+        request.guidance_scale = args.guidance
+    return request
+
+
+def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.client import JobFailed, generate
+
+    try:
+        job, images = generate(address, _request(prompt, args), api_key=args.api_key)
+    except JobFailed as exc:
+        print(f"darkroom: {exc}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:
+        print(f"darkroom: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    out = Path(args.output)
+    out.write_bytes(images[0].data)
+    print(f"darkroom: wrote {out} ({images[0].width}x{images[0].height}, seed {images[0].seed}, "
+          f"job {job.job_id} on {job.worker_id})")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return _generate_into(args.gateway, args.prompt, args)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from services.db.migrate import upgrade
+
+    settings = Settings.from_env()
+    if not settings.database_url:
+        print("darkroom: set DARKROOM_DATABASE_URL", file=sys.stderr)
+        return 2
+    upgrade(settings.database_url)
+    return 0
+
+
+def cmd_build_tiny_model(args: argparse.Namespace) -> int:
+    from services.models.tiny import build_tiny_model
+
+    print(build_tiny_model(Path(args.path)))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import importlib
+
+    importlib.import_module(f"{args.service.replace('-', '_')}.service").main()
+    return 0
+
+
+def _generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", default="darkroom.png", help="where to write the image (PNG)")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--width", type=int)
+    p.add_argument("--height", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--guidance", type=float)
+    p.add_argument("--api-key", default=os.environ.get("DARKROOM_API_KEY", ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="darkroom", description="Diffusion image generation on a fleet of GPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start the whole stack on this machine")
+    up.add_argument("--data-dir", help="where PostgreSQL, JetStream and models live (default ~/.darkroom)")
+    up.add_argument("--port", type=int, help="gateway port (default 50051)")
+    up.add_argument("--cpu-workers", type=int, default=1, help="sampler processes when there is no GPU")
+    up.set_defaults(func=cmd_up, demo_prompt=None)
+
+    demo = sub.add_parser("demo", help="start the stack, generate one image, save it and stop")
+    demo.add_argument("prompt", nargs="?", default="a lighthouse on a cliff at dusk")
+    demo.add_argument("--data-dir")
+    demo.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    demo.add_argument("--cpu-workers", type=int, default=1)
+    _generation_options(demo)
+    demo.set_defaults(func=lambda a: cmd_up(argparse.Namespace(**{**vars(a), "demo_prompt": a.prompt})))
+
+    gen = sub.add_parser("generate", help="generate an image through a running gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--gateway", default="127.0.0.1:50051")
+    _generation_options(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="run one service (settings from DARKROOM_* variables)")
+    serve.add_argument("service", choices=["gateway", "scheduler", "gpu-worker", "vae-worker"])
+    serve.set_defaults(func=cmd_serve)
+
+    migrate = sub.add_parser("migrate", help="apply database migrations to DARKROOM_DATABASE_URL")
+    migrate.set_defaults(func=cmd_migrate)
+
+    tiny = sub.add_parser("build-tiny-model", help="build the tiny random-weight model into a directory")
+    tiny.add_argument("path")
+    tiny.set_defaults(func=cmd_build_tiny_model)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

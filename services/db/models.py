@@ -1,0 +1,108 @@
+"""The schema, as SQLAlchemy 2 models. Alembic migrations in ``migrations/`` create it."""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "QUEUED"
+    SCHEDULED = "SCHEDULED"
+    RUNNING = "RUNNING"
+    DECODING = "DECODING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    EXPIRED = "EXPIRED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED})
+ACTIVE_ON_WORKER = frozenset({JobStatus.SCHEDULED, JobStatus.RUNNING, JobStatus.DECODING})
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)
+    lane: Mapped[str] = mapped_column(String(32), nullable=False)
+    priority: Mapped[int] = mapped_column(Integer, nullable=False)
+    model: Mapped[str] = mapped_column(String(128), nullable=False)
+    prompt: Mapped[str] = mapped_column(Text, nullable=False)
+    negative_prompt: Mapped[str] = mapped_column(Text, nullable=False)
+    width: Mapped[int] = mapped_column(Integer, nullable=False)
+    height: Mapped[int] = mapped_column(Integer, nullable=False)
+    steps: Mapped[int] = mapped_column(Integer, nullable=False)
+    guidance_scale: Mapped[float] = mapped_column(Float, nullable=False)
+    seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    num_images: Mapped[int] = mapped_column(Integer, nullable=False)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    # Raised each time the job is dispatched; a worker's writes name the attempt
+    # they belong to, so a stale attempt can never overwrite a newer one.
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    worker_id: Mapped[str | None] = mapped_column(String(128))
+    error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    progress_step: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    progress_total: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    routing: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    scheduled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    decoding_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
+        Index("ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")),
+        Index("ux_jobs_idempotency_key", "idempotency_key", unique=True,
+              postgresql_where=text("idempotency_key IS NOT NULL")),
+    )
+
+
+class JobImageRow(Base):
+    __tablename__ = "job_images"
+
+    job_id: Mapped[str] = mapped_column(String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    mime_type: Mapped[str] = mapped_column(String(32), nullable=False)
+    width: Mapped[int] = mapped_column(Integer, nullable=False)
+    height: Mapped[int] = mapped_column(Integer, nullable=False)
+    seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class WorkerRow(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # "sampler" or "vae"
+    address: Mapped[str] = mapped_column(String(256), nullable=False)
+    device: Mapped[str] = mapped_column(String(128), nullable=False)
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # "ready" or "draining"
+    models: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
+    warm_models: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
+    vram_total_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    vram_used_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    temperature_c: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    speed: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
+    completed: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    errors: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
+    busy_seconds: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    telemetry: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

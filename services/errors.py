@@ -1,0 +1,60 @@
+"""Darkroom's exceptions. Each concern has one root; ``services.rpc.status`` maps them
+to gRPC status codes in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DarkroomError(Exception):
+    """Root of every error Darkroom raises on purpose."""
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    field: str
+    description: str
+
+
+class RequestError(DarkroomError):
+    """The caller asked for something that cannot be done as asked."""
+
+
+class InvalidArgument(RequestError):
+    def __init__(self, violations: list[FieldViolation]):
+        self.violations = violations
+        super().__init__("; ".join(f"{v.field}: {v.description}" for v in violations))
+
+
+class NotFound(RequestError):
+    pass
+
+
+class Unauthenticated(RequestError):
+    pass
+
+
+class ResourceExhausted(RequestError):
+    def __init__(self, message: str, retry_after_s: float):
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
+class StoreError(DarkroomError):
+    """The database could not do what was asked; raised at the repository boundary."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached right now; the caller may retry."""
+
+
+class BusError(DarkroomError):
+    """JetStream could not take or give a message."""
+
+
+class ModelError(DarkroomError):
+    """A model could not be found, built or loaded."""
+
+
+class JobCancelled(DarkroomError):
+    """Raised inside the denoising loop when the job is cancelled between steps."""

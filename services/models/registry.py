@@ -1,0 +1,111 @@
+"""The model registry: a TOML file naming every model Darkroom may serve."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from services.errors import ModelError
+
+DEFAULT_REGISTRY = Path(__file__).with_name("default_registry.toml")
+FAMILIES = frozenset({"sd15", "sdxl", "tiny", "sim"})
+BUILTIN_TINY = "builtin:tiny"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str
+    family: str
+    dtype: str = "float16"
+    vram_mb: int = 4096
+    eviction_priority: int = 0
+    min_size: int = 64
+    max_width: int = 1024
+    max_height: int = 1024
+    default_width: int = 512
+    default_height: int = 512
+    max_steps: int = 150
+    default_steps: int = 25
+    max_images: int = 4
+    step_ms_512: float = 25.0
+    load_s: float = 5.0
+
+    @property
+    def vram_bytes(self) -> int:
+        return self.vram_mb * 1024 * 1024
+
+
+class ModelRegistry:
+    def __init__(self, models: dict[str, ModelSpec]) -> None:
+        self.models = models
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> ModelRegistry:
+        path = Path(path) if path else DEFAULT_REGISTRY
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ModelError(f"cannot read model registry {path}: {exc}") from exc
+        known = {f.name for f in fields(ModelSpec)} - {"name"}
+        models: dict[str, ModelSpec] = {}
+        for name, table in data.get("models", {}).items():
+            unknown = set(table) - known
+            if unknown:
+                raise ModelError(f"model {name!r} in {path}: unknown keys {sorted(unknown)}")
+            spec = ModelSpec(name=name, **table)
+            if spec.family not in FAMILIES:
+                raise ModelError(f"model {name!r}: family {spec.family!r} is not one of {sorted(FAMILIES)}")
+            models[name] = spec
+        if not models:
+            raise ModelError(f"model registry {path} names no models")
+        return cls(models)
+
+    def get(self, name: str) -> ModelSpec:
+        try:
+            return self.models[name]
+        except KeyError:
+            raise ModelError(f"unknown model {name!r}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.models
+
+    def names(self) -> list[str]:
+        return sorted(self.models)
+
+
+def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` loads the model from, and how."""
+    if spec.source == BUILTIN_TINY:
+        return str(ensure_tiny_model(models_dir / spec.name)), {"local_files_only": True}
+    local = Path(spec.source).expanduser()
+    if local.is_dir():
+        return str(local), {"local_files_only": True}
+    if spec.source.startswith(("/", ".", "~")):
+        raise ModelError(f"model {spec.name!r}: directory {spec.source} does not exist")
+    return spec.source, {}
+
+
+def ensure_tiny_model(path: Path) -> Path:
+    """Builds the tiny model at ``path`` once; concurrent callers see a whole model or none."""
+    from services.models.tiny import TINY_MARKER, build_tiny_model
+
+    if (path / TINY_MARKER).exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
+    try:
+        build_tiny_model(scratch)
+        try:
+            os.rename(scratch, path)
+        except OSError:
+            if not (path / TINY_MARKER).exists():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path

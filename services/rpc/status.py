@@ -1,0 +1,93 @@
+"""The one place where Darkroom's exceptions become gRPC status codes, with rich
+details (``BadRequest`` field violations, ``RetryInfo``)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from services.errors import (
+    DarkroomError,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StoreUnavailable,
+    Unauthenticated,
+)
+
+log = logging.getLogger("darkroom.rpc")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def to_status(exc: BaseException) -> status_pb2.Status:
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
+    if isinstance(exc, InvalidArgument):
+        status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc))
+        detail = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+            for v in exc.violations
+        ])
+        status.details.add().Pack(detail)
+    elif isinstance(exc, NotFound):
+        status = status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc))
+    elif isinstance(exc, Unauthenticated):
+        status = status_pb2.Status(code=code_pb2.UNAUTHENTICATED, message=str(exc))
+    elif isinstance(exc, ResourceExhausted):
+        status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc))
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(exc.retry_after_s)))
+    elif isinstance(exc, StoreUnavailable):
+        status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message="storage unavailable, retry shortly")
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(1.0)))
+    elif isinstance(exc, DarkroomError):
+        status = status_pb2.Status(code=code_pb2.INTERNAL, message=str(exc))
+    return status
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    whole = math.floor(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if not isinstance(exc, DarkroomError):
+        log.exception("unexpected error in handler", exc_info=exc)
+    await context.abort_with_status(rpc_status.to_status(to_status(exc)))
+
+
+def unary_errors(fn: F) -> F:
+    """Maps exceptions from a unary handler to statuses."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+            await _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def stream_errors(fn: F) -> F:
+    """Maps exceptions from a server-streaming handler to statuses."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]

@@ -1,0 +1,3 @@
+from vae_worker.service import main
+
+main()
