@@ -124,13 +124,18 @@ class GpuWorker:
 
     async def dispatch_loop(self, stop: asyncio.Event) -> None:
         sub = await self.bus.dispatch_consumer(self.worker_id)
-        while not stop.is_set():
-            try:
-                msgs = await sub.fetch(1, timeout=0.5)
-            except (TimeoutError, NatsTimeoutError):
-                continue
-            for msg in msgs:
-                await self.handle(msg)
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(1, timeout=0.5)
+                except (TimeoutError, NatsTimeoutError):
+                    continue
+                for msg in msgs:
+                    await self.handle(msg)
+        finally:
+            # A pull subscription left to drain waits on its expired fetches.
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def handle(self, msg) -> None:  # noqa: ANN001 - nats.aio.msg.Msg
         dispatch = Dispatch.decode(msg.data)

@@ -120,9 +120,11 @@ class LocalStack:
         from services.models.registry import BUILTIN_TINY, ModelRegistry, ensure_tiny_model
 
         registry = ModelRegistry.load(self.settings.model_registry or None)
-        for spec in registry.models.values():
-            if spec.source == BUILTIN_TINY:
-                ensure_tiny_model(self.settings.models_dir / spec.name)
+        builtin = tuple(s.name for s in registry.models.values() if s.source == BUILTIN_TINY)
+        for name in builtin:
+            ensure_tiny_model(self.settings.models_dir / name)
+        if not self.settings.preload_models:
+            self.settings = replace(self.settings, preload_models=builtin)
         self.add("vae_worker", "vae_worker")
         gpus = visible_gpus()
         if gpus:
