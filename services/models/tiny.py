@@ -94,7 +94,8 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
         sample_size=128,
     )
     scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
+        steps_offset=1, timestep_spacing="leading",
     )
     pipe = StableDiffusionPipeline(
         vae=vae,

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from services.embedded import EmbeddedPostgres
+from services.models.registry import ensure_tiny_model
+from services.settings import Settings
+from services.stack import LocalStack
+
+_db_names = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    pg = EmbeddedPostgres(tmp_path_factory.mktemp("pg"), durable=False)
+    pg.start()
+    yield pg
+    pg.stop()
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    models = tmp_path_factory.mktemp("models")
+    ensure_tiny_model(models / "tiny")
+    return models
+
+
+def fresh_database(pg: EmbeddedPostgres) -> str:
+    """A new, empty database on the shared server: each stack gets its own."""
+    name = f"t{next(_db_names)}"
+    with psycopg.connect(f"postgresql://postgres@127.0.0.1:{pg.port}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{name}"
+
+
+def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, **overrides: object) -> LocalStack:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "models").symlink_to(models, target_is_directory=True)
+    settings = Settings(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, log_level="INFO")
+    return LocalStack(replace(settings, **overrides), durable=False)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path) -> Iterator[LocalStack]:
+    s = make_stack(tmp_path_factory.mktemp("stack"), postgres, models_dir)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()

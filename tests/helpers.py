@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import psycopg
+from PIL import Image
+
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from services.stack import LocalStack
+
+T = TypeVar("T")
+TERMINAL = {pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED}
+
+
+def stub(stack: LocalStack) -> image_generation_pb2_grpc.ImageGenerationStub:
+    return image_generation_pb2_grpc.ImageGenerationStub(grpc.insecure_channel(stack.gateway_address))
+
+
+def wait_for(fetch: Callable[[], T], done: Callable[[T], bool], *, timeout: float, what: str) -> T:
+    """Polls ``fetch`` until ``done``: for waiting on another process, with a deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fetch()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; last: {value}")
+        time.sleep(0.05)
+
+
+def wait_terminal(client: image_generation_pb2_grpc.ImageGenerationStub, job_id: str, timeout: float = 120) -> pb.Job:
+    return wait_for(lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)), lambda j: j.status in TERMINAL,
+                    timeout=timeout, what=f"job {job_id} to end")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()  # decodes every byte: a truncated PNG fails here
+        return img.size
+
+
+def count_jobs(stack: LocalStack) -> int:
+    url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM jobs").fetchone()
+        assert row is not None
+        return int(row[0])
