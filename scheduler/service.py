@@ -93,6 +93,8 @@ class Scheduler:
         scheduled = await self.repo.schedule_pass(
             decide, limit=self.settings.scheduler_batch, stale_after_s=self.settings.worker_stale_after_s, now=now
         )
+        if scheduled:
+            log.debug("placed %d jobs", len(scheduled))
         for job in scheduled or []:
             assert job.worker_id is not None
             # Published after the commit: if this process dies here the job stays

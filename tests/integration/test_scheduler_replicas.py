@@ -1,0 +1,94 @@
+"""Two scheduler processes over one queue: every job is dispatched exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import uuid
+from dataclasses import replace
+
+import nats
+import psycopg
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from services.bus import DISPATCH_STREAM
+from services.stack import LocalStack
+from tests.conftest import make_stack
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+JOBS = 400
+WORKERS = ["fake-a", "fake-b", "fake-c"]
+
+
+def seed(conn: psycopg.Connection) -> None:
+    for w in WORKERS:
+        conn.execute(
+            "INSERT INTO workers (id, kind, address, device, status, models, warm_models, telemetry, started_at,"
+            " last_heartbeat) VALUES (%s, 'sampler', '127.0.0.1:1', 'fake', 'ready', %s, %s, '{}', now(), now())",
+            (w, json.dumps(["tiny"]), json.dumps(["tiny"] if w != "fake-c" else [])),
+        )
+    with conn.cursor() as cur:
+        cur.executemany(
+            "INSERT INTO jobs (id, status, lane, priority, model, prompt, negative_prompt, width, height, steps,"
+            " guidance_scale, seed, num_images, created_at) VALUES (%s, 'QUEUED', 'free', 0, 'tiny', 'p', '',"
+            " 64, 64, 2, 7.5, 1, 1, now())",
+            [(str(uuid.uuid4()),) for _ in range(JOBS)],
+        )
+
+
+async def read_dispatches(url: str) -> list[tuple[str, dict]]:
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    sub = await js.pull_subscribe("darkroom.dispatch.>", durable="audit", stream=DISPATCH_STREAM,
+                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT))
+    out = []
+    while True:
+        try:
+            msgs = await sub.fetch(100, timeout=1)
+        except (TimeoutError, nats.errors.TimeoutError):
+            break
+        for m in msgs:
+            out.append((m.subject, json.loads(m.data)))
+            await m.ack()
+    await nc.close()
+    return out
+
+
+def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, models_dir) -> None:
+    stack: LocalStack = make_stack(tmp_path, postgres, models_dir)
+    stack.start_backends()
+    stack.settings = replace(stack.settings, worker_backlog=10_000, scheduler_batch=16,
+                             worker_stale_after_s=3600, scheduler_interval_s=0.01, log_level="DEBUG")
+    db_url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    try:
+        with psycopg.connect(db_url) as conn:
+            seed(conn)
+        a = stack.add("scheduler-a", "scheduler")
+        b = stack.add("scheduler-b", "scheduler")
+
+        def queued() -> int:
+            with psycopg.connect(db_url) as conn:
+                return conn.execute("SELECT count(*) FROM jobs WHERE status = 'QUEUED'").fetchone()[0]
+
+        wait_for(queued, lambda n: n == 0, timeout=120, what="the queue to empty")
+        assert a.running and b.running
+        dispatches = asyncio.run(read_dispatches(stack.settings.nats_url))
+        with psycopg.connect(db_url) as conn:
+            rows = dict(conn.execute("SELECT id, worker_id FROM jobs WHERE status = 'SCHEDULED' AND attempt = 1")
+                        .fetchall())
+    finally:
+        stack.stop()
+    per_job = collections.Counter(body["job_id"] for _, body in dispatches)
+    assert len(rows) == JOBS
+    assert set(per_job) == set(rows)
+    assert max(per_job.values()) == 1, [j for j, n in per_job.items() if n > 1][:5]
+    for subject, body in dispatches:
+        assert subject == f"darkroom.dispatch.{rows[body['job_id']]}"
+        assert body["attempt"] == 1
+    assert set(rows.values()) <= set(WORKERS)
+    # Both replicas took turns placing jobs.
+    assert "placed" in a.log_tail(10**7) and "placed" in b.log_tail(10**7)
