@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+
+from gateway.validation import validate_submit
+from services.errors import InvalidArgument
+from services.models.registry import ModelRegistry
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+REGISTRY = ModelRegistry.load()
+
+
+def test_defaults_come_from_the_model() -> None:
+    job = validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x"), REGISTRY, max_prompt_chars=100)
+    spec = REGISTRY.get("tiny")
+    assert (job.width, job.height, job.steps) == (spec.default_width, spec.default_height, spec.default_steps)
+    assert job.num_images == 1 and job.guidance_scale == 7.5
+    assert job.lane == "free" and job.idempotency_key is None
+    assert 0 <= job.seed < 2**63
+
+
+def test_explicit_values_are_kept() -> None:
+    req = pb.SubmitJobRequest(model="tiny", prompt="x", width=64, height=128, steps=3, seed=0,
+                              guidance_scale=0.0, num_images=2, lane="paid", idempotency_key="k")
+    job = validate_submit(req, REGISTRY, max_prompt_chars=100)
+    assert (job.width, job.height, job.steps, job.seed, job.guidance_scale) == (64, 128, 3, 0, 0.0)
+    assert job.num_images == 2 and job.priority > 0 and job.idempotency_key == "k"
+
+
+def test_prompt_limit_is_the_configured_one() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x" * 11), REGISTRY, max_prompt_chars=10)
+    assert [v.field for v in err.value.violations] == ["prompt"]
