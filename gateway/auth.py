@@ -38,6 +38,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 def _deny(message: str) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
         await _abort(context, message)
+
     return handler
 
 
@@ -45,6 +46,7 @@ def _deny_stream(message: str) -> Callable[..., Any]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await _abort(context, message)
         yield  # pragma: no cover - makes this an async generator
+
     return handler
 
 

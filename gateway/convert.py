@@ -49,8 +49,9 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
             worker_id=routing.get("worker_id") or "",
             reason=routing.get("reason", ""),
             candidates=[
-                pb.RoutingCandidate(worker_id=c["worker_id"], eligible=c["eligible"],
-                                    score_seconds=c["finish_s"] or 0.0, note=c["note"])
+                pb.RoutingCandidate(
+                    worker_id=c["worker_id"], eligible=c["eligible"], score_seconds=c["finish_s"] or 0.0, note=c["note"]
+                )
                 for c in routing.get("candidates", [])
             ],
         ),
@@ -63,9 +64,18 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
 
 def image_chunks(job_id: str, image: ImageRecord) -> list[pb.JobEvent]:
     return [
-        pb.JobEvent(job_id=job_id, image_chunk=pb.ImageChunk(
-            index=image.index, offset=offset, data=data, last=last, mime_type=image.mime_type,
-            width=image.width, height=image.height, seed=image.seed,
-        ))
+        pb.JobEvent(
+            job_id=job_id,
+            image_chunk=pb.ImageChunk(
+                index=image.index,
+                offset=offset,
+                data=data,
+                last=last,
+                mime_type=image.mime_type,
+                width=image.width,
+                height=image.height,
+                seed=image.seed,
+            ),
+        )
         for offset, data, last in split(image.data)
     ]

@@ -50,16 +50,17 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             await ch.close()
 
     @unary_errors
-    async def SubmitJob(  # noqa: N802 - gRPC method names
-        self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext
-    ) -> pb.SubmitJobResponse:
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         new = validate_submit(request, self.registry, max_prompt_chars=self.settings.max_prompt_chars)
         now = datetime.now(UTC)
         job, deduplicated = await self.repo.create_job(new, now=now)
         start, finish = await self._estimate(job, now)
         return pb.SubmitJobResponse(
-            job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated,
-            estimated_start_time=timestamp(start), estimated_finish_time=timestamp(finish),
+            job_id=job.id,
+            status=STATUS[job.status],
+            deduplicated=deduplicated,
+            estimated_start_time=timestamp(start),
+            estimated_finish_time=timestamp(finish),
         )
 
     async def _estimate(self, job: JobRecord, now: datetime) -> tuple[datetime, datetime]:
@@ -73,15 +74,13 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         return start, start + timedelta(seconds=run_s)
 
     @unary_errors
-    async def GetJob(  # noqa: N802
-        self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext
-    ) -> pb.Job:
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         job = await self.repo.get_job(request.job_id)
         images = await self.repo.get_images(job.id) if job.status == JobStatus.SUCCEEDED else []
         return job_message(job, images)
 
     @stream_errors
-    async def StreamJob(  # noqa: N802
+    async def StreamJob(
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
         job = await self.repo.get_job(request.job_id)
@@ -117,8 +116,10 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if worker is None:
             await asyncio.sleep(POLL_S)
             return
-        stages = {sampler_pb2.SAMPLER_STAGE_RUNNING: pb.JOB_STATUS_RUNNING,
-                  sampler_pb2.SAMPLER_STAGE_DECODING: pb.JOB_STATUS_DECODING}
+        stages = {
+            sampler_pb2.SAMPLER_STAGE_RUNNING: pb.JOB_STATUS_RUNNING,
+            sampler_pb2.SAMPLER_STAGE_DECODING: pb.JOB_STATUS_DECODING,
+        }
         try:
             async for event in self._sampler(worker.address).WatchJob(sampler_pb2.WatchJobRequest(job_id=job.id)):
                 if event.attempt != job.attempt:
@@ -127,8 +128,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 if kind == "stage":
                     yield pb.JobEvent(job_id=job.id, status=stages[event.stage])
                 elif kind == "progress" and event.progress.step > last_step:
-                    yield pb.JobEvent(job_id=job.id, progress=pb.Progress(
-                        step=event.progress.step, total=event.progress.total))
+                    yield pb.JobEvent(
+                        job_id=job.id, progress=pb.Progress(step=event.progress.step, total=event.progress.total)
+                    )
                 elif kind == "finished":
                     return
         except grpc.aio.AioRpcError as exc:
@@ -139,9 +141,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             await asyncio.sleep(POLL_S)
 
     @unary_errors
-    async def CancelJob(  # noqa: N802
-        self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext
-    ) -> pb.CancelJobResponse:
+    async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
         job = await self.repo.request_cancel(request.job_id, now=datetime.now(UTC))
         if job.status in (JobStatus.RUNNING, JobStatus.DECODING) and job.worker_id:
             worker = await self.repo.get_worker(job.worker_id)
@@ -149,28 +149,34 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 # The fast path; the worker also sees the flag in the database.
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self._sampler(worker.address).CancelJob(
-                        sampler_pb2.SamplerCancelRequest(job_id=job.id), timeout=5)
+                        sampler_pb2.SamplerCancelRequest(job_id=job.id), timeout=5
+                    )
         return pb.CancelJobResponse(job_id=job.id, status=STATUS[job.status])
 
     @unary_errors
-    async def ListModels(  # noqa: N802
+    async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s,
-                                               now=datetime.now(UTC))
-        return pb.ListModelsResponse(models=[
-            pb.ModelInfo(
-                name=spec.name, family=spec.family, max_width=spec.max_width, max_height=spec.max_height,
-                max_steps=spec.max_steps, default_steps=spec.default_steps,
-                warm_on=[w.id for w in workers if spec.name in w.warm_models],
-            )
-            for spec in (self.registry.get(n) for n in self.registry.names())
-        ])
+        workers = await self.repo.live_workers(
+            "sampler", stale_after_s=self.settings.worker_stale_after_s, now=datetime.now(UTC)
+        )
+        return pb.ListModelsResponse(
+            models=[
+                pb.ModelInfo(
+                    name=spec.name,
+                    family=spec.family,
+                    max_width=spec.max_width,
+                    max_height=spec.max_height,
+                    max_steps=spec.max_steps,
+                    default_steps=spec.default_steps,
+                    warm_on=[w.id for w in workers if spec.name in w.warm_models],
+                )
+                for spec in (self.registry.get(n) for n in self.registry.names())
+            ]
+        )
 
     @unary_errors
-    async def GetStats(  # noqa: N802
-        self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.GetStatsResponse:
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         now = datetime.now(UTC)
         workers = await self.repo.all_workers("sampler")
         held = await self.repo.held_per_worker()
@@ -192,11 +198,16 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                     device=w.device,
                     warm_models=list(w.warm_models),
                 )
-                for w in workers if w.status != "gone"
+                for w in workers
+                if w.status != "gone"
             ],
             totals=pb.GlobalStats(
-                requests=totals.requests, queued=totals.queued, completed=totals.completed,
-                failed=totals.failed, running=totals.running, cancelled=totals.cancelled,
+                requests=totals.requests,
+                queued=totals.queued,
+                completed=totals.completed,
+                failed=totals.failed,
+                running=totals.running,
+                cancelled=totals.cancelled,
             ),
         )
 
@@ -208,9 +219,15 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     servicer = ImageGenerationServicer(settings, repo, registry)
     interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
     server = build_server(
-        [(lambda s: image_generation_pb2_grpc.add_ImageGenerationServicer_to_server(servicer, s),
-          "darkroom.v1.ImageGeneration")],
-        settings.gateway_host, settings.gateway_port, interceptors,
+        [
+            (
+                lambda s: image_generation_pb2_grpc.add_ImageGenerationServicer_to_server(servicer, s),
+                "darkroom.v1.ImageGeneration",
+            )
+        ],
+        settings.gateway_host,
+        settings.gateway_port,
+        interceptors,
     )
     try:
         await server.grpc.start()

@@ -19,7 +19,7 @@ import grpc
 import torch
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from gpu_worker.engine import SampleRequest, SamplerEngine, pick_device
+from gpu_worker.engine import SamplerEngine, SampleRequest, pick_device
 from gpu_worker.tracker import JobTracker, JobWatch
 from services.bus import Bus, Dispatch
 from services.chunks import split
@@ -29,7 +29,12 @@ from services.db.repository import ImageRecord, JobRecord, Repository, WorkerHea
 from services.errors import DarkroomError, JobCancelled, NotFound, StoreError
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
-from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
+from services.rpc.gen.darkroom.internal.v1 import (
+    sampler_pb2,
+    sampler_pb2_grpc,
+    vae_decoder_pb2,
+    vae_decoder_pb2_grpc,
+)
 from services.rpc.server import build_server, channel
 from services.rpc.status import stream_errors, unary_errors
 from services.settings import Settings
@@ -56,7 +61,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         self.tracker = tracker
 
     @stream_errors
-    async def WatchJob(  # noqa: N802 - gRPC method name
+    async def WatchJob(
         self, request: sampler_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[sampler_pb2.SamplerEvent]:
         watch = self.tracker.get(request.job_id)
@@ -66,7 +71,7 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
             yield event
 
     @unary_errors
-    async def CancelJob(  # noqa: N802
+    async def CancelJob(
         self, request: sampler_pb2.SamplerCancelRequest, context: grpc.aio.ServicerContext
     ) -> sampler_pb2.SamplerCancelResponse:
         watch = self.tracker.get(request.job_id)
@@ -79,14 +84,27 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 def latents_to_request(job: JobRecord, latents: torch.Tensor) -> vae_decoder_pb2.DecodeRequest:
     array = latents.detach().to("cpu", torch.float32).contiguous().numpy()
     return vae_decoder_pb2.DecodeRequest(
-        model=job.model, latents=array.astype("<f4").tobytes(), shape=list(array.shape),
-        dtype="float32", mime_type="image/png", job_id=job.id,
+        model=job.model,
+        latents=array.astype("<f4").tobytes(),
+        shape=list(array.shape),
+        dtype="float32",
+        mime_type="image/png",
+        job_id=job.id,
     )
 
 
 class GpuWorker:
-    def __init__(self, settings: Settings, repo: Repository, bus: Bus, engine: SamplerEngine,
-                 worker_id: str, address: str, telemetry: Telemetry, tracker: JobTracker) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        repo: Repository,
+        bus: Bus,
+        engine: SamplerEngine,
+        worker_id: str,
+        address: str,
+        telemetry: Telemetry,
+        tracker: JobTracker,
+    ) -> None:
         self.settings = settings
         self.repo = repo
         self.bus = bus
@@ -102,14 +120,22 @@ class GpuWorker:
 
     async def heartbeat(self, status: str = "ready") -> None:
         reading = self.telemetry.read()
-        await self.repo.heartbeat(WorkerHeartbeat(
-            id=self.worker_id, kind="sampler", address=self.address, device=reading.name
-            if reading.name != "cpu" else str(self.engine.device),
-            models=tuple(self.engine.registry.names()), warm_models=tuple(self.engine.warm_models()),
-            vram_total_bytes=reading.vram_total_bytes, vram_used_bytes=reading.vram_used_bytes,
-            temperature_c=reading.temperature_c, status=status,
-            telemetry={**reading.as_dict(), "inflight": len(self.tracker.running())},
-        ), now=datetime.now(UTC))
+        await self.repo.heartbeat(
+            WorkerHeartbeat(
+                id=self.worker_id,
+                kind="sampler",
+                address=self.address,
+                device=reading.name if reading.name != "cpu" else str(self.engine.device),
+                models=tuple(self.engine.registry.names()),
+                warm_models=tuple(self.engine.warm_models()),
+                vram_total_bytes=reading.vram_total_bytes,
+                vram_used_bytes=reading.vram_used_bytes,
+                temperature_c=reading.temperature_c,
+                status=status,
+                telemetry={**reading.as_dict(), "inflight": len(self.tracker.running())},
+            ),
+            now=datetime.now(UTC),
+        )
 
     async def heartbeat_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -137,7 +163,7 @@ class GpuWorker:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def handle(self, msg) -> None:  # noqa: ANN001 - nats.aio.msg.Msg
+    async def handle(self, msg) -> None:
         dispatch = Dispatch.decode(msg.data)
         try:
             job = await self.repo.start_job(dispatch.job_id, dispatch.attempt, self.worker_id, now=datetime.now(UTC))
@@ -161,7 +187,7 @@ class GpuWorker:
         await msg.ack()
         await watch.emit(sampler_pb2.SamplerEvent(finished=True))
 
-    async def _keep_in_progress(self, msg) -> None:  # noqa: ANN001
+    async def _keep_in_progress(self, msg) -> None:
         while True:
             await asyncio.sleep(IN_PROGRESS_EVERY_S)
             with contextlib.suppress(Exception):
@@ -178,8 +204,9 @@ class GpuWorker:
             images = await self._decode(job, latents)
             if watch.cancelled.is_set():
                 raise JobCancelled(job.id)
-            stored = await self.repo.finish_job(job.id, job.attempt, images, now=now(),
-                                                busy_s=time.perf_counter() - started)
+            stored = await self.repo.finish_job(
+                job.id, job.attempt, images, now=now(), busy_s=time.perf_counter() - started
+            )
             if stored:
                 for image in images:
                     for chunk in image_chunks(image):
@@ -193,8 +220,9 @@ class GpuWorker:
             await self.repo.end_job(job.id, job.attempt, JobStatus.FAILED, error=str(exc), now=now())
         except Exception as exc:
             log.exception("job %s failed", job.id)
-            await self.repo.end_job(job.id, job.attempt, JobStatus.FAILED,
-                                    error=f"{type(exc).__name__}: {exc}", now=now())
+            await self.repo.end_job(
+                job.id, job.attempt, JobStatus.FAILED, error=f"{type(exc).__name__}: {exc}", now=now()
+            )
 
     async def _sample(self, job: JobRecord, watch: JobWatch) -> torch.Tensor:
         loop = asyncio.get_running_loop()
@@ -206,21 +234,32 @@ class GpuWorker:
 
         def on_step(step: int, total: int) -> None:
             nonlocal last_write
-            watch.emit_threadsafe(sampler_pb2.SamplerEvent(progress=sampler_pb2.SamplerProgress(step=step, total=total)))
+            progress = sampler_pb2.SamplerProgress(step=step, total=total)
+            watch.emit_threadsafe(sampler_pb2.SamplerEvent(progress=progress))
             if step == total or time.monotonic() - last_write >= PROGRESS_WRITE_EVERY_S:
                 last_write = time.monotonic()
                 asyncio.run_coroutine_threadsafe(record(step, total), loop)
 
-        request = SampleRequest(job.model, job.prompt, job.negative_prompt, job.width, job.height,
-                                job.steps, job.guidance_scale, job.seed, job.num_images)
+        request = SampleRequest(
+            job.model,
+            job.prompt,
+            job.negative_prompt,
+            job.width,
+            job.height,
+            job.steps,
+            job.guidance_scale,
+            job.seed,
+            job.num_images,
+        )
         return await asyncio.to_thread(self.engine.sample, request, on_step, watch.cancelled)
 
     async def _decode(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
         request = latents_to_request(job, latents)
         deadline = time.monotonic() + VAE_WAIT_S
         while True:
-            decoders = await self.repo.live_workers("vae", stale_after_s=self.settings.worker_stale_after_s,
-                                                    now=datetime.now(UTC))
+            decoders = await self.repo.live_workers(
+                "vae", stale_after_s=self.settings.worker_stale_after_s, now=datetime.now(UTC)
+            )
             if decoders:
                 break
             if time.monotonic() > deadline:
@@ -243,8 +282,14 @@ class GpuWorker:
         if sorted(meta) != list(range(job.num_images)):
             raise DarkroomError(f"VAE decoder returned images {sorted(meta)} for {job.num_images} latents")
         return [
-            ImageRecord(index=i, data=b"".join(parts[i]), mime_type=meta[i].mime_type,
-                        width=meta[i].width, height=meta[i].height, seed=(job.seed + i) % 2**63)
+            ImageRecord(
+                index=i,
+                data=b"".join(parts[i]),
+                mime_type=meta[i].mime_type,
+                width=meta[i].width,
+                height=meta[i].height,
+                seed=(job.seed + i) % 2**63,
+            )
             for i in range(job.num_images)
         ]
 
@@ -256,8 +301,14 @@ class GpuWorker:
 def image_chunks(image: ImageRecord) -> list[sampler_pb2.SamplerOutputChunk]:
     return [
         sampler_pb2.SamplerOutputChunk(
-            index=image.index, offset=offset, data=data, last=last,
-            mime_type=image.mime_type, width=image.width, height=image.height, seed=image.seed,
+            index=image.index,
+            offset=offset,
+            data=data,
+            last=last,
+            mime_type=image.mime_type,
+            width=image.width,
+            height=image.height,
+            seed=image.seed,
         )
         for offset, data, last in split(image.data)
     ]
@@ -278,10 +329,12 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     servicer = SamplerServicer(tracker)
     server = build_server(
         [(lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s), "darkroom.internal.v1.Sampler")],
-        settings.worker_host, settings.worker_port,
+        settings.worker_host,
+        settings.worker_port,
     )
-    worker = GpuWorker(settings, repo, bus, engine, worker_id, f"{settings.worker_host}:{server.port}",
-                       telemetry, tracker)
+    worker = GpuWorker(
+        settings, repo, bus, engine, worker_id, f"{settings.worker_host}:{server.port}", telemetry, tracker
+    )
     try:
         await server.grpc.start()
         await server.set_serving(True)
@@ -302,4 +355,3 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 def main() -> None:
     run_service("gpu_worker", serve)
-

@@ -41,7 +41,7 @@ class JobWatch:
         sent = 0
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: len(self.events) > sent)
+                await self._changed.wait_for(lambda n=sent: len(self.events) > n)  # type: ignore[misc]
                 batch = self.events[sent:]
             for event in batch:
                 yield event

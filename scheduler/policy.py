@@ -88,8 +88,12 @@ def score(job: JobView, worker: WorkerView, cost: ModelCost, *, backlog_limit: i
 
 
 def place(
-    job: JobView, workers: Sequence[WorkerView], costs: Mapping[str, ModelCost], *,
-    now: datetime, backlog_limit: int,
+    job: JobView,
+    workers: Sequence[WorkerView],
+    costs: Mapping[str, ModelCost],
+    *,
+    now: datetime,
+    backlog_limit: int,
 ) -> Placement:
     cost = costs.get(job.model)
     if cost is None:
@@ -97,17 +101,25 @@ def place(
     candidates = tuple(score(job, w, cost, backlog_limit=backlog_limit) for w in workers)
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
-        reason = "no live worker serves the model" if not any(job.model in w.models for w in workers) \
+        reason = (
+            "no live worker serves the model"
+            if not any(job.model in w.models for w in workers)
             else "every worker that can run it is busy"
+        )
         return Placement(job.id, None, reason, candidates)
     best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
-    return Placement(job.id, best.worker_id, f"earliest estimated finish ({best.finish_s:.2f}s, {best.note})",
-                     candidates)
+    return Placement(
+        job.id, best.worker_id, f"earliest estimated finish ({best.finish_s:.2f}s, {best.note})", candidates
+    )
 
 
 def plan(
-    jobs: Sequence[JobView], workers: Sequence[WorkerView], costs: Mapping[str, ModelCost], *,
-    now: datetime, backlog_limit: int,
+    jobs: Sequence[JobView],
+    workers: Sequence[WorkerView],
+    costs: Mapping[str, ModelCost],
+    *,
+    now: datetime,
+    backlog_limit: int,
 ) -> list[Placement]:
     """Places jobs in the order given (highest priority first), each seeing the
     work the earlier ones added."""
@@ -121,7 +133,9 @@ def plan(
             cost = costs[job.model]
             added = run_seconds(job, cost, w.speed) + (0.0 if job.model in w.warm_models else cost.load_s)
             fleet[w.id] = replace(
-                w, held_jobs=w.held_jobs + 1, held_work_s=w.held_work_s + added,
+                w,
+                held_jobs=w.held_jobs + 1,
+                held_work_s=w.held_work_s + added,
                 warm_models=w.warm_models | {job.model},
                 vram_used_bytes=w.vram_used_bytes + (0 if job.model in w.warm_models else cost.vram_bytes),
             )

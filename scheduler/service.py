@@ -45,26 +45,34 @@ def worker_views(
                 continue
             done = j.progress_step / j.progress_total if j.progress_total else 0.0
             work += policy.run_seconds(job_view(j), cost, w.speed) * (1.0 - done)
-        views.append(policy.WorkerView(
-            id=w.id, models=frozenset(w.models), warm_models=frozenset(w.warm_models),
-            vram_total_bytes=w.vram_total_bytes, vram_used_bytes=w.vram_used_bytes, speed=w.speed,
-            held_jobs=len(mine), held_work_s=work,
-        ))
+        views.append(
+            policy.WorkerView(
+                id=w.id,
+                models=frozenset(w.models),
+                warm_models=frozenset(w.warm_models),
+                vram_total_bytes=w.vram_total_bytes,
+                vram_used_bytes=w.vram_used_bytes,
+                speed=w.speed,
+                held_jobs=len(mine),
+                held_work_s=work,
+            )
+        )
     return views
 
 
-def make_decide(costs: dict[str, policy.ModelCost], *, backlog_limit: int, now: datetime):  # noqa: ANN201
+def make_decide(costs: dict[str, policy.ModelCost], *, backlog_limit: int, now: datetime):
     def decide(
         queued: Sequence[JobRecord], workers: Sequence[WorkerRecord], held: Sequence[JobRecord]
     ) -> list[Assignment]:
         placements = policy.plan(
-            [job_view(j) for j in queued], worker_views(workers, held, costs), costs,
-            now=now, backlog_limit=backlog_limit,
+            [job_view(j) for j in queued],
+            worker_views(workers, held, costs),
+            costs,
+            now=now,
+            backlog_limit=backlog_limit,
         )
-        return [
-            Assignment(p.job_id, p.worker_id, routing_json(p))
-            for p in placements if p.worker_id is not None
-        ]
+        return [Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None]
+
     return decide
 
 
@@ -73,8 +81,12 @@ def routing_json(p: policy.Placement) -> dict[str, object]:
         "worker_id": p.worker_id,
         "reason": p.reason,
         "candidates": [
-            {"worker_id": c.worker_id, "eligible": c.eligible,
-             "finish_s": c.finish_s if c.eligible else None, "note": c.note}
+            {
+                "worker_id": c.worker_id,
+                "eligible": c.eligible,
+                "finish_s": c.finish_s if c.eligible else None,
+                "note": c.note,
+            }
             for c in p.candidates
         ],
     }

@@ -53,8 +53,7 @@ class Bus:
     @classmethod
     async def connect(cls, url: str, *, name: str) -> Bus:
         try:
-            nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                                    drain_timeout=5)
+            nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, drain_timeout=5)
         except (NatsError, OSError) as exc:
             raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
         bus = cls(nc, nc.jetstream())

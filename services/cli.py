@@ -31,8 +31,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     try:
         stack.start()
-        print(f"darkroom: gateway listening on {stack.gateway_address} (data in {stack.settings.data_dir})",
-              flush=True)
+        print(f"darkroom: gateway listening on {stack.gateway_address} (data in {stack.settings.data_dir})", flush=True)
         if args.demo_prompt is not None:
             return _generate_into(stack.gateway_address, args.demo_prompt, args)
         stopped.wait()
@@ -42,12 +41,17 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.stop()
 
 
-def _request(prompt: str, args: argparse.Namespace):  # noqa: ANN202
+def _request(prompt: str, args: argparse.Namespace):
     from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
     request = pb.SubmitJobRequest(
-        model=args.model, prompt=prompt, negative_prompt=args.negative_prompt or "",
-        width=args.width or 0, height=args.height or 0, steps=args.steps or 0, num_images=1,
+        model=args.model,
+        prompt=prompt,
+        negative_prompt=args.negative_prompt or "",
+        width=args.width or 0,
+        height=args.height or 0,
+        steps=args.steps or 0,
+        num_images=1,
     )
     if args.seed is not None:
         request.seed = args.seed
@@ -71,8 +75,10 @@ def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
         return 1
     out = Path(args.output)
     out.write_bytes(images[0].data)
-    print(f"darkroom: wrote {out} ({images[0].width}x{images[0].height}, seed {images[0].seed}, "
-          f"job {job.job_id} on {job.worker_id})")
+    print(
+        f"darkroom: wrote {out} ({images[0].width}x{images[0].height}, seed {images[0].seed}, "
+        f"job {job.job_id} on {job.worker_id})"
+    )
     return 0
 
 

@@ -62,7 +62,10 @@ def progress_bar(step: int, total: int) -> None:
 
 
 def generate(
-    address: str, request: pb.SubmitJobRequest, *, api_key: str = "",
+    address: str,
+    request: pb.SubmitJobRequest,
+    *,
+    api_key: str = "",
     on_progress: Callable[[int, int], None] | None = progress_bar,
 ) -> tuple[pb.Job, list[GeneratedImage]]:
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None

@@ -109,21 +109,38 @@ class EmbeddedPostgres(_Process):
             self.pgdata.chmod(0o700)
         if not (self.pgdata / "PG_VERSION").exists():
             subprocess.run(
-                [str(POSTGRES_BIN_PATH / "initdb"), "-D", str(self.pgdata), "--auth=trust",
-                 "--encoding=utf8", "-U", "postgres"],
-                check=True, capture_output=True, user=user,
+                [
+                    str(POSTGRES_BIN_PATH / "initdb"),
+                    "-D",
+                    str(self.pgdata),
+                    "--auth=trust",
+                    "--encoding=utf8",
+                    "-U",
+                    "postgres",
+                ],
+                check=True,
+                capture_output=True,
+                user=user,
             )
         if self._pid_alive():
             raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
         # A crash leaves the pid file behind; PostgreSQL itself handles that case.
         args = [
-            str(POSTGRES_BIN_PATH / "postgres"), "-D", str(self.pgdata),
-            "-h", "127.0.0.1", "-p", str(self.port), "-k", str(self.pgdata),
-            "-c", "max_connections=300",
+            str(POSTGRES_BIN_PATH / "postgres"),
+            "-D",
+            str(self.pgdata),
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-k",
+            str(self.pgdata),
+            "-c",
+            "max_connections=300",
         ]
         if not self.durable:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        log = open(self.pgdata / "server.log", "ab")  # noqa: SIM115 - owned by the child
+        log = open(self.pgdata / "server.log", "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, user=user, start_new_session=True)
         log.close()
         self._wait_ready(timeout)
@@ -191,10 +208,12 @@ class EmbeddedNats(_Process):
 
     def start(self, timeout: float = 30.0) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.store_dir.parent / "nats-server.log", "ab")  # noqa: SIM115 - owned by the child
+        log = open(self.store_dir.parent / "nats-server.log", "ab")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port)],
-            stdout=log, stderr=log, start_new_session=True,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         log.close()
         wait_for_port(self.port, timeout=timeout, proc=self.proc)

@@ -17,7 +17,8 @@ Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(
-        level=level.upper(), stream=sys.stderr,
+        level=level.upper(),
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
 

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from services.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from services.settings import Settings
@@ -25,7 +26,7 @@ def visible_gpus() -> int:
 
         pynvml.nvmlInit()
         return int(pynvml.nvmlDeviceGetCount())
-    except Exception:  # noqa: BLE001 - no driver, no GPU
+    except Exception:
         return 0
 
 
@@ -41,7 +42,10 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                [sys.executable, "-m", self.module],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
@@ -102,11 +106,11 @@ class LocalStack:
 
         upgrade(self.settings.database_url)
 
-    def service(self, name: str, module: str, **overrides: object) -> ServiceProcess:
+    def service(self, name: str, module: str, **overrides: Any) -> ServiceProcess:
         env = {**os.environ, **replace(self.settings, **overrides).to_env(), "PYTHONUNBUFFERED": "1"}
         return ServiceProcess(name, module, env, self.log_dir / f"{name}.log")
 
-    def add(self, name: str, module: str, **overrides: object) -> ServiceProcess:
+    def add(self, name: str, module: str, **overrides: Any) -> ServiceProcess:
         proc = self.service(name, module, **overrides)
         self.services[name] = proc
         proc.start()

@@ -33,7 +33,7 @@ class Telemetry:
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
-        except Exception as exc:  # noqa: BLE001 - NVML missing is not fatal
+        except Exception as exc:
             log.warning("NVML unavailable, no GPU telemetry: %s", exc)
 
     def read(self) -> GpuReading:
@@ -55,6 +55,6 @@ class Telemetry:
                 power_w=pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
                 throttled=bool(throttle),
             )
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.warning("NVML read failed: %s", exc)
             return GpuReading()

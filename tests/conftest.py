@@ -4,6 +4,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -40,7 +41,7 @@ def fresh_database(pg: EmbeddedPostgres) -> str:
     return f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{name}"
 
 
-def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, **overrides: object) -> LocalStack:
+def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, **overrides: Any) -> LocalStack:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "models").symlink_to(models, target_is_directory=True)
     settings = Settings(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, log_level="INFO")
@@ -48,7 +49,9 @@ def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, **overrides: objec
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path) -> Iterator[LocalStack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
+) -> Iterator[LocalStack]:
     s = make_stack(tmp_path_factory.mktemp("stack"), postgres, models_dir)
     try:
         s.start()

@@ -34,8 +34,12 @@ def wait_for(fetch: Callable[[], T], done: Callable[[T], bool], *, timeout: floa
 
 
 def wait_terminal(client: image_generation_pb2_grpc.ImageGenerationStub, job_id: str, timeout: float = 120) -> pb.Job:
-    return wait_for(lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)), lambda j: j.status in TERMINAL,
-                    timeout=timeout, what=f"job {job_id} to end")
+    return wait_for(
+        lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
+        lambda j: j.status in TERMINAL,
+        timeout=timeout,
+        what=f"job {job_id} to end",
+    )
 
 
 def png_size(data: bytes) -> tuple[int, int]:

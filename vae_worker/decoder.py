@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from services.errors import InvalidArgument, FieldViolation, ModelError
+from services.errors import FieldViolation, InvalidArgument, ModelError
 from services.models.registry import ModelRegistry, resolve_source
 
 log = logging.getLogger("darkroom.vae")

@@ -35,7 +35,7 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
         self.engine = engine
 
     @stream_errors
-    async def Decode(  # noqa: N802 - gRPC method name
+    async def Decode(
         self, request: vae_decoder_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vae_decoder_pb2.DecodeChunk]:
         latents = latents_from_bytes(request.latents, list(request.shape), request.dtype or "float32")
@@ -45,7 +45,12 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
             height, width = pixels.shape[:2]
             for offset, data, last in split(png):
                 yield vae_decoder_pb2.DecodeChunk(
-                    index=index, offset=offset, data=data, last=last, width=width, height=height,
+                    index=index,
+                    offset=offset,
+                    data=data,
+                    last=last,
+                    width=width,
+                    height=height,
                     mime_type="image/png",
                 )
 
@@ -61,9 +66,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     worker_id = f"vae-{host}-{os.getpid()}"
     repo = Repository(settings.database_url, pool_size=2)
     server = build_server(
-        [(lambda s: vae_decoder_pb2_grpc.add_VaeDecoderServicer_to_server(VaeDecoderServicer(engine), s),
-          "darkroom.internal.v1.VaeDecoder")],
-        settings.vae_host, settings.vae_port,
+        [
+            (
+                lambda s: vae_decoder_pb2_grpc.add_VaeDecoderServicer_to_server(VaeDecoderServicer(engine), s),
+                "darkroom.internal.v1.VaeDecoder",
+            )
+        ],
+        settings.vae_host,
+        settings.vae_port,
     )
     address = f"{settings.vae_host}:{server.port}"
     try:
@@ -72,10 +82,17 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         log.info("vae_worker %s on %s listening on %s", worker_id, device, address)
         while not stop.is_set():
             try:
-                await repo.heartbeat(WorkerHeartbeat(
-                    id=worker_id, kind="vae", address=address, device=str(device),
-                    models=tuple(registry.names()), warm_models=tuple(engine.warm_models()),
-                ), now=datetime.now(UTC))
+                await repo.heartbeat(
+                    WorkerHeartbeat(
+                        id=worker_id,
+                        kind="vae",
+                        address=address,
+                        device=str(device),
+                        models=tuple(registry.names()),
+                        warm_models=tuple(engine.warm_models()),
+                    ),
+                    now=datetime.now(UTC),
+                )
             except StoreError as exc:
                 log.warning("heartbeat failed: %s", exc)
             with contextlib.suppress(TimeoutError):

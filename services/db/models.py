@@ -6,7 +6,19 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, LargeBinary, String, Text, text
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    text,
+)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -68,9 +80,15 @@ class JobRow(Base):
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
-        Index("ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")),
-        Index("ux_jobs_idempotency_key", "idempotency_key", unique=True,
-              postgresql_where=text("idempotency_key IS NOT NULL")),
+        Index(
+            "ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")
+        ),
+        Index(
+            "ux_jobs_idempotency_key",
+            "idempotency_key",
+            unique=True,
+            postgresql_where=text("idempotency_key IS NOT NULL"),
+        ),
     )
 
 

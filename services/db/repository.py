@@ -161,8 +161,13 @@ class Repository:
             pool_size=pool_size,
             max_overflow=pool_size,
             pool_pre_ping=True,
-            connect_args={"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 5,
-                          "keepalives_interval": 2, "keepalives_count": 3},
+            connect_args={
+                "connect_timeout": 5,
+                "keepalives": 1,
+                "keepalives_idle": 5,
+                "keepalives_interval": 2,
+                "keepalives_count": 3,
+            },
         )
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)
 
@@ -199,7 +204,8 @@ class Repository:
                 )
             inserted = (await s.execute(stmt.returning(JobRow.id))).scalar_one_or_none()
             if inserted is None:
-                row = (await s.execute(select(JobRow).where(JobRow.idempotency_key == job.idempotency_key))).scalar_one()
+                same_key = select(JobRow).where(JobRow.idempotency_key == job.idempotency_key)
+                row = (await s.execute(same_key)).scalar_one()
                 return JobRecord.of(row), True
             row = (await s.execute(select(JobRow).where(JobRow.id == job.id))).scalar_one()
             return JobRecord.of(row), False
@@ -213,9 +219,9 @@ class Repository:
 
     async def get_images(self, job_id: str) -> list[ImageRecord]:
         async with self._tx() as s:
-            rows = (await s.execute(
-                select(JobImageRow).where(JobImageRow.job_id == job_id).order_by(JobImageRow.index)
-            )).scalars()
+            rows = (
+                await s.execute(select(JobImageRow).where(JobImageRow.job_id == job_id).order_by(JobImageRow.index))
+            ).scalars()
             return [ImageRecord(r.index, r.data, r.mime_type, r.width, r.height, r.seed) for r in rows]
 
     async def request_cancel(self, job_id: str, *, now: datetime) -> JobRecord:
@@ -245,26 +251,44 @@ class Repository:
             got = (await s.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": SCHEDULER_LOCK})).scalar()
             if not got:
                 return None
-            queued = [JobRecord.of(r) for r in (await s.execute(
-                select(JobRow).where(JobRow.status == JobStatus.QUEUED)
-                .order_by(JobRow.priority.desc(), JobRow.created_at).limit(limit)
-            )).scalars()]
+            queued = [
+                JobRecord.of(r)
+                for r in (
+                    await s.execute(
+                        select(JobRow)
+                        .where(JobRow.status == JobStatus.QUEUED)
+                        .order_by(JobRow.priority.desc(), JobRow.created_at)
+                        .limit(limit)
+                    )
+                ).scalars()
+            ]
             if not queued:
                 return []
             workers = await self._live_workers(s, "sampler", stale_after_s, now)
-            held = [JobRecord.of(r) for r in (await s.execute(
-                select(JobRow).where(JobRow.status.in_([st.value for st in ACTIVE_ON_WORKER]))
-            )).scalars()]
+            held = [
+                JobRecord.of(r)
+                for r in (
+                    await s.execute(select(JobRow).where(JobRow.status.in_([st.value for st in ACTIVE_ON_WORKER])))
+                ).scalars()
+            ]
             assignments = decide(queued, workers, held)
             scheduled: list[JobRecord] = []
             for a in assignments:
-                row = (await s.execute(
-                    update(JobRow)
-                    .where(JobRow.id == a.job_id, JobRow.status == JobStatus.QUEUED)
-                    .values(status=JobStatus.SCHEDULED.value, worker_id=a.worker_id, attempt=JobRow.attempt + 1,
-                            scheduled_at=now, routing=a.routing, progress_step=0)
-                    .returning(JobRow)
-                )).scalar_one_or_none()
+                row = (
+                    await s.execute(
+                        update(JobRow)
+                        .where(JobRow.id == a.job_id, JobRow.status == JobStatus.QUEUED)
+                        .values(
+                            status=JobStatus.SCHEDULED.value,
+                            worker_id=a.worker_id,
+                            attempt=JobRow.attempt + 1,
+                            scheduled_at=now,
+                            routing=a.routing,
+                            progress_step=0,
+                        )
+                        .returning(JobRow)
+                    )
+                ).scalar_one_or_none()
                 if row is not None:
                     scheduled.append(JobRecord.of(row))
             return scheduled
@@ -279,9 +303,11 @@ class Repository:
 
     async def scheduled_not_started(self, *, older_than: datetime) -> list[JobRecord]:
         async with self._tx() as s:
-            rows = (await s.execute(
-                select(JobRow).where(JobRow.status == JobStatus.SCHEDULED, JobRow.scheduled_at < older_than)
-            )).scalars()
+            rows = (
+                await s.execute(
+                    select(JobRow).where(JobRow.status == JobStatus.SCHEDULED, JobRow.scheduled_at < older_than)
+                )
+            ).scalars()
             return [JobRecord.of(r) for r in rows]
 
     # -- jobs, from the worker that holds them -----------------------------------
@@ -290,23 +316,33 @@ class Repository:
         """SCHEDULED -> RUNNING for this attempt on this worker; None if the job was
         cancelled, moved on or belongs to another attempt."""
         async with self._tx() as s:
-            row = (await s.execute(
-                update(JobRow)
-                .where(JobRow.id == job_id, JobRow.attempt == attempt, JobRow.worker_id == worker_id,
-                       JobRow.status == JobStatus.SCHEDULED)
-                .values(status=JobStatus.RUNNING.value, started_at=now)
-                .returning(JobRow)
-            )).scalar_one_or_none()
+            row = (
+                await s.execute(
+                    update(JobRow)
+                    .where(
+                        JobRow.id == job_id,
+                        JobRow.attempt == attempt,
+                        JobRow.worker_id == worker_id,
+                        JobRow.status == JobStatus.SCHEDULED,
+                    )
+                    .values(status=JobStatus.RUNNING.value, started_at=now)
+                    .returning(JobRow)
+                )
+            ).scalar_one_or_none()
             return JobRecord.of(row) if row is not None else None
 
     def _current(self, job_id: str, attempt: int) -> Any:
-        return and_(JobRow.id == job_id, JobRow.attempt == attempt,
-                    JobRow.status.in_([JobStatus.RUNNING.value, JobStatus.DECODING.value]))
+        return and_(
+            JobRow.id == job_id,
+            JobRow.attempt == attempt,
+            JobRow.status.in_([JobStatus.RUNNING.value, JobStatus.DECODING.value]),
+        )
 
     async def set_progress(self, job_id: str, attempt: int, step: int, total: int) -> bool:
         async with self._tx() as s:
             result = await s.execute(
-                update(JobRow).where(self._current(job_id, attempt))
+                update(JobRow)
+                .where(self._current(job_id, attempt))
                 .values(progress_step=step, progress_total=total)
                 .returning(JobRow.cancel_requested)
             )
@@ -316,8 +352,10 @@ class Repository:
     async def set_decoding(self, job_id: str, attempt: int, *, now: datetime) -> bool:
         async with self._tx() as s:
             result = await s.execute(
-                update(JobRow).where(self._current(job_id, attempt))
-                .values(status=JobStatus.DECODING.value, decoding_at=now).returning(JobRow.id)
+                update(JobRow)
+                .where(self._current(job_id, attempt))
+                .values(status=JobStatus.DECODING.value, decoding_at=now)
+                .returning(JobRow.id)
             )
             return result.scalar_one_or_none() is not None
 
@@ -327,17 +365,21 @@ class Repository:
         """Stores the images and marks SUCCEEDED in one transaction, only if this
         attempt is still the job's current one: at most one visible result."""
         async with self._tx() as s:
-            row = (await s.execute(
-                update(JobRow).where(self._current(job_id, attempt))
-                .values(status=JobStatus.SUCCEEDED.value, finished_at=now, error="")
-                .returning(JobRow.worker_id)
-            )).scalar_one_or_none()
+            row = (
+                await s.execute(
+                    update(JobRow)
+                    .where(self._current(job_id, attempt))
+                    .values(status=JobStatus.SUCCEEDED.value, finished_at=now, error="")
+                    .returning(JobRow.worker_id)
+                )
+            ).scalar_one_or_none()
             if row is None:
                 return False
             for image in images:
                 s.add(JobImageRow(job_id=job_id, **image.__dict__))
             await s.execute(
-                update(WorkerRow).where(WorkerRow.id == row)
+                update(WorkerRow)
+                .where(WorkerRow.id == row)
                 .values(completed=WorkerRow.completed + 1, busy_seconds=WorkerRow.busy_seconds + busy_s)
             )
             return True
@@ -346,10 +388,14 @@ class Repository:
         """Ends this attempt as FAILED or CANCELLED, if it is still the current one."""
         assert status in TERMINAL and status != JobStatus.SUCCEEDED
         async with self._tx() as s:
-            worker = (await s.execute(
-                update(JobRow).where(self._current(job_id, attempt))
-                .values(status=status.value, finished_at=now, error=error).returning(JobRow.worker_id)
-            )).scalar_one_or_none()
+            worker = (
+                await s.execute(
+                    update(JobRow)
+                    .where(self._current(job_id, attempt))
+                    .values(status=status.value, finished_at=now, error=error)
+                    .returning(JobRow.worker_id)
+                )
+            ).scalar_one_or_none()
             if worker is None:
                 return False
             if status == JobStatus.FAILED:
@@ -359,8 +405,7 @@ class Repository:
     # -- workers -----------------------------------------------------------------
 
     async def heartbeat(self, hb: WorkerHeartbeat, *, now: datetime) -> None:
-        values = {**hb.__dict__, "models": list(hb.models), "warm_models": list(hb.warm_models),
-                  "last_heartbeat": now}
+        values = {**hb.__dict__, "models": list(hb.models), "warm_models": list(hb.warm_models), "last_heartbeat": now}
         async with self._tx() as s:
             stmt = insert(WorkerRow).values(**values, started_at=now)
             stmt = stmt.on_conflict_do_update(index_elements=[WorkerRow.id], set_=values)
@@ -374,14 +419,20 @@ class Repository:
         async with self._tx() as s:
             return await self._live_workers(s, kind, stale_after_s, now)
 
-    async def _live_workers(self, s: AsyncSession, kind: str, stale_after_s: float, now: datetime) -> list[WorkerRecord]:
-        rows = (await s.execute(
-            select(WorkerRow).where(
-                WorkerRow.kind == kind,
-                WorkerRow.status == "ready",
-                WorkerRow.last_heartbeat > now - timedelta(seconds=stale_after_s),
-            ).order_by(WorkerRow.id)
-        )).scalars()
+    async def _live_workers(
+        self, s: AsyncSession, kind: str, stale_after_s: float, now: datetime
+    ) -> list[WorkerRecord]:
+        rows = (
+            await s.execute(
+                select(WorkerRow)
+                .where(
+                    WorkerRow.kind == kind,
+                    WorkerRow.status == "ready",
+                    WorkerRow.last_heartbeat > now - timedelta(seconds=stale_after_s),
+                )
+                .order_by(WorkerRow.id)
+            )
+        ).scalars()
         return [WorkerRecord.of(r) for r in rows]
 
     async def get_worker(self, worker_id: str) -> WorkerRecord | None:
@@ -392,10 +443,15 @@ class Repository:
     async def queued_ahead(self, priority: int) -> int:
         """Queued jobs that would run before a new job of this priority."""
         async with self._tx() as s:
-            return int((await s.execute(
-                select(func.count()).select_from(JobRow)
-                .where(JobRow.status == JobStatus.QUEUED, JobRow.priority >= priority)
-            )).scalar_one())
+            return int(
+                (
+                    await s.execute(
+                        select(func.count())
+                        .select_from(JobRow)
+                        .where(JobRow.status == JobStatus.QUEUED, JobRow.priority >= priority)
+                    )
+                ).scalar_one()
+            )
 
     async def all_workers(self, kind: str) -> list[WorkerRecord]:
         async with self._tx() as s:

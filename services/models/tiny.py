@@ -94,8 +94,12 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
         sample_size=128,
     )
     scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000,
-        steps_offset=1, timestep_spacing="leading",
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        num_train_timesteps=1000,
+        steps_offset=1,
+        timestep_spacing="leading",
     )
     pipe = StableDiffusionPipeline(
         vae=vae,
@@ -108,6 +112,6 @@ def build_tiny_model(path: Path, *, seed: int = 0) -> Path:
         requires_safety_checker=False,
     )
     path.mkdir(parents=True, exist_ok=True)
-    pipe.save_pretrained(path)
+    pipe.save_pretrained(path)  # type: ignore[attr-defined]
     (path / TINY_MARKER).write_text(json.dumps({"seed": seed, "note": "random weights: output is noise"}))
     return path

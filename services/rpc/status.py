@@ -31,10 +31,12 @@ def to_status(exc: BaseException) -> status_pb2.Status:
     status = status_pb2.Status(code=code_pb2.INTERNAL, message="internal error")
     if isinstance(exc, InvalidArgument):
         status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(exc))
-        detail = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-            for v in exc.violations
-        ])
+        detail = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                for v in exc.violations
+            ]
+        )
         status.details.add().Pack(detail)
     elif isinstance(exc, NotFound):
         status = status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc))
@@ -71,7 +73,7 @@ def unary_errors(fn: F) -> F:
             return await fn(self, request, context)
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
-        except Exception as exc:  # noqa: BLE001 - every error becomes a status here
+        except Exception as exc:
             await _abort(context, exc)
 
     return wrapper  # type: ignore[return-value]
@@ -87,7 +89,7 @@ def stream_errors(fn: F) -> F:
                 yield item
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             await _abort(context, exc)
 
     return wrapper  # type: ignore[return-value]

@@ -15,8 +15,9 @@ def test_cancel_queued_job(stack) -> None:
     # With the scheduler stopped, the job cannot leave the queue.
     stack.services["scheduler"].stop()
     try:
-        job_id = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="never", width=64, height=64,
-                                                      steps=2)).job_id
+        job_id = client.SubmitJob(
+            pb.SubmitJobRequest(model="tiny", prompt="never", width=64, height=64, steps=2)
+        ).job_id
         reply = client.CancelJob(pb.CancelJobRequest(job_id=job_id))
         assert reply.status == pb.JOB_STATUS_CANCELLED
     finally:
@@ -33,8 +34,9 @@ def test_cancel_queued_job(stack) -> None:
 def test_cancel_running_job_stops_within_a_step(stack) -> None:
     client = stub(stack)
     total = 100
-    job_id = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="long", width=512, height=512,
-                                                  steps=total)).job_id
+    job_id = client.SubmitJob(
+        pb.SubmitJobRequest(model="tiny", prompt="long", width=512, height=512, steps=total)
+    ).job_id
     seen = 0
     cancelled_at = None
     for event in client.StreamJob(pb.StreamJobRequest(job_id=job_id), timeout=120):
@@ -52,15 +54,18 @@ def test_cancel_running_job_stops_within_a_step(stack) -> None:
     # The step running when the cancel arrived may finish; one more may already
     # have been in flight to this client when it sent the cancel.
     assert seen <= cancelled_at + 2, (seen, cancelled_at)
-    job = wait_for(lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
-                   lambda j: j.status == pb.JOB_STATUS_CANCELLED, timeout=10, what="cancelled")
+    job = wait_for(
+        lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
+        lambda j: j.status == pb.JOB_STATUS_CANCELLED,
+        timeout=10,
+        what="cancelled",
+    )
     assert job.progress.step < total
 
 
 def test_cancel_finished_job_changes_nothing(stack) -> None:
     client = stub(stack)
-    job_id = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="done", width=64, height=64,
-                                                  steps=2)).job_id
+    job_id = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="done", width=64, height=64, steps=2)).job_id
     assert wait_terminal(client, job_id).status == pb.JOB_STATUS_SUCCEEDED
     assert client.CancelJob(pb.CancelJobRequest(job_id=job_id)).status == pb.JOB_STATUS_SUCCEEDED
     assert len(client.GetJob(pb.GetJobRequest(job_id=job_id)).images) == 1

@@ -14,8 +14,9 @@ pytestmark = pytest.mark.integration
 
 def test_submit_and_poll_returns_png_of_requested_size(stack) -> None:
     client = stub(stack)
-    reply = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="a lighthouse", width=96, height=64,
-                                                 steps=4, seed=7))
+    reply = client.SubmitJob(
+        pb.SubmitJobRequest(model="tiny", prompt="a lighthouse", width=96, height=64, steps=4, seed=7)
+    )
     assert reply.job_id
     assert reply.status == pb.JOB_STATUS_QUEUED
     assert reply.estimated_finish_time.ToDatetime() >= reply.estimated_start_time.ToDatetime()
@@ -38,8 +39,9 @@ def test_submit_and_poll_returns_png_of_requested_size(stack) -> None:
 
 def test_stream_shows_status_progress_then_image_chunks_then_terminal(stack) -> None:
     client = stub(stack)
-    reply = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="a fox", width=128, height=128, steps=8,
-                                                 num_images=2, seed=100))
+    reply = client.SubmitJob(
+        pb.SubmitJobRequest(model="tiny", prompt="a fox", width=128, height=128, steps=8, num_images=2, seed=100)
+    )
     events = list(client.StreamJob(pb.StreamJobRequest(job_id=reply.job_id), timeout=120))
     kinds = [e.WhichOneof("event") for e in events]
     statuses = [e.status for e in events if e.HasField("status")]
@@ -71,8 +73,10 @@ def test_stream_joined_after_the_end_still_yields_result(stack) -> None:
 
 def test_same_seed_gives_same_image(stack) -> None:
     client = stub(stack)
-    ids = [client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="same", width=64, height=64, steps=3,
-                                                seed=42)).job_id for _ in range(2)]
+    ids = [
+        client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="same", width=64, height=64, steps=3, seed=42)).job_id
+        for _ in range(2)
+    ]
     a, b = (wait_terminal(client, i) for i in ids)
     assert a.images[0].data == b.images[0].data
 

@@ -13,10 +13,15 @@ pytestmark = pytest.mark.integration
 
 def test_gateway_killed_mid_job(stack) -> None:
     client = stub(stack)
-    job_id = client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="survive", width=256, height=256,
-                                                  steps=60)).job_id
-    wait_for(lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
-             lambda j: j.status == pb.JOB_STATUS_RUNNING, timeout=60, what="the job to start")
+    job_id = client.SubmitJob(
+        pb.SubmitJobRequest(model="tiny", prompt="survive", width=256, height=256, steps=60)
+    ).job_id
+    wait_for(
+        lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
+        lambda j: j.status == pb.JOB_STATUS_RUNNING,
+        timeout=60,
+        what="the job to start",
+    )
     gateway = stack.services["gateway"]
     gateway.kill()
     gateway.start()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
@@ -12,7 +14,7 @@ from tests.helpers import count_jobs, stub
 
 pytestmark = pytest.mark.integration
 
-GOOD = {"model": "tiny", "prompt": "ok", "width": 64, "height": 64, "steps": 2}
+GOOD: dict[str, Any] = {"model": "tiny", "prompt": "ok", "width": 64, "height": 64, "steps": 2}
 
 CASES = [
     ("model", {"model": "no-such-model"}),

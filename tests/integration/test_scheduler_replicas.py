@@ -43,8 +43,12 @@ def seed(conn: psycopg.Connection) -> None:
 async def read_dispatches(url: str) -> list[tuple[str, dict]]:
     nc = await nats.connect(url)
     js = nc.jetstream()
-    sub = await js.pull_subscribe("darkroom.dispatch.>", durable="audit", stream=DISPATCH_STREAM,
-                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT))
+    sub = await js.pull_subscribe(
+        "darkroom.dispatch.>",
+        durable="audit",
+        stream=DISPATCH_STREAM,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT),
+    )
     out = []
     while True:
         try:
@@ -61,8 +65,14 @@ async def read_dispatches(url: str) -> list[tuple[str, dict]]:
 def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, models_dir) -> None:
     stack: LocalStack = make_stack(tmp_path, postgres, models_dir)
     stack.start_backends()
-    stack.settings = replace(stack.settings, worker_backlog=10_000, scheduler_batch=16,
-                             worker_stale_after_s=3600, scheduler_interval_s=0.01, log_level="DEBUG")
+    stack.settings = replace(
+        stack.settings,
+        worker_backlog=10_000,
+        scheduler_batch=16,
+        worker_stale_after_s=3600,
+        scheduler_interval_s=0.01,
+        log_level="DEBUG",
+    )
     db_url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
     try:
         with psycopg.connect(db_url) as conn:
@@ -72,14 +82,17 @@ def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, mode
 
         def queued() -> int:
             with psycopg.connect(db_url) as conn:
-                return conn.execute("SELECT count(*) FROM jobs WHERE status = 'QUEUED'").fetchone()[0]
+                row = conn.execute("SELECT count(*) FROM jobs WHERE status = 'QUEUED'").fetchone()
+                assert row is not None
+                return int(row[0])
 
         wait_for(queued, lambda n: n == 0, timeout=120, what="the queue to empty")
         assert a.running and b.running
         dispatches = asyncio.run(read_dispatches(stack.settings.nats_url))
         with psycopg.connect(db_url) as conn:
-            rows = dict(conn.execute("SELECT id, worker_id FROM jobs WHERE status = 'SCHEDULED' AND attempt = 1")
-                        .fetchall())
+            rows: dict[str, str] = dict(
+                conn.execute("SELECT id, worker_id FROM jobs WHERE status = 'SCHEDULED' AND attempt = 1").fetchall()
+            )
     finally:
         stack.stop()
     per_job = collections.Counter(body["job_id"] for _, body in dispatches)

@@ -6,16 +6,27 @@ from scheduler.policy import JobView, ModelCost, WorkerView, place, plan, run_se
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 GB = 1024**3
-COSTS = {"sd": ModelCost(step_s_512=0.05, load_s=8.0, vram_bytes=4 * GB),
-         "big": ModelCost(step_s_512=0.1, load_s=20.0, vram_bytes=30 * GB)}
+COSTS = {
+    "sd": ModelCost(step_s_512=0.05, load_s=8.0, vram_bytes=4 * GB),
+    "big": ModelCost(step_s_512=0.1, load_s=20.0, vram_bytes=30 * GB),
+}
 
 
 def job(model: str = "sd", steps: int = 20, size: int = 512, n: int = 1, jid: str = "j") -> JobView:
     return JobView(jid, model, size, size, steps, n)
 
 
-def worker(wid: str, *, warm: tuple[str, ...] = (), models: tuple[str, ...] = ("sd", "big"), held: int = 0,
-           work: float = 0.0, speed: float = 1.0, vram: int = 24 * GB, used: int = 0) -> WorkerView:
+def worker(
+    wid: str,
+    *,
+    warm: tuple[str, ...] = (),
+    models: tuple[str, ...] = ("sd", "big"),
+    held: int = 0,
+    work: float = 0.0,
+    speed: float = 1.0,
+    vram: int = 24 * GB,
+    used: int = 0,
+) -> WorkerView:
     return WorkerView(wid, frozenset(models), frozenset(warm), vram, used, speed, held, work)
 
 
@@ -29,33 +40,42 @@ def test_run_seconds_scales_with_steps_pixels_images_and_speed() -> None:
 
 
 def test_prefers_warm_worker_over_idle_cold_one() -> None:
-    p = place(job(), [worker("cold"), worker("warm", warm=("sd",), held=1, work=3.0)], COSTS,
-              now=NOW, backlog_limit=4)
+    p = place(job(), [worker("cold"), worker("warm", warm=("sd",), held=1, work=3.0)], COSTS, now=NOW, backlog_limit=4)
     assert p.worker_id == "warm"
 
 
 def test_loads_model_when_warm_worker_is_busier_than_the_load() -> None:
-    p = place(job(), [worker("cold"), worker("warm", warm=("sd",), held=2, work=30.0)], COSTS,
-              now=NOW, backlog_limit=4)
+    p = place(job(), [worker("cold"), worker("warm", warm=("sd",), held=2, work=30.0)], COSTS, now=NOW, backlog_limit=4)
     assert p.worker_id == "cold"
 
 
 def test_balances_on_estimated_work_not_queue_length() -> None:
     # One long job ahead is worse than three short ones.
-    p = place(job(), [worker("one-long", warm=("sd",), held=1, work=90.0),
-                      worker("three-short", warm=("sd",), held=3, work=3.0)], COSTS, now=NOW, backlog_limit=4)
+    p = place(
+        job(),
+        [worker("one-long", warm=("sd",), held=1, work=90.0), worker("three-short", warm=("sd",), held=3, work=3.0)],
+        COSTS,
+        now=NOW,
+        backlog_limit=4,
+    )
     assert p.worker_id == "three-short"
 
 
 def test_faster_worker_wins_when_equally_loaded() -> None:
-    p = place(job(), [worker("slow", warm=("sd",)), worker("fast", warm=("sd",), speed=2.0)], COSTS,
-              now=NOW, backlog_limit=4)
+    p = place(
+        job(), [worker("slow", warm=("sd",)), worker("fast", warm=("sd",), speed=2.0)], COSTS, now=NOW, backlog_limit=4
+    )
     assert p.worker_id == "fast"
 
 
 def test_worker_that_cannot_fit_the_model_is_not_a_candidate() -> None:
-    p = place(job("big"), [worker("small", vram=16 * GB), worker("large", vram=80 * GB, held=2, work=50)],
-              COSTS, now=NOW, backlog_limit=4)
+    p = place(
+        job("big"),
+        [worker("small", vram=16 * GB), worker("large", vram=80 * GB, held=2, work=50)],
+        COSTS,
+        now=NOW,
+        backlog_limit=4,
+    )
     assert p.worker_id == "large"
     small = next(c for c in p.candidates if c.worker_id == "small")
     assert not small.eligible and "fit" in small.note
@@ -87,8 +107,7 @@ def test_unknown_model_is_not_placed() -> None:
 
 def test_plan_spreads_a_burst_by_accumulating_work() -> None:
     jobs = [job(jid=f"j{i}") for i in range(4)]
-    placements = plan(jobs, [worker("a", warm=("sd",)), worker("b", warm=("sd",))], COSTS, now=NOW,
-                      backlog_limit=10)
+    placements = plan(jobs, [worker("a", warm=("sd",)), worker("b", warm=("sd",))], COSTS, now=NOW, backlog_limit=10)
     assert [p.worker_id for p in placements] == ["a", "b", "a", "b"]
 
 

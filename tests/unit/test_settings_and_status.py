@@ -11,8 +11,15 @@ from services.settings import Settings, SettingsError
 
 
 def test_settings_from_env_parse_each_type() -> None:
-    s = Settings.from_env({"DARKROOM_GATEWAY_PORT": "7000", "DARKROOM_HEARTBEAT_INTERVAL_S": "0.5",
-                           "DARKROOM_API_KEYS": "a, b", "DARKROOM_DATA_DIR": "/tmp/x", "OTHER": "1"})
+    s = Settings.from_env(
+        {
+            "DARKROOM_GATEWAY_PORT": "7000",
+            "DARKROOM_HEARTBEAT_INTERVAL_S": "0.5",
+            "DARKROOM_API_KEYS": "a, b",
+            "DARKROOM_DATA_DIR": "/tmp/x",
+            "OTHER": "1",
+        }
+    )
     assert s.gateway_port == 7000 and s.heartbeat_interval_s == 0.5
     assert s.api_keys == ("a", "b") and s.data_dir == Path("/tmp/x")
 

@@ -20,8 +20,18 @@ def test_defaults_come_from_the_model() -> None:
 
 
 def test_explicit_values_are_kept() -> None:
-    req = pb.SubmitJobRequest(model="tiny", prompt="x", width=64, height=128, steps=3, seed=0,
-                              guidance_scale=0.0, num_images=2, lane="paid", idempotency_key="k")
+    req = pb.SubmitJobRequest(
+        model="tiny",
+        prompt="x",
+        width=64,
+        height=128,
+        steps=3,
+        seed=0,
+        guidance_scale=0.0,
+        num_images=2,
+        lane="paid",
+        idempotency_key="k",
+    )
     job = validate_submit(req, REGISTRY, max_prompt_chars=100)
     assert (job.width, job.height, job.steps, job.seed, job.guidance_scale) == (64, 128, 3, 0, 0.0)
     assert job.num_images == 2 and job.priority > 0 and job.idempotency_key == "k"
