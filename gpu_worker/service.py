@@ -9,8 +9,6 @@ import contextlib
 import itertools
 import logging
 import os
-import re
-import socket
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -21,7 +19,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpu_worker.engine import SamplerEngine, SampleRequest, pick_device
 from gpu_worker.tracker import JobTracker, JobWatch
-from services.bus import Bus, Dispatch
+from services.bus import Bus, Dispatch, host_token
 from services.chunks import split
 from services.db.migrate import upgrade
 from services.db.models import JobStatus
@@ -51,9 +49,8 @@ VAE_WAIT_S = 30.0
 
 
 def default_worker_id(device: torch.device) -> str:
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:60]
     suffix = f"gpu{device.index or 0}" if device.type == "cuda" else "cpu"
-    return f"{host}-{suffix}-{os.getpid()}"
+    return f"{host_token()}-{suffix}-{os.getpid()}"
 
 
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 from dataclasses import dataclass
 
 import nats
@@ -19,6 +20,11 @@ DISPATCH_PREFIX = "darkroom.dispatch"
 # a job re-published for the same attempt is delivered once.
 DUPLICATE_WINDOW_S = 120.0
 _WORKER_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+def host_token() -> str:
+    """This host's name, usable inside a worker id (and so a subject token)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:60]
 
 
 def dispatch_subject(worker_id: str) -> str:

