@@ -13,10 +13,11 @@ import grpc
 from gateway.auth import ApiKeyInterceptor
 from gateway.convert import STATUS, image_chunks, job_message, timestamp
 from gateway.validation import validate_submit
-from scheduler.policy import REFERENCE_PIXELS
+from scheduler import policy
+from scheduler.views import costs_from, job_view
 from services.db.migrate import upgrade
 from services.db.models import ACTIVE_ON_WORKER, JobStatus
-from services.db.repository import JobRecord, Repository
+from services.db.repository import JobRecord, Repository, WorkerRecord
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
@@ -37,6 +38,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.settings = settings
         self.repo = repo
         self.registry = registry
+        self.costs = costs_from(registry)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
@@ -65,8 +67,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     async def _estimate(self, job: JobRecord, now: datetime) -> tuple[datetime, datetime]:
         """A first estimate: the queue ahead spread over the live workers."""
-        spec = self.registry.get(job.model)
-        run_s = spec.step_ms_512 / 1000 * job.steps * job.width * job.height / REFERENCE_PIXELS * job.num_images
+        run_s = policy.run_seconds(job_view(job), self.costs[job.model], 1.0)
         ahead = await self.repo.queued_ahead(job.priority)
         workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s, now=now)
         wait_s = max(ahead - 1, 0) * run_s / max(len(workers), 1)
@@ -182,6 +183,10 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         held = await self.repo.held_per_worker()
         totals = await self.repo.totals()
         stale = timedelta(seconds=self.settings.worker_stale_after_s)
+
+        def average_s(w: WorkerRecord) -> float:
+            return w.busy_seconds / w.completed if w.completed else 0.0
+
         return pb.GetStatsResponse(
             workers=[
                 pb.WorkerStats(
@@ -189,8 +194,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                     available=w.status == "ready" and now - w.last_heartbeat < stale,
                     processing=held.get(w.id, 0),
                     completed=w.completed,
-                    average_seconds=w.busy_seconds / w.completed if w.completed else 0.0,
-                    estimated_load_seconds=held.get(w.id, 0) * (w.busy_seconds / w.completed if w.completed else 0),
+                    average_seconds=average_s(w),
+                    estimated_load_seconds=held.get(w.id, 0) * average_s(w),
                     errors=w.errors,
                     temperature_c=w.temperature_c,
                     vram_used_bytes=w.vram_used_bytes,
