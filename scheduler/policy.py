@@ -1,26 +1,69 @@
 """Placement policy: pure functions over frozen snapshots, the clock passed in.
 
 A job goes to the worker where it is estimated to *finish* soonest: the work
-already held there, plus loading the model if it is not warm, plus its own
-duration at that worker's speed. Workers that cannot serve the model, cannot fit
-it, or already hold a full backlog are not candidates (late binding: the job then
-waits centrally and goes to whichever worker frees first).
+already held there, loading its model if it is not warm (and reloading whatever
+must be evicted for it), its own learned duration at that worker's measured speed,
+all scaled up on a hot GPU. Workers that are draining, unhealthy, cannot serve or
+fit the model, or that would break a per-capability cap are not candidates.
+
+Late binding: a worker holds at most ``backlog_limit`` jobs beyond the one it runs.
+When the best worker's backlog is full the job waits centrally, reserving its place
+there, rather than going to a worse worker: it waits for a warm GPU when that ends
+sooner than loading the model on an idle one. Later jobs in the same pass see the
+reservation, so the queue spills onto cold GPUs only when waiting would cost more.
+
+``plan`` is what the scheduler and the simulator call; everything else is here to
+be tested on its own.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from datetime import datetime
+from dataclasses import dataclass, field, replace
 
-REFERENCE_PIXELS = 512 * 512
+from scheduler.estimates import Durations, Shape
+
+READY = "ready"
 
 
 @dataclass(frozen=True)
 class ModelCost:
-    step_s_512: float  # one denoising step of one image at 512x512 on a speed-1.0 worker
+    capability: str  # what kind of work it is ("image", "video"); caps apply per capability
+    step_s_512: float  # first estimate: one step of one 512x512 image on a speed-1.0 worker
     load_s: float
     vram_bytes: int
+    eviction_priority: int = 0  # lower is evicted first
+
+
+@dataclass(frozen=True)
+class Lane:
+    name: str
+    priority: int
+    # Backpressure: a submit whose estimated wait passes this is refused.
+    max_wait_s: float = float("inf")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    backlog_limit: int = 2
+    lanes: tuple[Lane, ...] = (Lane("paid", 10, 120.0), Lane("free", 0, 300.0))
+    # Aging: a waiting job gains this much priority per second, so a lower lane
+    # never starves (free overtakes a fresh paid job after 10 / 0.5 = 20 s).
+    aging_per_s: float = 0.5
+    # At most this many GPUs may hold work of a capability while other work waits.
+    capability_caps: tuple[tuple[str, int], ...] = ()
+    # The estimate on a GPU at or above ``hot_c`` grows linearly with heat: twice
+    # at ``hot_c + hot_span_c`` (the seed's 2x at 80 C).
+    hot_c: float = 70.0
+    hot_span_c: float = 10.0
+
+    def lane(self, name: str) -> Lane | None:
+        return next((lane for lane in self.lanes if lane.name == name), None)
+
+    def cap(self, capability: str) -> int | None:
+        return dict(self.capability_caps).get(capability)
 
 
 @dataclass(frozen=True)
@@ -31,6 +74,12 @@ class JobView:
     height: int
     steps: int
     num_images: int
+    priority: int = 0
+    queued_at: float = 0.0  # seconds on the caller's clock
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.model, self.width * self.height, self.steps, self.num_images)
 
 
 @dataclass(frozen=True)
@@ -40,9 +89,13 @@ class WorkerView:
     warm_models: frozenset[str]
     vram_total_bytes: int  # 0: unknown (a CPU worker), treated as unlimited
     vram_used_bytes: int
-    speed: float  # relative to the reference GPU
-    held_jobs: int  # jobs scheduled to it and not finished
-    held_work_s: float  # estimated seconds of work those jobs need
+    speed: float = 1.0  # declared; the learned speed in Durations wins once known
+    held_jobs: int = 0  # jobs given to it and not finished
+    held_work_s: float = 0.0  # estimated seconds until it has done them
+    held_capabilities: frozenset[str] = frozenset()
+    temperature_c: float = 0.0
+    state: str = READY  # "ready", "draining", "unhealthy"
+    planned_models: frozenset[str] = frozenset()  # the warm set the planner wants here
 
 
 @dataclass(frozen=True)
@@ -51,92 +104,217 @@ class Candidate:
     eligible: bool
     finish_s: float  # estimated seconds from now until the job would be done there
     note: str
+    has_room: bool = True  # its backlog can take the job now
 
 
 @dataclass(frozen=True)
 class Placement:
     job_id: str
-    worker_id: str | None  # None: no worker can take it now; it stays queued
+    worker_id: str | None  # None: it stays queued
     reason: str
     candidates: tuple[Candidate, ...]
+    reserved_on: str | None = None  # the worker it waits for, when it waits for one
 
 
-def run_seconds(job: JobView, cost: ModelCost, speed: float) -> float:
-    pixels = job.width * job.height / REFERENCE_PIXELS
-    return cost.step_s_512 * job.steps * pixels * job.num_images / max(speed, 1e-6)
+@dataclass(frozen=True)
+class Fleet:
+    """What a pass knows besides the workers: costs, learned durations, and which
+    capabilities have work waiting."""
+
+    costs: Mapping[str, ModelCost]
+    durations: Durations = field(default_factory=Durations)
+    waiting: Mapping[str, int] = field(default_factory=dict)  # capability -> jobs queued
+    busy: Mapping[str, int] = field(default_factory=dict)  # capability -> GPUs holding such work
+    wanted: Mapping[str, int] = field(default_factory=dict)  # model -> jobs queued for it
+    warm: Mapping[str, int] = field(default_factory=dict)  # model -> workers that have it loaded
+    planned: Mapping[str, int] = field(default_factory=dict)  # model -> live workers planned to keep it
 
 
-def score(job: JobView, worker: WorkerView, cost: ModelCost, *, backlog_limit: int) -> Candidate:
+def thermal_factor(temperature_c: float, config: PolicyConfig) -> float:
+    return 1.0 + max(0.0, temperature_c - config.hot_c) / config.hot_span_c
+
+
+def job_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float:
+    cost = fleet.costs[job.model]
+    return fleet.durations.seconds(job.shape, cost.step_s_512, worker.id, worker.speed)
+
+
+def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> int | None:
+    """The cap that keeps ``capability`` off this worker now, if one does: it is
+    reached, other work is queued or running, and the worker holds none of it
+    already. (Only a fleet with nothing else to do lets long work spread: a
+    video started on every GPU in a lull holds them all when images return.)"""
+    cap = config.cap(capability)
+    if cap is None or capability in worker.held_capabilities or fleet.busy.get(capability, 0) < cap:
+        return None
+    others = itertools.chain(fleet.waiting.items(), fleet.busy.items())
+    return cap if any(n > 0 for c, n in others if c != capability) else None
+
+
+def eviction_cost(model: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> tuple[float, list[str]]:
+    """What loading ``model`` on ``worker`` costs in reloads of what it evicts: the
+    models the planner does not want there go first, then by eviction priority."""
+    costs = fleet.costs
+    need = costs[model].vram_bytes
+    free = worker.vram_total_bytes - worker.vram_used_bytes
+    if not worker.vram_total_bytes or need <= free:
+        return 0.0, []
+    victims = sorted(
+        (m for m in worker.warm_models if m in costs),
+        key=lambda m: (m in worker.planned_models, costs[m].eviction_priority),
+    )
+    cost, evicted = 0.0, []
+    for victim in victims:
+        if need <= free:
+            break
+        free += costs[victim].vram_bytes
+        evicted.append(victim)
+        # Evicting a model the planner wants here costs its reload (the worker
+        # loads it back), and so does evicting the fleet's last warm copy of one;
+        # neither counts while a cap keeps that model's work off this worker.
+        planned = victim in worker.planned_models
+        last = fleet.warm.get(victim, 1) <= 1
+        if (planned or last) and capped_out(costs[victim].capability, worker, fleet, config) is None:
+            cost += costs[victim].load_s
+    return cost, evicted
+
+
+def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> Candidate:
+    cost = fleet.costs[job.model]
+    if worker.state != READY:
+        return Candidate(worker.id, False, float("inf"), worker.state)
     if job.model not in worker.models:
         return Candidate(worker.id, False, float("inf"), "cannot serve the model")
     warm = job.model in worker.warm_models
     if not warm and worker.vram_total_bytes and cost.vram_bytes > worker.vram_total_bytes:
         return Candidate(worker.id, False, float("inf"), "model does not fit in its memory")
-    if worker.held_jobs > backlog_limit:
-        return Candidate(worker.id, False, float("inf"), f"backlog full ({worker.held_jobs} jobs)")
-    finish = worker.held_work_s + run_seconds(job, cost, worker.speed)
+    cap = capped_out(cost.capability, worker, fleet, config)
+    if cap is not None:
+        return Candidate(worker.id, False, float("inf"), f"{cost.capability} cap of {cap} GPUs reached")
+    if (
+        config.cap(cost.capability) is not None
+        and fleet.planned.get(job.model, 0) > 0
+        and job.model not in worker.planned_models
+    ):
+        # Capped work is the long kind: started off-plan in a lull, it would hold
+        # a GPU the planner counts on for other models for minutes.
+        return Candidate(worker.id, False, float("inf"), f"not planned for {job.model}")
+    # The seed's thermal rule: a hot GPU's wait counts more (2x at 80 C), which
+    # steers work to cooler GPUs before the learned speed shows the throttling.
+    heat = thermal_factor(worker.temperature_c, config)
+    finish = worker.held_work_s * heat + job_seconds(job, worker, fleet)
     note = "warm"
     if not warm:
-        finish += cost.load_s
+        reload_s, evicted = eviction_cost(job.model, worker, fleet, config)
+        finish += cost.load_s + reload_s
         note = f"cold (+{cost.load_s:.1f}s load)"
-        free = worker.vram_total_bytes - worker.vram_used_bytes
-        if worker.vram_total_bytes and cost.vram_bytes > free:
-            # Something must be evicted first; its reload later is a cost too.
-            finish += cost.load_s
-            note += ", evicts"
-    return Candidate(worker.id, True, finish, note)
+        if evicted:
+            note += f", evicts {'+'.join(evicted)}"
+        # Near capacity the enemy is thrash: a job may not push out a model this
+        # worker is planned to keep while other queued jobs wait for that model.
+        needed = [m for m in evicted if m in worker.planned_models and fleet.wanted.get(m, 0) > 0]
+        if needed:
+            return Candidate(worker.id, False, float("inf"), f"would evict {'+'.join(needed)}, which queued jobs need")
+    if heat > 1.0:
+        note += f", hot {worker.temperature_c:.0f}C: wait x{heat:.1f}"
+    has_room = worker.held_jobs <= config.backlog_limit
+    return Candidate(worker.id, True, finish, note, has_room)
 
 
-def place(
-    job: JobView,
-    workers: Sequence[WorkerView],
-    costs: Mapping[str, ModelCost],
-    *,
-    now: datetime,
-    backlog_limit: int,
-) -> Placement:
-    cost = costs.get(job.model)
-    if cost is None:
+def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: PolicyConfig) -> Placement:
+    if job.model not in fleet.costs:
         return Placement(job.id, None, f"unknown model {job.model!r}", ())
-    candidates = tuple(score(job, w, cost, backlog_limit=backlog_limit) for w in workers)
+    candidates = tuple(score(job, w, fleet, config) for w in workers)
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
         reason = (
             "no live worker serves the model"
             if not any(job.model in w.models for w in workers)
-            else "every worker that can run it is busy"
+            else "no worker can take it now"
         )
         return Placement(job.id, None, reason, candidates)
     best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
+    if not best.has_room:
+        return Placement(
+            job.id,
+            None,
+            f"waits for {best.worker_id} ({best.finish_s:.2f}s, {best.note}): sooner than any free worker",
+            candidates,
+            reserved_on=best.worker_id,
+        )
     return Placement(
         job.id, best.worker_id, f"earliest estimated finish ({best.finish_s:.2f}s, {best.note})", candidates
     )
 
 
+def effective_priority(job: JobView, config: PolicyConfig, *, now: float) -> float:
+    return job.priority + config.aging_per_s * max(0.0, now - job.queued_at)
+
+
+def order_queue(jobs: Sequence[JobView], config: PolicyConfig, *, now: float) -> list[JobView]:
+    """Highest lane first, older first within a lane, and aging across lanes."""
+    return sorted(jobs, key=lambda j: (-effective_priority(j, config, now=now), j.queued_at, j.id))
+
+
 def plan(
     jobs: Sequence[JobView],
     workers: Sequence[WorkerView],
-    costs: Mapping[str, ModelCost],
+    fleet: Fleet,
+    config: PolicyConfig,
     *,
-    now: datetime,
-    backlog_limit: int,
+    now: float,
 ) -> list[Placement]:
-    """Places jobs in the order given (highest priority first), each seeing the
-    work the earlier ones added."""
-    fleet = {w.id: w for w in workers}
+    """Places queued jobs in priority order, each seeing the work (placed or
+    reserved) of the ones before it."""
+    ordered = order_queue([j for j in jobs], config, now=now)
+    waiting = Counter(fleet.costs[j.model].capability for j in ordered if j.model in fleet.costs)
+    wanted = Counter(j.model for j in ordered)
+    busy = Counter(c for w in workers for c in w.held_capabilities)
+    warm = Counter(m for w in workers for m in w.warm_models)
+    planned = {m: n for m, n in Counter(m for w in workers if w.state == READY for m in w.planned_models).items()}
+    view = {w.id: w for w in workers}
     placements = []
-    for job in jobs:
-        placement = place(job, list(fleet.values()), costs, now=now, backlog_limit=backlog_limit)
+    for job in ordered:
+        wanted[job.model] -= 1
+        pass_fleet = replace(
+            fleet, waiting=dict(waiting), busy=dict(busy), wanted=dict(wanted), warm=dict(warm), planned=planned
+        )
+        placement = place(job, list(view.values()), pass_fleet, config)
         placements.append(placement)
+        if placement.worker_id is None:
+            wanted[job.model] += 1  # it still waits for its model
+        target = placement.worker_id or placement.reserved_on
+        if target is None:
+            continue
+        cost = fleet.costs[job.model]
         if placement.worker_id is not None:
-            w = fleet[placement.worker_id]
-            cost = costs[job.model]
-            added = run_seconds(job, cost, w.speed) + (0.0 if job.model in w.warm_models else cost.load_s)
-            fleet[w.id] = replace(
-                w,
-                held_jobs=w.held_jobs + 1,
-                held_work_s=w.held_work_s + added,
-                warm_models=w.warm_models | {job.model},
-                vram_used_bytes=w.vram_used_bytes + (0 if job.model in w.warm_models else cost.vram_bytes),
-            )
+            waiting[cost.capability] -= 1  # a reserving job still waits
+        w = view[target]
+        if cost.capability not in w.held_capabilities:
+            busy[cost.capability] += 1
+        after = _with_job(w, job, pass_fleet, config, placed=placement.worker_id is not None)
+        warm.update(after.warm_models - w.warm_models)
+        warm.subtract(w.warm_models - after.warm_models)
+        view[target] = after
     return placements
+
+
+def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PolicyConfig, *, placed: bool) -> WorkerView:
+    cost = fleet.costs[job.model]
+    added = job_seconds(job, w, fleet)
+    warm, used = w.warm_models, w.vram_used_bytes
+    if job.model not in warm:
+        reload_s, evicted = eviction_cost(job.model, w, fleet, config)
+        added += cost.load_s + reload_s
+        warm = (warm - set(evicted)) | {job.model}
+        used = used - sum(fleet.costs[m].vram_bytes for m in evicted) + cost.vram_bytes
+    return replace(
+        w,
+        # A reservation adds work but not a held job: the worker still has room
+        # when it frees, and the reserving job is first in line for it.
+        held_jobs=w.held_jobs + (1 if placed else 0),
+        held_work_s=w.held_work_s + added,
+        held_capabilities=w.held_capabilities | {cost.capability},
+        warm_models=warm,
+        vram_used_bytes=used,
+    )

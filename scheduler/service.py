@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
@@ -104,7 +105,7 @@ class Scheduler:
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
     await asyncio.to_thread(upgrade, settings.database_url)
     registry = ModelRegistry.load(settings.model_registry or None)
-    repo = Repository(settings.database_url, pool_size=4)
+    repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
     bus = await Bus.connect(settings.nats_url, name="darkroom-scheduler")
     try:
         log.info("scheduler running")

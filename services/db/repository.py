@@ -21,6 +21,9 @@ from services.errors import NotFound, StoreError, StoreUnavailable
 # Held for the length of one scheduling pass: replicas take turns, so a job is
 # placed by exactly one of them.
 SCHEDULER_LOCK = 0x44524B53
+# No Darkroom transaction waits on anything but the database; one idle this long
+# belongs to a process that is frozen or gone.
+IDLE_IN_TRANSACTION_MS = 3000
 
 
 @dataclass(frozen=True)
@@ -155,18 +158,33 @@ Decide = Callable[[Sequence[JobRecord], Sequence[WorkerRecord], Sequence[JobReco
 
 
 class Repository:
-    def __init__(self, database_url: str, *, pool_size: int = 10) -> None:
+    def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
         self.engine = create_async_engine(
             sync_url(database_url),
             pool_size=pool_size,
             max_overflow=pool_size,
             pool_pre_ping=True,
             connect_args={
+                "application_name": application_name[:63],
                 "connect_timeout": 5,
+                # A peer that vanishes (host down, cable out) is noticed on both
+                # ends within seconds, so a dead replica's scheduler lock, which
+                # lives as long as its transaction, does not outlive it.
                 "keepalives": 1,
                 "keepalives_idle": 5,
                 "keepalives_interval": 2,
                 "keepalives_count": 3,
+                "tcp_user_timeout": 10_000,
+                "options": " ".join(
+                    [
+                        "-c tcp_keepalives_idle=5",
+                        "-c tcp_keepalives_interval=2",
+                        "-c tcp_keepalives_count=3",
+                        # A frozen process (SIGSTOP, a stalled VM) keeps its socket
+                        # open; the server ends its transaction, and lock, after this.
+                        f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_MS}",
+                    ]
+                ),
             },
         )
         self._sessions = async_sessionmaker(self.engine, expire_on_commit=False)

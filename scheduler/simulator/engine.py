@@ -1,0 +1,290 @@
+"""The discrete-event simulator: GPUs that load models, run jobs one at a time
+from their own FIFO, heat up, slow down and fail; a trace of arrivals; and a
+placement policy that decides where queued jobs go after every event.
+
+Every policy sees the same worker behaviour, so only placement differs: a GPU
+loads a job's model when the job starts if it is not loaded (a cold load the job
+waits for), evicting by (planned, eviction priority, least recently used) until
+it fits; a failed GPU's jobs go back to the central queue and it comes back
+empty after its downtime, then warms its boot models.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.simulator.scenario import GIB, Scenario, SimGpu, TraceJob
+
+
+@dataclass
+class Job:
+    trace: TraceJob
+    capability: str
+    queued_at: float
+    start_s: float | None = None
+    finish_s: float | None = None
+    cold: bool = False
+    attempts: int = 0
+    gpu: str | None = None
+
+    @property
+    def id(self) -> int:
+        return self.trace.id
+
+    @property
+    def model(self) -> str:
+        return self.trace.type.model
+
+
+@dataclass
+class Gpu:
+    spec: SimGpu
+    vram_total: int
+    up: bool = True
+    loaded: dict[str, float] = field(default_factory=dict)  # model -> last used
+    queue: deque[Job] = field(default_factory=deque)
+    running: Job | None = None
+    running_since: float = 0.0
+    run_s: float = 0.0  # how long the running job takes, its load included
+    busy_until: float = 0.0
+    preloading: str | None = None
+    planned: frozenset[str] = frozenset()
+    busy_s: float = 0.0
+    generation: int = 0  # bumped on failure: events of a dead incarnation are dropped
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def idle(self) -> bool:
+        return self.up and self.running is None and self.preloading is None
+
+    @property
+    def held(self) -> int:
+        return len(self.queue) + (1 if self.running is not None else 0)
+
+    def vram_used(self, costs_gb: dict[str, float]) -> int:
+        return int(sum(costs_gb[m] for m in self.loaded) * GIB)
+
+
+class Policy(Protocol):
+    name: str
+
+    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+        """Assignments of pending jobs to GPUs; jobs not named stay pending."""
+        ...
+
+    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None: ...
+
+    def on_tick(self, sim: Simulation, now: float) -> None: ...
+
+
+@dataclass
+class Result:
+    policy: str
+    load: float
+    jobs: list[Job]
+    makespan_s: float
+    cold_loads: int
+    preloads: int
+    busy_s: float
+    up_s: float
+    overloaded: bool
+
+
+# Event kinds, in the order they are handled at the same instant.
+DONE, FAIL, RECOVER, ARRIVAL, TICK = range(5)
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario, policy: Policy, trace: list[TraceJob], *, load: float) -> None:
+        self.scenario = scenario
+        self.policy = policy
+        self.load = load
+        self.gpus = {g.id: Gpu(g, int(g.vram_gb * GIB)) for g in scenario.gpus}
+        self.vram_gb = {name: m.vram_gb for name, m in scenario.models.items()}
+        self.pending: list[Job] = []
+        self.jobs: list[Job] = []
+        self.arrived: list[Job] = []  # for demand measurement
+        self.events: list[tuple[float, int, int, object]] = []
+        self._seq = 0
+        self.cold_loads = 0
+        self.preloads = 0
+        self.preloaded: dict[str, int] = {}
+        self.up_since = dict.fromkeys(self.gpus, 0.0)
+        self.up_s = 0.0
+        for gpu in self.gpus.values():
+            for m in gpu.spec.pinned:
+                gpu.loaded[m] = 0.0
+        for tj in trace:
+            self._push(tj.arrival_s, ARRIVAL, tj)
+        for f in scenario.failures:
+            self._push(f.at_s, FAIL, f.gpu)
+            self._push(f.at_s + f.down_s, RECOVER, f.gpu)
+        self._push(0.0, TICK, None)
+        self.total = len(trace)
+
+    def _push(self, at: float, kind: int, payload: object) -> None:
+        self._seq += 1
+        heapq.heappush(self.events, (at, kind, self._seq, payload))
+
+    # -- the world ---------------------------------------------------------------
+
+    def speed(self, gpu: Gpu, now: float) -> float:
+        return gpu.spec.speed * self.scenario.temperature(gpu.id, now)[1]
+
+    def temperature(self, gpu: Gpu, now: float) -> float:
+        return self.scenario.temperature(gpu.id, now)[0]
+
+    def live(self) -> list[Gpu]:
+        return [g for g in self.gpus.values() if g.up]
+
+    def fits(self, gpu: Gpu, model: str) -> bool:
+        return self.vram_gb[model] * GIB <= gpu.vram_total
+
+    def _make_room(self, gpu: Gpu, model: str) -> None:
+        need = self.vram_gb[model]
+        models = self.scenario.models
+        while gpu.loaded and sum(self.vram_gb[m] for m in gpu.loaded) + need > gpu.spec.vram_gb:
+            victim = min(gpu.loaded, key=lambda m: (m in gpu.planned, models[m].eviction_priority, gpu.loaded[m]))
+            del gpu.loaded[victim]
+
+    def _start_next(self, gpu: Gpu, now: float) -> None:
+        if not gpu.idle:
+            return
+        if not gpu.queue:
+            self._maybe_preload(gpu, now)
+            return
+        job = gpu.queue.popleft()
+        job.start_s = now
+        job.attempts += 1
+        job.gpu = gpu.id
+        model = self.scenario.models[job.model]
+        load_s = 0.0
+        if job.model not in gpu.loaded:
+            self._make_room(gpu, job.model)
+            load_s = model.load_s
+            job.cold = True
+            self.cold_loads += 1
+        gpu.loaded[job.model] = now
+        run = job.trace.work_s / self.speed(gpu, now)
+        gpu.running, gpu.running_since, gpu.run_s = job, now, load_s + run
+        gpu.busy_until = now + load_s + run
+        self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, run))
+
+    def _maybe_preload(self, gpu: Gpu, now: float) -> None:
+        missing = [m for m in gpu.planned if m not in gpu.loaded and self.fits(gpu, m)]
+        if not missing:
+            return
+        model = max(missing, key=lambda m: self.scenario.models[m].vram_gb)
+        self._make_room(gpu, model)
+        gpu.loaded[model] = now
+        gpu.preloading = model
+        self.preloads += 1
+        self.preloaded[model] = self.preloaded.get(model, 0) + 1
+        gpu.busy_until = now + self.scenario.models[model].load_s
+        self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, None))
+
+    def assign(self, job: Job, gpu_id: str, now: float) -> None:
+        gpu = self.gpus[gpu_id]
+        assert gpu.up, f"{self.policy.name} placed job {job.id} on {gpu_id}, which is down"
+        self.pending.remove(job)
+        gpu.queue.append(job)
+        self._start_next(gpu, now)
+
+    # -- the loop ----------------------------------------------------------------
+
+    def run(self, *, max_pending: int = 4000) -> Result:
+        now = 0.0
+        overloaded = False
+        while self.events:
+            now, kind, _, payload = heapq.heappop(self.events)
+            if kind == ARRIVAL:
+                assert isinstance(payload, TraceJob)
+                capability = self.scenario.models[payload.type.model].capability
+                job = Job(payload, capability, now)
+                self.jobs.append(job)
+                self.pending.append(job)
+                self.arrived.append(job)
+            elif kind == DONE:
+                self._done(payload, now)
+            elif kind == FAIL:
+                self._fail(str(payload), now)
+            elif kind == RECOVER:
+                self._recover(str(payload), now)
+            elif kind == TICK:
+                self.policy.on_tick(self, now)
+                self._push(now + self.scenario.plan_interval_s, TICK, None)
+            # Events at the same instant settle before the policy looks.
+            if self.events and self.events[0][0] == now:
+                continue
+            if self.pending:
+                for job, gpu_id in self.policy.dispatch(self, now):
+                    self.assign(job, gpu_id, now)
+            for gpu in self.live():
+                self._start_next(gpu, now)
+            if len(self.pending) > max_pending or now > 4 * self.scenario.duration_s:
+                overloaded = True
+                break
+            if len(self.jobs) == self.total and all(j.finish_s is not None for j in self.jobs[-50:]):
+                if all(j.finish_s is not None for j in self.jobs):
+                    break
+        for gid, since in self.up_since.items():
+            if self.gpus[gid].up:
+                self.up_s += now - since
+        return Result(
+            policy=self.policy.name,
+            load=self.load,
+            jobs=self.jobs,
+            makespan_s=now,
+            cold_loads=self.cold_loads,
+            preloads=self.preloads,
+            busy_s=sum(g.busy_s for g in self.gpus.values()),
+            up_s=self.up_s,
+            overloaded=overloaded,
+        )
+
+    def _done(self, payload: object, now: float) -> None:
+        gpu_id, generation, run = payload  # type: ignore[misc]
+        gpu = self.gpus[gpu_id]
+        if generation != gpu.generation:
+            return
+        if gpu.preloading is not None:
+            gpu.busy_s += self.scenario.models[gpu.preloading].load_s
+            gpu.preloading = None
+        else:
+            job = gpu.running
+            assert job is not None
+            job.finish_s = now
+            gpu.busy_s += gpu.run_s
+            gpu.running = None
+            gpu.loaded[job.model] = now
+            self.policy.on_done(self, job, gpu, run, now)
+        self._start_next(gpu, now)
+
+    def _fail(self, gpu_id: str, now: float) -> None:
+        gpu = self.gpus[gpu_id]
+        lost = list(gpu.queue) + ([gpu.running] if gpu.running else [])
+        if gpu.running is not None:
+            gpu.busy_s += now - gpu.running_since
+        for job in lost:
+            job.start_s, job.cold = None, False
+            self.pending.append(job)
+        self.pending.sort(key=lambda j: j.queued_at)
+        gpu.queue.clear()
+        gpu.running, gpu.preloading, gpu.up = None, None, False
+        gpu.loaded.clear()
+        gpu.generation += 1
+        self.up_s += now - self.up_since[gpu_id]
+
+    def _recover(self, gpu_id: str, now: float) -> None:
+        gpu = self.gpus[gpu_id]
+        gpu.up = True
+        self.up_since[gpu_id] = now
+        # It warms its boot models before it announces itself (seed 000's warm-up).
+        for m in gpu.spec.pinned:
+            gpu.loaded[m] = now

@@ -1,0 +1,241 @@
+"""The policies the simulator compares: Darkroom's production policy (through an
+adapter that builds its views from the simulated world, exactly as
+``scheduler/views.py`` builds them from Postgres) and the seeds' policies,
+implemented from their text.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from scheduler.estimates import Durations, observe, with_observation
+from scheduler.policy import Fleet, JobView, WorkerView, order_queue, plan
+from scheduler.simulator.engine import Gpu, Job, Simulation
+from scheduler.simulator.scenario import GIB, Scenario
+from scheduler.warmsets import GpuView, demand_from, plan_warm_sets
+
+
+class DarkroomPolicy:
+    """``scheduler.policy.plan`` for placement, ``scheduler.warmsets`` every
+    ``plan_interval_s``, durations and speeds learned with ``scheduler.estimates``."""
+
+    name = "darkroom"
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.config = scenario.darkroom
+        self.costs = {name: m.cost() for name, m in scenario.models.items()}
+        self.durations = Durations()
+        self.batch = scenario.scheduler_batch
+        self.views: dict[int, JobView] = {}
+        self.plan_changes = 0
+        self.primaries: dict[str, str | None] = {}
+
+    def job_view(self, job: Job) -> JobView:
+        view = self.views.get(job.id)
+        if view is None:
+            t = job.trace.type
+            view = JobView(str(job.id), t.model, t.width, t.height, t.steps, t.batch, job.trace.priority, job.queued_at)
+            self.views[job.id] = view
+        return view
+
+    def _estimate(self, job: Job, gpu: Gpu) -> float:
+        view = self.job_view(job)
+        return self.durations.seconds(view.shape, self.costs[job.model].step_s_512, gpu.id, gpu.spec.speed)
+
+    def worker_view(self, sim: Simulation, gpu: Gpu, now: float) -> WorkerView:
+        work = 0.0
+        warm = set(gpu.loaded)
+        if gpu.preloading is not None:
+            work += gpu.busy_until - now
+        if gpu.running is not None:
+            expected = self._estimate(gpu.running, gpu) + (gpu.run_s - gpu.running.trace.work_s / sim.speed(gpu, now))
+            work += max(expected - (now - gpu.running_since), 0.0)
+        for job in gpu.queue:
+            work += self._estimate(job, gpu)
+            if job.model not in warm:
+                work += self.costs[job.model].load_s
+                warm.add(job.model)
+        return WorkerView(
+            id=gpu.id,
+            models=frozenset(m for m in self.costs if sim.fits(gpu, m)),
+            warm_models=frozenset(gpu.loaded),
+            vram_total_bytes=gpu.vram_total,
+            vram_used_bytes=gpu.vram_used(sim.vram_gb),
+            speed=gpu.spec.speed,
+            held_jobs=gpu.held,
+            held_work_s=work,
+            held_capabilities=frozenset(
+                j.capability for j in itertools.chain(gpu.queue, [gpu.running] if gpu.running else [])
+            ),
+            temperature_c=sim.temperature(gpu, now),
+            planned_models=gpu.planned,
+        )
+
+    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+        live = sim.live()
+        if not any(g.held <= self.config.backlog_limit for g in live):
+            return []  # no worker has room: the pass could only explain, not place
+        by_id = {str(j.id): j for j in sim.pending}
+        queue = order_queue([self.job_view(j) for j in sim.pending], self.config, now=now)[: self.batch]
+        placements = plan(
+            queue,
+            [self.worker_view(sim, g, now) for g in live],
+            Fleet(self.costs, self.durations),
+            self.config,
+            now=now,
+        )
+        return [(by_id[p.job_id], p.worker_id) for p in placements if p.worker_id is not None]
+
+    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
+        view = self.job_view(job)
+        cost = self.costs[job.model]
+        obs = observe(self.durations, view.shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
+        self.durations = with_observation(self.durations, view.shape, gpu.id, obs)
+
+    def on_tick(self, sim: Simulation, now: float) -> None:
+        window = sim.scenario.demand_window_s
+        recent = []
+        for job in reversed(sim.arrived):
+            if job.queued_at < now - window:
+                break
+            view = self.job_view(job)
+            recent.append((job.model, self.durations.shape_seconds(view.shape, self.costs[job.model].step_s_512)))
+        if not recent:
+            return
+        gpus = [
+            GpuView(
+                g.id,
+                frozenset(m for m in self.costs if sim.fits(g, m)),
+                frozenset(g.loaded),
+                g.vram_total,
+                self.durations.speed(g.id, g.spec.speed),
+                primary=self.primaries.get(g.id),
+            )
+            for g in sim.live()
+        ]
+        caps = dict(self.config.capability_caps)
+        for gpu_id, warm in plan_warm_sets(demand_from(recent, window), gpus, self.costs, caps).items():
+            if sim.gpus[gpu_id].planned != warm.models:
+                self.plan_changes += 1
+            sim.gpus[gpu_id].planned = warm.models
+            self.primaries[gpu_id] = warm.primary
+
+
+class _Immediate:
+    """Seed policies with per-GPU queues: every job is placed on arrival."""
+
+    name = ""
+
+    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu: ...
+
+    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+        out = []
+        live = sim.live()
+        for job in list(sim.pending):
+            able = [g for g in live if sim.fits(g, job.model)]
+            if able:
+                gpu = self.pick(sim, job, able)
+                sim.assign(job, gpu.id, now)
+        return out
+
+    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
+        pass
+
+    def on_tick(self, sim: Simulation, now: float) -> None:
+        pass
+
+
+class RoundRobin(_Immediate):
+    name = "round-robin"
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.turn = itertools.count()
+
+    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+        return gpus[next(self.turn) % len(gpus)]
+
+
+class ShortestQueue(_Immediate):
+    """Seed 002: each GPU keeps its own queue; a new request goes to the GPU with
+    the shortest one, avoiding faulty GPUs."""
+
+    name = "shortest-queue"
+
+    def __init__(self, scenario: Scenario) -> None:
+        pass
+
+    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+        return min(gpus, key=lambda g: g.held)
+
+
+class ModelAffinity(_Immediate):
+    """Seed 001: the first GPU with the model loaded and room in its queue; else
+    the GPU with the most free VRAM that fits it without evicting; else the least
+    busy GPU, which will evict."""
+
+    name = "model-affinity"
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.max_depth = scenario.seeds.max_queue_depth
+
+    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+        for gpu in gpus:
+            if job.model in gpu.loaded and gpu.held < self.max_depth:
+                return gpu
+        need = sim.vram_gb[job.model] * GIB
+        for gpu in sorted(gpus, key=lambda g: g.vram_total - g.vram_used(sim.vram_gb), reverse=True):
+            if gpu.vram_total - gpu.vram_used(sim.vram_gb) >= need:
+                return gpu
+        return min(gpus, key=lambda g: g.held)
+
+
+class LoadRatio:
+    """Seed 000: workers tagged with capabilities and a concurrency; a job goes to
+    a warm worker below its concurrency, else any capable one below it (cold),
+    lowest inflight/concurrency first, the measured speed score breaking ties.
+    Jobs with no such worker wait in a central queue (paid lane drained first)
+    and the pick is re-run as workers free up. Video may use every capable worker
+    while nothing waits, and only ``busy_video_workers`` of them while jobs queue."""
+
+    name = "load-ratio"
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.concurrency = scenario.seeds.concurrency
+        self.busy_video = scenario.seeds.busy_video_workers
+        self.tags = {g.id: set(g.capabilities or scenario.models) for g in scenario.gpus}
+        # Busy-time video goes to the GPUs that pin it, then the slowest: the fast
+        # ones are kept for images, as the seed's operator would.
+        self.video_workers = [
+            g.id
+            for g in sorted(scenario.gpus, key=lambda g: ("video" not in g.pinned, g.speed))
+            if "video" in self.tags[g.id]
+        ]
+
+    def _capable(self, sim: Simulation, job: Job, gpu: Gpu, busy: bool) -> bool:
+        if job.model not in self.tags[gpu.id] or not sim.fits(gpu, job.model):
+            return False
+        if job.capability == "video" and busy:
+            return gpu.id in self.video_workers[: self.busy_video]
+        return True
+
+    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+        live = sim.live()
+        for job in sorted(sim.pending, key=lambda j: (-j.trace.priority, j.queued_at)):
+            busy = len(sim.pending) > 1
+            able = [g for g in live if self._capable(sim, job, g, busy) and g.held < self.concurrency]
+            warm = [g for g in able if job.model in g.loaded]
+            candidates = warm or able
+            if candidates:
+                best = min(candidates, key=lambda g: (g.held / self.concurrency, -g.spec.speed))
+                sim.assign(job, best.id, now)
+        return []
+
+    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
+        pass
+
+    def on_tick(self, sim: Simulation, now: float) -> None:
+        pass
+
+
+POLICIES = {p.name: p for p in (DarkroomPolicy, RoundRobin, ShortestQueue, LoadRatio, ModelAffinity)}
+SEEDS = ("round-robin", "shortest-queue", "load-ratio", "model-affinity")

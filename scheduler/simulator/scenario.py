@@ -1,0 +1,269 @@
+"""A fleet and a workload, read from TOML, and the trace of jobs it generates.
+
+See ``default_scenario.toml`` beside this file for every key, with comments. An
+operator describes their own GPUs and models there and runs
+``python bench/placement.py --scenario FILE``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from scheduler.estimates import REFERENCE_PIXELS
+from scheduler.policy import Lane, ModelCost, PolicyConfig
+
+DEFAULT_SCENARIO = Path(__file__).with_name("default_scenario.toml")
+GIB = 1024**3
+
+
+class ScenarioError(ValueError):
+    """The scenario file is missing something or names something unknown."""
+
+
+@dataclass(frozen=True)
+class SimModel:
+    name: str
+    capability: str
+    step_s_512: float  # the true time of one 512x512 step at speed 1.0
+    load_s: float
+    vram_gb: float
+    eviction_priority: int = 0
+    # What the registry claims before anything is learned, as a multiple of the truth.
+    estimate_factor: float = 1.0
+
+    def cost(self) -> ModelCost:
+        return ModelCost(
+            capability=self.capability,
+            step_s_512=self.step_s_512 * self.estimate_factor,
+            load_s=self.load_s,
+            vram_bytes=int(self.vram_gb * GIB),
+            eviction_priority=self.eviction_priority,
+        )
+
+
+@dataclass(frozen=True)
+class SimGpu:
+    id: str
+    speed: float
+    vram_gb: float
+    pinned: tuple[str, ...] = ()  # loaded at boot (and what seed 000 pins)
+    capabilities: tuple[str, ...] = ()  # seed 000's capability tags: models it may take
+
+
+@dataclass(frozen=True)
+class JobType:
+    name: str
+    model: str
+    width: int
+    height: int
+    steps: int
+    batch: int = 1
+
+
+@dataclass(frozen=True)
+class Phase:
+    start_s: float
+    weights: dict[str, float]  # job type -> relative share of jobs
+
+
+@dataclass(frozen=True)
+class Thermal:
+    gpu: str
+    start_s: float
+    end_s: float
+    temperature_c: float
+    slowdown: float  # speed multiplier while hot
+
+
+@dataclass(frozen=True)
+class Failure:
+    gpu: str
+    at_s: float
+    down_s: float
+
+
+@dataclass(frozen=True)
+class Bursts:
+    every_s: float = 0.0
+    length_s: float = 0.0
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class SeedSettings:
+    concurrency: int = 1  # seed 000: jobs a worker takes at once
+    busy_video_workers: int = 3  # seed 000: video fan-out while jobs queue
+    max_queue_depth: int = 2  # seed 001: a warm GPU takes more only below this
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    duration_s: float
+    seed: int
+    noise_sigma: float
+    idle_temperature_c: float
+    paid_share: float
+    plan_interval_s: float
+    demand_window_s: float
+    scheduler_batch: int
+    p99_limit_s: float
+    loads: tuple[float, ...]
+    scan: tuple[float, ...]
+    models: dict[str, SimModel]
+    gpus: tuple[SimGpu, ...]
+    job_types: dict[str, JobType]
+    phases: tuple[Phase, ...]
+    bursts: Bursts
+    thermal: tuple[Thermal, ...]
+    failures: tuple[Failure, ...]
+    darkroom: PolicyConfig
+    seeds: SeedSettings = field(default_factory=SeedSettings)
+
+    def work_s(self, jt: JobType) -> float:
+        """True seconds of a job of this type on a speed-1.0 GPU."""
+        m = self.models[jt.model]
+        return m.step_s_512 * jt.steps * (jt.width * jt.height / REFERENCE_PIXELS) * jt.batch
+
+    def phase_work_s(self, phase: Phase) -> float:
+        """Mean work per job in a phase."""
+        weight_sum = sum(phase.weights.values())
+        return sum(w * self.work_s(self.job_types[t]) for t, w in phase.weights.items()) / weight_sum
+
+    def phase_capacity(self, phase: Phase) -> float:
+        """Jobs per second with every model warm where needed: the sum of GPU speeds
+        over the mean work per job."""
+        return sum(g.speed for g in self.gpus) / self.phase_work_s(phase)
+
+    def capacity_jobs_per_s(self) -> float:
+        """The capacity averaged over the trace's phases, by their length."""
+        total = 0.0
+        for i, phase in enumerate(self.phases):
+            end = self.phases[i + 1].start_s if i + 1 < len(self.phases) else self.duration_s
+            total += self.phase_capacity(phase) * (end - phase.start_s)
+        return total / self.duration_s
+
+    def temperature(self, gpu: str, now: float) -> tuple[float, float]:
+        """(temperature, speed multiplier) of a GPU at a time."""
+        for t in self.thermal:
+            if t.gpu == gpu and t.start_s <= now < t.end_s:
+                return t.temperature_c, t.slowdown
+        return self.idle_temperature_c, 1.0
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    id: int
+    type: JobType
+    arrival_s: float
+    work_s: float  # true seconds at speed 1.0, noise included
+    lane: str
+    priority: int
+
+
+def _build(cls: Any, where: str, table: dict[str, Any], **extra: Any) -> Any:
+    known = {f.name for f in fields(cls)} - set(extra)
+    unknown = set(table) - known
+    if unknown:
+        raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
+    try:
+        return cls(**extra, **{k: tuple(v) if isinstance(v, list) else v for k, v in table.items()})
+    except TypeError as exc:
+        raise ScenarioError(f"{where}: {exc}") from exc
+
+
+def load(path: str | Path | None = None) -> Scenario:
+    path = Path(path) if path else DEFAULT_SCENARIO
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ScenarioError(f"cannot read scenario {path}: {exc}") from exc
+    sim = data.get("simulation", {})
+    models = {n: _build(SimModel, f"models.{n}", t, name=n) for n, t in data.get("models", {}).items()}
+    gpus = tuple(_build(SimGpu, f"gpus[{i}]", t) for i, t in enumerate(data.get("gpus", [])))
+    job_types = {n: _build(JobType, f"jobs.{n}", t, name=n) for n, t in data.get("jobs", {}).items()}
+    phases = tuple(
+        Phase(float(p["start_s"]), {k: float(v) for k, v in p["weights"].items()}) for p in data.get("phases", [])
+    )
+    for jt in job_types.values():
+        if jt.model not in models:
+            raise ScenarioError(f"jobs.{jt.name}: unknown model {jt.model!r}")
+    for phase in phases:
+        for t in phase.weights:
+            if t not in job_types:
+                raise ScenarioError(f"phase at {phase.start_s}s: unknown job type {t!r}")
+    for g in gpus:
+        for m in (*g.pinned, *g.capabilities):
+            if m not in models:
+                raise ScenarioError(f"gpu {g.id}: unknown model {m!r}")
+    if not gpus or not phases or phases[0].start_s != 0:
+        raise ScenarioError(f"{path}: needs [[gpus]] and [[phases]], the first starting at 0")
+    dr = data.get("darkroom", {})
+    lanes = tuple(
+        Lane(n, int(t["priority"]), float(t.get("max_wait_s", math.inf))) for n, t in dr.get("lanes", {}).items()
+    )
+    darkroom = PolicyConfig(
+        backlog_limit=int(dr.get("backlog_limit", 0)),
+        lanes=lanes or PolicyConfig().lanes,
+        aging_per_s=float(dr.get("aging_per_s", PolicyConfig.aging_per_s)),
+        capability_caps=tuple((k, int(v)) for k, v in dr.get("capability_caps", {}).items()),
+        hot_c=float(dr.get("hot_c", PolicyConfig.hot_c)),
+        hot_span_c=float(dr.get("hot_span_c", PolicyConfig.hot_span_c)),
+    )
+    return Scenario(
+        name=str(sim.get("name", path.stem)),
+        duration_s=float(sim.get("duration_s", 3600)),
+        seed=int(sim.get("seed", 1)),
+        noise_sigma=float(sim.get("noise_sigma", 0.1)),
+        idle_temperature_c=float(sim.get("idle_temperature_c", 65)),
+        paid_share=float(sim.get("paid_share", 0.0)),
+        plan_interval_s=float(sim.get("plan_interval_s", 30)),
+        demand_window_s=float(sim.get("demand_window_s", 180)),
+        scheduler_batch=int(sim.get("scheduler_batch", 32)),
+        p99_limit_s=float(sim.get("p99_limit_s", 30)),
+        loads=tuple(float(x) for x in sim.get("loads", (0.5, 0.7, 0.85, 0.95))),
+        scan=tuple(float(x) for x in sim.get("scan", ())),
+        models=models,
+        gpus=gpus,
+        job_types=job_types,
+        phases=phases,
+        bursts=_build(Bursts, "bursts", data.get("bursts", {})),
+        thermal=tuple(_build(Thermal, f"thermal[{i}]", t) for i, t in enumerate(data.get("thermal", []))),
+        failures=tuple(_build(Failure, f"failures[{i}]", t) for i, t in enumerate(data.get("failures", []))),
+        darkroom=darkroom,
+        seeds=_build(SeedSettings, "seeds", data.get("seeds", {})),
+    )
+
+
+def trace(scenario: Scenario, load: float) -> list[TraceJob]:
+    """Poisson arrivals at ``load`` x capacity on average, bursts included, the job
+    mix following the phases (each phase at ``load`` of its own capacity, so the
+    work offered stays level as the mix shifts). The same scenario and load give
+    the same trace."""
+    rng = random.Random(f"{scenario.seed}:{load}")
+    b = scenario.bursts
+    # Quiet and burst rates keep the mean at the load level.
+    burst_frac = b.length_s / b.every_s if b.every_s else 0.0
+    quiet = load / (1 + burst_frac * (b.factor - 1))
+    paid = next((lane for lane in scenario.darkroom.lanes if lane.priority > 0), None)
+    free = min(scenario.darkroom.lanes, key=lambda lane: lane.priority)
+    jobs: list[TraceJob] = []
+    now = 0.0
+    while True:
+        in_burst = bool(b.every_s) and (now % b.every_s) < b.length_s
+        phase = next(p for p in reversed(scenario.phases) if p.start_s <= now)
+        rate = quiet * (b.factor if in_burst else 1.0) * scenario.phase_capacity(phase)
+        now += rng.expovariate(rate)
+        if now >= scenario.duration_s:
+            return jobs
+        phase = next(p for p in reversed(scenario.phases) if p.start_s <= now)
+        names = list(phase.weights)
+        jt = scenario.job_types[rng.choices(names, weights=[phase.weights[n] for n in names])[0]]
+        noise = rng.lognormvariate(-(scenario.noise_sigma**2) / 2, scenario.noise_sigma)
+        lane = paid if paid is not None and rng.random() < scenario.paid_share else free
+        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority))

@@ -1,0 +1,162 @@
+"""Warm-set planning: which models each GPU keeps loaded, following demand.
+
+The slow loop beside placement. Demand per model is measured in speed-1.0 seconds
+of work per second; each GPU gives its measured speed to one primary model, and
+the plan moves GPUs between models only when that lowers the busiest model's load
+by a clear margin, so noise in the demand does not make the fleet thrash. Room
+left on a GPU is filled with other wanted models that fit beside the primary.
+
+Pure: demand, workers and costs in; the planned warm set per worker out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.policy import READY, ModelCost
+
+# A move must lower the busiest model's load by this fraction to be worth a load.
+HYSTERESIS = 0.15
+# The share of a GPU's speed a model keeps when it stays loaded beside another primary.
+SHARED = 0.5
+
+
+@dataclass(frozen=True)
+class GpuView:
+    id: str
+    models: frozenset[str]  # models it can serve
+    warm_models: frozenset[str]
+    vram_total_bytes: int  # 0: unlimited (a CPU worker)
+    speed: float
+    state: str = READY
+    primary: str | None = None  # the primary model of the last plan, if any
+
+
+@dataclass(frozen=True)
+class WarmSet:
+    primary: str | None  # the model this GPU's speed is counted for
+    models: frozenset[str]  # everything it should keep loaded, the primary included
+
+
+def demand_from(recent: Sequence[tuple[str, float]], window_s: float) -> dict[str, float]:
+    """Work per second by model over the last ``window_s``, from (model, speed-1.0
+    seconds) of each job submitted in that window (queued ones included)."""
+    demand: dict[str, float] = {}
+    for model, seconds in recent:
+        demand[model] = demand.get(model, 0.0) + seconds / window_s
+    return demand
+
+
+def _fits(gpu: GpuView, model: str, costs: Mapping[str, ModelCost]) -> bool:
+    return model in gpu.models and (not gpu.vram_total_bytes or costs[model].vram_bytes <= gpu.vram_total_bytes)
+
+
+def _fits_beside(gpu: GpuView, model: str, other: str, costs: Mapping[str, ModelCost]) -> bool:
+    return not gpu.vram_total_bytes or costs[model].vram_bytes + costs[other].vram_bytes <= gpu.vram_total_bytes
+
+
+def _load(model: str, demand: Mapping[str, float], capacity: Mapping[str, float]) -> float:
+    need = demand.get(model, 0.0)
+    if need <= 0:
+        return 0.0
+    have = capacity.get(model, 0.0)
+    return need / have if have > 0 else float("inf")
+
+
+def _best_move(
+    model: str,
+    gpus: Sequence[GpuView],
+    primary: Mapping[str, str | None],
+    speed: Mapping[str, float],
+    cap: Mapping[str, float],
+    demand: Mapping[str, float],
+    costs: Mapping[str, ModelCost],
+    capped: bool,
+) -> str | None:
+    """The GPU whose move to ``model`` helps it most without leaving the model it
+    comes from busier than ``model`` was, if by more than the hysteresis margin."""
+    before = _load(model, demand, cap)
+    best: tuple[float, str] | None = None
+    for g in gpus:
+        donor = primary[g.id]
+        if donor == model or not _fits(g, model, costs):
+            continue
+        if capped and (donor is None or costs[donor].capability != costs[model].capability):
+            continue  # the capability may not take one more GPU
+        after = dict(cap)
+        after[model] = after.get(model, 0.0) + speed[g.id]
+        if donor is not None:
+            # A donor that still fits beside the new primary keeps a share of the GPU.
+            shared = _fits_beside(g, donor, model, costs)
+            after[donor] -= speed[g.id] * (SHARED if shared else 1.0)
+        worst = max(_load(model, demand, after), _load(donor, demand, after) if donor else 0.0)
+        if best is None or worst < best[0]:
+            best = (worst, g.id)
+    if best is None or not best[0] < before * (1 - HYSTERESIS):
+        return None
+    return best[1]
+
+
+def plan_warm_sets(
+    demand: Mapping[str, float],
+    gpus: Sequence[GpuView],
+    costs: Mapping[str, ModelCost],
+    caps: Mapping[str, int] | None = None,
+) -> dict[str, WarmSet]:
+    """``caps``: at most this many GPUs give their primary slot to a capability."""
+    caps = caps or {}
+    usable = [g for g in gpus if g.state == READY]
+    wanted = [m for m in sorted(demand, key=lambda m: -demand[m]) if demand[m] > 0 and m in costs]
+    primary: dict[str, str | None] = {}
+    for g in usable:
+        # Start from the last plan, or from what is loaded: moves cost loads.
+        if g.primary in wanted and _fits(g, g.primary, costs):
+            primary[g.id] = g.primary
+            continue
+        current = [m for m in wanted if m in g.warm_models and _fits(g, m, costs)]
+        primary[g.id] = current[0] if current else None
+    speed = {g.id: g.speed for g in usable}
+    for capability, limit in caps.items():
+        # Over a cap already: the slowest of its GPUs are free to be planned again.
+        holders = [g for g in usable if primary[g.id] and costs[primary[g.id]].capability == capability]
+        for g in sorted(holders, key=lambda g: -g.speed)[limit:]:
+            primary[g.id] = None
+
+    def capacity() -> dict[str, float]:
+        cap: dict[str, float] = {}
+        for gid, m in primary.items():
+            if m is not None:
+                cap[m] = cap.get(m, 0.0) + speed[gid]
+        return cap
+
+    def capped(model: str) -> bool:
+        limit = caps.get(costs[model].capability)
+        held = sum(1 for m in primary.values() if m is not None and costs[m].capability == costs[model].capability)
+        return limit is not None and held >= limit
+
+    for _ in range(len(usable) * max(len(wanted), 1)):
+        cap = capacity()
+        move = None
+        # The busiest model that can still be helped gets the GPU that helps most.
+        for model in sorted(wanted, key=lambda m: -_load(m, demand, cap)):
+            move = _best_move(model, usable, primary, speed, cap, demand, costs, capped(model))
+            if move is not None:
+                break
+        if move is None:
+            break
+        primary[move] = model
+    plans: dict[str, WarmSet] = {}
+    for g in usable:
+        first = primary[g.id]
+        chosen = [first] if first is not None else []
+        used = sum(costs[m].vram_bytes for m in chosen)
+        # Fill the room left, keeping what is already loaded before loading more.
+        for m in sorted(wanted, key=lambda m: (m not in g.warm_models, -demand[m])):
+            if m in chosen or not _fits(g, m, costs) or costs[m].capability in caps:
+                continue  # capped models live only where they are primary: the cap counts those
+            if not g.vram_total_bytes or used + costs[m].vram_bytes <= g.vram_total_bytes:
+                chosen.append(m)
+                used += costs[m].vram_bytes
+        plans[g.id] = WarmSet(first, frozenset(chosen))
+    return plans
