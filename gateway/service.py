@@ -13,11 +13,12 @@ import grpc
 from gateway.auth import ApiKeyInterceptor
 from gateway.convert import STATUS, image_chunks, job_message, timestamp
 from gateway.validation import validate_submit
-from scheduler import policy
-from scheduler.views import costs_from, job_view
+from scheduler import admission, policy
+from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
 from services.db.migrate import upgrade
 from services.db.models import ACTIVE_ON_WORKER, JobStatus
 from services.db.repository import JobRecord, Repository, WorkerRecord
+from services.errors import ResourceExhausted
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
@@ -39,7 +40,10 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.repo = repo
         self.registry = registry
         self.costs = costs_from(registry)
+        self.config = policy_config(settings)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
+        self._fleet_read = 0.0
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         ch = self._channels.get(address)
@@ -53,26 +57,61 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
-        new = validate_submit(request, self.registry, max_prompt_chars=self.settings.max_prompt_chars)
-        now = datetime.now(UTC)
-        job, deduplicated = await self.repo.create_job(new, now=now)
-        start, finish = await self._estimate(job, now)
-        return pb.SubmitJobResponse(
-            job_id=job.id,
-            status=STATUS[job.status],
-            deduplicated=deduplicated,
-            estimated_start_time=timestamp(start),
-            estimated_finish_time=timestamp(finish),
+        new = validate_submit(
+            request,
+            self.registry,
+            max_prompt_chars=self.settings.max_prompt_chars,
+            lanes={lane.name: lane.priority for lane in self.config.lanes},
+            default_lane=default_lane(self.config).name,
         )
+        now = datetime.now(UTC)
+        if new.idempotency_key:
+            earlier = await self.repo.find_by_idempotency_key(new.idempotency_key)
+            if earlier is not None:  # accepted before: the same answer, never a refusal
+                return await self._submitted(earlier, True, now)
+        view = policy.JobView(new.id, new.model, new.width, new.height, new.steps, new.num_images, new.priority)
+        eta = await self._estimate(view, now)
+        refusal = admission.admit(new.lane, eta, self.config)
+        if refusal is not None:
+            raise ResourceExhausted(
+                f"lane {refusal.lane!r} is full: the estimated wait of {refusal.wait_s:.0f}s passes its "
+                f"{refusal.limit_s:.0f}s limit; retry later",
+                retry_after_s=refusal.wait_s,
+            )
+        job, deduplicated = await self.repo.create_job(new, now=now)
+        return await self._submitted(job, deduplicated, now, eta)
 
-    async def _estimate(self, job: JobRecord, now: datetime) -> tuple[datetime, datetime]:
-        """A first estimate: the queue ahead spread over the live workers."""
-        run_s = policy.run_seconds(job_view(job), self.costs[job.model], 1.0)
-        ahead = await self.repo.queued_ahead(job.priority)
-        workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s, now=now)
-        wait_s = max(ahead - 1, 0) * run_s / max(len(workers), 1)
-        start = now + timedelta(seconds=wait_s)
-        return start, start + timedelta(seconds=run_s)
+    async def _submitted(
+        self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
+    ) -> pb.SubmitJobResponse:
+        if eta is None and job.status == JobStatus.QUEUED:
+            eta = await self._estimate(job_view(job), now)
+        response = pb.SubmitJobResponse(job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated)
+        if eta is not None:
+            start = now + timedelta(seconds=eta.wait_s)
+            response.estimated_start_time.CopyFrom(timestamp(start))
+            response.estimated_finish_time.CopyFrom(timestamp(start + timedelta(seconds=eta.run_s)))
+        return response
+
+    async def _fleet(self, now: datetime) -> tuple[policy.Fleet, list[policy.WorkerView]]:
+        """The scheduler's view of the fleet, reread at most every estimates_refresh_s."""
+        loop = asyncio.get_running_loop()
+        if self._fleet_view is None or loop.time() - self._fleet_read >= self.settings.estimates_refresh_s:
+            fleet = policy.Fleet(self.costs, durations_from(*await self.repo.learned_estimates()))
+            workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s, now=now)
+            self._fleet_view = (fleet, worker_views(workers, await self.repo.held_jobs(), fleet))
+            self._fleet_read = loop.time()
+        return self._fleet_view
+
+    async def _estimate(self, job: policy.JobView, now: datetime) -> admission.Estimate | None:
+        """When the job would start and how long it would run, from the work held
+        by the workers and the work queued ahead of it (read fresh)."""
+        fleet, workers = await self._fleet(now)
+        ahead = [
+            (policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count)
+            for a in await self.repo.queued_ahead_shapes(job.priority)
+        ]
+        return admission.estimate(job, ahead, workers, fleet)
 
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:

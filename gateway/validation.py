@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections.abc import Mapping
 
 from services.db.repository import NewJob
 from services.errors import FieldViolation, InvalidArgument
@@ -14,11 +15,19 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 MAX_GUIDANCE = 50.0
 DEFAULT_GUIDANCE = 7.5
 MAX_IDEMPOTENCY_KEY = 256
-LANES = {"": 0, "free": 0, "paid": 10}
 MAX_SEED = 2**63 - 1
+DEFAULT_LANES = {"paid": 10, "free": 0}  # DARKROOM_LANES' default
 
 
-def validate_submit(req: pb.SubmitJobRequest, registry: ModelRegistry, *, max_prompt_chars: int) -> NewJob:
+def validate_submit(
+    req: pb.SubmitJobRequest,
+    registry: ModelRegistry,
+    *,
+    max_prompt_chars: int,
+    lanes: Mapping[str, int] = DEFAULT_LANES,
+    default_lane: str = "free",
+) -> NewJob:
+    """``lanes``: each lane's priority; an empty ``lane`` means ``default_lane``."""
     bad: list[FieldViolation] = []
     spec = registry.models.get(req.model)
     if not req.model:
@@ -52,15 +61,16 @@ def validate_submit(req: pb.SubmitJobRequest, registry: ModelRegistry, *, max_pr
         bad.append(FieldViolation("seed", f"must be at most {MAX_SEED}"))
     if len(req.idempotency_key) > MAX_IDEMPOTENCY_KEY:
         bad.append(FieldViolation("idempotency_key", f"is longer than {MAX_IDEMPOTENCY_KEY} characters"))
-    if req.lane not in LANES:
-        bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(k for k in LANES if k)}"))
+    lane = req.lane or default_lane
+    if lane not in lanes:
+        bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(sorted(lanes))}"))
     if bad:
         raise InvalidArgument(bad)
     assert spec is not None
     return NewJob(
         id=str(uuid.uuid4()),
-        lane=req.lane or "free",
-        priority=LANES[req.lane],
+        lane=lane,
+        priority=lanes[lane],
         model=spec.name,
         prompt=req.prompt,
         negative_prompt=req.negative_prompt,

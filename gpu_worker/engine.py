@@ -80,6 +80,16 @@ class SamplerEngine:
             log.info("loaded %s from %s on %s in %.2fs", name, source, self.device, time.perf_counter() - started)
             return pipe
 
+    def unload(self, name: str) -> None:
+        with self._lock:
+            pipe = self._pipes.pop(name, None)
+        if pipe is None:
+            return
+        del pipe
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("dropped %s", name)
+
     def sample(
         self, req: SampleRequest, on_step: Callable[[int, int], None], cancelled: threading.Event
     ) -> torch.Tensor:

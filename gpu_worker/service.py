@@ -19,11 +19,13 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpu_worker.engine import SamplerEngine, SampleRequest, pick_device
 from gpu_worker.tracker import JobTracker, JobWatch
+from scheduler.estimates import Shape, observe
+from scheduler.views import durations_from
 from services.bus import Bus, Dispatch, host_token
 from services.chunks import split
 from services.db.migrate import upgrade
 from services.db.models import JobStatus
-from services.db.repository import ImageRecord, JobRecord, Repository, WorkerHeartbeat
+from services.db.repository import Estimate, ImageRecord, JobRecord, Repository, WarmPlan, WorkerHeartbeat
 from services.errors import DarkroomError, JobCancelled, NotFound, StoreError
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
@@ -112,12 +114,13 @@ class GpuWorker:
         self.tracker = tracker
         self._vae_round_robin = itertools.count()
         self._vae_channels: dict[str, grpc.aio.Channel] = {}
+        self.plan = WarmPlan(None, ())
 
     # -- heartbeats ----------------------------------------------------------------
 
     async def heartbeat(self, status: str = "ready") -> None:
         reading = self.telemetry.read()
-        await self.repo.heartbeat(
+        self.plan = await self.repo.heartbeat(
             WorkerHeartbeat(
                 id=self.worker_id,
                 kind="sampler",
@@ -152,6 +155,7 @@ class GpuWorker:
                 try:
                     msgs = await sub.fetch(1, timeout=0.5)
                 except (TimeoutError, NatsTimeoutError):
+                    await self.follow_plan()  # idle: the moment to load or drop models
                     continue
                 for msg in msgs:
                     await self.handle(msg)
@@ -184,6 +188,39 @@ class GpuWorker:
         await msg.ack()
         await watch.emit(sampler_pb2.SamplerEvent(finished=True))
 
+    async def follow_plan(self) -> None:
+        """Loads what the planner wants warm here and drops what it does not (a
+        model is dropped only once the plan names others). Runs between jobs."""
+        planned = [m for m in self.plan.models if m in self.engine.registry]
+        if not planned:
+            return
+        warm = set(self.engine.warm_models())
+        for name in warm - set(planned):
+            await asyncio.to_thread(self.engine.unload, name)
+        for name in planned:
+            if name not in warm:
+                try:
+                    await asyncio.to_thread(self.engine.load, name)
+                except DarkroomError as exc:
+                    log.warning("cannot preload %s: %s", name, exc)
+                return  # one load per idle moment: a job may be waiting
+
+    async def _learn(self, job: JobRecord, seconds: float) -> None:
+        """Folds this job's duration into the learned estimates (shared by every
+        scheduler replica, kept across restarts)."""
+        shape = Shape(job.model, job.width * job.height, job.steps, job.num_images)
+        step_s = self.engine.registry.get(job.model).step_s_512
+
+        def learn(entry: Estimate | None, speeds: dict[str, Estimate]) -> tuple[Estimate, Estimate]:
+            durations = durations_from({shape.key: entry} if entry else {}, speeds)
+            obs = observe(durations, shape, step_s, self.worker_id, seconds)
+            return (obs.shape.mean, obs.shape.count), (obs.speed.mean, obs.speed.count)
+
+        try:
+            await self.repo.learn(shape.key, self.worker_id, learn, now=datetime.now(UTC))
+        except StoreError as exc:
+            log.warning("cannot record the duration of %s: %s", job.id, exc)
+
     async def _keep_in_progress(self, msg) -> None:
         while True:
             await asyncio.sleep(IN_PROGRESS_EVERY_S)
@@ -193,6 +230,8 @@ class GpuWorker:
     async def run_job(self, job: JobRecord, watch: JobWatch) -> None:
         started = time.perf_counter()
         now = lambda: datetime.now(UTC)  # noqa: E731
+        # A job that had to load its model says nothing about how long jobs take.
+        was_warm = job.model in self.engine.warm_models()
         try:
             latents = await self._sample(job, watch)
             if not await self.repo.set_decoding(job.id, job.attempt, now=now()):
@@ -205,9 +244,12 @@ class GpuWorker:
                 job.id, job.attempt, images, now=now(), busy_s=time.perf_counter() - started
             )
             if stored:
+                took = time.perf_counter() - started
                 for image in images:
                     for chunk in image_chunks(image):
                         await watch.emit(sampler_pb2.SamplerEvent(output=chunk))
+                if was_warm:
+                    await self._learn(job, took)
             log.info("job %s done in %.2fs (stored=%s)", job.id, time.perf_counter() - started, stored)
         except JobCancelled:
             await self.repo.end_job(job.id, job.attempt, JobStatus.CANCELLED, error="cancelled", now=now())

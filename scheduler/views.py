@@ -1,49 +1,120 @@
-"""Database records and registry entries as the policy's frozen views. Shared by the
-scheduler, which places jobs, and the gateway, which estimates when they will run."""
+"""Settings, registry entries and database records as the policy's frozen views.
+Shared by the scheduler, which places jobs and plans warm sets, and the gateway,
+which estimates when a job will run."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from scheduler import policy
-from services.db.repository import JobRecord, WorkerRecord
+from scheduler.estimates import Durations, Learned
+from scheduler.warmsets import GpuView
+from services.db.repository import Estimate, JobRecord, WorkerRecord
 from services.models.registry import ModelRegistry
+from services.settings import Settings, SettingsError
+
+
+def policy_config(settings: Settings) -> policy.PolicyConfig:
+    lanes = []
+    for entry in settings.lanes:
+        try:
+            name, priority, max_wait = entry.split(":")
+            lanes.append(policy.Lane(name, int(priority), float(max_wait)))
+        except ValueError:
+            raise SettingsError(f"DARKROOM_LANES entry {entry!r}: expected name:priority:max_wait_s") from None
+    caps = []
+    for entry in settings.capability_caps:
+        try:
+            capability, gpus = entry.split(":")
+            caps.append((capability, int(gpus)))
+        except ValueError:
+            raise SettingsError(f"DARKROOM_CAPABILITY_CAPS entry {entry!r}: expected capability:gpus") from None
+    if not lanes:
+        raise SettingsError("DARKROOM_LANES names no lane")
+    return policy.PolicyConfig(
+        backlog_limit=settings.worker_backlog,
+        lanes=tuple(lanes),
+        aging_per_s=settings.lane_aging_per_s,
+        capability_caps=tuple(caps),
+        hot_c=settings.hot_temperature_c,
+    )
+
+
+def default_lane(config: policy.PolicyConfig) -> policy.Lane:
+    return min(config.lanes, key=lambda lane: lane.priority)
 
 
 def costs_from(registry: ModelRegistry) -> dict[str, policy.ModelCost]:
     return {
-        name: policy.ModelCost(step_s_512=spec.step_ms_512 / 1000.0, load_s=spec.load_s, vram_bytes=spec.vram_bytes)
+        name: policy.ModelCost(
+            capability=spec.capability,
+            step_s_512=spec.step_s_512,
+            load_s=spec.load_seconds,
+            vram_bytes=spec.vram_bytes,
+            eviction_priority=spec.eviction_priority,
+        )
         for name, spec in registry.models.items()
     }
 
 
+def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate]) -> Durations:
+    return Durations(
+        shapes={k: Learned(mean, count) for k, (mean, count) in shapes.items()},
+        speeds={k: Learned(mean, count) for k, (mean, count) in speeds.items()},
+    )
+
+
 def job_view(job: JobRecord) -> policy.JobView:
-    return policy.JobView(job.id, job.model, job.width, job.height, job.steps, job.num_images)
+    return policy.JobView(
+        job.id, job.model, job.width, job.height, job.steps, job.num_images, job.priority, job.created_at.timestamp()
+    )
 
 
 def worker_views(
-    workers: Sequence[WorkerRecord], held: Sequence[JobRecord], costs: dict[str, policy.ModelCost]
+    workers: Sequence[WorkerRecord], held: Sequence[JobRecord], fleet: policy.Fleet
 ) -> list[policy.WorkerView]:
     views = []
     for w in workers:
-        mine = [j for j in held if j.worker_id == w.id]
+        mine = [j for j in held if j.worker_id == w.id and j.model in fleet.costs]
+        view = policy.WorkerView(
+            id=w.id,
+            models=frozenset(w.models),
+            warm_models=frozenset(w.warm_models),
+            vram_total_bytes=w.vram_total_bytes,
+            vram_used_bytes=w.vram_used_bytes,
+            speed=w.speed,
+            temperature_c=w.temperature_c,
+            state=policy.READY if w.status == "ready" else w.status,
+            planned_models=frozenset(w.planned_models),
+        )
         work = 0.0
         for j in mine:
-            cost = costs.get(j.model)
-            if cost is None:
-                continue
             done = j.progress_step / j.progress_total if j.progress_total else 0.0
-            work += policy.run_seconds(job_view(j), cost, w.speed) * (1.0 - done)
+            work += policy.job_seconds(job_view(j), view, fleet) * (1.0 - done)
+            if j.model not in w.warm_models:
+                work += fleet.costs[j.model].load_s
         views.append(
-            policy.WorkerView(
-                id=w.id,
-                models=frozenset(w.models),
-                warm_models=frozenset(w.warm_models),
-                vram_total_bytes=w.vram_total_bytes,
-                vram_used_bytes=w.vram_used_bytes,
-                speed=w.speed,
+            replace(
+                view,
                 held_jobs=len(mine),
                 held_work_s=work,
+                held_capabilities=frozenset(fleet.costs[j.model].capability for j in mine),
             )
         )
     return views
+
+
+def gpu_views(workers: Sequence[WorkerRecord], durations: Durations) -> list[GpuView]:
+    return [
+        GpuView(
+            id=w.id,
+            models=frozenset(w.models),
+            warm_models=frozenset(w.warm_models),
+            vram_total_bytes=w.vram_total_bytes,
+            speed=durations.speed(w.id, w.speed),
+            state=policy.READY if w.status == "ready" else w.status,
+            primary=w.primary_model,
+        )
+        for w in workers
+    ]

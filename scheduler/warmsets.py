@@ -52,6 +52,10 @@ def _fits(gpu: GpuView, model: str, costs: Mapping[str, ModelCost]) -> bool:
     return model in gpu.models and (not gpu.vram_total_bytes or costs[model].vram_bytes <= gpu.vram_total_bytes)
 
 
+def _capability(model: str | None, costs: Mapping[str, ModelCost]) -> str | None:
+    return costs[model].capability if model is not None else None
+
+
 def _fits_beside(gpu: GpuView, model: str, other: str, costs: Mapping[str, ModelCost]) -> bool:
     return not gpu.vram_total_bytes or costs[model].vram_bytes + costs[other].vram_bytes <= gpu.vram_total_bytes
 
@@ -119,7 +123,7 @@ def plan_warm_sets(
     speed = {g.id: g.speed for g in usable}
     for capability, limit in caps.items():
         # Over a cap already: the slowest of its GPUs are free to be planned again.
-        holders = [g for g in usable if primary[g.id] and costs[primary[g.id]].capability == capability]
+        holders = [g for g in usable if _capability(primary[g.id], costs) == capability]
         for g in sorted(holders, key=lambda g: -g.speed)[limit:]:
             primary[g.id] = None
 

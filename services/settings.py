@@ -53,6 +53,20 @@ class Settings:
     # A SCHEDULED job that has not started after this long is published again
     # (same message id: JetStream drops it if the first publish got through).
     redispatch_after_s: float = 15.0
+    # Priority lanes, "name:priority:max_wait_s" each; higher priority runs first,
+    # and a submit whose estimated wait passes max_wait_s is refused (backpressure).
+    lanes: tuple[str, ...] = ("paid:10:120", "free:0:300")
+    # Priority a waiting job gains per second, so that no lane starves.
+    lane_aging_per_s: float = 0.5
+    # "capability:gpus" each: at most that many GPUs hold such work while other work waits.
+    capability_caps: tuple[str, ...] = ()
+    # A GPU's queued work counts more above this temperature (twice at +10 C).
+    hot_temperature_c: float = 70.0
+    # The warm-set planner: how often it runs, and how much history it weighs.
+    plan_interval_s: float = 15.0
+    demand_window_s: float = 120.0
+    # How often the scheduler rereads learned durations and speeds.
+    estimates_refresh_s: float = 2.0
     max_prompt_chars: int = 2000
     shutdown_grace_s: float = 10.0
     log_level: str = "INFO"

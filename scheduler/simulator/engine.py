@@ -249,7 +249,10 @@ class Simulation:
         )
 
     def _done(self, payload: object, now: float) -> None:
-        gpu_id, generation, run = payload  # type: ignore[misc]
+        assert isinstance(payload, tuple)
+        gpu_id: str = payload[0]
+        generation: int = payload[1]
+        run: float | None = payload[2]
         gpu = self.gpus[gpu_id]
         if generation != gpu.generation:
             return
@@ -258,7 +261,7 @@ class Simulation:
             gpu.preloading = None
         else:
             job = gpu.running
-            assert job is not None
+            assert job is not None and run is not None
             job.finish_s = now
             gpu.busy_s += gpu.run_s
             gpu.running = None

@@ -126,17 +126,16 @@ class _Immediate:
 
     name = ""
 
-    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu: ...
+    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+        raise NotImplementedError
 
     def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
-        out = []
         live = sim.live()
         for job in list(sim.pending):
             able = [g for g in live if sim.fits(g, job.model)]
             if able:
-                gpu = self.pick(sim, job, able)
-                sim.assign(job, gpu.id, now)
-        return out
+                sim.assign(job, self.pick(sim, job, able).id, now)
+        return []  # assigned one by one: each pick sees the queues the last one left
 
     def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
         pass

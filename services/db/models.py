@@ -80,6 +80,7 @@ class JobRow(Base):
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
+        Index("ix_jobs_created_at", "created_at"),
         Index(
             "ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")
         ),
@@ -124,3 +125,16 @@ class WorkerRow(Base):
     telemetry: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # Written by the scheduler's planning loop; the worker loads and drops to match.
+    planned_models: Mapped[list[str]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
+    primary_model: Mapped[str | None] = mapped_column(String(128))
+
+
+class LearnedEstimateRow(Base):
+    __tablename__ = "learned_estimates"
+
+    kind: Mapped[str] = mapped_column(String(8), primary_key=True)  # "shape" or "speed"
+    key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    mean: Mapped[float] = mapped_column(Float, nullable=False)
+    count: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

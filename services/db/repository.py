@@ -15,12 +15,22 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlch
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 from services.db.migrate import sync_url
-from services.db.models import ACTIVE_ON_WORKER, TERMINAL, JobImageRow, JobRow, JobStatus, WorkerRow
+from services.db.models import (
+    ACTIVE_ON_WORKER,
+    TERMINAL,
+    JobImageRow,
+    JobRow,
+    JobStatus,
+    LearnedEstimateRow,
+    WorkerRow,
+)
 from services.errors import NotFound, StoreError, StoreUnavailable
 
 # Held for the length of one scheduling pass: replicas take turns, so a job is
 # placed by exactly one of them.
 SCHEDULER_LOCK = 0x44524B53
+# Held by the replica running a warm-set planning pass.
+PLANNER_LOCK = 0x44524B50
 # No Darkroom transaction waits on anything but the database; one idle this long
 # belongs to a process that is frozen or gone.
 IDLE_IN_TRANSACTION_MS = 3000
@@ -108,12 +118,15 @@ class WorkerRecord:
     telemetry: dict[str, Any]
     started_at: datetime
     last_heartbeat: datetime
+    planned_models: tuple[str, ...] = ()
+    primary_model: str | None = None
 
     @classmethod
     def of(cls, row: WorkerRow) -> WorkerRecord:
         values = {name: getattr(row, name) for name in cls.__dataclass_fields__}
         values["models"] = tuple(row.models)
         values["warm_models"] = tuple(row.warm_models)
+        values["planned_models"] = tuple(row.planned_models or ())
         return cls(**values)
 
 
@@ -155,6 +168,31 @@ class Totals:
 # Decides placements for one pass, given the queued jobs, the live workers and the
 # jobs the workers already hold. Pure: the scheduler's policy.
 Decide = Callable[[Sequence[JobRecord], Sequence[WorkerRecord], Sequence[JobRecord]], Sequence[Assignment]]
+
+
+@dataclass(frozen=True)
+class ShapeCount:
+    """How many jobs of one shape: for demand and for the work queued ahead."""
+
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    count: int
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    primary: str | None
+    models: tuple[str, ...]
+
+
+# A learned estimate as stored: (mean, count).
+Estimate = tuple[float, int]
+# Given the stored entry for one shape (or None) and every worker's speed, returns
+# the new shape entry and the new entry for the worker that observed it.
+Learn = Callable[[Estimate | None, dict[str, Estimate]], tuple[Estimate, Estimate]]
 
 
 class Repository:
@@ -235,6 +273,11 @@ class Repository:
                 raise NotFound(f"job {job_id} not found")
             return JobRecord.of(row)
 
+    async def find_by_idempotency_key(self, key: str) -> JobRecord | None:
+        async with self._tx() as s:
+            row = (await s.execute(select(JobRow).where(JobRow.idempotency_key == key))).scalar_one_or_none()
+            return JobRecord.of(row) if row is not None else None
+
     async def get_images(self, job_id: str) -> list[ImageRecord]:
         async with self._tx() as s:
             rows = (
@@ -271,14 +314,7 @@ class Repository:
                 return None
             queued = [
                 JobRecord.of(r)
-                for r in (
-                    await s.execute(
-                        select(JobRow)
-                        .where(JobRow.status == JobStatus.QUEUED)
-                        .order_by(JobRow.priority.desc(), JobRow.created_at)
-                        .limit(limit)
-                    )
-                ).scalars()
+                for r in (await s.execute(select(JobRow).where(JobRow.id.in_(self._queue_window(limit))))).scalars()
             ]
             if not queued:
                 return []
@@ -310,6 +346,20 @@ class Repository:
                 if row is not None:
                     scheduled.append(JobRecord.of(row))
             return scheduled
+
+    @staticmethod
+    def _queue_window(limit: int) -> Any:
+        """The oldest ``limit`` queued jobs of every lane: the policy orders them
+        (lanes and aging) and takes what it can place."""
+        ranked = (
+            select(
+                JobRow.id,
+                func.row_number().over(partition_by=JobRow.lane, order_by=JobRow.created_at).label("rank"),
+            )
+            .where(JobRow.status == JobStatus.QUEUED)
+            .subquery()
+        )
+        return select(ranked.c.id).where(ranked.c.rank <= limit)
 
     async def _held_per_worker(self, s: AsyncSession) -> dict[str, int]:
         rows = await s.execute(
@@ -422,12 +472,14 @@ class Repository:
 
     # -- workers -----------------------------------------------------------------
 
-    async def heartbeat(self, hb: WorkerHeartbeat, *, now: datetime) -> None:
+    async def heartbeat(self, hb: WorkerHeartbeat, *, now: datetime) -> WarmPlan:
+        """Records the worker's state; returns the warm set the planner wants it to keep."""
         values = {**hb.__dict__, "models": list(hb.models), "warm_models": list(hb.warm_models), "last_heartbeat": now}
         async with self._tx() as s:
             stmt = insert(WorkerRow).values(**values, started_at=now)
             stmt = stmt.on_conflict_do_update(index_elements=[WorkerRow.id], set_=values)
-            await s.execute(stmt)
+            row = (await s.execute(stmt.returning(WorkerRow.primary_model, WorkerRow.planned_models))).one()
+            return WarmPlan(row.primary_model, tuple(row.planned_models or ()))
 
     async def remove_worker(self, worker_id: str) -> None:
         async with self._tx() as s:
@@ -479,6 +531,90 @@ class Repository:
     async def held_per_worker(self) -> dict[str, int]:
         async with self._tx() as s:
             return await self._held_per_worker(s)
+
+    async def queued_ahead_shapes(self, priority: int) -> list[ShapeCount]:
+        """The queued jobs that would run before a new one of this priority, by shape."""
+        async with self._tx() as s:
+            return await self._shape_counts(s, JobRow.status == JobStatus.QUEUED, JobRow.priority >= priority)
+
+    async def _shape_counts(self, s: AsyncSession, *where: Any) -> list[ShapeCount]:
+        cols = (JobRow.model, JobRow.width, JobRow.height, JobRow.steps, JobRow.num_images)
+        rows = await s.execute(select(*cols, func.count()).where(*where).group_by(*cols))
+        return [ShapeCount(*row) for row in rows.tuples()]
+
+    async def held_jobs(self) -> list[JobRecord]:
+        async with self._tx() as s:
+            rows = (
+                await s.execute(select(JobRow).where(JobRow.status.in_([st.value for st in ACTIVE_ON_WORKER])))
+            ).scalars()
+            return [JobRecord.of(r) for r in rows]
+
+    # -- learned estimates ---------------------------------------------------------
+
+    async def learned_estimates(self) -> tuple[dict[str, Estimate], dict[str, Estimate]]:
+        """Every learned (shape durations, worker speeds)."""
+        async with self._tx() as s:
+            rows = (await s.execute(select(LearnedEstimateRow))).scalars()
+            shapes: dict[str, Estimate] = {}
+            speeds: dict[str, Estimate] = {}
+            for r in rows:
+                (shapes if r.kind == "shape" else speeds)[r.key] = (r.mean, r.count)
+            return shapes, speeds
+
+    async def learn(self, shape_key: str, worker_id: str, learn: Learn, *, now: datetime) -> None:
+        """Folds one observed duration into the stored estimates, atomically."""
+        async with self._tx() as s:
+            shape = (
+                await s.execute(
+                    select(LearnedEstimateRow)
+                    .where(LearnedEstimateRow.kind == "shape", LearnedEstimateRow.key == shape_key)
+                    .with_for_update()
+                )
+            ).scalar_one_or_none()
+            speeds = {
+                r.key: (r.mean, r.count)
+                for r in (
+                    await s.execute(select(LearnedEstimateRow).where(LearnedEstimateRow.kind == "speed"))
+                ).scalars()
+            }
+            new_shape, new_speed = learn((shape.mean, shape.count) if shape else None, speeds)
+            for kind, key, (mean, count) in (("shape", shape_key, new_shape), ("speed", worker_id, new_speed)):
+                values = {"kind": kind, "key": key, "mean": mean, "count": count, "updated_at": now}
+                stmt = insert(LearnedEstimateRow).values(**values)
+                await s.execute(
+                    stmt.on_conflict_do_update(
+                        index_elements=[LearnedEstimateRow.kind, LearnedEstimateRow.key],
+                        set_={"mean": mean, "count": count, "updated_at": now},
+                    )
+                )
+
+    # -- warm-set planning -----------------------------------------------------------
+
+    async def plan_pass(
+        self,
+        plan: Callable[[Sequence[WorkerRecord], Sequence[ShapeCount]], dict[str, WarmPlan]],
+        *,
+        since: datetime,
+        stale_after_s: float,
+        now: datetime,
+    ) -> dict[str, WarmPlan] | None:
+        """One planning pass under the planner lock: the demand since ``since`` and
+        the live workers in, each worker's warm set written. None if another
+        replica is planning."""
+        async with self._tx() as s:
+            got = (await s.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": PLANNER_LOCK})).scalar()
+            if not got:
+                return None
+            workers = await self._live_workers(s, "sampler", stale_after_s, now)
+            demand = await self._shape_counts(s, JobRow.created_at >= since)
+            plans = plan(workers, demand)
+            for worker_id, warm in plans.items():
+                await s.execute(
+                    update(WorkerRow)
+                    .where(WorkerRow.id == worker_id)
+                    .values(primary_model=warm.primary, planned_models=list(warm.models))
+                )
+            return plans
 
     async def totals(self) -> Totals:
         async with self._tx() as s:

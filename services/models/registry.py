@@ -13,7 +13,10 @@ from typing import Any
 from services.errors import ModelError
 
 DEFAULT_REGISTRY = Path(__file__).with_name("default_registry.toml")
-FAMILIES = frozenset({"sd15", "sdxl", "tiny", "sim"})
+# Per family: one 512x512 step on a reference GPU (ms), and a load (s). Learned
+# durations replace the first after a few jobs.
+FAMILY_DEFAULTS = {"sd15": (25.0, 5.0), "sdxl": (60.0, 10.0), "tiny": (30.0, 0.5), "sim": (25.0, 1.0)}
+FAMILIES = frozenset(FAMILY_DEFAULTS)
 BUILTIN_TINY = "builtin:tiny"
 
 
@@ -33,12 +36,23 @@ class ModelSpec:
     max_steps: int = 150
     default_steps: int = 25
     max_images: int = 4
-    step_ms_512: float = 25.0
-    load_s: float = 5.0
+    # First estimates, before durations are learned; 0 takes the family's default.
+    step_ms_512: float = 0.0
+    load_s: float = 0.0
+    # What kind of work it is; the scheduler's per-capability caps apply to it.
+    capability: str = "image"
 
     @property
     def vram_bytes(self) -> int:
         return self.vram_mb * 1024 * 1024
+
+    @property
+    def step_s_512(self) -> float:
+        return (self.step_ms_512 or FAMILY_DEFAULTS[self.family][0]) / 1000.0
+
+    @property
+    def load_seconds(self) -> float:
+        return self.load_s or FAMILY_DEFAULTS[self.family][1]
 
 
 class ModelRegistry:
