@@ -102,6 +102,47 @@ def _best_move(
     return best[1]
 
 
+def _swap_pass(
+    gpus: Sequence[GpuView],
+    primary: dict[str, str | None],
+    speed: Mapping[str, float],
+    demand: Mapping[str, float],
+    wanted: Sequence[str],
+    costs: Mapping[str, ModelCost],
+) -> None:
+    """Moving one GPU at a time gives the neediest model the fastest GPU; swapping
+    two GPUs' primaries can then balance better (a slow GPU is enough for a
+    model whose GPUs cannot serve anything else). Swaps count only past the
+    hysteresis margin."""
+
+    def worst() -> float:
+        cap: dict[str, float] = {}
+        for gid, m in primary.items():
+            if m is not None:
+                cap[m] = cap.get(m, 0.0) + speed[gid]
+        return max((_load(m, demand, cap) for m in wanted), default=0.0)
+
+    for _ in range(len(gpus)):
+        before = worst()
+        best: tuple[float, GpuView, GpuView] | None = None
+        for a in gpus:
+            for b in gpus:
+                ma, mb = primary[a.id], primary[b.id]
+                if a.id >= b.id or ma == mb or ma is None or mb is None:
+                    continue
+                if not (_fits(a, mb, costs) and _fits(b, ma, costs)):
+                    continue
+                primary[a.id], primary[b.id] = mb, ma
+                after = worst()
+                primary[a.id], primary[b.id] = ma, mb
+                if best is None or after < best[0]:
+                    best = (after, a, b)
+        if best is None or not best[0] < before * (1 - HYSTERESIS):
+            return
+        _, a, b = best
+        primary[a.id], primary[b.id] = primary[b.id], primary[a.id]
+
+
 def plan_warm_sets(
     demand: Mapping[str, float],
     gpus: Sequence[GpuView],
@@ -150,6 +191,7 @@ def plan_warm_sets(
         if move is None:
             break
         primary[move] = model
+    _swap_pass(usable, primary, speed, demand, wanted, costs)
     plans: dict[str, WarmSet] = {}
     for g in usable:
         first = primary[g.id]

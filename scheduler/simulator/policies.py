@@ -202,12 +202,13 @@ class LoadRatio:
         self.concurrency = scenario.seeds.concurrency
         self.busy_video = scenario.seeds.busy_video_workers
         self.tags = {g.id: set(g.capabilities or scenario.models) for g in scenario.gpus}
-        # Busy-time video goes to the GPUs that pin it, then the slowest: the fast
-        # ones are kept for images, as the seed's operator would.
+        # Busy-time video goes to the GPUs that pin a video model, then the
+        # slowest: the fast ones are kept for images, as the seed's operator would.
+        video = {name for name, m in scenario.models.items() if m.capability == "video"}
         self.video_workers = [
             g.id
-            for g in sorted(scenario.gpus, key=lambda g: ("video" not in g.pinned, g.speed))
-            if "video" in self.tags[g.id]
+            for g in sorted(scenario.gpus, key=lambda g: (not video & set(g.pinned), g.speed))
+            if video & self.tags[g.id]
         ]
 
     def _capable(self, sim: Simulation, job: Job, gpu: Gpu, busy: bool) -> bool:
