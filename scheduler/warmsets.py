@@ -18,8 +18,6 @@ from scheduler.policy import READY, ModelCost
 
 # A move must lower the busiest model's load by this fraction to be worth a load.
 HYSTERESIS = 0.15
-# The share of a GPU's speed a model keeps when it stays loaded beside another primary.
-SHARED = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,10 +54,6 @@ def _capability(model: str | None, costs: Mapping[str, ModelCost]) -> str | None
     return costs[model].capability if model is not None else None
 
 
-def _fits_beside(gpu: GpuView, model: str, other: str, costs: Mapping[str, ModelCost]) -> bool:
-    return not gpu.vram_total_bytes or costs[model].vram_bytes + costs[other].vram_bytes <= gpu.vram_total_bytes
-
-
 def _load(model: str, demand: Mapping[str, float], capacity: Mapping[str, float]) -> float:
     need = demand.get(model, 0.0)
     if need <= 0:
@@ -91,15 +85,42 @@ def _best_move(
         after = dict(cap)
         after[model] = after.get(model, 0.0) + speed[g.id]
         if donor is not None:
-            # A donor that still fits beside the new primary keeps a share of the GPU.
-            shared = _fits_beside(g, donor, model, costs)
-            after[donor] -= speed[g.id] * (SHARED if shared else 1.0)
+            after[donor] -= speed[g.id]
         worst = max(_load(model, demand, after), _load(donor, demand, after) if donor else 0.0)
         if best is None or worst < best[0]:
             best = (worst, g.id)
     if best is None or not best[0] < before * (1 - HYSTERESIS):
         return None
     return best[1]
+
+
+def _cover_capped(
+    gpus: Sequence[GpuView],
+    primary: dict[str, str | None],
+    wanted: Sequence[str],
+    costs: Mapping[str, ModelCost],
+    caps: Mapping[str, int],
+) -> None:
+    """A capped model lives only where it is primary, so one with demand and no GPU
+    takes the slowest GPU whose primary can stay warm beside another GPU's."""
+
+    def fits_beside(model: str, host: GpuView) -> bool:
+        other = primary[host.id]
+        room = host.vram_total_bytes - (costs[other].vram_bytes if other else 0)
+        return not host.vram_total_bytes or costs[model].vram_bytes <= room
+
+    held = set(primary.values())
+    for model in wanted:
+        if costs[model].capability not in caps or model in held:
+            continue
+        for g in sorted(gpus, key=lambda g: g.speed):
+            donor = primary[g.id]
+            if not _fits(g, model, costs) or (donor is not None and costs[donor].capability in caps):
+                continue
+            if donor is None or any(h.id != g.id and _fits(h, donor, costs) and fits_beside(donor, h) for h in gpus):
+                primary[g.id] = model
+                held.add(model)
+                break
 
 
 def _swap_pass(
@@ -192,6 +213,7 @@ def plan_warm_sets(
             break
         primary[move] = model
     _swap_pass(usable, primary, speed, demand, wanted, costs)
+    _cover_capped(usable, primary, wanted, costs, caps)
     plans: dict[str, WarmSet] = {}
     for g in usable:
         first = primary[g.id]

@@ -127,7 +127,7 @@ def test_trace_is_reproducible_and_follows_the_load(small: Path) -> None:
 def test_bad_scenario_names_the_problem(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(SMALL.replace('model = "vid"', 'model = "nope"'))
-    with pytest.raises(scenarios.ScenarioError, match="jobs.vid: unknown model 'nope'"):
+    with pytest.raises(scenarios.ScenarioError, match=r"jobs\.vid: unknown model 'nope'"):
         scenarios.load(path)
 
 
