@@ -319,13 +319,7 @@ class Repository:
             if not queued:
                 return []
             workers = await self._live_workers(s, "sampler", stale_after_s, now)
-            held = [
-                JobRecord.of(r)
-                for r in (
-                    await s.execute(select(JobRow).where(JobRow.status.in_([st.value for st in ACTIVE_ON_WORKER])))
-                ).scalars()
-            ]
-            assignments = decide(queued, workers, held)
+            assignments = decide(queued, workers, await self._held(s))
             scheduled: list[JobRecord] = []
             for a in assignments:
                 row = (
@@ -543,11 +537,13 @@ class Repository:
         return [ShapeCount(*row) for row in rows.tuples()]
 
     async def held_jobs(self) -> list[JobRecord]:
+        """Every job a worker holds: scheduled to it, running or decoding."""
         async with self._tx() as s:
-            rows = (
-                await s.execute(select(JobRow).where(JobRow.status.in_([st.value for st in ACTIVE_ON_WORKER])))
-            ).scalars()
-            return [JobRecord.of(r) for r in rows]
+            return await self._held(s)
+
+    async def _held(self, s: AsyncSession) -> list[JobRecord]:
+        rows = await s.execute(select(JobRow).where(JobRow.status.in_([st.value for st in ACTIVE_ON_WORKER])))
+        return [JobRecord.of(r) for r in rows.scalars()]
 
     # -- learned estimates ---------------------------------------------------------
 
