@@ -115,6 +115,7 @@ class GpuWorker:
         self._vae_round_robin = itertools.count()
         self._vae_channels: dict[str, grpc.aio.Channel] = {}
         self.plan = WarmPlan(None, ())
+        self._warmed_up: set[str] = set()  # models that have run a job since they loaded
 
     # -- heartbeats ----------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class GpuWorker:
         warm = set(self.engine.warm_models())
         for name in warm - set(planned):
             await asyncio.to_thread(self.engine.unload, name)
+            self._warmed_up.discard(name)
         for name in planned:
             if name not in warm:
                 try:
@@ -230,8 +232,9 @@ class GpuWorker:
     async def run_job(self, job: JobRecord, watch: JobWatch) -> None:
         started = time.perf_counter()
         now = lambda: datetime.now(UTC)  # noqa: E731
-        # A job that had to load its model says nothing about how long jobs take.
-        was_warm = job.model in self.engine.warm_models()
+        # A job that had to load its model, or the first on a freshly loaded one
+        # (kernels compiled, caches filled), says little about how long jobs take.
+        was_warm = job.model in self._warmed_up
         try:
             latents = await self._sample(job, watch)
             if not await self.repo.set_decoding(job.id, job.attempt, now=now()):
@@ -250,6 +253,7 @@ class GpuWorker:
                         await watch.emit(sampler_pb2.SamplerEvent(output=chunk))
                 if was_warm:
                     await self._learn(job, took)
+                self._warmed_up.add(job.model)
             log.info("job %s done in %.2fs (stored=%s)", job.id, time.perf_counter() - started, stored)
         except JobCancelled:
             await self.repo.end_job(job.id, job.attempt, JobStatus.CANCELLED, error="cancelled", now=now())

@@ -1,0 +1,96 @@
+"""Warm-set planning: the scheduler plans which models a worker keeps loaded from
+recent demand, and the worker drops a model nobody asks for while keeping the
+one in demand warm."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from services.embedded import EmbeddedPostgres
+from services.models.registry import DEFAULT_REGISTRY
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.stack import LocalStack
+from tests.conftest import make_stack
+from tests.helpers import stub, wait_for, wait_terminal
+
+pytestmark = pytest.mark.integration
+
+SMALL: dict[str, Any] = {"model": "tiny", "width": 64, "height": 64, "steps": 2}
+
+
+def two_model_registry(path: Path) -> Path:
+    """The shipped ``tiny`` table twice: as ``tiny`` and as ``tiny-b``."""
+    tiny = tomllib.loads(DEFAULT_REGISTRY.read_text())["models"]["tiny"]
+    assert tiny["source"] == "builtin:tiny" and tiny["family"] == "tiny"
+    lines = []
+    for name in ("tiny", "tiny-b"):
+        lines.append(f'[models."{name}"]')
+        lines += [f"{key} = {json.dumps(value)}" for key, value in tiny.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
+
+
+def samplers(stack: LocalStack) -> list[dict[str, Any]]:
+    url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT id, warm_models, planned_models, primary_model FROM workers "
+            "WHERE kind = 'sampler' AND status = 'ready'"
+        ).fetchall()
+    return [{"id": r[0], "warm": list(r[1]), "planned": list(r[2] or []), "primary": r[3]} for r in rows]
+
+
+def test_planner_keeps_the_model_in_demand_and_drops_the_other(
+    tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
+) -> None:
+    registry = two_model_registry(tmp_path / "registry.toml")
+    stack = make_stack(
+        tmp_path / "stack",
+        postgres,
+        models_dir,
+        model_registry=str(registry),
+        preload_models=("tiny", "tiny-b"),
+        plan_interval_s=0.5,
+        heartbeat_interval_s=0.2,
+    )
+    stack.start()
+    try:
+        client = stub(stack)
+        # Both preloaded; with no demand yet the planner leaves warm sets alone.
+        (worker,) = samplers(stack)
+        assert sorted(worker["warm"]) == ["tiny", "tiny-b"], worker
+        assert worker["planned"] == [], worker
+
+        ids = [client.SubmitJob(pb.SubmitJobRequest(**SMALL, prompt=f"only tiny {i}")).job_id for i in range(3)]
+        for job_id in ids:
+            job = wait_terminal(client, job_id, timeout=60)
+            assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+
+        planned = wait_for(
+            lambda: samplers(stack),
+            lambda ws: len(ws) == 1 and "tiny" in ws[0]["planned"],
+            timeout=15,
+            what="a warm plan naming tiny",
+        )[0]
+        assert "tiny-b" not in planned["planned"], planned
+        assert planned["primary"] == "tiny", planned
+
+        dropped = wait_for(
+            lambda: samplers(stack),
+            lambda ws: len(ws) == 1 and "tiny-b" not in ws[0]["warm"],
+            timeout=15,
+            what="the worker to drop tiny-b",
+        )[0]
+        assert "tiny" in dropped["warm"], dropped
+        assert dropped["id"] == worker["id"]
+        models = {m.name: list(m.warm_on) for m in client.ListModels(pb.ListModelsRequest()).models}
+        assert models == {"tiny": [worker["id"]], "tiny-b": []}, models
+    finally:
+        stack.stop()
