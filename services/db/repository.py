@@ -504,19 +504,6 @@ class Repository:
             row = await s.get(WorkerRow, worker_id)
             return WorkerRecord.of(row) if row is not None else None
 
-    async def queued_ahead(self, priority: int) -> int:
-        """Queued jobs that would run before a new job of this priority."""
-        async with self._tx() as s:
-            return int(
-                (
-                    await s.execute(
-                        select(func.count())
-                        .select_from(JobRow)
-                        .where(JobRow.status == JobStatus.QUEUED, JobRow.priority >= priority)
-                    )
-                ).scalar_one()
-            )
-
     async def all_workers(self, kind: str) -> list[WorkerRecord]:
         async with self._tx() as s:
             rows = (await s.execute(select(WorkerRow).where(WorkerRow.kind == kind).order_by(WorkerRow.id))).scalars()
