@@ -7,8 +7,8 @@ from datetime import datetime
 from google.protobuf import timestamp_pb2
 
 from services.chunks import split
-from services.db.models import JobStatus
-from services.db.repository import ImageRecord, JobRecord
+from services.db.records import ImageRecord, JobRecord
+from services.db.states import JobStatus
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 STATUS = {s: pb.JobStatus.Value(f"JOB_STATUS_{s.value}") for s in JobStatus}
@@ -58,6 +58,10 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         images=[
             pb.Image(data=i.data, mime_type=i.mime_type, width=i.width, height=i.height, seed=i.seed)
             for i in images or []
+        ],
+        deadline=timestamp(job.deadline),
+        failed_attempts=[
+            pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],
     )
 

@@ -15,16 +15,17 @@ from gateway.convert import STATUS, image_chunks, job_message, timestamp
 from gateway.validation import validate_submit
 from scheduler import admission, policy
 from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
-from services.db.migrate import upgrade
-from services.db.models import ACTIVE_ON_WORKER, JobStatus
-from services.db.repository import JobRecord, Repository, WorkerRecord
+from services.db.migrate import upgrade_when_reachable
+from services.db.records import JobRecord, WorkerRecord
+from services.db.repository import Repository
+from services.db.states import HELD, JobStatus, WorkerKind, WorkerStatus
 from services.errors import ResourceExhausted
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from services.rpc.server import build_server, channel
+from services.rpc.server import Server, build_server, channel
 from services.rpc.status import stream_errors, unary_errors
 from services.settings import Settings
 
@@ -57,16 +58,17 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        now = datetime.now(UTC)
         new = validate_submit(
             request,
             self.registry,
             max_prompt_chars=self.settings.max_prompt_chars,
             lanes={lane.name: lane.priority for lane in self.config.lanes},
             default_lane=default_lane(self.config).name,
+            now=now,
         )
-        now = datetime.now(UTC)
         if new.idempotency_key:
-            earlier = await self.repo.find_by_idempotency_key(new.idempotency_key)
+            earlier = await self.repo.jobs.find_by_idempotency_key(new.idempotency_key)
             if earlier is not None:  # accepted before: the same answer, never a refusal
                 return await self._submitted(earlier, True, now)
         view = policy.JobView(new.id, new.model, new.width, new.height, new.steps, new.num_images, new.priority)
@@ -78,7 +80,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 f"{refusal.limit_s:.0f}s limit; retry later",
                 retry_after_s=refusal.wait_s,
             )
-        job, deduplicated = await self.repo.create_job(new, now=now)
+        job, deduplicated = await self.repo.jobs.create(new, now=now)
         return await self._submitted(job, deduplicated, now, eta)
 
     async def _submitted(
@@ -97,9 +99,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         """The scheduler's view of the fleet, reread at most every estimates_refresh_s."""
         loop = asyncio.get_running_loop()
         if self._fleet_view is None or loop.time() - self._fleet_read >= self.settings.estimates_refresh_s:
-            fleet = policy.Fleet(self.costs, durations_from(*await self.repo.learned_estimates()))
-            workers = await self.repo.live_workers("sampler", stale_after_s=self.settings.worker_stale_after_s, now=now)
-            self._fleet_view = (fleet, worker_views(workers, await self.repo.held_jobs(), fleet))
+            fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
+            workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
+            self._fleet_view = (fleet, worker_views(workers, await self.repo.scheduling.held_jobs(), fleet))
             self._fleet_read = loop.time()
         return self._fleet_view
 
@@ -109,35 +111,39 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         fleet, workers = await self._fleet(now)
         ahead = [
             (policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count)
-            for a in await self.repo.queued_ahead_shapes(job.priority)
+            for a in await self.repo.jobs.queued_ahead_shapes(job.priority)
         ]
         return admission.estimate(job, ahead, workers, fleet)
 
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
-        job = await self.repo.get_job(request.job_id)
-        images = await self.repo.get_images(job.id) if job.status == JobStatus.SUCCEEDED else []
+        job = await self.repo.jobs.get(request.job_id)
+        images = await self.repo.jobs.images(job.id) if job.status == JobStatus.SUCCEEDED else []
         return job_message(job, images)
 
     @stream_errors
     async def StreamJob(
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
-        job = await self.repo.get_job(request.job_id)
+        job = await self.repo.jobs.get(request.job_id)
         last_status: JobStatus | None = None
         last_step = -1
+        attempt = job.attempt
         while True:
+            if job.attempt != attempt:
+                # Another attempt (a retry after a failure): its progress starts over.
+                attempt, last_step = job.attempt, -1
             if job.status != last_status:
                 last_status = job.status
                 yield pb.JobEvent(job_id=job.id, status=STATUS[job.status])
             if job.status.terminal:
-                images = await self.repo.get_images(job.id) if job.status == JobStatus.SUCCEEDED else []
+                images = await self.repo.jobs.images(job.id) if job.status == JobStatus.SUCCEEDED else []
                 for image in images:
                     for event in image_chunks(job.id, image):
                         yield event
                 yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
                 return
-            if job.status in ACTIVE_ON_WORKER and job.worker_id:
+            if job.status in HELD and job.worker_id:
                 async for event in self._follow_worker(job, last_step):
                     if event.HasField("progress"):
                         last_step = event.progress.step
@@ -146,13 +152,13 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                     yield event
             else:
                 await asyncio.sleep(POLL_S)
-            job = await self.repo.get_job(job.id)
+            job = await self.repo.jobs.get(job.id)
 
     async def _follow_worker(self, job: JobRecord, last_step: int) -> AsyncIterator[pb.JobEvent]:
         """Relays the worker's own stream of the job: status and per-step progress.
         Output and the terminal event come from the stored result, so that every
         client, early or late, gets them from one place."""
-        worker = await self.repo.get_worker(job.worker_id or "")
+        worker = await self.repo.workers.get(job.worker_id or "")
         if worker is None:
             await asyncio.sleep(POLL_S)
             return
@@ -182,9 +188,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
-        job = await self.repo.request_cancel(request.job_id, now=datetime.now(UTC))
+        job = await self.repo.jobs.request_cancel(request.job_id, now=datetime.now(UTC))
         if job.status in (JobStatus.RUNNING, JobStatus.DECODING) and job.worker_id:
-            worker = await self.repo.get_worker(job.worker_id)
+            worker = await self.repo.workers.get(job.worker_id)
             if worker is not None:
                 # The fast path; the worker also sees the flag in the database.
                 with contextlib.suppress(grpc.aio.AioRpcError):
@@ -197,9 +203,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        workers = await self.repo.live_workers(
-            "sampler", stale_after_s=self.settings.worker_stale_after_s, now=datetime.now(UTC)
-        )
+        workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
         return pb.ListModelsResponse(
             models=[
                 pb.ModelInfo(
@@ -217,11 +221,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
-        now = datetime.now(UTC)
-        workers = await self.repo.all_workers("sampler")
-        held = await self.repo.held_per_worker()
-        totals = await self.repo.totals()
-        stale = timedelta(seconds=self.settings.worker_stale_after_s)
+        workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
+        held = await self.repo.scheduling.held_per_worker()
+        totals = await self.repo.jobs.totals()
 
         def average_s(w: WorkerRecord) -> float:
             return w.busy_seconds / w.completed if w.completed else 0.0
@@ -230,7 +232,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             workers=[
                 pb.WorkerStats(
                     worker_id=w.id,
-                    available=w.status == "ready" and now - w.last_heartbeat < stale,
+                    available=w.status == WorkerStatus.READY and w.live,
                     processing=held.get(w.id, 0),
                     completed=w.completed,
                     average_seconds=average_s(w),
@@ -241,9 +243,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                     vram_total_bytes=w.vram_total_bytes,
                     device=w.device,
                     warm_models=list(w.warm_models),
+                    restarts=w.restarts,
+                    state=w.status.value if w.live or w.status == WorkerStatus.GONE else "unresponsive",
                 )
                 for w in workers
-                if w.status != "gone"
+                if w.status != WorkerStatus.GONE
             ],
             totals=pb.GlobalStats(
                 requests=totals.requests,
@@ -252,14 +256,15 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 failed=totals.failed,
                 running=totals.running,
                 cancelled=totals.cancelled,
+                expired=totals.expired,
             ),
         )
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    await asyncio.to_thread(upgrade, settings.database_url)
-    registry = ModelRegistry.load(settings.model_registry or None)
-    repo = Repository(settings.database_url)
+def create_server(
+    settings: Settings, repo: Repository, registry: ModelRegistry
+) -> tuple[Server, ImageGenerationServicer]:
+    """The public gRPC server (not started); port 0 picks a free port."""
     servicer = ImageGenerationServicer(settings, repo, registry)
     interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
     server = build_server(
@@ -273,6 +278,15 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         settings.gateway_port,
         interceptors,
     )
+    return server, servicer
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    if not await upgrade_when_reachable(settings.database_url, stop):
+        return
+    registry = ModelRegistry.load(settings.model_registry or None)
+    repo = Repository(settings.database_url)
+    server, servicer = create_server(settings, repo, registry)
     try:
         await server.grpc.start()
         await server.set_serving(True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import secrets
 import uuid
 from collections.abc import Mapping
+from datetime import UTC, datetime
 
-from services.db.repository import NewJob
+from services.db.records import NewJob
 from services.errors import FieldViolation, InvalidArgument
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -26,6 +27,7 @@ def validate_submit(
     max_prompt_chars: int,
     lanes: Mapping[str, int] = DEFAULT_LANES,
     default_lane: str = "free",
+    now: datetime,
 ) -> NewJob:
     """``lanes``: each lane's priority; an empty ``lane`` means ``default_lane``."""
     bad: list[FieldViolation] = []
@@ -64,6 +66,11 @@ def validate_submit(
     lane = req.lane or default_lane
     if lane not in lanes:
         bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(sorted(lanes))}"))
+    deadline = None
+    if req.HasField("deadline"):
+        deadline = req.deadline.ToDatetime(tzinfo=UTC)
+        if deadline <= now:
+            bad.append(FieldViolation("deadline", f"{deadline.isoformat()} has already passed"))
     if bad:
         raise InvalidArgument(bad)
     assert spec is not None
@@ -82,4 +89,5 @@ def validate_submit(
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
         num_images=num_images,
         idempotency_key=req.idempotency_key or None,
+        deadline=deadline,
     )

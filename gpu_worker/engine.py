@@ -1,7 +1,7 @@
 """The sampler: diffusers text encoder + UNet + noise scheduler, run step by step.
 
 Runs in a worker thread (never on the event loop). Progress is reported and
-cancellation checked between denoising steps, through ``callback_on_step_end``.
+a stop checked between denoising steps, through ``callback_on_step_end``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from services.errors import JobCancelled, ModelError
+from services.errors import JobInterrupted, ModelError
+from services.models.device import DTYPES
 from services.models.registry import ModelRegistry, ModelSpec, resolve_source
 
 log = logging.getLogger("darkroom.sampler")
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,6 @@ class SampleRequest:
     num_images: int
 
 
-def pick_device(requested: str) -> torch.device:
-    if requested:
-        return torch.device(requested)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 class SamplerEngine:
     def __init__(self, registry: ModelRegistry, models_dir: Path, device: torch.device) -> None:
         self.registry = registry
@@ -52,7 +45,7 @@ class SamplerEngine:
         self._lock = threading.Lock()
 
     def dtype_for(self, spec: ModelSpec) -> torch.dtype:
-        return _DTYPES[spec.dtype] if self.device.type == "cuda" else torch.float32
+        return DTYPES[spec.dtype] if self.device.type == "cuda" else torch.float32
 
     def warm_models(self) -> list[str]:
         return sorted(self._pipes)
@@ -91,11 +84,12 @@ class SamplerEngine:
         log.info("dropped %s", name)
 
     def sample(
-        self, req: SampleRequest, on_step: Callable[[int, int], None], cancelled: threading.Event
+        self, req: SampleRequest, on_step: Callable[[int, int], None], stopping: threading.Event
     ) -> torch.Tensor:
-        """Runs the denoising loop and returns the latents, (num_images, C, H/8, W/8)."""
-        if cancelled.is_set():
-            raise JobCancelled(req.model)
+        """Runs the denoising loop and returns the latents, (num_images, C, H/8, W/8).
+        Raises JobInterrupted at the first step boundary after ``stopping`` is set."""
+        if stopping.is_set():
+            raise JobInterrupted(req.model)
         pipe = self.load(req.model)
         generators = [
             torch.Generator(device=self.device).manual_seed((req.seed + i) % 2**63) for i in range(req.num_images)
@@ -103,8 +97,8 @@ class SamplerEngine:
 
         def step_end(_pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             on_step(step + 1, req.steps)
-            if cancelled.is_set():
-                raise JobCancelled(req.model)
+            if stopping.is_set():
+                raise JobInterrupted(req.model)
             return tensors
 
         with torch.inference_mode():

@@ -1,9 +1,10 @@
 """What the worker knows of the jobs it holds, for ``Sampler.WatchJob`` streams and
-``Sampler.CancelJob``: an append-only event log per job, and its cancel flag."""
+``Sampler.CancelJob``: an append-only event log per job, and why it must stop."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -14,15 +15,30 @@ from services.rpc.gen.darkroom.internal.v1 import sampler_pb2
 KEEP_FINISHED_S = 60.0
 
 
+class StopReason(enum.Enum):
+    CANCELLED = "cancelled"  # the client asked
+    TIMED_OUT = "timed out"  # past its model's hard timeout
+    SUPERSEDED = "superseded"  # the job moved on (requeued): nothing to record
+    HANDED_BACK = "handed back"  # the worker is draining: back to the queue, no attempt counted
+
+
 class JobWatch:
     def __init__(self, job_id: str, attempt: int, loop: asyncio.AbstractEventLoop) -> None:
         self.job_id = job_id
         self.attempt = attempt
-        self.cancelled = threading.Event()
+        # Set from any thread; the denoising loop checks it between steps.
+        self.stopping = threading.Event()
+        self.stop_reason: StopReason | None = None
         self.events: list[sampler_pb2.SamplerEvent] = []
         self.finished_at: float | None = None
         self._changed = asyncio.Condition()
         self._loop = loop
+
+    def stop(self, reason: StopReason) -> None:
+        """Asks the job to stop at its next step; the first reason given wins."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.stopping.set()
 
     async def emit(self, event: sampler_pb2.SamplerEvent) -> None:
         event.job_id = self.job_id
@@ -65,6 +81,10 @@ class JobTracker:
 
     def running(self) -> list[JobWatch]:
         return [w for w in self._jobs.values() if w.finished_at is None]
+
+    def stop_all(self, reason: StopReason) -> None:
+        for watch in self.running():
+            watch.stop(reason)
 
     def _prune(self) -> None:
         now = time.monotonic()

@@ -1,6 +1,7 @@
 """The scheduler: a fast loop that places queued jobs with the pure policy and
-publishes each to its worker's JetStream subject, and a slow loop that plans
-which models each GPU keeps warm. Any number of replicas may run; Postgres
+publishes each to its worker's JetStream subject, a recovery loop that takes back
+what dead workers held (and expires, times out and fails), and a slow loop that
+plans which models each GPU keeps warm. Any number of replicas may run; Postgres
 advisory locks let one at a time do each pass."""
 
 from __future__ import annotations
@@ -14,14 +15,26 @@ from datetime import UTC, datetime, timedelta
 
 from scheduler import policy
 from scheduler.estimates import Durations, Shape
+from scheduler.recovery import RecoveryConfig, review
 from scheduler.views import costs_from, durations_from, gpu_views, job_view, policy_config, worker_views
 from scheduler.warmsets import demand_from, plan_warm_sets
 from services.bus import Bus, Dispatch
-from services.db.migrate import upgrade
-from services.db.repository import Assignment, JobRecord, Repository, ShapeCount, WarmPlan, WorkerRecord
+from services.db.migrate import upgrade_when_reachable
+from services.db.records import (
+    Assignment,
+    Fail,
+    JobRecord,
+    Recovery,
+    Requeue,
+    ShapeCount,
+    WarmPlan,
+    WorkerRecord,
+)
+from services.db.repository import Repository
 from services.errors import BusError, StoreError
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
+from services.rpc.server import Server, build_server
 from services.settings import Settings
 
 log = logging.getLogger("darkroom.scheduler")
@@ -87,52 +100,99 @@ class Scheduler:
         self.repo = repo
         self.bus = bus
         self.config = policy_config(settings)
+        self.recovery = RecoveryConfig(
+            max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
+        )
         self.costs = costs_from(registry)
         self.durations = Durations()
         self._durations_read = float("-inf")
+        # Since when the database has answered this replica without a failure.
+        # Heartbeats are judged only once that is longer than a heartbeat's
+        # timeout: after an outage every heartbeat looks stale, and the workers
+        # need one interval to show they are alive.
+        self._db_up_since: float | None = None
+        self._last_prune = float("-inf")
+
+    def _db_answered(self, ok: bool) -> None:
+        now = asyncio.get_running_loop().time()
+        if not ok:
+            self._db_up_since = None
+        elif self._db_up_since is None:
+            self._db_up_since = now
+
+    def _may_judge_heartbeats(self) -> bool:
+        up = self._db_up_since
+        return up is not None and asyncio.get_running_loop().time() - up >= self.settings.worker_stale_after_s
 
     async def fleet(self) -> policy.Fleet:
         loop = asyncio.get_running_loop()
         if loop.time() - self._durations_read >= self.settings.estimates_refresh_s:
-            self.durations = durations_from(*await self.repo.learned_estimates())
+            self.durations = durations_from(*await self.repo.estimates.learned())
             self._durations_read = loop.time()
         return policy.Fleet(self.costs, self.durations)
 
     async def run_pass(self) -> int:
         now = datetime.now(UTC)
         decide = make_decide(await self.fleet(), self.config, now=now)
-        scheduled = await self.repo.schedule_pass(
-            decide, limit=self.settings.scheduler_batch, stale_after_s=self.settings.worker_stale_after_s, now=now
+        scheduled = await self.repo.scheduling.schedule_pass(
+            decide,
+            limit=self.settings.scheduler_batch,
+            stale_after_s=self.settings.worker_stale_after_s,
+            max_attempts=self.settings.max_attempts,
+            now=now,
         )
         if scheduled:
             log.debug("placed %d jobs", len(scheduled))
-        for job in scheduled or []:
-            assert job.worker_id is not None
-            # Published after the commit: if this process dies here the job stays
-            # SCHEDULED and redispatch() publishes it again under the same id.
-            await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt))
+        # Published after the commit: a job left unpublished (this process dies
+        # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
+        # under the same message id.
+        await self._publish(scheduled or [])
         return len(scheduled or [])
 
-    async def plan_pass(self) -> dict[str, WarmPlan] | None:
-        now = datetime.now(UTC)
-        window = self.settings.demand_window_s
-        plans = await self.repo.plan_pass(
-            make_plan(await self.fleet(), self.config, window_s=window),
-            since=now - timedelta(seconds=window),
-            stale_after_s=self.settings.worker_stale_after_s,
-            now=now,
-        )
-        if plans:
-            log.debug("warm sets: %s", {w: p.models for w, p in plans.items()})
-        return plans
+    async def _publish(self, jobs: Sequence[JobRecord]) -> None:
+        failed, last = 0, None
+        for job in jobs:
+            assert job.worker_id is not None
+            try:
+                await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt))
+            except BusError as exc:
+                failed += 1
+                last = exc
+        if failed:
+            log.warning("%d of %d dispatches not published, will retry: %s", failed, len(jobs), last)
 
     async def redispatch(self) -> int:
         older = datetime.now(UTC) - timedelta(seconds=self.settings.redispatch_after_s)
-        jobs = await self.repo.scheduled_not_started(older_than=older)
-        for job in jobs:
-            assert job.worker_id is not None
-            await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt))
+        jobs = await self.repo.scheduling.scheduled_not_started(older_than=older)
+        await self._publish(jobs)
         return len(jobs)
+
+    async def recovery_pass(self) -> list[Recovery] | None:
+        """Requeues what dead workers held, expires, fails and times out; see
+        ``scheduler.recovery``."""
+        done = await self.repo.recovery.recovery_pass(
+            lambda jobs, dead, now: review(jobs, dead, now, self.recovery),
+            stale_after_s=self.settings.worker_stale_after_s,
+            judge_heartbeats=self._may_judge_heartbeats(),
+            max_attempts=self.settings.max_attempts,
+            shortest_timeout_s=self.recovery.shortest_timeout_s,
+        )
+        for action in done or []:
+            log.warning("recovered %s", describe(action))
+        return done
+
+    async def forget_gone_workers(self) -> list[str]:
+        """Workers silent for ``worker_forget_after_s`` are gone for good: their
+        consumer, what is left on their subject, and their row go."""
+        gone_for = self.settings.worker_forget_after_s
+        forgotten = []
+        for worker_id in await self.repo.workers.forgettable(gone_for_s=gone_for):
+            await self.bus.forget_worker(worker_id)
+            if await self.repo.workers.forget(worker_id, gone_for_s=gone_for):
+                forgotten.append(worker_id)
+        if forgotten:
+            log.info("forgot workers gone for good: %s", ", ".join(forgotten))
+        return forgotten
 
     async def placement_loop(self, stop: asyncio.Event) -> None:
         last_redispatch = 0.0
@@ -141,14 +201,34 @@ class Scheduler:
             placed = 0
             try:
                 placed = await self.run_pass()
+                self._db_answered(True)
                 if loop.time() - last_redispatch > self.settings.redispatch_after_s / 2:
                     last_redispatch = loop.time()
                     await self.redispatch()
-            except (StoreError, BusError) as exc:
+            except StoreError as exc:
+                self._db_answered(False)
                 log.warning("scheduling pass failed, will retry: %s", exc)
             if placed == 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.settings.scheduler_interval_s)
+
+    async def recovery_loop(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        prune_every = min(60.0, self.settings.worker_forget_after_s / 2)
+        while not stop.is_set():
+            try:
+                await self.recovery_pass()
+                self._db_answered(True)
+                if loop.time() - self._last_prune >= prune_every:
+                    self._last_prune = loop.time()
+                    await self.forget_gone_workers()
+            except StoreError as exc:
+                self._db_answered(False)
+                log.warning("recovery pass failed, will retry: %s", exc)
+            except BusError as exc:
+                log.warning("cannot forget a worker's consumer, will retry: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.recovery_interval_s)
 
     async def planning_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -159,22 +239,58 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.plan_interval_s)
 
+    async def plan_pass(self) -> dict[str, WarmPlan] | None:
+        now = datetime.now(UTC)
+        window = self.settings.demand_window_s
+        plans = await self.repo.scheduling.plan_pass(
+            make_plan(await self.fleet(), self.config, window_s=window),
+            since=now - timedelta(seconds=window),
+            stale_after_s=self.settings.worker_stale_after_s,
+        )
+        if plans:
+            log.debug("warm sets: %s", {w: p.models for w, p in plans.items()})
+        return plans
+
     async def run(self, stop: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.placement_loop(stop))
+            tg.create_task(self.recovery_loop(stop))
             tg.create_task(self.planning_loop(stop))
 
 
+def describe(action: Recovery) -> str:
+    if isinstance(action, Requeue):
+        why = action.failure.describe() if action.failure else "handed back, no attempt counted"
+        return f"{action.job_id}: requeued ({why})"
+    if isinstance(action, Fail):
+        return f"{action.job_id}: FAILED ({action.reason})"
+    return f"{action.job_id}: EXPIRED (deadline passed while queued)"
+
+
+def create_server(settings: Settings) -> Server:
+    """Health checking only: the scheduler's work reaches it through Postgres."""
+    return build_server([], settings.scheduler_host, settings.scheduler_port)
+
+
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    await asyncio.to_thread(upgrade, settings.database_url)
+    if not await upgrade_when_reachable(settings.database_url, stop):
+        return
     registry = ModelRegistry.load(settings.model_registry or None)
     repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
-    bus = await Bus.connect(settings.nats_url, name="darkroom-scheduler")
+    server = create_server(settings)
+    bus: Bus | None = None
     try:
-        log.info("scheduler running")
+        bus = await Bus.connect(
+            settings.nats_servers, name="darkroom-scheduler", replicas=settings.nats_replicas, stop=stop
+        )
+        await server.grpc.start()
+        await server.set_serving(True)
+        log.info("scheduler running (health on port %d)", server.port)
         await Scheduler(settings, repo, bus, registry).run(stop)
     finally:
-        await bus.close()
+        await server.grpc.stop(0)
+        if bus is not None:
+            await bus.close()
         await repo.close()
 
 

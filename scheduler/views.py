@@ -10,7 +10,7 @@ from dataclasses import replace
 from scheduler import policy
 from scheduler.estimates import Durations, Learned
 from scheduler.warmsets import GpuView
-from services.db.repository import Estimate, JobRecord, WorkerRecord
+from services.db.records import Estimate, JobRecord, WorkerRecord
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
 
@@ -85,7 +85,7 @@ def worker_views(
             vram_used_bytes=w.vram_used_bytes,
             speed=w.speed,
             temperature_c=w.temperature_c,
-            state=policy.READY if w.status == "ready" else w.status,
+            state=w.status.value,
             planned_models=frozenset(w.planned_models),
         )
         work = 0.0
@@ -113,7 +113,7 @@ def gpu_views(workers: Sequence[WorkerRecord], durations: Durations) -> list[Gpu
             warm_models=frozenset(w.warm_models),
             vram_total_bytes=w.vram_total_bytes,
             speed=durations.speed(w.id, w.speed),
-            state=policy.READY if w.status == "ready" else w.status,
+            state=w.status.value,
             primary=w.primary_model,
         )
         for w in workers

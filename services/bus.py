@@ -1,8 +1,14 @@
-"""JetStream dispatch: one stream, one subject per worker, one durable consumer each."""
+"""JetStream dispatch: one stream, one subject per worker, one durable consumer each.
+
+Every call here rides out a restart of nats-server: the client reconnects on its
+own (forever, with backoff), streams and consumers are file-stored, and errors
+leave as ``BusError`` for the caller's loop to retry."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
 import socket
 from dataclasses import dataclass
@@ -11,8 +17,11 @@ import nats
 from nats.errors import Error as NatsError
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
+from nats.js.errors import BadRequestError, NotFoundError
 
-from services.errors import BusError
+from services.errors import BusError, MalformedDispatch
+
+log = logging.getLogger("darkroom.bus")
 
 DISPATCH_STREAM = "DARKROOM_DISPATCH"
 DISPATCH_PREFIX = "darkroom.dispatch"
@@ -20,6 +29,10 @@ DISPATCH_PREFIX = "darkroom.dispatch"
 # a job re-published for the same attempt is delivered once.
 DUPLICATE_WINDOW_S = 120.0
 _WORKER_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+# JetStream's "stream name already in use with a different configuration".
+_STREAM_NAME_IN_USE = 10058
+# Errors that mean "NATS cannot do it right now" on any call.
+BUS_ERRORS = (NatsError, OSError, TimeoutError)
 
 
 def host_token() -> str:
@@ -27,10 +40,18 @@ def host_token() -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:60]
 
 
-def dispatch_subject(worker_id: str) -> str:
+def check_worker_id(worker_id: str) -> str:
     if not _WORKER_ID.match(worker_id):
         raise ValueError(f"worker id {worker_id!r} must be 1-100 of [A-Za-z0-9_-]")
-    return f"{DISPATCH_PREFIX}.{worker_id}"
+    return worker_id
+
+
+def dispatch_subject(worker_id: str) -> str:
+    return f"{DISPATCH_PREFIX}.{check_worker_id(worker_id)}"
+
+
+def consumer_name(worker_id: str) -> str:
+    return f"worker-{check_worker_id(worker_id)}"
 
 
 def message_id(job_id: str, attempt: int) -> str:
@@ -47,24 +68,64 @@ class Dispatch:
 
     @classmethod
     def decode(cls, data: bytes) -> Dispatch:
-        body = json.loads(data)
-        return cls(job_id=str(body["job_id"]), attempt=int(body["attempt"]))
+        try:
+            body = json.loads(data)
+            job_id, attempt = body["job_id"], body["attempt"]
+            if not isinstance(job_id, str) or not job_id or not isinstance(attempt, int) or attempt < 1:
+                raise ValueError("job_id must be a non-empty string and attempt a positive integer")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise MalformedDispatch(f"malformed dispatch {data[:200]!r}: {exc}") from exc
+        return cls(job_id=job_id, attempt=attempt)
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    ack_wait_s: float = 30.0
+    max_ack_pending: int = 64
 
 
 class Bus:
-    def __init__(self, nc: nats.NATS, js: JetStreamContext) -> None:
+    def __init__(self, nc: nats.NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
         self.nc = nc
         self.js = js
+        self.replicas = replicas
 
     @classmethod
-    async def connect(cls, url: str, *, name: str) -> Bus:
-        try:
-            nc = await nats.connect(url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, drain_timeout=5)
-        except (NatsError, OSError) as exc:
-            raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
-        bus = cls(nc, nc.jetstream())
-        await bus.ensure_stream()
-        return bus
+    async def connect(
+        cls,
+        servers: list[str],
+        *,
+        name: str,
+        replicas: int = 1,
+        stop: asyncio.Event | None = None,
+        retry_max_s: float = 5.0,
+    ) -> Bus:
+        """Connects, retrying with backoff until NATS answers (or ``stop`` is set),
+        so that a service started before nats-server, or during its restart, waits
+        for it rather than exits."""
+        delay = 0.2
+        while True:
+            try:
+                nc = await nats.connect(
+                    servers,
+                    name=name,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    connect_timeout=2,
+                    drain_timeout=5,
+                    error_cb=_log_error,
+                    disconnected_cb=_log_disconnected,
+                    reconnected_cb=_log_reconnected,
+                )
+                bus = cls(nc, nc.jetstream(timeout=5), replicas=replicas)
+                await bus.ensure_stream()
+                return bus
+            except (*BUS_ERRORS, BusError) as exc:
+                if stop is not None and stop.is_set():
+                    raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc
+                log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, retry_max_s)
 
     async def ensure_stream(self) -> None:
         config = StreamConfig(
@@ -73,10 +134,16 @@ class Bus:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=self.replicas,
         )
         try:
-            await self.js.add_stream(config)
-        except NatsError as exc:
+            try:
+                await self.js.add_stream(config)
+            except BadRequestError as exc:
+                if exc.err_code != _STREAM_NAME_IN_USE:
+                    raise
+                await self.js.update_stream(config)
+        except BUS_ERRORS as exc:
             raise BusError(f"cannot create stream {DISPATCH_STREAM}: {exc}") from exc
 
     async def publish_dispatch(self, worker_id: str, dispatch: Dispatch) -> bool:
@@ -89,29 +156,69 @@ class Bus:
                 headers={"Nats-Msg-Id": message_id(dispatch.job_id, dispatch.attempt)},
                 timeout=5,
             )
-        except (NatsError, OSError) as exc:
+        except BUS_ERRORS as exc:
             raise BusError(f"cannot publish {dispatch.job_id} to {worker_id}: {exc}") from exc
         return not ack.duplicate
 
-    async def dispatch_consumer(self, worker_id: str, *, ack_wait_s: float = 60.0) -> JetStreamContext.PullSubscription:
-        """The worker's durable pull consumer on its own subject."""
+    async def dispatch_consumer(self, worker_id: str, settings: ConsumerSettings) -> JetStreamContext.PullSubscription:
+        """The worker's durable pull consumer on its own subject, created, or updated
+        to ``settings`` if it exists with others (a restarted worker takes back its
+        own consumer, and what is waiting on it)."""
         subject = dispatch_subject(worker_id)
-        durable = f"worker-{worker_id}"
+        durable = consumer_name(worker_id)
+        config = ConsumerConfig(
+            name=durable,
+            durable_name=durable,
+            filter_subject=subject,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=settings.ack_wait_s,
+            max_ack_pending=settings.max_ack_pending,
+        )
         try:
-            return await self.js.pull_subscribe(
-                subject,
-                durable=durable,
-                stream=DISPATCH_STREAM,
-                config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s, max_ack_pending=64),
-            )
-        except NatsError as exc:
+            # CONSUMER.CREATE with an existing name updates it (nats-server 2.10+).
+            await self.js.add_consumer(DISPATCH_STREAM, config)
+            return await self.js.pull_subscribe_bind(durable=durable, stream=DISPATCH_STREAM)
+        except BUS_ERRORS as exc:
             raise BusError(f"cannot subscribe to {subject}: {exc}") from exc
+
+    async def consumer_settings(self, worker_id: str) -> ConsumerSettings:
+        try:
+            info = await self.js.consumer_info(DISPATCH_STREAM, consumer_name(worker_id))
+        except BUS_ERRORS as exc:
+            raise BusError(f"cannot read the consumer of {worker_id}: {exc}") from exc
+        return ConsumerSettings(
+            ack_wait_s=info.config.ack_wait or 0.0, max_ack_pending=info.config.max_ack_pending or 0
+        )
+
+    async def forget_worker(self, worker_id: str) -> None:
+        """Deletes a worker's consumer and whatever is left on its subject: it is
+        gone for good, and its jobs were requeued."""
+        try:
+            try:
+                await self.js.delete_consumer(DISPATCH_STREAM, consumer_name(worker_id))
+            except NotFoundError:
+                pass
+            await self.js.purge_stream(DISPATCH_STREAM, subject=dispatch_subject(worker_id))
+        except BUS_ERRORS as exc:
+            raise BusError(f"cannot forget worker {worker_id}: {exc}") from exc
 
     async def close(self) -> None:
         if self.nc.is_connected:
             try:
                 await self.nc.drain()
-            except NatsError:
+            except BUS_ERRORS:
                 await self.nc.close()
         else:
             await self.nc.close()
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("NATS: %s", exc)
+
+
+async def _log_disconnected() -> None:
+    log.warning("NATS: disconnected; reconnecting")
+
+
+async def _log_reconnected() -> None:
+    log.info("NATS: reconnected")

@@ -25,7 +25,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def cmd_up(args: argparse.Namespace) -> int:
     from services.stack import LocalStack
 
-    stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers)
+    stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers, decoders=args.decoders)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
@@ -82,6 +82,33 @@ def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_supervise(args: argparse.Namespace) -> int:
+    """A GPU host: one sampler per visible GPU and the decoders asked for, kept
+    running until SIGINT/SIGTERM."""
+    from services.lifecycle import configure_logging
+    from services.stack import host_children, restart_policy, stop_order
+    from services.supervisor import Supervisor
+
+    settings = _settings(args)
+    if not settings.database_url or not settings.nats_url:
+        print("darkroom: set DARKROOM_DATABASE_URL and DARKROOM_NATS_URL", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    supervisor = Supervisor(restart_policy(settings))
+    for child in host_children(settings, decoders=args.decoders, cpu_samplers=args.cpu_workers):
+        supervisor.add(child)
+    supervisor.start()
+    print(f"darkroom: supervising {', '.join(supervisor.children)}", flush=True)
+    try:
+        stopped.wait()
+    finally:
+        supervisor.stop(stop_order(list(supervisor.children)))
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     return _generate_into(args.gateway, args.prompt, args)
 
@@ -131,13 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--data-dir", help="where PostgreSQL, JetStream and models live (default ~/.darkroom)")
     up.add_argument("--port", type=int, help="gateway port (default 50051)")
     up.add_argument("--cpu-workers", type=int, default=1, help="sampler processes when there is no GPU")
+    up.add_argument("--decoders", type=int, default=1, help="VAE decoder processes")
     up.set_defaults(func=cmd_up, demo_prompt=None)
+
+    sup = sub.add_parser(
+        "supervise",
+        help="run and keep running this GPU host's samplers and decoders (needs the database and NATS URLs)",
+    )
+    sup.add_argument("--decoders", type=int, default=1, help="VAE decoder processes on this host")
+    sup.add_argument("--cpu-workers", type=int, default=1, help="sampler processes when there is no GPU")
+    sup.add_argument("--data-dir", help="where models, logs and liveness files live (default ~/.darkroom)")
+    sup.set_defaults(func=cmd_supervise)
 
     demo = sub.add_parser("demo", help="start the stack, generate one image, save it and stop")
     demo.add_argument("prompt", nargs="?", default="a lighthouse on a cliff at dusk")
     demo.add_argument("--data-dir")
     demo.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     demo.add_argument("--cpu-workers", type=int, default=1)
+    demo.add_argument("--decoders", type=int, default=1)
     _generation_options(demo)
     demo.set_defaults(func=lambda a: cmd_up(argparse.Namespace(**{**vars(a), "demo_prompt": a.prompt})))
 

@@ -56,5 +56,14 @@ class ModelError(DarkroomError):
     """A model could not be found, built or loaded."""
 
 
-class JobCancelled(DarkroomError):
-    """Raised inside the denoising loop when the job is cancelled between steps."""
+class JobInterrupted(DarkroomError):
+    """Raised inside the denoising loop, between steps, when the job must stop: it
+    was cancelled, ran past its timeout, was handed back or moved on."""
+
+
+class WorkerSuperseded(DarkroomError):
+    """A newer process registered under this worker's id: this one must stop."""
+
+
+class MalformedDispatch(BusError):
+    """A dispatch message that cannot be read: it is dropped, never retried."""

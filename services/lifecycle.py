@@ -1,18 +1,28 @@
 """How every service process starts and stops: settings loaded once, a stop event
-set by SIGINT/SIGTERM, and ``serve(settings, stop)`` left to finish in-flight work."""
+set by SIGINT/SIGTERM, ``serve(settings, stop)`` left to finish in-flight work, and,
+under a supervisor, a liveness file touched from the event loop."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
-from services.settings import Settings
+from services.settings import Settings, SettingsError
 
-Serve = Callable[[Settings, asyncio.Event], Awaitable[None]]
+# serve() returns it when the process is not fit to go on (a worker whose attempts
+# keep failing, one whose id another process took): its supervisor restarts it.
+EXIT_UNFIT = 3
+# A setting that cannot be used: restarting will not help.
+EXIT_BAD_SETTINGS = 2
+
+Serve = Callable[[Settings, asyncio.Event], Awaitable[int | None]]
 
 
 def configure_logging(level: str) -> None:
@@ -28,22 +38,49 @@ def _dump_tasks() -> None:
         task.print_stack(file=sys.stderr)
 
 
+async def show_alive(path: Path, every_s: float) -> None:
+    """Touches ``path`` while the event loop turns: a hung loop (or a stopped
+    process) stops touching it, and the supervisor notices."""
+    while True:
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        await asyncio.sleep(every_s)
+
+
 def run_service(name: str, serve: Serve, settings: Settings | None = None) -> None:
-    settings = settings or Settings.from_env()
+    logger = logging.getLogger(f"darkroom.{name}")
+    try:
+        settings = settings or Settings.from_env()
+    except SettingsError as exc:
+        configure_logging("INFO")
+        logger.error("%s", exc)
+        sys.exit(EXIT_BAD_SETTINGS)
     configure_logging(settings.log_level)
     # `kill -USR1 <pid>` prints every thread's stack: how to see what a stuck service waits on.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    liveness = Path(settings.liveness_file) if settings.liveness_file else None
+    if liveness is not None:
+        liveness.touch()
 
-    async def runner() -> None:
+    async def runner() -> int | None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGUSR2, _dump_tasks)
-        await serve(settings, stop)
+        alive = None
+        if liveness is not None:
+            alive = asyncio.create_task(show_alive(liveness, every_s=1.0))
+        try:
+            return await serve(settings, stop)
+        finally:
+            if alive is not None:
+                alive.cancel()
 
+    code: int | None = 0
     try:
-        asyncio.run(runner())
+        code = asyncio.run(runner())
     except KeyboardInterrupt:
         pass
-    logging.getLogger(f"darkroom.{name}").info("%s stopped", name)
+    logger.info("%s stopped (pid %d)", name, os.getpid())
+    sys.exit(code or 0)

@@ -1,7 +1,9 @@
-"""Settings for every Darkroom service, read from ``DARKROOM_*`` variables in one place."""
+"""Settings for every Darkroom service, read from ``DARKROOM_*`` variables in one
+place: parsed, range-checked, and failing fast with the variable's name."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -19,57 +21,108 @@ def _default_data_dir() -> Path:
     return Path(os.path.expanduser("~/.darkroom"))
 
 
+def _at_least(low: float, default: Any) -> Any:
+    return field(default=default, metadata={"min": low})
+
+
 @dataclass(frozen=True)
 class Settings:
     # Where the embedded stack keeps Postgres, JetStream and built models.
     data_dir: Path = field(default_factory=_default_data_dir)
     database_url: str = ""
+    # One URL, or several comma-separated: every node of a NATS cluster.
     nats_url: str = ""
+    # Copies JetStream keeps of the dispatch stream: 3 on a three-node cluster.
+    nats_replicas: int = _at_least(1, 1)
     # A TOML model registry; empty means the one shipped with Darkroom.
     model_registry: str = ""
 
     gateway_host: str = "127.0.0.1"
-    gateway_port: int = 50051
+    gateway_port: int = _at_least(0, 50051)
     # Comma-separated keys; empty disables authentication (a local stack).
     api_keys: tuple[str, ...] = ()
 
+    # The scheduler serves gRPC health checking here.
+    scheduler_host: str = "127.0.0.1"
+    scheduler_port: int = _at_least(0, 0)
+
+    # Empty: host and GPU (a restarted sampler takes back its own subject).
     worker_id: str = ""
     worker_host: str = "127.0.0.1"
-    worker_port: int = 0
+    worker_port: int = _at_least(0, 0)
     # "cuda", "cuda:0", "cpu" or empty for "cuda if available, else cpu".
     device: str = ""
     # Models a worker loads at start, before it reports itself ready.
     preload_models: tuple[str, ...] = ()
     vae_host: str = "127.0.0.1"
-    vae_port: int = 0
+    vae_port: int = _at_least(0, 0)
+    # A sampler decodes its own latents when no decoder service can.
+    local_decode_fallback: bool = False
 
-    heartbeat_interval_s: float = 1.0
-    # A worker whose last heartbeat is older than this is not given work.
-    worker_stale_after_s: float = 10.0
-    scheduler_interval_s: float = 0.05
-    scheduler_batch: int = 64
+    heartbeat_interval_s: float = _at_least(0.05, 1.0)
+    # A worker whose last heartbeat is older than this is given no work, and the
+    # jobs it holds go back to the queue.
+    worker_stale_after_s: float = _at_least(0.5, 10.0)
+    # A worker silent this long, holding nothing, is forgotten: its registry row,
+    # its JetStream consumer and any messages left on its subject.
+    worker_forget_after_s: float = _at_least(1.0, 3600.0)
+    scheduler_interval_s: float = _at_least(0.001, 0.05)
+    scheduler_batch: int = _at_least(1, 64)
+    # How often the scheduler looks for stalled, expired and exhausted jobs.
+    recovery_interval_s: float = _at_least(0.05, 1.0)
+    # A job whose attempts have failed this many times is FAILED.
+    max_attempts: int = _at_least(1, 3)
     # Jobs a worker may hold beyond the one it is running (late binding).
-    worker_backlog: int = 2
+    worker_backlog: int = _at_least(0, 2)
     # A SCHEDULED job that has not started after this long is published again
     # (same message id: JetStream drops it if the first publish got through).
-    redispatch_after_s: float = 15.0
+    redispatch_after_s: float = _at_least(0.1, 15.0)
+    # JetStream redelivers a dispatch not acked (or kept in progress) this long.
+    dispatch_ack_wait_s: float = _at_least(1.0, 30.0)
+    # Dispatches a worker may hold unacked.
+    dispatch_max_ack_pending: int = _at_least(1, 64)
+    # How long a worker retries storing a job's outcome before it leaves the
+    # dispatch unacked, for redelivery, and moves on.
+    outcome_retry_s: float = _at_least(0.0, 30.0)
+    # Consecutive failed attempts after which a sampler reports itself unhealthy
+    # and exits, for its supervisor to restart it.
+    unhealthy_after_failures: int = _at_least(1, 3)
     # Priority lanes, "name:priority:max_wait_s" each; higher priority runs first,
     # and a submit whose estimated wait passes max_wait_s is refused (backpressure).
     lanes: tuple[str, ...] = ("paid:10:120", "free:0:300")
     # Priority a waiting job gains per second, so that no lane starves.
-    lane_aging_per_s: float = 0.5
+    lane_aging_per_s: float = _at_least(0.0, 0.5)
     # "capability:gpus" each: at most that many GPUs hold such work while other work waits.
     capability_caps: tuple[str, ...] = ()
     # A GPU's queued work counts more above this temperature (twice at +10 C).
     hot_temperature_c: float = 70.0
     # The warm-set planner: how often it runs, and how much history it weighs.
-    plan_interval_s: float = 15.0
-    demand_window_s: float = 120.0
+    plan_interval_s: float = _at_least(0.1, 15.0)
+    demand_window_s: float = _at_least(1.0, 120.0)
     # How often the scheduler rereads learned durations and speeds.
-    estimates_refresh_s: float = 2.0
-    max_prompt_chars: int = 2000
-    shutdown_grace_s: float = 10.0
+    estimates_refresh_s: float = _at_least(0.0, 2.0)
+    max_prompt_chars: int = _at_least(1, 2000)
+    # How long a stopping service may take to finish what it is doing.
+    shutdown_grace_s: float = _at_least(0.0, 10.0)
+
+    # Supervision (``darkroom up``, ``darkroom supervise``): a child that has not
+    # shown it is alive for this long is hung, and is killed and restarted.
+    hang_after_s: float = _at_least(1.0, 15.0)
+    # Restart delays: doubling from the first to the longest.
+    restart_backoff_s: float = _at_least(0.0, 0.5)
+    restart_backoff_max_s: float = _at_least(0.0, 30.0)
+    # Set by the supervisor for its children: the file a child touches to show it
+    # is alive, and how many times the child has been restarted.
+    liveness_file: str = ""
+    restarts: int = _at_least(0, 0)
     log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            low = f.metadata.get("min")
+            value = getattr(self, f.name)
+            if low is not None and not (isinstance(value, int | float) and math.isfinite(value) and value >= low):
+                raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: must be a number of at least {low}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -87,25 +140,43 @@ class Settings:
         env: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            env[ENV_PREFIX + f.name.upper()] = ",".join(value) if isinstance(value, tuple) else str(value)
+            if isinstance(value, tuple):
+                env[ENV_PREFIX + f.name.upper()] = ",".join(value)
+            elif isinstance(value, bool):
+                env[ENV_PREFIX + f.name.upper()] = "true" if value else "false"
+            else:
+                env[ENV_PREFIX + f.name.upper()] = str(value)
         return env
 
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
 
+    @property
+    def nats_servers(self) -> list[str]:
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:
     type_name = str(type_name)
+    variable = f"{ENV_PREFIX}{name.upper()}={raw!r}"
     try:
         if type_name == "int":
             return int(raw)
         if type_name == "float":
             return float(raw)
+        if type_name == "bool":
+            if raw.strip().lower() not in _TRUE | _FALSE:
+                raise ValueError("expected true or false")
+            return raw.strip().lower() in _TRUE
         if type_name == "Path":
             return Path(raw).expanduser()
         if type_name.startswith("tuple"):
             return tuple(part.strip() for part in raw.split(",") if part.strip())
     except ValueError as exc:
-        raise SettingsError(f"{ENV_PREFIX}{name.upper()}={raw!r}: {exc}") from exc
+        raise SettingsError(f"{variable}: {exc}") from exc
     return raw

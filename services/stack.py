@@ -1,22 +1,24 @@
-"""The whole stack on one machine, as separate processes: PostgreSQL and nats-server
-(embedded, unless URLs are configured), then the VAE worker, one sampler per GPU
-(or one on the CPU), the scheduler and the gateway. ``darkroom up`` and the
-integration tests both use it."""
+"""The whole stack on one machine, as separate supervised processes: PostgreSQL and
+nats-server (embedded, unless URLs are configured), then the VAE worker, one
+sampler per GPU (or CPU samplers), the scheduler and the gateway. ``darkroom up``
+and the integration tests both use it; ``darkroom supervise`` uses ``host_children``
+for the sampler side of a GPU host."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-from services.embedded import EmbeddedNats, EmbeddedPostgres, ManagedProcess, free_port
+from services.bus import host_token
+from services.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from services.settings import Settings
+from services.supervisor import Child, RestartPolicy, Supervisor
 
-MODULES = {"gateway": "gateway", "scheduler": "scheduler", "gpu_worker": "gpu_worker", "vae_worker": "vae_worker"}
+# Stopping front to back: stop taking work first, let samplers finish (or hand
+# back) theirs, and keep the decoders up until they have.
+STOP_ORDER_RANK = {"gateway": 0, "scheduler": 1, "gpu_worker": 2, "vae_worker": 3}
 
 
 def visible_gpus() -> int:
@@ -29,45 +31,82 @@ def visible_gpus() -> int:
         return 0
 
 
-class ServiceProcess(ManagedProcess):
-    def __init__(self, name: str, module: str, env: dict[str, str], log_path: Path) -> None:
-        super().__init__()
-        self.name = name
-        self.module = module
-        self.env = env
-        self.log_path = log_path
+def restart_policy(settings: Settings) -> RestartPolicy:
+    return RestartPolicy(
+        backoff_s=settings.restart_backoff_s,
+        backoff_max_s=settings.restart_backoff_max_s,
+        hang_after_s=settings.hang_after_s,
+        kill_grace_s=min(settings.shutdown_grace_s, 5.0),
+    )
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+
+def child(
+    settings: Settings, name: str, module: str, *, extra_env: dict[str, str] | None = None, **overrides: Any
+) -> Child:
+    """A supervised service process with these settings (and overrides)."""
+    env = {**os.environ, **replace(settings, **overrides).to_env(), **(extra_env or {})}
+    return Child(
+        name,
+        module,
+        env,
+        settings.data_dir / "logs" / f"{name}.log",
+        settings.data_dir / "run" / f"{name}.alive",
+    )
+
+
+def host_children(settings: Settings, *, decoders: int, cpu_samplers: int = 1) -> list[Child]:
+    """A GPU host's processes: ``decoders`` VAE workers and one sampler per visible
+    GPU (``CUDA_VISIBLE_DEVICES`` set for each), or CPU samplers when there is
+    none. Worker ids come from the host and the GPU, so a restarted sampler takes
+    back its own subject."""
+    host = host_token()
+    children = [child(settings, f"vae_worker-{i}", "vae_worker", worker_id=f"{host}-vae{i}") for i in range(decoders)]
+    gpus = visible_gpus()
+    if gpus:
+        for i in range(gpus):
+            children.append(
+                child(
+                    settings,
+                    f"gpu_worker-{i}",
+                    "gpu_worker",
+                    extra_env={"CUDA_VISIBLE_DEVICES": str(i)},
+                    device="cuda:0",
+                    worker_id=f"{host}-gpu{i}",
+                )
             )
+    else:
+        for i in range(cpu_samplers):
+            children.append(child(settings, f"gpu_worker-{i}", "gpu_worker", device="cpu", worker_id=f"{host}-cpu{i}"))
+    return children
 
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+
+def stop_order(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda n: STOP_ORDER_RANK.get(n.split("-")[0], 2))
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, *, cpu_workers: int = 1, durable: bool = True) -> None:
+    def __init__(self, settings: Settings, *, cpu_workers: int = 1, decoders: int = 1, durable: bool = True) -> None:
         self.settings = settings
         self.cpu_workers = cpu_workers
+        self.decoders = decoders
         self.durable = durable
         self.postgres: EmbeddedPostgres | None = None
         self.nats: EmbeddedNats | None = None
-        self.services: dict[str, ServiceProcess] = {}
+        self.supervisor = Supervisor(restart_policy(settings))
         self.log_dir = settings.data_dir / "logs"
+
+    @property
+    def services(self) -> dict[str, Child]:
+        return self.supervisor.children
 
     @property
     def gateway_address(self) -> str:
         return f"{self.settings.gateway_host}:{self.settings.gateway_port}"
+
+    @property
+    def pg_url(self) -> str:
+        """The database URL for psycopg (no SQLAlchemy driver suffix)."""
+        return self.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
 
     def start_backends(self) -> None:
         data = self.settings.data_dir
@@ -84,15 +123,9 @@ class LocalStack:
 
         upgrade(self.settings.database_url)
 
-    def service(self, name: str, module: str, **overrides: Any) -> ServiceProcess:
-        env = {**os.environ, **replace(self.settings, **overrides).to_env(), "PYTHONUNBUFFERED": "1"}
-        return ServiceProcess(name, module, env, self.log_dir / f"{name}.log")
-
-    def add(self, name: str, module: str, **overrides: Any) -> ServiceProcess:
-        proc = self.service(name, module, **overrides)
-        self.services[name] = proc
-        proc.start()
-        return proc
+    def add(self, name: str, module: str, **overrides: Any) -> Child:
+        """Starts one more supervised service process."""
+        return self.supervisor.add(child(self.settings, name, module, **overrides))
 
     def start(self, timeout: float = 120.0) -> None:
         self.start_backends()
@@ -107,56 +140,46 @@ class LocalStack:
             ensure_tiny_model(self.settings.models_dir / name)
         if not self.settings.preload_models:
             self.settings = replace(self.settings, preload_models=builtin)
-        self.add("vae_worker", "vae_worker")
-        gpus = visible_gpus()
-        if gpus:
-            for i in range(gpus):
-                proc = self.service(f"gpu_worker-{i}", "gpu_worker", device="cuda:0")
-                proc.env["CUDA_VISIBLE_DEVICES"] = str(i)
-                self.services[proc.name] = proc
-                proc.start()
-        else:
-            for i in range(self.cpu_workers):
-                self.add(f"gpu_worker-{i}", "gpu_worker", device="cpu")
+        for c in host_children(self.settings, decoders=self.decoders, cpu_samplers=self.cpu_workers):
+            self.supervisor.add(c)
         self.add("scheduler", "scheduler")
         self.add("gateway", "gateway")
-        self.wait_ready(timeout, samplers=gpus or self.cpu_workers)
+        self.supervisor.start()
+        self.wait_ready(timeout)
 
-    def wait_ready(self, timeout: float, *, samplers: int) -> None:
-        """Until the gateway answers health checks and the workers have registered."""
+    def sampler_ids(self) -> list[str]:
+        return sorted(c.env["DARKROOM_WORKER_ID"] for n, c in self.services.items() if n.startswith("gpu_worker"))
+
+    def wait_ready(self, timeout: float, *, samplers: int | None = None) -> None:
+        """Until the gateway answers health checks and the workers have registered.
+        A child that dies meanwhile is restarted by the supervisor, not fatal."""
         import grpc
         import psycopg
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        want = len(self.sampler_ids()) if samplers is None else samplers
         deadline = time.monotonic() + timeout
-        url = self.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
         while True:
-            for proc in self.services.values():
-                if not proc.running:
-                    raise RuntimeError(f"{proc.name} exited during start:\n{proc.log_tail()}")
             try:
                 with grpc.insecure_channel(self.gateway_address) as ch:
                     reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                with psycopg.connect(url) as conn:
+                with psycopg.connect(self.pg_url, connect_timeout=2) as conn:
                     row = conn.execute(
                         "SELECT count(*) FILTER (WHERE kind = 'sampler'), count(*) FILTER (WHERE kind = 'vae') "
                         "FROM workers WHERE status = 'ready' AND last_heartbeat > now() - interval '10 seconds'"
                     ).fetchone()
                 assert row is not None
-                if reply.status == health_pb2.HealthCheckResponse.SERVING and row[0] >= samplers and row[1] >= 1:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING and row[0] >= want and row[1] >= 1:
                     return
             except (grpc.RpcError, psycopg.Error):
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError("the stack did not become ready in time; logs are in " + str(self.log_dir))
+                tails = "\n".join(f"--- {c.name} ---\n{c.log_tail(1500)}" for c in self.services.values())
+                raise TimeoutError(f"the stack did not become ready in {timeout:.0f}s; logs in {self.log_dir}\n{tails}")
             time.sleep(0.2)
 
     def stop(self) -> None:
-        # Front to back: stop taking work first, let samplers finish theirs, and keep
-        # the decoder up until they have.
-        rank = {"gateway": 0, "scheduler": 1, "vae_worker": 3}
-        for name in sorted(self.services, key=lambda n: rank.get(n, 2)):
-            self.services[name].stop()
+        self.supervisor.stop(stop_order(list(self.services)))
         if self.nats is not None:
             self.nats.stop()
         if self.postgres is not None:

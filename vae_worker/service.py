@@ -7,24 +7,26 @@ import asyncio
 import contextlib
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 
 import grpc
 
-from gpu_worker.engine import pick_device
-from services.bus import host_token
+from services.bus import check_worker_id, host_token
 from services.chunks import split
-from services.db.migrate import upgrade
-from services.db.repository import Repository, WorkerHeartbeat
-from services.errors import StoreError
-from services.lifecycle import run_service
+from services.db.migrate import upgrade_when_reachable
+from services.db.records import WorkerHeartbeat
+from services.db.repository import Repository
+from services.db.states import WorkerKind
+from services.errors import StoreError, WorkerSuperseded
+from services.lifecycle import EXIT_UNFIT, run_service
+from services.models.device import pick_device
 from services.models.registry import ModelRegistry
+from services.models.vae import VaeDecoderEngine, encode_png, latents_from_bytes
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
-from services.rpc.server import build_server
+from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
 from services.settings import Settings
-from vae_worker.decoder import VaeDecoderEngine, encode_png, latents_from_bytes
 
 log = logging.getLogger("darkroom.vae_worker")
 
@@ -54,49 +56,68 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
                 )
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    await asyncio.to_thread(upgrade, settings.database_url)
-    registry = ModelRegistry.load(settings.model_registry or None)
-    device = pick_device(settings.device)
-    engine = VaeDecoderEngine(registry, settings.models_dir, device)
-    for name in settings.preload_models:
-        await asyncio.to_thread(engine.load, name)
-    worker_id = f"vae-{host_token()}-{os.getpid()}"
-    repo = Repository(settings.database_url, pool_size=2)
-    server = build_server(
+def create_server(settings: Settings, engine: VaeDecoderEngine) -> Server:
+    """The VaeDecoder gRPC server (not started); port 0 picks a free port."""
+    servicer = VaeDecoderServicer(engine)
+    return build_server(
         [
             (
-                lambda s: vae_decoder_pb2_grpc.add_VaeDecoderServicer_to_server(VaeDecoderServicer(engine), s),
+                lambda s: vae_decoder_pb2_grpc.add_VaeDecoderServicer_to_server(servicer, s),
                 "darkroom.internal.v1.VaeDecoder",
             )
         ],
         settings.vae_host,
         settings.vae_port,
     )
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> int:
+    if not await upgrade_when_reachable(settings.database_url, stop):
+        return 0
+    registry = ModelRegistry.load(settings.model_registry or None)
+    device = pick_device(settings.device)
+    engine = VaeDecoderEngine(registry, settings.models_dir, device)
+    for name in settings.preload_models:
+        await asyncio.to_thread(engine.load, name)
+    worker_id = check_worker_id(settings.worker_id or f"{host_token()}-vae-{settings.vae_port or os.getpid()}")
+    incarnation = str(uuid.uuid4())
+    repo = Repository(settings.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
+    server = create_server(settings, engine)
     address = f"{settings.vae_host}:{server.port}"
+
+    def reading() -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            id=worker_id,
+            kind=WorkerKind.DECODER,
+            address=address,
+            device=str(device),
+            models=tuple(registry.names()),
+            warm_models=tuple(engine.warm_models()),
+            restarts=settings.restarts,
+        )
+
+    registered = False
     try:
         await server.grpc.start()
         await server.set_serving(True)
         log.info("vae_worker %s on %s listening on %s", worker_id, device, address)
         while not stop.is_set():
             try:
-                await repo.heartbeat(
-                    WorkerHeartbeat(
-                        id=worker_id,
-                        kind="vae",
-                        address=address,
-                        device=str(device),
-                        models=tuple(registry.names()),
-                        warm_models=tuple(engine.warm_models()),
-                    ),
-                    now=datetime.now(UTC),
-                )
+                if registered:
+                    await repo.workers.heartbeat(reading(), incarnation)
+                else:
+                    await repo.workers.register(reading(), incarnation)
+                    registered = True
+            except WorkerSuperseded as exc:
+                log.error("%s; stopping", exc)
+                return EXIT_UNFIT
             except StoreError as exc:
                 log.warning("heartbeat failed: %s", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), settings.heartbeat_interval_s)
         with contextlib.suppress(StoreError):
-            await repo.remove_worker(worker_id)
+            await repo.workers.deregister(worker_id, incarnation)
+        return 0
     finally:
         await server.grpc.stop(settings.shutdown_grace_s)
         await repo.close()

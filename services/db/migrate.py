@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
+
+log = logging.getLogger("darkroom.db")
 
 # Any fixed number: it only has to differ from the scheduler's lock key.
 _MIGRATION_LOCK = 0x6461726B
@@ -19,7 +25,7 @@ def sync_url(url: str) -> str:
 def upgrade(database_url: str) -> None:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
-    engine = create_engine(sync_url(database_url))
+    engine = create_engine(sync_url(database_url), connect_args={"connect_timeout": 5})
     try:
         with engine.begin() as conn:
             # Services start together; the lock makes one of them migrate and the
@@ -29,3 +35,19 @@ def upgrade(database_url: str) -> None:
             command.upgrade(cfg, "head")
     finally:
         engine.dispose()
+
+
+async def upgrade_when_reachable(database_url: str, stop: asyncio.Event, *, retry_max_s: float = 5.0) -> bool:
+    """Applies the migrations, waiting for the database if it is away (a service
+    started before it, or during its restart). False if ``stop`` was set first."""
+    delay = 0.2
+    while not stop.is_set():
+        try:
+            await asyncio.to_thread(upgrade, database_url)
+            return True
+        except OperationalError as exc:
+            log.warning("database not reachable (%s); retrying in %.1fs", exc.orig or exc, delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, retry_max_s)
+    return False

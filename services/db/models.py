@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from datetime import datetime
 from typing import Any
 
@@ -21,25 +20,6 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-
-
-class JobStatus(enum.StrEnum):
-    QUEUED = "QUEUED"
-    SCHEDULED = "SCHEDULED"
-    RUNNING = "RUNNING"
-    DECODING = "DECODING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    EXPIRED = "EXPIRED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.EXPIRED})
-ACTIVE_ON_WORKER = frozenset({JobStatus.SCHEDULED, JobStatus.RUNNING, JobStatus.DECODING})
 
 
 class Base(DeclarativeBase):
@@ -63,9 +43,14 @@ class JobRow(Base):
     seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
     num_images: Mapped[int] = mapped_column(Integer, nullable=False)
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
-    # Raised each time the job is dispatched; a worker's writes name the attempt
-    # they belong to, so a stale attempt can never overwrite a newer one.
+    # Raised each time the job is dispatched: the fencing token. A worker's writes
+    # name the attempt they belong to, so a stale attempt never overwrites a newer one.
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # Attempts that failed (a crash, a timeout, an error); a hand-back does not count.
+    failures: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # One entry per failed attempt: {"attempt", "worker_id", "error"}.
+    attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
+    deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     worker_id: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
     progress_step: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
@@ -109,10 +94,14 @@ class WorkerRow(Base):
     __tablename__ = "workers"
 
     id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # "sampler" or "vae"
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)  # WorkerKind
     address: Mapped[str] = mapped_column(String(256), nullable=False)
     device: Mapped[str] = mapped_column(String(128), nullable=False)
-    status: Mapped[str] = mapped_column(String(16), nullable=False)  # "ready" or "draining"
+    status: Mapped[str] = mapped_column(String(16), nullable=False)  # WorkerStatus
+    # A new one on every start of the process; jobs held under an older one are requeued.
+    incarnation: Mapped[str | None] = mapped_column(String(36))
+    # How many times its supervisor has restarted it.
+    restarts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     models: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
     warm_models: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
     vram_total_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
@@ -124,6 +113,7 @@ class WorkerRow(Base):
     busy_seconds: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     telemetry: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # Written with the database's clock, and judged against it: hosts' clocks may differ.
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     # Written by the scheduler's planning loop; the worker loads and drops to match.
     planned_models: Mapped[list[str]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))

@@ -41,6 +41,8 @@ class ModelSpec:
     load_s: float = 0.0
     # What kind of work it is; the scheduler's per-capability caps apply to it.
     capability: str = "image"
+    # A job running longer than this is stopped, and retried or failed.
+    timeout_s: float = 600.0
 
     @property
     def vram_bytes(self) -> int:

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.embedded import free_port
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from services.stack import child
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 def test_api_key_required(stack) -> None:
     port = free_port()
-    gateway = stack.service("gateway-auth", "gateway", gateway_port=port, api_keys=("s3cret",))
+    gateway = child(stack.settings, "gateway-auth", "gateway", gateway_port=port, api_keys=("s3cret",))
     gateway.start()
     try:
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")

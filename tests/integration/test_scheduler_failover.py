@@ -32,7 +32,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from services.bus import DISPATCH_STREAM
 from services.db.repository import IDLE_IN_TRANSACTION_MS, SCHEDULER_LOCK
 from services.embedded import EmbeddedPostgres
-from services.stack import LocalStack, ServiceProcess
+from services.stack import LocalStack
+from services.supervisor import Child
 from tests.conftest import make_stack
 from tests.helpers import wait_for
 
@@ -59,7 +60,7 @@ CONFIRM_S = 0.3
 class FrozenScheduler:
     """A scheduler process stopped while holding the lock, and its server backend."""
 
-    proc: ServiceProcess
+    proc: Child
     os_pid: int
     backend_pid: int
     stopped_at: float
@@ -200,7 +201,7 @@ def frozen_processes() -> Iterator[set[int]]:
 
 def freeze_lock_holder(
     mon: psycopg.Connection,
-    schedulers: list[ServiceProcess],
+    schedulers: list[Child],
     stopped: set[int],
     refill: Callable[[], None],
     *,

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 
 from gateway.validation import validate_submit
@@ -8,10 +10,11 @@ from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 REGISTRY = ModelRegistry.load()
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def test_defaults_come_from_the_model() -> None:
-    job = validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x"), REGISTRY, max_prompt_chars=100)
+    job = validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x"), REGISTRY, max_prompt_chars=100, now=NOW)
     spec = REGISTRY.get("tiny")
     assert (job.width, job.height, job.steps) == (spec.default_width, spec.default_height, spec.default_steps)
     assert job.num_images == 1 and job.guidance_scale == 7.5
@@ -32,12 +35,12 @@ def test_explicit_values_are_kept() -> None:
         lane="paid",
         idempotency_key="k",
     )
-    job = validate_submit(req, REGISTRY, max_prompt_chars=100)
+    job = validate_submit(req, REGISTRY, max_prompt_chars=100, now=NOW)
     assert (job.width, job.height, job.steps, job.seed, job.guidance_scale) == (64, 128, 3, 0, 0.0)
     assert job.num_images == 2 and job.priority > 0 and job.idempotency_key == "k"
 
 
 def test_prompt_limit_is_the_configured_one() -> None:
     with pytest.raises(InvalidArgument) as err:
-        validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x" * 11), REGISTRY, max_prompt_chars=10)
+        validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x" * 11), REGISTRY, max_prompt_chars=10, now=NOW)
     assert [v.field for v in err.value.violations] == ["prompt"]

@@ -1,4 +1,5 @@
-"""Latents to pixels with a real diffusers ``AutoencoderKL``, then PNG bytes."""
+"""Latents to pixels with a real diffusers ``AutoencoderKL``, then PNG bytes. The decoder
+service runs it; a sampler runs it too when no decoder can (``local_decode_fallback``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""The worker's place in the registry: it registers once per start under a new
+incarnation, heartbeats its state and telemetry, and deregisters when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from gpu_worker.engine import SamplerEngine
+from gpu_worker.tracker import JobTracker
+from services.db.records import WarmPlan, WorkerHeartbeat
+from services.db.repository import Repository
+from services.db.states import WorkerKind, WorkerStatus
+from services.errors import StoreError, WorkerSuperseded
+from services.settings import Settings
+from services.telemetry import Telemetry
+
+log = logging.getLogger("darkroom.gpu_worker.presence")
+
+RETRY_FIRST_S = 0.2
+RETRY_MAX_S = 5.0
+
+
+class Presence:
+    def __init__(
+        self,
+        settings: Settings,
+        repo: Repository,
+        worker_id: str,
+        incarnation: str,
+        address: str,
+        engine: SamplerEngine,
+        telemetry: Telemetry,
+        tracker: JobTracker,
+        *,
+        on_superseded: Callable[[], None],
+    ) -> None:
+        self.settings = settings
+        self.repo = repo
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.address = address
+        self.engine = engine
+        self.telemetry = telemetry
+        self.tracker = tracker
+        self.status = WorkerStatus.READY
+        self.plan = WarmPlan(None, ())
+        # Set when a newer process took this worker's id: this one must stop.
+        self.superseded = asyncio.Event()
+        self._on_superseded = on_superseded
+
+    def reading(self) -> WorkerHeartbeat:
+        reading = self.telemetry.read()
+        return WorkerHeartbeat(
+            id=self.worker_id,
+            kind=WorkerKind.SAMPLER,
+            address=self.address,
+            device=reading.name if reading.name != "cpu" else str(self.engine.device),
+            models=tuple(self.engine.registry.names()),
+            warm_models=tuple(self.engine.warm_models()),
+            vram_total_bytes=reading.vram_total_bytes,
+            vram_used_bytes=reading.vram_used_bytes,
+            temperature_c=reading.temperature_c,
+            status=self.status,
+            restarts=self.settings.restarts,
+            telemetry={**reading.as_dict(), "inflight": len(self.tracker.running())},
+        )
+
+    async def register(self, stop: asyncio.Event) -> bool:
+        """Registers this incarnation, waiting for the database if it is away.
+        False if ``stop`` was set first."""
+        delay = RETRY_FIRST_S
+        while not stop.is_set():
+            try:
+                registration = await self.repo.workers.register(self.reading(), self.incarnation)
+            except StoreError as exc:
+                log.warning("cannot register, retrying in %.1fs: %s", delay, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+                delay = min(delay * 2, RETRY_MAX_S)
+                continue
+            self.plan = registration.plan
+            if registration.requeued:
+                log.warning(
+                    "an earlier run of %s held %d jobs; requeued: %s",
+                    self.worker_id,
+                    len(registration.requeued),
+                    ", ".join(registration.requeued),
+                )
+            return True
+        return False
+
+    async def beat(self) -> None:
+        try:
+            self.plan = await self.repo.workers.heartbeat(self.reading(), self.incarnation)
+        except WorkerSuperseded as exc:
+            log.error("%s; stopping", exc)
+            self.superseded.set()
+            self._on_superseded()
+        except StoreError as exc:
+            log.warning("heartbeat failed: %s", exc)
+
+    async def set_status(self, status: WorkerStatus) -> None:
+        """Changes the reported state and says so at once."""
+        if status != self.status:
+            self.status = status
+            log.info("%s is %s", self.worker_id, status.value)
+            await self.beat()
+
+    async def run(self, until: asyncio.Event) -> None:
+        while not until.is_set() and not self.superseded.is_set():
+            await self.beat()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(until.wait(), self.settings.heartbeat_interval_s)
+
+    async def deregister(self) -> None:
+        try:
+            handed_back = await self.repo.workers.deregister(self.worker_id, self.incarnation)
+        except StoreError as exc:
+            # Its jobs are requeued once its heartbeat goes stale.
+            log.warning("cannot deregister: %s", exc)
+            return
+        if handed_back:
+            log.info("handed back %d jobs: %s", len(handed_back), ", ".join(handed_back))

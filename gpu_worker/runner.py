@@ -1,0 +1,260 @@
+"""Running one dispatched job to a stored outcome.
+
+The outcome (images and SUCCEEDED, a failed attempt, a cancel, a hand-back) is
+what matters: it is retried with backoff while the database is away, and if it
+stays away the dispatch is left unacked for JetStream to redeliver. A database or
+bus error never marks a job FAILED; one job's failure never stops the process."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import TypeVar
+
+import torch
+
+from gpu_worker.decoders import Decoders
+from gpu_worker.engine import SamplerEngine, SampleRequest
+from gpu_worker.tracker import JobTracker, JobWatch, StopReason
+from scheduler.estimates import Shape, observe
+from scheduler.views import durations_from
+from services.bus import Dispatch
+from services.chunks import split
+from services.db.records import Estimate, ImageRecord, JobRecord
+from services.db.repository import Repository, Standing
+from services.errors import InvalidArgument, JobInterrupted, StoreError
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2
+
+log = logging.getLogger("darkroom.gpu_worker.runner")
+
+# Progress is written to Postgres at most this often; the gRPC stream gets every step.
+PROGRESS_WRITE_EVERY_S = 0.25
+STORE_RETRY_FIRST_S = 0.2
+STORE_RETRY_MAX_S = 2.0
+T = TypeVar("T")
+
+
+class Outcome(enum.Enum):
+    STORED = "stored"  # the job's outcome is durable, or it was not ours: ack
+    NOT_STORED = "not stored"  # the database stayed away: leave it for redelivery
+
+
+class OutcomeNotStored(Exception):
+    pass
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+class JobRunner:
+    def __init__(
+        self,
+        repo: Repository,
+        engine: SamplerEngine,
+        decoders: Decoders,
+        tracker: JobTracker,
+        worker_id: str,
+        *,
+        outcome_retry_s: float,
+        unfit_after_failures: int,
+    ) -> None:
+        self.repo = repo
+        self.engine = engine
+        self.decoders = decoders
+        self.tracker = tracker
+        self.worker_id = worker_id
+        self.outcome_retry_s = outcome_retry_s
+        # Attempts in a row that failed for reasons not the job's own: a sign that
+        # this worker (its GPU, its driver) is not fit for work.
+        self.failures_in_a_row = 0
+        self.unfit_after_failures = unfit_after_failures
+        self._warmed_up: set[str] = set()  # models that have run a job since they loaded
+
+    @property
+    def unfit(self) -> bool:
+        return self.failures_in_a_row >= self.unfit_after_failures
+
+    def forget_warm_up(self, model: str) -> None:
+        self._warmed_up.discard(model)
+
+    async def _store(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """Retries a write that must land while the database is away, for up to
+        ``outcome_retry_s``; then gives up with OutcomeNotStored."""
+        deadline = time.monotonic() + self.outcome_retry_s
+        delay = STORE_RETRY_FIRST_S
+        while True:
+            try:
+                return await call()
+            except StoreError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise OutcomeNotStored(f"cannot store {what}: {exc}") from exc
+                log.warning("cannot store %s, retrying in %.1fs: %s", what, delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, STORE_RETRY_MAX_S)
+
+    async def run(self, dispatch: Dispatch) -> Outcome:
+        try:
+            job = await self._store(
+                f"the start of {dispatch.job_id}",
+                lambda: self.repo.attempts.start(dispatch.job_id, dispatch.attempt, self.worker_id, now=_now()),
+            )
+        except OutcomeNotStored as exc:
+            log.warning("%s; leaving it for redelivery", exc)
+            return Outcome.NOT_STORED
+        if job is None:
+            # Cancelled before it started, requeued, or a stale attempt: nothing to run.
+            log.info("dropping %s attempt %d: not this worker's to run", dispatch.job_id, dispatch.attempt)
+            return Outcome.STORED
+        watch = self.tracker.open(job.id, job.attempt)
+        await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_RUNNING))
+        timeout_s = self.engine.registry.get(job.model).timeout_s if job.model in self.engine.registry else 600.0
+        timer = asyncio.get_running_loop().call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
+        try:
+            await self._run(job, watch, timeout_s)
+            return Outcome.STORED
+        except OutcomeNotStored as exc:
+            log.warning("job %s: %s; leaving it for redelivery", job.id, exc)
+            return Outcome.NOT_STORED
+        finally:
+            timer.cancel()
+            await watch.emit(sampler_pb2.SamplerEvent(finished=True))
+
+    async def _run(self, job: JobRecord, watch: JobWatch, timeout_s: float) -> None:
+        started = time.perf_counter()
+        attempt = (job.id, job.attempt, self.worker_id)
+        # A job that had to load its model, or the first on a freshly loaded one
+        # (kernels compiled, caches filled), says little about how long jobs take.
+        was_warm = job.model in self._warmed_up
+        try:
+            latents = await self._sample(job, watch)
+            try:
+                await self.repo.attempts.decoding(*attempt, now=_now())
+            except StoreError as exc:
+                log.warning("job %s: cannot record decoding (the outcome will be): %s", job.id, exc)
+            await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_DECODING))
+            images = await self.decoders.decode(job, latents)
+            if watch.stopping.is_set():
+                raise JobInterrupted(job.id)
+            took = time.perf_counter() - started
+            stored = await self._store(
+                f"the result of {job.id}",
+                lambda: self.repo.attempts.finish(*attempt, images, now=_now(), busy_s=took),
+            )
+            self.failures_in_a_row = 0
+            if stored:
+                for image in images:
+                    for chunk in image_chunks(image):
+                        await watch.emit(sampler_pb2.SamplerEvent(output=chunk))
+                if was_warm:
+                    await self._learn(job, took)
+                self._warmed_up.add(job.model)
+            log.info("job %s done in %.2fs (stored=%s)", job.id, took, stored)
+        except JobInterrupted:
+            await self._interrupted(job, watch.stop_reason, timeout_s)
+        except OutcomeNotStored:
+            raise
+        except InvalidArgument as exc:
+            # The job's own fault: another attempt would fail the same way.
+            fault = str(exc)
+            log.warning("job %s failed: %s", job.id, fault)
+            await self._store(
+                f"the failure of {job.id}",
+                lambda: self.repo.attempts.fail(*attempt, fault, retryable=False, now=_now()),
+            )
+        except Exception as exc:
+            # The GPU, the model, the decoders: another attempt, maybe elsewhere, may do.
+            self.failures_in_a_row += 1
+            log.warning("job %s attempt %d failed: %s", job.id, job.attempt, exc, exc_info=True)
+            error = f"{type(exc).__name__}: {exc}"
+            await self._store(
+                f"the failure of {job.id}",
+                lambda: self.repo.attempts.fail(*attempt, error, retryable=True, now=_now()),
+            )
+
+    async def _interrupted(self, job: JobRecord, reason: StopReason | None, timeout_s: float) -> None:
+        attempt = (job.id, job.attempt, self.worker_id)
+        log.info("job %s attempt %d stopped: %s", job.id, job.attempt, reason.value if reason else "?")
+        if reason == StopReason.CANCELLED:
+            await self._store(f"the cancel of {job.id}", lambda: self.repo.attempts.cancel(*attempt, now=_now()))
+        elif reason == StopReason.TIMED_OUT:
+            error = f"ran past the {timeout_s:.0f}s timeout of {job.model}"
+            await self._store(
+                f"the timeout of {job.id}",
+                lambda: self.repo.attempts.fail(*attempt, error, retryable=True, now=_now()),
+            )
+        elif reason == StopReason.HANDED_BACK:
+            await self._store(f"the hand-back of {job.id}", lambda: self.repo.attempts.hand_back(*attempt, now=_now()))
+        # SUPERSEDED: the job is another attempt's now; nothing of ours to record.
+
+    async def _sample(self, job: JobRecord, watch: JobWatch) -> torch.Tensor:
+        loop = asyncio.get_running_loop()
+        last_write = 0.0
+
+        async def record(step: int, total: int) -> None:
+            try:
+                standing = await self.repo.attempts.progress(job.id, job.attempt, self.worker_id, step, total)
+            except StoreError as exc:
+                log.debug("progress of %s not recorded: %s", job.id, exc)
+                return
+            if standing == Standing.CANCEL_REQUESTED:
+                watch.stop(StopReason.CANCELLED)
+            elif standing == Standing.SUPERSEDED:
+                watch.stop(StopReason.SUPERSEDED)
+
+        def on_step(step: int, total: int) -> None:
+            nonlocal last_write
+            progress = sampler_pb2.SamplerProgress(step=step, total=total)
+            watch.emit_threadsafe(sampler_pb2.SamplerEvent(progress=progress))
+            if step == total or time.monotonic() - last_write >= PROGRESS_WRITE_EVERY_S:
+                last_write = time.monotonic()
+                asyncio.run_coroutine_threadsafe(record(step, total), loop)
+
+        request = SampleRequest(
+            job.model,
+            job.prompt,
+            job.negative_prompt,
+            job.width,
+            job.height,
+            job.steps,
+            job.guidance_scale,
+            job.seed,
+            job.num_images,
+        )
+        return await asyncio.to_thread(self.engine.sample, request, on_step, watch.stopping)
+
+    async def _learn(self, job: JobRecord, seconds: float) -> None:
+        """Folds this job's duration into the learned estimates (shared by every
+        scheduler replica, kept across restarts)."""
+        shape = Shape(job.model, job.width * job.height, job.steps, job.num_images)
+        step_s = self.engine.registry.get(job.model).step_s_512
+
+        def learn(entry: Estimate | None, speeds: dict[str, Estimate]) -> tuple[Estimate, Estimate]:
+            durations = durations_from({shape.key: entry} if entry else {}, speeds)
+            obs = observe(durations, shape, step_s, self.worker_id, seconds)
+            return (obs.shape.mean, obs.shape.count), (obs.speed.mean, obs.speed.count)
+
+        try:
+            await self.repo.estimates.learn(shape.key, self.worker_id, learn, now=_now())
+        except StoreError as exc:
+            log.warning("cannot record the duration of %s: %s", job.id, exc)
+
+
+def image_chunks(image: ImageRecord) -> list[sampler_pb2.SamplerOutputChunk]:
+    return [
+        sampler_pb2.SamplerOutputChunk(
+            index=image.index,
+            offset=offset,
+            data=data,
+            last=last,
+            mime_type=image.mime_type,
+            width=image.width,
+            height=image.height,
+            seed=image.seed,
+        )
+        for offset, data, last in split(image.data)
+    ]

@@ -1,0 +1,33 @@
+"""Following the scheduler's warm plan: between jobs, load what it wants warm here
+and drop what it does not."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gpu_worker.engine import SamplerEngine
+from services.db.records import WarmPlan
+from services.errors import DarkroomError
+
+log = logging.getLogger("darkroom.gpu_worker.warm_plan")
+
+
+async def follow_plan(plan: WarmPlan, engine: SamplerEngine, *, on_drop: Callable[[str], None]) -> None:
+    """Loads at most one model per call (a job may be waiting), and drops a model
+    only once the plan names others."""
+    planned = [m for m in plan.models if m in engine.registry]
+    if not planned:
+        return
+    warm = set(engine.warm_models())
+    for name in warm - set(planned):
+        await asyncio.to_thread(engine.unload, name)
+        on_drop(name)
+    for name in planned:
+        if name not in warm:
+            try:
+                await asyncio.to_thread(engine.load, name)
+            except DarkroomError as exc:
+                log.warning("cannot preload %s: %s", name, exc)
+            return

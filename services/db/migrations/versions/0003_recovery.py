@@ -1,0 +1,32 @@
+"""recovery: worker incarnations and restarts, failed attempts, deadlines
+
+Revision ID: 0003
+Revises: 0002
+"""
+
+import sqlalchemy as sa
+from alembic import op
+from sqlalchemy.dialects.postgresql import JSONB
+
+revision = "0003"
+down_revision = "0002"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column("workers", sa.Column("incarnation", sa.String(36)))
+    op.add_column("workers", sa.Column("restarts", sa.Integer, nullable=False, server_default=sa.text("0")))
+    op.create_check_constraint("ck_workers_status", "workers", "status IN ('ready','draining','unhealthy','gone')")
+    op.add_column("jobs", sa.Column("failures", sa.Integer, nullable=False, server_default=sa.text("0")))
+    op.add_column("jobs", sa.Column("attempt_log", JSONB, nullable=False, server_default=sa.text("'[]'")))
+    op.add_column("jobs", sa.Column("deadline", sa.DateTime(timezone=True)))
+
+
+def downgrade() -> None:
+    op.drop_column("jobs", "deadline")
+    op.drop_column("jobs", "attempt_log")
+    op.drop_column("jobs", "failures")
+    op.drop_constraint("ck_workers_status", "workers")
+    op.drop_column("workers", "restarts")
+    op.drop_column("workers", "incarnation")

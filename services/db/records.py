@@ -1,0 +1,241 @@
+"""What the repository takes and returns: plain frozen records, apart from the
+queries that make them, so that policy code can use them without SQL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from services.db.models import JobRow, WorkerRow
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
+
+
+@dataclass(frozen=True)
+class NewJob:
+    id: str
+    lane: str
+    priority: int
+    model: str
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    num_images: int
+    idempotency_key: str | None
+    deadline: datetime | None = None
+
+
+@dataclass(frozen=True)
+class AttemptFailure:
+    attempt: int
+    worker_id: str
+    error: str
+
+    def describe(self) -> str:
+        return f"attempt {self.attempt} on {self.worker_id}: {self.error}"
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    status: JobStatus
+    lane: str
+    priority: int
+    model: str
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    num_images: int
+    idempotency_key: str | None
+    attempt: int
+    worker_id: str | None
+    error: str
+    progress_step: int
+    progress_total: int
+    routing: dict[str, Any] | None
+    cancel_requested: bool
+    created_at: datetime
+    scheduled_at: datetime | None
+    started_at: datetime | None
+    decoding_at: datetime | None
+    finished_at: datetime | None
+    deadline: datetime | None = None
+    failures: int = 0
+    attempt_log: tuple[AttemptFailure, ...] = ()
+
+    @classmethod
+    def of(cls, row: JobRow) -> JobRecord:
+        values = {name: getattr(row, name) for name in cls.__dataclass_fields__}
+        values["status"] = JobStatus(row.status)
+        values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row.attempt_log or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ImageRecord:
+    index: int
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    id: str
+    kind: WorkerKind
+    address: str
+    device: str
+    status: WorkerStatus
+    models: tuple[str, ...]
+    warm_models: tuple[str, ...]
+    vram_total_bytes: int
+    vram_used_bytes: int
+    temperature_c: float
+    speed: float
+    completed: int
+    errors: int
+    busy_seconds: float
+    telemetry: dict[str, Any]
+    started_at: datetime
+    last_heartbeat: datetime
+    planned_models: tuple[str, ...] = ()
+    primary_model: str | None = None
+    restarts: int = 0
+    # Whether its last heartbeat is recent, judged by the database's clock.
+    live: bool = True
+
+    @classmethod
+    def of(cls, row: WorkerRow, *, live: bool = True) -> WorkerRecord:
+        values = {name: getattr(row, name) for name in cls.__dataclass_fields__ if name != "live"}
+        values["kind"] = WorkerKind(row.kind)
+        values["status"] = WorkerStatus(row.status)
+        values["models"] = tuple(row.models)
+        values["warm_models"] = tuple(row.warm_models)
+        values["planned_models"] = tuple(row.planned_models or ())
+        return cls(**values, live=live)
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    id: str
+    kind: WorkerKind
+    address: str
+    device: str
+    models: tuple[str, ...]
+    warm_models: tuple[str, ...]
+    vram_total_bytes: int = 0
+    vram_used_bytes: int = 0
+    temperature_c: float = 0.0
+    speed: float = 1.0
+    status: WorkerStatus = WorkerStatus.READY
+    restarts: int = 0
+    telemetry: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The scheduler's decision for one job: where it goes and why."""
+
+    job_id: str
+    worker_id: str
+    routing: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Totals:
+    requests: int
+    queued: int
+    running: int
+    completed: int
+    failed: int
+    cancelled: int
+    expired: int = 0
+
+
+@dataclass(frozen=True)
+class ShapeCount:
+    """How many jobs of one shape: for demand and for the work queued ahead."""
+
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    count: int
+
+
+@dataclass(frozen=True)
+class WarmPlan:
+    primary: str | None
+    models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a worker learns when it starts: its warm plan, and the jobs an earlier
+    incarnation of it held that went back to the queue."""
+
+    plan: WarmPlan
+    requeued: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DeadWorker:
+    """A worker whose jobs must go back to the queue, and why."""
+
+    id: str
+    reason: str
+
+
+# -- recovery decisions, made by the scheduler's pure recovery policy ---------------
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """Back to QUEUED. ``failure`` is None for a hand-back that costs no attempt."""
+
+    job_id: str
+    attempt: int
+    status: JobStatus
+    failure: AttemptFailure | None
+
+
+@dataclass(frozen=True)
+class Fail:
+    job_id: str
+    attempt: int
+    status: JobStatus
+    reason: str
+    failure: AttemptFailure | None = None
+
+
+@dataclass(frozen=True)
+class Expire:
+    job_id: str
+    attempt: int
+
+
+Recovery = Requeue | Fail | Expire
+
+# Decides placements for one pass, given the queued jobs, the live workers and the
+# jobs the workers already hold. Pure: the scheduler's policy.
+Decide = Callable[[Sequence[JobRecord], Sequence[WorkerRecord], Sequence[JobRecord]], Sequence[Assignment]]
+# Decides what to do with jobs that may need recovering, given the workers that are
+# dead and the database's clock. Pure: the scheduler's recovery policy.
+Review = Callable[[Sequence[JobRecord], Sequence[DeadWorker], datetime], Sequence[Recovery]]
+# A learned estimate as stored: (mean, count).
+Estimate = tuple[float, int]
+# Given the stored entry for one shape (or None) and every worker's speed, returns
+# the new shape entry and the new entry for the worker that observed it.
+Learn = Callable[[Estimate | None, dict[str, Estimate]], tuple[Estimate, Estimate]]

@@ -1,0 +1,37 @@
+"""All of Darkroom's SQL, behind one small interface split by area. Every area
+shares one connection pool; driver errors become ``services.errors`` exceptions
+once, in ``database``."""
+
+from __future__ import annotations
+
+from services.db.repository.attempts import Attempts, Standing
+from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
+from services.db.repository.estimates import Estimates
+from services.db.repository.jobs import Jobs
+from services.db.repository.recovery import Recoveries
+from services.db.repository.scheduling import Scheduling
+from services.db.repository.workers import Workers
+
+__all__ = ["IDLE_IN_TRANSACTION_MS", "PLANNER_LOCK", "SCHEDULER_LOCK", "Repository", "Standing"]
+
+
+class Repository:
+    """``jobs``: what clients submit and read; ``attempts``: writes from the worker
+    holding a job, fenced by attempt; ``workers``: the registry; ``scheduling``:
+    the scheduler's passes; ``recovery``: stalled, expired and exhausted jobs;
+    ``estimates``: learned durations."""
+
+    def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
+        self.db = Database(database_url, pool_size=pool_size, application_name=application_name)
+        self.jobs = Jobs(self.db)
+        self.attempts = Attempts(self.db)
+        self.workers = Workers(self.db)
+        self.scheduling = Scheduling(self.db)
+        self.recovery = Recoveries(self.db)
+        self.estimates = Estimates(self.db)
+
+    async def ping(self) -> None:
+        await self.db.ping()
+
+    async def close(self) -> None:
+        await self.db.close()
