@@ -60,6 +60,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
             for i in images or []
         ],
         deadline=timestamp(job.deadline),
+        starts=job.starts,
         failed_attempts=[
             pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],

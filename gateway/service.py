@@ -148,7 +148,10 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                     if event.HasField("progress"):
                         last_step = event.progress.step
                     elif event.HasField("status"):
-                        last_status = JobStatus(pb.JobStatus.Name(event.status).removeprefix("JOB_STATUS_"))
+                        status = JobStatus(pb.JobStatus.Name(event.status).removeprefix("JOB_STATUS_"))
+                        if status == last_status:
+                            continue  # already sent from the stored state
+                        last_status = status
                     yield event
             else:
                 await asyncio.sleep(POLL_S)

@@ -11,7 +11,6 @@ in their heartbeats (``GetStats``)."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -72,6 +71,8 @@ class Child:
         self.started_at = 0.0
         self.next_start_at = 0.0
         self.last_exit: str | None = None
+        # Every process it has started: none may outlive the supervisor.
+        self.pids: list[int] = []
         self.lock = threading.RLock()
 
     @property
@@ -105,6 +106,7 @@ class Child:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        self.pids.append(self.proc.pid)
         self.started_at = time.monotonic()
 
     def stop(self, timeout: float = 15.0) -> None:
@@ -239,13 +241,3 @@ def _describe(code: int | None) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"code {code}"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

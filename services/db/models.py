@@ -46,6 +46,9 @@ class JobRow(Base):
     # Raised each time the job is dispatched: the fencing token. A worker's writes
     # name the attempt they belong to, so a stale attempt never overwrites a newer one.
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # How many times an attempt started running (a drain's hand-back of an unstarted
+    # job does not start one).
+    starts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     # Attempts that failed (a crash, a timeout, an error); a hand-back does not count.
     failures: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     # One entry per failed attempt: {"attempt", "worker_id", "error"}.

@@ -69,6 +69,7 @@ class JobRecord:
     decoding_at: datetime | None
     finished_at: datetime | None
     deadline: datetime | None = None
+    starts: int = 0
     failures: int = 0
     attempt_log: tuple[AttemptFailure, ...] = ()
 

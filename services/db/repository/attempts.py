@@ -56,6 +56,7 @@ class Attempts:
                 return None
             if row.status == JobStatus.SCHEDULED:
                 row.started_at = now
+            row.starts += 1
             row.status = JobStatus.RUNNING.value
             row.progress_step = 0
             return JobRecord.of(row)

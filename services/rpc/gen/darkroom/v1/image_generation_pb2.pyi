@@ -148,7 +148,7 @@ class AttemptFailure(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class Job(_message.Message):
     LANE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     FAILED_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -185,7 +186,8 @@ class Job(_message.Message):
     lane: str
     deadline: _timestamp_pb2.Timestamp
     failed_attempts: _containers.RepeatedCompositeFieldContainer[AttemptFailure]
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ...) -> None: ...
+    starts: int
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)
