@@ -75,8 +75,20 @@ def host_children(settings: Settings, *, decoders: int, cpu_samplers: int = 1) -
                 )
             )
     else:
+        # Each CPU sampler gets its share of the cores: torch's threads, all
+        # samplers' at once on every core, would make each step many times slower.
+        threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(cpu_samplers, 1)))}
         for i in range(cpu_samplers):
-            children.append(child(settings, f"gpu_worker-{i}", "gpu_worker", device="cpu", worker_id=f"{host}-cpu{i}"))
+            children.append(
+                child(
+                    settings,
+                    f"gpu_worker-{i}",
+                    "gpu_worker",
+                    extra_env=threads,
+                    device="cpu",
+                    worker_id=f"{host}-cpu{i}",
+                )
+            )
     return children
 
 

@@ -137,7 +137,8 @@ class Summary:
     def row(self) -> str:
         failed = ", ".join(f"{n} ({why})" for why, n in self.failed.items()) or "0"
         recover = f"{self.recover_s:.1f} s" if self.recover_s is not None else "n/a"
-        return f"| {self.scenario} | {self.jobs} | {self.succeeded} | {failed} | {self.lost} | {self.duplicated} | {recover} |"
+        cells = [self.scenario, self.jobs, self.succeeded, failed, self.lost, self.duplicated, recover]
+        return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
 SUMMARIES: list[Summary] = []
@@ -297,4 +298,3 @@ def stop_and_check_processes(stack: LocalStack) -> None:
         except psutil.NoSuchProcess:
             pass
     assert not alive, f"processes left behind: {alive}"
-

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psycopg
 import pytest
 
@@ -71,3 +72,179 @@ def test_sampler_killed_mid_sampling(make) -> None:
     assert [f.worker_id for f in job.failed_attempts] == [victim.worker_id]
     stats = {w.worker_id: w for w in load.stub.GetStats(pb.GetStatsRequest()).workers}
     assert stats[victim.worker_id].restarts == 1 and stats[victim.worker_id].state == "ready"
+
+
+def test_decoder_killed_mid_decode_stream(make) -> None:
+    stack = make(decoders=2)
+    load = Load(stack)
+    # Frozen first, so that the decode the sampler sends it stays open; then
+    # killed with that stream open. The sampler rotates from the first decoder.
+    decoder = stack.services["vae_worker-0"]
+    decoder.signal(signal.SIGSTOP)
+    ids = load.submit(6, width=256, height=256, steps=4, num_images=2)
+    stuck = wait_for(
+        lambda: next((j for j in map(load.get, ids) if j.status == pb.JOB_STATUS_DECODING), None),
+        lambda j: j is not None,
+        timeout=60,
+        what="a job decoding on the frozen decoder",
+    )
+    time.sleep(1.0)
+    assert load.get(stuck.job_id).status == pb.JOB_STATUS_DECODING, "the decode did not hang on the frozen decoder"
+    decoder.kill()
+    fault_at = now()
+    check(
+        "decoder `kill -9` mid-stream",
+        stack,
+        load,
+        fault_at=fault_at,
+        recovered=lambda rows: rows[stuck.job_id]["finished_at"],
+    )
+    job = load.get(stuck.job_id)
+    assert job.attempts == 1 and not job.failed_attempts, "retried on the other decoder within the same attempt"
+
+
+def lock_holder_pid(stack: LocalStack) -> int | None:
+    """The OS pid of the scheduler replica holding the scheduler lock, if one does."""
+    from services.db.repository import SCHEDULER_LOCK
+
+    with psycopg.connect(stack.pg_url) as conn:
+        row = conn.execute(
+            "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s AND l.objid = %s"
+            " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+            (SCHEDULER_LOCK >> 32, SCHEDULER_LOCK & 0xFFFFFFFF),
+        ).fetchone()
+    return int(row[0].rsplit("-", 1)[1]) if row else None
+
+
+def test_working_scheduler_killed_with_another_running(make) -> None:
+    stack = make()
+    stack.add("scheduler-b", "scheduler")
+    load = Load(stack)
+    ids = load.submit(10)
+    running_job(load, ids, min_step=1)
+    by_pid = {c.pid: c for n, c in stack.services.items() if n.startswith("scheduler")}
+    holder = wait_for(lambda: lock_holder_pid(stack), lambda pid: pid in by_pid, timeout=30, what="a lock holder")
+    by_pid[holder].kill()
+    fault_at = now()
+    check("working scheduler replica `kill -9`, another running", stack, load, fault_at=fault_at)
+
+
+def test_only_scheduler_killed_under_supervision(make) -> None:
+    stack = make()
+    load = Load(stack)
+    ids = load.submit(10)
+    running_job(load, ids, min_step=1)
+    scheduler = stack.services["scheduler"]
+    first = scheduler.pid
+    scheduler.kill()
+    fault_at = now()
+    check("only scheduler `kill -9`, restarted by its supervisor", stack, load, fault_at=fault_at)
+    assert scheduler.pid not in (None, first)
+
+
+def test_hung_sampler_is_replaced(make) -> None:
+    stack = make()
+    load = Load(stack)
+    ids = load.submit(8)
+    victim = running_job(load, ids, min_step=5)
+    sampler = stack.services[sampler_of(stack, victim.worker_id)]
+    frozen = sampler.pid
+    sampler.signal(signal.SIGSTOP)
+    fault_at = now()
+    check("sampler `SIGSTOP` (hung) until replaced", stack, load, fault_at=fault_at)
+    assert sampler.pid not in (None, frozen), "the supervisor replaced the hung sampler"
+    assert load.get(victim.job_id).starts == 2
+
+
+def test_nats_restarted_under_load(make) -> None:
+    stack = make()
+    assert stack.nats is not None
+    load = Load(stack)
+    ids = load.submit(12)
+    running_job(load, ids, min_step=5)
+    stack.nats.kill()
+    fault_at = now()
+    more = load.submit(4)
+    time.sleep(3)
+    stack.nats.start()
+    check("nats-server restarted (file storage) under load", stack, load, fault_at=fault_at)
+    assert len(more) == 4
+
+
+def test_postgres_restarted_under_load_submits_included(make) -> None:
+    stack = make(own_postgres=True)
+    assert stack.postgres is not None
+    load = Load(stack)
+    ids = load.submit(6)
+    running_job(load, ids, min_step=5)
+    stack.postgres.kill()
+    fault_at = now()
+    during = [load.start(width=64, height=64, steps=40) for _ in range(4)]
+    time.sleep(3)
+    stack.postgres.start()
+    check("PostgreSQL restarted under load, submits included", stack, load, fault_at=fault_at)
+    refusals = {code for f in during for code in f.log.refusals}
+    assert refusals == {grpc.StatusCode.UNAVAILABLE}, refusals
+
+
+def test_nats_cluster_loses_a_node(make, tmp_path: Path) -> None:
+    cluster = EmbeddedNatsCluster(tmp_path / "nats")
+    cluster.start()
+    try:
+        stack = make(nats_url=cluster.url, nats_replicas=3)
+        load = Load(stack)
+        ids = load.submit(12)
+        running_job(load, ids, min_step=5)
+        cluster.nodes[0].kill()
+        fault_at = now()
+        load.submit(4)
+        check("three-node NATS cluster loses a node", stack, load, fault_at=fault_at)
+    finally:
+        cluster.stop()
+
+
+def test_client_stream_cut_and_reopened(make) -> None:
+    stack = make()
+    load = Load(stack)
+    [job_id] = load.submit(1, width=256, height=256, steps=40)
+    running_job(load, [job_id], min_step=3)
+    stack.services["gateway"].kill()
+    fault_at = now()
+    check("a client's stream cut mid-job, then reopened", stack, load, fault_at=fault_at, recovered=lambda rows: now())
+    [followed] = load.jobs
+    assert followed.log.opened >= 2, "the stream broke and was reopened"
+    assert len(followed.results) == 1
+
+
+def test_sampler_drained_with_a_backlog(make) -> None:
+    stack = make(samplers=2, worker_backlog=3, shutdown_grace_s=20.0)
+    load = Load(stack)
+    ids = load.submit(10, width=64, height=64, steps=40)
+    draining = sorted(n for n in stack.services if n.startswith("gpu_worker"))[0]
+    worker_id = stack.services[draining].env["DARKROOM_WORKER_ID"]
+
+    def held() -> list[pb.Job]:
+        return [j for j in map(load.get, ids) if j.worker_id == worker_id and j.status in (2, 3, 4)]
+
+    wait_for(
+        held,
+        lambda jobs: len(jobs) >= 3 and any(j.status == pb.JOB_STATUS_RUNNING for j in jobs),
+        timeout=60,
+        what="a backlog on the sampler",
+    )
+    running = next(j.job_id for j in held() if j.status == pb.JOB_STATUS_RUNNING)
+    fault_at = now()
+    started = time.monotonic()
+    stopper = threading.Thread(target=stack.services[draining].stop)
+    stopper.start()
+    stopper.join(60)
+    drain_s = time.monotonic() - started
+    check("sampler SIGTERM with a backlog: drain and hand-back", stack, load, fault_at=fault_at)
+    assert stack.services[draining].proc is None or stack.services[draining].proc.returncode == 0
+    jobs = {j: load.get(j) for j in ids}
+    assert jobs[running].worker_id == worker_id and jobs[running].attempts == 1, "it finished the job it ran"
+    assert all(j.starts == 1 and not j.failed_attempts for j in jobs.values()), "nothing ran twice, nothing counted"
+    assert drain_s < 20, f"the drain took {drain_s:.1f}s: it should take about one job, well inside the grace"
+    with psycopg.connect(stack.pg_url) as conn:
+        assert conn.execute("SELECT status FROM workers WHERE id = %s", (worker_id,)).fetchone() == ("gone",)
