@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -42,15 +42,24 @@ def make(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> Iterat
         stop_and_check_processes(stack)
 
 
-def running_job(load: Load, ids: list[str], *, min_step: int) -> pb.Job:
-    """The first job seen RUNNING past ``min_step``: the moment to break something."""
-    return wait_for(
-        lambda: next(
-            (j for j in map(load.get, ids) if j.status == pb.JOB_STATUS_RUNNING and j.progress.step >= min_step), None
-        ),
+def first_job(load: Load, ids: list[str], matches: Callable[[pb.Job], bool], what: str) -> pb.Job:
+    """The first of ``ids`` seen to match: the moment to break something."""
+    found = wait_for(
+        lambda: next((j for j in map(load.get, ids) if matches(j)), None),
         lambda j: j is not None,
         timeout=60,
-        what=f"a job running past step {min_step}",
+        what=what,
+    )
+    assert found is not None
+    return found
+
+
+def running_job(load: Load, ids: list[str], *, min_step: int) -> pb.Job:
+    return first_job(
+        load,
+        ids,
+        lambda j: j.status == pb.JOB_STATUS_RUNNING and j.progress.step >= min_step,
+        f"a job running past step {min_step}",
     )
 
 
@@ -82,12 +91,7 @@ def test_decoder_killed_mid_decode_stream(make) -> None:
     decoder = stack.services["vae_worker-0"]
     decoder.signal(signal.SIGSTOP)
     ids = load.submit(6, width=256, height=256, steps=4, num_images=2)
-    stuck = wait_for(
-        lambda: next((j for j in map(load.get, ids) if j.status == pb.JOB_STATUS_DECODING), None),
-        lambda j: j is not None,
-        timeout=60,
-        what="a job decoding on the frozen decoder",
-    )
+    stuck = first_job(load, ids, lambda j: j.status == pb.JOB_STATUS_DECODING, "a job decoding on the frozen decoder")
     time.sleep(1.0)
     assert load.get(stuck.job_id).status == pb.JOB_STATUS_DECODING, "the decode did not hang on the frozen decoder"
     decoder.kill()

@@ -25,13 +25,33 @@ def test_settings_from_env_parse_each_type() -> None:
 
 
 def test_settings_round_trip_through_env() -> None:
-    s = Settings(gateway_port=1234, api_keys=("k",), preload_models=("tiny",))
+    s = Settings(gateway_port=1234, api_keys=("k",), preload_models=("tiny",), local_decode_fallback=True)
     assert Settings.from_env(s.to_env()) == s
 
 
 def test_bad_setting_names_the_variable() -> None:
     with pytest.raises(SettingsError, match="DARKROOM_GATEWAY_PORT"):
         Settings.from_env({"DARKROOM_GATEWAY_PORT": "many"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("DARKROOM_MAX_ATTEMPTS", "0"), ("DARKROOM_WORKER_STALE_AFTER_S", "-1"), ("DARKROOM_HANG_AFTER_S", "nan")],
+)
+def test_out_of_range_setting_names_the_variable(variable: str, value: str) -> None:
+    with pytest.raises(SettingsError, match=variable):
+        Settings.from_env({variable: value})
+
+
+def test_booleans_and_server_lists() -> None:
+    s = Settings.from_env(
+        {"DARKROOM_LOCAL_DECODE_FALLBACK": "yes", "DARKROOM_NATS_URL": "nats://a:1, nats://b:2,nats://c:3"}
+    )
+    assert s.local_decode_fallback is True
+    assert s.nats_servers == ["nats://a:1", "nats://b:2", "nats://c:3"]
+    assert Settings.from_env({"DARKROOM_LOCAL_DECODE_FALLBACK": "off"}).local_decode_fallback is False
+    with pytest.raises(SettingsError, match="DARKROOM_LOCAL_DECODE_FALLBACK"):
+        Settings.from_env({"DARKROOM_LOCAL_DECODE_FALLBACK": "maybe"})
 
 
 def test_invalid_argument_carries_field_violations() -> None:

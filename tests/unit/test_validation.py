@@ -44,3 +44,15 @@ def test_prompt_limit_is_the_configured_one() -> None:
     with pytest.raises(InvalidArgument) as err:
         validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x" * 11), REGISTRY, max_prompt_chars=10, now=NOW)
     assert [v.field for v in err.value.violations] == ["prompt"]
+
+
+def test_deadline_in_the_past_is_refused_and_a_future_one_kept() -> None:
+    from datetime import timedelta
+
+    req = pb.SubmitJobRequest(model="tiny", prompt="x")
+    req.deadline.FromDatetime(NOW - timedelta(seconds=1))
+    with pytest.raises(InvalidArgument) as err:
+        validate_submit(req, REGISTRY, max_prompt_chars=100, now=NOW)
+    assert [v.field for v in err.value.violations] == ["deadline"]
+    req.deadline.FromDatetime(NOW + timedelta(minutes=5))
+    assert validate_submit(req, REGISTRY, max_prompt_chars=100, now=NOW).deadline == NOW + timedelta(minutes=5)

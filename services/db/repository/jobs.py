@@ -79,7 +79,7 @@ class Jobs:
 
     async def totals(self) -> Totals:
         async with self.db.tx() as s:
-            counts = dict((await s.execute(select(JobRow.status, func.count()).group_by(JobRow.status))).tuples().all())
+            counts = dict((await s.execute(select(JobRow.status, func.count()).group_by(JobRow.status))).all())
         return Totals(
             requests=sum(counts.values()),
             queued=counts.get(JobStatus.QUEUED.value, 0),
@@ -94,4 +94,4 @@ class Jobs:
 async def shape_counts(s: AsyncSession, *where: Any) -> list[ShapeCount]:
     cols = (JobRow.model, JobRow.width, JobRow.height, JobRow.steps, JobRow.num_images)
     rows = await s.execute(select(*cols, func.count()).where(*where).group_by(*cols))
-    return [ShapeCount(*row) for row in rows.tuples()]
+    return [ShapeCount(*row) for row in rows]

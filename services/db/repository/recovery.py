@@ -108,5 +108,5 @@ class Recoveries:
         rows = await s.execute(select(WorkerRow.id, WorkerRow.status, age).where(where).order_by(WorkerRow.id))
         return [
             DeadWorker(wid, "the worker stopped" if status == WorkerStatus.GONE else f"no heartbeat for {secs:.0f}s")
-            for wid, status, secs in rows.tuples()
+            for wid, status, secs in rows
         ]

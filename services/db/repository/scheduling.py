@@ -97,7 +97,7 @@ class Scheduling:
                 .where(JobRow.status.in_([st.value for st in HELD]))
                 .group_by(JobRow.worker_id)
             )
-            return {worker_id: count for worker_id, count in rows.tuples() if worker_id}
+            return {worker_id: count for worker_id, count in rows if worker_id}
 
     async def plan_pass(
         self,

@@ -115,7 +115,7 @@ class Workers:
             rows = await s.execute(
                 select(WorkerRow, fresh(stale_after_s)).where(WorkerRow.kind == kind.value).order_by(WorkerRow.id)
             )
-            return [WorkerRecord.of(row, live=bool(is_fresh)) for row, is_fresh in rows.tuples()]
+            return [WorkerRecord.of(row, live=bool(is_fresh)) for row, is_fresh in rows]
 
     async def get(self, worker_id: str) -> WorkerRecord | None:
         async with self.db.tx() as s:

@@ -1,0 +1,236 @@
+"""The repository against a real PostgreSQL: writes from an older attempt change
+nothing, a new incarnation takes back what the old one held, and the recovery
+pass applies the policy's decisions under the scheduler lock."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from scheduler.recovery import RecoveryConfig, review
+from services.db.migrate import upgrade
+from services.db.records import Assignment, ImageRecord, NewJob, WorkerHeartbeat
+from services.db.repository import Repository, Standing
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.embedded import EmbeddedPostgres
+from services.errors import WorkerSuperseded
+from tests.conftest import fresh_database
+
+pytestmark = pytest.mark.integration
+
+W1, W2 = "host-cpu0", "host-cpu1"
+IMAGE = ImageRecord(0, b"png", "image/png", 64, 64, 1)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+@pytest.fixture
+async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
+    url = fresh_database(postgres)
+    upgrade(url)
+    r = Repository(url, pool_size=2)
+    try:
+        yield r
+    finally:
+        await r.close()
+
+
+def heartbeat(worker_id: str) -> WorkerHeartbeat:
+    return WorkerHeartbeat(worker_id, WorkerKind.SAMPLER, "127.0.0.1:1", "cpu", ("tiny",), ("tiny",))
+
+
+async def submit(repo: Repository, **changes) -> str:
+    job = NewJob(
+        id=str(uuid.uuid4()),
+        lane="free",
+        priority=0,
+        model="tiny",
+        prompt="p",
+        negative_prompt="",
+        width=64,
+        height=64,
+        steps=4,
+        guidance_scale=7.5,
+        seed=1,
+        num_images=1,
+        idempotency_key=None,
+        **changes,
+    )
+    await repo.jobs.create(job, now=now())
+    return job.id
+
+
+async def schedule(repo: Repository, job_id: str, worker_id: str) -> int:
+    """Places the job on ``worker_id`` through a real scheduling pass; returns its attempt."""
+    placed = await repo.scheduling.schedule_pass(
+        lambda queued, workers, held: [Assignment(j.id, worker_id, {}) for j in queued if j.id == job_id],
+        limit=100,
+        stale_after_s=60,
+        max_attempts=3,
+        now=now(),
+    )
+    assert placed is not None and [j.id for j in placed] == [job_id]
+    return placed[0].attempt
+
+
+async def requeue_everything_of(repo: Repository, worker_id: str) -> None:
+    await repo.workers.register(heartbeat(worker_id), str(uuid.uuid4()))
+
+
+@pytest.fixture
+async def workers(repo: Repository) -> dict[str, str]:
+    incarnations = {w: str(uuid.uuid4()) for w in (W1, W2)}
+    for w, inc in incarnations.items():
+        await repo.workers.register(heartbeat(w), inc)
+    return incarnations
+
+
+async def test_every_write_of_an_older_attempt_changes_nothing(repo: Repository, workers) -> None:
+    job_id = await submit(repo)
+    old = await schedule(repo, job_id, W1)
+    assert await repo.attempts.start(job_id, old, W1, now=now()) is not None
+    # W1 restarts: a new incarnation takes the job back; then it runs on W2.
+    await requeue_everything_of(repo, W1)
+    new = await schedule(repo, job_id, W2)
+    assert new == old + 1
+    assert await repo.attempts.start(job_id, new, W2, now=now()) is not None
+    await repo.attempts.progress(job_id, new, W2, 2, 4)
+
+    assert await repo.attempts.start(job_id, old, W1, now=now()) is None
+    assert await repo.attempts.progress(job_id, old, W1, 4, 4) == Standing.SUPERSEDED
+    assert not await repo.attempts.decoding(job_id, old, W1, now=now())
+    assert not await repo.attempts.finish(job_id, old, W1, [IMAGE], now=now(), busy_s=1.0)
+    assert await repo.attempts.fail(job_id, old, W1, "late", retryable=True, now=now()) is None
+    assert await repo.attempts.fail(job_id, old, W1, "late", retryable=False, now=now()) is None
+    assert not await repo.attempts.cancel(job_id, old, W1, now=now())
+    assert not await repo.attempts.hand_back(job_id, old, W1, now=now())
+    # The same attempt from the wrong worker is as stale.
+    assert not await repo.attempts.finish(job_id, new, W1, [IMAGE], now=now(), busy_s=1.0)
+
+    job = await repo.jobs.get(job_id)
+    assert (job.status, job.attempt, job.worker_id, job.progress_step) == (JobStatus.RUNNING, new, W2, 2)
+    assert await repo.jobs.images(job_id) == []
+    assert await repo.attempts.finish(job_id, new, W2, [IMAGE], now=now(), busy_s=1.0)
+    assert not await repo.attempts.finish(job_id, new, W2, [IMAGE], now=now(), busy_s=1.0), "one result at most"
+    assert len(await repo.jobs.images(job_id)) == 1
+    assert (await repo.jobs.get(job_id)).status == JobStatus.SUCCEEDED
+
+
+async def test_new_incarnation_requeues_what_the_old_one_held(repo: Repository, workers) -> None:
+    started, waiting = await submit(repo), await submit(repo)
+    a = await schedule(repo, started, W1)
+    await schedule(repo, waiting, W1)
+    await repo.attempts.start(started, a, W1, now=now())
+    registration = await repo.workers.register(heartbeat(W1), str(uuid.uuid4()))
+    assert sorted(registration.requeued) == sorted([started, waiting])
+    s, w = await repo.jobs.get(started), await repo.jobs.get(waiting)
+    assert (s.status, s.failures, [f.error for f in s.attempt_log]) == (JobStatus.QUEUED, 1, ["the worker restarted"])
+    assert (w.status, w.failures, w.attempt_log) == (JobStatus.QUEUED, 0, ())
+    # The same incarnation registering again takes nothing back.
+    again = await schedule(repo, started, W2)
+    assert (await repo.workers.register(heartbeat(W2), workers[W2])).requeued == ()
+    assert (await repo.jobs.get(started)).attempt == again
+
+
+async def test_superseded_incarnation_cannot_heartbeat(repo: Repository, workers) -> None:
+    await repo.workers.register(heartbeat(W1), "newer")
+    with pytest.raises(WorkerSuperseded):
+        await repo.workers.heartbeat(heartbeat(W1), workers[W1])
+    await repo.workers.heartbeat(heartbeat(W1), "newer")
+
+
+async def test_deregister_hands_back_without_counting(repo: Repository, workers) -> None:
+    job_id = await submit(repo)
+    await schedule(repo, job_id, W1)
+    assert await repo.workers.deregister(W1, workers[W1]) == [job_id]
+    job = await repo.jobs.get(job_id)
+    assert (job.status, job.failures, job.worker_id) == (JobStatus.QUEUED, 0, None)
+    assert (await repo.workers.get(W1)).status == WorkerStatus.GONE  # type: ignore[union-attr]
+
+
+async def test_retryable_failure_requeues_and_the_last_one_fails_with_every_reason(repo: Repository, workers) -> None:
+    job_id = await submit(repo)
+    for n in range(1, 4):
+        attempt = await schedule(repo, job_id, W1)
+        await repo.attempts.start(job_id, attempt, W1, now=now())
+        assert await repo.attempts.fail(job_id, attempt, W1, f"boom {n}", retryable=True, now=now()) == JobStatus.QUEUED
+    # Out of attempts: never placed again, and the recovery pass fails it.
+    assert (
+        await repo.scheduling.schedule_pass(lambda *_: [], limit=10, stale_after_s=60, max_attempts=3, now=now()) == []
+    )
+    await recovery_pass(repo)
+    job = await repo.jobs.get(job_id)
+    assert job.status == JobStatus.FAILED
+    assert (
+        job.error
+        == f"failed after 3 attempts: attempt 1 on {W1}: boom 1; attempt 2 on {W1}: boom 2; attempt 3 on {W1}: boom 3"
+    )
+
+
+async def test_non_retryable_failure_fails_at_once(repo: Repository, workers) -> None:
+    job_id = await submit(repo)
+    attempt = await schedule(repo, job_id, W1)
+    await repo.attempts.start(job_id, attempt, W1, now=now())
+    assert await repo.attempts.fail(job_id, attempt, W1, "bad input", retryable=False, now=now()) == JobStatus.FAILED
+
+
+async def recovery_pass(repo: Repository, *, judge: bool = True, stale_after_s: float = 60):
+    config = RecoveryConfig(max_attempts=3)
+    return await repo.recovery.recovery_pass(
+        lambda jobs, dead, at: review(jobs, dead, at, config),
+        stale_after_s=stale_after_s,
+        judge_heartbeats=judge,
+        max_attempts=3,
+        shortest_timeout_s=config.shortest_timeout_s,
+    )
+
+
+def age_heartbeat(repo_url: str, worker_id: str, seconds: float) -> None:
+    with psycopg.connect(repo_url) as conn:
+        conn.execute(
+            "UPDATE workers SET last_heartbeat = now() - make_interval(secs => %s) WHERE id = %s", (seconds, worker_id)
+        )
+
+
+async def test_recovery_requeues_from_a_silent_worker_only_when_heartbeats_may_be_judged(
+    repo: Repository, workers
+) -> None:
+    job_id = await submit(repo)
+    attempt = await schedule(repo, job_id, W1)
+    await repo.attempts.start(job_id, attempt, W1, now=now())
+    url = str(repo.db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
+    age_heartbeat(url, W1, 30)
+    assert await recovery_pass(repo, judge=False, stale_after_s=10) == []
+    assert (await repo.jobs.get(job_id)).status == JobStatus.RUNNING
+    assert len(await recovery_pass(repo, judge=True, stale_after_s=10) or []) == 1
+    job = await repo.jobs.get(job_id)
+    assert (job.status, job.failures) == (JobStatus.QUEUED, 1)
+    assert job.attempt_log[0].error.startswith("no heartbeat for 3")
+    # Its late result changes nothing.
+    assert not await repo.attempts.finish(job_id, attempt, W1, [IMAGE], now=now(), busy_s=1.0)
+
+
+async def test_recovery_expires_queued_jobs_past_their_deadline(repo: Repository, workers) -> None:
+    late = await submit(repo, deadline=now() + timedelta(milliseconds=200))
+    fine = await submit(repo, deadline=now() + timedelta(hours=1))
+    await asyncio.sleep(0.3)
+    # Not placed once past it, even before recovery runs.
+    placed = await repo.scheduling.schedule_pass(
+        lambda queued, *_: [Assignment(j.id, W1, {}) for j in queued],
+        limit=10,
+        stale_after_s=60,
+        max_attempts=3,
+        now=now(),
+    )
+    assert [j.id for j in placed or []] == [fine]
+    await recovery_pass(repo)
+    assert (await repo.jobs.get(late)).status == JobStatus.EXPIRED
+    assert (await repo.jobs.get(fine)).status == JobStatus.SCHEDULED
+    assert (await repo.jobs.totals()).expired == 1

@@ -1,0 +1,108 @@
+"""The recovery policy, over plain records and a fixed clock."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+from scheduler.recovery import TIMEOUT_GRACE_S, RecoveryConfig, review
+from services.db.records import AttemptFailure, DeadWorker, Expire, Fail, JobRecord, Requeue
+from services.db.states import JobStatus
+
+NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
+CONFIG = RecoveryConfig(max_attempts=3, timeouts={"tiny": 60.0})
+
+
+def job(status: JobStatus = JobStatus.RUNNING, **changes) -> JobRecord:
+    base = JobRecord(
+        id="j1",
+        status=status,
+        lane="free",
+        priority=0,
+        model="tiny",
+        prompt="p",
+        negative_prompt="",
+        width=64,
+        height=64,
+        steps=10,
+        guidance_scale=7.5,
+        seed=1,
+        num_images=1,
+        idempotency_key=None,
+        attempt=1,
+        worker_id="w1" if status in (JobStatus.SCHEDULED, JobStatus.RUNNING, JobStatus.DECODING) else None,
+        error="",
+        progress_step=0,
+        progress_total=10,
+        routing=None,
+        cancel_requested=False,
+        created_at=NOW - timedelta(seconds=30),
+        scheduled_at=NOW - timedelta(seconds=20),
+        started_at=NOW - timedelta(seconds=10),
+        decoding_at=None,
+        finished_at=None,
+    )
+    return replace(base, **changes)
+
+
+DEAD = [DeadWorker("w1", "no heartbeat for 12s")]
+
+
+def test_started_job_on_a_dead_worker_is_requeued_with_the_failure_counted() -> None:
+    [action] = review([job()], DEAD, NOW, CONFIG)
+    assert action == Requeue("j1", 1, JobStatus.RUNNING, AttemptFailure(1, "w1", "no heartbeat for 12s"))
+
+
+def test_decoding_counts_as_started() -> None:
+    [action] = review([job(JobStatus.DECODING)], DEAD, NOW, CONFIG)
+    assert isinstance(action, Requeue) and action.failure is not None
+
+
+def test_scheduled_job_on_a_dead_worker_costs_no_attempt() -> None:
+    [action] = review([job(JobStatus.SCHEDULED, started_at=None)], DEAD, NOW, CONFIG)
+    assert action == Requeue("j1", 1, JobStatus.SCHEDULED, None)
+
+
+def test_job_on_a_live_worker_is_left_alone() -> None:
+    assert review([job()], [DeadWorker("w2", "gone")], NOW, CONFIG) == []
+
+
+def test_last_attempt_fails_the_job_naming_every_attempt() -> None:
+    earlier = (AttemptFailure(1, "w0", "the worker restarted"), AttemptFailure(2, "w2", "CUDA error"))
+    [action] = review([job(attempt=3, failures=2, attempt_log=earlier)], DEAD, NOW, CONFIG)
+    assert isinstance(action, Fail)
+    assert action.reason == (
+        "failed after 3 attempts: attempt 1 on w0: the worker restarted; attempt 2 on w2: CUDA error;"
+        " attempt 3 on w1: no heartbeat for 12s"
+    )
+    assert action.failure == AttemptFailure(3, "w1", "no heartbeat for 12s")
+
+
+def test_queued_job_out_of_attempts_fails() -> None:
+    log = tuple(AttemptFailure(i, "w1", "boom") for i in (1, 2, 3))
+    [action] = review([job(JobStatus.QUEUED, failures=3, attempt_log=log, attempt=3)], [], NOW, CONFIG)
+    assert isinstance(action, Fail) and action.reason.startswith("failed after 3 attempts: attempt 1 on w1: boom")
+
+
+def test_queued_job_past_its_deadline_expires_even_with_attempts_left() -> None:
+    queued = job(JobStatus.QUEUED, deadline=NOW - timedelta(seconds=1), attempt=0)
+    assert review([queued], [], NOW, CONFIG) == [Expire("j1", 0)]
+    assert review([replace(queued, deadline=NOW + timedelta(seconds=1))], [], NOW, CONFIG) == []
+
+
+def test_running_past_the_timeout_and_its_grace_fails_the_attempt() -> None:
+    limit = timedelta(seconds=60 + TIMEOUT_GRACE_S)
+    assert review([job(started_at=NOW - limit + timedelta(seconds=1))], [], NOW, CONFIG) == []
+    [action] = review([job(started_at=NOW - limit)], [], NOW, CONFIG)
+    assert action == Requeue("j1", 1, JobStatus.RUNNING, AttemptFailure(1, "w1", "ran past the 60s timeout"))
+
+
+def test_cancel_requested_job_on_a_dead_worker_is_not_run_again() -> None:
+    # Requeueing a job whose cancel was requested ends it CANCELLED; no attempt counts.
+    [action] = review([job(cancel_requested=True)], DEAD, NOW, CONFIG)
+    assert action == Requeue("j1", 1, JobStatus.RUNNING, None)
+
+
+def test_unknown_model_uses_the_default_timeout() -> None:
+    assert CONFIG.timeout_s("other") == 600.0
+    assert CONFIG.shortest_timeout_s == 60.0 + TIMEOUT_GRACE_S
