@@ -1,0 +1,67 @@
+"""JetStream dispatch against a real nats-server: a worker's durable consumer
+follows its settings, and a forgotten worker leaves nothing on the stream."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.bus import Bus, ConsumerSettings, Dispatch
+from services.embedded import EmbeddedNats
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+async def test_existing_consumer_is_updated_to_new_settings(nats_server: EmbeddedNats) -> None:
+    bus = await Bus.connect([nats_server.url], name="test")
+    try:
+        sub = await bus.dispatch_consumer("host-cpu0", ConsumerSettings(ack_wait_s=60, max_ack_pending=64))
+        await sub.unsubscribe()
+        assert await bus.consumer_settings("host-cpu0") == ConsumerSettings(60.0, 64)
+        await bus.publish_dispatch("host-cpu0", Dispatch("j1", 1))
+        sub = await bus.dispatch_consumer("host-cpu0", ConsumerSettings(ack_wait_s=15, max_ack_pending=8))
+        assert await bus.consumer_settings("host-cpu0") == ConsumerSettings(15.0, 8)
+        # The same durable consumer, with what was waiting on it.
+        [msg] = await sub.fetch(1, timeout=2)
+        assert Dispatch.decode(msg.data) == Dispatch("j1", 1)
+        await msg.ack()
+        await sub.unsubscribe()
+    finally:
+        await bus.close()
+
+
+async def test_forgotten_worker_leaves_no_consumer_and_no_messages(nats_server: EmbeddedNats) -> None:
+    bus = await Bus.connect([nats_server.url], name="test")
+    try:
+        sub = await bus.dispatch_consumer("host-gpu3", ConsumerSettings())
+        await sub.unsubscribe()
+        await bus.publish_dispatch("host-gpu3", Dispatch("j1", 1))
+        await bus.publish_dispatch("host-gpu4", Dispatch("j2", 1))
+        await bus.forget_worker("host-gpu3")
+        await bus.forget_worker("host-gpu3")  # twice: nothing left to do, no error
+        info = await bus.js.stream_info("DARKROOM_DISPATCH")
+        assert info.state.messages == 1, "only the other worker's message is left"
+        consumers = {c.name for c in await bus.js.consumers_info("DARKROOM_DISPATCH")}
+        assert "worker-host-gpu3" not in consumers
+    finally:
+        await bus.close()
+
+
+async def test_duplicate_publish_of_one_attempt_is_dropped(nats_server: EmbeddedNats) -> None:
+    bus = await Bus.connect([nats_server.url], name="test")
+    try:
+        assert await bus.publish_dispatch("host-cpu0", Dispatch("j1", 1))
+        assert not await bus.publish_dispatch("host-cpu0", Dispatch("j1", 1))
+        assert await bus.publish_dispatch("host-cpu0", Dispatch("j1", 2))
+    finally:
+        await bus.close()

@@ -1,0 +1,84 @@
+"""The supervisor with real child processes: restarts with backoff, kills what
+hangs, tells each start its restart count, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.supervisor import Child, RestartPolicy, Supervisor
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.integration
+POLICY = RestartPolicy(backoff_s=0.2, backoff_max_s=1.0, hang_after_s=1.5, kill_grace_s=0.5)
+
+
+def flaky(tmp_path: Path, mode: str, exits: int = 0) -> Child:
+    env = {
+        **os.environ,
+        "FLAKY_MODE": mode,
+        "FLAKY_EXITS": str(exits),
+        "FLAKY_COUNTER": str(tmp_path / "starts"),
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+    }
+    return Child("flaky", "tests.integration.children.flaky", env, tmp_path / "flaky.log", tmp_path / "flaky.alive")
+
+
+def starts(tmp_path: Path) -> int:
+    path = tmp_path / "starts"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def test_exiting_child_is_restarted_with_backoff_and_told_its_restart_count(tmp_path: Path) -> None:
+    supervisor = Supervisor(POLICY)
+    child = supervisor.add(flaky(tmp_path, "exit", exits=3))
+    supervisor.start()
+    try:
+        wait_for(lambda: starts(tmp_path), lambda n: n == 4, timeout=30, what="three restarts")
+        first = child.pid
+        wait_for(lambda: child.running, bool, timeout=10, what="the fourth start to stay up")
+        time.sleep(1.0)
+        assert child.running and child.pid == first and child.restarts == 3
+        assert child.last_exit == "it exited with code 7"
+        told = [(tmp_path / f"starts.restarts{n}").read_text() for n in range(1, 5)]
+        assert told == ["0", "1", "2", "3"]
+        # Quick failures back off: 0.2 s, 0.4 s, 0.8 s before the three restarts.
+        assert child.quick_failures == 3
+    finally:
+        supervisor.stop()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in child.pids)
+
+
+def test_hung_child_is_killed_and_restarted(tmp_path: Path) -> None:
+    supervisor = Supervisor(POLICY)
+    child = supervisor.add(flaky(tmp_path, "hang"))
+    supervisor.start()
+    try:
+        first = wait_for(lambda: child.pid, lambda pid: pid is not None, timeout=10, what="the child to start")
+        wait_for(lambda: starts(tmp_path), lambda n: n >= 2, timeout=30, what="the hung child to be replaced")
+        assert child.last_exit == "it hung"
+        # It ignored SIGTERM: SIGKILL after the grace ended it.
+        assert first is not None and not (psutil.pid_exists(first) and psutil.Process(first).status() != "zombie")
+    finally:
+        supervisor.stop()
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in child.pids)
+
+
+def test_stopped_child_stays_stopped_until_started(tmp_path: Path) -> None:
+    supervisor = Supervisor(POLICY)
+    child = supervisor.add(flaky(tmp_path, "exit"))
+    supervisor.start()
+    try:
+        wait_for(lambda: starts(tmp_path), lambda n: n == 1, timeout=10, what="the child to start")
+        child.stop()
+        time.sleep(1.0)
+        assert not child.running and starts(tmp_path) == 1
+        child.start()
+        wait_for(lambda: starts(tmp_path), lambda n: n == 2, timeout=10, what="the child to start again")
+        assert child.restarts == 0, "a stop and a start are not a restart"
+    finally:
+        supervisor.stop()
