@@ -181,7 +181,8 @@ class LocalStack:
                         "FROM workers WHERE status = 'ready' AND last_heartbeat > now() - interval '10 seconds'"
                     ).fetchone()
                 assert row is not None
-                if reply.status == health_pb2.HealthCheckResponse.SERVING and row[0] >= want and row[1] >= self.decoders:
+                serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+                if serving and row[0] >= want and row[1] >= self.decoders:
                     return
             except (grpc.RpcError, psycopg.Error):
                 pass
