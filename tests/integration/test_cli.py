@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import psycopg
 import pytest
 
 from services.embedded import free_port
@@ -36,6 +37,17 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         stderr=subprocess.STDOUT,
     )
     try:
+        # A child that dies while the stack starts is restarted, not fatal.
+        decoder = wait_for(
+            lambda: next(
+                (c for c in psutil.Process(up.pid).children(recursive=True) if "vae_worker" in c.cmdline()), None
+            ),
+            lambda c: c is not None,
+            timeout=60,
+            what="the decoder to be started",
+        )
+        assert decoder is not None
+        decoder.kill()
         wait_for(
             lambda: (tmp_path / "up.log").read_text(errors="replace"),
             lambda text: "gateway listening" in text or up.poll() is not None,
@@ -83,3 +95,55 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         if up.poll() is None:
             up.kill()
         log.close()
+
+
+def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> None:
+    from services.embedded import EmbeddedNats
+    from tests.conftest import fresh_database
+
+    nats_server = EmbeddedNats(tmp_path)
+    nats_server.start()
+    database_url = fresh_database(postgres)
+    env = {
+        **os.environ,
+        "DARKROOM_DATABASE_URL": database_url,
+        "DARKROOM_NATS_URL": nats_server.url,
+        "DARKROOM_HEARTBEAT_INTERVAL_S": "0.5",
+    }
+    supervise = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "supervise", "--data-dir", str(tmp_path / "data"), "--decoders", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = database_url.replace("postgresql+psycopg://", "postgresql://")
+
+    def workers() -> dict[str, tuple[str, str, int]]:
+        with psycopg.connect(url) as conn:
+            try:
+                rows = conn.execute("SELECT id, kind, status, restarts FROM workers").fetchall()
+            except psycopg.errors.UndefinedTable:
+                return {}
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+    try:
+        ready = wait_for(
+            workers,
+            lambda ws: sorted((k, s) for k, s, _ in ws.values()) == [("sampler", "ready"), ("vae", "ready")],
+            timeout=120,
+            what="a sampler and a decoder to register",
+        )
+        [sampler_id] = [w for w, (kind, _, _) in ready.items() if kind == "sampler"]
+        children = psutil.Process(supervise.pid).children(recursive=True)
+        next(c for c in children if "gpu_worker" in c.cmdline()).kill()
+        wait_for(workers, lambda ws: ws[sampler_id][2] == 1, timeout=120, what="the sampler to be restarted")
+        children = psutil.Process(supervise.pid).children(recursive=True)
+        supervise.send_signal(signal.SIGTERM)
+        assert supervise.wait(60) == 0
+        _, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, [p.cmdline() for p in alive]
+        assert {s for _, s, _ in workers().values()} == {"gone"}
+    finally:
+        if supervise.poll() is None:
+            supervise.kill()
+        nats_server.stop()
