@@ -45,7 +45,7 @@ class Presence:
         self.engine = engine
         self.telemetry = telemetry
         self.tracker = tracker
-        self.status = WorkerStatus.READY
+        self.status = WorkerStatus.STARTING
         self.plan = WarmPlan(None, ())
         # Set when a newer process took this worker's id: this one must stop.
         self.superseded = asyncio.Event()

@@ -114,8 +114,6 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
     registry = ModelRegistry.load(settings.model_registry or None)
     device = pick_device(settings.device)
     engine = SamplerEngine(registry, settings.models_dir, device)
-    for name in settings.preload_models:
-        await asyncio.to_thread(engine.load, name)
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
     repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()
@@ -157,6 +155,11 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(presence.run(until=finished))
             tg.create_task(_drain(stop, finished, presence, tracker, settings.shutdown_grace_s))
+            # Registered (as starting) before loading: what an earlier run of this
+            # worker held is back in the queue already, not waiting for the load.
+            for name in settings.preload_models:
+                await asyncio.to_thread(engine.load, name)
+            await presence.set_status(WorkerStatus.READY)
             await consumer.run(stop)
             finished.set()
             stop.set()

@@ -223,15 +223,15 @@ class Supervisor:
         self._thread = threading.Thread(target=watch, name="darkroom-supervisor", daemon=True)
         self._thread.start()
 
-    def stop(self, order: Sequence[str] = ()) -> None:
+    def stop(self, order: Sequence[str] = (), *, timeout: float = 15.0) -> None:
         """Stops watching, then stops the children: those in ``order`` first, in
-        that order, then the rest."""
+        that order, then the rest; each gets ``timeout`` to exit before SIGKILL."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join()
         names = [n for n in order if n in self.children] + [n for n in self.children if n not in order]
         for name in names:
-            self.children[name].stop()
+            self.children[name].stop(timeout)
 
 
 def _describe(code: int | None) -> str:

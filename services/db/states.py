@@ -28,6 +28,7 @@ STARTED = frozenset({JobStatus.RUNNING, JobStatus.DECODING})
 
 
 class WorkerStatus(enum.StrEnum):
+    STARTING = "starting"  # registered, loading its models
     READY = "ready"  # takes work
     DRAINING = "draining"  # finishing what it runs, taking nothing new
     UNHEALTHY = "unhealthy"  # alive but not fit for work; its supervisor restarts it

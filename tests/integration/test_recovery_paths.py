@@ -139,13 +139,15 @@ def test_job_scheduled_but_never_published_is_published_again(stack: LocalStack)
     [worker_id] = stack.sampler_ids()
     # What a scheduler that died between its commit and its publish leaves behind.
     with psycopg.connect(stack.pg_url) as conn:
-        job_id = conn.execute(
+        row = conn.execute(
             "INSERT INTO jobs (id, status, lane, priority, model, prompt, negative_prompt, width, height, steps,"
             " guidance_scale, seed, num_images, created_at, attempt, worker_id, scheduled_at)"
             " VALUES (gen_random_uuid()::text, 'SCHEDULED', 'free', 0, 'tiny', 'p', '', 64, 64, 2, 7.5, 1, 1,"
             " now(), 1, %s, now() - interval '1 minute') RETURNING id",
             (worker_id,),
-        ).fetchone()[0]
+        ).fetchone()
+    assert row is not None
+    job_id = row[0]
     job = wait_terminal(client, job_id, timeout=60)
     assert job.status == pb.JOB_STATUS_SUCCEEDED and job.attempts == 1 and len(job.images) == 1
 

@@ -64,7 +64,7 @@ def test_hung_child_is_killed_and_restarted(tmp_path: Path) -> None:
         # It ignored SIGTERM: SIGKILL after the grace ended it.
         assert first is not None and not (psutil.pid_exists(first) and psutil.Process(first).status() != "zombie")
     finally:
-        supervisor.stop()
+        supervisor.stop(timeout=0.5)  # it ignores SIGTERM
     assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in child.pids)
 
 

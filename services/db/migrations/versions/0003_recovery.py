@@ -17,7 +17,8 @@ depends_on = None
 def upgrade() -> None:
     op.add_column("workers", sa.Column("incarnation", sa.String(36)))
     op.add_column("workers", sa.Column("restarts", sa.Integer, nullable=False, server_default=sa.text("0")))
-    op.create_check_constraint("ck_workers_status", "workers", "status IN ('ready','draining','unhealthy','gone')")
+    statuses = "'starting','ready','draining','unhealthy','gone'"
+    op.create_check_constraint("ck_workers_status", "workers", f"status IN ({statuses})")
     op.add_column("jobs", sa.Column("starts", sa.Integer, nullable=False, server_default=sa.text("0")))
     op.add_column("jobs", sa.Column("failures", sa.Integer, nullable=False, server_default=sa.text("0")))
     op.add_column("jobs", sa.Column("attempt_log", JSONB, nullable=False, server_default=sa.text("'[]'")))
