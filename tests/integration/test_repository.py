@@ -234,3 +234,16 @@ async def test_recovery_expires_queued_jobs_past_their_deadline(repo: Repository
     assert (await repo.jobs.get(late)).status == JobStatus.EXPIRED
     assert (await repo.jobs.get(fine)).status == JobStatus.SCHEDULED
     assert (await repo.jobs.totals()).expired == 1
+
+
+async def test_redelivered_dispatch_is_handled_idempotently(repo: Repository, workers) -> None:
+    job_id = await submit(repo)
+    attempt = await schedule(repo, job_id, W1)
+    assert await repo.attempts.start(job_id, attempt, W1, now=now()) is not None
+    # Its outcome could not be stored and the dispatch came back: the attempt starts over.
+    again = await repo.attempts.start(job_id, attempt, W1, now=now())
+    assert again is not None and again.status == JobStatus.RUNNING and again.starts == 2
+    assert await repo.attempts.finish(job_id, attempt, W1, [IMAGE], now=now(), busy_s=1.0)
+    # Redelivered once more after its outcome was stored (the ack was lost): nothing to run.
+    assert await repo.attempts.start(job_id, attempt, W1, now=now()) is None
+    assert len(await repo.jobs.images(job_id)) == 1

@@ -1,0 +1,83 @@
+"""The sampler's and the decoder's gRPC servicers, served in-process on port 0
+(``create_server``): their failure paths answer with the right status."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from gpu_worker.service import create_server as create_sampler_server
+from gpu_worker.tracker import JobTracker
+from services.models.registry import ModelRegistry
+from services.models.vae import VaeDecoderEngine
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
+from services.rpc.server import Server
+from services.settings import Settings
+from vae_worker.service import create_server as create_decoder_server
+
+pytestmark = pytest.mark.integration
+
+
+async def started(server: Server) -> AsyncIterator[grpc.aio.Channel]:
+    await server.grpc.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            yield ch
+    finally:
+        await server.grpc.stop(0)
+
+
+@pytest.fixture
+async def sampler() -> AsyncIterator[sampler_pb2_grpc.SamplerStub]:
+    async for ch in started(create_sampler_server(Settings(worker_port=0), JobTracker())):
+        yield sampler_pb2_grpc.SamplerStub(ch)
+
+
+@pytest.fixture
+async def decoder(models_dir: Path) -> AsyncIterator[vae_decoder_pb2_grpc.VaeDecoderStub]:
+    settings = replace(Settings(vae_port=0), data_dir=models_dir.parent)
+    engine = VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu"))
+    async for ch in started(create_decoder_server(settings, engine)):
+        yield vae_decoder_pb2_grpc.VaeDecoderStub(ch)
+
+
+async def test_watching_a_job_the_sampler_does_not_hold_is_not_found(sampler) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in sampler.WatchJob(sampler_pb2.WatchJobRequest(job_id="nope")):
+            pass
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_cancelling_a_job_the_sampler_does_not_run_says_so(sampler) -> None:
+    reply = await sampler.CancelJob(sampler_pb2.SamplerCancelRequest(job_id="nope"))
+    assert not reply.was_running
+
+
+async def test_decoder_names_what_is_wrong_with_the_latents(decoder) -> None:
+    bad = vae_decoder_pb2.DecodeRequest(model="tiny", latents=b"\0" * 12, shape=[1, 4, 8, 8], dtype="float32")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in decoder.Decode(bad):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "latents" in (err.value.details() or "")
+
+
+async def test_decoder_refuses_an_unknown_model(decoder) -> None:
+    request = vae_decoder_pb2.DecodeRequest(model="nope", latents=b"\0" * 4 * 256, shape=[1, 4, 8, 8], dtype="float32")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in decoder.Decode(request):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown model" in (err.value.details() or "")
+
+
+async def test_decoder_turns_latents_into_pngs(decoder) -> None:
+    request = vae_decoder_pb2.DecodeRequest(model="tiny", latents=b"\0" * 4 * 512, shape=[2, 4, 8, 8], dtype="float32")
+    chunks = [c async for c in decoder.Decode(request)]
+    assert sorted({c.index for c in chunks}) == [0, 1]
+    assert all((c.width, c.height) == (64, 64) for c in chunks if c.last)
