@@ -90,6 +90,10 @@ class DispatchConsumer:
         keepalive = asyncio.create_task(self._keep_in_progress(msg))
         try:
             outcome = await self.runner.run(dispatch)
+        except Exception:
+            # A defect, not the job's fault: the dispatch comes back, the worker goes on.
+            log.exception("running %s failed unexpectedly; leaving it for redelivery", dispatch.job_id)
+            outcome = Outcome.NOT_STORED
         finally:
             keepalive.cancel()
         if outcome is Outcome.STORED:

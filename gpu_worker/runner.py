@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import torch
 
-from gpu_worker.decoders import Decoders
+from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.engine import SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
 from scheduler.estimates import Shape, observe
@@ -168,7 +168,9 @@ class JobRunner:
             )
         except Exception as exc:
             # The GPU, the model, the decoders: another attempt, maybe elsewhere, may do.
-            self.failures_in_a_row += 1
+            # Decoders being away says nothing about this worker's fitness.
+            if not isinstance(exc, DecodeUnavailable):
+                self.failures_in_a_row += 1
             log.warning("job %s attempt %d failed: %s", job.id, job.attempt, exc, exc_info=True)
             error = f"{type(exc).__name__}: {exc}"
             await self._store(

@@ -105,7 +105,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     try:
         stopped.wait()
     finally:
-        supervisor.stop(stop_order(list(supervisor.children)))
+        supervisor.stop(stop_order(list(supervisor.children)), timeout=settings.shutdown_grace_s + 5.0)
     return 0
 
 

@@ -192,7 +192,8 @@ class LocalStack:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        self.supervisor.stop(stop_order(list(self.services)))
+        # Samplers get their drain's grace before SIGKILL.
+        self.supervisor.stop(stop_order(list(self.services)), timeout=self.settings.shutdown_grace_s + 5.0)
         if self.nats is not None:
             self.nats.stop()
         if self.postgres is not None:
