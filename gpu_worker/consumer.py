@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpu_worker.runner import JobRunner, Outcome
+from services.backoff import Backoff
 from services.bus import BUS_ERRORS, Bus, ConsumerSettings, Dispatch
 from services.errors import BusError, MalformedDispatch
 
@@ -24,8 +25,6 @@ log = logging.getLogger("darkroom.gpu_worker.consumer")
 FETCH_WAIT_S = 0.5
 # A dispatch whose outcome could not be stored comes back after this long.
 REDELIVER_AFTER_S = 2.0
-RETRY_FIRST_S = 0.2
-RETRY_MAX_S = 5.0
 
 
 class DispatchConsumer:
@@ -48,25 +47,23 @@ class DispatchConsumer:
         """Until ``stop`` is set, or the runner finds this worker unfit; returns once
         the job in hand has an outcome."""
         sub = None
-        delay = RETRY_FIRST_S
+        backoff = Backoff()
         try:
             while not stop.is_set() and not self.runner.unfit:
                 try:
                     if sub is None:
                         sub = await self.bus.dispatch_consumer(self.worker_id, self.consumer)
                     msgs = await sub.fetch(1, timeout=FETCH_WAIT_S)
-                    delay = RETRY_FIRST_S
+                    backoff.reset()
                 except (TimeoutError, NatsTimeoutError):
                     await self.on_idle()  # the moment to load or drop models
                     continue
                 except (*BUS_ERRORS, BusError) as exc:
-                    log.warning("cannot fetch dispatches, retrying in %.1fs: %s", delay, exc)
+                    log.warning("cannot fetch dispatches, retrying in %.1fs: %s", backoff.next_s, exc)
                     # Bind afresh: the consumer may have been recreated meanwhile.
                     await self._unsubscribe(sub)
                     sub = None
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), delay)
-                    delay = min(delay * 2, RETRY_MAX_S)
+                    await backoff.wait(stop)
                     continue
                 for msg in msgs:
                     await self.handle(msg)

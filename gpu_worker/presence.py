@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.tracker import JobTracker
+from services.backoff import Backoff
 from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
@@ -18,9 +19,6 @@ from services.settings import Settings
 from services.telemetry import Telemetry
 
 log = logging.getLogger("darkroom.gpu_worker.presence")
-
-RETRY_FIRST_S = 0.2
-RETRY_MAX_S = 5.0
 
 
 class Presence:
@@ -71,15 +69,13 @@ class Presence:
     async def register(self, stop: asyncio.Event) -> bool:
         """Registers this incarnation, waiting for the database if it is away.
         False if ``stop`` was set first."""
-        delay = RETRY_FIRST_S
+        backoff = Backoff()
         while not stop.is_set():
             try:
                 registration = await self.repo.workers.register(self.reading(), self.incarnation)
             except StoreError as exc:
-                log.warning("cannot register, retrying in %.1fs: %s", delay, exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
-                delay = min(delay * 2, RETRY_MAX_S)
+                log.warning("cannot register, retrying in %.1fs: %s", backoff.next_s, exc)
+                await backoff.wait(stop)
                 continue
             self.plan = registration.plan
             if registration.requeued:

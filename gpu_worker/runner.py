@@ -22,6 +22,7 @@ from gpu_worker.engine import SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
 from scheduler.estimates import Shape, observe
 from scheduler.views import durations_from
+from services.backoff import Backoff
 from services.bus import Dispatch
 from services.chunks import split
 from services.db.records import Estimate, ImageRecord, JobRecord
@@ -33,8 +34,6 @@ log = logging.getLogger("darkroom.gpu_worker.runner")
 
 # Progress is written to Postgres at most this often; the gRPC stream gets every step.
 PROGRESS_WRITE_EVERY_S = 0.25
-STORE_RETRY_FIRST_S = 0.2
-STORE_RETRY_MAX_S = 2.0
 T = TypeVar("T")
 
 
@@ -86,16 +85,15 @@ class JobRunner:
         """Retries a write that must land while the database is away, for up to
         ``outcome_retry_s``; then gives up with OutcomeNotStored."""
         deadline = time.monotonic() + self.outcome_retry_s
-        delay = STORE_RETRY_FIRST_S
+        backoff = Backoff(max_s=2.0)
         while True:
             try:
                 return await call()
             except StoreError as exc:
-                if time.monotonic() + delay > deadline:
+                if time.monotonic() + backoff.next_s > deadline:
                     raise OutcomeNotStored(f"cannot store {what}: {exc}") from exc
-                log.warning("cannot store %s, retrying in %.1fs: %s", what, delay, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, STORE_RETRY_MAX_S)
+                log.warning("cannot store %s, retrying in %.1fs: %s", what, backoff.next_s, exc)
+                await backoff.wait()
 
     async def run(self, dispatch: Dispatch) -> Outcome:
         try:

@@ -19,6 +19,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType,
 from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 
+from services.backoff import Backoff
 from services.errors import BusError, MalformedDispatch
 
 log = logging.getLogger("darkroom.bus")
@@ -103,7 +104,7 @@ class Bus:
         """Connects, retrying with backoff until NATS answers (or ``stop`` is set),
         so that a service started before nats-server, or during its restart, waits
         for it rather than exits."""
-        delay = 0.2
+        backoff = Backoff(max_s=retry_max_s)
         while True:
             try:
                 nc = await nats.connect(
@@ -123,9 +124,8 @@ class Bus:
             except (*BUS_ERRORS, BusError) as exc:
                 if stop is not None and stop.is_set():
                     raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc
-                log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, retry_max_s)
+                log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, backoff.next_s)
+                await backoff.wait()
 
     async def ensure_stream(self) -> None:
         config = StreamConfig(

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.embedded import ManagedProcess
 from services.settings import ENV_PREFIX
 
 log = logging.getLogger("darkroom.supervisor")
@@ -54,17 +55,17 @@ def hung(*, now: float, started_at: float, alive_at: float | None, hang_after_s:
     return now - alive_at > hang_after_s
 
 
-class Child:
+class Child(ManagedProcess):
     """One supervised process. ``stop()`` means "stay stopped"; ``kill()`` is a
     crash (SIGKILL), which the supervisor answers with a restart."""
 
     def __init__(self, name: str, module: str, env: dict[str, str], log_path: Path, liveness_path: Path | None) -> None:
+        super().__init__()
         self.name = name
         self.module = module
         self.env = env
         self.log_path = log_path
         self.liveness_path = liveness_path
-        self.proc: subprocess.Popen[bytes] | None = None
         self.wanted = False
         self.restarts = 0
         self.quick_failures = 0
@@ -74,10 +75,6 @@ class Child:
         # Every process it has started: none may outlive the supervisor.
         self.pids: list[int] = []
         self.lock = threading.RLock()
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     @property
     def pid(self) -> int | None:
@@ -113,26 +110,12 @@ class Child:
         """SIGTERM, then SIGKILL after ``timeout``; it stays stopped until ``start()``."""
         with self.lock:
             self.wanted = False
-            self._terminate(timeout)
-
-    def _terminate(self, timeout: float) -> None:
-        if not self.running:
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            super().stop(timeout)
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: the supervisor restarts it."""
         with self.lock:
-            if self.running:
-                assert self.proc is not None
-                self.proc.kill()
-                self.proc.wait()
+            super().kill()
 
     def signal(self, sig: signal.Signals) -> None:
         with self.lock:
@@ -190,7 +173,7 @@ class Supervisor:
                             child.proc.pid if child.proc else -1,
                             self.policy.hang_after_s,
                         )
-                        child._terminate(self.policy.kill_grace_s)
+                        ManagedProcess.stop(child, self.policy.kill_grace_s)
                         self._exited(child, now, "it hung")
                     continue
                 if child.proc is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 
@@ -11,6 +10,8 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import OperationalError
+
+from services.backoff import Backoff
 
 log = logging.getLogger("darkroom.db")
 
@@ -40,14 +41,12 @@ def upgrade(database_url: str) -> None:
 async def upgrade_when_reachable(database_url: str, stop: asyncio.Event, *, retry_max_s: float = 5.0) -> bool:
     """Applies the migrations, waiting for the database if it is away (a service
     started before it, or during its restart). False if ``stop`` was set first."""
-    delay = 0.2
+    backoff = Backoff(max_s=retry_max_s)
     while not stop.is_set():
         try:
             await asyncio.to_thread(upgrade, database_url)
             return True
         except OperationalError as exc:
-            log.warning("database not reachable (%s); retrying in %.1fs", exc.orig or exc, delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, retry_max_s)
+            log.warning("database not reachable (%s); retrying in %.1fs", exc.orig or exc, backoff.next_s)
+            await backoff.wait(stop)
     return False
