@@ -20,12 +20,10 @@ import torch
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.engine import SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
-from scheduler.estimates import Shape, observe
-from scheduler.views import durations_from
 from services.backoff import Backoff
 from services.bus import Dispatch
 from services.chunks import split
-from services.db.records import Estimate, ImageRecord, JobRecord
+from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository, Standing
 from services.errors import InvalidArgument, JobInterrupted, StoreError
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2
@@ -126,7 +124,7 @@ class JobRunner:
         started = time.perf_counter()
         attempt = (job.id, job.attempt, self.worker_id)
         # A job that had to load its model, or the first on a freshly loaded one
-        # (kernels compiled, caches filled), says little about how long jobs take.
+        # (kernels compiled, caches filled), is not representative of its shape.
         was_warm = job.model in self._warmed_up
         try:
             latents = await self._sample(job, watch)
@@ -139,17 +137,18 @@ class JobRunner:
             if watch.stopping.is_set():
                 raise JobInterrupted(job.id)
             took = time.perf_counter() - started
+            # The scheduler learns durations from this; a job that loaded or warmed
+            # up its model says little about how long jobs take.
+            run_seconds = took if was_warm else None
             stored = await self._store(
                 f"the result of {job.id}",
-                lambda: self.repo.attempts.finish(*attempt, images, now=_now(), busy_s=took),
+                lambda: self.repo.attempts.finish(*attempt, images, now=_now(), busy_s=took, run_seconds=run_seconds),
             )
             self.failures_in_a_row = 0
             if stored:
                 for image in images:
                     for chunk in image_chunks(image):
                         await watch.emit(sampler_pb2.SamplerEvent(output=chunk))
-                if was_warm:
-                    await self._learn(job, took)
                 self._warmed_up.add(job.model)
             log.info("job %s done in %.2fs (stored=%s)", job.id, took, stored)
         except JobInterrupted:
@@ -226,22 +225,6 @@ class JobRunner:
             job.num_images,
         )
         return await asyncio.to_thread(self.engine.sample, request, on_step, watch.stopping)
-
-    async def _learn(self, job: JobRecord, seconds: float) -> None:
-        """Folds this job's duration into the learned estimates (shared by every
-        scheduler replica, kept across restarts)."""
-        shape = Shape(job.model, job.width * job.height, job.steps, job.num_images)
-        step_s = self.engine.registry.get(job.model).step_s_512
-
-        def learn(entry: Estimate | None, speeds: dict[str, Estimate]) -> tuple[Estimate, Estimate]:
-            durations = durations_from({shape.key: entry} if entry else {}, speeds)
-            obs = observe(durations, shape, step_s, self.worker_id, seconds)
-            return (obs.shape.mean, obs.shape.count), (obs.speed.mean, obs.speed.count)
-
-        try:
-            await self.repo.estimates.learn(shape.key, self.worker_id, learn, now=_now())
-        except StoreError as exc:
-            log.warning("cannot record the duration of %s: %s", job.id, exc)
 
 
 def image_chunks(image: ImageRecord) -> list[sampler_pb2.SamplerOutputChunk]:

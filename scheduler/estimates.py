@@ -8,12 +8,13 @@ after ``WARMUP`` observations, so they follow a GPU that slows down (heat, a
 noisy neighbour) without forgetting everything at once.
 
 Pure: a frozen table in, a new entry out. The scheduler and the simulator read
-the same table; workers persist every observation, so estimates survive restarts.
+the same table; workers record how long each job ran, and the scheduler folds
+those run times in and stores the table, so estimates survive restarts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -106,3 +107,15 @@ def with_observation(durations: Durations, shape: Shape, worker_id: str, obs: Ob
         shapes={**durations.shapes, shape.key: obs.shape},
         speeds={**durations.speeds, worker_id: obs.speed},
     )
+
+
+def learn(
+    durations: Durations, observations: Iterable[tuple[Shape, str, float]], step_s_512: Mapping[str, float]
+) -> Durations:
+    """The table after learning from (shape, worker, seconds) observations, in
+    order; models with no first estimate are passed over."""
+    for shape, worker_id, seconds in observations:
+        if shape.model in step_s_512:
+            obs = observe(durations, shape, step_s_512[shape.model], worker_id, seconds)
+            durations = with_observation(durations, shape, worker_id, obs)
+    return durations

@@ -16,7 +16,15 @@ from datetime import UTC, datetime, timedelta
 from scheduler import policy
 from scheduler.estimates import Durations, Shape
 from scheduler.recovery import RecoveryConfig, review
-from scheduler.views import costs_from, durations_from, gpu_views, job_view, policy_config, worker_views
+from scheduler.views import (
+    costs_from,
+    durations_from,
+    fold_run_times,
+    gpu_views,
+    job_view,
+    policy_config,
+    worker_views,
+)
 from scheduler.warmsets import demand_from, plan_warm_sets
 from services.bus import Bus, Dispatch
 from services.db.migrate import upgrade_when_reachable
@@ -38,6 +46,9 @@ from services.rpc.server import Server, build_server
 from services.settings import Settings
 
 log = logging.getLogger("darkroom.scheduler")
+
+# Run times folded into the learned estimates in one pass.
+LEARN_BATCH = 500
 
 
 def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime):
@@ -181,6 +192,15 @@ class Scheduler:
             log.warning("recovered %s", describe(action))
         return done
 
+    async def learn_pass(self) -> int | None:
+        """Folds the run times workers recorded into the learned estimates."""
+        learned = await self.repo.estimates.learn_pass(
+            fold_run_times(self.costs), limit=LEARN_BATCH, now=datetime.now(UTC)
+        )
+        if learned:
+            self._durations_read = float("-inf")  # reread at the next pass
+        return learned
+
     async def forget_gone_workers(self) -> list[str]:
         """Workers silent for ``worker_forget_after_s`` are gone for good: their
         consumer, what is left on their subject, and their row go."""
@@ -219,6 +239,7 @@ class Scheduler:
             try:
                 await self.recovery_pass()
                 self._db_answered(True)
+                await self.learn_pass()
                 if loop.time() - self._last_prune >= prune_every:
                     self._last_prune = loop.time()
                     await self.forget_gone_workers()

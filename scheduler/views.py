@@ -8,9 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from scheduler import policy
-from scheduler.estimates import Durations, Learned
+from scheduler.estimates import Durations, Learned, Shape, learn
 from scheduler.warmsets import GpuView
-from services.db.records import Estimate, JobRecord, WorkerRecord
+from services.db.records import Estimate, Fold, JobRecord, RunTime, WorkerRecord
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
 
@@ -56,6 +56,23 @@ def costs_from(registry: ModelRegistry) -> dict[str, policy.ModelCost]:
         )
         for name, spec in registry.models.items()
     }
+
+
+def fold_run_times(costs: Mapping[str, policy.ModelCost]) -> Fold:
+    """Learning from workers' run times, as the repository's learning pass wants it."""
+    step_s = {model: cost.step_s_512 for model, cost in costs.items()}
+
+    def fold(
+        shapes: dict[str, Estimate], speeds: dict[str, Estimate], facts: Sequence[RunTime]
+    ) -> tuple[dict[str, Estimate], dict[str, Estimate]]:
+        observations = [(Shape(f.model, f.pixels, f.steps, f.batch), f.worker_id, f.seconds) for f in facts]
+        learned = learn(durations_from(shapes, speeds), observations, step_s)
+        return (
+            {k: (v.mean, v.count) for k, v in learned.shapes.items()},
+            {k: (v.mean, v.count) for k, v in learned.speeds.items()},
+        )
+
+    return fold
 
 
 def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate]) -> Durations:

@@ -54,6 +54,11 @@ class JobRow(Base):
     # One entry per failed attempt: {"attempt", "worker_id", "error"}.
     attempt_log: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
     deadline: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # How long the successful attempt ran, as its worker measured it; NULL when the
+    # duration says little (it loaded the model, or warmed it up). The scheduler
+    # folds it into the learned estimates once, then sets ``learned``.
+    run_seconds: Mapped[float | None] = mapped_column(Float)
+    learned: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     worker_id: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
     progress_step: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
@@ -72,6 +77,7 @@ class JobRow(Base):
         Index(
             "ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")
         ),
+        Index("ix_jobs_to_learn", "finished_at", postgresql_where=text("run_seconds IS NOT NULL AND NOT learned")),
         Index(
             "ux_jobs_idempotency_key",
             "idempotency_key",

@@ -237,6 +237,22 @@ Decide = Callable[[Sequence[JobRecord], Sequence[WorkerRecord], Sequence[JobReco
 Review = Callable[[Sequence[JobRecord], Sequence[DeadWorker], datetime], Sequence[Recovery]]
 # A learned estimate as stored: (mean, count).
 Estimate = tuple[float, int]
-# Given the stored entry for one shape (or None) and every worker's speed, returns
-# the new shape entry and the new entry for the worker that observed it.
-Learn = Callable[[Estimate | None, dict[str, Estimate]], tuple[Estimate, Estimate]]
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """How long one job ran on one worker: a fact to learn durations from."""
+
+    model: str
+    pixels: int
+    steps: int
+    batch: int
+    worker_id: str
+    seconds: float
+
+
+# Given every stored (shape, speed) estimate and new run times, returns the
+# estimates after learning from them. Pure: the scheduler's estimates code.
+Fold = Callable[
+    [dict[str, Estimate], dict[str, Estimate], Sequence[RunTime]], tuple[dict[str, Estimate], dict[str, Estimate]]
+]

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 
 from scheduler.recovery import RecoveryConfig, review
+from scheduler.views import fold_run_times
 from services.db.migrate import upgrade
 from services.db.records import Assignment, ImageRecord, NewJob, WorkerHeartbeat
 from services.db.repository import Repository, Standing
@@ -247,3 +248,20 @@ async def test_redelivered_dispatch_is_handled_idempotently(repo: Repository, wo
     # Redelivered once more after its outcome was stored (the ack was lost): nothing to run.
     assert await repo.attempts.start(job_id, attempt, W1, now=now()) is None
     assert len(await repo.jobs.images(job_id)) == 1
+
+
+async def test_run_times_are_learned_once_by_the_scheduler(repo: Repository, workers) -> None:
+    from scheduler.views import costs_from
+    from services.models.registry import ModelRegistry
+
+    fold = fold_run_times(costs_from(ModelRegistry.load()))
+    timed, warm_up = await submit(repo), await submit(repo)
+    for job_id, run_seconds in ((timed, 2.0), (warm_up, None)):
+        attempt = await schedule(repo, job_id, W1)
+        await repo.attempts.start(job_id, attempt, W1, now=now())
+        await repo.attempts.finish(job_id, attempt, W1, [IMAGE], now=now(), busy_s=2.5, run_seconds=run_seconds)
+    assert await repo.estimates.learn_pass(fold, limit=10, now=now()) == 1
+    assert await repo.estimates.learn_pass(fold, limit=10, now=now()) == 0, "each run time is learned once"
+    shapes, speeds = await repo.estimates.learned()
+    assert shapes == {"tiny|4096|4|1": (2.0, 1)}
+    assert set(speeds) == {W1}

@@ -6,7 +6,8 @@ from collections.abc import Iterable
 
 import pytest
 
-from scheduler.estimates import WARMUP, Durations, Learned, Shape, default_seconds, observe, with_observation
+from scheduler import estimates
+from scheduler.estimates import WARMUP, Durations, Learned, Shape, default_seconds
 
 STEP_S = 0.05  # registry: one step of one 512x512 image, seconds
 SHAPE = Shape("sd", 512 * 512, 20, 1)  # 1 s by default
@@ -14,9 +15,7 @@ SHAPE = Shape("sd", 512 * 512, 20, 1)  # 1 s by default
 
 def learn(durations: Durations, runs: Iterable[tuple[str, float]], shape: Shape = SHAPE) -> Durations:
     """Feeds (worker id, seconds taken) observations of ``shape`` in order."""
-    for worker_id, seconds in runs:
-        durations = with_observation(durations, shape, worker_id, observe(durations, shape, STEP_S, worker_id, seconds))
-    return durations
+    return estimates.learn(durations, [(shape, w, seconds) for w, seconds in runs], {shape.model: STEP_S})
 
 
 def test_default_is_linear_in_pixels_steps_and_batch() -> None:
@@ -89,3 +88,9 @@ def test_learning_does_not_drift_the_speed_scale() -> None:
     d = learn(Durations(), [("a", 10.0), ("b", 20.0), ("c", 15.0)])
     speeds = [d.speed(w) for w in ("a", "b", "c")]
     assert sum(speeds) / len(speeds) == pytest.approx(1.0)
+
+
+def test_runs_of_a_model_without_a_first_estimate_are_passed_over() -> None:
+    other = Shape("gone", 512 * 512, 20, 1)
+    d = estimates.learn(Durations(), [(other, "w", 3.0), (SHAPE, "w", 2.0)], {"sd": STEP_S})
+    assert set(d.shapes) == {SHAPE.key}

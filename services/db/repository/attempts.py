@@ -90,15 +90,25 @@ class Attempts:
             return True
 
     async def finish(
-        self, job_id: str, attempt: int, worker_id: str, images: Sequence[ImageRecord], *, now: datetime, busy_s: float
+        self,
+        job_id: str,
+        attempt: int,
+        worker_id: str,
+        images: Sequence[ImageRecord],
+        *,
+        now: datetime,
+        busy_s: float,
+        run_seconds: float | None = None,
     ) -> bool:
         """Stores the images and marks SUCCEEDED in one transaction, only if this
-        attempt is still the job's current one: at most one visible result."""
+        attempt is still the job's current one: at most one visible result.
+        ``run_seconds``: how long it ran, if that is worth learning from."""
         async with self.db.tx() as s:
             row = await self._held(s, job_id, attempt, worker_id, STARTED)
             if row is None:
                 return False
             end_row(row, JobStatus.SUCCEEDED, "", now=now)
+            row.run_seconds = run_seconds
             for image in images:
                 s.add(JobImageRow(job_id=job_id, **image.__dict__))
             await s.execute(

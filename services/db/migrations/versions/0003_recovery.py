@@ -1,4 +1,4 @@
-"""recovery: worker incarnations and restarts, failed attempts, deadlines
+"""recovery: worker incarnations and restarts, failed attempts, deadlines; durations as facts
 
 Revision ID: 0003
 Revises: 0002
@@ -23,9 +23,18 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("failures", sa.Integer, nullable=False, server_default=sa.text("0")))
     op.add_column("jobs", sa.Column("attempt_log", JSONB, nullable=False, server_default=sa.text("'[]'")))
     op.add_column("jobs", sa.Column("deadline", sa.DateTime(timezone=True)))
+    # Workers record facts (how long a job ran); the scheduler learns from them.
+    op.add_column("jobs", sa.Column("run_seconds", sa.Float))
+    op.add_column("jobs", sa.Column("learned", sa.Boolean, nullable=False, server_default=sa.text("false")))
+    op.create_index(
+        "ix_jobs_to_learn", "jobs", ["finished_at"], postgresql_where=sa.text("run_seconds IS NOT NULL AND NOT learned")
+    )
 
 
 def downgrade() -> None:
+    op.drop_index("ix_jobs_to_learn", "jobs")
+    op.drop_column("jobs", "learned")
+    op.drop_column("jobs", "run_seconds")
     op.drop_column("jobs", "deadline")
     op.drop_column("jobs", "attempt_log")
     op.drop_column("jobs", "failures")
