@@ -26,6 +26,7 @@ from services.chunks import split
 from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository, Standing
 from services.errors import InvalidArgument, JobInterrupted, StoreError
+from services.models.registry import DEFAULT_TIMEOUT_S
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2
 
 log = logging.getLogger("darkroom.gpu_worker.runner")
@@ -108,7 +109,8 @@ class JobRunner:
             return Outcome.STORED
         watch = self.tracker.open(job.id, job.attempt)
         await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_RUNNING))
-        timeout_s = self.engine.registry.get(job.model).timeout_s if job.model in self.engine.registry else 600.0
+        spec = self.engine.registry.models.get(job.model)
+        timeout_s = spec.timeout_s if spec is not None else DEFAULT_TIMEOUT_S
         timer = asyncio.get_running_loop().call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
         try:
             await self._run(job, watch, timeout_s)

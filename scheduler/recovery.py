@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 
 from services.db.records import AttemptFailure, DeadWorker, Expire, Fail, JobRecord, Recovery, Requeue
 from services.db.states import HELD, STARTED, JobStatus
+from services.models.registry import DEFAULT_TIMEOUT_S
 
 # How long past its timeout a running job may go before the scheduler takes it back.
 TIMEOUT_GRACE_S = 30.0
@@ -27,7 +28,7 @@ TIMEOUT_GRACE_S = 30.0
 class RecoveryConfig:
     max_attempts: int = 3
     timeouts: Mapping[str, float] | None = None  # model -> hard timeout in seconds
-    default_timeout_s: float = 600.0
+    default_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def timeout_s(self, model: str) -> float:
         return (self.timeouts or {}).get(model, self.default_timeout_s)

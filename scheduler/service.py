@@ -161,16 +161,14 @@ class Scheduler:
         return len(scheduled or [])
 
     async def _publish(self, jobs: Sequence[JobRecord]) -> None:
-        failed, last = 0, None
-        for job in jobs:
+        for n, job in enumerate(jobs):
             assert job.worker_id is not None
             try:
                 await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt))
             except BusError as exc:
-                failed += 1
-                last = exc
-        if failed:
-            log.warning("%d of %d dispatches not published, will retry: %s", failed, len(jobs), last)
+                # NATS is away: the rest would wait out the same timeout one by one.
+                log.warning("%d of %d dispatches not published, will retry: %s", len(jobs) - n, len(jobs), exc)
+                return
 
     async def redispatch(self) -> int:
         older = datetime.now(UTC) - timedelta(seconds=self.settings.redispatch_after_s)

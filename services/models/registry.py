@@ -18,6 +18,8 @@ DEFAULT_REGISTRY = Path(__file__).with_name("default_registry.toml")
 FAMILY_DEFAULTS = {"sd15": (25.0, 5.0), "sdxl": (60.0, 10.0), "tiny": (30.0, 0.5), "sim": (25.0, 1.0)}
 FAMILIES = frozenset(FAMILY_DEFAULTS)
 BUILTIN_TINY = "builtin:tiny"
+# A job running longer than this is stopped, unless its model says otherwise.
+DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class ModelSpec:
     # What kind of work it is; the scheduler's per-capability caps apply to it.
     capability: str = "image"
     # A job running longer than this is stopped, and retried or failed.
-    timeout_s: float = 600.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
     @property
     def vram_bytes(self) -> int:
