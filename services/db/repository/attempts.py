@@ -8,8 +8,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.db.models import JobImageRow, JobRow, WorkerRow
@@ -45,33 +46,42 @@ class Attempts:
             )
         ).scalar_one_or_none()
 
+    @staticmethod
+    def _fenced(job_id: str, attempt: int, worker_id: str, statuses) -> Any:
+        """An UPDATE of the job that changes nothing unless this attempt is still
+        the current one on this worker, in one of ``statuses``: one round trip."""
+        return update(JobRow).where(
+            JobRow.id == job_id,
+            JobRow.attempt == attempt,
+            JobRow.worker_id == worker_id,
+            JobRow.status.in_([st.value for st in statuses]),
+        )
+
     async def start(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> JobRecord | None:
         """Marks this attempt RUNNING on this worker; None if the job was cancelled,
         moved on or belongs to another attempt. An attempt already started here
         (its message redelivered because its outcome could not be stored) starts
         over: its result was never stored."""
         async with self.db.tx() as s:
-            row = await self._held(s, job_id, attempt, worker_id, HELD)
-            if row is None:
-                return None
-            if row.status == JobStatus.SCHEDULED:
-                row.started_at = now
-            row.starts += 1
-            row.status = JobStatus.RUNNING.value
-            row.progress_step = 0
-            return JobRecord.of(row)
+            row = (
+                await s.execute(
+                    self._fenced(job_id, attempt, worker_id, HELD)
+                    .values(
+                        status=JobStatus.RUNNING.value,
+                        started_at=case((JobRow.status == JobStatus.SCHEDULED.value, now), else_=JobRow.started_at),
+                        starts=JobRow.starts + 1,
+                        progress_step=0,
+                    )
+                    .returning(JobRow)
+                )
+            ).scalar_one_or_none()
+            return JobRecord.of(row) if row is not None else None
 
     async def progress(self, job_id: str, attempt: int, worker_id: str, step: int, total: int) -> Standing:
         async with self.db.tx() as s:
             flag = (
                 await s.execute(
-                    update(JobRow)
-                    .where(
-                        JobRow.id == job_id,
-                        JobRow.attempt == attempt,
-                        JobRow.worker_id == worker_id,
-                        JobRow.status.in_([st.value for st in STARTED]),
-                    )
+                    self._fenced(job_id, attempt, worker_id, STARTED)
                     .values(progress_step=step, progress_total=total)
                     .returning(JobRow.cancel_requested)
                 )
@@ -82,12 +92,12 @@ class Attempts:
 
     async def decoding(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
         async with self.db.tx() as s:
-            row = await self._held(s, job_id, attempt, worker_id, STARTED)
-            if row is None:
-                return False
-            row.status = JobStatus.DECODING.value
-            row.decoding_at = now
-            return True
+            done = await s.execute(
+                self._fenced(job_id, attempt, worker_id, STARTED)
+                .values(status=JobStatus.DECODING.value, decoding_at=now)
+                .returning(JobRow.id)
+            )
+            return done.scalar_one_or_none() is not None
 
     async def finish(
         self,
@@ -104,11 +114,13 @@ class Attempts:
         attempt is still the job's current one: at most one visible result.
         ``run_seconds``: how long it ran, if that is worth learning from."""
         async with self.db.tx() as s:
-            row = await self._held(s, job_id, attempt, worker_id, STARTED)
-            if row is None:
+            done = await s.execute(
+                self._fenced(job_id, attempt, worker_id, STARTED)
+                .values(status=JobStatus.SUCCEEDED.value, error="", finished_at=now, run_seconds=run_seconds)
+                .returning(JobRow.id)
+            )
+            if done.scalar_one_or_none() is None:
                 return False
-            end_row(row, JobStatus.SUCCEEDED, "", now=now)
-            row.run_seconds = run_seconds
             for image in images:
                 s.add(JobImageRow(job_id=job_id, **image.__dict__))
             await s.execute(
@@ -120,11 +132,12 @@ class Attempts:
 
     async def cancel(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
         async with self.db.tx() as s:
-            row = await self._held(s, job_id, attempt, worker_id, STARTED)
-            if row is None:
-                return False
-            end_row(row, JobStatus.CANCELLED, "cancelled", now=now)
-            return True
+            done = await s.execute(
+                self._fenced(job_id, attempt, worker_id, STARTED)
+                .values(status=JobStatus.CANCELLED.value, error="cancelled", finished_at=now)
+                .returning(JobRow.id)
+            )
+            return done.scalar_one_or_none() is not None
 
     async def fail(
         self, job_id: str, attempt: int, worker_id: str, error: str, *, retryable: bool, now: datetime
