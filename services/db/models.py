@@ -42,6 +42,8 @@ class JobRow(Base):
     guidance_scale: Mapped[float] = mapped_column(Float, nullable=False)
     seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
     num_images: Mapped[int] = mapped_column(Integer, nullable=False)
+    # "png", "jpeg" or "webp": how the decoder encodes the images.
+    output_format: Mapped[str] = mapped_column(String(8), nullable=False, server_default=text("'png'"))
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
     # Raised each time the job is dispatched: the fencing token. A worker's writes
     # name the attempt they belong to, so a stale attempt never overwrites a newer one.
@@ -58,6 +60,9 @@ class JobRow(Base):
     # duration says little (it loaded the model, or warmed it up). The scheduler
     # folds it into the learned estimates once, then sets ``learned``.
     run_seconds: Mapped[float | None] = mapped_column(Float)
+    # Images in the batch the successful attempt ran in, its own included: the
+    # shape ``run_seconds`` is learned under. Set on one member of a batch only.
+    batch_rows: Mapped[int | None] = mapped_column(Integer)
     learned: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     worker_id: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))

@@ -28,6 +28,7 @@ class NewJob:
     num_images: int
     idempotency_key: str | None
     deadline: datetime | None = None
+    output_format: str = "png"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class JobRecord:
     starts: int = 0
     failures: int = 0
     attempt_log: tuple[AttemptFailure, ...] = ()
+    output_format: str = "png"
 
     @classmethod
     def of(cls, row: JobRow) -> JobRecord:

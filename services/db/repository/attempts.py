@@ -109,14 +109,22 @@ class Attempts:
         now: datetime,
         busy_s: float,
         run_seconds: float | None = None,
+        batch_rows: int | None = None,
     ) -> bool:
         """Stores the images and marks SUCCEEDED in one transaction, only if this
         attempt is still the job's current one: at most one visible result.
-        ``run_seconds``: how long it ran, if that is worth learning from."""
+        ``run_seconds``: how long it ran, if that is worth learning from, in a
+        batch of ``batch_rows`` images (its own, if None)."""
         async with self.db.tx() as s:
             done = await s.execute(
                 self._fenced(job_id, attempt, worker_id, STARTED)
-                .values(status=JobStatus.SUCCEEDED.value, error="", finished_at=now, run_seconds=run_seconds)
+                .values(
+                    status=JobStatus.SUCCEEDED.value,
+                    error="",
+                    finished_at=now,
+                    run_seconds=run_seconds,
+                    batch_rows=batch_rows,
+                )
                 .returning(JobRow.id)
             )
             if done.scalar_one_or_none() is None:

@@ -54,7 +54,14 @@ class Estimates:
             if not jobs:
                 return 0
             facts = [
-                RunTime(j.model, j.width * j.height, j.steps, j.num_images, j.worker_id or "", j.run_seconds or 0.0)
+                RunTime(
+                    j.model,
+                    j.width * j.height,
+                    j.steps,
+                    j.batch_rows or j.num_images,
+                    j.worker_id or "",
+                    j.run_seconds or 0.0,
+                )
                 for j in jobs
             ]
             shapes: dict[str, Estimate] = {}
