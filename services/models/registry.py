@@ -17,6 +17,7 @@ DEFAULT_REGISTRY = Path(__file__).with_name("default_registry.toml")
 # durations replace the first after a few jobs.
 FAMILY_DEFAULTS = {"sd15": (25.0, 5.0), "sdxl": (60.0, 10.0), "tiny": (30.0, 0.5), "sim": (25.0, 1.0)}
 FAMILIES = frozenset(FAMILY_DEFAULTS)
+ATTENTION = frozenset({"", "sdpa", "eager"})
 BUILTIN_TINY = "builtin:tiny"
 # A job running longer than this is stopped, unless its model says otherwise.
 DEFAULT_TIMEOUT_S = 600.0
@@ -45,6 +46,19 @@ class ModelSpec:
     capability: str = "image"
     # A job running longer than this is stopped, and retried or failed.
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # Weight files to load: "" the default ones, "fp16" the ``*.fp16.*`` variant.
+    variant: str = ""
+    # Images one batch may hold on a GPU (jobs of the same model, size, steps and
+    # guidance run together); 1 turns batching off for the model.
+    max_batch: int = 8
+    # Speed options, applied on a GPU: ``torch.compile`` of the UNet, the
+    # channels-last memory format, and the attention implementation ("" leaves
+    # the model's own; "sdpa" or "eager" pick one).
+    compile: bool = False
+    channels_last: bool = False
+    attention: str = ""
+    # An output whose latents vary less than this (standard deviation) is degenerate.
+    min_output_std: float = 1e-3
 
     @property
     def vram_bytes(self) -> int:
@@ -79,6 +93,10 @@ class ModelRegistry:
             spec = ModelSpec(name=name, **table)
             if spec.family not in FAMILIES:
                 raise ModelError(f"model {name!r}: family {spec.family!r} is not one of {sorted(FAMILIES)}")
+            if spec.attention not in ATTENTION:
+                raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
+            if spec.max_batch < 1:
+                raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
             models[name] = spec
         if not models:
             raise ModelError(f"model registry {path} names no models")
