@@ -1,30 +1,52 @@
-"""Consuming this worker's dispatches from its own JetStream subject, one at a time.
+"""Consuming this worker's dispatches from its own JetStream subject, in batches.
 
-A message is acked only once the job's outcome is durable (or the job turned out
-not to be this worker's); one whose outcome could not be stored is left for
-redelivery; a malformed one is terminated. Lost connections to NATS are ridden
-out: the loop waits and binds its consumer again."""
+Fetched dispatches wait in hand; the oldest and the later ones of its batch key
+(model, size, steps, guidance) up to the model's batch size run together, after
+at most ``batch_wait_s`` for more to arrive. Once a batch's latents are out, its
+jobs are decoded and stored in the background while the next batch samples, so
+the GPU does not wait on decoders. A message is acked only once its job's outcome
+is durable (or the job turned out not to be this worker's); one whose outcome
+could not be stored is left for redelivery; a malformed one is terminated. Lost
+connections to NATS are ridden out: the loop waits and binds its consumer again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from gpu_worker.runner import JobRunner, Outcome
+from gpu_worker.batching import next_batch
+from gpu_worker.engine import BatchKey
+from gpu_worker.runner import JobRunner, Outcome, Started
 from services.backoff import Backoff
 from services.bus import BUS_ERRORS, Bus, ConsumerSettings, Dispatch
-from services.errors import BusError, MalformedDispatch
+from services.errors import BusError, MalformedDispatch, StoreError
 
 log = logging.getLogger("darkroom.gpu_worker.consumer")
 
 FETCH_WAIT_S = 0.5
 # A dispatch whose outcome could not be stored comes back after this long.
 REDELIVER_AFTER_S = 2.0
+# Batches whose jobs may be decoding and storing while the next one samples.
+MAX_FINISHING = 2
+
+
+@dataclass
+class InHand:
+    """A fetched dispatch, not yet started."""
+
+    msg: Msg
+    dispatch: Dispatch
+    key: BatchKey | None  # None: its job could not be read; it runs alone
+    rows: int
+    arrived: float
+    keepalive: asyncio.Task[None]
 
 
 class DispatchConsumer:
@@ -36,27 +58,45 @@ class DispatchConsumer:
         consumer: ConsumerSettings,
         *,
         on_idle: Callable[[], Awaitable[None]],
+        batch_wait_s: float = 0.0,
+        max_in_hand: int = 16,
     ) -> None:
         self.bus = bus
         self.worker_id = worker_id
         self.runner = runner
         self.consumer = consumer
         self.on_idle = on_idle
+        self.batch_wait_s = batch_wait_s
+        self.max_in_hand = max_in_hand
+        self.batches_run = 0
+        self._in_hand: list[InHand] = []
+        self._finishing: set[asyncio.Task[None]] = set()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set, or the runner finds this worker unfit; returns once
-        the job in hand has an outcome."""
+        every started job has an outcome. Dispatches in hand but not started are
+        left for redelivery (the worker hands their jobs back as it deregisters)."""
         sub = None
         backoff = Backoff()
         try:
             while not stop.is_set() and not self.runner.unfit:
+                wait_s = FETCH_WAIT_S
+                if self._in_hand:
+                    chosen, full = next_batch(self._in_hand, self._max_rows)
+                    wait_s = 0.0 if full else self.batch_wait_s - (time.monotonic() - self._in_hand[0].arrived)
+                    if wait_s <= 0 or len(self._in_hand) >= self.max_in_hand:
+                        batch = [self._in_hand[i] for i in chosen]
+                        self._in_hand = [p for i, p in enumerate(self._in_hand) if i not in chosen]
+                        await self._run_batch(batch)
+                        continue
                 try:
                     if sub is None:
                         sub = await self.bus.dispatch_consumer(self.worker_id, self.consumer)
-                    msgs = await sub.fetch(1, timeout=FETCH_WAIT_S)
+                    msgs = await sub.fetch(self.max_in_hand - len(self._in_hand), timeout=wait_s)
                     backoff.reset()
                 except (TimeoutError, NatsTimeoutError):
-                    await self.on_idle()  # the moment to load or drop models
+                    if not self._in_hand and not self._finishing:
+                        await self.on_idle()  # the moment to load or drop models
                     continue
                 except (*BUS_ERRORS, BusError) as exc:
                     log.warning("cannot fetch dispatches, retrying in %.1fs: %s", backoff.next_s, exc)
@@ -65,10 +105,20 @@ class DispatchConsumer:
                     sub = None
                     await backoff.wait(stop)
                     continue
-                for msg in msgs:
-                    await self.handle(msg)
+                await self._take(msgs)
         finally:
+            if self._finishing:
+                await asyncio.wait(self._finishing)
+            for pending in self._in_hand:
+                pending.keepalive.cancel()
+                await self._settle(pending.msg.nak(), f"nak {pending.dispatch.job_id}")
+            self._in_hand = []
             await self._unsubscribe(sub)
+
+    def _max_rows(self, key: Hashable) -> int:
+        assert isinstance(key, BatchKey)
+        spec = self.runner.engine.registry.models.get(key.model)
+        return spec.max_batch if spec is not None else 1
 
     @staticmethod
     async def _unsubscribe(sub) -> None:
@@ -77,26 +127,78 @@ class DispatchConsumer:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
-    async def handle(self, msg: Msg) -> None:
+    async def _take(self, msgs: list[Msg]) -> None:
+        """Puts fetched dispatches in hand, each with its job's batch key."""
+        taken: list[tuple[Msg, Dispatch]] = []
+        for msg in msgs:
+            try:
+                taken.append((msg, Dispatch.decode(msg.data)))
+            except MalformedDispatch as exc:
+                log.error("terminating a dispatch on %s: %s", msg.subject, exc)
+                await self._settle(msg.term(), "terminate")
         try:
-            dispatch = Dispatch.decode(msg.data)
-        except MalformedDispatch as exc:
-            log.error("terminating a dispatch on %s: %s", msg.subject, exc)
-            await self._settle(msg.term(), "terminate")
+            jobs = {j.id: j for j in await self.runner.repo.jobs.get_many([d.job_id for _, d in taken])}
+        except StoreError as exc:
+            log.warning("cannot read the jobs of %d dispatches; each runs alone: %s", len(taken), exc)
+            jobs = {}
+        now = time.monotonic()
+        for msg, dispatch in taken:
+            job = jobs.get(dispatch.job_id)
+            key = BatchKey(job.model, job.width, job.height, job.steps, job.guidance_scale) if job else None
+            keepalive = asyncio.create_task(self._keep_in_progress(msg))
+            self._in_hand.append(InHand(msg, dispatch, key, job.num_images if job else 1, now, keepalive))
+
+    async def _run_batch(self, batch: list[InHand]) -> None:
+        # Backpressure: decoding and storing may not fall further behind than this.
+        while len(self._finishing) >= MAX_FINISHING:
+            await asyncio.wait(self._finishing, return_when=asyncio.FIRST_COMPLETED)
+        started: list[tuple[InHand, Started]] = []
+        for pending in batch:
+            try:
+                result = await self.runner.start(pending.dispatch)
+            except Exception:
+                log.exception("starting %s failed unexpectedly; leaving it for redelivery", pending.dispatch.job_id)
+                result = Outcome.NOT_STORED
+            if isinstance(result, Outcome):
+                await self._settled(pending, result)
+            else:
+                started.append((pending, result))
+        if not started:
             return
-        keepalive = asyncio.create_task(self._keep_in_progress(msg))
+        self.batches_run += 1
+        sampled = await self.runner.sample([s for _, s in started])
+        for i, (pending, job) in enumerate(started):
+            # The batch's time is learned once, from its first member, under its rows.
+            task = asyncio.create_task(
+                self._finish(
+                    pending,
+                    job,
+                    busy_s=sampled.seconds / len(started),
+                    run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
+                    batch_rows=sampled.rows,
+                )
+            )
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
+
+    async def _finish(
+        self, pending: InHand, job: Started, *, busy_s: float, run_seconds: float | None, batch_rows: int
+    ) -> None:
         try:
-            outcome = await self.runner.run(dispatch)
+            outcome = await self.runner.finish(job, busy_s=busy_s, run_seconds=run_seconds, batch_rows=batch_rows)
         except Exception:
             # A defect, not the job's fault: the dispatch comes back, the worker goes on.
-            log.exception("running %s failed unexpectedly; leaving it for redelivery", dispatch.job_id)
+            log.exception("finishing %s failed unexpectedly; leaving it for redelivery", job.job.id)
             outcome = Outcome.NOT_STORED
-        finally:
-            keepalive.cancel()
+        await self._settled(pending, outcome)
+
+    async def _settled(self, pending: InHand, outcome: Outcome) -> None:
+        pending.keepalive.cancel()
+        job_id = pending.dispatch.job_id
         if outcome is Outcome.STORED:
-            await self._settle(msg.ack(), f"ack {dispatch.job_id}")
+            await self._settle(pending.msg.ack(), f"ack {job_id}")
         else:
-            await self._settle(msg.nak(delay=REDELIVER_AFTER_S), f"nak {dispatch.job_id}")
+            await self._settle(pending.msg.nak(delay=REDELIVER_AFTER_S), f"nak {job_id}")
 
     @staticmethod
     async def _settle(call: Awaitable[None], what: str) -> None:
@@ -108,7 +210,7 @@ class DispatchConsumer:
             log.warning("cannot %s: %s", what, exc)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
-        """Keeps JetStream from redelivering a job while it runs."""
+        """Keeps JetStream from redelivering a job while it waits or runs."""
         while True:
             await asyncio.sleep(self.consumer.ack_wait_s / 3)
             with contextlib.suppress(*BUS_ERRORS):

@@ -63,7 +63,12 @@ class Presence:
             temperature_c=reading.temperature_c,
             status=self.status,
             restarts=self.settings.restarts,
-            telemetry={**reading.as_dict(), "inflight": len(self.tracker.running())},
+            telemetry={
+                **reading.as_dict(),
+                "inflight": len(self.tracker.running()),
+                # Measured, for the scheduler's costs: bytes and load seconds per model.
+                "models": self.engine.footprints(),
+            },
         )
 
     async def register(self, stop: asyncio.Event) -> bool:

@@ -11,14 +11,15 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TypeVar
 
 import torch
 
 from gpu_worker.decoders import Decoders, DecodeUnavailable
-from gpu_worker.engine import SamplerEngine, SampleRequest
+from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
 from services.backoff import Backoff
 from services.bus import Dispatch
@@ -43,6 +44,24 @@ class Outcome(enum.Enum):
 
 class OutcomeNotStored(Exception):
     pass
+
+
+@dataclass
+class Started:
+    """A job whose attempt is RUNNING here, and, once sampled, its latents or what ended it."""
+
+    job: JobRecord
+    watch: JobWatch
+    timer: asyncio.TimerHandle
+    timeout_s: float
+    result: torch.Tensor | BaseException | None = None
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    seconds: float  # the GPU's time on the batch: free for the next once its latents are out
+    rows: int  # images in it
+    learnable: bool  # its model was warm: the time says how long such batches take
 
 
 def _now() -> datetime:
@@ -77,6 +96,9 @@ class JobRunner:
     def unfit(self) -> bool:
         return self.failures_in_a_row >= self.unfit_after_failures
 
+    def warmed_up(self, model: str) -> None:
+        self._warmed_up.add(model)
+
     def forget_warm_up(self, model: str) -> None:
         self._warmed_up.discard(model)
 
@@ -94,7 +116,9 @@ class JobRunner:
                 log.warning("cannot store %s, retrying in %.1fs: %s", what, backoff.next_s, exc)
                 await backoff.wait()
 
-    async def run(self, dispatch: Dispatch) -> Outcome:
+    async def start(self, dispatch: Dispatch) -> Started | Outcome:
+        """Marks the attempt RUNNING (fenced) and opens its watch; an Outcome when
+        there is nothing to run: not this worker's, or the database stayed away."""
         try:
             job = await self._store(
                 f"the start of {dispatch.job_id}",
@@ -112,49 +136,83 @@ class JobRunner:
         spec = self.engine.registry.models.get(job.model)
         timeout_s = spec.timeout_s if spec is not None else DEFAULT_TIMEOUT_S
         timer = asyncio.get_running_loop().call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
+        return Started(job, watch, timer, timeout_s)
+
+    async def sample(self, batch: Sequence[Started]) -> SampledBatch:
+        """Runs the batch's denoising loops together and leaves each member's latents
+        (or what ended it) on it. If the batch as a whole fails, its members run
+        again one by one, so that a job that broke it fails alone."""
+        model = batch[0].job.model
+        was_warm = model in self._warmed_up
+        loop = asyncio.get_running_loop()
+        members = [self._member(started, loop) for started in batch]
+        began = time.perf_counter()
         try:
-            await self._run(job, watch, timeout_s)
+            results = await asyncio.to_thread(self.engine.sample_batch, members)
+        except Exception as exc:
+            if len(batch) == 1:
+                results = [exc]
+            else:
+                log.warning("a batch of %d failed (%s); running its jobs one by one", len(batch), exc)
+                results = []
+                for member in members:
+                    try:
+                        [result] = await asyncio.to_thread(self.engine.sample_batch, [member])
+                    except Exception as alone:
+                        result = alone
+                    results.append(result)
+        seconds = time.perf_counter() - began
+        for started, result in zip(batch, results, strict=True):
+            started.result = result
+        if any(isinstance(r, torch.Tensor) for r in results):
+            self._warmed_up.add(model)
+        rows = sum(s.job.num_images for s in batch)
+        # A batch that loaded or warmed up its model says little about how long batches take.
+        return SampledBatch(seconds, rows, learnable=was_warm)
+
+    async def finish(self, started: Started, *, busy_s: float, run_seconds: float | None, batch_rows: int) -> Outcome:
+        """Takes a sampled job to its stored outcome: decoded and SUCCEEDED, or
+        failed, cancelled or handed back as its result says."""
+        try:
+            await self._finish(started, busy_s, run_seconds, batch_rows)
             return Outcome.STORED
         except OutcomeNotStored as exc:
-            log.warning("job %s: %s; leaving it for redelivery", job.id, exc)
+            log.warning("job %s: %s; leaving it for redelivery", started.job.id, exc)
             return Outcome.NOT_STORED
         finally:
-            timer.cancel()
-            await watch.emit(sampler_pb2.SamplerEvent(finished=True))
+            started.timer.cancel()
+            await started.watch.emit(sampler_pb2.SamplerEvent(finished=True))
 
-    async def _run(self, job: JobRecord, watch: JobWatch, timeout_s: float) -> None:
-        started = time.perf_counter()
+    async def _finish(self, started: Started, busy_s: float, run_seconds: float | None, batch_rows: int) -> None:
+        job, watch = started.job, started.watch
         attempt = (job.id, job.attempt, self.worker_id)
-        # A job that had to load its model, or the first on a freshly loaded one
-        # (kernels compiled, caches filled), is not representative of its shape.
-        was_warm = job.model in self._warmed_up
         try:
-            latents = await self._sample(job, watch)
+            if isinstance(started.result, BaseException):
+                raise started.result
+            if started.result is None:
+                raise RuntimeError("the job was never sampled")
             try:
                 await self.repo.attempts.decoding(*attempt, now=_now())
             except StoreError as exc:
                 log.warning("job %s: cannot record decoding (the outcome will be): %s", job.id, exc)
             await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_DECODING))
-            images = await self.decoders.decode(job, latents)
+            images = await self.decoders.decode(job, started.result)
             if watch.stopping.is_set():
                 raise JobInterrupted(job.id)
-            took = time.perf_counter() - started
-            # The scheduler learns durations from this; a job that loaded or warmed
-            # up its model says little about how long jobs take.
-            run_seconds = took if was_warm else None
             stored = await self._store(
                 f"the result of {job.id}",
-                lambda: self.repo.attempts.finish(*attempt, images, now=_now(), busy_s=took, run_seconds=run_seconds),
+                lambda: self.repo.attempts.finish(
+                    *attempt, images, now=_now(), busy_s=busy_s, run_seconds=run_seconds, batch_rows=batch_rows
+                ),
             )
             self.failures_in_a_row = 0
             if stored:
                 for image in images:
                     for chunk in image_chunks(image):
                         await watch.emit(sampler_pb2.SamplerEvent(output=chunk))
-                self._warmed_up.add(job.model)
-            log.info("job %s done in %.2fs (stored=%s)", job.id, took, stored)
+            log.info("job %s done (stored=%s)", job.id, stored)
         except JobInterrupted:
-            await self._interrupted(job, watch.stop_reason, timeout_s)
+            await self._interrupted(job, watch.stop_reason, started.timeout_s)
         except OutcomeNotStored:
             raise
         except InvalidArgument as exc:
@@ -166,11 +224,13 @@ class JobRunner:
                 lambda: self.repo.attempts.fail(*attempt, fault, retryable=False, now=_now()),
             )
         except Exception as exc:
-            # The GPU, the model, the decoders: another attempt, maybe elsewhere, may do.
-            # Decoders being away says nothing about this worker's fitness.
+            # The GPU, the model, a bad output, the decoders: another attempt, on
+            # another GPU, may do. Decoders being away says nothing about this worker.
             if not isinstance(exc, DecodeUnavailable):
                 self.failures_in_a_row += 1
-            log.warning("job %s attempt %d failed: %s", job.id, job.attempt, exc, exc_info=True)
+            log.warning(
+                "job %s attempt %d failed: %s", job.id, job.attempt, exc, exc_info=not isinstance(exc, BadOutput)
+            )
             error = f"{type(exc).__name__}: {exc}"
             await self._store(
                 f"the failure of {job.id}",
@@ -192,8 +252,10 @@ class JobRunner:
             await self._store(f"the hand-back of {job.id}", lambda: self.repo.attempts.hand_back(*attempt, now=_now()))
         # SUPERSEDED: the job is another attempt's now; nothing of ours to record.
 
-    async def _sample(self, job: JobRecord, watch: JobWatch) -> torch.Tensor:
-        loop = asyncio.get_running_loop()
+    def _member(self, started: Started, loop: asyncio.AbstractEventLoop) -> BatchMember:
+        """The job as a batch member: its progress goes to its watchers at every step
+        and to the database at most every PROGRESS_WRITE_EVERY_S."""
+        job, watch = started.job, started.watch
         last_write = 0.0
 
         async def record(step: int, total: int) -> None:
@@ -226,7 +288,7 @@ class JobRunner:
             job.seed,
             job.num_images,
         )
-        return await asyncio.to_thread(self.engine.sample, request, on_step, watch.stopping)
+        return BatchMember(request, on_step, watch.stopping)
 
 
 def image_chunks(image: ImageRecord) -> list[sampler_pb2.SamplerOutputChunk]:

@@ -113,7 +113,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)
     device = pick_device(settings.device)
-    engine = SamplerEngine(registry, settings.models_dir, device)
+    engine = SamplerEngine(
+        registry,
+        settings.models_dir,
+        device,
+        memory_budget_bytes=settings.memory_budget_mb * 2**20,
+        prompt_cache_bytes=settings.prompt_cache_mb * 2**20,
+        pinned=settings.preload_models,
+    )
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
     repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()
@@ -149,6 +156,8 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             runner,
             ConsumerSettings(settings.dispatch_ack_wait_s, settings.dispatch_max_ack_pending),
             on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
+            batch_wait_s=settings.batch_wait_ms / 1000.0,
+            max_in_hand=settings.dispatch_max_ack_pending,
         )
         log.info("gpu_worker %s on %s listening on %s", worker_id, device, address)
         finished = asyncio.Event()
@@ -158,7 +167,9 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             # Registered (as starting) before loading: what an earlier run of this
             # worker held is back in the queue already, not waiting for the load.
             for name in settings.preload_models:
-                await asyncio.to_thread(engine.load, name)
+                took = await asyncio.to_thread(engine.warm_up, name)
+                runner.warmed_up(name)
+                log.info("%s warmed up with one generation in %.2fs", name, took)
             await presence.set_status(WorkerStatus.READY)
             await consumer.run(stop)
             finished.set()

@@ -52,8 +52,15 @@ class Settings:
     worker_port: int = _at_least(0, 0)
     # "cuda", "cuda:0", "cpu" or empty for "cuda if available, else cpu".
     device: str = ""
-    # Models a worker loads at start, before it reports itself ready.
+    # Models pinned to a worker: loaded at start, and warmed up with one real
+    # generation, before it reports itself ready; evicted last.
     preload_models: tuple[str, ...] = ()
+    # Memory a sampler's models may take (MiB); 0: the GPU's own, unlimited on a CPU.
+    memory_budget_mb: int = _at_least(0, 0)
+    # How long a sampler holding a partial batch waits for more jobs of its shape.
+    batch_wait_ms: float = _at_least(0.0, 5.0)
+    # Bytes of prompt embeddings a sampler keeps (MiB).
+    prompt_cache_mb: int = _at_least(0, 64)
     vae_host: str = "127.0.0.1"
     vae_port: int = _at_least(0, 0)
     # A sampler decodes its own latents when no decoder service can.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -44,6 +45,14 @@ class Jobs:
             if row is None:
                 raise NotFound(f"job {job_id} not found")
             return JobRecord.of(row)
+
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobRecord]:
+        """The jobs of ``job_ids`` that exist, in no particular order."""
+        if not job_ids:
+            return []
+        async with self.db.tx() as s:
+            rows = (await s.execute(select(JobRow).where(JobRow.id.in_(list(job_ids))))).scalars()
+            return [JobRecord.of(r) for r in rows]
 
     async def find_by_idempotency_key(self, key: str) -> JobRecord | None:
         async with self.db.tx() as s:

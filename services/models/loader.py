@@ -1,0 +1,57 @@
+"""Loading model components with ``from_pretrained``, the same way in every service:
+the registry entry names the source and the weight variant, loading errors become
+``ModelError``, and what is loaded is measured (bytes, seconds)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.errors import ModelError
+from services.models.device import DTYPES
+from services.models.registry import ModelSpec, resolve_source
+
+
+@dataclass(frozen=True)
+class Loaded:
+    value: Any
+    bytes: int  # parameters and buffers of every torch module in it
+    seconds: float
+
+
+def compute_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    """The registry's dtype on a GPU; float32 on a CPU, where half precision is slow or missing."""
+    return DTYPES[spec.dtype] if device.type == "cuda" else torch.float32
+
+
+def module_bytes(obj: Any) -> int:
+    """Bytes of parameters and buffers of a module, or of every module of a pipeline."""
+    modules = [obj] if isinstance(obj, torch.nn.Module) else list(getattr(obj, "components", {}).values())
+    total = 0
+    for module in modules:
+        if isinstance(module, torch.nn.Module):
+            tensors = list(module.parameters()) + list(module.buffers())
+            total += sum(t.numel() * t.element_size() for t in tensors)
+    return total
+
+
+def load(
+    cls: Any, spec: ModelSpec, models_dir: Path, device: torch.device, *, dtype: torch.dtype, **kwargs: Any
+) -> Loaded:
+    """``cls.from_pretrained`` for ``spec``, moved to ``device``."""
+    source, source_kwargs = resolve_source(spec, models_dir)
+    if spec.variant:
+        source_kwargs["variant"] = spec.variant
+    started = time.perf_counter()
+    try:
+        value = cls.from_pretrained(source, torch_dtype=dtype, **source_kwargs, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load {spec.name!r} from {source}: {exc}") from exc
+    value = value.to(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return Loaded(value, module_bytes(value), time.perf_counter() - started)
