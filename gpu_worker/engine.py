@@ -125,6 +125,7 @@ class SamplerEngine:
         self.prompts = PromptCache(prompt_cache_bytes)
         self.fuse_batches = device.type == "cuda"
         self._models: dict[str, _Model] = {}
+        self._measured: dict[str, int] = {}  # bytes of each model loaded here, even if evicted since
         self._lock = threading.RLock()
 
     def dtype_for(self, spec: ModelSpec) -> torch.dtype:
@@ -152,21 +153,23 @@ class SamplerEngine:
             limits.append(free - int(total * ACTIVATION_HEADROOM))
         return min(limits) if limits else None
 
-    def _make_room(self, spec: ModelSpec) -> None:
+    def _make_room(self, name: str, need: int) -> None:
+        """Evicts other models until ``need`` more bytes fit."""
         free = self._free_bytes()
         if free is None:
             return
         residents = [
-            Resident(name, m.bytes, self.registry.get(name).eviction_priority, m.last_used, m.pinned)
-            for name, m in self._models.items()
+            Resident(other, m.bytes, self.registry.get(other).eviction_priority, m.last_used, m.pinned)
+            for other, m in self._models.items()
+            if other != name
         ]
         try:
-            chosen = victims(spec.vram_bytes, free, residents)
+            chosen = victims(need, free, residents)
         except DoesNotFit as exc:
-            raise ModelError(f"model {spec.name!r} does not fit in this worker's memory: {exc}") from None
-        for name in chosen:
-            log.info("evicting %s to make room for %s", name, spec.name)
-            self._drop(name)
+            raise ModelError(f"model {name!r} does not fit in this worker's memory: {exc}") from None
+        for victim in chosen:
+            log.info("evicting %s to make room for %s", victim, name)
+            self._drop(victim)
 
     def load(self, name: str) -> Any:
         with self._lock:
@@ -177,7 +180,8 @@ class SamplerEngine:
             from diffusers import DiffusionPipeline
 
             spec = self.registry.get(name)
-            self._make_room(spec)
+            # Its measured size once it has been loaded here; the registry's before.
+            self._make_room(name, self._measured.get(name, spec.vram_bytes))
             # The VAE lives in its own service; the sampler never loads it.
             kwargs: dict[str, Any] = {"vae": None}
             if spec.family in ("sd15", "tiny"):
@@ -189,6 +193,9 @@ class SamplerEngine:
             pipe.set_progress_bar_config(disable=True)
             self._apply_speed_options(pipe, spec)
             self._models[name] = _Model(pipe, loaded.bytes, loaded.seconds, time.monotonic(), name in self.pinned)
+            self._measured[name] = loaded.bytes
+            # Bigger than the registry said: others make room now, not at the next load.
+            self._make_room(name, 0)
             log.info("loaded %s on %s in %.2fs (%.0f MiB)", name, self.device, loaded.seconds, loaded.bytes / 2**20)
             return pipe
 

@@ -61,7 +61,7 @@ class JobRow(Base):
     # folds it into the learned estimates once, then sets ``learned``.
     run_seconds: Mapped[float | None] = mapped_column(Float)
     # Images in the batch the successful attempt ran in, its own included: the
-    # shape ``run_seconds`` is learned under. Set on one member of a batch only.
+    # shape ``run_seconds`` (kept on one member of the batch) is learned under.
     batch_rows: Mapped[int | None] = mapped_column(Integer)
     learned: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     worker_id: Mapped[str | None] = mapped_column(String(128))

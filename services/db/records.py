@@ -74,6 +74,7 @@ class JobRecord:
     failures: int = 0
     attempt_log: tuple[AttemptFailure, ...] = ()
     output_format: str = "png"
+    batch_rows: int | None = None
 
     @classmethod
     def of(cls, row: JobRow) -> JobRecord:
