@@ -57,8 +57,25 @@ class Durations:
     speeds: Mapping[str, Learned] = field(default_factory=dict)  # worker id -> relative speed
 
     def shape_seconds(self, shape: Shape, step_s_512: float) -> float:
+        """Learned for the shape; else scaled from the nearest batch size learned
+        for the same model, size and steps (linearly: no batching gain is assumed
+        before one is measured); else the registry's first estimate."""
         learned = self.shapes.get(shape.key)
-        return learned.mean if learned else default_seconds(shape, step_s_512)
+        if learned:
+            return learned.mean
+        sizes = self._batch_sizes.get((shape.model, shape.pixels, shape.steps))
+        if sizes:
+            batch, mean = min(sizes, key=lambda s: (abs(s[0] - shape.batch), s[0]))
+            return mean * shape.batch / batch
+        return default_seconds(shape, step_s_512)
+
+    @cached_property
+    def _batch_sizes(self) -> dict[tuple[str, int, int], list[tuple[int, float]]]:
+        sizes: dict[tuple[str, int, int], list[tuple[int, float]]] = {}
+        for key, learned in self.shapes.items():
+            model, pixels, steps, batch = key.rsplit("|", 3)
+            sizes.setdefault((model, int(pixels), int(steps)), []).append((int(batch), learned.mean))
+        return sizes
 
     @cached_property
     def _speed_scale(self) -> float:

@@ -12,6 +12,13 @@ there, rather than going to a worse worker: it waits for a warm GPU when that en
 sooner than loading the model on an idle one. Later jobs in the same pass see the
 reservation, so the queue spills onto cold GPUs only when waiting would cost more.
 
+Batching: a worker runs queued jobs of one batch key (model, size, steps,
+guidance) together, up to the model's ``max_batch`` images. A job that can join a
+batch a worker holds but has not started costs that worker only what the batch
+grows by (from the learned durations of each batch size), and takes no place in
+its backlog: so compatible jobs gather on one GPU and batches form across the
+fleet, where the learned durations say a bigger batch costs less per image.
+
 ``plan`` is what the scheduler and the simulator call; everything else is here to
 be tested on its own.
 """
@@ -35,6 +42,7 @@ class ModelCost:
     load_s: float
     vram_bytes: int
     eviction_priority: int = 0  # lower is evicted first
+    max_batch: int = 1  # images one batch may hold
 
 
 @dataclass(frozen=True)
@@ -76,10 +84,21 @@ class JobView:
     num_images: int
     priority: int = 0
     queued_at: float = 0.0  # seconds on the caller's clock
+    guidance_scale: float = 7.5
+    # Workers where an attempt of it failed: it goes elsewhere if anywhere else can take it.
+    failed_on: frozenset[str] = frozenset()
 
     @property
     def shape(self) -> Shape:
         return Shape(self.model, self.width * self.height, self.steps, self.num_images)
+
+    @property
+    def batch_key(self) -> BatchKey:
+        return (self.model, self.width, self.height, self.steps, self.guidance_scale)
+
+
+# Jobs of one key may run as one batch: (model, width, height, steps, guidance).
+BatchKey = tuple[str, int, int, int, float]
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,11 @@ class WorkerView:
     temperature_c: float = 0.0
     state: str = READY  # "ready", "draining", "unhealthy"
     planned_models: frozenset[str] = frozenset()  # the warm set the planner wants here
+    # Images of jobs it holds but has not started, per batch key: batches still open.
+    open_batches: tuple[tuple[BatchKey, int], ...] = ()
+
+    def open_rows(self, key: BatchKey) -> int:
+        return dict(self.open_batches).get(key, 0)
 
 
 @dataclass(frozen=True)
@@ -137,6 +161,23 @@ def thermal_factor(temperature_c: float, config: PolicyConfig) -> float:
 def job_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float:
     cost = fleet.costs[job.model]
     return fleet.durations.seconds(job.shape, cost.step_s_512, worker.id, worker.speed)
+
+
+def batch_seconds(job: JobView, rows: int, worker: WorkerView, fleet: Fleet) -> float:
+    """How long a batch of ``rows`` images of ``job``'s key takes on ``worker``."""
+    cost = fleet.costs[job.model]
+    shape = Shape(job.model, job.width * job.height, job.steps, rows)
+    return fleet.durations.seconds(shape, cost.step_s_512, worker.id, worker.speed)
+
+
+def joining_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float | None:
+    """What ``job`` adds to ``worker`` by joining a batch it holds open, if it can:
+    the batch's growth, when that costs no more than running the job alone."""
+    rows = worker.open_rows(job.batch_key)
+    if not rows or rows + job.num_images > fleet.costs[job.model].max_batch:
+        return None
+    growth = batch_seconds(job, rows + job.num_images, worker, fleet) - batch_seconds(job, rows, worker, fleet)
+    return max(growth, 0.0) if growth <= job_seconds(job, worker, fleet) else None
 
 
 def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> int | None:
@@ -202,6 +243,12 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) 
     # The seed's thermal rule: a hot GPU's wait counts more (2x at 80 C), which
     # steers work to cooler GPUs before the learned speed shows the throttling.
     heat = thermal_factor(worker.temperature_c, config)
+    joining = joining_seconds(job, worker, fleet)
+    if joining is not None:
+        rows = worker.open_rows(job.batch_key)
+        note = f"joins a batch of {rows} (+{joining:.2f}s)"
+        # It waits for no slot of the backlog: the batch is already in it.
+        return Candidate(worker.id, True, worker.held_work_s * heat + joining, note, has_room=True)
     finish = worker.held_work_s * heat + job_seconds(job, worker, fleet)
     note = "warm"
     if not warm:
@@ -225,6 +272,17 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pol
     if job.model not in fleet.costs:
         return Placement(job.id, None, f"unknown model {job.model!r}", ())
     candidates = tuple(score(job, w, fleet, config) for w in workers)
+    if job.failed_on:
+        # A retry goes to another GPU (the one that failed it may be broken),
+        # unless none other can take it.
+        candidates = tuple(
+            replace(c, eligible=False, note="an attempt failed there")
+            if c.eligible
+            and c.worker_id in job.failed_on
+            and any(o.eligible and o.worker_id not in job.failed_on for o in candidates)
+            else c
+            for c in candidates
+        )
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
         reason = (
@@ -301,6 +359,10 @@ def plan(
 
 def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PolicyConfig, *, placed: bool) -> WorkerView:
     cost = fleet.costs[job.model]
+    joining = joining_seconds(job, w, fleet) if placed else None
+    if joining is not None:
+        rows = w.open_rows(job.batch_key) + job.num_images
+        return replace(w, held_work_s=w.held_work_s + joining, open_batches=_with_rows(w, job.batch_key, rows))
     added = job_seconds(job, w, fleet)
     warm, used = w.warm_models, w.vram_used_bytes
     if job.model not in warm:
@@ -317,4 +379,10 @@ def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PolicyConfig, *
         held_capabilities=w.held_capabilities | {cost.capability},
         warm_models=warm,
         vram_used_bytes=used,
+        # A placed job opens a batch that later ones of its key may join.
+        open_batches=_with_rows(w, job.batch_key, job.num_images) if placed else w.open_batches,
     )
+
+
+def _with_rows(w: WorkerView, key: BatchKey, rows: int) -> tuple[tuple[BatchKey, int], ...]:
+    return tuple(sorted({**dict(w.open_batches), key: rows}.items()))

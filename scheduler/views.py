@@ -4,6 +4,7 @@ which estimates when a job will run."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
 from scheduler.warmsets import GpuView
 from services.db.records import Estimate, Fold, JobRecord, RunTime, WorkerRecord
+from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
 
@@ -53,6 +55,7 @@ def costs_from(registry: ModelRegistry) -> dict[str, policy.ModelCost]:
             load_s=spec.load_seconds,
             vram_bytes=spec.vram_bytes,
             eviction_priority=spec.eviction_priority,
+            max_batch=spec.max_batch,
         )
         for name, spec in registry.models.items()
     }
@@ -84,16 +87,26 @@ def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate
 
 def job_view(job: JobRecord) -> policy.JobView:
     return policy.JobView(
-        job.id, job.model, job.width, job.height, job.steps, job.num_images, job.priority, job.created_at.timestamp()
+        job.id,
+        job.model,
+        job.width,
+        job.height,
+        job.steps,
+        job.num_images,
+        job.priority,
+        job.created_at.timestamp(),
+        guidance_scale=job.guidance_scale,
+        failed_on=frozenset(f.worker_id for f in job.attempt_log),
     )
 
 
 def worker_views(
     workers: Sequence[WorkerRecord], held: Sequence[JobRecord], fleet: policy.Fleet
 ) -> list[policy.WorkerView]:
+    """Each worker with what it holds as batches: the ones running (started jobs
+    of one key), and the ones it has not started, still open to more jobs."""
     views = []
     for w in workers:
-        mine = [j for j in held if j.worker_id == w.id and j.model in fleet.costs]
         view = policy.WorkerView(
             id=w.id,
             models=frozenset(w.models),
@@ -105,21 +118,40 @@ def worker_views(
             state=w.status.value,
             planned_models=frozenset(w.planned_models),
         )
-        work = 0.0
+        mine = [j for j in held if j.worker_id == w.id and j.model in fleet.costs]
+        running: dict[policy.BatchKey, list[JobRecord]] = {}
+        waiting: dict[policy.BatchKey, list[JobRecord]] = {}
         for j in mine:
-            done = j.progress_step / j.progress_total if j.progress_total else 0.0
-            work += policy.job_seconds(job_view(j), view, fleet) * (1.0 - done)
-            if j.model not in w.warm_models:
-                work += fleet.costs[j.model].load_s
+            if j.status != JobStatus.DECODING:  # decoding frees the GPU
+                group = running if j.status == JobStatus.RUNNING else waiting
+                group.setdefault(job_view(j).batch_key, []).append(j)
+        work, slots = 0.0, len(running)
+        for jobs in running.values():
+            done = jobs[0].progress_step / jobs[0].progress_total if jobs[0].progress_total else 0.0
+            work += _batch_seconds(jobs, view, fleet) * (1.0 - done)
+        for jobs in waiting.values():
+            work += _batch_seconds(jobs, view, fleet)
+            slots += math.ceil(sum(j.num_images for j in jobs) / fleet.costs[jobs[0].model].max_batch)
+        work += sum(fleet.costs[m].load_s for m in {j.model for j in mine} - set(w.warm_models))
         views.append(
             replace(
                 view,
-                held_jobs=len(mine),
+                held_jobs=slots,
                 held_work_s=work,
                 held_capabilities=frozenset(fleet.costs[j.model].capability for j in mine),
+                open_batches=tuple(sorted((k, sum(j.num_images for j in js)) for k, js in waiting.items())),
             )
         )
     return views
+
+
+def _batch_seconds(jobs: Sequence[JobRecord], worker: policy.WorkerView, fleet: policy.Fleet) -> float:
+    """The time of the batches ``jobs`` (all of one key) make."""
+    rows = sum(j.num_images for j in jobs)
+    per_batch = fleet.costs[jobs[0].model].max_batch
+    full, rest = divmod(rows, per_batch)
+    seconds = full * policy.batch_seconds(job_view(jobs[0]), per_batch, worker, fleet) if full else 0.0
+    return seconds + (policy.batch_seconds(job_view(jobs[0]), rest, worker, fleet) if rest else 0.0)
 
 
 def gpu_views(workers: Sequence[WorkerRecord], durations: Durations) -> list[GpuView]:
