@@ -62,7 +62,7 @@ def test_a_busy_fleet_forms_batches_where_it_would_otherwise_queue() -> None:
     jobs = [job(f"j{i}", queued_at=float(i)) for i in range(6)]
     batched = plan(jobs, workers, fleet(), CONFIG, now=10.0)
     assert all(p.worker_id is not None for p in batched)
-    assert sorted(p.worker_id for p in batched) == ["a", "a", "a", "b", "b", "b"]
+    assert sorted(str(p.worker_id) for p in batched) == ["a", "a", "a", "b", "b", "b"]
     alone = plan(jobs, workers, fleet(replace(SD, max_batch=1)), CONFIG, now=10.0)
     assert sum(p.worker_id is not None for p in alone) == 2  # one per backlog slot; the rest wait
 
