@@ -1,5 +1,6 @@
-"""The discrete-event simulator: GPUs that load models, run jobs one at a time
-from their own FIFO, heat up, slow down and fail; a trace of arrivals; and a
+"""The discrete-event simulator: GPUs that load models, run jobs from their own
+FIFO (the head job and the later ones of its type, up to the model's batch size,
+as one batch, timed by the model's batch-efficiency curve), heat up, slow down and fail; a trace of arrivals; and a
 placement policy that decides where queued jobs go after every event.
 
 Every policy sees the same worker behaviour, so only placement differs: a GPU
@@ -47,8 +48,10 @@ class Gpu:
     loaded: dict[str, float] = field(default_factory=dict)  # model -> last used
     queue: deque[Job] = field(default_factory=deque)
     running: Job | None = None
+    riders: list[Job] = field(default_factory=list)  # the rest of the running batch
     running_since: float = 0.0
-    run_s: float = 0.0  # how long the running job takes, its load included
+    run_s: float = 0.0  # how long the running batch takes, its load included
+    run_load_s: float = 0.0  # the load part of it
     busy_until: float = 0.0
     preloading: str | None = None
     planned: frozenset[str] = frozenset()
@@ -65,7 +68,11 @@ class Gpu:
 
     @property
     def held(self) -> int:
-        return len(self.queue) + (1 if self.running is not None else 0)
+        return len(self.queue) + (1 + len(self.riders) if self.running is not None else 0)
+
+    @property
+    def batch(self) -> list[Job]:
+        return [self.running, *self.riders] if self.running is not None else []
 
     def vram_used(self, costs_gb: dict[str, float]) -> int:
         return int(sum(costs_gb[m] for m in self.loaded) * GIB)
@@ -78,7 +85,9 @@ class Policy(Protocol):
         """Assignments of pending jobs to GPUs; jobs not named stay pending."""
         ...
 
-    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None: ...
+    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+        """``batch``: the jobs that ran together, ``run_s`` their time (without a load)."""
+        ...
 
     def on_tick(self, sim: Simulation, now: float) -> None: ...
 
@@ -160,19 +169,29 @@ class Simulation:
             self._maybe_preload(gpu, now)
             return
         job = gpu.queue.popleft()
-        job.start_s = now
-        job.attempts += 1
-        job.gpu = gpu.id
         model = self.scenario.models[job.model]
+        riders, images = [], job.trace.type.batch
+        for other in list(gpu.queue):
+            if other.trace.type == job.trace.type and images + other.trace.type.batch <= model.max_batch:
+                gpu.queue.remove(other)
+                riders.append(other)
+                images += other.trace.type.batch
+        for member in (job, *riders):
+            member.start_s = now
+            member.attempts += 1
+            member.gpu = gpu.id
         load_s = 0.0
         if job.model not in gpu.loaded:
             self._make_room(gpu, job.model)
             load_s = model.load_s
-            job.cold = True
+            for member in (job, *riders):
+                member.cold = True
             self.cold_loads += 1
         gpu.loaded[job.model] = now
-        run = job.trace.work_s / self.speed(gpu, now)
-        gpu.running, gpu.running_since, gpu.run_s = job, now, load_s + run
+        per_image = sum(m.trace.work_s / m.trace.type.batch for m in (job, *riders)) / (1 + len(riders))
+        run = per_image * model.batch_factor(images) / self.speed(gpu, now)
+        gpu.running, gpu.riders, gpu.running_since, gpu.run_s = job, riders, now, load_s + run
+        gpu.run_load_s = load_s
         gpu.busy_until = now + load_s + run
         self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, run))
 
@@ -260,18 +279,19 @@ class Simulation:
             gpu.busy_s += self.scenario.models[gpu.preloading].load_s
             gpu.preloading = None
         else:
-            job = gpu.running
-            assert job is not None and run is not None
-            job.finish_s = now
+            batch = gpu.batch
+            assert batch and run is not None
+            for job in batch:
+                job.finish_s = now
             gpu.busy_s += gpu.run_s
-            gpu.running = None
-            gpu.loaded[job.model] = now
-            self.policy.on_done(self, job, gpu, run, now)
+            gpu.running, gpu.riders = None, []
+            gpu.loaded[batch[0].model] = now
+            self.policy.on_done(self, batch, gpu, run, now)
         self._start_next(gpu, now)
 
     def _fail(self, gpu_id: str, now: float) -> None:
         gpu = self.gpus[gpu_id]
-        lost = list(gpu.queue) + ([gpu.running] if gpu.running else [])
+        lost = list(gpu.queue) + gpu.batch
         if gpu.running is not None:
             gpu.busy_s += now - gpu.running_since
         for job in lost:
@@ -279,7 +299,7 @@ class Simulation:
             self.pending.append(job)
         self.pending.sort(key=lambda j: j.queued_at)
         gpu.queue.clear()
-        gpu.running, gpu.preloading, gpu.up = None, None, False
+        gpu.running, gpu.riders, gpu.preloading, gpu.up = None, [], None, False
         gpu.loaded.clear()
         gpu.generation += 1
         self.up_s += now - self.up_since[gpu_id]

@@ -7,9 +7,10 @@ implemented from their text.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 from scheduler.estimates import Durations, observe, with_observation
-from scheduler.policy import Fleet, JobView, WorkerView, order_queue, plan
+from scheduler.policy import BatchKey, Fleet, JobView, WorkerView, order_queue, plan
 from scheduler.simulator.engine import Gpu, Job, Simulation
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.warmsets import GpuView, demand_from, plan_warm_sets
@@ -24,6 +25,8 @@ class DarkroomPolicy:
     def __init__(self, scenario: Scenario) -> None:
         self.config = scenario.darkroom
         self.costs = {name: m.cost() for name, m in scenario.models.items()}
+        # With batching, a job may join an open batch on a worker whose backlog is full.
+        self.batching = any(c.max_batch > 1 for c in self.costs.values())
         self.durations = Durations()
         self.batch = scenario.scheduler_batch
         self.views: dict[int, JobView] = {}
@@ -38,9 +41,9 @@ class DarkroomPolicy:
             self.views[job.id] = view
         return view
 
-    def _estimate(self, job: Job, gpu: Gpu) -> float:
-        view = self.job_view(job)
-        return self.durations.seconds(view.shape, self.costs[job.model].step_s_512, gpu.id, gpu.spec.speed)
+    def _batch_estimate(self, view: JobView, images: int, gpu: Gpu) -> float:
+        shape = replace(view.shape, batch=images)
+        return self.durations.seconds(shape, self.costs[view.model].step_s_512, gpu.id, gpu.spec.speed)
 
     def worker_view(self, sim: Simulation, gpu: Gpu, now: float) -> WorkerView:
         work = 0.0
@@ -48,13 +51,25 @@ class DarkroomPolicy:
         if gpu.preloading is not None:
             work += gpu.busy_until - now
         if gpu.running is not None:
-            expected = self._estimate(gpu.running, gpu) + (gpu.run_s - gpu.running.trace.work_s / sim.speed(gpu, now))
+            rows = sum(j.trace.type.batch for j in gpu.batch)
+            expected = self._batch_estimate(self.job_view(gpu.running), rows, gpu) + gpu.run_load_s
             work += max(expected - (now - gpu.running_since), 0.0)
+        # What is queued runs as batches of one job type, as the GPU will run them.
+        waiting: dict[BatchKey, list[Job]] = {}
         for job in gpu.queue:
-            work += self._estimate(job, gpu)
+            waiting.setdefault(self.job_view(job).batch_key, []).append(job)
             if job.model not in warm:
                 work += self.costs[job.model].load_s
                 warm.add(job.model)
+        slots = 1 if gpu.running is not None else 0
+        for jobs in waiting.values():
+            view = self.job_view(jobs[0])
+            rows = sum(j.trace.type.batch for j in jobs)
+            per_batch = max(self.costs[view.model].max_batch, view.num_images)
+            full, rest = divmod(rows, per_batch)
+            work += full * self._batch_estimate(view, per_batch, gpu)
+            work += self._batch_estimate(view, rest, gpu) if rest else 0.0
+            slots += full + (1 if rest else 0)
         return WorkerView(
             id=gpu.id,
             models=frozenset(m for m in self.costs if sim.fits(gpu, m)),
@@ -62,18 +77,19 @@ class DarkroomPolicy:
             vram_total_bytes=gpu.vram_total,
             vram_used_bytes=gpu.vram_used(sim.vram_gb),
             speed=gpu.spec.speed,
-            held_jobs=gpu.held,
+            held_jobs=slots,
             held_work_s=work,
             held_capabilities=frozenset(
                 j.capability for j in itertools.chain(gpu.queue, [gpu.running] if gpu.running else [])
             ),
             temperature_c=sim.temperature(gpu, now),
             planned_models=gpu.planned,
+            open_batches=tuple(sorted((key, sum(j.trace.type.batch for j in jobs)) for key, jobs in waiting.items())),
         )
 
     def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
         live = sim.live()
-        if not any(g.held <= self.config.backlog_limit for g in live):
+        if not self.batching and not any(g.held <= self.config.backlog_limit for g in live):
             return []  # no worker has room: the pass could only explain, not place
         by_id = {str(j.id): j for j in sim.pending}
         queue = order_queue([self.job_view(j) for j in sim.pending], self.config, now=now)[: self.batch]
@@ -86,11 +102,12 @@ class DarkroomPolicy:
         )
         return [(by_id[p.job_id], p.worker_id) for p in placements if p.worker_id is not None]
 
-    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
-        view = self.job_view(job)
-        cost = self.costs[job.model]
-        obs = observe(self.durations, view.shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
-        self.durations = with_observation(self.durations, view.shape, gpu.id, obs)
+    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+        # Learned as the scheduler learns from workers: once per batch, under its images.
+        shape = replace(self.job_view(batch[0]).shape, batch=sum(j.trace.type.batch for j in batch))
+        cost = self.costs[batch[0].model]
+        obs = observe(self.durations, shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
+        self.durations = with_observation(self.durations, shape, gpu.id, obs)
 
     def on_tick(self, sim: Simulation, now: float) -> None:
         window = sim.scenario.demand_window_s
@@ -137,7 +154,7 @@ class _Immediate:
                 sim.assign(job, self.pick(sim, job, able).id, now)
         return []  # assigned one by one: each pick sees the queues the last one left
 
-    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
+    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
         pass
 
     def on_tick(self, sim: Simulation, now: float) -> None:
@@ -230,7 +247,7 @@ class LoadRatio:
                 sim.assign(job, best.id, now)
         return []
 
-    def on_done(self, sim: Simulation, job: Job, gpu: Gpu, run_s: float, now: float) -> None:
+    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
         pass
 
     def on_tick(self, sim: Simulation, now: float) -> None:

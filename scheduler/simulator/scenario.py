@@ -35,6 +35,21 @@ class SimModel:
     eviction_priority: int = 0
     # What the registry claims before anything is learned, as a multiple of the truth.
     estimate_factor: float = 1.0
+    # Images a GPU may run as one batch (jobs of one type), and the batch-efficiency
+    # curve: the time of a batch of k images as a multiple of one image's, for
+    # k = 1, 2, ...; past its end it goes on with its last slope. Empty: linear
+    # (batching gains nothing).
+    max_batch: int = 1
+    batch_efficiency: tuple[float, ...] = ()
+
+    def batch_factor(self, images: int) -> float:
+        curve = self.batch_efficiency
+        if not curve:
+            return float(images)
+        if images <= len(curve):
+            return curve[images - 1]
+        slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
+        return curve[-1] + slope * (images - len(curve))
 
     def cost(self) -> ModelCost:
         return ModelCost(
@@ -43,6 +58,7 @@ class SimModel:
             load_s=self.load_s,
             vram_bytes=int(self.vram_gb * GIB),
             eviction_priority=self.eviction_priority,
+            max_batch=self.max_batch,
         )
 
 

@@ -4,6 +4,7 @@ benchmark prints the two figures its targets are stated in."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,72 @@ def test_benchmark_ends_with_the_two_target_lines(small: Path, capsys: pytest.Ca
     assert re.fullmatch(r"p99_ratio_vs_best_seed=\d+\.\d\d", lines[-2])
     assert re.fullmatch(r"sustainable_load=\d\.\d\d/\d\.\d\d", lines[-1])
     assert any(line.startswith("| darkroom | 85% |") for line in lines)
+
+
+BATCHY = """
+[simulation]
+duration_s = 240
+seed = 5
+noise_sigma = 0.0
+
+[darkroom]
+backlog_limit = 1
+
+[models.img]
+capability = "image"
+step_s_512 = 0.05
+load_s = 5
+vram_gb = 10
+max_batch = 4
+batch_efficiency = [1.0, 1.3, 1.6, 1.9]
+
+[jobs.img]
+model = "img"
+width = 512
+height = 512
+steps = 20
+
+[[phases]]
+start_s = 0
+weights = { img = 1 }
+
+[[gpus]]
+id = "a"
+speed = 1.0
+vram_gb = 24
+pinned = ["img"]
+
+[[gpus]]
+id = "b"
+speed = 1.0
+vram_gb = 24
+pinned = ["img"]
+"""
+
+
+def test_batch_efficiency_curve_extends_with_its_last_slope(tmp_path: Path) -> None:
+    path = tmp_path / "batchy.toml"
+    path.write_text(BATCHY)
+    img = scenarios.load(path).models["img"]
+    assert [img.batch_factor(k) for k in (1, 2, 4, 6)] == pytest.approx([1.0, 1.3, 1.9, 2.5])
+    assert replace(img, batch_efficiency=()).batch_factor(3) == 3.0  # no curve: linear
+
+
+def test_batching_carries_a_load_one_job_at_a_time_cannot(tmp_path: Path) -> None:
+    """At 1.5x what the fleet runs one job at a time, Darkroom's placement forms
+    batches and keeps up; without batching the same trace overloads it."""
+    batched_path, alone_path = tmp_path / "batchy.toml", tmp_path / "alone.toml"
+    batched_path.write_text(BATCHY)
+    alone_path.write_text(BATCHY.replace("max_batch = 4", "max_batch = 1"))
+    results = {}
+    for name, path in (("batched", batched_path), ("alone", alone_path)):
+        sc = scenarios.load(path)
+        trace = scenarios.trace(sc, 1.5)
+        results[name] = Simulation(sc, DarkroomPolicy(sc), trace, load=1.5).run()
+    batched, alone = results["batched"], results["alone"]
+    assert all(j.finish_s is not None for j in batched.jobs)
+    together = {(j.gpu, j.start_s) for j in batched.jobs}
+    assert len(together) < 0.6 * len(batched.jobs)  # most jobs shared their run with others
+    waits = sorted(j.finish_s - j.trace.arrival_s for j in batched.jobs if j.finish_s is not None)
+    alone_waits = sorted(j.finish_s - j.trace.arrival_s for j in alone.jobs if j.finish_s is not None)
+    assert alone.overloaded or alone_waits[-1] > 10 * waits[-1]
