@@ -1,0 +1,91 @@
+"""Batching through the gRPC API, on real processes: compatible jobs submitted
+together run as one batch on the sampler, each gets the image it would get alone,
+and a cancelled member leaves the batch without stopping the others."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from services.embedded import EmbeddedPostgres
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.stack import LocalStack
+from tests.conftest import make_stack
+from tests.helpers import stub, wait_for, wait_terminal
+
+pytestmark = pytest.mark.integration
+
+SHAPE: dict[str, Any] = dict(model="tiny", width=64, height=64, steps=8, guidance_scale=7.5)
+
+
+@pytest.fixture(scope="module")
+def batching_stack(
+    tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
+) -> Iterator[LocalStack]:
+    # A generous wait, so that jobs submitted together always meet on the sampler.
+    stack = make_stack(tmp_path_factory.mktemp("batching"), postgres, models_dir, batch_wait_ms=1500.0)
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def batch_rows(stack: LocalStack, job_ids: list[str]) -> dict[str, int | None]:
+    url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url) as conn:
+        rows = conn.execute("SELECT id, batch_rows FROM jobs WHERE id = ANY(%s)", (job_ids,)).fetchall()
+    return {job_id: rows_ for job_id, rows_ in rows}
+
+
+def submit_together(client, requests: list[pb.SubmitJobRequest]) -> list[str]:
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return [r.job_id for r in pool.map(client.SubmitJob, requests)]
+
+
+def test_compatible_jobs_run_as_one_batch_and_each_gets_its_solo_image(batching_stack: LocalStack) -> None:
+    client = stub(batching_stack)
+    requests = [
+        pb.SubmitJobRequest(**SHAPE, prompt="a red door", seed=11),
+        pb.SubmitJobRequest(**SHAPE, prompt="a blue door", seed=12, num_images=2),
+        pb.SubmitJobRequest(**SHAPE, prompt="a red door", seed=13, negative_prompt="blur"),
+    ]
+    odd = pb.SubmitJobRequest(**{**SHAPE, "steps": 9}, prompt="another shape", seed=14)
+    ids = submit_together(client, [*requests, odd])
+    jobs = [wait_terminal(client, job_id) for job_id in ids]
+    assert [j.status for j in jobs] == [pb.JOB_STATUS_SUCCEEDED] * 4, [j.error for j in jobs]
+    rows = batch_rows(batching_stack, ids)
+    assert [rows[i] for i in ids[:3]] == [4, 4, 4]  # 1 + 2 + 1 images, one batch
+    assert rows[ids[3]] == 1  # a different number of steps runs on its own
+
+    # Alone, one after the other, each job gives exactly the same image bytes.
+    for request, batched in zip(requests, jobs[:3], strict=True):
+        solo = wait_terminal(client, client.SubmitJob(request).job_id)
+        assert solo.status == pb.JOB_STATUS_SUCCEEDED
+        assert batch_rows(batching_stack, [solo.job_id])[solo.job_id] == (request.num_images or 1)
+        assert [i.data for i in solo.images] == [i.data for i in batched.images]
+
+
+def test_a_cancelled_member_leaves_and_the_rest_of_the_batch_finishes(batching_stack: LocalStack) -> None:
+    client = stub(batching_stack)
+    long: dict[str, Any] = {**SHAPE, "width": 128, "height": 128, "steps": 40}
+    ids = submit_together(client, [pb.SubmitJobRequest(**long, prompt=f"member {i}", seed=i) for i in range(3)])
+    wait_for(
+        lambda: [client.GetJob(pb.GetJobRequest(job_id=i)) for i in ids],
+        lambda js: all(j.status == pb.JOB_STATUS_RUNNING and j.progress.step >= 2 for j in js),
+        timeout=60,
+        what="the three jobs to be running together",
+    )
+    client.CancelJob(pb.CancelJobRequest(job_id=ids[1]))
+    cancelled = wait_terminal(client, ids[1])
+    assert cancelled.status == pb.JOB_STATUS_CANCELLED
+    assert cancelled.progress.step < long["steps"]
+    for job_id in (ids[0], ids[2]):
+        job = wait_terminal(client, job_id)
+        assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+        assert len(job.images) == 1
+    rows = batch_rows(batching_stack, [ids[0], ids[2]])
+    assert set(rows.values()) == {3}  # they ran in the batch the cancelled job left
