@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from scheduler import policy
@@ -22,6 +23,7 @@ from scheduler.views import (
     fold_run_times,
     gpu_views,
     job_view,
+    measured_costs,
     policy_config,
     worker_views,
 )
@@ -55,8 +57,9 @@ def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: dateti
     def decide(
         queued: Sequence[JobRecord], workers: Sequence[WorkerRecord], held: Sequence[JobRecord]
     ) -> list[Assignment]:
+        measured = replace(fleet, costs=measured_costs(fleet.costs, workers))
         placements = policy.plan(
-            [job_view(j) for j in queued], worker_views(workers, held, fleet), fleet, config, now=now.timestamp()
+            [job_view(j) for j in queued], worker_views(workers, held, measured), measured, config, now=now.timestamp()
         )
         return [Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None]
 
@@ -81,7 +84,7 @@ def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: flo
         plans = plan_warm_sets(
             demand_from(recent, window_s),
             gpu_views(workers, fleet.durations),
-            fleet.costs,
+            measured_costs(fleet.costs, workers),
             dict(config.capability_caps),
         )
         return {wid: WarmPlan(p.primary, tuple(sorted(p.models))) for wid, p in plans.items()}

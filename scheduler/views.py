@@ -5,6 +5,7 @@ which estimates when a job will run."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
@@ -59,6 +60,29 @@ def costs_from(registry: ModelRegistry) -> dict[str, policy.ModelCost]:
         )
         for name, spec in registry.models.items()
     }
+
+
+def measured_costs(
+    costs: Mapping[str, policy.ModelCost], workers: Sequence[WorkerRecord]
+) -> dict[str, policy.ModelCost]:
+    """The registry's costs, corrected by what samplers measured and heartbeat
+    (``telemetry["models"]``): the median load time, and the largest footprint
+    when it is bigger than the registry says."""
+    loads: dict[str, list[float]] = {}
+    sizes: dict[str, int] = {}
+    for w in workers:
+        reported = w.telemetry.get("models")
+        for name, measured in reported.items() if isinstance(reported, dict) else ():
+            if name in costs and isinstance(measured, dict):
+                loads.setdefault(name, []).append(float(measured.get("load_s", 0.0)))
+                sizes[name] = max(sizes.get(name, 0), int(measured.get("bytes", 0)))
+    corrected = dict(costs)
+    for name, seen in loads.items():
+        cost = costs[name]
+        corrected[name] = replace(
+            cost, load_s=statistics.median(seen), vram_bytes=max(cost.vram_bytes, sizes.get(name, 0))
+        )
+    return corrected
 
 
 def fold_run_times(costs: Mapping[str, policy.ModelCost]) -> Fold:

@@ -91,3 +91,45 @@ def test_an_unlearned_batch_size_scales_from_the_nearest_learned_one() -> None:
     assert durations.shape_seconds(Shape("sd", PIXELS, 20, 2), 0.05) == 4.0  # nearest is 1: 2.0 x 2
     assert durations.shape_seconds(Shape("sd", PIXELS, 20, 3), 0.05) == 3.0  # nearest is 4: 4.0 x 3/4
     assert durations.shape_seconds(Shape("sd", PIXELS, 30, 1), 0.05) == 0.05 * 30  # nothing learned
+
+
+def test_measured_load_times_and_footprints_correct_the_registry() -> None:
+    from datetime import UTC, datetime
+
+    from scheduler.views import measured_costs
+    from services.db.records import WorkerRecord
+    from services.db.states import WorkerKind, WorkerStatus
+
+    def sampler(wid: str, models: dict[str, dict[str, float]]) -> WorkerRecord:
+        now = datetime.now(UTC)
+        return WorkerRecord(
+            wid,
+            WorkerKind.SAMPLER,
+            "",
+            "cpu",
+            WorkerStatus.READY,
+            ("sd",),
+            ("sd",),
+            0,
+            0,
+            0.0,
+            1.0,
+            0,
+            0,
+            0.0,
+            {"models": models},
+            now,
+            now,
+        )
+
+    workers = [
+        sampler("a", {"sd": {"bytes": 5 * GB, "load_s": 3.0}}),
+        sampler("b", {"sd": {"bytes": 2 * GB, "load_s": 4.0}, "unknown": {"bytes": 1, "load_s": 1.0}}),
+        sampler("c", {"sd": {"bytes": 2 * GB, "load_s": 20.0}}),
+        sampler("d", {}),
+    ]
+    corrected = measured_costs({"sd": SD}, workers)
+    assert set(corrected) == {"sd"}
+    assert corrected["sd"].load_s == 4.0  # the median: one slow disk does not set it
+    assert corrected["sd"].vram_bytes == 5 * GB  # larger than the registry's 4 GB
+    assert measured_costs({"sd": SD}, [sampler("d", {})])["sd"] == SD
