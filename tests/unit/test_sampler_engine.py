@@ -175,3 +175,17 @@ def test_warm_up_runs_a_generation(models_dir: Path) -> None:
     assert engine.warm_up("tiny") > 0
     assert engine.warm_models() == ["tiny"]
     assert engine.prompts.misses == 1
+
+
+def test_the_registry_picks_the_attention_implementation(models_dir: Path) -> None:
+    from diffusers.models.attention_processor import AttnProcessor
+
+    tiny = ModelRegistry.load().get("tiny")
+    registry = ModelRegistry({"tiny": ModelSpec(**{**tiny.__dict__, "attention": "eager"})})
+    engine = SamplerEngine(registry, models_dir, torch.device("cpu"))
+    processors = engine.load("tiny").unet.attn_processors.values()
+    assert processors and all(type(p) is AttnProcessor for p in processors)
+    # Another implementation of the same attention: the same latents, within float error.
+    eager = solo(engine, JOBS[0])
+    default = solo(SamplerEngine(ModelRegistry.load(), models_dir, torch.device("cpu")), JOBS[0])
+    torch.testing.assert_close(eager, default, rtol=1e-4, atol=1e-4)
