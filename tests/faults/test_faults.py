@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from datetime import UTC, datetime
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -86,14 +87,20 @@ def test_sampler_killed_mid_sampling(make) -> None:
 def test_decoder_killed_mid_decode_stream(make) -> None:
     stack = make(decoders=2)
     load = Load(stack)
-    # Frozen first, so that the decode the sampler sends it stays open; then
-    # killed with that stream open. The sampler rotates from the first decoder.
+    # Frozen first, so that a decode the sampler sends it stays open; then killed
+    # with that stream open. Decodes sent to the other decoder finish; one that has
+    # been decoding for a while is the frozen decoder's.
     decoder = stack.services["vae_worker-0"]
     decoder.signal(signal.SIGSTOP)
     ids = load.submit(6, width=256, height=256, steps=4, num_images=2)
-    stuck = first_job(load, ids, lambda j: j.status == pb.JOB_STATUS_DECODING, "a job decoding on the frozen decoder")
-    time.sleep(1.0)
-    assert load.get(stuck.job_id).status == pb.JOB_STATUS_DECODING, "the decode did not hang on the frozen decoder"
+
+    def hanging(job: pb.Job) -> bool:
+        if job.status != pb.JOB_STATUS_DECODING:
+            return False
+        since = job.timings.decoding_time.ToDatetime(tzinfo=UTC)
+        return (datetime.now(UTC) - since).total_seconds() > 1.5
+
+    stuck = first_job(load, ids, hanging, "a job decoding on the frozen decoder")
     decoder.kill()
     fault_at = now()
     check(
