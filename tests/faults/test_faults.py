@@ -7,8 +7,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from datetime import UTC, datetime
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
