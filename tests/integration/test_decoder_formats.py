@@ -4,6 +4,7 @@ shows it, and the images polled and streamed are files of that format and size."
 from __future__ import annotations
 
 import io
+from typing import cast
 
 import grpc
 import pytest
@@ -36,7 +37,7 @@ def opened(data: bytes) -> tuple[str | None, tuple[int, int]]:
     ("asked", "shown", "mime_type", "magic", "pil_format"), FORMATS, ids=[f[2] + f"-{f[0]}" for f in FORMATS]
 )
 def test_the_images_come_in_the_format_asked(
-    stack, asked: int, shown: int, mime_type: str, magic: bytes, pil_format: str
+    stack, asked: pb.OutputFormat, shown: pb.OutputFormat, mime_type: str, magic: bytes, pil_format: str
 ) -> None:
     client = stub(stack)
     reply = client.SubmitJob(
@@ -61,7 +62,9 @@ def test_an_unknown_format_is_refused_by_name_and_nothing_stored(stack) -> None:
     client = stub(stack)
     before = count_jobs(stack)
     with pytest.raises(grpc.RpcError) as err:
-        client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt="p", width=64, height=64, output_format=7))
+        client.SubmitJob(
+            pb.SubmitJobRequest(model="tiny", prompt="p", width=64, height=64, output_format=cast(pb.OutputFormat, 7))
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     status = rpc_status.from_call(err.value)
     assert status is not None
