@@ -12,6 +12,7 @@ from services.db.states import JobStatus
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 STATUS = {s: pb.JobStatus.Value(f"JOB_STATUS_{s.value}") for s in JobStatus}
+OUTPUT_FORMAT = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
 
 
 def timestamp(when: datetime | None) -> timestamp_pb2.Timestamp | None:
@@ -61,6 +62,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         ],
         deadline=timestamp(job.deadline),
         starts=job.starts,
+        output_format=OUTPUT_FORMAT[job.output_format],
         failed_attempts=[
             pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],

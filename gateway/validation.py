@@ -18,6 +18,13 @@ DEFAULT_GUIDANCE = 7.5
 MAX_IDEMPOTENCY_KEY = 256
 MAX_SEED = 2**63 - 1
 DEFAULT_LANES = {"paid": 10, "free": 0}  # DARKROOM_LANES' default
+# The output formats a job may ask for, by the name stored on the job.
+OUTPUT_FORMATS = {
+    pb.OUTPUT_FORMAT_UNSPECIFIED: "png",
+    pb.OUTPUT_FORMAT_PNG: "png",
+    pb.OUTPUT_FORMAT_JPEG: "jpeg",
+    pb.OUTPUT_FORMAT_WEBP: "webp",
+}
 
 
 def validate_submit(
@@ -66,6 +73,10 @@ def validate_submit(
     lane = req.lane or default_lane
     if lane not in lanes:
         bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(sorted(lanes))}"))
+    output_format = OUTPUT_FORMATS.get(req.output_format)
+    if output_format is None:
+        known = ", ".join(pb.OutputFormat.Name(v) for v in OUTPUT_FORMATS if v != pb.OUTPUT_FORMAT_UNSPECIFIED)
+        bad.append(FieldViolation("output_format", f"unknown value {req.output_format}; known: {known}"))
     deadline = None
     if req.HasField("deadline"):
         deadline = req.deadline.ToDatetime(tzinfo=UTC)
@@ -73,7 +84,7 @@ def validate_submit(
             bad.append(FieldViolation("deadline", f"{deadline.isoformat()} has already passed"))
     if bad:
         raise InvalidArgument(bad)
-    assert spec is not None
+    assert spec is not None and output_format is not None
     return NewJob(
         id=str(uuid.uuid4()),
         lane=lane,
@@ -90,4 +101,5 @@ def validate_submit(
         num_images=num_images,
         idempotency_key=req.idempotency_key or None,
         deadline=deadline,
+        output_format=output_format,
     )

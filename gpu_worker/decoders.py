@@ -1,6 +1,7 @@
-"""Turning a job's latents into images: on a decoder service (``VaeDecoder.Decode``),
-on another one when one fails or disappears mid-stream, and on this sampler itself
-as a last resort when ``local_decode_fallback`` allows it."""
+"""Turning a job's latents into images, in the job's output format: on the decoder
+service that will finish them first (``VaeDecoder.Decode``), on another one when one
+fails or disappears mid-stream, and on this sampler itself as a last resort when
+``local_decode_fallback`` allows it."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from services.db.records import ImageRecord, JobRecord, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.errors import DarkroomError, StoreError
-from services.models.vae import VaeDecoderEngine, encode_png
+from services.models.encoding import encode, mime_type_of
+from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import channel
 
@@ -36,6 +38,27 @@ class DecoderFailed(DarkroomError):
     pass
 
 
+def estimated_finish_s(decoder: WorkerRecord, megapixels: float, in_flight: float = 0.0) -> float | None:
+    """When ``decoder`` would finish ``megapixels`` more, from its heartbeated load:
+    the work it holds (at least ``in_flight``, what this sampler has sent it since)
+    times its measured seconds per megapixel. None while its speed is unknown."""
+    speed = decoder.telemetry.get("seconds_per_megapixel")
+    if not speed:
+        return None
+    held = max(float(decoder.telemetry.get("queued_megapixels") or 0.0), in_flight)
+    return (held + megapixels) * float(speed)
+
+
+def fastest_first(decoders: list[WorkerRecord], megapixels: float, in_flight: dict[str, float]) -> list[WorkerRecord]:
+    """``decoders`` by estimated finish, ties in the given order; in the given order
+    (a rotation) while any of them has no measured speed, so that each gets measured."""
+    finish = [estimated_finish_s(d, megapixels, in_flight.get(d.id, 0.0)) for d in decoders]
+    known = [f for f in finish if f is not None]
+    if len(known) < len(decoders):
+        return decoders
+    return [decoders[i] for i in sorted(range(len(decoders)), key=known.__getitem__)]
+
+
 def latents_to_request(job: JobRecord, latents: torch.Tensor) -> vae_decoder_pb2.DecodeRequest:
     array = latents.detach().to("cpu", torch.float32).contiguous().numpy()
     return vae_decoder_pb2.DecodeRequest(
@@ -43,7 +66,7 @@ def latents_to_request(job: JobRecord, latents: torch.Tensor) -> vae_decoder_pb2
         latents=array.astype("<f4").tobytes(),
         shape=list(array.shape),
         dtype="float32",
-        mime_type="image/png",
+        mime_type=mime_type_of(job.output_format),
         job_id=job.id,
     )
 
@@ -64,18 +87,24 @@ class Decoders:
         self._rotation = itertools.count()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._known: list[WorkerRecord] = []
+        # Megapixels this sampler has sent each decoder and not had back.
+        self._in_flight: dict[str, float] = {}
 
     async def decode(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
         request = latents_to_request(job, latents)
+        megapixels = job.num_images * job.width * job.height / 1e6
         deadline = time.monotonic() + self.patience_s
         failures: list[str] = []
         while True:
-            for decoder in await self._candidates():
+            for decoder in fastest_first(await self._candidates(), megapixels, self._in_flight):
+                self._in_flight[decoder.id] = self._in_flight.get(decoder.id, 0.0) + megapixels
                 try:
                     return await self._decode_on(decoder, request, job)
                 except DecoderFailed as exc:
                     log.warning("job %s: %s; trying another decoder", job.id, exc)
                     failures.append(str(exc))
+                finally:
+                    self._in_flight[decoder.id] -= megapixels
             if self.local is not None:
                 log.warning("job %s: no decoder service could decode it; decoding here", job.id)
                 return await asyncio.to_thread(self._decode_locally, job, latents)
@@ -128,10 +157,11 @@ class Decoders:
 
     def _decode_locally(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
         assert self.local is not None
+        mime_type = mime_type_of(job.output_format)
         images = []
         for i, pixels in enumerate(self.local.decode(job.model, latents.detach().to("cpu", torch.float32))):
             height, width = pixels.shape[:2]
-            images.append(ImageRecord(i, encode_png(pixels), "image/png", width, height, (job.seed + i) % 2**63))
+            images.append(ImageRecord(i, encode(pixels, mime_type), mime_type, width, height, (job.seed + i) % 2**63))
         return images
 
     async def close(self) -> None:

@@ -67,3 +67,8 @@ class WorkerSuperseded(DarkroomError):
 
 class MalformedDispatch(BusError):
     """A dispatch message that cannot be read: it is dropped, never retried."""
+
+
+class DegenerateOutput(DarkroomError):
+    """A model's output is unusable: NaN or infinite values, or (nearly) constant
+    ones, as from broken weights or a corrupted GPU context. Another worker may do."""

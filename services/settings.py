@@ -65,6 +65,16 @@ class Settings:
     vae_port: int = _at_least(0, 0)
     # A sampler decodes its own latents when no decoder service can.
     local_decode_fallback: bool = False
+    # A decoder gathers concurrent requests of one model and latent shape for this
+    # long, into one VAE call of at most this many images.
+    decode_batch_wait_ms: float = _at_least(0.0, 5.0)
+    decode_max_batch: int = _at_least(1, 8)
+    # Images of more pixels than this decode in overlapping tiles, so that a
+    # decoder's memory stays that of a tile.
+    decode_tile_above_pixels: int = _at_least(1, 1536 * 1536)
+    # Decoded images whose pixels (0..1) vary less than this (standard deviation)
+    # are degenerate: the decode fails, for another decoder to try.
+    decode_min_pixel_std: float = _at_least(0.0, 0.002)
 
     heartbeat_interval_s: float = _at_least(0.05, 1.0)
     # A worker whose last heartbeat is older than this is given no work, and the

@@ -1,5 +1,7 @@
-"""The VAE decoder service: ``VaeDecoder.Decode`` turns latents into PNGs and streams
-them back in chunks."""
+"""The VAE decoder service: ``VaeDecoder.Decode`` turns latents into PNG, JPEG or
+WebP images and streams each back in chunks as soon as it is encoded. Concurrent
+requests are decoded in batches (``vae_worker.batcher``); the heartbeat carries the
+decoder's load, from which samplers pick the decoder that will finish first."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
+import torch
 
 from services.bus import check_worker_id, host_token
 from services.chunks import split
@@ -18,47 +22,76 @@ from services.db.migrate import upgrade_when_reachable
 from services.db.records import WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind
-from services.errors import StoreError, WorkerSuperseded
+from services.errors import DegenerateOutput, StoreError, WorkerSuperseded
 from services.lifecycle import EXIT_UNFIT, run_service
 from services.models.device import pick_device
+from services.models.encoding import check_mime_type, encode
 from services.models.registry import ModelRegistry
-from services.models.vae import VaeDecoderEngine, encode_png, latents_from_bytes
+from services.models.vae import VaeDecoderEngine, latents_from_bytes
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
 from services.settings import Settings
+from vae_worker.batcher import DecodeBatcher
 
 log = logging.getLogger("darkroom.vae_worker")
 
 
 class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
-    def __init__(self, engine: VaeDecoderEngine) -> None:
-        self.engine = engine
+    def __init__(self, batcher: DecodeBatcher) -> None:
+        self.batcher = batcher
 
     @stream_errors
     async def Decode(
         self, request: vae_decoder_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vae_decoder_pb2.DecodeChunk]:
+        mime_type = check_mime_type(request.mime_type)
         latents = latents_from_bytes(request.latents, list(request.shape), request.dtype or "float32")
-        images = await asyncio.to_thread(self.engine.decode, request.model, latents)
-        for index, pixels in enumerate(images):
-            png = await asyncio.to_thread(encode_png, pixels)
-            height, width = pixels.shape[:2]
-            for offset, data, last in split(png):
-                yield vae_decoder_pb2.DecodeChunk(
-                    index=index,
-                    offset=offset,
-                    data=data,
-                    last=last,
-                    width=width,
-                    height=height,
-                    mime_type="image/png",
-                )
+        images = await self.batcher.decode(request.model, latents)
+        for index, image in enumerate(images):
+            if image.fault:
+                raise DegenerateOutput(f"job {request.job_id or '?'} image {index}: {image.fault}")
+
+        async def encoded(index: int, pixels: np.ndarray) -> tuple[int, bytes]:
+            return index, await asyncio.to_thread(encode, pixels, mime_type)
+
+        encodings = [asyncio.ensure_future(encoded(i, image.pixels)) for i, image in enumerate(images)]
+        try:
+            for next_done in asyncio.as_completed(encodings):
+                index, data = await next_done
+                height, width = images[index].pixels.shape[:2]
+                for offset, part, last in split(data):
+                    yield vae_decoder_pb2.DecodeChunk(
+                        index=index,
+                        offset=offset,
+                        data=part,
+                        last=last,
+                        width=width,
+                        height=height,
+                        mime_type=mime_type,
+                    )
+        finally:
+            for task in encodings:
+                task.cancel()
 
 
-def create_server(settings: Settings, engine: VaeDecoderEngine) -> Server:
+def engine_for(settings: Settings, registry: ModelRegistry, device: torch.device) -> VaeDecoderEngine:
+    return VaeDecoderEngine(
+        registry,
+        settings.models_dir,
+        device,
+        tile_above_pixels=settings.decode_tile_above_pixels,
+        min_pixel_std=settings.decode_min_pixel_std,
+    )
+
+
+def batcher_for(settings: Settings, engine: VaeDecoderEngine) -> DecodeBatcher:
+    return DecodeBatcher(engine, wait_s=settings.decode_batch_wait_ms / 1000.0, max_images=settings.decode_max_batch)
+
+
+def create_server(settings: Settings, batcher: DecodeBatcher) -> Server:
     """The VaeDecoder gRPC server (not started); port 0 picks a free port."""
-    servicer = VaeDecoderServicer(engine)
+    servicer = VaeDecoderServicer(batcher)
     return build_server(
         [
             (
@@ -76,13 +109,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)
     device = pick_device(settings.device)
-    engine = VaeDecoderEngine(registry, settings.models_dir, device)
+    engine = engine_for(settings, registry, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-vae-{settings.vae_port or os.getpid()}")
     incarnation = str(uuid.uuid4())
     repo = Repository(settings.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
-    server = create_server(settings, engine)
+    batcher = batcher_for(settings, engine)
+    server = create_server(settings, batcher)
     address = f"{settings.vae_host}:{server.port}"
 
     def reading() -> WorkerHeartbeat:
@@ -94,6 +128,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             models=tuple(registry.names()),
             warm_models=tuple(engine.warm_models()),
             restarts=settings.restarts,
+            telemetry=batcher.telemetry(),
         )
 
     registered = False

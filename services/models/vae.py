@@ -1,24 +1,30 @@
-"""Latents to pixels with a real diffusers ``AutoencoderKL``, then PNG bytes. The decoder
-service runs it; a sampler runs it too when no decoder can (``local_decode_fallback``)."""
+"""Latents to pixels with a real diffusers ``AutoencoderKL``: a batch in one call,
+an image too large to decode whole in overlapping tiles, and every image checked
+before anyone encodes it. The decoder service runs it; a sampler runs it too when no
+decoder can (``local_decode_fallback``)."""
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
-from services.errors import FieldViolation, InvalidArgument, ModelError
-from services.models.registry import ModelRegistry, resolve_source
+from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
+from services.models import loader
+from services.models.registry import ModelRegistry
 
 log = logging.getLogger("darkroom.vae")
 
 _NUMPY_DTYPES = {"float32": "<f4", "float16": "<f2"}
+# The defaults of DARKROOM_DECODE_TILE_ABOVE_PIXELS and DARKROOM_DECODE_MIN_PIXEL_STD,
+# for a sampler's local fallback.
+DEFAULT_TILE_ABOVE_PIXELS = 1536 * 1536
+DEFAULT_MIN_PIXEL_STD = 0.002
 
 
 def latents_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
@@ -33,17 +39,29 @@ def latents_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tenso
     return torch.from_numpy(array.astype(np.float32))
 
 
-def encode_png(pixels: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
+@dataclass(frozen=True)
+class DecodedImage:
+    pixels: np.ndarray  # HxWx3 uint8
+    tiled: bool
+    # Why no image should be made of it (non-finite or near-constant pixels); empty when fine.
+    fault: str = ""
 
 
 class VaeDecoderEngine:
-    def __init__(self, registry: ModelRegistry, models_dir: Path, device: torch.device) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        models_dir: Path,
+        device: torch.device,
+        *,
+        tile_above_pixels: int = DEFAULT_TILE_ABOVE_PIXELS,
+        min_pixel_std: float = DEFAULT_MIN_PIXEL_STD,
+    ) -> None:
         self.registry = registry
         self.models_dir = models_dir
         self.device = device
+        self.tile_above_pixels = tile_above_pixels
+        self.min_pixel_std = min_pixel_std
         self._vaes: dict[str, Any] = {}
         self._lock = threading.Lock()
 
@@ -57,31 +75,56 @@ class VaeDecoderEngine:
             from diffusers import AutoencoderKL
 
             spec = self.registry.get(name)
-            source, kwargs = resolve_source(spec, self.models_dir)
             dtype = torch.float32
             if self.device.type == "cuda" and spec.dtype != "float32":
                 # SD's VAE overflows in float16; bfloat16 keeps the range.
                 dtype = torch.bfloat16
-            try:
-                vae = AutoencoderKL.from_pretrained(source, subfolder="vae", torch_dtype=dtype, **kwargs)
-            except (OSError, ValueError) as exc:
-                raise ModelError(f"cannot load the VAE of {name!r} from {source}: {exc}") from exc
-            vae = vae.to(self.device).eval()
+            loaded = loader.load(AutoencoderKL, spec, self.models_dir, self.device, dtype=dtype, subfolder="vae")
+            vae = loaded.value.eval()
             self._vaes[name] = vae
-            log.info("loaded VAE of %s on %s", name, self.device)
+            log.info("loaded VAE of %s on %s (%d MiB, %.2fs)", name, self.device, loaded.bytes >> 20, loaded.seconds)
             return vae
 
-    def decode(self, model: str, latents: torch.Tensor) -> list[np.ndarray]:
-        """Returns one HxWx3 uint8 array per latent."""
+    def check_model(self, model: str) -> None:
         if model not in self.registry:
             raise InvalidArgument([FieldViolation("model", f"unknown model {model!r}")])
+
+    def decode_images(self, model: str, latents: torch.Tensor) -> list[DecodedImage]:
+        """One image per latent, each with its fault if it has one."""
+        self.check_model(model)
         vae = self.load(model)
         config = vae.config
-        latents = latents.to(self.device, vae.dtype)
-        latents = latents / config.scaling_factor
+        z = latents.to(self.device, vae.dtype) / config.scaling_factor
         if getattr(config, "shift_factor", None):
-            latents = latents + config.shift_factor
+            z = z + config.shift_factor
+        scale = 2 ** (len(config.block_out_channels) - 1)
+        tiled = z.shape[-2] * z.shape[-1] * scale * scale > self.tile_above_pixels
         with torch.inference_mode():
-            images = vae.decode(latents).sample
-        images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        return list(images.permute(0, 2, 3, 1).cpu().numpy())
+            if tiled:
+                # One image at a time, tile by tile: memory stays that of a tile,
+                # whatever the image's size.
+                decoded = torch.cat([vae.tiled_decode(z[i : i + 1]).sample for i in range(len(z))])
+            else:
+                decoded = vae.decode(z).sample
+            unit = decoded.float() / 2 + 0.5
+            finite = torch.isfinite(unit).flatten(1).all(dim=1).tolist()
+            unit = unit.nan_to_num(0.0).clamp(0, 1)
+            stds = unit.flatten(1).std(dim=1).tolist()
+            pixels = (unit * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        images = []
+        for image, is_finite, std in zip(pixels, finite, stds, strict=True):
+            fault = ""
+            if not is_finite:
+                fault = "decoded pixels contain NaN or infinity"
+            elif std < self.min_pixel_std:
+                fault = f"decoded pixels are degenerate: standard deviation {std:.2e} < {self.min_pixel_std:.0e}"
+            images.append(DecodedImage(image, tiled, fault))
+        return images
+
+    def decode(self, model: str, latents: torch.Tensor) -> list[np.ndarray]:
+        """One HxWx3 uint8 array per latent; DegenerateOutput if any image is unusable."""
+        images = self.decode_images(model, latents)
+        for i, image in enumerate(images):
+            if image.fault:
+                raise DegenerateOutput(f"image {i}: {image.fault}")
+        return [image.pixels for image in images]

@@ -16,6 +16,7 @@ from grpc_status import rpc_status
 
 from services.errors import (
     DarkroomError,
+    DegenerateOutput,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -48,6 +49,9 @@ def to_status(exc: BaseException) -> status_pb2.Status:
     elif isinstance(exc, StoreUnavailable):
         status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message="storage unavailable, retry shortly")
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(1.0)))
+    elif isinstance(exc, DegenerateOutput):
+        # The output is corrupt, not the request: another worker may produce a good one.
+        status = status_pb2.Status(code=code_pb2.DATA_LOSS, message=str(exc))
     elif isinstance(exc, DarkroomError):
         status = status_pb2.Status(code=code_pb2.INTERNAL, message=str(exc))
     return status

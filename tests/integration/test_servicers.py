@@ -18,6 +18,7 @@ from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Server
 from services.settings import Settings
+from vae_worker.service import batcher_for
 from vae_worker.service import create_server as create_decoder_server
 
 pytestmark = pytest.mark.integration
@@ -42,7 +43,7 @@ async def sampler() -> AsyncIterator[sampler_pb2_grpc.SamplerStub]:
 async def decoder(models_dir: Path) -> AsyncIterator[vae_decoder_pb2_grpc.VaeDecoderStub]:
     settings = replace(Settings(vae_port=0), data_dir=models_dir.parent)
     engine = VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu"))
-    async for ch in started(create_decoder_server(settings, engine)):
+    async for ch in started(create_decoder_server(settings, batcher_for(settings, engine))):
         yield vae_decoder_pb2_grpc.VaeDecoderStub(ch)
 
 

@@ -21,6 +21,13 @@ class JobStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATUS_FAILED: _ClassVar[JobStatus]
     JOB_STATUS_CANCELLED: _ClassVar[JobStatus]
     JOB_STATUS_EXPIRED: _ClassVar[JobStatus]
+
+class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_FORMAT_UNSPECIFIED: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_PNG: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_JPEG: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_WEBP: _ClassVar[OutputFormat]
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_SCHEDULED: JobStatus
@@ -30,9 +37,13 @@ JOB_STATUS_SUCCEEDED: JobStatus
 JOB_STATUS_FAILED: JobStatus
 JOB_STATUS_CANCELLED: JobStatus
 JOB_STATUS_EXPIRED: JobStatus
+OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
+OUTPUT_FORMAT_PNG: OutputFormat
+OUTPUT_FORMAT_JPEG: OutputFormat
+OUTPUT_FORMAT_WEBP: OutputFormat
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +56,7 @@ class SubmitJobRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -57,7 +69,8 @@ class SubmitJobRequest(_message.Message):
     idempotency_key: str
     lane: str
     deadline: _timestamp_pb2.Timestamp
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    output_format: OutputFormat
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "status", "estimated_start_time", "estimated_finish_time", "deduplicated")
@@ -148,7 +161,7 @@ class AttemptFailure(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +181,7 @@ class Job(_message.Message):
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     FAILED_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -187,7 +201,8 @@ class Job(_message.Message):
     deadline: _timestamp_pb2.Timestamp
     failed_attempts: _containers.RepeatedCompositeFieldContainer[AttemptFailure]
     starts: int
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ...) -> None: ...
+    output_format: OutputFormat
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)

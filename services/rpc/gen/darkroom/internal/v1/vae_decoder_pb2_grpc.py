@@ -47,7 +47,10 @@ class VaeDecoderServicer:
     """
 
     def Decode(self, request, context):
-        """Decodes a batch of latents and streams each encoded image back in chunks.
+        """Decodes a batch of latents and streams each encoded image back in chunks,
+        each image as soon as it is encoded. Concurrent requests of the same model
+        and latent shape may run as one VAE call. Pixels with NaN or infinity, or
+        that barely vary, fail the request with DATA_LOSS.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,213 @@
+"""The decoder service over real gRPC, in-process on port 0, with the tiny model's
+real VAE: batching of concurrent requests, the output formats, tiled decode of
+large images, and the output check."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from services.models.registry import ModelRegistry
+from services.models.vae import VaeDecoderEngine
+from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
+from services.settings import Settings
+from vae_worker.batcher import DecodeBatcher
+from vae_worker.service import batcher_for, create_server, engine_for
+
+pytestmark = pytest.mark.integration
+
+CPU = torch.device("cpu")
+
+
+@dataclass
+class Decoder:
+    stub: vae_decoder_pb2_grpc.VaeDecoderStub
+    batcher: DecodeBatcher
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, models_dir: Path) -> Path:
+    """A data directory whose models are the session's built tiny model."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "models").symlink_to(models_dir, target_is_directory=True)
+    return tmp_path / "data"
+
+
+@asynccontextmanager
+async def decoder_service(data_dir: Path, registry: Path | None = None, **overrides: Any) -> AsyncIterator[Decoder]:
+    settings = replace(Settings(vae_port=0, data_dir=data_dir), **overrides)
+    batcher = batcher_for(settings, engine_for(settings, ModelRegistry.load(registry), CPU))
+    server = create_server(settings, batcher)
+    await server.grpc.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            yield Decoder(vae_decoder_pb2_grpc.VaeDecoderStub(ch), batcher)
+    finally:
+        await server.grpc.stop(0)
+
+
+def latents(n: int, height: int = 8, width: int = 8, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, 4, height, width, generator=torch.Generator().manual_seed(seed))
+
+
+def request(z: torch.Tensor, mime_type: str = "image/png") -> vae_decoder_pb2.DecodeRequest:
+    array = z.numpy().astype("<f4")
+    return vae_decoder_pb2.DecodeRequest(
+        model="tiny", latents=array.tobytes(), shape=list(array.shape), dtype="float32", mime_type=mime_type
+    )
+
+
+@dataclass
+class Decoded:
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+
+    def pixels(self) -> np.ndarray:
+        with Image.open(io.BytesIO(self.data)) as img:
+            return np.asarray(img.convert("RGB"))
+
+
+async def decode(decoder: Decoder, req: vae_decoder_pb2.DecodeRequest) -> list[Decoded]:
+    parts: dict[int, bytearray] = {}
+    images: dict[int, Decoded] = {}
+    async for chunk in decoder.stub.Decode(req):
+        data = parts.setdefault(chunk.index, bytearray())
+        assert chunk.offset == len(data), "chunks out of order"
+        data += chunk.data
+        if chunk.last:
+            images[chunk.index] = Decoded(bytes(data), chunk.mime_type, chunk.width, chunk.height)
+    assert sorted(images) == list(range(req.shape[0]))
+    return [images[i] for i in sorted(images)]
+
+
+def solo(models_dir: Path, z: torch.Tensor) -> list[np.ndarray]:
+    """What the tiny VAE makes of ``z`` decoded alone, outside the service."""
+    return VaeDecoderEngine(ModelRegistry.load(), models_dir, CPU).decode("tiny", z)
+
+
+async def test_concurrent_requests_of_one_shape_run_as_one_batch_each_getting_its_own_images(
+    data_dir, models_dir
+) -> None:
+    # A long wait and room for exactly both: the batch runs when the second arrives.
+    async with decoder_service(data_dir, decode_batch_wait_ms=10_000, decode_max_batch=3) as decoder:
+        one, two = latents(1, seed=1), latents(2, seed=2)
+        got_one, got_two = await asyncio.gather(decode(decoder, request(one)), decode(decoder, request(two)))
+        load = decoder.batcher.telemetry()
+    assert (load["decoded_batches"], load["decoded_images"], load["largest_batch"]) == (1, 3, 3)
+    assert load["queued_images"] == 0 and load["seconds_per_megapixel"] > 0
+    for got, z in ((got_one, one), (got_two, two)):
+        assert len(got) == len(z)
+        for image, alone in zip(got, solo(models_dir, z), strict=True):
+            assert (image.width, image.height) == (64, 64)
+            # The same pixels as decoded alone, up to a rounding step.
+            assert np.abs(image.pixels().astype(int) - alone.astype(int)).max() <= 1
+
+
+async def test_requests_of_different_shapes_run_apart(data_dir) -> None:
+    async with decoder_service(data_dir, decode_batch_wait_ms=200, decode_max_batch=8) as decoder:
+        square, wide = await asyncio.gather(
+            decode(decoder, request(latents(1))), decode(decoder, request(latents(1, width=12)))
+        )
+        load = decoder.batcher.telemetry()
+    assert (square[0].width, square[0].height) == (64, 64)
+    assert (wide[0].width, wide[0].height) == (96, 64)
+    assert (load["decoded_batches"], load["largest_batch"]) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    ("mime_type", "magic", "pil_format"),
+    [
+        ("image/png", b"\x89PNG\r\n\x1a\n", "PNG"),
+        ("image/jpeg", b"\xff\xd8\xff", "JPEG"),
+        ("image/webp", b"RIFF", "WEBP"),
+        ("", b"\x89PNG\r\n\x1a\n", "PNG"),
+    ],
+)
+async def test_each_format_is_encoded_as_asked(data_dir, mime_type: str, magic: bytes, pil_format: str) -> None:
+    async with decoder_service(data_dir) as decoder:
+        images = await decode(decoder, request(latents(2, width=12), mime_type))
+    for image in images:
+        assert image.data.startswith(magic)
+        assert image.mime_type == (mime_type or "image/png")
+        with Image.open(io.BytesIO(image.data)) as img:
+            img.load()
+            assert (img.format, img.size) == (pil_format, (96, 64))
+
+
+async def test_an_unknown_format_is_refused_by_name(data_dir) -> None:
+    async with decoder_service(data_dir) as decoder:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await decode(decoder, request(latents(1), "image/gif"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "mime_type" in (err.value.details() or "")
+
+
+async def test_a_large_image_decodes_in_tiles_close_to_whole(data_dir, models_dir) -> None:
+    # The tiny VAE's tiles are 128 px: a 256 px image is three by three overlapping tiles.
+    async with decoder_service(data_dir, decode_tile_above_pixels=128 * 128) as decoder:
+        small = await decode(decoder, request(latents(1)))
+        assert decoder.batcher.telemetry()["tiled_images"] == 0
+        z = latents(1, height=32, width=32, seed=3)
+        [large] = await decode(decoder, request(z))
+        assert decoder.batcher.telemetry()["tiled_images"] == 1
+    assert (small[0].width, small[0].height) == (64, 64)
+    assert (large.width, large.height) == (256, 256)
+    [whole] = solo(models_dir, z)
+    tiled = large.pixels().astype(float)
+    # Tiles see less context at their edges, which the blending mostly hides:
+    # close on average, while an image of other latents is far.
+    [other] = solo(models_dir, latents(1, height=32, width=32, seed=4))
+    assert np.abs(tiled - whole).mean() < 8
+    assert np.abs(tiled - whole).mean() < np.abs(other.astype(float) - whole).mean() / 3
+
+
+async def test_nan_latents_fail_with_data_loss_alone_in_their_batch(data_dir) -> None:
+    bad = latents(1)
+    bad[0, 0, 0, 0] = float("nan")
+    async with decoder_service(data_dir, decode_batch_wait_ms=10_000, decode_max_batch=2) as decoder:
+        good, failed = await asyncio.gather(
+            decode(decoder, request(latents(1))), decode(decoder, request(bad)), return_exceptions=True
+        )
+        assert decoder.batcher.telemetry()["decoded_batches"] == 1
+    assert isinstance(good, list) and (good[0].width, good[0].height) == (64, 64)
+    assert isinstance(failed, grpc.aio.AioRpcError)
+    assert failed.code() == grpc.StatusCode.DATA_LOSS
+    assert "NaN" in (failed.details() or "")
+
+
+def flat_vae_registry(models_dir: Path, where: Path) -> Path:
+    """A registry whose "tiny" has a VAE with a zeroed output layer: every image it
+    decodes is one flat grey."""
+    broken = where / "tiny-flat-vae"
+    shutil.copytree(models_dir / "tiny", broken)
+    [weights] = (broken / "vae").glob("*.safetensors")
+    tensors = load_file(weights)
+    for name in ("decoder.conv_out.weight", "decoder.conv_out.bias"):
+        tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, weights)
+    registry = where / "flat.toml"
+    registry.write_text(f'[models.tiny]\nsource = "{broken}"\nfamily = "tiny"\ndtype = "float32"\n')
+    return registry
+
+
+async def test_degenerate_pixels_fail_with_data_loss(data_dir, models_dir, tmp_path: Path) -> None:
+    async with decoder_service(data_dir, flat_vae_registry(models_dir, tmp_path)) as decoder:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await decode(decoder, request(latents(1)))
+    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "degenerate" in (err.value.details() or "")
