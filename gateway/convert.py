@@ -63,6 +63,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         deadline=timestamp(job.deadline),
         starts=job.starts,
         output_format=OUTPUT_FORMAT[job.output_format],
+        batch_images=job.batch_rows or 0,
         failed_attempts=[
             pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],

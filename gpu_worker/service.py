@@ -125,7 +125,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
     repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()
     server = create_server(settings, tracker)
-    local = VaeDecoderEngine(registry, settings.models_dir, device) if settings.local_decode_fallback else None
+    local = VaeDecoderEngine.from_settings(settings, registry, device) if settings.local_decode_fallback else None
     decoders = Decoders(repo, stale_after_s=settings.worker_stale_after_s, local=local)
     bus: Bus | None = None
     try:

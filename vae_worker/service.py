@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
-import torch
 
 from services.bus import check_worker_id, host_token
 from services.chunks import split
@@ -75,16 +74,6 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
                 task.cancel()
 
 
-def engine_for(settings: Settings, registry: ModelRegistry, device: torch.device) -> VaeDecoderEngine:
-    return VaeDecoderEngine(
-        registry,
-        settings.models_dir,
-        device,
-        tile_above_pixels=settings.decode_tile_above_pixels,
-        min_pixel_std=settings.decode_min_pixel_std,
-    )
-
-
 def batcher_for(settings: Settings, engine: VaeDecoderEngine) -> DecodeBatcher:
     return DecodeBatcher(engine, wait_s=settings.decode_batch_wait_ms / 1000.0, max_images=settings.decode_max_batch)
 
@@ -109,7 +98,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)
     device = pick_device(settings.device)
-    engine = engine_for(settings, registry, device)
+    engine = VaeDecoderEngine.from_settings(settings, registry, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-vae-{settings.vae_port or os.getpid()}")

@@ -17,6 +17,7 @@ import torch
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader
 from services.models.registry import ModelRegistry
+from services.settings import Settings
 
 log = logging.getLogger("darkroom.vae")
 
@@ -65,6 +66,16 @@ class VaeDecoderEngine:
         self._vaes: dict[str, Any] = {}
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_settings(cls, settings: Settings, registry: ModelRegistry, device: torch.device) -> VaeDecoderEngine:
+        return cls(
+            registry,
+            settings.models_dir,
+            device,
+            tile_above_pixels=settings.decode_tile_above_pixels,
+            min_pixel_std=settings.decode_min_pixel_std,
+        )
+
     def warm_models(self) -> list[str]:
         return sorted(self._vaes)
 
@@ -104,8 +115,12 @@ class VaeDecoderEngine:
                 # One image at a time, tile by tile: memory stays that of a tile,
                 # whatever the image's size.
                 decoded = torch.cat([vae.tiled_decode(z[i : i + 1]).sample for i in range(len(z))])
-            else:
+            elif self.device.type == "cuda":
                 decoded = vae.decode(z).sample
+            else:
+                # On a CPU each image alone: kernels block a batch differently, and
+                # only so is a batched job's image exactly the one it gets alone.
+                decoded = torch.cat([vae.decode(z[i : i + 1]).sample for i in range(len(z))])
             unit = decoded.float() / 2 + 0.5
             finite = torch.isfinite(unit).flatten(1).all(dim=1).tolist()
             unit = unit.nan_to_num(0.0).clamp(0, 1)
