@@ -224,34 +224,13 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
-        workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
+        stale_s = self.settings.worker_stale_after_s
+        workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=stale_s)
+        workers += await self.repo.workers.all(WorkerKind.DECODER, stale_after_s=stale_s)
         held = await self.repo.scheduling.held_per_worker()
         totals = await self.repo.jobs.totals()
-
-        def average_s(w: WorkerRecord) -> float:
-            return w.busy_seconds / w.completed if w.completed else 0.0
-
         return pb.GetStatsResponse(
-            workers=[
-                pb.WorkerStats(
-                    worker_id=w.id,
-                    available=w.status == WorkerStatus.READY and w.live,
-                    processing=held.get(w.id, 0),
-                    completed=w.completed,
-                    average_seconds=average_s(w),
-                    estimated_load_seconds=held.get(w.id, 0) * average_s(w),
-                    errors=w.errors,
-                    temperature_c=w.temperature_c,
-                    vram_used_bytes=w.vram_used_bytes,
-                    vram_total_bytes=w.vram_total_bytes,
-                    device=w.device,
-                    warm_models=list(w.warm_models),
-                    restarts=w.restarts,
-                    state=w.status.value if w.live or w.status == WorkerStatus.GONE else "unresponsive",
-                )
-                for w in workers
-                if w.status != WorkerStatus.GONE
-            ],
+            workers=[worker_stats(w, held.get(w.id, 0)) for w in workers if w.status != WorkerStatus.GONE],
             totals=pb.GlobalStats(
                 requests=totals.requests,
                 queued=totals.queued,
@@ -262,6 +241,38 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 expired=totals.expired,
             ),
         )
+
+
+def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
+    average_s = w.busy_seconds / w.completed if w.completed else 0.0
+    t = w.telemetry
+    return pb.WorkerStats(
+        worker_id=w.id,
+        kind="decoder" if w.kind == WorkerKind.DECODER else "sampler",
+        available=w.status == WorkerStatus.READY and w.live,
+        processing=processing,
+        completed=w.completed,
+        average_seconds=average_s,
+        estimated_load_seconds=processing * average_s,
+        errors=w.errors,
+        temperature_c=w.temperature_c,
+        vram_used_bytes=w.vram_used_bytes,
+        vram_total_bytes=w.vram_total_bytes,
+        device=w.device,
+        warm_models=list(w.warm_models),
+        restarts=w.restarts,
+        state=w.status.value if w.live or w.status == WorkerStatus.GONE else "unresponsive",
+        telemetry_source=str(t.get("source", "none")),
+        telemetry_note=str(t.get("unavailable", "")),
+        utilization_pct=float(t.get("utilization_pct", 0.0)),
+        memory_utilization_pct=float(t.get("memory_utilization_pct", 0.0)),
+        power_w=float(t.get("power_w", 0.0)),
+        power_limit_w=float(t.get("power_limit_w", 0.0)),
+        sm_clock_mhz=int(t.get("sm_clock_mhz", 0)),
+        max_sm_clock_mhz=int(t.get("max_sm_clock_mhz", 0)),
+        throttle_reasons=[str(r) for r in t.get("throttle_reasons", ())],
+        queued_images=int(t.get("queued_images", 0)),
+    )
 
 
 def create_server(

@@ -55,7 +55,7 @@ class Presence:
             id=self.worker_id,
             kind=WorkerKind.SAMPLER,
             address=self.address,
-            device=reading.name if reading.name != "cpu" else str(self.engine.device),
+            device=reading.name if reading.source == "nvml" else str(self.engine.device),
             models=tuple(self.engine.registry.names()),
             warm_models=tuple(self.engine.warm_models()),
             vram_total_bytes=reading.vram_total_bytes,

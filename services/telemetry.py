@@ -1,4 +1,7 @@
-"""GPU telemetry from NVML, when there is a GPU; zeros on a CPU worker."""
+"""GPU telemetry from NVML: temperature, memory, utilisation, power, SM clock and
+throttle reasons by name. Each field is read on its own, so a query a card does
+not support loses that field only. Without NVML (no library, no driver, a CPU
+worker) the reading says so in ``source``, and the worker says so once."""
 
 from __future__ import annotations
 
@@ -8,53 +11,86 @@ from typing import Any
 
 log = logging.getLogger("darkroom.telemetry")
 
+# NVML's clock-event (throttle) reason bits, by the names operators know. GPU idle
+# is left out: an idle GPU is not throttled.
+THROTTLE_REASONS = {
+    0x2: "applications_clocks_setting",
+    0x4: "sw_power_cap",
+    0x8: "hw_slowdown",
+    0x10: "sync_boost",
+    0x20: "sw_thermal_slowdown",
+    0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake",
+    0x100: "display_clocks_setting",
+}
+
+
+def throttle_names(mask: int) -> tuple[str, ...]:
+    return tuple(name for bit, name in THROTTLE_REASONS.items() if mask & bit)
+
 
 @dataclass(frozen=True)
 class GpuReading:
     name: str = "cpu"
+    source: str = "none"  # "nvml", or "none" with ``unavailable`` saying why
+    unavailable: str = ""
     temperature_c: float = 0.0
     vram_total_bytes: int = 0
     vram_used_bytes: int = 0
     utilization_pct: float = 0.0
+    memory_utilization_pct: float = 0.0
     power_w: float = 0.0
-    throttled: bool = False
+    power_limit_w: float = 0.0
+    sm_clock_mhz: int = 0
+    max_sm_clock_mhz: int = 0
+    throttle_reasons: tuple[str, ...] = ()
+
+    @property
+    def throttled(self) -> bool:
+        return bool(self.throttle_reasons)
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "throttle_reasons": list(self.throttle_reasons), "throttled": self.throttled}
 
 
 class Telemetry:
     def __init__(self, cuda_index: int | None) -> None:
+        self._nvml: Any = None
         self._handle: Any = None
-        if cuda_index is None:
-            return
-        try:
-            import pynvml
+        self._unavailable = "a CPU worker" if cuda_index is None else ""
+        if cuda_index is not None:
+            try:
+                import pynvml
 
-            pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
-        except Exception as exc:
-            log.warning("NVML unavailable, no GPU telemetry: %s", exc)
+                pynvml.nvmlInit()
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+                self._nvml = pynvml
+            except Exception as exc:  # no library, no driver, no such device
+                self._unavailable = f"NVML unavailable: {exc}"
+                log.warning("no GPU telemetry: %s", self._unavailable)
 
     def read(self) -> GpuReading:
+        """The current reading; cheap, and safe to call from any thread."""
         if self._handle is None:
-            return GpuReading()
-        import pynvml
+            return GpuReading(unavailable=self._unavailable)
+        nvml, h = self._nvml, self._handle
+        values: dict[str, Any] = {"source": "nvml"}
 
-        h = self._handle
-        try:
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            reasons = pynvml.nvmlClocksThrottleReasonGpuIdle
-            throttle = pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h) & ~reasons
-            return GpuReading(
-                name=str(pynvml.nvmlDeviceGetName(h)),
-                temperature_c=float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-                vram_total_bytes=int(mem.total),
-                vram_used_bytes=int(mem.used),
-                utilization_pct=float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu),
-                power_w=pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                throttled=bool(throttle),
-            )
-        except Exception as exc:
-            log.warning("NVML read failed: %s", exc)
-            return GpuReading()
+        def field(key: str, query: Any) -> None:
+            try:
+                values[key] = query()
+            except Exception as exc:  # NotSupported on this card, or a transient error
+                log.debug("NVML %s: %s", key, exc)
+
+        field("name", lambda: str(nvml.nvmlDeviceGetName(h)))
+        field("temperature_c", lambda: float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)))
+        field("vram_total_bytes", lambda: int(nvml.nvmlDeviceGetMemoryInfo(h).total))
+        field("vram_used_bytes", lambda: int(nvml.nvmlDeviceGetMemoryInfo(h).used))
+        field("utilization_pct", lambda: float(nvml.nvmlDeviceGetUtilizationRates(h).gpu))
+        field("memory_utilization_pct", lambda: float(nvml.nvmlDeviceGetUtilizationRates(h).memory))
+        field("power_w", lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
+        field("power_limit_w", lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)
+        field("sm_clock_mhz", lambda: int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)))
+        field("max_sm_clock_mhz", lambda: int(nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)))
+        field("throttle_reasons", lambda: throttle_names(int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))))
+        return GpuReading(**values)

@@ -31,6 +31,7 @@ from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_p
 from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
 from services.settings import Settings
+from services.telemetry import Telemetry
 from vae_worker.batcher import DecodeBatcher
 
 log = logging.getLogger("darkroom.vae_worker")
@@ -108,16 +109,22 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
     server = create_server(settings, batcher)
     address = f"{settings.vae_host}:{server.port}"
 
+    gpu = Telemetry((device.index or 0) if device.type == "cuda" else None)
+
     def reading() -> WorkerHeartbeat:
+        card = gpu.read()
         return WorkerHeartbeat(
             id=worker_id,
             kind=WorkerKind.DECODER,
             address=address,
-            device=str(device),
+            device=card.name if card.source == "nvml" else str(device),
             models=tuple(registry.names()),
             warm_models=tuple(engine.warm_models()),
+            vram_total_bytes=card.vram_total_bytes,
+            vram_used_bytes=card.vram_used_bytes,
+            temperature_c=card.temperature_c,
             restarts=settings.restarts,
-            telemetry=batcher.telemetry(),
+            telemetry={**card.as_dict(), **batcher.telemetry()},
         )
 
     registered = False

@@ -105,5 +105,10 @@ def test_list_models_and_stats(stack) -> None:
     tiny = next(m for m in models if m.name == "tiny")
     assert tiny.warm_on, "the tiny model is preloaded on the worker"
     stats = client.GetStats(pb.GetStatsRequest())
-    assert len(stats.workers) == 1 and stats.workers[0].available
+    assert sorted(w.kind for w in stats.workers) == ["decoder", "sampler"]
+    assert all(w.available for w in stats.workers)
     assert stats.totals.requests >= stats.totals.completed
+    # No GPU here: every worker says where its figures would come from, and why not.
+    for worker in stats.workers:
+        assert worker.telemetry_source == "none" and worker.telemetry_note == "a CPU worker"
+        assert not worker.throttle_reasons and worker.sm_clock_mhz == 0

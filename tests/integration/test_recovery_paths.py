@@ -163,6 +163,6 @@ def test_worker_whose_attempts_keep_failing_goes_unhealthy_and_is_restarted(stac
     assert sampler.restarts > before
     assert sampler.last_exit == "it exited with code 3"
     stack.wait_ready(60)
-    [worker] = client.GetStats(pb.GetStatsRequest()).workers
+    [worker] = [w for w in client.GetStats(pb.GetStatsRequest()).workers if w.kind == "sampler"]
     assert worker.restarts == sampler.restarts and worker.state == "ready"
     assert wait_terminal(client, submit(client)).status == pb.JOB_STATUS_SUCCEEDED

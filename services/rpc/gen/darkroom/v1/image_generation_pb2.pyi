@@ -293,7 +293,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state")
+    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,17 @@ class WorkerStats(_message.Message):
     WARM_MODELS_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TELEMETRY_NOTE_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PCT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UTILIZATION_PCT_FIELD_NUMBER: _ClassVar[int]
+    POWER_W_FIELD_NUMBER: _ClassVar[int]
+    POWER_LIMIT_W_FIELD_NUMBER: _ClassVar[int]
+    SM_CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
+    MAX_SM_CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
+    THROTTLE_REASONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     available: bool
     processing: int
@@ -322,7 +333,18 @@ class WorkerStats(_message.Message):
     warm_models: _containers.RepeatedScalarFieldContainer[str]
     restarts: int
     state: str
-    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    kind: str
+    telemetry_source: str
+    telemetry_note: str
+    utilization_pct: float
+    memory_utilization_pct: float
+    power_w: float
+    power_limit_w: float
+    sm_clock_mhz: int
+    max_sm_clock_mhz: int
+    throttle_reasons: _containers.RepeatedScalarFieldContainer[str]
+    queued_images: int
+    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ...) -> None: ...
 
 class GlobalStats(_message.Message):
     __slots__ = ("requests", "queued", "completed", "failed", "running", "cancelled", "expired")
