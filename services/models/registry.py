@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ FAMILY_DEFAULTS = {"sd15": (25.0, 5.0), "sdxl": (60.0, 10.0), "tiny": (30.0, 0.5
 FAMILIES = frozenset(FAMILY_DEFAULTS)
 ATTENTION = frozenset({"", "sdpa", "eager"})
 BUILTIN_TINY = "builtin:tiny"
+# Random-weight copies of the real architectures, built on first use (services/models/presets.py).
+BUILTIN_PRESETS = {"builtin:sd15-random": "sd15", "builtin:sdxl-random": "sdxl"}
 # A job running longer than this is stopped, unless its model says otherwise.
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -119,6 +122,8 @@ def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, An
     """Where ``from_pretrained`` loads the model from, and how."""
     if spec.source == BUILTIN_TINY:
         return str(ensure_tiny_model(models_dir / spec.name)), {"local_files_only": True}
+    if spec.source in BUILTIN_PRESETS:
+        return str(ensure_preset(BUILTIN_PRESETS[spec.source], models_dir / spec.name)), {"local_files_only": True}
     local = Path(spec.source).expanduser()
     if local.is_dir():
         return str(local), {"local_files_only": True}
@@ -131,16 +136,27 @@ def ensure_tiny_model(path: Path) -> Path:
     """Builds the tiny model at ``path`` once; concurrent callers see a whole model or none."""
     from services.models.tiny import TINY_MARKER, build_tiny_model
 
-    if (path / TINY_MARKER).exists():
+    return _ensure_built(path, TINY_MARKER, build_tiny_model)
+
+
+def ensure_preset(kind: str, path: Path) -> Path:
+    """Builds the random-weight ``kind`` architecture at ``path`` once."""
+    from services.models.presets import PRESET_MARKER, build_preset
+
+    return _ensure_built(path, PRESET_MARKER, lambda scratch: build_preset(kind, scratch))
+
+
+def _ensure_built(path: Path, marker: str, build: Callable[[Path], Path]) -> Path:
+    if (path / marker).exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
     try:
-        build_tiny_model(scratch)
+        build(scratch)
         try:
             os.rename(scratch, path)
         except OSError:
-            if not (path / TINY_MARKER).exists():
+            if not (path / marker).exists():
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
