@@ -189,3 +189,18 @@ def test_the_registry_picks_the_attention_implementation(models_dir: Path) -> No
     eager = solo(engine, JOBS[0])
     default = solo(SamplerEngine(ModelRegistry.load(), models_dir, torch.device("cpu")), JOBS[0])
     torch.testing.assert_close(eager, default, rtol=1e-4, atol=1e-4)
+
+
+def test_a_member_whose_inputs_fail_fails_alone(engine: SamplerEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    encode = Conditioning.encode
+
+    def fragile(pipe: object, family: str, req: SampleRequest, device: torch.device, cfg: bool) -> Conditioning:
+        if req.prompt == "breaks":
+            raise ValueError("this prompt cannot be encoded")
+        return encode(pipe, family, req, device, cfg)
+
+    monkeypatch.setattr(Conditioning, "encode", staticmethod(fragile))
+    results = engine.sample_batch([member(request("breaks", 5)), member(JOBS[0]), member(JOBS[1])])
+    assert isinstance(results[0], ValueError)
+    assert torch.equal(results[1], solo(engine, JOBS[0]))  # type: ignore[arg-type]
+    assert torch.equal(results[2], solo(engine, JOBS[1]))  # type: ignore[arg-type]
