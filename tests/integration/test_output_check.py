@@ -89,3 +89,29 @@ def test_bad_outputs_fail_the_attempt_retry_elsewhere_and_restart_the_worker(
                 assert "BadOutput" in failure.error and "NaN" in failure.error
     finally:
         stack.stop()
+
+
+def test_a_pinned_model_is_warmed_up_before_the_worker_reports_ready(
+    tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
+) -> None:
+    """The warm-up is a real generation: a pinned model whose output is garbage
+    keeps its worker from ever reporting ready (it fails, and is restarted)."""
+    stack = make_stack(tmp_path / "stack", postgres, models_dir)
+    stack.cpu_workers = 0
+    stack.start()
+    try:
+        client = stub(stack)
+        registry = str(poisoned_registry(models_dir, tmp_path))
+        stack.add(
+            "gpu_worker-broken", "gpu_worker", worker_id="broken", model_registry=registry, preload_models=("tiny",)
+        )
+        stats = wait_for(
+            lambda: {w.worker_id: w for w in client.GetStats(pb.GetStatsRequest()).workers},
+            lambda ws: "broken" in ws and ws["broken"].restarts >= 2,
+            timeout=60,
+            what="the broken sampler to fail its warm-up twice",
+        )
+        assert stats["broken"].state == "starting" and not stats["broken"].available
+        assert str(stack.services["gpu_worker-broken"].last_exit).startswith("it exited with code")
+    finally:
+        stack.stop()
