@@ -135,9 +135,10 @@ class SamplerEngine:
         return sorted(self._models)
 
     def footprints(self) -> dict[str, dict[str, float]]:
-        """Measured bytes and load seconds of each loaded model, for the scheduler."""
-        with self._lock:
-            return {name: {"bytes": m.bytes, "load_s": round(m.load_s, 3)} for name, m in self._models.items()}
+        """Measured bytes and load seconds of each loaded model, for the scheduler.
+        Called from the event loop: it must not wait for the lock a load holds."""
+        loaded = list(self._models.items())  # one step under the GIL, whatever a loading thread does
+        return {name: {"bytes": m.bytes, "load_s": round(m.load_s, 3)} for name, m in loaded}
 
     # -- residency -------------------------------------------------------------
 
