@@ -85,7 +85,9 @@ def test_sampler_killed_mid_sampling(make) -> None:
 
 
 def test_decoder_killed_mid_decode_stream(make) -> None:
-    stack = make(decoders=2)
+    # The frozen decoder must stay a candidate until its kill, neither judged stale
+    # nor killed as hung by its supervisor first: this scenario is the kill.
+    stack = make(decoders=2, worker_stale_after_s=60.0, hang_after_s=60.0)
     load = Load(stack)
     # Frozen first, so that a decode the sampler sends it stays open; then killed
     # with that stream open. Decodes sent to the other decoder finish; one that has
