@@ -170,6 +170,17 @@ def batch_seconds(job: JobView, rows: int, worker: WorkerView, fleet: Fleet) -> 
     return fleet.durations.seconds(shape, cost.step_s_512, worker.id, worker.speed)
 
 
+def queued_batches(job: JobView, rows: int, worker: WorkerView, fleet: Fleet) -> tuple[int, float]:
+    """How many batches ``rows`` queued images of ``job``'s key make on ``worker``
+    (of the model's batch size; a job bigger than that runs alone), and their time."""
+    per_batch = max(fleet.costs[job.model].max_batch, job.num_images)
+    full, rest = divmod(rows, per_batch)
+    seconds = full * batch_seconds(job, per_batch, worker, fleet) if full else 0.0
+    if rest:
+        seconds += batch_seconds(job, rest, worker, fleet)
+    return full + (1 if rest else 0), seconds
+
+
 def joining_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float | None:
     """What ``job`` adds to ``worker`` by joining a batch it holds open, if it can:
     the batch's growth, when that costs no more than running the job alone."""

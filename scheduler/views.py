@@ -4,7 +4,6 @@ which estimates when a job will run."""
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -152,10 +151,12 @@ def worker_views(
         work, slots = 0.0, len(running)
         for jobs in running.values():
             done = jobs[0].progress_step / jobs[0].progress_total if jobs[0].progress_total else 0.0
-            work += _batch_seconds(jobs, view, fleet) * (1.0 - done)
+            rows = sum(j.num_images for j in jobs)
+            work += policy.batch_seconds(job_view(jobs[0]), rows, view, fleet) * (1.0 - done)
         for jobs in waiting.values():
-            work += _batch_seconds(jobs, view, fleet)
-            slots += math.ceil(sum(j.num_images for j in jobs) / fleet.costs[jobs[0].model].max_batch)
+            batches, seconds = policy.queued_batches(job_view(jobs[0]), sum(j.num_images for j in jobs), view, fleet)
+            work += seconds
+            slots += batches
         work += sum(fleet.costs[m].load_s for m in {j.model for j in mine} - set(w.warm_models))
         views.append(
             replace(
@@ -167,15 +168,6 @@ def worker_views(
             )
         )
     return views
-
-
-def _batch_seconds(jobs: Sequence[JobRecord], worker: policy.WorkerView, fleet: policy.Fleet) -> float:
-    """The time of the batches ``jobs`` (all of one key) make."""
-    rows = sum(j.num_images for j in jobs)
-    per_batch = fleet.costs[jobs[0].model].max_batch
-    full, rest = divmod(rows, per_batch)
-    seconds = full * policy.batch_seconds(job_view(jobs[0]), per_batch, worker, fleet) if full else 0.0
-    return seconds + (policy.batch_seconds(job_view(jobs[0]), rest, worker, fleet) if rest else 0.0)
 
 
 def gpu_views(workers: Sequence[WorkerRecord], durations: Durations) -> list[GpuView]:

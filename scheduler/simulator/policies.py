@@ -10,7 +10,7 @@ import itertools
 from dataclasses import replace
 
 from scheduler.estimates import Durations, observe, with_observation
-from scheduler.policy import BatchKey, Fleet, JobView, WorkerView, order_queue, plan
+from scheduler.policy import BatchKey, Fleet, JobView, WorkerView, batch_seconds, order_queue, plan, queued_batches
 from scheduler.simulator.engine import Gpu, Job, Simulation
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.warmsets import GpuView, demand_from, plan_warm_sets
@@ -41,18 +41,17 @@ class DarkroomPolicy:
             self.views[job.id] = view
         return view
 
-    def _batch_estimate(self, view: JobView, images: int, gpu: Gpu) -> float:
-        shape = replace(view.shape, batch=images)
-        return self.durations.seconds(shape, self.costs[view.model].step_s_512, gpu.id, gpu.spec.speed)
-
     def worker_view(self, sim: Simulation, gpu: Gpu, now: float) -> WorkerView:
         work = 0.0
         warm = set(gpu.loaded)
         if gpu.preloading is not None:
             work += gpu.busy_until - now
+        fleet = Fleet(self.costs, self.durations)
+        # The GPU as the learned durations see it: its id and declared speed.
+        estimated = WorkerView(gpu.id, frozenset(), frozenset(), 0, 0, speed=gpu.spec.speed)
         if gpu.running is not None:
             rows = sum(j.trace.type.batch for j in gpu.batch)
-            expected = self._batch_estimate(self.job_view(gpu.running), rows, gpu) + gpu.run_load_s
+            expected = batch_seconds(self.job_view(gpu.running), rows, estimated, fleet) + gpu.run_load_s
             work += max(expected - (now - gpu.running_since), 0.0)
         # What is queued runs as batches of one job type, as the GPU will run them.
         waiting: dict[BatchKey, list[Job]] = {}
@@ -63,13 +62,10 @@ class DarkroomPolicy:
                 warm.add(job.model)
         slots = 1 if gpu.running is not None else 0
         for jobs in waiting.values():
-            view = self.job_view(jobs[0])
             rows = sum(j.trace.type.batch for j in jobs)
-            per_batch = max(self.costs[view.model].max_batch, view.num_images)
-            full, rest = divmod(rows, per_batch)
-            work += full * self._batch_estimate(view, per_batch, gpu)
-            work += self._batch_estimate(view, rest, gpu) if rest else 0.0
-            slots += full + (1 if rest else 0)
+            batches, seconds = queued_batches(self.job_view(jobs[0]), rows, estimated, fleet)
+            work += seconds
+            slots += batches
         return WorkerView(
             id=gpu.id,
             models=frozenset(m for m in self.costs if sim.fits(gpu, m)),
