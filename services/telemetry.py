@@ -29,6 +29,21 @@ def throttle_names(mask: int) -> tuple[str, ...]:
     return tuple(name for bit, name in THROTTLE_REASONS.items() if mask & bit)
 
 
+def cuda_uuid(cuda_index: int) -> str:
+    """The NVML UUID of a CUDA device. NVML numbers GPUs ignoring CUDA_VISIBLE_DEVICES
+    (which ``darkroom up`` sets for each sampler), so a CUDA index is no NVML index."""
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def _clock_event_reasons(nvml: Any, handle: Any) -> int:
+    # Newer bindings renamed throttle reasons to clock-event reasons.
+    query = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+    return int((query or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)(handle))
+
+
 @dataclass(frozen=True)
 class GpuReading:
     name: str = "cpu"
@@ -63,7 +78,7 @@ class Telemetry:
                 import pynvml
 
                 pynvml.nvmlInit()
-                self._handle = pynvml.nvmlDeviceGetHandleByIndex(cuda_index)
+                self._handle = pynvml.nvmlDeviceGetHandleByUUID(cuda_uuid(cuda_index))
                 self._nvml = pynvml
             except Exception as exc:  # no library, no driver, no such device
                 self._unavailable = f"NVML unavailable: {exc}"
@@ -92,5 +107,5 @@ class Telemetry:
         field("power_limit_w", lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0)
         field("sm_clock_mhz", lambda: int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)))
         field("max_sm_clock_mhz", lambda: int(nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)))
-        field("throttle_reasons", lambda: throttle_names(int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(h))))
+        field("throttle_reasons", lambda: throttle_names(_clock_event_reasons(nvml, h)))
         return GpuReading(**values)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from services import telemetry
 from services.telemetry import Telemetry, throttle_names
 
 
@@ -35,7 +36,7 @@ def fake_nvml(*, unsupported: frozenset[str] = frozenset(), init_error: str = ""
             raise RuntimeError(init_error)
 
     nvml.nvmlInit = init
-    nvml.nvmlDeviceGetHandleByIndex = lambda index: f"gpu{index}"
+    nvml.nvmlDeviceGetHandleByUUID = lambda uuid: f"handle of {uuid}"
     nvml.nvmlDeviceGetName = call("name", "NVIDIA H100 80GB HBM3")
     nvml.nvmlDeviceGetTemperature = call("temperature", 71)
     nvml.nvmlDeviceGetMemoryInfo = call("memory", types.SimpleNamespace(total=80 * 2**30, used=12 * 2**30))
@@ -51,6 +52,9 @@ def fake_nvml(*, unsupported: frozenset[str] = frozenset(), init_error: str = ""
 
 @pytest.fixture
 def nvml_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    # NVML finds the GPU by the UUID CUDA gives it (there is no CUDA here either).
+    monkeypatch.setattr(telemetry, "cuda_uuid", lambda index: f"GPU-{index}")
+
     def install(module: types.ModuleType | None) -> None:
         monkeypatch.setitem(sys.modules, "pynvml", module)  # type: ignore[arg-type]
 
@@ -75,6 +79,19 @@ def test_an_unsupported_query_loses_only_its_field(nvml_module: Any) -> None:
     reading = Telemetry(0).read()
     assert reading.power_w == 0.0 and reading.sm_clock_mhz == 0
     assert reading.temperature_c == 71.0 and reading.power_limit_w == 700.0 and reading.max_sm_clock_mhz == 1980
+
+
+def test_the_gpu_is_found_by_its_cuda_uuid(nvml_module: Any) -> None:
+    nvml_module(fake_nvml())
+    # CUDA device 1 of this process may be any NVML index: the UUID names it.
+    assert Telemetry(1)._handle == "handle of GPU-1"
+
+
+def test_newer_bindings_read_clock_event_reasons(nvml_module: Any) -> None:
+    nvml = fake_nvml()
+    nvml.nvmlDeviceGetCurrentClocksEventReasons = lambda handle: 0x8  # type: ignore[attr-defined]
+    nvml_module(nvml)
+    assert Telemetry(0).read().throttle_reasons == ("hw_slowdown",)
 
 
 def test_throttle_reasons_by_name() -> None:
