@@ -4,6 +4,7 @@ the registry entry names the source and the weight variant, loading errors becom
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,12 @@ import torch
 from services.errors import ModelError
 from services.models.device import DTYPES
 from services.models.registry import ModelSpec, resolve_source
+
+# One load at a time in a process. ``from_pretrained`` builds modules under a
+# meta-device mode, and torch's mode stack is process-wide, not per thread: two
+# loads in two threads (a sampler's engine and its local decoder, two decoders'
+# engines) can exit each other's mode and leave every later tensor on "meta".
+_LOADING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -43,14 +50,16 @@ def load(
     cls: Any, spec: ModelSpec, models_dir: Path, device: torch.device, *, dtype: torch.dtype, **kwargs: Any
 ) -> Loaded:
     """``cls.from_pretrained`` for ``spec``, moved to ``device``."""
-    source, source_kwargs = resolve_source(spec, models_dir)
-    if spec.variant:
-        source_kwargs["variant"] = spec.variant
-    started = time.perf_counter()
-    try:
-        value = cls.from_pretrained(source, torch_dtype=dtype, **source_kwargs, **kwargs)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load {spec.name!r} from {source}: {exc}") from exc
+    with _LOADING:
+        # Building a builtin model (on first use) constructs modules too.
+        source, source_kwargs = resolve_source(spec, models_dir)
+        if spec.variant:
+            source_kwargs["variant"] = spec.variant
+        started = time.perf_counter()
+        try:
+            value = cls.from_pretrained(source, torch_dtype=dtype, **source_kwargs, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load {spec.name!r} from {source}: {exc}") from exc
     value = value.to(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
