@@ -27,7 +27,7 @@ import torch
 from gpu_worker.prompts import Conditioning, PromptCache
 from gpu_worker.residency import DoesNotFit, Resident, victims
 from services.errors import DarkroomError, JobInterrupted, ModelError
-from services.models import loader
+from services.models import loader, sim
 from services.models.registry import ModelRegistry, ModelSpec
 
 log = logging.getLogger("darkroom.sampler")
@@ -178,9 +178,13 @@ class SamplerEngine:
             if model is not None:
                 model.last_used = time.monotonic()
                 return model.pipe
+            spec = self.registry.get(name)
+            if spec.family == "sim":
+                # Nothing to load: a sim model only sleeps (services/models/sim.py).
+                self._models[name] = _Model(spec, 0, 0.0, time.monotonic(), name in self.pinned)
+                return spec
             from diffusers import DiffusionPipeline
 
-            spec = self.registry.get(name)
             # Its measured size once it has been loaded here; the registry's before.
             self._make_room(name, self._measured.get(name, spec.vram_bytes))
             # The VAE lives in its own service; the sampler never loads it.
@@ -259,6 +263,8 @@ class SamplerEngine:
         key = keys.pop()
         spec = self.registry.get(key.model)
         pipe = self.load(key.model)
+        if spec.family == "sim":
+            return self._simulate(spec, key, members)
         with torch.inference_mode():
             runs = [self._prepare(pipe, spec, m) for m in members]
             self._denoise(pipe, key, [r for r in runs if r.result is None])
@@ -270,6 +276,23 @@ class SamplerEngine:
                 except BadOutput as exc:
                     run.result = exc
         return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
+
+    def _simulate(
+        self, spec: ModelSpec, key: BatchKey, members: Sequence[BatchMember]
+    ) -> list[torch.Tensor | BaseException]:
+        """A sim model's batch: the modelled time per step, then latents from each job's seeds."""
+        finished = sim.sleep_steps(
+            spec,
+            key.width,
+            key.height,
+            key.steps,
+            [m.stopping for m in members],
+            lambda i, step, total: members[i].on_step(step, total),
+        )
+        return [
+            sim.latents(m.request) if done else JobInterrupted(key.model)
+            for m, done in zip(members, finished, strict=True)
+        ]
 
     def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember) -> _Run:
         req = member.request

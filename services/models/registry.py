@@ -20,6 +20,8 @@ FAMILY_DEFAULTS = {"sd15": (25.0, 5.0), "sdxl": (60.0, 10.0), "tiny": (30.0, 0.5
 FAMILIES = frozenset(FAMILY_DEFAULTS)
 ATTENTION = frozenset({"", "sdpa", "eager"})
 BUILTIN_TINY = "builtin:tiny"
+# What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
+BUILTIN_SIM = "builtin:sim"
 # Random-weight copies of the real architectures, built on first use (services/models/presets.py).
 BUILTIN_PRESETS = {"builtin:sd15-random": "sd15", "builtin:sdxl-random": "sdxl"}
 # A job running longer than this is stopped, unless its model says otherwise.
@@ -96,6 +98,8 @@ class ModelRegistry:
             spec = ModelSpec(name=name, **table)
             if spec.family not in FAMILIES:
                 raise ModelError(f"model {name!r}: family {spec.family!r} is not one of {sorted(FAMILIES)}")
+            if (spec.family == "sim") != (spec.source == BUILTIN_SIM):
+                raise ModelError(f"model {name!r}: the sim family, and only it, has source {BUILTIN_SIM!r}")
             if spec.attention not in ATTENTION:
                 raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
             if spec.max_batch < 1:

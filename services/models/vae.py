@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
-from services.models import loader
+from services.models import loader, sim
 from services.models.registry import ModelRegistry
 from services.settings import Settings
 
@@ -38,6 +38,30 @@ def latents_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tenso
         raise InvalidArgument([FieldViolation("latents", f"{len(data)} bytes, shape {shape} needs {expected}")])
     array = np.frombuffer(data, dtype=_NUMPY_DTYPES[dtype]).reshape(shape)
     return torch.from_numpy(array.astype(np.float32))
+
+
+class _SimConfig:
+    scaling_factor = 1.0
+    shift_factor = None
+    block_out_channels = (0,) * 4  # pixels per latent: 2 ** (4 - 1)
+
+
+class SimVae:
+    """A sim model's VAE (services/models/sim.py): a fixed projection, no weights."""
+
+    config = _SimConfig()
+    dtype = torch.float32
+
+    def decode(self, z: torch.Tensor) -> Any:
+        return _Sample(sim.decode(z))
+
+    def tiled_decode(self, z: torch.Tensor) -> Any:
+        return self.decode(z)
+
+
+@dataclass(frozen=True)
+class _Sample:
+    sample: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -83,9 +107,12 @@ class VaeDecoderEngine:
         with self._lock:
             if name in self._vaes:
                 return self._vaes[name]
+            spec = self.registry.get(name)
+            if spec.family == "sim":
+                vae = self._vaes[name] = SimVae()
+                return vae
             from diffusers import AutoencoderKL
 
-            spec = self.registry.get(name)
             dtype = torch.float32
             if self.device.type == "cuda" and spec.dtype != "float32":
                 # SD's VAE overflows in float16; bfloat16 keeps the range.

@@ -1,0 +1,91 @@
+"""The ``sim`` family: a model that costs only the time the registry says it takes.
+
+It exists for control-plane benchmarks and scheduler experiments (``bench/``), and
+never stands in for a real model anywhere else: nothing in the default registry is a
+``sim`` model. A sim sampler sleeps for the modelled duration of each step (the
+registry's ``step_ms_512``, scaled by pixels, as the scheduler's first estimates
+are) and returns small latents drawn from the job's seed; a sim decoder turns
+latents into pixels with a fixed projection, so the real decoder path (batching,
+output checks, encoding, streaming) runs on them at almost no cost."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from services.models.registry import ModelSpec
+
+LATENT_CHANNELS = 4
+# Pixels per latent along each side, as SD's VAEs.
+SCALE = 8
+# Latent channels to RGB: a fixed map, so that a latent's image is always the same.
+_TO_RGB = torch.tensor(
+    [[0.30, 0.19, 0.21], [0.19, 0.29, 0.17], [-0.16, 0.19, 0.26], [-0.18, -0.27, -0.47]], dtype=torch.float32
+)
+
+
+class SimJob(Protocol):
+    @property
+    def width(self) -> int: ...
+
+    @property
+    def height(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def num_images(self) -> int: ...
+
+
+def step_seconds(spec: ModelSpec, width: int, height: int) -> float:
+    """How long one denoising step of a batch at this size is modelled to take.
+    A batch costs what one image does: at the sizes sim jobs run at, a GPU is
+    bound by latency, not arithmetic."""
+    return spec.step_s_512 * width * height / (512 * 512)
+
+
+def latents(job: SimJob) -> torch.Tensor:
+    """The job's latents, (num_images, 4, height/8, width/8), drawn from its seeds."""
+    out = []
+    for i in range(job.num_images):
+        generator = torch.Generator().manual_seed((job.seed + i) % 2**63)
+        out.append(torch.randn(1, LATENT_CHANNELS, job.height // SCALE, job.width // SCALE, generator=generator))
+    return torch.cat(out)
+
+
+def sleep_steps(
+    spec: ModelSpec, width: int, height: int, steps: int, stopping: Sequence[threading.Event], on_step
+) -> list[bool]:
+    """Sleeps through ``steps`` modelled steps for a batch of members, each with its
+    own ``stopping``; calls ``on_step(member, step, total)`` after each step for the
+    members still running. Returns, per member, whether it ran every step."""
+    per_step = step_seconds(spec, width, height)
+    running = [True] * len(stopping)
+    deadline = time.perf_counter()
+    for step in range(steps):
+        for i, event in enumerate(stopping):
+            if running[i] and event.is_set():
+                running[i] = False
+        if not any(running):
+            break
+        # Against a deadline, so that the sleeps' own overshoot does not add up.
+        deadline += per_step
+        pause = deadline - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+        for i in range(len(stopping)):
+            if running[i]:
+                on_step(i, step + 1, steps)
+    return running
+
+
+def decode(latents_: torch.Tensor) -> torch.Tensor:
+    """Latents (batch, 4, h, w) to pixels (batch, 3, 8h, 8w) in [-1, 1], as a VAE's
+    decode would return them."""
+    rgb = torch.einsum("bchw,cr->brhw", latents_.float(), _TO_RGB)
+    return torch.nn.functional.interpolate(rgb, scale_factor=SCALE, mode="nearest").clamp(-1, 1)
