@@ -122,7 +122,13 @@ class JobRunner:
         try:
             job = await self._store(
                 f"the start of {dispatch.job_id}",
-                lambda: self.repo.attempts.start(dispatch.job_id, dispatch.attempt, self.worker_id, now=_now()),
+                lambda: self.repo.attempts.start(
+                    dispatch.job_id,
+                    dispatch.attempt,
+                    self.worker_id,
+                    now=_now(),
+                    dispatched_at=datetime.fromtimestamp(dispatch.published_at, UTC) if dispatch.published_at else None,
+                ),
             )
         except OutcomeNotStored as exc:
             log.warning("%s; leaving it for redelivery", exc)
@@ -197,12 +203,19 @@ class JobRunner:
                 log.warning("job %s: cannot record decoding (the outcome will be): %s", job.id, exc)
             await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_DECODING))
             images = await self.decoders.decode(job, started.result)
+            decoded_at = _now()
             if watch.stopping.is_set():
                 raise JobInterrupted(job.id)
             stored = await self._store(
                 f"the result of {job.id}",
                 lambda: self.repo.attempts.finish(
-                    *attempt, images, now=_now(), busy_s=busy_s, run_seconds=run_seconds, batch_rows=batch_rows
+                    *attempt,
+                    images,
+                    now=_now(),
+                    busy_s=busy_s,
+                    run_seconds=run_seconds,
+                    batch_rows=batch_rows,
+                    decoded_at=decoded_at,
                 ),
             )
             self.failures_in_a_row = 0

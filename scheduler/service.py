@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -167,7 +168,7 @@ class Scheduler:
         for n, job in enumerate(jobs):
             assert job.worker_id is not None
             try:
-                await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt))
+                await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt, time.time()))
             except BusError as exc:
                 # NATS is away: the rest would wait out the same timeout one by one.
                 log.warning("%d of %d dispatches not published, will retry: %s", len(jobs) - n, len(jobs), exc)

@@ -63,20 +63,25 @@ def message_id(job_id: str, attempt: int) -> str:
 class Dispatch:
     job_id: str
     attempt: int
+    # When the scheduler published it (its clock, seconds since the epoch); 0: not said.
+    published_at: float = 0.0
 
     def encode(self) -> bytes:
-        return json.dumps({"job_id": self.job_id, "attempt": self.attempt}).encode()
+        return json.dumps({"job_id": self.job_id, "attempt": self.attempt, "published_at": self.published_at}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Dispatch:
         try:
             body = json.loads(data)
             job_id, attempt = body["job_id"], body["attempt"]
+            published_at = body.get("published_at", 0.0)
             if not isinstance(job_id, str) or not job_id or not isinstance(attempt, int) or attempt < 1:
                 raise ValueError("job_id must be a non-empty string and attempt a positive integer")
+            if not isinstance(published_at, int | float) or published_at < 0:
+                raise ValueError("published_at must be a non-negative number")
         except (ValueError, TypeError, KeyError) as exc:
             raise MalformedDispatch(f"malformed dispatch {data[:200]!r}: {exc}") from exc
-        return cls(job_id=job_id, attempt=attempt)
+        return cls(job_id=job_id, attempt=attempt, published_at=float(published_at))
 
 
 @dataclass(frozen=True)

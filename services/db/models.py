@@ -71,10 +71,17 @@ class JobRow(Base):
     routing: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # The stages of the latest attempt: placed by the scheduler, published to its
+    # worker (the scheduler's clock, written by the worker), started, sampled
+    # (decoding begins), decoded, stored.
     scheduled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    dispatched_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     decoding_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    decoded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # W3C trace context (traceparent) of the submit: each service's spans join its trace.
+    trace_context: Mapped[str | None] = mapped_column(String(128))
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),

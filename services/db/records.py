@@ -29,6 +29,7 @@ class NewJob:
     idempotency_key: str | None
     deadline: datetime | None = None
     output_format: str = "png"
+    trace_context: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class JobRecord:
     attempt_log: tuple[AttemptFailure, ...] = ()
     output_format: str = "png"
     batch_rows: int | None = None
+    dispatched_at: datetime | None = None
+    decoded_at: datetime | None = None
+    trace_context: str | None = None
 
     @classmethod
     def of(cls, row: JobRow) -> JobRecord:

@@ -57,7 +57,9 @@ class Attempts:
             JobRow.status.in_([st.value for st in statuses]),
         )
 
-    async def start(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> JobRecord | None:
+    async def start(
+        self, job_id: str, attempt: int, worker_id: str, *, now: datetime, dispatched_at: datetime | None = None
+    ) -> JobRecord | None:
         """Marks this attempt RUNNING on this worker; None if the job was cancelled,
         moved on or belongs to another attempt. An attempt already started here
         (its message redelivered because its outcome could not be stored) starts
@@ -71,6 +73,7 @@ class Attempts:
                         started_at=case((JobRow.status == JobStatus.SCHEDULED.value, now), else_=JobRow.started_at),
                         starts=JobRow.starts + 1,
                         progress_step=0,
+                        dispatched_at=dispatched_at,
                     )
                     .returning(JobRow)
                 )
@@ -110,6 +113,7 @@ class Attempts:
         busy_s: float,
         run_seconds: float | None = None,
         batch_rows: int | None = None,
+        decoded_at: datetime | None = None,
     ) -> bool:
         """Stores the images and marks SUCCEEDED in one transaction, only if this
         attempt is still the job's current one: at most one visible result.
@@ -124,6 +128,7 @@ class Attempts:
                     finished_at=now,
                     run_seconds=run_seconds,
                     batch_rows=batch_rows,
+                    decoded_at=decoded_at,
                 )
                 .returning(JobRow.id)
             )
