@@ -198,7 +198,7 @@ class JobRunner:
             if started.result is None:
                 raise RuntimeError("the job was never sampled")
             try:
-                await self.repo.attempts.decoding(*attempt, now=_now())
+                await self.repo.attempts.decoding([(job.id, job.attempt)], self.worker_id, now=_now())
             except StoreError as exc:
                 log.warning("job %s: cannot record decoding (the outcome will be): %s", job.id, exc)
             await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_DECODING))

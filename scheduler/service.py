@@ -34,7 +34,7 @@ from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
     Assignment,
     Fail,
-    JobRecord,
+    JobSummary,
     Recovery,
     Requeue,
     ShapeCount,
@@ -56,7 +56,7 @@ LEARN_BATCH = 500
 
 def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime):
     def decide(
-        queued: Sequence[JobRecord], workers: Sequence[WorkerRecord], held: Sequence[JobRecord]
+        queued: Sequence[JobSummary], workers: Sequence[WorkerRecord], held: Sequence[JobSummary]
     ) -> list[Assignment]:
         measured = replace(fleet, costs=measured_costs(fleet.costs, workers))
         placements = policy.plan(
@@ -164,7 +164,7 @@ class Scheduler:
         await self._publish(scheduled or [])
         return len(scheduled or [])
 
-    async def _publish(self, jobs: Sequence[JobRecord]) -> None:
+    async def _publish(self, jobs: Sequence[JobSummary]) -> None:
         for n, job in enumerate(jobs):
             assert job.worker_id is not None
             try:

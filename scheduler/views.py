@@ -11,7 +11,7 @@ from dataclasses import replace
 from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
 from scheduler.warmsets import GpuView
-from services.db.records import Estimate, Fold, JobRecord, RunTime, WorkerRecord
+from services.db.records import Estimate, Fold, JobRecord, JobSummary, RunTime, WorkerRecord
 from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
@@ -108,7 +108,7 @@ def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate
     )
 
 
-def job_view(job: JobRecord) -> policy.JobView:
+def job_view(job: JobRecord | JobSummary) -> policy.JobView:
     return policy.JobView(
         job.id,
         job.model,
@@ -124,10 +124,14 @@ def job_view(job: JobRecord) -> policy.JobView:
 
 
 def worker_views(
-    workers: Sequence[WorkerRecord], held: Sequence[JobRecord], fleet: policy.Fleet
+    workers: Sequence[WorkerRecord], held: Sequence[JobSummary], fleet: policy.Fleet
 ) -> list[policy.WorkerView]:
     """Each worker with what it holds as batches: the ones running (started jobs
     of one key), and the ones it has not started, still open to more jobs."""
+    by_worker: dict[str, list[JobSummary]] = {}
+    for j in held:
+        if j.worker_id is not None and j.model in fleet.costs:
+            by_worker.setdefault(j.worker_id, []).append(j)
     views = []
     for w in workers:
         view = policy.WorkerView(
@@ -141,9 +145,9 @@ def worker_views(
             state=w.status.value,
             planned_models=frozenset(w.planned_models),
         )
-        mine = [j for j in held if j.worker_id == w.id and j.model in fleet.costs]
-        running: dict[policy.BatchKey, list[JobRecord]] = {}
-        waiting: dict[policy.BatchKey, list[JobRecord]] = {}
+        mine = by_worker.get(w.id, [])
+        running: dict[policy.BatchKey, list[JobSummary]] = {}
+        waiting: dict[policy.BatchKey, list[JobSummary]] = {}
         for j in mine:
             if j.status != JobStatus.DECODING:  # decoding frees the GPU
                 group = running if j.status == JobStatus.RUNNING else waiting

@@ -85,6 +85,7 @@ class JobRow(Base):
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
+        Index("ix_jobs_queued_by_lane", "lane", "created_at", postgresql_where=text("status = 'QUEUED'")),
         Index("ix_jobs_created_at", "created_at"),
         Index(
             "ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")

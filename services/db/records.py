@@ -3,12 +3,11 @@ queries that make them, so that policy code can use them without SQL."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
-from services.db.models import JobRow, WorkerRow
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 
 
@@ -81,10 +80,44 @@ class JobRecord:
     trace_context: str | None = None
 
     @classmethod
-    def of(cls, row: JobRow) -> JobRecord:
-        values = {name: getattr(row, name) for name in cls.__dataclass_fields__}
-        values["status"] = JobStatus(row.status)
-        values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row.attempt_log or ())
+    def of(cls, row: Mapping[str, Any]) -> JobRecord:
+        """From a row of ``jobs`` (every column of JOB_COLUMNS)."""
+        values = {name: row[name] for name in JOB_FIELDS}
+        values["status"] = JobStatus(row["status"])
+        values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """What placing a job, or counting the work a worker holds, needs to know of it:
+    a job without its prompt and routing, cheap to read by the hundred."""
+
+    id: str
+    status: JobStatus
+    lane: str
+    priority: int
+    model: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    num_images: int
+    attempt: int
+    worker_id: str | None
+    progress_step: int
+    progress_total: int
+    created_at: datetime
+    scheduled_at: datetime | None
+    attempt_log: tuple[AttemptFailure, ...]
+    trace_context: str | None = None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> JobSummary:
+        """From a row of ``jobs`` (every column of SUMMARY_COLUMNS)."""
+        values = {name: row[name] for name in SUMMARY_FIELDS}
+        values["status"] = JobStatus(row["status"])
+        values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         return cls(**values)
 
 
@@ -124,14 +157,24 @@ class WorkerRecord:
     live: bool = True
 
     @classmethod
-    def of(cls, row: WorkerRow, *, live: bool = True) -> WorkerRecord:
-        values = {name: getattr(row, name) for name in cls.__dataclass_fields__ if name != "live"}
-        values["kind"] = WorkerKind(row.kind)
-        values["status"] = WorkerStatus(row.status)
-        values["models"] = tuple(row.models)
-        values["warm_models"] = tuple(row.warm_models)
-        values["planned_models"] = tuple(row.planned_models or ())
+    def of(cls, row: Mapping[str, Any], *, live: bool = True) -> WorkerRecord:
+        """From a row of ``workers`` (every column of WORKER_COLUMNS)."""
+        values = {name: row[name] for name in WORKER_FIELDS}
+        values["kind"] = WorkerKind(row["kind"])
+        values["status"] = WorkerStatus(row["status"])
+        values["models"] = tuple(row["models"])
+        values["warm_models"] = tuple(row["warm_models"])
+        values["planned_models"] = tuple(row["planned_models"] or ())
         return cls(**values, live=live)
+
+
+JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
+SUMMARY_FIELDS = tuple(f.name for f in fields(JobSummary))
+WORKER_FIELDS = tuple(f.name for f in fields(WorkerRecord) if f.name != "live")
+# The columns a JobRecord or WorkerRecord is read from, for SELECT and RETURNING lists.
+JOB_COLUMNS = ", ".join(JOB_FIELDS)
+SUMMARY_COLUMNS = ", ".join(SUMMARY_FIELDS)
+WORKER_COLUMNS = ", ".join(WORKER_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -238,7 +281,7 @@ Recovery = Requeue | Fail | Expire
 
 # Decides placements for one pass, given the queued jobs, the live workers and the
 # jobs the workers already hold. Pure: the scheduler's policy.
-Decide = Callable[[Sequence[JobRecord], Sequence[WorkerRecord], Sequence[JobRecord]], Sequence[Assignment]]
+Decide = Callable[[Sequence[JobSummary], Sequence[WorkerRecord], Sequence[JobSummary]], Sequence[Assignment]]
 # Decides what to do with jobs that may need recovering, given the workers that are
 # dead and the database's clock. Pure: the scheduler's recovery policy.
 Review = Callable[[Sequence[JobRecord], Sequence[DeadWorker], datetime], Sequence[Recovery]]

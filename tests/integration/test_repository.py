@@ -106,7 +106,7 @@ async def test_every_write_of_an_older_attempt_changes_nothing(repo: Repository,
 
     assert await repo.attempts.start(job_id, old, W1, now=now()) is None
     assert await repo.attempts.progress(job_id, old, W1, 4, 4) == Standing.SUPERSEDED
-    assert not await repo.attempts.decoding(job_id, old, W1, now=now())
+    assert not await repo.attempts.decoding([(job_id, old)], W1, now=now())
     assert not await repo.attempts.finish(job_id, old, W1, [IMAGE], now=now(), busy_s=1.0)
     assert await repo.attempts.fail(job_id, old, W1, "late", retryable=True, now=now()) is None
     assert await repo.attempts.fail(job_id, old, W1, "late", retryable=False, now=now()) is None
@@ -206,8 +206,7 @@ async def test_recovery_requeues_from_a_silent_worker_only_when_heartbeats_may_b
     job_id = await submit(repo)
     attempt = await schedule(repo, job_id, W1)
     await repo.attempts.start(job_id, attempt, W1, now=now())
-    url = str(repo.db.engine.url.set(drivername="postgresql").render_as_string(hide_password=False))
-    age_heartbeat(url, W1, 30)
+    age_heartbeat(repo.db.url, W1, 30)
     assert await recovery_pass(repo, judge=False, stale_after_s=10) == []
     assert (await repo.jobs.get(job_id)).status == JobStatus.RUNNING
     assert len(await recovery_pass(repo, judge=True, stale_after_s=10) or []) == 1

@@ -4,7 +4,7 @@ once, in ``database``."""
 
 from __future__ import annotations
 
-from services.db.repository.attempts import Attempts, Standing
+from services.db.repository.attempts import Attempts, Result, Standing, StartRequest
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
 from services.db.repository.estimates import Estimates
 from services.db.repository.jobs import Jobs
@@ -12,7 +12,15 @@ from services.db.repository.recovery import Recoveries
 from services.db.repository.scheduling import Scheduling
 from services.db.repository.workers import Workers
 
-__all__ = ["IDLE_IN_TRANSACTION_MS", "PLANNER_LOCK", "SCHEDULER_LOCK", "Repository", "Standing"]
+__all__ = [
+    "IDLE_IN_TRANSACTION_MS",
+    "PLANNER_LOCK",
+    "SCHEDULER_LOCK",
+    "Repository",
+    "Result",
+    "Standing",
+    "StartRequest",
+]
 
 
 class Repository:

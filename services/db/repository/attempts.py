@@ -1,23 +1,27 @@
 """Writes from the worker that holds a job. Each names the attempt it belongs to and
 changes nothing unless that attempt is still the job's current one on that worker:
 a stale attempt (requeued, redispatched, restarted elsewhere) cannot overwrite a
-newer one, and a job has at most one stored result."""
+newer one, and a job has at most one stored result.
+
+The writes a worker makes for a batch of jobs (start, decoding, finish) take every
+job of the batch in one statement."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
-from sqlalchemy import case, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from services.db.models import JobImageRow, JobRow, WorkerRow
 from services.db.records import AttemptFailure, ImageRecord, JobRecord
-from services.db.repository.database import Database
-from services.db.repository.requeue import end_row, requeue_row
+from services.db.repository.database import Database, fetch_all
+from services.db.repository.requeue import JOB_COLUMNS_J, end, requeue
 from services.db.states import HELD, STARTED, JobStatus
+
+_HELD = [st.value for st in HELD]
+_STARTED = [st.value for st in STARTED]
+# This attempt is still the job's current one on this worker, in one of %(statuses)s.
+_CURRENT = "j.worker_id = %(worker)s AND j.status = ANY(%(statuses)s)"
 
 
 class Standing(enum.Enum):
@@ -28,79 +32,106 @@ class Standing(enum.Enum):
     SUPERSEDED = "superseded"  # requeued or moved on: its work will not be used
 
 
+@dataclass(frozen=True)
+class StartRequest:
+    job_id: str
+    attempt: int
+    dispatched_at: datetime | None = None  # when the scheduler published it
+
+
+@dataclass(frozen=True)
+class Result:
+    """A job's stored outcome: its images, and what its worker measured."""
+
+    job_id: str
+    attempt: int
+    images: Sequence[ImageRecord]
+    decoded_at: datetime
+    busy_s: float
+    # How long its batch ran, when that is worth learning from (kept on one member
+    # of a batch), and the images in that batch.
+    run_seconds: float | None = None
+    batch_rows: int | None = None
+
+
 class Attempts:
     def __init__(self, db: Database) -> None:
         self.db = db
-
-    async def _held(self, s: AsyncSession, job_id: str, attempt: int, worker_id: str, statuses) -> JobRow | None:
-        return (
-            await s.execute(
-                select(JobRow)
-                .where(
-                    JobRow.id == job_id,
-                    JobRow.attempt == attempt,
-                    JobRow.worker_id == worker_id,
-                    JobRow.status.in_([st.value for st in statuses]),
-                )
-                .with_for_update()
-            )
-        ).scalar_one_or_none()
-
-    @staticmethod
-    def _fenced(job_id: str, attempt: int, worker_id: str, statuses) -> Any:
-        """An UPDATE of the job that changes nothing unless this attempt is still
-        the current one on this worker, in one of ``statuses``: one round trip."""
-        return update(JobRow).where(
-            JobRow.id == job_id,
-            JobRow.attempt == attempt,
-            JobRow.worker_id == worker_id,
-            JobRow.status.in_([st.value for st in statuses]),
-        )
 
     async def start(
         self, job_id: str, attempt: int, worker_id: str, *, now: datetime, dispatched_at: datetime | None = None
     ) -> JobRecord | None:
         """Marks this attempt RUNNING on this worker; None if the job was cancelled,
-        moved on or belongs to another attempt. An attempt already started here
-        (its message redelivered because its outcome could not be stored) starts
-        over: its result was never stored."""
-        async with self.db.tx() as s:
-            row = (
-                await s.execute(
-                    self._fenced(job_id, attempt, worker_id, HELD)
-                    .values(
-                        status=JobStatus.RUNNING.value,
-                        started_at=case((JobRow.status == JobStatus.SCHEDULED.value, now), else_=JobRow.started_at),
-                        starts=JobRow.starts + 1,
-                        progress_step=0,
-                        dispatched_at=dispatched_at,
-                    )
-                    .returning(JobRow)
-                )
-            ).scalar_one_or_none()
-            return JobRecord.of(row) if row is not None else None
+        moved on or belongs to another attempt."""
+        started = await self.start_many([StartRequest(job_id, attempt, dispatched_at)], worker_id, now=now)
+        return started.get(job_id)
+
+    async def start_many(
+        self, requests: Sequence[StartRequest], worker_id: str, *, now: datetime
+    ) -> dict[str, JobRecord]:
+        """Marks each attempt RUNNING on this worker; returns the jobs that are, by id
+        (one cancelled, moved on or of another attempt is left out). An attempt
+        already started here (its message redelivered because its outcome could not
+        be stored) starts over: its result was never stored."""
+        if not requests:
+            return {}
+        rows = await self.db.all(
+            f"""
+            UPDATE jobs AS j SET
+                status = 'RUNNING',
+                started_at = CASE WHEN j.status = 'SCHEDULED' THEN %(now)s ELSE j.started_at END,
+                starts = j.starts + 1,
+                progress_step = 0,
+                dispatched_at = r.dispatched_at
+            FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(dispatched)s::timestamptz[])
+                 AS r(id, attempt, dispatched_at)
+            WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
+            RETURNING {JOB_COLUMNS_J}
+            """,
+            {
+                "now": now,
+                "worker": worker_id,
+                "statuses": _HELD,
+                "ids": [r.job_id for r in requests],
+                "attempts": [r.attempt for r in requests],
+                "dispatched": [r.dispatched_at for r in requests],
+            },
+        )
+        return {row["id"]: JobRecord.of(row) for row in rows}
 
     async def progress(self, job_id: str, attempt: int, worker_id: str, step: int, total: int) -> Standing:
-        async with self.db.tx() as s:
-            flag = (
-                await s.execute(
-                    self._fenced(job_id, attempt, worker_id, STARTED)
-                    .values(progress_step=step, progress_total=total)
-                    .returning(JobRow.cancel_requested)
-                )
-            ).scalar_one_or_none()
-        if flag is None:
+        row = await self.db.one(
+            f"""
+            UPDATE jobs AS j SET progress_step = %(step)s, progress_total = %(total)s
+            WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND {_CURRENT}
+            RETURNING j.cancel_requested
+            """,
+            {"id": job_id, "attempt": attempt, "worker": worker_id, "statuses": _STARTED, "step": step, "total": total},
+        )
+        if row is None:
             return Standing.SUPERSEDED
-        return Standing.CANCEL_REQUESTED if flag else Standing.CURRENT
+        return Standing.CANCEL_REQUESTED if row["cancel_requested"] else Standing.CURRENT
 
-    async def decoding(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
-        async with self.db.tx() as s:
-            done = await s.execute(
-                self._fenced(job_id, attempt, worker_id, STARTED)
-                .values(status=JobStatus.DECODING.value, decoding_at=now)
-                .returning(JobRow.id)
-            )
-            return done.scalar_one_or_none() is not None
+    async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
+        """Marks (job id, attempt) of a sampled batch DECODING; returns the ids that are."""
+        if not jobs:
+            return set()
+        rows = await self.db.all(
+            f"""
+            UPDATE jobs AS j SET status = 'DECODING', decoding_at = %(now)s
+            FROM unnest(%(ids)s::varchar[], %(attempts)s::int[]) AS r(id, attempt)
+            WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
+            RETURNING j.id
+            """,
+            {
+                "now": now,
+                "worker": worker_id,
+                "statuses": _STARTED,
+                "ids": [job_id for job_id, _ in jobs],
+                "attempts": [attempt for _, attempt in jobs],
+            },
+        )
+        return {row["id"] for row in rows}
 
     async def finish(
         self,
@@ -116,41 +147,80 @@ class Attempts:
         decoded_at: datetime | None = None,
     ) -> bool:
         """Stores the images and marks SUCCEEDED in one transaction, only if this
-        attempt is still the job's current one: at most one visible result.
-        ``run_seconds``: how long it ran, if that is worth learning from, in a
+        attempt is still the job's current one: at most one visible result."""
+        result = Result(job_id, attempt, images, decoded_at or now, busy_s, run_seconds, batch_rows)
+        return job_id in await self.finish_many([result], worker_id, now=now)
+
+    async def finish_many(self, results: Sequence[Result], worker_id: str, *, now: datetime) -> set[str]:
+        """Stores each result's images and marks its job SUCCEEDED, all in one
+        transaction, each only if its attempt is still current here; returns the ids
+        stored. ``run_seconds``: how long it ran, if that is worth learning from, in a
         batch of ``batch_rows`` images (its own, if None)."""
-        async with self.db.tx() as s:
-            done = await s.execute(
-                self._fenced(job_id, attempt, worker_id, STARTED)
-                .values(
-                    status=JobStatus.SUCCEEDED.value,
-                    error="",
-                    finished_at=now,
-                    run_seconds=run_seconds,
-                    batch_rows=batch_rows,
-                    decoded_at=decoded_at,
+        if not results:
+            return set()
+        async with self.db.tx() as conn:
+            rows = await fetch_all(
+                conn,
+                f"""
+                UPDATE jobs AS j SET
+                    status = 'SUCCEEDED', error = '', finished_at = %(now)s, decoded_at = r.decoded_at,
+                    run_seconds = r.run_seconds, batch_rows = r.batch_rows
+                FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(decoded)s::timestamptz[],
+                            %(run_seconds)s::float8[], %(batch_rows)s::int[])
+                     AS r(id, attempt, decoded_at, run_seconds, batch_rows)
+                WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
+                RETURNING j.id
+                """,
+                {
+                    "now": now,
+                    "worker": worker_id,
+                    "statuses": _STARTED,
+                    "ids": [r.job_id for r in results],
+                    "attempts": [r.attempt for r in results],
+                    "decoded": [r.decoded_at for r in results],
+                    "run_seconds": [r.run_seconds for r in results],
+                    "batch_rows": [r.batch_rows for r in results],
+                },
+            )
+            stored = {row["id"] for row in rows}
+            images = [(r.job_id, image) for r in results if r.job_id in stored for image in r.images]
+            if images:
+                await conn.execute(
+                    """
+                    INSERT INTO job_images (job_id, "index", data, mime_type, width, height, seed)
+                    SELECT * FROM unnest(%s::varchar[], %s::int[], %s::bytea[], %s::varchar[], %s::int[],
+                                         %s::int[], %s::bigint[])
+                    """,
+                    (
+                        [job_id for job_id, _ in images],
+                        [i.index for _, i in images],
+                        [i.data for _, i in images],
+                        [i.mime_type for _, i in images],
+                        [i.width for _, i in images],
+                        [i.height for _, i in images],
+                        [i.seed for _, i in images],
+                    ),
                 )
-                .returning(JobRow.id)
-            )
-            if done.scalar_one_or_none() is None:
-                return False
-            for image in images:
-                s.add(JobImageRow(job_id=job_id, **image.__dict__))
-            await s.execute(
-                update(WorkerRow)
-                .where(WorkerRow.id == worker_id)
-                .values(completed=WorkerRow.completed + 1, busy_seconds=WorkerRow.busy_seconds + busy_s)
-            )
-            return True
+            if stored:
+                busy = sum(r.busy_s for r in results if r.job_id in stored)
+                await conn.execute(
+                    "UPDATE workers SET completed = completed + %s, busy_seconds = busy_seconds + %s WHERE id = %s",
+                    (len(stored), busy, worker_id),
+                )
+        return stored
 
     async def cancel(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
-        async with self.db.tx() as s:
-            done = await s.execute(
-                self._fenced(job_id, attempt, worker_id, STARTED)
-                .values(status=JobStatus.CANCELLED.value, error="cancelled", finished_at=now)
-                .returning(JobRow.id)
+        async with self.db.connection() as conn:
+            return await end(
+                conn,
+                job_id,
+                attempt,
+                JobStatus.CANCELLED,
+                "cancelled",
+                now=now,
+                guard=_CURRENT,
+                params={"worker": worker_id, "statuses": _STARTED},
             )
-            return done.scalar_one_or_none() is not None
 
     async def fail(
         self, job_id: str, attempt: int, worker_id: str, error: str, *, retryable: bool, now: datetime
@@ -159,22 +229,30 @@ class Attempts:
         timeout) sends the job back to the queue with the failure counted: the
         scheduler fails it once it has used its attempts. One that is the job's own
         fault fails it now. Returns the job's new status, None if not current."""
-        async with self.db.tx() as s:
-            row = await self._held(s, job_id, attempt, worker_id, STARTED)
-            if row is None:
-                return None
-            await s.execute(update(WorkerRow).where(WorkerRow.id == worker_id).values(errors=WorkerRow.errors + 1))
+        fenced = {"worker": worker_id, "statuses": _STARTED}
+        async with self.db.tx() as conn:
             if retryable:
-                return requeue_row(row, AttemptFailure(attempt, worker_id, error), now=now)
-            end_row(row, JobStatus.FAILED, error, now=now)
-            return JobStatus.FAILED
+                failure = AttemptFailure(attempt, worker_id, error)
+                changed = await requeue(conn, [(job_id, attempt, failure)], now=now, guard=_CURRENT, params=fenced)
+                status = changed.get(job_id)
+            else:
+                ended = await end(
+                    conn, job_id, attempt, JobStatus.FAILED, error, now=now, guard=_CURRENT, params=fenced
+                )
+                status = JobStatus.FAILED if ended else None
+            if status is not None:
+                await conn.execute("UPDATE workers SET errors = errors + 1 WHERE id = %s", (worker_id,))
+            return status
 
     async def hand_back(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
         """Returns a started job to the queue without counting an attempt: the
         worker stopped it (a drain), the job did nothing wrong."""
-        async with self.db.tx() as s:
-            row = await self._held(s, job_id, attempt, worker_id, HELD)
-            if row is None:
-                return False
-            requeue_row(row, None, now=now)
-            return True
+        async with self.db.connection() as conn:
+            changed = await requeue(
+                conn,
+                [(job_id, attempt, None)],
+                now=now,
+                guard=_CURRENT,
+                params={"worker": worker_id, "statuses": _HELD},
+            )
+        return job_id in changed

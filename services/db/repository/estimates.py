@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select, update
-from sqlalchemy.dialects.postgresql import insert
+from psycopg import AsyncConnection
+from psycopg.rows import DictRow
 
-from services.db.models import JobRow, LearnedEstimateRow
 from services.db.records import Estimate, Fold, RunTime
-from services.db.repository.database import Database, try_lock
-from services.db.states import JobStatus
+from services.db.repository.database import Database, fetch_all, try_lock
 
 # Held by the replica folding run times in, so that no two lose each other's update.
 LEARNING_LOCK = 0x44524B4C
@@ -24,63 +22,70 @@ class Estimates:
 
     async def learned(self) -> tuple[dict[str, Estimate], dict[str, Estimate]]:
         """Every learned (shape durations, worker speeds)."""
-        async with self.db.tx() as s:
-            rows = (await s.execute(select(LearnedEstimateRow))).scalars()
-            shapes: dict[str, Estimate] = {}
-            speeds: dict[str, Estimate] = {}
-            for r in rows:
-                (shapes if r.kind == "shape" else speeds)[r.key] = (r.mean, r.count)
-            return shapes, speeds
+        async with self.db.connection() as conn:
+            return await _learned(conn)
 
     async def learn_pass(self, fold: Fold, *, limit: int, now: datetime) -> int | None:
         """Folds the run times of jobs finished since the last pass into the stored
         estimates, each job once; returns how many, or None if another replica
         is learning."""
-        async with self.db.tx() as s:
-            if not await try_lock(s, LEARNING_LOCK):
+        async with self.db.tx() as conn:
+            if not await try_lock(conn, LEARNING_LOCK):
                 return None
-            jobs = (
-                (
-                    await s.execute(
-                        select(JobRow)
-                        .where(JobRow.status == JobStatus.SUCCEEDED, JobRow.run_seconds.is_not(None), ~JobRow.learned)
-                        .order_by(JobRow.finished_at, JobRow.id)
-                        .limit(limit)
-                    )
-                )
-                .scalars()
-                .all()
+            jobs = await fetch_all(
+                conn,
+                """
+                SELECT id, model, width, height, steps, num_images, batch_rows, worker_id, run_seconds FROM jobs
+                WHERE status = 'SUCCEEDED' AND run_seconds IS NOT NULL AND NOT learned
+                ORDER BY finished_at, id LIMIT %s
+                """,
+                (limit,),
             )
             if not jobs:
                 return 0
             facts = [
                 RunTime(
-                    j.model,
-                    j.width * j.height,
-                    j.steps,
-                    j.batch_rows or j.num_images,
-                    j.worker_id or "",
-                    j.run_seconds or 0.0,
+                    j["model"],
+                    j["width"] * j["height"],
+                    j["steps"],
+                    j["batch_rows"] or j["num_images"],
+                    j["worker_id"] or "",
+                    j["run_seconds"] or 0.0,
                 )
                 for j in jobs
             ]
-            shapes: dict[str, Estimate] = {}
-            speeds: dict[str, Estimate] = {}
-            for r in (await s.execute(select(LearnedEstimateRow))).scalars():
-                (shapes if r.kind == "shape" else speeds)[r.key] = (r.mean, r.count)
+            shapes, speeds = await _learned(conn)
             new_shapes, new_speeds = fold(dict(shapes), dict(speeds), facts)
-            for kind, old, new in (("shape", shapes, new_shapes), ("speed", speeds, new_speeds)):
-                for key, (mean, count) in new.items():
-                    if old.get(key) == (mean, count):
-                        continue
-                    values = {"kind": kind, "key": key, "mean": mean, "count": count, "updated_at": now}
-                    await s.execute(
-                        insert(LearnedEstimateRow)
-                        .values(**values)
-                        .on_conflict_do_update(
-                            index_elements=[LearnedEstimateRow.kind, LearnedEstimateRow.key],
-                            set_={"mean": mean, "count": count, "updated_at": now},
-                        )
-                    )
-            await s.execute(update(JobRow).where(JobRow.id.in_([j.id for j in jobs])).values(learned=True))
+            changed = [
+                (kind, key, mean, count)
+                for kind, old, new in (("shape", shapes, new_shapes), ("speed", speeds, new_speeds))
+                for key, (mean, count) in sorted(new.items())
+                if old.get(key) != (mean, count)
+            ]
+            if changed:
+                await conn.execute(
+                    """
+                    INSERT INTO learned_estimates (kind, key, mean, count, updated_at)
+                    SELECT kind, key, mean, count, %s
+                    FROM unnest(%s::varchar[], %s::varchar[], %s::float8[], %s::bigint[]) AS c(kind, key, mean, count)
+                    ON CONFLICT (kind, key) DO UPDATE
+                    SET mean = excluded.mean, count = excluded.count, updated_at = excluded.updated_at
+                    """,
+                    (
+                        now,
+                        [c[0] for c in changed],
+                        [c[1] for c in changed],
+                        [c[2] for c in changed],
+                        [c[3] for c in changed],
+                    ),
+                )
+            await conn.execute("UPDATE jobs SET learned = true WHERE id = ANY(%s)", ([j["id"] for j in jobs],))
             return len(jobs)
+
+
+async def _learned(conn: AsyncConnection[DictRow]) -> tuple[dict[str, Estimate], dict[str, Estimate]]:
+    shapes: dict[str, Estimate] = {}
+    speeds: dict[str, Estimate] = {}
+    for r in await fetch_all(conn, "SELECT kind, key, mean, count FROM learned_estimates"):
+        (shapes if r["kind"] == "shape" else speeds)[r["key"]] = (r["mean"], r["count"])
+    return shapes, speeds

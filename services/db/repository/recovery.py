@@ -6,17 +6,24 @@ the scheduler lock so that one replica at a time does it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from psycopg import AsyncConnection
+from psycopg.rows import DictRow
 
-from sqlalchemy import and_, func, or_, select
-from sqlalchemy.ext.asyncio import AsyncSession
-
-from services.db.models import JobRow, WorkerRow
-from services.db.records import DeadWorker, Expire, Fail, JobRecord, Recovery, Requeue, Review
-from services.db.repository.database import SCHEDULER_LOCK, Database, try_lock
-from services.db.repository.requeue import end_row, requeue_row
-from services.db.repository.workers import fresh
+from services.db.records import JOB_COLUMNS, DeadWorker, Expire, Fail, JobRecord, Recovery, Requeue, Review
+from services.db.repository.database import SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
+from services.db.repository.requeue import end, requeue
+from services.db.repository.workers import FRESH
 from services.db.states import HELD, STARTED, JobStatus, WorkerStatus
+
+_STALLED = f"""
+SELECT {JOB_COLUMNS} FROM jobs
+WHERE (status = ANY(%(held)s)
+       AND (worker_id = ANY(%(dead)s) OR NOT EXISTS (SELECT 1 FROM workers w WHERE w.id = jobs.worker_id)))
+   OR (status = 'QUEUED' AND (deadline < now() OR failures >= %(max_attempts)s))
+   OR (status = ANY(%(started)s) AND started_at < now() - make_interval(secs => %(timeout_s)s))
+ORDER BY id
+FOR UPDATE SKIP LOCKED
+"""
 
 
 class Recoveries:
@@ -36,77 +43,68 @@ class Recoveries:
         the scheduler lock. ``judge_heartbeats`` False: heartbeats may be stale
         because the database itself was away, so only workers that said they
         stopped count as dead."""
-        async with self.db.tx() as s:
-            if not await try_lock(s, SCHEDULER_LOCK):
+        async with self.db.tx() as conn:
+            if not await try_lock(conn, SCHEDULER_LOCK):
                 return None
-            dead = await self._dead_workers(s, stale_after_s, judge_heartbeats)
-            dead_ids = [d.id for d in dead]
-            held = JobRow.status.in_([st.value for st in HELD])
-            started = JobRow.status.in_([st.value for st in STARTED])
-            unknown_worker = ~select(WorkerRow.id).where(WorkerRow.id == JobRow.worker_id).exists()
-            rows = (
-                (
-                    await s.execute(
-                        select(JobRow)
-                        .where(
-                            or_(
-                                and_(held, or_(JobRow.worker_id.in_(dead_ids), unknown_worker)),
-                                and_(
-                                    JobRow.status == JobStatus.QUEUED,
-                                    or_(JobRow.deadline < func.now(), JobRow.failures >= max_attempts),
-                                ),
-                                and_(
-                                    started,
-                                    JobRow.started_at
-                                    < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, shortest_timeout_s),
-                                ),
-                            )
-                        )
-                        .order_by(JobRow.id)
-                        .with_for_update(skip_locked=True)
-                    )
-                )
-                .scalars()
-                .all()
+            dead = await _dead_workers(conn, stale_after_s, judge_heartbeats)
+            rows = await fetch_all(
+                conn,
+                _STALLED,
+                {
+                    "held": [st.value for st in HELD],
+                    "started": [st.value for st in STARTED],
+                    "dead": [d.id for d in dead],
+                    "max_attempts": max_attempts,
+                    "timeout_s": shortest_timeout_s,
+                },
             )
             if not rows:
                 return []
-            holders = {r.worker_id for r in rows if r.worker_id is not None}
-            known = set((await s.execute(select(WorkerRow.id).where(WorkerRow.id.in_(holders)))).scalars())
-            dead += [DeadWorker(w, "unknown worker") for w in sorted(holders - known)]
-            now = (await s.execute(select(func.now()))).scalar_one()
-            actions = review([JobRecord.of(r) for r in rows], dead, now)
-            by_id = {r.id: r for r in rows}
+            jobs = [JobRecord.of(r) for r in rows]
+            holders = sorted({j.worker_id for j in jobs if j.worker_id is not None})
+            known = {r["id"] for r in await fetch_all(conn, "SELECT id FROM workers WHERE id = ANY(%s)", (holders,))}
+            dead += [DeadWorker(w, "unknown worker") for w in holders if w not in known]
+            clock = await fetch_one(conn, "SELECT now() AS now")
+            assert clock is not None
+            now = clock["now"]
+            by_id = {j.id: j for j in jobs}
             done: list[Recovery] = []
-            for action in actions:
-                row = by_id.get(action.job_id)
-                if row is None or row.attempt != action.attempt:
+            requeues: list[Requeue] = []
+            for action in review(jobs, dead, now):
+                job = by_id.get(action.job_id)
+                if job is None or job.attempt != action.attempt:
                     continue
                 if isinstance(action, Requeue):
-                    if row.status != action.status:
-                        continue
-                    requeue_row(row, action.failure, now=now)
+                    if job.status == action.status:
+                        requeues.append(action)
                 elif isinstance(action, Fail):
-                    if row.status != action.status:
-                        continue
-                    if action.failure is not None:
-                        row.failures += 1
-                        row.attempt_log = [*row.attempt_log, asdict(action.failure)]
-                    end_row(row, JobStatus.FAILED, action.reason, now=now)
+                    if job.status == action.status and await end(
+                        conn, job.id, job.attempt, JobStatus.FAILED, action.reason, now=now, failure=action.failure
+                    ):
+                        done.append(action)
                 elif isinstance(action, Expire):
-                    if row.status != JobStatus.QUEUED:
-                        continue
-                    end_row(row, JobStatus.EXPIRED, "deadline passed while queued", now=now)
-                done.append(action)
-            return done
+                    if job.status == JobStatus.QUEUED and await end(
+                        conn, job.id, job.attempt, JobStatus.EXPIRED, "deadline passed while queued", now=now
+                    ):
+                        done.append(action)
+            changed = await requeue(conn, [(a.job_id, a.attempt, a.failure) for a in requeues], now=now)
+            done += [a for a in requeues if a.job_id in changed]
+            return sorted(done, key=lambda a: a.job_id)
 
-    @staticmethod
-    async def _dead_workers(s: AsyncSession, stale_after_s: float, judge_heartbeats: bool) -> list[DeadWorker]:
-        age = func.extract("epoch", func.now() - WorkerRow.last_heartbeat)
-        gone = WorkerRow.status == WorkerStatus.GONE.value
-        where = or_(gone, ~fresh(stale_after_s)) if judge_heartbeats else gone
-        rows = await s.execute(select(WorkerRow.id, WorkerRow.status, age).where(where).order_by(WorkerRow.id))
-        return [
-            DeadWorker(wid, "the worker stopped" if status == WorkerStatus.GONE else f"no heartbeat for {secs:.0f}s")
-            for wid, status, secs in rows
-        ]
+
+async def _dead_workers(
+    conn: AsyncConnection[DictRow], stale_after_s: float, judge_heartbeats: bool
+) -> list[DeadWorker]:
+    gone = "status = %(gone)s"
+    where = f"{gone} OR NOT ({FRESH})" if judge_heartbeats else gone
+    rows = await fetch_all(
+        conn,
+        f"SELECT id, status, extract(epoch FROM now() - last_heartbeat) AS age FROM workers WHERE {where} ORDER BY id",
+        {"gone": WorkerStatus.GONE.value, "stale_after_s": stale_after_s},
+    )
+    return [
+        DeadWorker(
+            r["id"], "the worker stopped" if r["status"] == WorkerStatus.GONE else f"no heartbeat for {r['age']:.0f}s"
+        )
+        for r in rows
+    ]

@@ -5,17 +5,47 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
 
-from sqlalchemy import func, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from psycopg import AsyncConnection
+from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
 
-from services.db.models import JobRow, WorkerRow
-from services.db.records import Decide, JobRecord, ShapeCount, WarmPlan, WorkerRecord
-from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, try_lock
+from services.db.records import SUMMARY_COLUMNS, SUMMARY_FIELDS, Decide, JobSummary, ShapeCount, WarmPlan, WorkerRecord
+from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, fetch_all, try_lock
 from services.db.repository.jobs import shape_counts
+from services.db.repository.requeue import qualified
 from services.db.repository.workers import live_workers
-from services.db.states import HELD, JobStatus, WorkerKind
+from services.db.states import HELD, WorkerKind
+
+_HELD = [st.value for st in HELD]
+# The oldest ``limit`` placeable jobs of every lane, found without reading the rest
+# of the queue: a loose index scan over the lanes that have queued jobs, then each
+# lane's oldest from ix_jobs_queued_by_lane. The policy orders them (lanes and
+# aging) and takes what it can place; jobs past their deadline or out of attempts
+# are left to recovery.
+_QUEUE_WINDOW = f"""
+WITH RECURSIVE lanes(lane) AS (
+    (SELECT lane FROM jobs WHERE status = 'QUEUED' ORDER BY lane LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.lane FROM jobs j WHERE j.status = 'QUEUED' AND j.lane > lanes.lane ORDER BY j.lane LIMIT 1)
+    FROM lanes WHERE lanes.lane IS NOT NULL
+)
+SELECT q.* FROM lanes, LATERAL (
+    SELECT {SUMMARY_COLUMNS} FROM jobs
+    WHERE status = 'QUEUED' AND lane = lanes.lane
+      AND failures < %(max_attempts)s AND (deadline IS NULL OR deadline > %(now)s)
+    ORDER BY created_at LIMIT %(limit)s
+) q
+WHERE lanes.lane IS NOT NULL
+"""
+_SCHEDULE = f"""
+UPDATE jobs AS j SET
+    status = 'SCHEDULED', worker_id = a.worker_id, attempt = j.attempt + 1,
+    scheduled_at = %(now)s, routing = a.routing, progress_step = 0
+FROM unnest(%(ids)s::varchar[], %(workers)s::varchar[], %(routings)s::jsonb[]) AS a(id, worker_id, routing)
+WHERE j.id = a.id AND j.status = 'QUEUED'
+RETURNING {qualified(SUMMARY_FIELDS, "j")}
+"""
 
 
 class Scheduling:
@@ -24,80 +54,50 @@ class Scheduling:
 
     async def schedule_pass(
         self, decide: Decide, *, limit: int, stale_after_s: float, max_attempts: int, now: datetime
-    ) -> list[JobRecord] | None:
+    ) -> list[JobSummary] | None:
         """One scheduling pass under the scheduler lock. Returns the jobs now
-        SCHEDULED (attempt raised, worker set), or None if another replica holds
-        the lock. Jobs past their deadline or out of attempts are left to recovery."""
-        async with self.db.tx() as s:
-            if not await try_lock(s, SCHEDULER_LOCK):
+        SCHEDULED (attempt raised, worker set), in the order they were placed, or
+        None if another replica holds the lock."""
+        async with self.db.tx() as conn:
+            if not await try_lock(conn, SCHEDULER_LOCK):
                 return None
-            window = self._queue_window(limit, max_attempts, now)
-            queued = [JobRecord.of(r) for r in (await s.execute(select(JobRow).where(JobRow.id.in_(window)))).scalars()]
-            if not queued:
+            rows = await fetch_all(conn, _QUEUE_WINDOW, {"limit": limit, "max_attempts": max_attempts, "now": now})
+            if not rows:
                 return []
-            workers = await live_workers(s, WorkerKind.SAMPLER, stale_after_s)
-            assignments = decide(queued, workers, await held_jobs(s))
-            scheduled: list[JobRecord] = []
-            for a in assignments:
-                row = (
-                    await s.execute(
-                        update(JobRow)
-                        .where(JobRow.id == a.job_id, JobRow.status == JobStatus.QUEUED)
-                        .values(
-                            status=JobStatus.SCHEDULED.value,
-                            worker_id=a.worker_id,
-                            attempt=JobRow.attempt + 1,
-                            scheduled_at=now,
-                            routing=a.routing,
-                            progress_step=0,
-                        )
-                        .returning(JobRow)
-                    )
-                ).scalar_one_or_none()
-                if row is not None:
-                    scheduled.append(JobRecord.of(row))
-            return scheduled
+            queued = [JobSummary.of(r) for r in rows]
+            workers = await live_workers(conn, WorkerKind.SAMPLER, stale_after_s)
+            assignments = decide(queued, workers, await held_jobs(conn))
+            if not assignments:
+                return []
+            placed = await fetch_all(
+                conn,
+                _SCHEDULE,
+                {
+                    "now": now,
+                    "ids": [a.job_id for a in assignments],
+                    "workers": [a.worker_id for a in assignments],
+                    "routings": [Jsonb(a.routing) for a in assignments],
+                },
+            )
+        order = {a.job_id: i for i, a in enumerate(assignments)}
+        return sorted((JobSummary.of(r) for r in placed), key=lambda j: order[j.id])
 
-    @staticmethod
-    def _queue_window(limit: int, max_attempts: int, now: datetime) -> Any:
-        """The oldest ``limit`` placeable jobs of every lane: the policy orders them
-        (lanes and aging) and takes what it can place."""
-        ranked = (
-            select(
-                JobRow.id,
-                func.row_number().over(partition_by=JobRow.lane, order_by=JobRow.created_at).label("rank"),
-            )
-            .where(
-                JobRow.status == JobStatus.QUEUED,
-                JobRow.failures < max_attempts,
-                or_(JobRow.deadline.is_(None), JobRow.deadline > now),
-            )
-            .subquery()
+    async def scheduled_not_started(self, *, older_than: datetime) -> list[JobSummary]:
+        rows = await self.db.all(
+            f"SELECT {SUMMARY_COLUMNS} FROM jobs WHERE status = 'SCHEDULED' AND scheduled_at < %s", (older_than,)
         )
-        return select(ranked.c.id).where(ranked.c.rank <= limit)
+        return [JobSummary.of(r) for r in rows]
 
-    async def scheduled_not_started(self, *, older_than: datetime) -> list[JobRecord]:
-        async with self.db.tx() as s:
-            rows = (
-                await s.execute(
-                    select(JobRow).where(JobRow.status == JobStatus.SCHEDULED, JobRow.scheduled_at < older_than)
-                )
-            ).scalars()
-            return [JobRecord.of(r) for r in rows]
-
-    async def held_jobs(self) -> list[JobRecord]:
+    async def held_jobs(self) -> list[JobSummary]:
         """Every job a worker holds: scheduled to it, running or decoding."""
-        async with self.db.tx() as s:
-            return await held_jobs(s)
+        async with self.db.connection() as conn:
+            return await held_jobs(conn)
 
     async def held_per_worker(self) -> dict[str, int]:
-        async with self.db.tx() as s:
-            rows = await s.execute(
-                select(JobRow.worker_id, func.count())
-                .where(JobRow.status.in_([st.value for st in HELD]))
-                .group_by(JobRow.worker_id)
-            )
-            return {worker_id: count for worker_id, count in rows if worker_id}
+        rows = await self.db.all(
+            "SELECT worker_id, count(*) AS n FROM jobs WHERE status = ANY(%s) GROUP BY worker_id", (_HELD,)
+        )
+        return {row["worker_id"]: row["n"] for row in rows if row["worker_id"]}
 
     async def plan_pass(
         self,
@@ -109,21 +109,20 @@ class Scheduling:
         """One planning pass under the planner lock: the demand since ``since`` and
         the live workers in, each worker's warm set written. None if another
         replica is planning."""
-        async with self.db.tx() as s:
-            if not await try_lock(s, PLANNER_LOCK):
+        async with self.db.tx() as conn:
+            if not await try_lock(conn, PLANNER_LOCK):
                 return None
-            workers = await live_workers(s, WorkerKind.SAMPLER, stale_after_s)
-            demand = await shape_counts(s, JobRow.created_at >= since)
+            workers = await live_workers(conn, WorkerKind.SAMPLER, stale_after_s)
+            demand = await shape_counts(conn, "created_at >= %(since)s", {"since": since})
             plans = plan(workers, demand)
-            for worker_id, warm in plans.items():
-                await s.execute(
-                    update(WorkerRow)
-                    .where(WorkerRow.id == worker_id)
-                    .values(primary_model=warm.primary, planned_models=list(warm.models))
+            for worker_id, warm in sorted(plans.items()):
+                await conn.execute(
+                    "UPDATE workers SET primary_model = %s, planned_models = %s WHERE id = %s",
+                    (warm.primary, Jsonb(list(warm.models)), worker_id),
                 )
             return plans
 
 
-async def held_jobs(s: AsyncSession) -> list[JobRecord]:
-    rows = await s.execute(select(JobRow).where(JobRow.status.in_([st.value for st in HELD])))
-    return [JobRecord.of(r) for r in rows.scalars()]
+async def held_jobs(conn: AsyncConnection[DictRow]) -> list[JobSummary]:
+    rows = await fetch_all(conn, f"SELECT {SUMMARY_COLUMNS} FROM jobs WHERE status = ANY(%s)", (_HELD,))
+    return [JobSummary.of(r) for r in rows]
