@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -12,14 +13,18 @@ import grpc
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.convert import STATUS, image_chunks, job_message, timestamp
+from gateway.streams import StreamState
 from gateway.validation import validate_submit
 from scheduler import admission, policy
 from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
+from services.bus import connect_nats
+from services.coalesce import Coalescer, SingleFlight
 from services.db.migrate import upgrade_when_reachable
-from services.db.records import JobRecord, WorkerRecord
+from services.db.records import JobRecord, NewJob, ShapeCount, WorkerRecord
 from services.db.repository import Repository
-from services.db.states import HELD, JobStatus, WorkerKind, WorkerStatus
-from services.errors import ResourceExhausted
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.errors import BusError, ResourceExhausted
+from services.events import Events, JobEvent
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
@@ -31,20 +36,27 @@ from services.settings import Settings
 
 log = logging.getLogger("darkroom.gateway")
 
-# While a job is not on a worker that can stream it, StreamJob re-reads it this often.
+# A stream that hears nothing of its job for this long reads it from the database:
+# events are hints, and one may have been lost.
+EVENT_SILENCE_S = 2.0
+# Without NATS, StreamJob reads its job this often.
 POLL_S = 0.05
 
 
 class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
-    def __init__(self, settings: Settings, repo: Repository, registry: ModelRegistry) -> None:
+    def __init__(self, settings: Settings, repo: Repository, registry: ModelRegistry, events: Events) -> None:
         self.settings = settings
         self.repo = repo
         self.registry = registry
+        self.events = events
         self.costs = costs_from(registry)
         self.config = policy_config(settings)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
         self._fleet_read = 0.0
+        # Concurrent submits share one INSERT, and one read of the queue ahead.
+        self._create = Coalescer(self._create_many)
+        self._queued_ahead: dict[int, SingleFlight[list[ShapeCount]]] = {}
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         ch = self._channels.get(address)
@@ -67,21 +79,26 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             default_lane=default_lane(self.config).name,
             now=now,
         )
-        if new.idempotency_key:
-            earlier = await self.repo.jobs.find_by_idempotency_key(new.idempotency_key)
-            if earlier is not None:  # accepted before: the same answer, never a refusal
-                return await self._submitted(earlier, True, now)
         view = policy.JobView(new.id, new.model, new.width, new.height, new.steps, new.num_images, new.priority)
         eta = await self._estimate(view, now)
         refusal = admission.admit(new.lane, eta, self.config)
         if refusal is not None:
+            earlier = await self.repo.jobs.find_by_idempotency_key(new.idempotency_key or "")
+            if earlier is not None:  # accepted before: the same answer, never a refusal
+                return await self._submitted(earlier, True, now)
             raise ResourceExhausted(
                 f"lane {refusal.lane!r} is full: the estimated wait of {refusal.wait_s:.0f}s passes its "
                 f"{refusal.limit_s:.0f}s limit; retry later",
                 retry_after_s=refusal.wait_s,
             )
-        job, deduplicated = await self.repo.jobs.create(new, now=now)
-        return await self._submitted(job, deduplicated, now, eta)
+        job, deduplicated = await self._create((new, now))
+        if deduplicated:
+            return await self._submitted(job, True, now)
+        await self.events.work()
+        return await self._submitted(job, False, now, eta)
+
+    async def _create_many(self, submits: list[tuple[NewJob, datetime]]) -> list[tuple[JobRecord, bool]]:
+        return await self.repo.jobs.create_many([new for new, _ in submits], now=submits[-1][1])
 
     async def _submitted(
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
@@ -107,91 +124,62 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     async def _estimate(self, job: policy.JobView, now: datetime) -> admission.Estimate | None:
         """When the job would start and how long it would run, from the work held
-        by the workers and the work queued ahead of it (read fresh)."""
+        by the workers and the work queued ahead of it (read fresh, or by a read
+        that was under way when the submit arrived)."""
         fleet, workers = await self._fleet(now)
-        ahead = [
-            (policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count)
-            for a in await self.repo.jobs.queued_ahead_shapes(job.priority)
-        ]
+        read = self._queued_ahead.get(job.priority)
+        if read is None:
+            read = self._queued_ahead[job.priority] = SingleFlight(
+                functools.partial(self.repo.jobs.queued_ahead_shapes, job.priority)
+            )
+        ahead = [(policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count) for a in await read()]
         return admission.estimate(job, ahead, workers, fleet)
 
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
-        job = await self.repo.jobs.get(request.job_id)
-        images = await self.repo.jobs.images(job.id) if job.status == JobStatus.SUCCEEDED else []
+        job, images = await self.repo.jobs.get_with_images(request.job_id)
         return job_message(job, images)
 
     @stream_errors
     async def StreamJob(
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
-        job = await self.repo.jobs.get(request.job_id)
-        last_status: JobStatus | None = None
-        last_step = -1
-        attempt = job.attempt
-        while True:
-            if job.attempt != attempt:
-                # Another attempt (a retry after a failure): its progress starts over.
-                attempt, last_step = job.attempt, -1
-            if job.status != last_status:
-                last_status = job.status
-                yield pb.JobEvent(job_id=job.id, status=STATUS[job.status])
-            if job.status.terminal:
-                images = await self.repo.jobs.images(job.id) if job.status == JobStatus.SUCCEEDED else []
-                for image in images:
-                    for event in image_chunks(job.id, image):
-                        yield event
-                yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
-                return
-            if job.status in HELD and job.worker_id:
-                async for event in self._follow_worker(job, last_step):
-                    if event.HasField("progress"):
-                        last_step = event.progress.step
-                    elif event.HasField("status"):
-                        status = JobStatus(pb.JobStatus.Name(event.status).removeprefix("JOB_STATUS_"))
-                        if status == last_status:
-                            continue  # already sent from the stored state
-                        last_status = status
-                    yield event
-            else:
-                await asyncio.sleep(POLL_S)
-            job = await self.repo.jobs.get(job.id)
-
-    async def _follow_worker(self, job: JobRecord, last_step: int) -> AsyncIterator[pb.JobEvent]:
-        """Relays the worker's own stream of the job: status and per-step progress.
-        Output and the terminal event come from the stored result, so that every
-        client, early or late, gets them from one place."""
-        worker = await self.repo.workers.get(job.worker_id or "")
-        if worker is None:
-            await asyncio.sleep(POLL_S)
-            return
-        stages = {
-            sampler_pb2.SAMPLER_STAGE_RUNNING: pb.JOB_STATUS_RUNNING,
-            sampler_pb2.SAMPLER_STAGE_DECODING: pb.JOB_STATUS_DECODING,
-        }
+        # Following first, reading second: nothing that happens after the read is missed.
+        feed = await self.events.follow(request.job_id)
         try:
-            async for event in self._sampler(worker.address).WatchJob(sampler_pb2.WatchJobRequest(job_id=job.id)):
-                if event.attempt != job.attempt:
-                    return
-                kind = event.WhichOneof("event")
-                if kind == "stage":
-                    yield pb.JobEvent(job_id=job.id, status=stages[event.stage])
-                elif kind == "progress" and event.progress.step > last_step:
-                    yield pb.JobEvent(
-                        job_id=job.id, progress=pb.Progress(step=event.progress.step, total=event.progress.total)
-                    )
-                elif kind == "finished":
-                    return
-        except grpc.aio.AioRpcError as exc:
-            # NOT_FOUND: the worker has not picked the job up yet (or has moved on);
-            # anything else: it is gone. Either way, read the job again.
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                log.debug("watching %s on %s failed: %s", job.id, worker.id, exc.code())
-            await asyncio.sleep(POLL_S)
+            state = StreamState(request.job_id)
+            job = await self.repo.jobs.get(request.job_id)
+            while True:
+                moved = state.on_job(job)
+                if moved is not None:
+                    yield moved
+                # Until the job ends: what NATS says, or what the database says after
+                # a silence (an event lost, NATS away).
+                while not state.ended:
+                    event = await feed.next(EVENT_SILENCE_S) if feed is not None else None
+                    if event is None or (event.status is None and not event.progress):
+                        if feed is None:
+                            await asyncio.sleep(POLL_S)
+                        break  # silence, or a change to read: from the database
+                    for out in state.on_event(event):
+                        yield out
+                if state.ended:
+                    break
+                job = await self.repo.jobs.get(request.job_id)
+            job, images = await self.repo.jobs.get_with_images(request.job_id)
+            for image in images:
+                for chunk in image_chunks(job.id, image):
+                    yield chunk
+            yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
+        finally:
+            if feed is not None:
+                await feed.close()
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
         job = await self.repo.jobs.request_cancel(request.job_id, now=datetime.now(UTC))
+        if job.status == JobStatus.CANCELLED:
+            await self.events.job(JobEvent(job.id, job.attempt, job.status))
         if job.status in (JobStatus.RUNNING, JobStatus.DECODING) and job.worker_id:
             worker = await self.repo.workers.get(job.worker_id)
             if worker is not None:
@@ -276,10 +264,11 @@ def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
 
 
 def create_server(
-    settings: Settings, repo: Repository, registry: ModelRegistry
+    settings: Settings, repo: Repository, registry: ModelRegistry, events: Events | None = None
 ) -> tuple[Server, ImageGenerationServicer]:
-    """The public gRPC server (not started); port 0 picks a free port."""
-    servicer = ImageGenerationServicer(settings, repo, registry)
+    """The public gRPC server (not started); port 0 picks a free port. Without
+    ``events`` (NATS), streams read their jobs from the database."""
+    servicer = ImageGenerationServicer(settings, repo, registry, events or Events())
     interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
     server = build_server(
         [
@@ -299,8 +288,17 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
     if not await upgrade_when_reachable(settings.database_url, stop):
         return
     registry = ModelRegistry.load(settings.model_registry or None)
-    repo = Repository(settings.database_url)
-    server, servicer = create_server(settings, repo, registry)
+    repo = Repository(settings.database_url, application_name="darkroom-gateway")
+    events = Events()
+    server, servicer = create_server(settings, repo, registry, events)
+
+    async def connect_events() -> None:
+        # The gateway serves without NATS (streams then read the database); events
+        # start flowing once it answers.
+        with contextlib.suppress(BusError):
+            events.nc = await connect_nats(settings.nats_servers, name="darkroom-gateway", stop=stop)
+
+    connecting = asyncio.create_task(connect_events()) if settings.nats_servers else None
     try:
         await server.grpc.start()
         await server.set_serving(True)
@@ -309,6 +307,10 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         await server.set_serving(False)
         await server.grpc.stop(settings.shutdown_grace_s)
     finally:
+        if connecting is not None:
+            connecting.cancel()
+        if events.nc is not None:
+            await events.nc.close()
         await servicer.close()
         await repo.close()
 

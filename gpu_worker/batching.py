@@ -28,3 +28,30 @@ def next_batch(inbox: Sequence[Batchable], max_rows: Callable[[Hashable], int]) 
             chosen.append(i)
             rows += pending.rows
     return chosen, rows >= limit
+
+
+class PassArrivals:
+    """How many of the jobs each scheduling pass sent this worker have not arrived:
+    jobs placed together are published together, and a worker waits for the rest
+    of a pass before it forms a batch, not for jobs nobody announced."""
+
+    def __init__(self) -> None:
+        self._missing: dict[str, tuple[int, float]] = {}  # pass id -> (jobs still to come, first arrival)
+
+    def arrived(self, pass_id: str, pass_jobs: int, now: float) -> None:
+        if not pass_id or pass_jobs <= 1:
+            return
+        missing, first = self._missing.get(pass_id, (pass_jobs, now))
+        if missing <= 1:
+            self._missing.pop(pass_id, None)
+        else:
+            self._missing[pass_id] = (missing - 1, first)
+
+    def wait_s(self, now: float, patience_s: float) -> float:
+        """How much longer to wait for jobs still to come of passes that began
+        arriving less than ``patience_s`` ago; 0 when none (a pass older than that
+        is forgotten: a job of it was lost, or dropped as a duplicate)."""
+        for pass_id, (_, first) in list(self._missing.items()):
+            if now - first >= patience_s:
+                del self._missing[pass_id]
+        return max((first + patience_s - now for _, first in self._missing.values()), default=0.0)

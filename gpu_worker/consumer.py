@@ -1,8 +1,10 @@
 """Consuming this worker's dispatches from its own JetStream subject, in batches.
 
 Fetched dispatches wait in hand; the oldest and the later ones of its batch key
-(model, size, steps, guidance) up to the model's batch size run together, after
-at most ``batch_wait_s`` for more to arrive. Once a batch's latents are out, its
+(model, size, steps, guidance) up to the model's batch size run together, once the
+rest of the jobs their scheduling pass sent here have arrived (they are published
+together) and ``batch_wait_s`` has passed since the oldest arrived; 0, the
+default, waits for the announced jobs only. Once a batch's latents are out, its
 jobs are decoded and stored in the background while the next batch samples, so
 the GPU does not wait on decoders. A message is acked only once its job's outcome
 is durable (or the job turned out not to be this worker's); one whose outcome
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from gpu_worker.batching import next_batch
+from gpu_worker.batching import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
 from gpu_worker.runner import JobRunner, Outcome, Started
 from services.backoff import Backoff
@@ -31,6 +33,9 @@ from services.errors import BusError, MalformedDispatch, StoreError
 log = logging.getLogger("darkroom.gpu_worker.consumer")
 
 FETCH_WAIT_S = 0.5
+# How long the jobs a scheduling pass sent here are waited for: they are published
+# together, so the rest arrive within milliseconds or were lost.
+SIBLING_PATIENCE_S = 0.05
 # A dispatch whose outcome could not be stored comes back after this long.
 REDELIVER_AFTER_S = 2.0
 # Batches whose jobs may be decoding and storing while the next one samples.
@@ -71,6 +76,7 @@ class DispatchConsumer:
         self.batches_run = 0
         self._in_hand: list[InHand] = []
         self._finishing: set[asyncio.Task[None]] = set()
+        self._passes = PassArrivals()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set, or the runner finds this worker unfit; returns once
@@ -83,8 +89,12 @@ class DispatchConsumer:
                 wait_s = FETCH_WAIT_S
                 if self._in_hand:
                     chosen, full = next_batch(self._in_hand, self._max_rows)
-                    wait_s = 0.0 if full else self.batch_wait_s - (time.monotonic() - self._in_hand[0].arrived)
-                    if wait_s <= 0 or len(self._in_hand) >= self.max_in_hand:
+                    now = time.monotonic()
+                    wait_s = max(
+                        self.batch_wait_s - (now - self._in_hand[0].arrived),
+                        self._passes.wait_s(now, SIBLING_PATIENCE_S),
+                    )
+                    if full or wait_s <= 0 or len(self._in_hand) >= self.max_in_hand:
                         batch = [self._in_hand[i] for i in chosen]
                         self._in_hand = [p for i, p in enumerate(self._in_hand) if i not in chosen]
                         await self._run_batch(batch)
@@ -143,6 +153,7 @@ class DispatchConsumer:
             jobs = {}
         now = time.monotonic()
         for msg, dispatch in taken:
+            self._passes.arrived(dispatch.pass_id, dispatch.pass_jobs, now)
             job = jobs.get(dispatch.job_id)
             key = BatchKey(job.model, job.width, job.height, job.steps, job.guidance_scale) if job else None
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
@@ -153,12 +164,13 @@ class DispatchConsumer:
         while len(self._finishing) >= MAX_FINISHING:
             await asyncio.wait(self._finishing, return_when=asyncio.FIRST_COMPLETED)
         started: list[tuple[InHand, Started]] = []
+        try:
+            results: dict[str, Started | Outcome] = await self.runner.start([p.dispatch for p in batch])
+        except Exception:
+            log.exception("starting %d jobs failed unexpectedly; leaving them for redelivery", len(batch))
+            results = {}
         for pending in batch:
-            try:
-                result = await self.runner.start(pending.dispatch)
-            except Exception:
-                log.exception("starting %s failed unexpectedly; leaving it for redelivery", pending.dispatch.job_id)
-                result = Outcome.NOT_STORED
+            result = results.get(pending.dispatch.job_id, Outcome.NOT_STORED)
             if isinstance(result, Outcome):
                 await self._settled(pending, result)
             else:

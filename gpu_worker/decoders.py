@@ -26,6 +26,8 @@ log = logging.getLogger("darkroom.gpu_worker.decoders")
 
 # How long a job waits for some decoder to take it before its attempt fails.
 DECODE_PATIENCE_S = 30.0
+# The live decoders are reread this often (and when none of them could decode).
+DECODERS_REREAD_S = 1.0
 DECODE_TIMEOUT_S = 120.0
 ROUND_PAUSE_S = 0.5
 
@@ -87,6 +89,7 @@ class Decoders:
         self._rotation = itertools.count()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._known: list[WorkerRecord] = []
+        self._known_at = float("-inf")
         # Megapixels this sampler has sent each decoder and not had back.
         self._in_flight: dict[str, float] = {}
 
@@ -105,6 +108,7 @@ class Decoders:
                     failures.append(str(exc))
                 finally:
                     self._in_flight[decoder.id] -= megapixels
+            self._known_at = float("-inf")  # none could: ask the registry again
             if self.local is not None:
                 log.warning("job %s: no decoder service could decode it; decoding here", job.id)
                 return await asyncio.to_thread(self._decode_locally, job, latents)
@@ -114,12 +118,14 @@ class Decoders:
             await asyncio.sleep(ROUND_PAUSE_S)
 
     async def _candidates(self) -> list[WorkerRecord]:
-        """The live decoders, starting at a different one each time. While the
-        database is away, the last ones it named."""
-        try:
-            self._known = await self.repo.workers.live(WorkerKind.DECODER, stale_after_s=self.stale_after_s)
-        except StoreError as exc:
-            log.warning("cannot list decoders, using the last known: %s", exc)
+        """The live decoders, reread at most every DECODERS_REREAD_S, starting at a
+        different one each time. While the database is away, the last ones it named."""
+        if time.monotonic() - self._known_at >= DECODERS_REREAD_S:
+            try:
+                self._known = await self.repo.workers.live(WorkerKind.DECODER, stale_after_s=self.stale_after_s)
+                self._known_at = time.monotonic()
+            except StoreError as exc:
+                log.warning("cannot list decoders, using the last known: %s", exc)
         if not self._known:
             return []
         start = next(self._rotation) % len(self._known)

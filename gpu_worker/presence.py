@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.tracker import JobTracker
@@ -15,6 +15,7 @@ from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import StoreError, WorkerSuperseded
+from services.events import Events, JobEvent
 from services.settings import Settings
 from services.telemetry import Telemetry
 
@@ -32,6 +33,7 @@ class Presence:
         engine: SamplerEngine,
         telemetry: Telemetry,
         tracker: JobTracker,
+        events: Events,
         *,
         on_superseded: Callable[[], None],
     ) -> None:
@@ -43,6 +45,7 @@ class Presence:
         self.engine = engine
         self.telemetry = telemetry
         self.tracker = tracker
+        self.events = events
         self.status = WorkerStatus.STARTING
         self.plan = WarmPlan(None, ())
         # Set when a newer process took this worker's id: this one must stop.
@@ -90,6 +93,7 @@ class Presence:
                     len(registration.requeued),
                     ", ".join(registration.requeued),
                 )
+                await self._moved(registration.requeued)
             return True
         return False
 
@@ -125,3 +129,9 @@ class Presence:
             return
         if handed_back:
             log.info("handed back %d jobs: %s", len(handed_back), ", ".join(handed_back))
+            await self._moved(handed_back)
+
+    async def _moved(self, job_ids: Sequence[str]) -> None:
+        """Jobs went back to the queue: their streams read them, schedulers place them."""
+        await self.events.job(*(JobEvent(job_id, 0) for job_id in job_ids))
+        await self.events.work()

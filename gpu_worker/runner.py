@@ -1,9 +1,14 @@
-"""Running one dispatched job to a stored outcome.
+"""Running dispatched jobs to stored outcomes, a batch at a time.
 
 The outcome (images and SUCCEEDED, a failed attempt, a cancel, a hand-back) is
 what matters: it is retried with backoff while the database is away, and if it
 stays away the dispatch is left unacked for JetStream to redeliver. A database or
-bus error never marks a job FAILED; one job's failure never stops the process."""
+bus error never marks a job FAILED; one job's failure never stops the process.
+
+Writes go to the database a batch at a time: the batch's jobs start in one
+statement, become DECODING in one, and the results that finish together are stored
+in one transaction (a group commit). Every change, and every denoising step, is
+published as a job event once it is durable (``services.events``)."""
 
 from __future__ import annotations
 
@@ -23,16 +28,18 @@ from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleReque
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
 from services.backoff import Backoff
 from services.bus import Dispatch
-from services.chunks import split
-from services.db.records import ImageRecord, JobRecord
-from services.db.repository import Repository, Standing
+from services.coalesce import Coalescer
+from services.db.records import JobRecord
+from services.db.repository import Repository, Result, Standing, StartRequest
+from services.db.states import JobStatus
 from services.errors import InvalidArgument, JobInterrupted, StoreError
+from services.events import Events, JobEvent
 from services.models.registry import DEFAULT_TIMEOUT_S
-from services.rpc.gen.darkroom.internal.v1 import sampler_pb2
 
 log = logging.getLogger("darkroom.gpu_worker.runner")
 
-# Progress is written to Postgres at most this often; the gRPC stream gets every step.
+# Progress is written to Postgres at most this often (the cancel flag comes back
+# with it); job events carry every step.
 PROGRESS_WRITE_EVERY_S = 0.25
 T = TypeVar("T")
 
@@ -55,6 +62,7 @@ class Started:
     timer: asyncio.TimerHandle
     timeout_s: float
     result: torch.Tensor | BaseException | None = None
+    decoding: bool = False  # recorded as DECODING
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,10 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _published(dispatch: Dispatch) -> datetime | None:
+    return datetime.fromtimestamp(dispatch.published_at, UTC) if dispatch.published_at else None
+
+
 class JobRunner:
     def __init__(
         self,
@@ -75,6 +87,7 @@ class JobRunner:
         engine: SamplerEngine,
         decoders: Decoders,
         tracker: JobTracker,
+        events: Events,
         worker_id: str,
         *,
         outcome_retry_s: float,
@@ -84,6 +97,7 @@ class JobRunner:
         self.engine = engine
         self.decoders = decoders
         self.tracker = tracker
+        self.events = events
         self.worker_id = worker_id
         self.outcome_retry_s = outcome_retry_s
         # Attempts in a row that failed for reasons not the job's own: a sign that
@@ -91,6 +105,7 @@ class JobRunner:
         self.failures_in_a_row = 0
         self.unfit_after_failures = unfit_after_failures
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
+        self._results = Coalescer(self._store_results)
 
     @property
     def unfit(self) -> bool:
@@ -116,38 +131,43 @@ class JobRunner:
                 log.warning("cannot store %s, retrying in %.1fs: %s", what, backoff.next_s, exc)
                 await backoff.wait()
 
-    async def start(self, dispatch: Dispatch) -> Started | Outcome:
-        """Marks the attempt RUNNING (fenced) and opens its watch; an Outcome when
-        there is nothing to run: not this worker's, or the database stayed away."""
+    async def start(self, dispatches: Sequence[Dispatch]) -> dict[str, Started | Outcome]:
+        """Marks the attempts RUNNING (fenced, in one statement) and opens their
+        watches; per job id, what started, or an Outcome when there is nothing to
+        run: not this worker's, or the database stayed away."""
+        requests = [StartRequest(d.job_id, d.attempt, _published(d)) for d in dispatches]
         try:
-            job = await self._store(
-                f"the start of {dispatch.job_id}",
-                lambda: self.repo.attempts.start(
-                    dispatch.job_id,
-                    dispatch.attempt,
-                    self.worker_id,
-                    now=_now(),
-                    dispatched_at=datetime.fromtimestamp(dispatch.published_at, UTC) if dispatch.published_at else None,
-                ),
+            jobs = await self._store(
+                f"the start of {len(requests)} jobs",
+                lambda: self.repo.attempts.start_many(requests, self.worker_id, now=_now()),
             )
         except OutcomeNotStored as exc:
-            log.warning("%s; leaving it for redelivery", exc)
-            return Outcome.NOT_STORED
-        if job is None:
-            # Cancelled before it started, requeued, or a stale attempt: nothing to run.
-            log.info("dropping %s attempt %d: not this worker's to run", dispatch.job_id, dispatch.attempt)
-            return Outcome.STORED
-        watch = self.tracker.open(job.id, job.attempt)
-        await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_RUNNING))
-        spec = self.engine.registry.models.get(job.model)
-        timeout_s = spec.timeout_s if spec is not None else DEFAULT_TIMEOUT_S
-        timer = asyncio.get_running_loop().call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
-        return Started(job, watch, timer, timeout_s)
+            log.warning("%s; leaving them for redelivery", exc)
+            return {d.job_id: Outcome.NOT_STORED for d in dispatches}
+        out: dict[str, Started | Outcome] = {}
+        loop = asyncio.get_running_loop()
+        for d in dispatches:
+            job = jobs.get(d.job_id)
+            if job is None:
+                # Cancelled before it started, requeued, or a stale attempt: nothing to run.
+                log.info("dropping %s attempt %d: not this worker's to run", d.job_id, d.attempt)
+                out[d.job_id] = Outcome.STORED
+                continue
+            watch = self.tracker.open(job.id, job.attempt)
+            spec = self.engine.registry.models.get(job.model)
+            timeout_s = spec.timeout_s if spec is not None else DEFAULT_TIMEOUT_S
+            timer = loop.call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
+            out[d.job_id] = Started(job, watch, timer, timeout_s)
+        await self.events.job(
+            *(JobEvent(s.job.id, s.job.attempt, JobStatus.RUNNING) for s in out.values() if isinstance(s, Started))
+        )
+        return out
 
     async def sample(self, batch: Sequence[Started]) -> SampledBatch:
         """Runs the batch's denoising loops together and leaves each member's latents
         (or what ended it) on it. If the batch as a whole fails, its members run
-        again one by one, so that a job that broke it fails alone."""
+        again one by one, so that a job that broke it fails alone. The members with
+        latents are then recorded DECODING, together."""
         model = batch[0].job.model
         was_warm = model in self._warmed_up
         loop = asyncio.get_running_loop()
@@ -170,11 +190,25 @@ class JobRunner:
         seconds = time.perf_counter() - began
         for started, result in zip(batch, results, strict=True):
             started.result = result
-        if any(isinstance(r, torch.Tensor) for r in results):
+        sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()]
+        if sampled:
             self._warmed_up.add(model)
+            await self._decoding(sampled)
         rows = sum(s.job.num_images for s in batch)
         # A batch that loaded or warmed up its model says little about how long batches take.
         return SampledBatch(seconds, rows, learnable=was_warm)
+
+    async def _decoding(self, sampled: Sequence[Started]) -> None:
+        try:
+            marked = await self.repo.attempts.decoding(
+                [(s.job.id, s.job.attempt) for s in sampled], self.worker_id, now=_now()
+            )
+        except StoreError as exc:
+            log.warning("cannot record %d jobs decoding (their outcomes will be): %s", len(sampled), exc)
+            return
+        for s in sampled:
+            s.decoding = s.job.id in marked
+        await self.events.job(*(JobEvent(s.job.id, s.job.attempt, JobStatus.DECODING) for s in sampled if s.decoding))
 
     async def finish(self, started: Started, *, busy_s: float, run_seconds: float | None, batch_rows: int) -> Outcome:
         """Takes a sampled job to its stored outcome: decoded and SUCCEEDED, or
@@ -187,42 +221,22 @@ class JobRunner:
             return Outcome.NOT_STORED
         finally:
             started.timer.cancel()
-            await started.watch.emit(sampler_pb2.SamplerEvent(finished=True))
+            self.tracker.finished(started.watch)
 
     async def _finish(self, started: Started, busy_s: float, run_seconds: float | None, batch_rows: int) -> None:
         job, watch = started.job, started.watch
-        attempt = (job.id, job.attempt, self.worker_id)
         try:
             if isinstance(started.result, BaseException):
                 raise started.result
             if started.result is None:
                 raise RuntimeError("the job was never sampled")
-            try:
-                await self.repo.attempts.decoding([(job.id, job.attempt)], self.worker_id, now=_now())
-            except StoreError as exc:
-                log.warning("job %s: cannot record decoding (the outcome will be): %s", job.id, exc)
-            await watch.emit(sampler_pb2.SamplerEvent(stage=sampler_pb2.SAMPLER_STAGE_DECODING))
             images = await self.decoders.decode(job, started.result)
             decoded_at = _now()
             if watch.stopping.is_set():
                 raise JobInterrupted(job.id)
-            stored = await self._store(
-                f"the result of {job.id}",
-                lambda: self.repo.attempts.finish(
-                    *attempt,
-                    images,
-                    now=_now(),
-                    busy_s=busy_s,
-                    run_seconds=run_seconds,
-                    batch_rows=batch_rows,
-                    decoded_at=decoded_at,
-                ),
-            )
+            result = Result(job.id, job.attempt, images, decoded_at, busy_s, run_seconds, batch_rows)
+            stored = await self._store(f"the result of {job.id}", lambda: self._results(result))
             self.failures_in_a_row = 0
-            if stored:
-                for image in images:
-                    for chunk in image_chunks(image):
-                        await watch.emit(sampler_pb2.SamplerEvent(output=chunk))
             log.info("job %s done (stored=%s)", job.id, stored)
         except JobInterrupted:
             await self._interrupted(job, watch.stop_reason, started.timeout_s)
@@ -232,10 +246,7 @@ class JobRunner:
             # The job's own fault: another attempt would fail the same way.
             fault = str(exc)
             log.warning("job %s failed: %s", job.id, fault)
-            await self._store(
-                f"the failure of {job.id}",
-                lambda: self.repo.attempts.fail(*attempt, fault, retryable=False, now=_now()),
-            )
+            await self._failed(job, fault, retryable=False)
         except Exception as exc:
             # The GPU, the model, a bad output, the decoders: another attempt, on
             # another GPU, may do. Decoders being away says nothing about this worker.
@@ -244,34 +255,60 @@ class JobRunner:
             log.warning(
                 "job %s attempt %d failed: %s", job.id, job.attempt, exc, exc_info=not isinstance(exc, BadOutput)
             )
-            error = f"{type(exc).__name__}: {exc}"
-            await self._store(
-                f"the failure of {job.id}",
-                lambda: self.repo.attempts.fail(*attempt, error, retryable=True, now=_now()),
-            )
+            await self._failed(job, f"{type(exc).__name__}: {exc}", retryable=True)
+
+    async def _store_results(self, results: list[Result]) -> list[bool]:
+        """Results that finished together, stored in one transaction; each one's
+        SUCCEEDED published, and the schedulers told that this worker has room."""
+        stored = await self.repo.attempts.finish_many(results, self.worker_id, now=_now())
+        await self.events.job(
+            *(JobEvent(r.job_id, r.attempt, JobStatus.SUCCEEDED) for r in results if r.job_id in stored)
+        )
+        await self.events.work()
+        return [r.job_id in stored for r in results]
+
+    async def _failed(self, job: JobRecord, error: str, *, retryable: bool) -> None:
+        status = await self._store(
+            f"the failure of {job.id}",
+            lambda: self.repo.attempts.fail(
+                job.id, job.attempt, self.worker_id, error, retryable=retryable, now=_now()
+            ),
+        )
+        await self._ended(job, status)
+
+    async def _ended(self, job: JobRecord, status: JobStatus | None) -> None:
+        """Publishes where the job went (if this attempt was still its current one)."""
+        if status is not None:
+            await self.events.job(JobEvent(job.id, job.attempt, status))
+        await self.events.work()
 
     async def _interrupted(self, job: JobRecord, reason: StopReason | None, timeout_s: float) -> None:
         attempt = (job.id, job.attempt, self.worker_id)
         log.info("job %s attempt %d stopped: %s", job.id, job.attempt, reason.value if reason else "?")
         if reason == StopReason.CANCELLED:
-            await self._store(f"the cancel of {job.id}", lambda: self.repo.attempts.cancel(*attempt, now=_now()))
-        elif reason == StopReason.TIMED_OUT:
-            error = f"ran past the {timeout_s:.0f}s timeout of {job.model}"
-            await self._store(
-                f"the timeout of {job.id}",
-                lambda: self.repo.attempts.fail(*attempt, error, retryable=True, now=_now()),
+            cancelled = await self._store(
+                f"the cancel of {job.id}", lambda: self.repo.attempts.cancel(*attempt, now=_now())
             )
+            await self._ended(job, JobStatus.CANCELLED if cancelled else None)
+        elif reason == StopReason.TIMED_OUT:
+            await self._failed(job, f"ran past the {timeout_s:.0f}s timeout of {job.model}", retryable=True)
         elif reason == StopReason.HANDED_BACK:
-            await self._store(f"the hand-back of {job.id}", lambda: self.repo.attempts.hand_back(*attempt, now=_now()))
+            handed = await self._store(
+                f"the hand-back of {job.id}", lambda: self.repo.attempts.hand_back(*attempt, now=_now())
+            )
+            await self._ended(job, JobStatus.QUEUED if handed else None)
         # SUPERSEDED: the job is another attempt's now; nothing of ours to record.
 
     def _member(self, started: Started, loop: asyncio.AbstractEventLoop) -> BatchMember:
-        """The job as a batch member: its progress goes to its watchers at every step
-        and to the database at most every PROGRESS_WRITE_EVERY_S."""
+        """The job as a batch member: every step goes out as a job event, and to the
+        database at most every PROGRESS_WRITE_EVERY_S."""
         job, watch = started.job, started.watch
-        last_write = 0.0
+        last_write = time.monotonic()
 
-        async def record(step: int, total: int) -> None:
+        async def stepped(step: int, total: int, write: bool) -> None:
+            await self.events.job(JobEvent(job.id, job.attempt, step=step, total=total))
+            if not write:
+                return
             try:
                 standing = await self.repo.attempts.progress(job.id, job.attempt, self.worker_id, step, total)
             except StoreError as exc:
@@ -284,11 +321,11 @@ class JobRunner:
 
         def on_step(step: int, total: int) -> None:
             nonlocal last_write
-            progress = sampler_pb2.SamplerProgress(step=step, total=total)
-            watch.emit_threadsafe(sampler_pb2.SamplerEvent(progress=progress))
-            if step == total or time.monotonic() - last_write >= PROGRESS_WRITE_EVERY_S:
+            # The last step's progress is written with the DECODING that follows it.
+            write = step < total and time.monotonic() - last_write >= PROGRESS_WRITE_EVERY_S
+            if write:
                 last_write = time.monotonic()
-                asyncio.run_coroutine_threadsafe(record(step, total), loop)
+            asyncio.run_coroutine_threadsafe(stepped(step, total, write), loop)
 
         request = SampleRequest(
             job.model,
@@ -302,19 +339,3 @@ class JobRunner:
             job.num_images,
         )
         return BatchMember(request, on_step, watch.stopping)
-
-
-def image_chunks(image: ImageRecord) -> list[sampler_pb2.SamplerOutputChunk]:
-    return [
-        sampler_pb2.SamplerOutputChunk(
-            index=image.index,
-            offset=offset,
-            data=data,
-            last=last,
-            mime_type=image.mime_type,
-            width=image.width,
-            height=image.height,
-            seed=image.seed,
-        )
-        for offset, data, last in split(image.data)
-    ]

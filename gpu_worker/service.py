@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator
 
 import grpc
 import torch
@@ -29,14 +28,14 @@ from services.bus import Bus, ConsumerSettings, check_worker_id, host_token
 from services.db.migrate import upgrade_when_reachable
 from services.db.repository import Repository
 from services.db.states import WorkerStatus
-from services.errors import NotFound
+from services.events import Events
 from services.lifecycle import EXIT_UNFIT, run_service
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
-from services.rpc.status import stream_errors, unary_errors
+from services.rpc.status import unary_errors
 from services.settings import Settings
 from services.telemetry import Telemetry
 
@@ -57,16 +56,6 @@ def default_worker_id(device: torch.device) -> str:
 class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
     def __init__(self, tracker: JobTracker) -> None:
         self.tracker = tracker
-
-    @stream_errors
-    async def WatchJob(
-        self, request: sampler_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[sampler_pb2.SamplerEvent]:
-        watch = self.tracker.get(request.job_id)
-        if watch is None:
-            raise NotFound(f"job {request.job_id} is not on this worker")
-        async for event in watch.follow():
-            yield event
 
     @unary_errors
     async def CancelJob(
@@ -136,8 +125,18 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         await server.set_serving(True)
         address = f"{settings.worker_host}:{server.port}"
         telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
+        events = Events(bus.nc)
         presence = Presence(
-            settings, repo, worker_id, str(uuid.uuid4()), address, engine, telemetry, tracker, on_superseded=stop.set
+            settings,
+            repo,
+            worker_id,
+            str(uuid.uuid4()),
+            address,
+            engine,
+            telemetry,
+            tracker,
+            events,
+            on_superseded=stop.set,
         )
         if not await presence.register(stop):
             return 0
@@ -146,6 +145,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             engine,
             decoders,
             tracker,
+            events,
             worker_id,
             outcome_retry_s=settings.outcome_retry_s,
             unfit_after_failures=settings.unhealthy_after_failures,

@@ -7,10 +7,12 @@ advisory locks let one at a time do each pass."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -42,7 +44,9 @@ from services.db.records import (
     WorkerRecord,
 )
 from services.db.repository import Repository
+from services.db.states import JobStatus
 from services.errors import BusError, StoreError
+from services.events import Events, JobEvent
 from services.lifecycle import run_service
 from services.models.registry import ModelRegistry
 from services.rpc.server import Server, build_server
@@ -114,6 +118,9 @@ class Scheduler:
         self.settings = settings
         self.repo = repo
         self.bus = bus
+        self.events = Events(bus.nc)
+        # Set when NATS says there may be work to place.
+        self._wake = asyncio.Event()
         self.config = policy_config(settings)
         self.recovery = RecoveryConfig(
             max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
@@ -156,23 +163,32 @@ class Scheduler:
             max_attempts=self.settings.max_attempts,
             now=now,
         )
-        if scheduled:
-            log.debug("placed %d jobs", len(scheduled))
+        if not scheduled:
+            return 0
+        log.debug("placed %d jobs", len(scheduled))
+        # Before the dispatches: a worker's RUNNING must not overtake its SCHEDULED.
+        await self.events.job(*(JobEvent(j.id, j.attempt, JobStatus.SCHEDULED) for j in scheduled))
         # Published after the commit: a job left unpublished (this process dies
         # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
         # under the same message id.
-        await self._publish(scheduled or [])
-        return len(scheduled or [])
+        await self._publish(scheduled)
+        return len(scheduled)
 
     async def _publish(self, jobs: Sequence[JobSummary]) -> None:
-        for n, job in enumerate(jobs):
-            assert job.worker_id is not None
-            try:
-                await self.bus.publish_dispatch(job.worker_id, Dispatch(job.id, job.attempt, time.time()))
-            except BusError as exc:
-                # NATS is away: the rest would wait out the same timeout one by one.
-                log.warning("%d of %d dispatches not published, will retry: %s", len(jobs) - n, len(jobs), exc)
-                return
+        """Publishes the jobs of one pass together, each telling its worker how many
+        of them it gets (so that it waits for those to form a batch, and no more)."""
+        per_worker = collections.Counter(job.worker_id for job in jobs)
+        pass_id = uuid.uuid4().hex[:12]
+        published_at = time.time()
+        dispatches = [
+            (job.worker_id, Dispatch(job.id, job.attempt, published_at, pass_id, per_worker[job.worker_id]))
+            for job in jobs
+            if job.worker_id is not None
+        ]
+        try:
+            await self.bus.publish_dispatches(dispatches)
+        except BusError as exc:
+            log.warning("%d dispatches not published, will retry: %s", len(dispatches), exc)
 
     async def redispatch(self) -> int:
         older = datetime.now(UTC) - timedelta(seconds=self.settings.redispatch_after_s)
@@ -192,6 +208,10 @@ class Scheduler:
         )
         for action in done or []:
             log.warning("recovered %s", describe(action))
+        if done:
+            # Requeued, failed or expired: streams read the outcome from the database.
+            await self.events.job(*(JobEvent(a.job_id, a.attempt) for a in done))
+            await self.events.work()
         return done
 
     async def learn_pass(self) -> int | None:
@@ -221,6 +241,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             placed = 0
+            # Work arriving from here on wakes the next wait: nothing slips between.
+            self._wake.clear()
             try:
                 placed = await self.run_pass()
                 self._db_answered(True)
@@ -231,8 +253,17 @@ class Scheduler:
                 self._db_answered(False)
                 log.warning("scheduling pass failed, will retry: %s", exc)
             if placed == 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.settings.scheduler_interval_s)
+                await self._idle(stop)
+
+    async def _idle(self, stop: asyncio.Event) -> None:
+        """Until there may be work to place (a job event on NATS says so), the
+        scheduler interval passes, or the scheduler stops."""
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        try:
+            await asyncio.wait(waits, timeout=self.settings.scheduler_interval_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def recovery_loop(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -275,6 +306,10 @@ class Scheduler:
         return plans
 
     async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self.events.on_work(self._wake)
+        except BusError as exc:
+            log.warning("not woken by work events (placing every %.3fs): %s", self.settings.scheduler_interval_s, exc)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.placement_loop(stop))
             tg.create_task(self.recovery_loop(stop))

@@ -65,9 +65,22 @@ class Dispatch:
     attempt: int
     # When the scheduler published it (its clock, seconds since the epoch); 0: not said.
     published_at: float = 0.0
+    # The scheduling pass that placed it, and how many jobs that pass sent this
+    # worker: a worker holding some of them waits for the rest before it forms a
+    # batch, and for nothing else. "" and 0: not said.
+    pass_id: str = ""
+    pass_jobs: int = 0
 
     def encode(self) -> bytes:
-        return json.dumps({"job_id": self.job_id, "attempt": self.attempt, "published_at": self.published_at}).encode()
+        return json.dumps(
+            {
+                "job_id": self.job_id,
+                "attempt": self.attempt,
+                "published_at": self.published_at,
+                "pass_id": self.pass_id,
+                "pass_jobs": self.pass_jobs,
+            }
+        ).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> Dispatch:
@@ -75,13 +88,16 @@ class Dispatch:
             body = json.loads(data)
             job_id, attempt = body["job_id"], body["attempt"]
             published_at = body.get("published_at", 0.0)
+            pass_id, pass_jobs = body.get("pass_id", ""), body.get("pass_jobs", 0)
             if not isinstance(job_id, str) or not job_id or not isinstance(attempt, int) or attempt < 1:
                 raise ValueError("job_id must be a non-empty string and attempt a positive integer")
             if not isinstance(published_at, int | float) or published_at < 0:
                 raise ValueError("published_at must be a non-negative number")
+            if not isinstance(pass_id, str) or not isinstance(pass_jobs, int) or pass_jobs < 0:
+                raise ValueError("pass_id must be a string and pass_jobs a non-negative integer")
         except (ValueError, TypeError, KeyError) as exc:
             raise MalformedDispatch(f"malformed dispatch {data[:200]!r}: {exc}") from exc
-        return cls(job_id=job_id, attempt=attempt, published_at=float(published_at))
+        return cls(job_id, attempt, float(published_at), pass_id, pass_jobs)
 
 
 @dataclass(frozen=True)
@@ -111,25 +127,16 @@ class Bus:
         for it rather than exits."""
         backoff = Backoff(max_s=retry_max_s)
         while True:
+            nc = await connect_nats(servers, name=name, stop=stop, retry_max_s=retry_max_s)
             try:
-                nc = await nats.connect(
-                    servers,
-                    name=name,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    connect_timeout=2,
-                    drain_timeout=5,
-                    error_cb=_log_error,
-                    disconnected_cb=_log_disconnected,
-                    reconnected_cb=_log_reconnected,
-                )
                 bus = cls(nc, nc.jetstream(timeout=5), replicas=replicas)
                 await bus.ensure_stream()
                 return bus
-            except (*BUS_ERRORS, BusError) as exc:
+            except BusError as exc:
+                await nc.close()
                 if stop is not None and stop.is_set():
-                    raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc
-                log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, backoff.next_s)
+                    raise
+                log.warning("JetStream at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, backoff.next_s)
                 await backoff.wait()
 
     async def ensure_stream(self) -> None:
@@ -164,6 +171,23 @@ class Bus:
         except BUS_ERRORS as exc:
             raise BusError(f"cannot publish {dispatch.job_id} to {worker_id}: {exc}") from exc
         return not ack.duplicate
+
+    async def publish_dispatches(self, dispatches: list[tuple[str, Dispatch]], *, timeout_s: float = 5.0) -> None:
+        """Publishes (worker id, dispatch) pairs all at once and waits for JetStream
+        to have taken every one (a duplicate, dropped, counts as taken)."""
+        try:
+            acks = [
+                await self.js.publish_async(
+                    dispatch_subject(worker_id),
+                    dispatch.encode(),
+                    stream=DISPATCH_STREAM,
+                    headers={"Nats-Msg-Id": message_id(dispatch.job_id, dispatch.attempt)},
+                )
+                for worker_id, dispatch in dispatches
+            ]
+            await asyncio.wait_for(asyncio.gather(*acks), timeout_s)
+        except BUS_ERRORS as exc:
+            raise BusError(f"cannot publish {len(dispatches)} dispatches: {exc}") from exc
 
     async def dispatch_consumer(self, worker_id: str, settings: ConsumerSettings) -> JetStreamContext.PullSubscription:
         """The worker's durable pull consumer on its own subject, created, or updated
@@ -215,6 +239,32 @@ class Bus:
                 await self.nc.close()
         else:
             await self.nc.close()
+
+
+async def connect_nats(
+    servers: list[str], *, name: str, stop: asyncio.Event | None = None, retry_max_s: float = 5.0
+) -> nats.NATS:
+    """A connection to NATS that reconnects on its own, forever, once made; retries
+    the first connect with backoff until NATS answers (or ``stop`` is set)."""
+    backoff = Backoff(max_s=retry_max_s)
+    while True:
+        try:
+            return await nats.connect(
+                servers,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                drain_timeout=5,
+                error_cb=_log_error,
+                disconnected_cb=_log_disconnected,
+                reconnected_cb=_log_reconnected,
+            )
+        except BUS_ERRORS as exc:
+            if stop is not None and stop.is_set():
+                raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc
+            log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, backoff.next_s)
+            await backoff.wait()
 
 
 async def _log_error(exc: Exception) -> None:

@@ -57,8 +57,10 @@ class Settings:
     preload_models: tuple[str, ...] = ()
     # Memory a sampler's models may take (MiB); 0: the GPU's own, unlimited on a CPU.
     memory_budget_mb: int = _at_least(0, 0)
-    # How long a sampler holding a partial batch waits for more jobs of its shape.
-    batch_wait_ms: float = _at_least(0.0, 5.0)
+    # How long a sampler holding a partial batch waits for more jobs of its shape;
+    # it always waits for the jobs the same scheduling pass sent it (published
+    # together), so 0 batches what was queued together and delays nothing else.
+    batch_wait_ms: float = _at_least(0.0, 0.0)
     # Bytes of prompt embeddings a sampler keeps (MiB).
     prompt_cache_mb: int = _at_least(0, 64)
     vae_host: str = "127.0.0.1"

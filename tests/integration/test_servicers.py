@@ -47,13 +47,6 @@ async def decoder(models_dir: Path) -> AsyncIterator[vae_decoder_pb2_grpc.VaeDec
         yield vae_decoder_pb2_grpc.VaeDecoderStub(ch)
 
 
-async def test_watching_a_job_the_sampler_does_not_hold_is_not_found(sampler) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in sampler.WatchJob(sampler_pb2.WatchJobRequest(job_id="nope")):
-            pass
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
-
-
 async def test_cancelling_a_job_the_sampler_does_not_run_says_so(sampler) -> None:
     reply = await sampler.CancelJob(sampler_pb2.SamplerCancelRequest(job_id="nope"))
     assert not reply.was_running

@@ -113,12 +113,16 @@ class Attempts:
         return Standing.CANCEL_REQUESTED if row["cancel_requested"] else Standing.CURRENT
 
     async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
-        """Marks (job id, attempt) of a sampled batch DECODING; returns the ids that are."""
+        """Marks (job id, attempt) of a sampled batch DECODING, every step done;
+        returns the ids that are."""
         if not jobs:
             return set()
         rows = await self.db.all(
             f"""
-            UPDATE jobs AS j SET status = 'DECODING', decoding_at = %(now)s
+            UPDATE jobs AS j SET
+                status = 'DECODING', decoding_at = %(now)s,
+                progress_step = CASE WHEN j.progress_total > 0 THEN j.progress_total ELSE j.steps END,
+                progress_total = CASE WHEN j.progress_total > 0 THEN j.progress_total ELSE j.steps END
             FROM unnest(%(ids)s::varchar[], %(attempts)s::int[]) AS r(id, attempt)
             WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
             RETURNING j.id

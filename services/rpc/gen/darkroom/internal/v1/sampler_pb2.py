@@ -24,27 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"darkroom/internal/v1/sampler.proto\x12\x14\x64\x61rkroom.internal.v1\"!\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x8f\x01\n\x12SamplerOutputChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x11\n\tmime_type\x18\x05 \x01(\t\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x0c\n\x04seed\x18\x08 \x01(\x04\"\xf8\x01\n\x0cSamplerEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x33\n\x05stage\x18\x03 \x01(\x0e\x32\".darkroom.internal.v1.SamplerStageH\x00\x12\x39\n\x08progress\x18\x04 \x01(\x0b\x32%.darkroom.internal.v1.SamplerProgressH\x00\x12:\n\x06output\x18\x05 \x01(\x0b\x32(.darkroom.internal.v1.SamplerOutputChunkH\x00\x12\x12\n\x08\x66inished\x18\x06 \x01(\x08H\x00\x42\x07\n\x05\x65vent\".\n\x0fSamplerProgress\x12\x0c\n\x04step\x18\x01 \x01(\r\x12\r\n\x05total\x18\x02 \x01(\r\"&\n\x14SamplerCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x15SamplerCancelResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08*d\n\x0cSamplerStage\x12\x1d\n\x19SAMPLER_STAGE_UNSPECIFIED\x10\x00\x12\x19\n\x15SAMPLER_STAGE_RUNNING\x10\x01\x12\x1a\n\x16SAMPLER_STAGE_DECODING\x10\x02\x32\xc8\x01\n\x07Sampler\x12W\n\x08WatchJob\x12%.darkroom.internal.v1.WatchJobRequest\x1a\".darkroom.internal.v1.SamplerEvent0\x01\x12\x64\n\tCancelJob\x12*.darkroom.internal.v1.SamplerCancelRequest\x1a+.darkroom.internal.v1.SamplerCancelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"darkroom/internal/v1/sampler.proto\x12\x14\x64\x61rkroom.internal.v1\"&\n\x14SamplerCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x15SamplerCancelResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\x32o\n\x07Sampler\x12\x64\n\tCancelJob\x12*.darkroom.internal.v1.SamplerCancelRequest\x1a+.darkroom.internal.v1.SamplerCancelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'darkroom.internal.v1.sampler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLERSTAGE']._serialized_start=626
-  _globals['_SAMPLERSTAGE']._serialized_end=726
-  _globals['_WATCHJOBREQUEST']._serialized_start=60
-  _globals['_WATCHJOBREQUEST']._serialized_end=93
-  _globals['_SAMPLEROUTPUTCHUNK']._serialized_start=96
-  _globals['_SAMPLEROUTPUTCHUNK']._serialized_end=239
-  _globals['_SAMPLEREVENT']._serialized_start=242
-  _globals['_SAMPLEREVENT']._serialized_end=490
-  _globals['_SAMPLERPROGRESS']._serialized_start=492
-  _globals['_SAMPLERPROGRESS']._serialized_end=538
-  _globals['_SAMPLERCANCELREQUEST']._serialized_start=540
-  _globals['_SAMPLERCANCELREQUEST']._serialized_end=578
-  _globals['_SAMPLERCANCELRESPONSE']._serialized_start=580
-  _globals['_SAMPLERCANCELRESPONSE']._serialized_end=624
-  _globals['_SAMPLER']._serialized_start=729
-  _globals['_SAMPLER']._serialized_end=929
+  _globals['_SAMPLERCANCELREQUEST']._serialized_start=60
+  _globals['_SAMPLERCANCELREQUEST']._serialized_end=98
+  _globals['_SAMPLERCANCELRESPONSE']._serialized_start=100
+  _globals['_SAMPLERCANCELRESPONSE']._serialized_end=144
+  _globals['_SAMPLER']._serialized_start=146
+  _globals['_SAMPLER']._serialized_end=257
 # @@protoc_insertion_point(module_scope)

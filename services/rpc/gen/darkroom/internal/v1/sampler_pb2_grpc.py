@@ -26,8 +26,9 @@ if _version_not_supported:
 
 
 class SamplerStub:
-    """Served by each gpu_worker. Jobs reach it over JetStream; this service lets the
-    gateway follow and cancel the jobs it holds.
+    """Served by each gpu_worker. Jobs reach it over JetStream, and its jobs' events go
+    out on NATS (darkroom.job.<job id>); this service lets the gateway stop a job it
+    runs without waiting for the worker to read the job's cancel flag.
     """
 
     def __init__(self, channel):
@@ -36,11 +37,6 @@ class SamplerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.WatchJob = channel.unary_stream(
-                '/darkroom.internal.v1.Sampler/WatchJob',
-                request_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.WatchJobRequest.SerializeToString,
-                response_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerEvent.FromString,
-                _registered_method=True)
         self.CancelJob = channel.unary_unary(
                 '/darkroom.internal.v1.Sampler/CancelJob',
                 request_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelRequest.SerializeToString,
@@ -49,18 +45,10 @@ class SamplerStub:
 
 
 class SamplerServicer:
-    """Served by each gpu_worker. Jobs reach it over JetStream; this service lets the
-    gateway follow and cancel the jobs it holds.
+    """Served by each gpu_worker. Jobs reach it over JetStream, and its jobs' events go
+    out on NATS (darkroom.job.<job id>); this service lets the gateway stop a job it
+    runs without waiting for the worker to read the job's cancel flag.
     """
-
-    def WatchJob(self, request, context):
-        """Status, per-step progress and the encoded output of a job this worker holds,
-        ending with `finished` once the result is durable. NOT_FOUND if it does not
-        hold the job.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def CancelJob(self, request, context):
         """Stops the job at the next denoising step.
@@ -72,11 +60,6 @@ class SamplerServicer:
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'WatchJob': grpc.unary_stream_rpc_method_handler(
-                    servicer.WatchJob,
-                    request_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.WatchJobRequest.FromString,
-                    response_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerEvent.SerializeToString,
-            ),
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
                     request_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelRequest.FromString,
@@ -91,36 +74,10 @@ def add_SamplerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Sampler:
-    """Served by each gpu_worker. Jobs reach it over JetStream; this service lets the
-    gateway follow and cancel the jobs it holds.
+    """Served by each gpu_worker. Jobs reach it over JetStream, and its jobs' events go
+    out on NATS (darkroom.job.<job id>); this service lets the gateway stop a job it
+    runs without waiting for the worker to read the job's cancel flag.
     """
-
-    @staticmethod
-    def WatchJob(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/darkroom.internal.v1.Sampler/WatchJob',
-            darkroom_dot_internal_dot_v1_dot_sampler__pb2.WatchJobRequest.SerializeToString,
-            darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def CancelJob(request,

@@ -1,0 +1,57 @@
+"""What one ``StreamJob`` stream has told its client, and what to tell it next.
+
+Pure: it is fed the job as read from the database and the events heard on NATS
+(in any order, some stale, some lost), and says which status and progress events
+to send, each status once and in the order the job went through them."""
+
+from __future__ import annotations
+
+from gateway.convert import STATUS
+from services.db.records import JobRecord
+from services.db.states import JobStatus
+from services.events import JobEvent, position
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+
+class StreamState:
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.status: JobStatus | None = None
+        self.attempt = -1
+        self.last_step = -1
+
+    @property
+    def ended(self) -> bool:
+        """The job has ended: its result comes from the database."""
+        return self.status is not None and self.status.terminal
+
+    def _moved(self, attempt: int, status: JobStatus) -> pb.JobEvent | None:
+        if self.status is not None and position(attempt, status) <= position(self.attempt, self.status):
+            return None
+        changed = status != self.status
+        if attempt != self.attempt:
+            self.last_step = -1  # another attempt: its progress starts over
+        self.attempt, self.status = attempt, status
+        return pb.JobEvent(job_id=self.job_id, status=STATUS[status]) if changed else None
+
+    def on_job(self, job: JobRecord) -> pb.JobEvent | None:
+        """The job as stored: the status to send, if it moved on."""
+        return self._moved(job.attempt, job.status)
+
+    def on_event(self, event: JobEvent) -> list[pb.JobEvent]:
+        """An event heard on NATS: the status or progress to send, if any. A step
+        done says its attempt is running, should that event have been lost."""
+        if event.status is not None:
+            moved = self._moved(event.attempt, event.status)
+            return [moved] if moved is not None else []
+        if not event.progress:
+            return []  # the job changed: the caller reads it
+        out = []
+        if self.status is None or position(event.attempt, JobStatus.RUNNING) > position(self.attempt, self.status):
+            moved = self._moved(event.attempt, JobStatus.RUNNING)
+            if moved is not None:
+                out.append(moved)
+        if event.attempt == self.attempt and self.status == JobStatus.RUNNING and event.step > self.last_step:
+            self.last_step = event.step
+            out.append(pb.JobEvent(job_id=self.job_id, progress=pb.Progress(step=event.step, total=event.total)))
+        return out
