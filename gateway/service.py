@@ -15,6 +15,7 @@ from gateway.convert import STATUS, image_chunks, job_message, timestamp
 from gateway.validation import validate_submit
 from scheduler import admission, policy
 from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
+from services import tracing
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import JobRecord, WorkerRecord
 from services.db.repository import Repository
@@ -80,7 +81,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 f"{refusal.limit_s:.0f}s limit; retry later",
                 retry_after_s=refusal.wait_s,
             )
+        new = tracing.with_trace(new)
         job, deduplicated = await self.repo.jobs.create(new, now=now)
+        tracing.submitted(new, job, deduplicated, start=now)
         return await self._submitted(job, deduplicated, now, eta)
 
     async def _submitted(

@@ -21,6 +21,7 @@ import torch
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
+from services import tracing
 from services.backoff import Backoff
 from services.bus import Dispatch
 from services.chunks import split
@@ -173,6 +174,7 @@ class JobRunner:
         if any(isinstance(r, torch.Tensor) for r in results):
             self._warmed_up.add(model)
         rows = sum(s.job.num_images for s in batch)
+        tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
         # A batch that loaded or warmed up its model says little about how long batches take.
         return SampledBatch(seconds, rows, learnable=was_warm)
 
@@ -219,6 +221,7 @@ class JobRunner:
                 ),
             )
             self.failures_in_a_row = 0
+            tracing.stored(job, worker_id=self.worker_id, decoded_at=decoded_at, stored=stored)
             if stored:
                 for image in images:
                     for chunk in image_chunks(image):

@@ -29,6 +29,7 @@ from scheduler.views import (
     worker_views,
 )
 from scheduler.warmsets import demand_from, plan_warm_sets
+from services import tracing
 from services.bus import Bus, Dispatch
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
@@ -162,6 +163,7 @@ class Scheduler:
         # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
         # under the same message id.
         await self._publish(scheduled or [])
+        tracing.placed(scheduled or [])
         return len(scheduled or [])
 
     async def _publish(self, jobs: Sequence[JobRecord]) -> None:
