@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import random
 import socket
@@ -64,6 +65,7 @@ _UNSET = Status(StatusCode.UNSET)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 _UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext(None)
+log = logging.getLogger("darkroom.tracing")
 
 
 @dataclass(frozen=True)
@@ -123,31 +125,35 @@ def with_trace(job: NewJob) -> NewJob:
     on = _exporting
     if on is None:
         return job
-    trace_id = random.getrandbits(128) or 1
-    if trace_id & (2**64 - 1) >= on.sample_below:
-        return job
-    return replace(job, trace_context=_traceparent(trace_id, _new_span_id()))
+    with _contained:
+        trace_id = random.getrandbits(128) or 1
+        if trace_id & (2**64 - 1) < on.sample_below:
+            return replace(job, trace_context=_traceparent(trace_id, _new_span_id()))
+    return job
 
 
 def submitted(new: NewJob, job: JobRecord, deduplicated: bool, *, start: datetime) -> None:
     """The root span, once ``new`` (from ``with_trace``) is stored as ``job``. A submit
     answered with an earlier job (the same idempotency key) links to that job's trace."""
     on = _exporting
-    if on is None or (ids := _ids(new.trace_context)) is None:
+    if on is None:
         return
-    earlier = _ids(job.trace_context) if deduplicated else None
-    attributes = {
-        "rpc.system": "grpc",
-        "darkroom.job.id": job.id,
-        "darkroom.job.model": job.model,
-        "darkroom.job.lane": job.lane,
-        "darkroom.job.pixels": job.width * job.height,
-        "darkroom.job.steps": job.steps,
-        "darkroom.job.images": job.num_images,
-        "darkroom.deduplicated": deduplicated,
-    }
-    links = [Link(SpanContext(*earlier, is_remote=True, trace_flags=_SAMPLED))] if earlier else []
-    _emit(on, SUBMIT, ids, None, _ns(start), time.time_ns(), attributes, SpanKind.SERVER, links=links)
+    with _contained:
+        if (ids := _ids(new.trace_context)) is None:
+            return
+        earlier = _ids(job.trace_context) if deduplicated else None
+        attributes = {
+            "rpc.system": "grpc",
+            "darkroom.job.id": job.id,
+            "darkroom.job.model": job.model,
+            "darkroom.job.lane": job.lane,
+            "darkroom.job.pixels": job.width * job.height,
+            "darkroom.job.steps": job.steps,
+            "darkroom.job.images": job.num_images,
+            "darkroom.deduplicated": deduplicated,
+        }
+        links = [Link(SpanContext(*earlier, is_remote=True, trace_flags=_SAMPLED))] if earlier else []
+        _emit(on, SUBMIT, ids, None, _ns(start), time.time_ns(), attributes, SpanKind.SERVER, links=links)
 
 
 # -- the scheduler -----------------------------------------------------------------
@@ -161,25 +167,26 @@ def placed(jobs: Iterable[JobRecord]) -> None:
         return
     now = time.time_ns()
     for job in jobs:
-        if (ids := _ids(job.trace_context)) is None or job.scheduled_at is None:
-            continue
-        routing = job.routing or {}
-        attributes = {
-            **_attempt(job),
-            "darkroom.worker.id": job.worker_id or "",
-            "darkroom.placement.reason": str(routing.get("reason", "")),
-            "darkroom.placement.candidates": len(routing.get("candidates") or ()),
-            "darkroom.job.lane": job.lane,
-        }
-        since = job.created_at if job.attempt <= 1 else job.scheduled_at
-        span_id = _schedule_span_id(ids[0], job)
-        _emit(on, "schedule", (ids[0], span_id), ids[1], _ns(since), now, attributes, SpanKind.PRODUCER)
+        with _contained:
+            if (ids := _ids(job.trace_context)) is None or job.scheduled_at is None:
+                continue
+            routing = job.routing or {}
+            attributes = {
+                **_attempt(job),
+                "darkroom.worker.id": job.worker_id or "",
+                "darkroom.placement.reason": str(routing.get("reason", "")),
+                "darkroom.placement.candidates": len(routing.get("candidates") or ()),
+                "darkroom.job.lane": job.lane,
+            }
+            since = job.created_at if job.attempt <= 1 else job.scheduled_at
+            span_id = _schedule_span_id(ids[0], job)
+            _emit(on, "schedule", (ids[0], span_id), ids[1], _ns(since), now, attributes, SpanKind.PRODUCER)
 
 
 # -- the sampler -------------------------------------------------------------------
 
 
-class BatchMember(Protocol):
+class Sampled(Protocol):
     """A job of a batch as the sampler holds it: the job, and what sampling left
     (its latents, or the exception that ended it)."""
 
@@ -190,7 +197,7 @@ class BatchMember(Protocol):
     def result(self) -> object: ...
 
 
-def sampled(batch: Sequence[BatchMember], *, seconds: float, rows: int, worker_id: str) -> None:
+def sampled(batch: Sequence[Sampled], *, seconds: float, rows: int, worker_id: str) -> None:
     """Just after a batch sampled for ``seconds``: each job's wait (from its publish
     until the batch began) and its sampling, with the batch's size."""
     on = _exporting
@@ -199,45 +206,51 @@ def sampled(batch: Sequence[BatchMember], *, seconds: float, rows: int, worker_i
     end = time.time_ns()
     began = end - round(seconds * 1e9)
     for member in batch:
-        job = member.job
-        if (ids := _ids(job.trace_context)) is None:
-            continue
-        parent = _schedule_span_id(ids[0], job)
-        attributes = {**_attempt(job), "darkroom.worker.id": worker_id}
-        since = job.dispatched_at or job.started_at
-        if since is not None:
-            _emit(on, "wait", (ids[0], _new_span_id()), parent, _ns(since), began, attributes, SpanKind.CONSUMER)
-        sampling = {
-            **attributes,
-            "darkroom.job.model": job.model,
-            "darkroom.job.pixels": job.width * job.height,
-            "darkroom.job.steps": job.steps,
-            "darkroom.batch.jobs": len(batch),
-            "darkroom.batch.images": rows,
-        }
-        status = _status(member.result) if isinstance(member.result, BaseException) else _UNSET
-        _emit(on, "sample", (ids[0], _new_span_id()), parent, began, end, sampling, status=status)
+        with _contained:
+            job = member.job
+            if (ids := _ids(job.trace_context)) is None:
+                continue
+            parent = _schedule_span_id(ids[0], job)
+            attributes = {**_attempt(job), "darkroom.worker.id": worker_id}
+            if since := job.dispatched_at or job.started_at:
+                _emit(on, "wait", (ids[0], _new_span_id()), parent, _ns(since), began, attributes, SpanKind.CONSUMER)
+            sampling = {
+                **attributes,
+                "darkroom.job.model": job.model,
+                "darkroom.job.pixels": job.width * job.height,
+                "darkroom.job.steps": job.steps,
+                "darkroom.batch.jobs": len(batch),
+                "darkroom.batch.images": rows,
+            }
+            status = _status(member.result) if isinstance(member.result, BaseException) else _UNSET
+            _emit(on, "sample", (ids[0], _new_span_id()), parent, began, end, sampling, status=status)
 
 
 def decode_call(job: JobRecord, decoder_id: str) -> contextlib.AbstractContextManager[Metadata | None]:
     """Around one ``Decode`` call: a client span, and the metadata that carries its
     context to the decoder (None when the job is not traced)."""
     on = _exporting
-    if on is None or (ids := _ids(job.trace_context)) is None:
+    if on is None:
         return _UNTRACED
-    attributes = {"rpc.system": "grpc", **_attempt(job), "darkroom.decoder.id": decoder_id}
-    return _Call(on, DECODE, (ids[0], _new_span_id()), _schedule_span_id(ids[0], job), attributes)
+    with _contained:
+        if (ids := _ids(job.trace_context)) is not None:
+            attributes = {"rpc.system": "grpc", **_attempt(job), "darkroom.decoder.id": decoder_id}
+            return _Call(on, DECODE, (ids[0], _new_span_id()), _schedule_span_id(ids[0], job), attributes)
+    return _UNTRACED
 
 
 def stored(job: JobRecord, *, worker_id: str, decoded_at: datetime, stored: bool) -> None:
     """Just after the job's images and SUCCEEDED were written (``stored``: the attempt
     was still the job's own), from when its decode ended."""
     on = _exporting
-    if on is None or (ids := _ids(job.trace_context)) is None:
+    if on is None:
         return
-    attributes = {**_attempt(job), "darkroom.worker.id": worker_id, "darkroom.stored": stored}
-    parent = _schedule_span_id(ids[0], job)
-    _emit(on, "store", (ids[0], _new_span_id()), parent, _ns(decoded_at), time.time_ns(), attributes)
+    with _contained:
+        if (ids := _ids(job.trace_context)) is None:
+            return
+        attributes = {**_attempt(job), "darkroom.worker.id": worker_id, "darkroom.stored": stored}
+        parent = _schedule_span_id(ids[0], job)
+        _emit(on, "store", (ids[0], _new_span_id()), parent, _ns(decoded_at), time.time_ns(), attributes)
 
 
 # -- the decoder -------------------------------------------------------------------
@@ -255,12 +268,13 @@ def serves(method: str) -> Callable[[F], F]:
             on = _exporting
             if on is None:
                 return stream
-            parent = _ids(next((v for k, v in context.invocation_metadata() or () if k == TRACEPARENT), None))
-            if parent is None:
-                return stream
-            attributes = {"rpc.system": "grpc", "darkroom.job.id": getattr(request, "job_id", "")}
-            call = _Call(on, method, (parent[0], _new_span_id()), parent[1], attributes, SpanKind.SERVER)
-            return _served(stream, call)
+            with _contained:
+                metadata = context.invocation_metadata() or ()
+                if (parent := _ids(next((v for k, v in metadata if k == TRACEPARENT), None))) is not None:
+                    attributes = {"rpc.system": "grpc", "darkroom.job.id": getattr(request, "job_id", "")}
+                    call = _Call(on, method, (parent[0], _new_span_id()), parent[1], attributes, SpanKind.SERVER)
+                    return _served(stream, call)
+            return stream
 
         return cast(F, traced)
 
@@ -274,6 +288,32 @@ async def _served(stream: AsyncIterator[Any], call: _Call) -> AsyncIterator[Any]
 
 
 # -- building spans ----------------------------------------------------------------
+
+
+class _Contained:
+    """Tracing never fails what it traces: an error in a hook loses its span, is
+    logged (in full the first time), and the job, the pass or the call goes on."""
+
+    dropped = 0
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+        if not isinstance(error, Exception):
+            return False
+        _Contained.dropped += 1
+        log.log(
+            logging.WARNING if _Contained.dropped == 1 else logging.DEBUG,
+            "a span was dropped (%d so far): %s",
+            _Contained.dropped,
+            error,
+            exc_info=_Contained.dropped == 1,
+        )
+        return True
+
+
+_contained = _Contained()
 
 
 class _Call:
@@ -296,8 +336,10 @@ class _Call:
         return ((TRACEPARENT, _traceparent(*self.ids)),)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
-        status = _status(error) if error is not None else _UNSET
-        _emit(self.on, self.name, self.ids, self.parent, self.start, time.time_ns(), self.attributes, self.kind, status)
+        with _contained:
+            status = _status(error) if error is not None else _UNSET
+            end = time.time_ns()
+            _emit(self.on, self.name, self.ids, self.parent, self.start, end, self.attributes, self.kind, status)
 
 
 def _emit(

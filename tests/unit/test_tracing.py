@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
@@ -259,3 +260,16 @@ def test_trace_settings_from_env() -> None:
     s = Settings.from_env({"DARKROOM_OTLP_ENDPOINT": "http://otel:4317", "DARKROOM_TRACE_SAMPLE_RATIO": "0.25"})
     assert (s.otlp_endpoint, s.trace_sample_ratio) == ("http://otel:4317", 0.25)
     assert Settings.from_env(s.to_env()) == s
+
+
+def test_an_error_in_a_hook_loses_its_span_not_the_job(exported: InMemorySpanExporter, caplog) -> None:
+    caplog.set_level(logging.DEBUG, logger="darkroom.tracing")  # only the first is a warning
+    new = tracing.with_trace(new_job())
+    naive = datetime(2020, 1, 1)  # cannot be compared with the aware epoch: the hook fails inside
+    good = replace(record(new), attempt=1, scheduled_at=T0)
+    tracing.placed([replace(good, created_at=naive), good])
+    tracing.stored(good, worker_id="w1", decoded_at=naive, stored=True)
+    tracing.stop()
+    [span] = exported.get_finished_spans()
+    assert span.name == "schedule" and span.start_time == tracing._ns(T0)
+    assert "a span was dropped" in caplog.text
