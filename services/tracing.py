@@ -357,7 +357,7 @@ def _emit(
     trace_id, span_id = ids
     # The SDK's docs keep ReadableSpan for its own tracer, but its constructor has taken
     # these arguments since 1.0, and building one costs about 3 us against 18 for a
-    # tracer's span (bench/tracing.py), which could not take a chosen id anyway.
+    # tracer's span (2-core development machine), which could not take a chosen id anyway.
     on.processor.on_end(
         ReadableSpan(
             name,
