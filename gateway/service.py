@@ -17,6 +17,7 @@ from gateway.streams import StreamState
 from gateway.validation import validate_submit
 from scheduler import admission, policy
 from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
+from services import tracing
 from services.bus import connect_nats
 from services.coalesce import Coalescer, SingleFlight
 from services.db.migrate import upgrade_when_reachable
@@ -91,7 +92,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 f"{refusal.limit_s:.0f}s limit; retry later",
                 retry_after_s=refusal.wait_s,
             )
+        new = tracing.with_trace(new)
         job, deduplicated = await self._create((new, now))
+        tracing.submitted(new, job, deduplicated, start=now)
         if deduplicated:
             return await self._submitted(job, True, now)
         await self.events.work()

@@ -13,6 +13,7 @@ import time
 import grpc
 import torch
 
+from services import tracing
 from services.db.records import ImageRecord, JobRecord, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
@@ -141,10 +142,11 @@ class Decoders:
         parts: dict[int, list[bytes]] = {}
         meta: dict[int, vae_decoder_pb2.DecodeChunk] = {}
         try:
-            async for chunk in stub.Decode(request, timeout=DECODE_TIMEOUT_S):
-                parts.setdefault(chunk.index, []).append(chunk.data)
-                if chunk.last:
-                    meta[chunk.index] = chunk
+            with tracing.decode_call(job, decoder.id) as metadata:
+                async for chunk in stub.Decode(request, timeout=DECODE_TIMEOUT_S, metadata=metadata):
+                    parts.setdefault(chunk.index, []).append(chunk.data)
+                    if chunk.last:
+                        meta[chunk.index] = chunk
         except grpc.aio.AioRpcError as exc:
             raise DecoderFailed(f"decoder {decoder.id} failed: {exc.code().name} {exc.details()}") from exc
         if sorted(meta) != list(range(job.num_images)):

@@ -26,6 +26,7 @@ import torch
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
+from services import tracing
 from services.backoff import Backoff
 from services.bus import Dispatch
 from services.coalesce import Coalescer
@@ -190,11 +191,12 @@ class JobRunner:
         seconds = time.perf_counter() - began
         for started, result in zip(batch, results, strict=True):
             started.result = result
+        rows = sum(s.job.num_images for s in batch)
+        tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
         sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()]
         if sampled:
             self._warmed_up.add(model)
             await self._decoding(sampled)
-        rows = sum(s.job.num_images for s in batch)
         # A batch that loaded or warmed up its model says little about how long batches take.
         return SampledBatch(seconds, rows, learnable=was_warm)
 
@@ -237,6 +239,7 @@ class JobRunner:
             result = Result(job.id, job.attempt, images, decoded_at, busy_s, run_seconds, batch_rows)
             stored = await self._store(f"the result of {job.id}", lambda: self._results(result))
             self.failures_in_a_row = 0
+            tracing.stored(job, worker_id=self.worker_id, decoded_at=decoded_at, stored=stored)
             log.info("job %s done (stored=%s)", job.id, stored)
         except JobInterrupted:
             await self._interrupted(job, watch.stop_reason, started.timeout_s)

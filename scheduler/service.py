@@ -31,6 +31,7 @@ from scheduler.views import (
     worker_views,
 )
 from scheduler.warmsets import demand_from, plan_warm_sets
+from services import tracing
 from services.bus import Bus, Dispatch
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
@@ -58,7 +59,11 @@ log = logging.getLogger("darkroom.scheduler")
 LEARN_BATCH = 500
 
 
-def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime):
+def make_decide(
+    fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime, routings: dict[str, dict[str, object]]
+):
+    """The pass's decision, each placement's routing kept in ``routings`` by job id."""
+
     def decide(
         queued: Sequence[JobSummary], workers: Sequence[WorkerRecord], held: Sequence[JobSummary]
     ) -> list[Assignment]:
@@ -66,7 +71,11 @@ def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: dateti
         placements = policy.plan(
             [job_view(j) for j in queued], worker_views(workers, held, measured), measured, config, now=now.timestamp()
         )
-        return [Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None]
+        assignments = [
+            Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None
+        ]
+        routings.update((a.job_id, a.routing) for a in assignments)
+        return assignments
 
     return decide
 
@@ -155,7 +164,8 @@ class Scheduler:
 
     async def run_pass(self) -> int:
         now = datetime.now(UTC)
-        decide = make_decide(await self.fleet(), self.config, now=now)
+        routings: dict[str, dict[str, object]] = {}
+        decide = make_decide(await self.fleet(), self.config, now=now, routings=routings)
         scheduled = await self.repo.scheduling.schedule_pass(
             decide,
             limit=self.settings.scheduler_batch,
@@ -172,6 +182,7 @@ class Scheduler:
         # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
         # under the same message id.
         await self._publish(scheduled)
+        tracing.placed(scheduled, routings)
         return len(scheduled)
 
     async def _publish(self, jobs: Sequence[JobSummary]) -> None:

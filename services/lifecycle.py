@@ -14,6 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from services import tracing
 from services.settings import Settings, SettingsError
 
 # serve() returns it when the process is not fit to go on (a worker whose attempts
@@ -77,10 +78,13 @@ def run_service(name: str, serve: Serve, settings: Settings | None = None) -> No
             if alive is not None:
                 alive.cancel()
 
+    tracing.start(name, settings)
     code: int | None = 0
     try:
         code = asyncio.run(runner())
     except KeyboardInterrupt:
         pass
+    finally:
+        tracing.stop()  # the spans of the last jobs leave before the process does
     logger.info("%s stopped (pid %d)", name, os.getpid())
     sys.exit(code or 0)

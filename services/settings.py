@@ -25,6 +25,10 @@ def _at_least(low: float, default: Any) -> Any:
     return field(default=default, metadata={"min": low})
 
 
+def _between(low: float, high: float, default: Any) -> Any:
+    return field(default=default, metadata={"min": low, "max": high})
+
+
 @dataclass(frozen=True)
 class Settings:
     # Where the embedded stack keeps Postgres, JetStream and built models.
@@ -136,12 +140,24 @@ class Settings:
     restarts: int = _at_least(0, 0)
     log_level: str = "INFO"
 
+    # Traces (``services.tracing``): an OpenTelemetry collector's OTLP/gRPC address,
+    # "http://host:4317" (plaintext) or "https://host:4317" (TLS); empty: no traces.
+    otlp_endpoint: str = ""
+    # The share of jobs traced, decided at submit: every service follows the gateway.
+    trace_sample_ratio: float = _between(0.0, 1.0, 1.0)
+
     def __post_init__(self) -> None:
         for f in fields(self):
-            low = f.metadata.get("min")
+            low, high = f.metadata.get("min"), f.metadata.get("max")
             value = getattr(self, f.name)
             if low is not None and not (isinstance(value, int | float) and math.isfinite(value) and value >= low):
                 raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: must be a number of at least {low}")
+            if high is not None and value > high:
+                raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: must be at most {high}")
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise SettingsError(
+                f"{ENV_PREFIX}OTLP_ENDPOINT={self.otlp_endpoint!r}: must start with http:// (plaintext) or https://"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from services import tracing
 from services.bus import check_worker_id, host_token
 from services.chunks import split
 from services.db.migrate import upgrade_when_reachable
@@ -42,6 +43,7 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
         self.batcher = batcher
 
     @stream_errors
+    @tracing.serves(tracing.DECODE)
     async def Decode(
         self, request: vae_decoder_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vae_decoder_pb2.DecodeChunk]:

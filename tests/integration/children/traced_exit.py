@@ -1,0 +1,31 @@
+"""A service for the tracing tests: under ``run_service``, with the export delay it is
+given, it emits one span for job ``TRACED_JOB_ID``, creates ``TRACED_READY`` and waits
+for SIGTERM. The span must reach the collector before the process exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from services import tracing
+from services.db.records import NewJob
+from services.lifecycle import run_service
+from services.settings import Settings
+
+
+async def serve(settings: Settings, stop: asyncio.Event) -> int:
+    job_id = os.environ["TRACED_JOB_ID"]
+    new = tracing.with_trace(NewJob(job_id, "free", 0, "tiny", "p", "", 64, 64, 1, 7.5, 1, 1, None))
+    job: Any = SimpleNamespace(id=job_id, attempt=1, trace_context=new.trace_context)
+    with tracing.decode_call(job, "vae-0"):
+        pass
+    await asyncio.to_thread(Path(os.environ["TRACED_READY"]).touch)
+    await stop.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    run_service("scheduler", serve)
