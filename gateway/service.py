@@ -21,6 +21,7 @@ from services.db.repository import Repository
 from services.db.states import HELD, JobStatus, WorkerKind, WorkerStatus
 from services.errors import ResourceExhausted
 from services.lifecycle import run_service
+from services.metrics import serve_metrics
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -296,6 +297,7 @@ def create_server(
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    serve_metrics(settings, "gateway")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return
     registry = ModelRegistry.load(settings.model_registry or None)

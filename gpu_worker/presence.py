@@ -15,6 +15,7 @@ from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import StoreError, WorkerSuperseded
+from services.metrics import WORKER_INFLIGHT, observe_gpu
 from services.settings import Settings
 from services.telemetry import Telemetry
 
@@ -51,6 +52,9 @@ class Presence:
 
     def reading(self) -> WorkerHeartbeat:
         reading = self.telemetry.read()
+        inflight = len(self.tracker.running())
+        observe_gpu(self.worker_id, reading)
+        WORKER_INFLIGHT.labels(worker=self.worker_id).set(inflight)
         return WorkerHeartbeat(
             id=self.worker_id,
             kind=WorkerKind.SAMPLER,
@@ -65,7 +69,7 @@ class Presence:
             restarts=self.settings.restarts,
             telemetry={
                 **reading.as_dict(),
-                "inflight": len(self.tracker.running()),
+                "inflight": inflight,
                 # Measured, for the scheduler's costs: bytes and load seconds per model.
                 "models": self.engine.footprints(),
             },

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 
 from scheduler import policy
 from scheduler.estimates import Durations, Shape
+from scheduler.job_gauges import job_gauges_loop
 from scheduler.recovery import RecoveryConfig, review
 from scheduler.views import (
     costs_from,
@@ -44,6 +45,7 @@ from services.db.records import (
 from services.db.repository import Repository
 from services.errors import BusError, StoreError
 from services.lifecycle import run_service
+from services.metrics import serve_metrics
 from services.models.registry import ModelRegistry
 from services.rpc.server import Server, build_server
 from services.settings import Settings
@@ -279,6 +281,7 @@ class Scheduler:
             tg.create_task(self.placement_loop(stop))
             tg.create_task(self.recovery_loop(stop))
             tg.create_task(self.planning_loop(stop))
+            tg.create_task(job_gauges_loop(self.repo, [lane.name for lane in self.config.lanes], stop))
 
 
 def describe(action: Recovery) -> str:
@@ -296,6 +299,7 @@ def create_server(settings: Settings) -> Server:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    serve_metrics(settings, "scheduler")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return
     registry = ModelRegistry.load(settings.model_registry or None)

@@ -109,13 +109,13 @@ QUEUE_WAIT = Histogram(
 )
 STAGE_SECONDS = Histogram(
     "darkroom_stage_seconds",
-    "How long a job spent in each stage: queue, schedule, dispatch, sample, decode, store, and total (submit to stored).",
+    "How long a job spent in each stage: queue, schedule, dispatch, sample, decode, store; total: submit to stored.",
     ["stage", "model"],
     buckets=LATENCY_BUCKETS,
 )
 PLACEMENTS = Counter(
     "darkroom_placements",
-    "Jobs the scheduler placed, by kind: warm (the model was loaded there), cold (it must load), batch (joins a batch).",
+    "Jobs the scheduler placed, by kind: warm (its model loaded there), cold (it must load), batch (joins a batch).",
     ["kind"],
 )
 JOBS_FINISHED = Counter(

@@ -172,6 +172,16 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class LaneCount:
+    """How many jobs are in one state in one lane, and when the oldest was submitted."""
+
+    status: JobStatus
+    lane: str
+    count: int
+    oldest: datetime
+
+
+@dataclass(frozen=True)
 class ShapeCount:
     """How many jobs of one shape: for demand and for the work queued ahead."""
 

@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from services.db.models import JobImageRow, JobRow
-from services.db.records import ImageRecord, JobRecord, NewJob, ShapeCount, Totals
+from services.db.records import ImageRecord, JobRecord, LaneCount, NewJob, ShapeCount, Totals
 from services.db.repository.database import Database
 from services.db.states import HELD, JobStatus
 from services.errors import NotFound
@@ -98,6 +98,14 @@ class Jobs:
             cancelled=counts.get(JobStatus.CANCELLED.value, 0),
             expired=counts.get(JobStatus.EXPIRED.value, 0),
         )
+
+    async def counts_by_lane(self) -> list[LaneCount]:
+        """Jobs per state and lane, with the oldest of each: one GROUP BY over the
+        table, for the metrics."""
+        async with self.db.tx() as s:
+            cols = (JobRow.status, JobRow.lane)
+            rows = await s.execute(select(*cols, func.count(), func.min(JobRow.created_at)).group_by(*cols))
+            return [LaneCount(JobStatus(status), lane, count, oldest) for status, lane, count, oldest in rows]
 
 
 async def shape_counts(s: AsyncSession, *where: Any) -> list[ShapeCount]:
