@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
 
@@ -163,16 +164,16 @@ GPU_TELEMETRY_AVAILABLE = Gauge(
     "1 when the worker reads its GPU through NVML; 0 (a CPU worker, no driver) and its darkroom_gpu_* are absent.",
     ["worker"],
 )
-GPU_TEMPERATURE = Gauge("darkroom_gpu_temperature_celsius", "GPU core temperature.", ["worker"])
+GPU_TEMPERATURE = Gauge("darkroom_gpu_temperature_celsius", "GPU core temperature, as NVML reads it.", ["worker"])
 GPU_MEMORY_USED = Gauge("darkroom_gpu_memory_used_bytes", "GPU memory in use, by every process on it.", ["worker"])
-GPU_MEMORY_TOTAL = Gauge("darkroom_gpu_memory_total_bytes", "GPU memory installed.", ["worker"])
+GPU_MEMORY_TOTAL = Gauge("darkroom_gpu_memory_total_bytes", "GPU memory installed (NVML's total).", ["worker"])
 GPU_UTILIZATION = Gauge(
     "darkroom_gpu_utilization_ratio", "Share of the last sample period a kernel ran on the GPU (0 to 1).", ["worker"]
 )
-GPU_POWER = Gauge("darkroom_gpu_power_watts", "GPU power draw.", ["worker"])
-GPU_POWER_LIMIT = Gauge("darkroom_gpu_power_limit_watts", "GPU power limit in force.", ["worker"])
-GPU_SM_CLOCK = Gauge("darkroom_gpu_sm_clock_hertz", "GPU SM clock now.", ["worker"])
-GPU_SM_CLOCK_MAX = Gauge("darkroom_gpu_sm_clock_max_hertz", "GPU SM clock at most.", ["worker"])
+GPU_POWER = Gauge("darkroom_gpu_power_watts", "Power the GPU draws now.", ["worker"])
+GPU_POWER_LIMIT = Gauge("darkroom_gpu_power_limit_watts", "The power limit the GPU enforces now.", ["worker"])
+GPU_SM_CLOCK = Gauge("darkroom_gpu_sm_clock_hertz", "The GPU's SM (streaming multiprocessor) clock now.", ["worker"])
+GPU_SM_CLOCK_MAX = Gauge("darkroom_gpu_sm_clock_max_hertz", "The highest SM clock the GPU can run at.", ["worker"])
 GPU_THROTTLED = Gauge(
     "darkroom_gpu_throttled",
     "1 while the GPU's clocks are held down for this reason (NVML clock-event reasons; idle is none).",
@@ -224,23 +225,25 @@ def observe_gpu(worker_id: str, reading: GpuReading) -> None:
             GPU_THROTTLED.remove(worker_id, reason)
 
 
-def serve_metrics(settings: Settings, service: str) -> None:
+def serve_metrics(settings: Settings, service: str) -> WSGIServer | None:
     """Serves ``/metrics`` on ``settings.metrics_port`` from a thread of its own (0:
-    not at all). A port that cannot be had is logged, not fatal: an observer's
-    port is no reason to stop serving images (Prometheus shows the target down)."""
+    not at all); returns the server, to shut down where the process goes on. A
+    port that cannot be had is logged, not fatal: an observer's port is no reason
+    to stop serving images (Prometheus shows the target down)."""
     try:
         version = metadata.version("darkroom")
     except metadata.PackageNotFoundError:
         version = "unknown"
     BUILD_INFO.info({"service": service, "version": version})
     if not settings.metrics_port:
-        return
+        return None
     try:
-        start_http_server(settings.metrics_port, addr=settings.metrics_host)
+        server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host)
     except OSError as exc:
         log.error("cannot serve metrics on %s:%d: %s", settings.metrics_host, settings.metrics_port, exc)
-        return
+        return None
     log.info("%s metrics on http://%s:%d/metrics", service, settings.metrics_host, settings.metrics_port)
+    return server
 
 
 @dataclass(frozen=True)
