@@ -62,7 +62,8 @@ class Record:
 def arrivals(rate: float, seconds: float, seed: int) -> list[float]:
     """Poisson arrival times in [0, seconds), the same for the same seed."""
     rng = random.Random(seed)
-    times, t = [], 0.0
+    times: list[float] = []
+    t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= seconds:

@@ -30,6 +30,9 @@ from tests.helpers import stub, wait_for, wait_terminal
 pytestmark = pytest.mark.integration
 
 INFRA = Path(__file__).resolve().parents[2] / "infra" / "prometheus"
+DASHBOARD = INFRA.parent / "grafana" / "darkroom.json"
+# What Grafana puts in place of the dashboard's variables.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$worker": ".*", "$model": ".*", "$lane": ".*"}
 SERVICES = {"gateway", "scheduler", "gpu_worker", "vae_worker"}
 SUBMIT = "/darkroom.v1.ImageGeneration/SubmitJob"
 GET_JOB = "/darkroom.v1.ImageGeneration/GetJob"
@@ -57,6 +60,17 @@ def api(url: str, path: str, **params: str) -> Any:
 
 def query(url: str, promql: str) -> Series:
     return [(r["metric"], float(r["value"][1])) for r in api(url, "query", query=promql)["result"]]
+
+
+def panel_queries() -> list[str]:
+    exprs = []
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for variable, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            exprs.append(expr)
+    return exprs
 
 
 def ready(url: str) -> bool:
@@ -170,6 +184,13 @@ def test_prometheus_scrapes_every_service(prometheus_binary: str, stack: LocalSt
         eventually(url, 'sum(darkroom_decode_batch_images_count{service="vae_worker"})', at_least(1))
         eventually(url, 'darkroom_decoder_queued_images{service="vae_worker"}', lambda s: len(s) == 1)
         eventually(url, f'darkroom_rpc_requests_total{{service="vae_worker",method="{DECODE}",code="OK"}}', at_least(1))
+
+        # Every panel of the dashboard asks this Prometheus something it understands.
+        for expr in panel_queries():
+            try:
+                api(url, "query", query=expr)
+            except urllib.error.HTTPError as exc:
+                pytest.fail(f"the dashboard's {expr!r}: {exc.read().decode(errors='replace')}")
 
         # The shipped rules load and evaluate.
         groups = wait_for(

@@ -37,7 +37,7 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_s
 
 def exposed_names() -> set[str]:
     """Every sample name services.metrics defines."""
-    names = set()
+    names: set[str] = set()
     for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
             for family in value.describe():
