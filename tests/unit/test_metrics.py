@@ -4,9 +4,11 @@ each get a port and are listed for Prometheus."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
+import types
 import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -18,10 +20,11 @@ import yaml
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
-from scheduler.job_gauges import show
+from scheduler.job_gauges import job_gauges_loop, show
 from services import metrics
 from services.db.records import LaneCount
 from services.db.states import JobStatus
+from services.errors import StoreUnavailable
 from services.metrics import Target, observe_gpu, serve_metrics, write_targets
 from services.settings import Settings
 from services.stack import MetricsPorts, child, metrics_target
@@ -183,6 +186,26 @@ def test_job_counts_become_gauges_and_an_emptied_lane_reads_zero() -> None:
     show([], shown, now=now)
     assert sample("darkroom_jobs", state="QUEUED", lane="paid") == 0
     assert sample("darkroom_queue_oldest_seconds", lane="paid") == 0
+
+
+async def test_the_gauge_loop_rides_out_a_database_outage() -> None:
+    stop = asyncio.Event()
+    now = datetime.now(UTC)
+
+    class Jobs:
+        calls = 0
+
+        async def counts_by_lane(self) -> list[LaneCount]:
+            self.calls += 1
+            if self.calls == 1:
+                raise StoreUnavailable("database unavailable")
+            stop.set()
+            return [LaneCount(JobStatus.QUEUED, "loop-lane", 2, now)]
+
+    repo: Any = types.SimpleNamespace(jobs=Jobs())
+    await asyncio.wait_for(job_gauges_loop(repo, ["loop-lane"], stop, every_s=0.01), 5)
+    assert repo.jobs.calls == 2
+    assert sample("darkroom_queue_depth", lane="loop-lane") == 2
 
 
 def test_targets_are_a_file_service_discovery_file(tmp_path: Path) -> None:
