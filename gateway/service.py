@@ -27,6 +27,7 @@ from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import BusError, ResourceExhausted
 from services.events import Events, JobEvent
 from services.lifecycle import run_service
+from services.metrics import JOBS_FINISHED, STREAMS_OPEN, SUBMITS, serve_metrics
 from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -86,7 +87,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if refusal is not None:
             earlier = await self.repo.jobs.find_by_idempotency_key(new.idempotency_key or "")
             if earlier is not None:  # accepted before: the same answer, never a refusal
+                SUBMITS.labels(lane=new.lane, result="deduplicated").inc()
                 return await self._submitted(earlier, True, now)
+            SUBMITS.labels(lane=new.lane, result="refused").inc()
             raise ResourceExhausted(
                 f"lane {refusal.lane!r} is full: the estimated wait of {refusal.wait_s:.0f}s passes its "
                 f"{refusal.limit_s:.0f}s limit; retry later",
@@ -95,6 +98,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         new = tracing.with_trace(new)
         job, deduplicated = await self._create((new, now))
         tracing.submitted(new, job, deduplicated, start=now)
+        SUBMITS.labels(lane=new.lane, result="deduplicated" if deduplicated else "accepted").inc()
         if deduplicated:
             return await self._submitted(job, True, now)
         await self.events.work()
@@ -149,6 +153,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     ) -> AsyncIterator[pb.JobEvent]:
         # Following first, reading second: nothing that happens after the read is missed.
         feed = await self.events.follow(request.job_id)
+        STREAMS_OPEN.inc()
         try:
             state = StreamState(request.job_id)
             job = await self.repo.jobs.get(request.job_id)
@@ -175,13 +180,15 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                     yield chunk
             yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
         finally:
+            STREAMS_OPEN.dec()
             if feed is not None:
                 await feed.close()
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
-        job = await self.repo.jobs.request_cancel(request.job_id, now=datetime.now(UTC))
-        if job.status == JobStatus.CANCELLED:
+        job, ended_now = await self.repo.jobs.request_cancel(request.job_id, now=datetime.now(UTC))
+        if ended_now:
+            JOBS_FINISHED.labels(outcome="cancelled").inc()
             await self.events.job(JobEvent(job.id, job.attempt, job.status))
         if job.status in (JobStatus.RUNNING, JobStatus.DECODING) and job.worker_id:
             worker = await self.repo.workers.get(job.worker_id)
@@ -288,6 +295,7 @@ def create_server(
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    serve_metrics(settings, "gateway")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return
     registry = ModelRegistry.load(settings.model_registry or None)

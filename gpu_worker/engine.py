@@ -27,6 +27,7 @@ import torch
 from gpu_worker.prompts import Conditioning, PromptCache
 from gpu_worker.residency import DoesNotFit, Resident, victims
 from services.errors import DarkroomError, JobInterrupted, ModelError
+from services.metrics import COLD_LOADS, MODEL_LOAD_SECONDS
 from services.models import loader, sim
 from services.models.registry import ModelRegistry, ModelSpec
 
@@ -198,6 +199,7 @@ class SamplerEngine:
             pipe.set_progress_bar_config(disable=True)
             self._apply_speed_options(pipe, spec)
             self._models[name] = _Model(pipe, loaded.bytes, loaded.seconds, time.monotonic(), name in self.pinned)
+            MODEL_LOAD_SECONDS.labels(model=name).observe(loaded.seconds)
             self._measured[name] = loaded.bytes
             # Bigger than the registry said: others make room now, not at the next load.
             self._make_room(name, 0)
@@ -262,6 +264,8 @@ class SamplerEngine:
             raise ValueError(f"a batch holds jobs of one shape, not {len(keys)}")
         key = keys.pop()
         spec = self.registry.get(key.model)
+        if key.model not in self._models:  # a job waits for this load
+            COLD_LOADS.labels(model=key.model).inc()
         pipe = self.load(key.model)
         if spec.family == "sim":
             return self._simulate(spec, key, members)

@@ -16,6 +16,7 @@ from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import StoreError, WorkerSuperseded
 from services.events import Events, JobEvent
+from services.metrics import WORKER_INFLIGHT, observe_gpu
 from services.settings import Settings
 from services.telemetry import Telemetry
 
@@ -54,6 +55,9 @@ class Presence:
 
     def reading(self) -> WorkerHeartbeat:
         reading = self.telemetry.read()
+        inflight = len(self.tracker.running())
+        observe_gpu(self.worker_id, reading)
+        WORKER_INFLIGHT.labels(worker=self.worker_id).set(inflight)
         return WorkerHeartbeat(
             id=self.worker_id,
             kind=WorkerKind.SAMPLER,
@@ -68,7 +72,7 @@ class Presence:
             restarts=self.settings.restarts,
             telemetry={
                 **reading.as_dict(),
-                "inflight": len(self.tracker.running()),
+                "inflight": inflight,
                 # Measured, for the scheduler's costs: bytes and load seconds per model.
                 "models": self.engine.footprints(),
             },

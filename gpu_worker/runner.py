@@ -35,6 +35,7 @@ from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus
 from services.errors import InvalidArgument, JobInterrupted, StoreError
 from services.events import Events, JobEvent
+from services.metrics import ATTEMPTS_FAILED, BATCH_IMAGES, JOBS_FINISHED, REQUEUES, observe_stages
 from services.models.registry import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("darkroom.gpu_worker.runner")
@@ -63,7 +64,7 @@ class Started:
     timer: asyncio.TimerHandle
     timeout_s: float
     result: torch.Tensor | BaseException | None = None
-    decoding: bool = False  # recorded as DECODING
+    decoding_at: datetime | None = None  # when recorded DECODING
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,7 @@ class JobRunner:
         for started, result in zip(batch, results, strict=True):
             started.result = result
         rows = sum(s.job.num_images for s in batch)
+        BATCH_IMAGES.labels(model=model).observe(rows)
         tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
         sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()]
         if sampled:
@@ -201,16 +203,20 @@ class JobRunner:
         return SampledBatch(seconds, rows, learnable=was_warm)
 
     async def _decoding(self, sampled: Sequence[Started]) -> None:
+        now = _now()
         try:
             marked = await self.repo.attempts.decoding(
-                [(s.job.id, s.job.attempt) for s in sampled], self.worker_id, now=_now()
+                [(s.job.id, s.job.attempt) for s in sampled], self.worker_id, now=now
             )
         except StoreError as exc:
             log.warning("cannot record %d jobs decoding (their outcomes will be): %s", len(sampled), exc)
             return
         for s in sampled:
-            s.decoding = s.job.id in marked
-        await self.events.job(*(JobEvent(s.job.id, s.job.attempt, JobStatus.DECODING) for s in sampled if s.decoding))
+            if s.job.id in marked:
+                s.decoding_at = now
+        await self.events.job(
+            *(JobEvent(s.job.id, s.job.attempt, JobStatus.DECODING) for s in sampled if s.decoding_at is not None)
+        )
 
     async def finish(self, started: Started, *, busy_s: float, run_seconds: float | None, batch_rows: int) -> Outcome:
         """Takes a sampled job to its stored outcome: decoded and SUCCEEDED, or
@@ -239,6 +245,9 @@ class JobRunner:
             result = Result(job.id, job.attempt, images, decoded_at, busy_s, run_seconds, batch_rows)
             stored = await self._store(f"the result of {job.id}", lambda: self._results(result))
             self.failures_in_a_row = 0
+            if stored:
+                times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, started.decoding_at)
+                observe_stages(job.model, (*times, decoded_at, _now()))
             tracing.stored(job, worker_id=self.worker_id, decoded_at=decoded_at, stored=stored)
             log.info("job %s done (stored=%s)", job.id, stored)
         except JobInterrupted:
@@ -249,7 +258,7 @@ class JobRunner:
             # The job's own fault: another attempt would fail the same way.
             fault = str(exc)
             log.warning("job %s failed: %s", job.id, fault)
-            await self._failed(job, fault, retryable=False)
+            await self._failed(job, fault, retryable=False, cause="invalid input")
         except Exception as exc:
             # The GPU, the model, a bad output, the decoders: another attempt, on
             # another GPU, may do. Decoders being away says nothing about this worker.
@@ -258,25 +267,39 @@ class JobRunner:
             log.warning(
                 "job %s attempt %d failed: %s", job.id, job.attempt, exc, exc_info=not isinstance(exc, BadOutput)
             )
-            await self._failed(job, f"{type(exc).__name__}: {exc}", retryable=True)
+            cause = (
+                "bad output"
+                if isinstance(exc, BadOutput)
+                else "decoders away"
+                if isinstance(exc, DecodeUnavailable)
+                else "error"
+            )
+            await self._failed(job, f"{type(exc).__name__}: {exc}", retryable=True, cause=cause)
 
     async def _store_results(self, results: list[Result]) -> list[bool]:
         """Results that finished together, stored in one transaction; each one's
         SUCCEEDED published, and the schedulers told that this worker has room."""
         stored = await self.repo.attempts.finish_many(results, self.worker_id, now=_now())
+        JOBS_FINISHED.labels(outcome="succeeded").inc(len(stored))
         await self.events.job(
             *(JobEvent(r.job_id, r.attempt, JobStatus.SUCCEEDED) for r in results if r.job_id in stored)
         )
         await self.events.work()
         return [r.job_id in stored for r in results]
 
-    async def _failed(self, job: JobRecord, error: str, *, retryable: bool) -> None:
+    async def _failed(self, job: JobRecord, error: str, *, retryable: bool, cause: str) -> None:
         status = await self._store(
             f"the failure of {job.id}",
             lambda: self.repo.attempts.fail(
                 job.id, job.attempt, self.worker_id, error, retryable=retryable, now=_now()
             ),
         )
+        if status is not None:
+            ATTEMPTS_FAILED.labels(cause=cause).inc()
+            if status == JobStatus.QUEUED:
+                REQUEUES.labels(cause=cause).inc()
+            else:
+                JOBS_FINISHED.labels(outcome=status.value.lower()).inc()
         await self._ended(job, status)
 
     async def _ended(self, job: JobRecord, status: JobStatus | None) -> None:
@@ -292,13 +315,19 @@ class JobRunner:
             cancelled = await self._store(
                 f"the cancel of {job.id}", lambda: self.repo.attempts.cancel(*attempt, now=_now())
             )
+            if cancelled:
+                JOBS_FINISHED.labels(outcome="cancelled").inc()
             await self._ended(job, JobStatus.CANCELLED if cancelled else None)
         elif reason == StopReason.TIMED_OUT:
-            await self._failed(job, f"ran past the {timeout_s:.0f}s timeout of {job.model}", retryable=True)
+            await self._failed(
+                job, f"ran past the {timeout_s:.0f}s timeout of {job.model}", retryable=True, cause="timed out"
+            )
         elif reason == StopReason.HANDED_BACK:
             handed = await self._store(
                 f"the hand-back of {job.id}", lambda: self.repo.attempts.hand_back(*attempt, now=_now())
             )
+            if handed:
+                REQUEUES.labels(cause="handed back").inc()
             await self._ended(job, JobStatus.QUEUED if handed else None)
         # SUPERSEDED: the job is another attempt's now; nothing of ours to record.
 

@@ -30,6 +30,7 @@ from services.db.repository import Repository
 from services.db.states import WorkerStatus
 from services.events import Events
 from services.lifecycle import EXIT_UNFIT, run_service
+from services.metrics import serve_metrics
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
@@ -98,6 +99,7 @@ async def _drain(
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> int:
+    serve_metrics(settings, "gpu_worker")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)

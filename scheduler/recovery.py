@@ -43,13 +43,13 @@ def failed_after(failures: Sequence[AttemptFailure]) -> str:
     return f"failed after {len(failures)} attempts: " + "; ".join(f.describe() for f in failures)
 
 
-def _fail_attempt(job: JobRecord, failure: AttemptFailure, config: RecoveryConfig) -> Recovery:
+def _fail_attempt(job: JobRecord, failure: AttemptFailure, config: RecoveryConfig, cause: str) -> Recovery:
     if job.cancel_requested:
         # Requeueing a job whose cancel was requested ends it CANCELLED.
-        return Requeue(job.id, job.attempt, job.status, None)
+        return Requeue(job.id, job.attempt, job.status, None, cause)
     if job.failures + 1 >= config.max_attempts:
-        return Fail(job.id, job.attempt, job.status, failed_after([*job.attempt_log, failure]), failure)
-    return Requeue(job.id, job.attempt, job.status, failure)
+        return Fail(job.id, job.attempt, job.status, failed_after([*job.attempt_log, failure]), failure, cause)
+    return Requeue(job.id, job.attempt, job.status, failure, cause)
 
 
 def review(
@@ -69,10 +69,10 @@ def review(
                 actions.append(Requeue(job.id, job.attempt, job.status, None))
             else:
                 failure = AttemptFailure(job.attempt, worker, why_dead.get(worker, "unknown worker"))
-                actions.append(_fail_attempt(job, failure, config))
+                actions.append(_fail_attempt(job, failure, config, "worker lost"))
         elif job.status in STARTED and job.started_at is not None:
             limit = config.timeout_s(job.model)
             if now - job.started_at >= timedelta(seconds=limit + TIMEOUT_GRACE_S):
                 failure = AttemptFailure(job.attempt, job.worker_id or "", f"ran past the {limit:.0f}s timeout")
-                actions.append(_fail_attempt(job, failure, config))
+                actions.append(_fail_attempt(job, failure, config, "timed out"))
     return actions

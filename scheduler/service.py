@@ -19,6 +19,7 @@ from datetime import UTC, datetime, timedelta
 
 from scheduler import policy
 from scheduler.estimates import Durations, Shape
+from scheduler.job_gauges import job_gauges_loop
 from scheduler.recovery import RecoveryConfig, review
 from scheduler.views import (
     costs_from,
@@ -49,6 +50,7 @@ from services.db.states import JobStatus
 from services.errors import BusError, StoreError
 from services.events import Events, JobEvent
 from services.lifecycle import run_service
+from services.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, PLACEMENTS, QUEUE_WAIT, REQUEUES, serve_metrics
 from services.models.registry import ModelRegistry
 from services.rpc.server import Server, build_server
 from services.settings import Settings
@@ -59,10 +61,8 @@ log = logging.getLogger("darkroom.scheduler")
 LEARN_BATCH = 500
 
 
-def make_decide(
-    fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime, routings: dict[str, dict[str, object]]
-):
-    """The pass's decision, each placement's routing kept in ``routings`` by job id."""
+def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime, made: list[policy.Placement]):
+    """The pass's decision, each placement kept in ``made``."""
 
     def decide(
         queued: Sequence[JobSummary], workers: Sequence[WorkerRecord], held: Sequence[JobSummary]
@@ -71,11 +71,8 @@ def make_decide(
         placements = policy.plan(
             [job_view(j) for j in queued], worker_views(workers, held, measured), measured, config, now=now.timestamp()
         )
-        assignments = [
-            Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None
-        ]
-        routings.update((a.job_id, a.routing) for a in assignments)
-        return assignments
+        made.extend(placements)
+        return [Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None]
 
     return decide
 
@@ -104,6 +101,36 @@ def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: flo
         return {wid: WarmPlan(p.primary, tuple(sorted(p.models))) for wid, p in plans.items()}
 
     return plan
+
+
+def placement_kind(p: policy.Placement) -> str:
+    """warm, cold or batch: what the chosen worker had to do to take the job."""
+    chosen = next((c for c in p.candidates if c.worker_id == p.worker_id), None)
+    note = chosen.note if chosen is not None else ""
+    return "batch" if note.startswith("joins a batch") else "cold" if note.startswith("cold") else "warm"
+
+
+def count_placed(placements: Sequence[policy.Placement], jobs: Sequence[JobSummary]) -> None:
+    placed = {p.job_id: p for p in placements if p.worker_id is not None}
+    for job in jobs:
+        p = placed.get(job.id)
+        if p is not None:
+            PLACEMENTS.labels(kind=placement_kind(p)).inc()
+        if job.attempt == 1 and job.scheduled_at is not None:
+            QUEUE_WAIT.labels(lane=job.lane).observe((job.scheduled_at - job.created_at).total_seconds())
+
+
+def count_recovered(action: Recovery) -> None:
+    if isinstance(action, Requeue):
+        REQUEUES.labels(cause=action.cause).inc()
+        if action.failure is not None:
+            ATTEMPTS_FAILED.labels(cause=action.cause).inc()
+    elif isinstance(action, Fail):
+        JOBS_FINISHED.labels(outcome="failed").inc()
+        if action.failure is not None:
+            ATTEMPTS_FAILED.labels(cause=action.cause).inc()
+    else:
+        JOBS_FINISHED.labels(outcome="expired").inc()
 
 
 def routing_json(p: policy.Placement) -> dict[str, object]:
@@ -164,8 +191,8 @@ class Scheduler:
 
     async def run_pass(self) -> int:
         now = datetime.now(UTC)
-        routings: dict[str, dict[str, object]] = {}
-        decide = make_decide(await self.fleet(), self.config, now=now, routings=routings)
+        placements: list[policy.Placement] = []
+        decide = make_decide(await self.fleet(), self.config, now=now, made=placements)
         scheduled = await self.repo.scheduling.schedule_pass(
             decide,
             limit=self.settings.scheduler_batch,
@@ -182,7 +209,8 @@ class Scheduler:
         # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
         # under the same message id.
         await self._publish(scheduled)
-        tracing.placed(scheduled, routings)
+        count_placed(placements, scheduled)
+        tracing.placed(scheduled, {p.job_id: routing_json(p) for p in placements if p.worker_id is not None})
         return len(scheduled)
 
     async def _publish(self, jobs: Sequence[JobSummary]) -> None:
@@ -219,6 +247,7 @@ class Scheduler:
         )
         for action in done or []:
             log.warning("recovered %s", describe(action))
+            count_recovered(action)
         if done:
             # Requeued, failed or expired: streams read the outcome from the database.
             await self.events.job(*(JobEvent(a.job_id, a.attempt) for a in done))
@@ -325,6 +354,7 @@ class Scheduler:
             tg.create_task(self.placement_loop(stop))
             tg.create_task(self.recovery_loop(stop))
             tg.create_task(self.planning_loop(stop))
+            tg.create_task(job_gauges_loop(self.repo, [lane.name for lane in self.config.lanes], stop))
 
 
 def describe(action: Recovery) -> str:
@@ -342,6 +372,7 @@ def create_server(settings: Settings) -> Server:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> None:
+    serve_metrics(settings, "scheduler")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return
     registry = ModelRegistry.load(settings.model_registry or None)

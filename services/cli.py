@@ -9,8 +9,12 @@ import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.settings import Settings
+
+if TYPE_CHECKING:
+    from services.metrics import Target
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -32,6 +36,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         stack.start()
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {stack.settings.data_dir})", flush=True)
+        _print_metrics(stack.metrics_targets(), stack.settings.data_dir)
         if args.demo_prompt is not None:
             return _generate_into(stack.gateway_address, args.demo_prompt, args)
         stopped.wait()
@@ -39,6 +44,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 0
     finally:
         stack.stop()
+
+
+def _print_metrics(targets: list[Target], data_dir: Path) -> None:
+    from services.metrics import targets_path
+
+    print(f"darkroom: metrics, listed for Prometheus in {targets_path(data_dir)}:", flush=True)
+    for t in targets:
+        print(f"darkroom:   {t.child} -> {t.url}", flush=True)
 
 
 def _request(prompt: str, args: argparse.Namespace):
@@ -86,7 +99,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     """A GPU host: one sampler per visible GPU and the decoders asked for, kept
     running until SIGINT/SIGTERM."""
     from services.lifecycle import configure_logging
-    from services.stack import host_children, restart_policy, stop_order
+    from services.metrics import targets_path, write_targets
+    from services.stack import host_children, metrics_targets, restart_policy, stop_order
     from services.supervisor import Supervisor
 
     settings = _settings(args)
@@ -101,11 +115,15 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     for child in host_children(settings, decoders=args.decoders, cpu_samplers=args.cpu_workers):
         supervisor.add(child)
     supervisor.start()
+    targets = metrics_targets(supervisor.children.values())
+    write_targets(targets_path(settings.data_dir), targets)
     print(f"darkroom: supervising {', '.join(supervisor.children)}", flush=True)
+    _print_metrics(targets, settings.data_dir)
     try:
         stopped.wait()
     finally:
         supervisor.stop(stop_order(list(supervisor.children)), timeout=settings.shutdown_grace_s + 5.0)
+        write_targets(targets_path(settings.data_dir), [])
     return 0
 
 

@@ -50,6 +50,14 @@ class Settings:
     scheduler_host: str = "127.0.0.1"
     scheduler_port: int = _at_least(0, 0)
 
+    # Prometheus: a service serves /metrics on this port, from a thread; 0 serves
+    # none. Under ``darkroom up`` and ``darkroom supervise`` it is the first of
+    # consecutive ports, one per child (0: a free port each), so that several
+    # samplers on one host never share one; they list them in
+    # DATA_DIR/prometheus/targets.json. 0.0.0.0 lets another host scrape.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = _at_least(0, 0)
+
     # Empty: host and GPU (a restarted sampler takes back its own subject).
     worker_id: str = ""
     worker_host: str = "127.0.0.1"

@@ -7,13 +7,16 @@ for the sampler side of a GPU host."""
 from __future__ import annotations
 
 import os
+import socket
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 from services.bus import host_token
 from services.embedded import EmbeddedNats, EmbeddedPostgres, free_port
-from services.settings import Settings
+from services.metrics import Target, targets_path, write_targets
+from services.settings import ENV_PREFIX, Settings
 from services.supervisor import Child, RestartPolicy, Supervisor
 
 # Stopping front to back: stop taking work first, let samplers finish (or hand
@@ -54,17 +57,40 @@ def child(
     )
 
 
-def host_children(settings: Settings, *, decoders: int, cpu_samplers: int = 1) -> list[Child]:
+class MetricsPorts:
+    """Each supervised child's metrics port, kept across its restarts: consecutive
+    from ``first`` (ports an operator can name), or free ones when it is 0."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.given: list[int] = []
+
+    def next(self) -> int:
+        if self.first:
+            port = self.first + len(self.given)
+        else:
+            port = free_port()
+            while port in self.given:  # free now, but maybe just handed to a child that has not bound it
+                port = free_port()
+        self.given.append(port)
+        return port
+
+
+def host_children(
+    settings: Settings, *, decoders: int, cpu_samplers: int = 1, ports: MetricsPorts | None = None
+) -> list[Child]:
     """A GPU host's processes: ``decoders`` VAE workers and one sampler per visible
     GPU (``CUDA_VISIBLE_DEVICES`` set for each), or CPU samplers when there is
     none. Worker ids come from the host and the GPU, so a restarted sampler takes
-    back its own subject."""
+    back its own subject. Metrics ports go to the samplers first, by GPU, then to
+    the decoders: a sampler's port does not move when the decoders change."""
+    ports = ports or MetricsPorts(settings.metrics_port)
     host = host_token()
-    children = [child(settings, f"vae_worker-{i}", "vae_worker", worker_id=f"{host}-vae{i}") for i in range(decoders)]
+    samplers = []
     gpus = visible_gpus()
     if gpus:
         for i in range(gpus):
-            children.append(
+            samplers.append(
                 child(
                     settings,
                     f"gpu_worker-{i}",
@@ -72,6 +98,7 @@ def host_children(settings: Settings, *, decoders: int, cpu_samplers: int = 1) -
                     extra_env={"CUDA_VISIBLE_DEVICES": str(i)},
                     device="cuda:0",
                     worker_id=f"{host}-gpu{i}",
+                    metrics_port=ports.next(),
                 )
             )
     else:
@@ -79,7 +106,7 @@ def host_children(settings: Settings, *, decoders: int, cpu_samplers: int = 1) -
         # samplers' at once on every core, would make each step many times slower.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(cpu_samplers, 1)))}
         for i in range(cpu_samplers):
-            children.append(
+            samplers.append(
                 child(
                     settings,
                     f"gpu_worker-{i}",
@@ -87,9 +114,31 @@ def host_children(settings: Settings, *, decoders: int, cpu_samplers: int = 1) -
                     extra_env=threads,
                     device="cpu",
                     worker_id=f"{host}-cpu{i}",
+                    metrics_port=ports.next(),
                 )
             )
-    return children
+    vaes = [
+        child(settings, f"vae_worker-{i}", "vae_worker", worker_id=f"{host}-vae{i}", metrics_port=ports.next())
+        for i in range(decoders)
+    ]
+    # Decoders start first: a sampler that is ready has somewhere to decode.
+    return vaes + samplers
+
+
+def metrics_target(c: Child) -> Target | None:
+    """Where Prometheus scrapes the child (None: it serves no metrics)."""
+    port = int(c.env.get(f"{ENV_PREFIX}METRICS_PORT") or 0)
+    if not port:
+        return None
+    host = c.env.get(f"{ENV_PREFIX}METRICS_HOST") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()  # listening everywhere: named as other hosts know it
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return Target(c.name, c.module, host_token(), address)
+
+
+def metrics_targets(children: Iterable[Child]) -> list[Target]:
+    return [t for t in map(metrics_target, children) if t is not None]
 
 
 def stop_order(names: list[str]) -> list[str]:
@@ -106,6 +155,7 @@ class LocalStack:
         self.nats: EmbeddedNats | None = None
         self.supervisor = Supervisor(restart_policy(settings))
         self.log_dir = settings.data_dir / "logs"
+        self.metrics_ports = MetricsPorts(settings.metrics_port)
 
     @property
     def services(self) -> dict[str, Child]:
@@ -135,9 +185,16 @@ class LocalStack:
 
         upgrade(self.settings.database_url)
 
+    def metrics_targets(self) -> list[Target]:
+        return metrics_targets(self.services.values())
+
     def add(self, name: str, module: str, **overrides: Any) -> Child:
-        """Starts one more supervised service process."""
-        return self.supervisor.add(child(self.settings, name, module, **overrides))
+        """Starts one more supervised service process, with a metrics port of its own."""
+        if "metrics_port" not in overrides:
+            overrides["metrics_port"] = self.metrics_ports.next()
+        added = self.supervisor.add(child(self.settings, name, module, **overrides))
+        write_targets(targets_path(self.settings.data_dir), self.metrics_targets())
+        return added
 
     def start(self, timeout: float = 120.0) -> None:
         self.start_backends()
@@ -152,10 +209,15 @@ class LocalStack:
             ensure_tiny_model(self.settings.models_dir / name)
         if not self.settings.preload_models:
             self.settings = replace(self.settings, preload_models=builtin)
-        for c in host_children(self.settings, decoders=self.decoders, cpu_samplers=self.cpu_workers):
+        # Metrics ports in a fixed order: gateway, scheduler, samplers, decoders.
+        gateway_metrics, scheduler_metrics = self.metrics_ports.next(), self.metrics_ports.next()
+        host = host_children(
+            self.settings, decoders=self.decoders, cpu_samplers=self.cpu_workers, ports=self.metrics_ports
+        )
+        for c in host:
             self.supervisor.add(c)
-        self.add("scheduler", "scheduler")
-        self.add("gateway", "gateway")
+        self.add("scheduler", "scheduler", metrics_port=scheduler_metrics)
+        self.add("gateway", "gateway", metrics_port=gateway_metrics)
         self.supervisor.start()
         self.wait_ready(timeout)
 
@@ -194,6 +256,8 @@ class LocalStack:
     def stop(self) -> None:
         # Samplers get their drain's grace before SIGKILL.
         self.supervisor.stop(stop_order(list(self.services)), timeout=self.settings.shutdown_grace_s + 5.0)
+        # A stopped stack is no target: an alert on `up == 0` then means a crash, not Ctrl-C.
+        write_targets(targets_path(self.settings.data_dir), [])
         if self.nats is not None:
             self.nats.stop()
         if self.postgres is not None:

@@ -59,13 +59,21 @@ class GpuReading:
     sm_clock_mhz: int = 0
     max_sm_clock_mhz: int = 0
     throttle_reasons: tuple[str, ...] = ()
+    # Fields NVML did not give (not supported on this card, a transient error):
+    # their values above are defaults, not measurements.
+    missing: tuple[str, ...] = ()
 
     @property
     def throttled(self) -> bool:
         return bool(self.throttle_reasons)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "throttle_reasons": list(self.throttle_reasons), "throttled": self.throttled}
+        return {
+            **asdict(self),
+            "throttle_reasons": list(self.throttle_reasons),
+            "missing": list(self.missing),
+            "throttled": self.throttled,
+        }
 
 
 class Telemetry:
@@ -90,12 +98,14 @@ class Telemetry:
             return GpuReading(unavailable=self._unavailable)
         nvml, h = self._nvml, self._handle
         values: dict[str, Any] = {"source": "nvml"}
+        missing: list[str] = []
 
         def field(key: str, query: Any) -> None:
             try:
                 values[key] = query()
             except Exception as exc:  # NotSupported on this card, or a transient error
                 log.debug("NVML %s: %s", key, exc)
+                missing.append(key)
 
         field("name", lambda: str(nvml.nvmlDeviceGetName(h)))
         field("temperature_c", lambda: float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU)))
@@ -108,4 +118,4 @@ class Telemetry:
         field("sm_clock_mhz", lambda: int(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM)))
         field("max_sm_clock_mhz", lambda: int(nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)))
         field("throttle_reasons", lambda: throttle_names(_clock_event_reasons(nvml, h)))
-        return GpuReading(**values)
+        return GpuReading(**values, missing=tuple(missing))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from services.metrics import DECODE_BATCH_IMAGES, DECODE_SECONDS, DECODER_QUEUED_IMAGES, DECODER_QUEUED_MEGAPIXELS
 from services.models.vae import DecodedImage, VaeDecoderEngine
 
 # Pixels per latent along each side, for the work a waiting request holds (SD's VAEs).
@@ -78,6 +79,8 @@ class DecodeBatcher:
         self.engine.check_model(model)  # an unknown model fails alone, not the batch it would join
         key = BatchKey(model, *(int(d) for d in latents.shape[1:]))
         request = _Request(latents, asyncio.get_running_loop().create_future())
+        # Decoded, failed or given up by its caller: the load falls either way.
+        request.done.add_done_callback(lambda _: self._show_load())
         batch = self._open.get(key)
         if batch is not None and batch.images + request.images > self.max_images:
             self._close(batch)
@@ -87,14 +90,25 @@ class DecodeBatcher:
             self._waiting.append(batch)
             batch.timer = asyncio.get_running_loop().call_later(self.wait_s, self._wait_over, batch)
         batch.requests.append(request)
+        self._show_load()
         if batch.images >= self.max_images:
             self._close(batch)
         return await request.done
 
+    def _held(self) -> list[_Request]:
+        """The work it holds: waiting (and still wanted) and decoding (wanted or not,
+        the VAE call goes on)."""
+        return [r for b in self._waiting for r in b.requests if not r.done.done()] + self._running
+
+    def _show_load(self) -> None:
+        held = self._held()
+        DECODER_QUEUED_IMAGES.set(sum(r.images for r in held))
+        DECODER_QUEUED_MEGAPIXELS.set(sum(_megapixels(r.latents) for r in held))
+
     def telemetry(self) -> dict[str, Any]:
         """The decoder's load, for its heartbeat: the work it holds (waiting and
         decoding) and how fast it goes, and what it has done."""
-        held = [r for b in self._waiting for r in b.requests if not r.done.done()] + self._running
+        held = self._held()
         return {
             "queued_images": sum(r.images for r in held),
             "queued_megapixels": round(sum(_megapixels(r.latents) for r in held), 6),
@@ -152,7 +166,8 @@ class DecodeBatcher:
             return
         finally:
             self._running = []
-        self._count(images, seconds)
+            self._show_load()
+        self._count(batch.key.model, images, seconds)
         start = 0
         for r in requests:
             if not r.done.done():
@@ -165,7 +180,9 @@ class DecodeBatcher:
         images = self.engine.decode_images(model, latents)
         return images, time.perf_counter() - started
 
-    def _count(self, images: list[DecodedImage], seconds: float) -> None:
+    def _count(self, model: str, images: list[DecodedImage], seconds: float) -> None:
+        DECODE_BATCH_IMAGES.labels(model=model).observe(len(images))
+        DECODE_SECONDS.labels(model=model).observe(seconds)
         self.batches += 1
         self.images += len(images)
         self.tiled_images += sum(1 for i in images if i.tiled)

@@ -24,6 +24,7 @@ from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.errors import DegenerateOutput, StoreError, WorkerSuperseded
 from services.lifecycle import EXIT_UNFIT, run_service
+from services.metrics import observe_gpu, serve_metrics
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode
 from services.models.registry import ModelRegistry
@@ -97,6 +98,7 @@ def create_server(settings: Settings, batcher: DecodeBatcher) -> Server:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> int:
+    serve_metrics(settings, "vae_worker")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)
@@ -115,6 +117,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
 
     def reading() -> WorkerHeartbeat:
         card = gpu.read()
+        observe_gpu(worker_id, card)
         return WorkerHeartbeat(
             id=worker_id,
             kind=WorkerKind.DECODER,

@@ -215,6 +215,16 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class LaneCount:
+    """How many jobs are in one state in one lane, and when the oldest was submitted."""
+
+    status: JobStatus
+    lane: str
+    count: int
+    oldest: datetime
+
+
+@dataclass(frozen=True)
 class ShapeCount:
     """How many jobs of one shape: for demand and for the work queued ahead."""
 
@@ -254,12 +264,14 @@ class DeadWorker:
 
 @dataclass(frozen=True)
 class Requeue:
-    """Back to QUEUED. ``failure`` is None for a hand-back that costs no attempt."""
+    """Back to QUEUED. ``failure`` is None for a hand-back that costs no attempt;
+    ``cause`` says why in a word or two (for the metrics)."""
 
     job_id: str
     attempt: int
     status: JobStatus
     failure: AttemptFailure | None
+    cause: str = "worker lost"
 
 
 @dataclass(frozen=True)
@@ -269,6 +281,7 @@ class Fail:
     status: JobStatus
     reason: str
     failure: AttemptFailure | None = None
+    cause: str = "attempts used"
 
 
 @dataclass(frozen=True)

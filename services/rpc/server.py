@@ -1,4 +1,5 @@
-"""gRPC server plumbing shared by every service: health checking and reflection on."""
+"""gRPC server plumbing shared by every service: health checking and reflection on,
+every call counted for Prometheus."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from services.rpc.counting import CountingInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -38,8 +41,10 @@ def build_server(
     port: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> Server:
-    """``registrations``: (adds the servicer to a server, full service name)."""
-    server = grpc.aio.server(interceptors=list(interceptors), options=CHANNEL_OPTIONS)
+    """``registrations``: (adds the servicer to a server, full service name).
+    Every call is counted, outermost: a call that another interceptor refuses
+    is counted too."""
+    server = grpc.aio.server(interceptors=[CountingInterceptor(), *interceptors], options=CHANNEL_OPTIONS)
     for register, _ in registrations:
         register(server)
     health_servicer = health.aio.HealthServicer()

@@ -3,10 +3,12 @@ and SIGTERM stops everything, leaving no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -17,6 +19,11 @@ from services.embedded import free_port
 from tests.helpers import png_size, wait_for
 
 pytestmark = pytest.mark.integration
+
+
+def metrics_text(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        return reply.read().decode()
 
 
 def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> None:
@@ -55,6 +62,19 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
             what="darkroom up",
         )
         assert up.poll() is None, (tmp_path / "up.log").read_text()
+        # Every child's metrics, printed and listed for Prometheus.
+        printed = wait_for(
+            lambda: (tmp_path / "up.log").read_text(errors="replace"),
+            lambda text: "darkroom:   gateway -> http://" in text,
+            timeout=10,
+            what="the metrics list",
+        )
+        targets = json.loads((data / "prometheus" / "targets.json").read_text())
+        assert sorted(t["labels"]["child"] for t in targets) == ["gateway", "gpu_worker-0", "scheduler", "vae_worker-0"]
+        for target in targets:
+            [address] = target["targets"]
+            assert f"darkroom:   {target['labels']['child']} -> http://{address}/metrics" in printed
+            assert "darkroom_build_info" in metrics_text(address)
         children = psutil.Process(up.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
         for module in ("gateway", "scheduler", "gpu_worker", "vae_worker", "nats-server"):
@@ -91,6 +111,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         assert up.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [p.cmdline() for p in alive]
+        assert json.loads((data / "prometheus" / "targets.json").read_text()) == []  # a stopped stack: no targets
     finally:
         if up.poll() is None:
             up.kill()
@@ -134,6 +155,10 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
             what="a sampler and a decoder to register",
         )
         [sampler_id] = [w for w, (kind, _, _) in ready.items() if kind == "sampler"]
+        targets = json.loads((tmp_path / "data" / "prometheus" / "targets.json").read_text())
+        assert sorted(t["labels"]["service"] for t in targets) == ["gpu_worker", "vae_worker"]
+        for target in targets:
+            assert "darkroom_gpu_telemetry_available" in metrics_text(target["targets"][0])
         children = psutil.Process(supervise.pid).children(recursive=True)
         next(c for c in children if "gpu_worker" in c.cmdline()).kill()
         wait_for(workers, lambda ws: ws[sampler_id][2] == 1, timeout=120, what="the sampler to be restarted")

@@ -24,6 +24,7 @@ from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.settings import Settings
+from tests.helpers import wait_for
 from vae_worker.batcher import DecodeBatcher
 from vae_worker.service import batcher_for, create_server
 
@@ -116,6 +117,36 @@ async def test_concurrent_requests_of_one_shape_run_as_one_batch_each_getting_it
             assert (image.width, image.height) == (64, 64)
             # Exactly the pixels decoded alone (on a CPU; a GPU fuses the batch).
             assert np.array_equal(image.pixels(), alone)
+
+
+async def test_the_load_and_each_batch_are_prometheus_metrics(data_dir) -> None:
+    from prometheus_client import REGISTRY
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    async def load_is(images: float) -> None:
+        def held() -> float:
+            return sample("darkroom_decoder_queued_images")
+
+        await asyncio.to_thread(wait_for, held, lambda n: n == images, timeout=10, what=f"{images} images held")
+
+    batches, decoded = (
+        sample("darkroom_decode_batch_images_count", model="tiny"),
+        sample("darkroom_decode_batch_images_sum", model="tiny"),
+    )
+    timed = sample("darkroom_decode_seconds_count", model="tiny")
+    async with decoder_service(data_dir, decode_batch_wait_ms=10_000, decode_max_batch=3) as decoder:
+        first = asyncio.ensure_future(decode(decoder, request(latents(1))))
+        await load_is(1)  # it waits for company
+        assert sample("darkroom_decoder_queued_megapixels") == pytest.approx(64 * 64 / 1e6)
+        await decode(decoder, request(latents(2)))  # fills the batch, which runs
+        await first
+        await load_is(0)
+    assert sample("darkroom_decoder_queued_megapixels") == 0
+    assert sample("darkroom_decode_batch_images_count", model="tiny") == batches + 1
+    assert sample("darkroom_decode_batch_images_sum", model="tiny") == decoded + 3
+    assert sample("darkroom_decode_seconds_count", model="tiny") == timed + 1
 
 
 async def test_requests_of_different_shapes_run_apart(data_dir) -> None:

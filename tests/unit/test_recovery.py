@@ -94,7 +94,9 @@ def test_running_past_the_timeout_and_its_grace_fails_the_attempt() -> None:
     limit = timedelta(seconds=60 + TIMEOUT_GRACE_S)
     assert review([job(started_at=NOW - limit + timedelta(seconds=1))], [], NOW, CONFIG) == []
     [action] = review([job(started_at=NOW - limit)], [], NOW, CONFIG)
-    assert action == Requeue("j1", 1, JobStatus.RUNNING, AttemptFailure(1, "w1", "ran past the 60s timeout"))
+    assert action == Requeue(
+        "j1", 1, JobStatus.RUNNING, AttemptFailure(1, "w1", "ran past the 60s timeout"), cause="timed out"
+    )
 
 
 def test_cancel_requested_job_on_a_dead_worker_is_not_run_again() -> None:

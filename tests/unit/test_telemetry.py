@@ -64,7 +64,7 @@ def nvml_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 def test_every_field_is_read(nvml_module: Any) -> None:
     nvml_module(fake_nvml())
     reading = Telemetry(0).read()
-    assert reading.source == "nvml" and reading.unavailable == ""
+    assert reading.source == "nvml" and reading.unavailable == "" and reading.missing == ()
     assert reading.name == "NVIDIA H100 80GB HBM3"
     assert (reading.temperature_c, reading.utilization_pct, reading.memory_utilization_pct) == (71.0, 97.0, 41.0)
     assert (reading.vram_total_bytes, reading.vram_used_bytes) == (80 * 2**30, 12 * 2**30)
@@ -79,6 +79,8 @@ def test_an_unsupported_query_loses_only_its_field(nvml_module: Any) -> None:
     reading = Telemetry(0).read()
     assert reading.power_w == 0.0 and reading.sm_clock_mhz == 0
     assert reading.temperature_c == 71.0 and reading.power_limit_w == 700.0 and reading.max_sm_clock_mhz == 1980
+    # Said, so that nothing reads the defaults as 0 W and 0 MHz.
+    assert reading.missing == ("power_w", "sm_clock_mhz")
 
 
 def test_the_gpu_is_found_by_its_cuda_uuid(nvml_module: Any) -> None:

@@ -8,7 +8,7 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import JOB_COLUMNS, ImageRecord, JobRecord, NewJob, ShapeCount, Totals
+from services.db.records import JOB_COLUMNS, ImageRecord, JobRecord, LaneCount, NewJob, ShapeCount, Totals
 from services.db.repository.database import Database, fetch_all
 from services.db.states import HELD, JobStatus
 from services.errors import NotFound
@@ -117,23 +117,25 @@ class Jobs:
         async with self.db.connection() as conn:
             return await _images(conn, job_id)
 
-    async def request_cancel(self, job_id: str, *, now: datetime) -> JobRecord:
+    async def request_cancel(self, job_id: str, *, now: datetime) -> tuple[JobRecord, bool]:
         """Cancels a job that has not started at once; flags a started one, whose
-        worker then stops it at the next step and records CANCELLED."""
+        worker then stops it at the next step and records CANCELLED. Returns the
+        job, and whether this call ended it."""
         row = await self.db.one(
             f"""
+            WITH before AS (SELECT status FROM jobs WHERE id = %(id)s FOR UPDATE)
             UPDATE jobs SET
                 status = CASE WHEN status = ANY(%(at_once)s) THEN 'CANCELLED' ELSE status END,
                 finished_at = CASE WHEN status = ANY(%(at_once)s) THEN %(now)s ELSE finished_at END,
                 cancel_requested = cancel_requested OR status = ANY(%(held)s) OR status = 'QUEUED'
             WHERE id = %(id)s
-            RETURNING {JOB_COLUMNS}
+            RETURNING {JOB_COLUMNS}, (SELECT status FROM before) = ANY(%(at_once)s) AS ended_now
             """,
             {"id": job_id, "now": now, "at_once": list(_CANCELLABLE_AT_ONCE), "held": _HELD},
         )
         if row is None:
             raise NotFound(f"job {job_id} not found")
-        return JobRecord.of(row)
+        return JobRecord.of(row), bool(row["ended_now"])
 
     async def queued_ahead_shapes(self, priority: int) -> list[ShapeCount]:
         """The queued jobs that would run before a new one of this priority, by shape."""
@@ -152,6 +154,21 @@ class Jobs:
             cancelled=counts.get(JobStatus.CANCELLED.value, 0),
             expired=counts.get(JobStatus.EXPIRED.value, 0),
         )
+
+    async def counts_by_lane(self) -> list[LaneCount]:
+        """The jobs not yet ended, per state and lane, with the oldest of each, for
+        the metrics: read from the partial indexes of queued and held jobs, never
+        the whole table (ended jobs are counted as they end, by the services)."""
+        rows = await self.db.all(
+            """
+            SELECT status, lane, count(*) AS n, min(created_at) AS oldest FROM jobs
+            WHERE status = 'QUEUED' GROUP BY status, lane
+            UNION ALL
+            SELECT status, lane, count(*), min(created_at) FROM jobs
+            WHERE status IN ('SCHEDULED', 'RUNNING', 'DECODING') GROUP BY status, lane
+            """
+        )
+        return [LaneCount(JobStatus(r["status"]), r["lane"], r["n"], r["oldest"]) for r in rows]
 
 
 async def _images(conn: AsyncConnection[DictRow], job_id: str) -> list[ImageRecord]:

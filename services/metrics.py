@@ -1,0 +1,299 @@
+"""Every Prometheus metric Darkroom has, defined once, and the small helpers that
+serve and feed them.
+
+Each service process serves its own ``/metrics`` (``serve_metrics``); ``darkroom
+up`` and ``darkroom supervise`` give each child a port and list them all in a
+file-service-discovery file (``write_targets``) that ``infra/prometheus`` reads.
+Names carry their base unit (``_seconds``, ``_bytes``, ``_celsius``, ``_ratio``);
+labels never name a job: a label value per job would grow without bound."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
+
+from services.settings import Settings
+from services.telemetry import THROTTLE_REASONS, GpuReading
+
+log = logging.getLogger("darkroom.metrics")
+
+# ``_created`` series double what every counter and histogram costs Prometheus,
+# and nothing here reads them.
+disable_created_metrics()
+
+# From a cached prompt embedding (a millisecond) to a large model's first
+# generation on a cold GPU (minutes).
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+# A queued job may wait as long as its lane allows (minutes), or an hour in a backlog.
+WAIT_BUCKETS = (*LATENCY_BUCKETS[2:], 1200.0, 1800.0, 3600.0)
+# Loading a model: a tiny one from the page cache, to SDXL from a network disk.
+LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Images in one batch: one, up to a model's max_batch.
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+# Label values the callers use, so that dashboards and alerts can rely on them.
+STAGES = ("queue", "schedule", "dispatch", "sample", "decode", "store", "total")
+PLACEMENT_KINDS = ("warm", "cold", "batch")
+SUBMIT_RESULTS = ("accepted", "deduplicated", "refused")
+OUTCOMES = ("succeeded", "failed", "cancelled", "expired")
+
+# --- every service -------------------------------------------------------------
+
+BUILD_INFO = Info("darkroom_build", "The Darkroom version and which service this process is.")
+RPC_REQUESTS = Counter(
+    "darkroom_rpc_requests",
+    "gRPC calls this server finished, by full method name and final status code name (OK, NOT_FOUND, ...).",
+    ["method", "code"],
+)
+RPC_DURATION = Histogram(
+    "darkroom_rpc_duration_seconds",
+    "How long this server took over a gRPC call, from its start to its status (a stream: its whole life).",
+    ["method"],
+    buckets=LATENCY_BUCKETS,
+)
+
+# --- jobs: the scheduler counts them in PostgreSQL (scheduler.job_gauges) ---------
+
+JOBS = Gauge(
+    "darkroom_jobs",
+    "Jobs not yet ended, in each state (QUEUED, SCHEDULED, RUNNING, DECODING), per lane "
+    "(every scheduler replica reports the same figures). Ended jobs: darkroom_jobs_finished_total.",
+    ["state", "lane"],
+)
+QUEUE_DEPTH = Gauge("darkroom_queue_depth", "Jobs queued (QUEUED, not yet placed), per lane.", ["lane"])
+QUEUE_OLDEST = Gauge(
+    "darkroom_queue_oldest_seconds",
+    "How long ago the oldest job still queued in the lane was submitted (0: none queued).",
+    ["lane"],
+)
+
+# --- the life of a job ----------------------------------------------------------
+
+SUBMITS = Counter(
+    "darkroom_submits",
+    "SubmitJob calls that passed validation, per lane, by result: accepted, deduplicated or refused (lane full).",
+    ["lane", "result"],
+)
+QUEUE_WAIT = Histogram(
+    "darkroom_queue_wait_seconds",
+    "How long a job waited queued, from submit (or requeue) to its placement on a GPU.",
+    ["lane"],
+    buckets=WAIT_BUCKETS,
+)
+STAGE_SECONDS = Histogram(
+    "darkroom_stage_seconds",
+    "How long a job spent in each stage: queue, schedule, dispatch, sample, decode, store; total: submit to stored.",
+    ["stage", "model"],
+    buckets=LATENCY_BUCKETS,
+)
+PLACEMENTS = Counter(
+    "darkroom_placements",
+    "Jobs the scheduler placed, by kind: warm (its model loaded there), cold (it must load), batch (joins a batch).",
+    ["kind"],
+)
+JOBS_FINISHED = Counter(
+    "darkroom_jobs_finished",
+    "Jobs that reached a final state, by outcome: succeeded, failed, cancelled or expired.",
+    ["outcome"],
+)
+REQUEUES = Counter(
+    "darkroom_requeues",
+    "Jobs put back in the queue, by cause (a worker lost, a drain's hand-back, a failed attempt to retry).",
+    ["cause"],
+)
+ATTEMPTS_FAILED = Counter(
+    "darkroom_attempts_failed",
+    "Attempts that failed (each one counts towards MAX_ATTEMPTS), by cause.",
+    ["cause"],
+)
+STREAMS_OPEN = Gauge("darkroom_streams_open", "StreamJob streams this gateway is serving now.")
+
+# --- samplers -------------------------------------------------------------------
+
+COLD_LOADS = Counter(
+    "darkroom_cold_loads", "Models a sampler loaded to run a job (not preloaded, not planned).", ["model"]
+)
+MODEL_LOAD_SECONDS = Histogram(
+    "darkroom_model_load_seconds",
+    "How long a sampler took to load a model into memory.",
+    ["model"],
+    buckets=LOAD_BUCKETS,
+)
+BATCH_IMAGES = Histogram(
+    "darkroom_batch_images",
+    "Images in each batch a sampler ran through the denoising loop.",
+    ["model"],
+    buckets=BATCH_BUCKETS,
+)
+WORKER_INFLIGHT = Gauge(
+    "darkroom_worker_inflight", "Jobs a sampler is running now (a batch counts each of its jobs).", ["worker"]
+)
+
+# --- GPU telemetry (samplers and decoders), from NVML at each heartbeat ---------------
+
+GPU_TELEMETRY_AVAILABLE = Gauge(
+    "darkroom_gpu_telemetry_available",
+    "1 when the worker reads its GPU through NVML; 0 (a CPU worker, no driver) and its darkroom_gpu_* are absent.",
+    ["worker"],
+)
+GPU_TEMPERATURE = Gauge("darkroom_gpu_temperature_celsius", "GPU core temperature, as NVML reads it.", ["worker"])
+GPU_MEMORY_USED = Gauge("darkroom_gpu_memory_used_bytes", "GPU memory in use, by every process on it.", ["worker"])
+GPU_MEMORY_TOTAL = Gauge("darkroom_gpu_memory_total_bytes", "GPU memory installed (NVML's total).", ["worker"])
+GPU_UTILIZATION = Gauge(
+    "darkroom_gpu_utilization_ratio", "Share of the last sample period a kernel ran on the GPU (0 to 1).", ["worker"]
+)
+GPU_POWER = Gauge("darkroom_gpu_power_watts", "Power the GPU draws now.", ["worker"])
+GPU_POWER_LIMIT = Gauge("darkroom_gpu_power_limit_watts", "The power limit the GPU enforces now.", ["worker"])
+GPU_SM_CLOCK = Gauge("darkroom_gpu_sm_clock_hertz", "The GPU's SM (streaming multiprocessor) clock now.", ["worker"])
+GPU_SM_CLOCK_MAX = Gauge("darkroom_gpu_sm_clock_max_hertz", "The highest SM clock the GPU can run at.", ["worker"])
+GPU_THROTTLED = Gauge(
+    "darkroom_gpu_throttled",
+    "1 while the GPU's clocks are held down for this reason (NVML clock-event reasons; idle is none).",
+    ["worker", "reason"],
+)
+
+# --- decoders -------------------------------------------------------------------
+
+DECODER_QUEUED_IMAGES = Gauge("darkroom_decoder_queued_images", "Images this decoder holds: waiting and decoding.")
+DECODER_QUEUED_MEGAPIXELS = Gauge(
+    "darkroom_decoder_queued_megapixels", "Megapixels of the images this decoder holds: waiting and decoding."
+)
+DECODE_BATCH_IMAGES = Histogram(
+    "darkroom_decode_batch_images", "Images in each VAE call a decoder made.", ["model"], buckets=BATCH_BUCKETS
+)
+DECODE_SECONDS = Histogram(
+    "darkroom_decode_seconds", "How long each batched VAE call took.", ["model"], buckets=LATENCY_BUCKETS
+)
+
+# The per-worker GPU gauges, by the GpuReading field each is read from, and the
+# factor to its base unit.
+_GPU_FIELDS: tuple[tuple[Gauge, str, float], ...] = (
+    (GPU_TEMPERATURE, "temperature_c", 1.0),
+    (GPU_MEMORY_USED, "vram_used_bytes", 1.0),
+    (GPU_MEMORY_TOTAL, "vram_total_bytes", 1.0),
+    (GPU_UTILIZATION, "utilization_pct", 0.01),
+    (GPU_POWER, "power_w", 1.0),
+    (GPU_POWER_LIMIT, "power_limit_w", 1.0),
+    (GPU_SM_CLOCK, "sm_clock_mhz", 1e6),
+    (GPU_SM_CLOCK_MAX, "max_sm_clock_mhz", 1e6),
+)
+
+
+def observe_gpu(worker_id: str, reading: GpuReading) -> None:
+    """Sets the worker's GPU gauges from a telemetry reading. A reading without
+    NVML (a CPU worker, no driver), or a field NVML would not give, leaves its
+    gauges absent rather than claiming 0 C or 0 W."""
+    nvml = reading.source == "nvml"
+    GPU_TELEMETRY_AVAILABLE.labels(worker=worker_id).set(1 if nvml else 0)
+    for gauge, name, scale in _GPU_FIELDS:
+        if nvml and name not in reading.missing:
+            gauge.labels(worker=worker_id).set(float(getattr(reading, name)) * scale)
+        else:
+            gauge.remove(worker_id)
+    for reason in THROTTLE_REASONS.values():
+        if nvml and "throttle_reasons" not in reading.missing:
+            GPU_THROTTLED.labels(worker=worker_id, reason=reason).set(1 if reason in reading.throttle_reasons else 0)
+        else:
+            GPU_THROTTLED.remove(worker_id, reason)
+
+
+def observe_stages(model: str, times: Sequence[datetime | None]) -> None:
+    """A stored job's stages, from its timestamps in STAGES order (created, placed,
+    published, started, sampled, decoded, stored); a stage with an end missing is
+    not observed. ``total``: created to stored."""
+    for stage, start, end in zip(STAGES, times, times[1:], strict=False):
+        if start is not None and end is not None:
+            STAGE_SECONDS.labels(stage=stage, model=model).observe(max(0.0, (end - start).total_seconds()))
+    if times[0] is not None and times[-1] is not None:
+        STAGE_SECONDS.labels(stage="total", model=model).observe(max(0.0, (times[-1] - times[0]).total_seconds()))
+
+
+def serve_metrics(settings: Settings, service: str) -> WSGIServer | None:
+    """Serves ``/metrics`` on ``settings.metrics_port`` from a thread of its own (0:
+    not at all); returns the server, to shut down where the process goes on. A
+    port that cannot be had is logged, not fatal: an observer's port is no reason
+    to stop serving images (Prometheus shows the target down)."""
+    try:
+        version = metadata.version("darkroom")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    BUILD_INFO.info({"service": service, "version": version})
+    if not settings.metrics_port:
+        return None
+    try:
+        server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host)
+    except OSError as exc:
+        log.error("cannot serve metrics on %s:%d: %s", settings.metrics_host, settings.metrics_port, exc)
+        return None
+    log.info("%s metrics on http://%s:%d/metrics", service, settings.metrics_host, settings.metrics_port)
+    return server
+
+
+@dataclass(frozen=True)
+class Target:
+    """One process for Prometheus to scrape: ``service`` is its kind (gateway,
+    scheduler, gpu_worker, vae_worker), ``child`` its name under its supervisor."""
+
+    child: str
+    service: str
+    host: str
+    address: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/metrics"
+
+
+def targets_path(data_dir: Path) -> Path:
+    """Where ``darkroom up`` and ``darkroom supervise`` list their children for
+    Prometheus (``file_sd_configs`` in ``infra/prometheus/prometheus.yml``)."""
+    return data_dir / "prometheus" / "targets.json"
+
+
+def write_targets(path: Path, targets: Sequence[Target]) -> None:
+    """Writes the targets as a Prometheus file-service-discovery file, whole or not
+    at all: Prometheus rereads it when it changes and must never see half of it."""
+    groups = [
+        {"targets": [t.address], "labels": {"service": t.service, "child": t.child, "host": t.host}} for t in targets
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".targets-", suffix=".json")
+    try:
+        os.fchmod(fd, 0o644)  # for a Prometheus running as its own user
+        with os.fdopen(fd, "w") as out:
+            json.dump(groups, out, indent=2)
+            out.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
