@@ -38,13 +38,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
-import psycopg
 
 from bench import loadgen
 from services.models import sim
 from services.models.registry import ModelRegistry
 from services.settings import Settings
 from services.stack import LocalStack
+from services.stages import STAGES
 
 HERE = Path(__file__).resolve().parent
 REGISTRY = HERE / "sim_registry.toml"
@@ -268,24 +268,15 @@ def _short(frame: str) -> str:
 
 # -- stage timings ---------------------------------------------------------------------
 
-STAGES = ("queue", "schedule", "dispatch", "sample", "decode", "store")
 
-
-def stage_medians(stack: LocalStack, job_ids: list[str]) -> dict[str, float]:
-    """The median of each stage over the jobs, from their stored timings (ms)."""
-    with psycopg.connect(stack.pg_url) as conn:
-        rows = conn.execute(
-            "SELECT created_at, scheduled_at, dispatched_at, started_at, decoding_at, decoded_at, finished_at "
-            "FROM jobs WHERE id = ANY(%s) AND status = 'SUCCEEDED'",
-            (job_ids,),
-        ).fetchall()
-    spans: dict[str, list[float]] = {stage: [] for stage in STAGES}
-    for row in rows:
-        if any(t is None for t in row):
-            continue
-        for stage, a, b in zip(STAGES, row, row[1:], strict=False):
-            spans[stage].append((b - a).total_seconds() * 1000)
-    return {stage: statistics.median(v) if v else float("nan") for stage, v in spans.items()}
+def stage_medians(run: Run) -> dict[str, float]:
+    """The median of each stage over the run's jobs, from their own timings (ms)."""
+    return {
+        stage: statistics.median(values) * 1000
+        if (values := [r["stages"][stage] for r in run.done if stage in r["stages"]])
+        else float("nan")
+        for stage in STAGES
+    }
 
 
 # -- report --------------------------------------------------------------------------
@@ -389,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             for mode in ("stream", "poll"):
                 run = run_load(stack, rate, seconds, mode, args.seed + 100, f"{label}-{mode}", profile=False)
-                stages = stage_medians(stack, [r["job_id"] for r in run.done])
+                stages = stage_medians(run)
                 print(latency_rows(label, run, modelled, stages))
         print("\nstage columns: medians in ms of queue (created to placed), schedule (placed to published),")
         print("dispatch (published to started), sample, decode, store (decoded to stored)")

@@ -73,7 +73,7 @@ def _sync(device: torch.device) -> None:
 def bare_loop(case: Case, batches: tuple[int, ...], device: torch.device, rounds: int, models: Path) -> dict[int, Bare]:
     from diffusers import DiffusionPipeline
 
-    from gpu_worker.decoders import latents_to_request
+    from gpu_worker.decoders import decode_request
 
     spec = ModelRegistry.load().get(case.model)
     source, kwargs = resolve_source(spec, models)
@@ -98,7 +98,7 @@ def bare_loop(case: Case, batches: tuple[int, ...], device: torch.device, rounds
             _sync(device)
             t1 = time.perf_counter()
             job = _job(case, batch)
-            latents_to_request(job, latents)
+            decode_request([(job, latents)], [None])
             t2 = time.perf_counter()
             decode_s += t1 - t0
             ship_s += t2 - t1
@@ -125,7 +125,7 @@ def _sample(pipe: Any, case: Case, batch: int, seed: int, device: torch.device) 
         ).images
 
 
-def _job(case: Case, batch: int) -> Any:  # a JobRecord-shaped stand-in for latents_to_request
+def _job(case: Case, batch: int) -> Any:  # a JobRecord-shaped stand-in for decode_request
     from types import SimpleNamespace
 
     return SimpleNamespace(model=case.model, id="bench", output_format="png", num_images=batch)

@@ -16,7 +16,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ class Record:
     status: str = ""
     job_id: str = ""
     error: str = ""
+    # Seconds per stage, from the job's own timings (its final Job message).
+    stages: dict[str, float] = field(default_factory=dict)
 
 
 def arrivals(rate: float, seconds: float, seed: int) -> list[float]:
@@ -84,21 +86,30 @@ def request(config: Config, index: int) -> pb.SubmitJobRequest:
     )
 
 
-async def stream(stub: image_generation_pb2_grpc.ImageGenerationStub, job_id: str) -> int:
-    """Follows the job to its terminal event; returns its status."""
+async def stream(stub: image_generation_pb2_grpc.ImageGenerationStub, job_id: str) -> pb.Job:
+    """Follows the job to its terminal event; returns the job as it ended."""
     async for event in stub.StreamJob(pb.StreamJobRequest(job_id=job_id)):
         if event.HasField("terminal"):
-            return int(event.terminal.status)
+            return event.terminal
     raise RuntimeError("the stream ended without a terminal event")
 
 
-async def poll(stub: image_generation_pb2_grpc.ImageGenerationStub, job_id: str, every_s: float) -> int:
+async def poll(stub: image_generation_pb2_grpc.ImageGenerationStub, job_id: str, every_s: float) -> pb.Job:
     """Reads the job until it has ended (its images come with that read)."""
     while True:
         job = await stub.GetJob(pb.GetJobRequest(job_id=job_id))
         if job.status in TERMINAL:
-            return int(job.status)
+            return job
         await asyncio.sleep(every_s)
+
+
+def stage_seconds(job: pb.Job) -> dict[str, float]:
+    durations = job.stage_durations
+    return {
+        field.name.removesuffix("_seconds"): getattr(durations, field.name)
+        for field in durations.DESCRIPTOR.fields
+        if durations.HasField(field.name)
+    }
 
 
 async def one_job(
@@ -111,11 +122,12 @@ async def one_job(
         record.job_id = reply.job_id
         record.submit_s = time.perf_counter() - sent
         follow = stream(stub, reply.job_id) if config.mode == "stream" else poll(stub, reply.job_id, config.poll_s)
-        status = await asyncio.wait_for(follow, config.patience_s)
+        job = await asyncio.wait_for(follow, config.patience_s)
         now = time.perf_counter()
         record.end_to_end_s = now - sent
         record.finished_s = now - start
-        record.status = pb.JobStatus.Name(status).removeprefix("JOB_STATUS_")
+        record.status = pb.JobStatus.Name(job.status).removeprefix("JOB_STATUS_")
+        record.stages = stage_seconds(job)
     except grpc.aio.AioRpcError as exc:
         record.error = f"{exc.code().name}: {exc.details()}"
     except TimeoutError:

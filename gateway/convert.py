@@ -6,6 +6,7 @@ from datetime import datetime
 
 from google.protobuf import timestamp_pb2
 
+from services import stages
 from services.chunks import split
 from services.db.records import ImageRecord, JobRecord
 from services.db.states import JobStatus
@@ -42,7 +43,10 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
             started_time=timestamp(job.started_at),
             decoding_time=timestamp(job.decoding_at),
             finished_time=timestamp(job.finished_at),
+            dispatched_time=timestamp(job.dispatched_at),
+            decoded_time=timestamp(job.decoded_at),
         ),
+        stage_durations=pb.StageDurations(**{f"{stage}_seconds": s for stage, s in stage_durations(job).items()}),
         worker_id=job.worker_id or "",
         attempts=job.attempt,
         error=job.error,
@@ -68,6 +72,14 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
             pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],
     )
+
+
+def stage_durations(job: JobRecord) -> dict[str, float]:
+    """Seconds per stage of the job's latest attempt (``services.stages``). A job
+    that ended without a result has no ``store`` stage and no total."""
+    stored = job.finished_at if job.status == JobStatus.SUCCEEDED else None
+    times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, job.decoding_at, job.decoded_at)
+    return stages.durations((*times, stored))
 
 
 def image_chunks(job_id: str, image: ImageRecord) -> list[pb.JobEvent]:

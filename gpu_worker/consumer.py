@@ -25,10 +25,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpu_worker.batching import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
-from gpu_worker.runner import JobRunner, Outcome, Started
+from gpu_worker.runner import JobRunner, Outcome, SampledBatch, Started
 from services.backoff import Backoff
 from services.bus import BUS_ERRORS, Bus, ConsumerSettings, Dispatch
-from services.errors import BusError, MalformedDispatch, StoreError
+from services.errors import BusError, MalformedDispatch
 
 log = logging.getLogger("darkroom.gpu_worker.consumer")
 
@@ -138,26 +138,21 @@ class DispatchConsumer:
                 await sub.unsubscribe()
 
     async def _take(self, msgs: list[Msg]) -> None:
-        """Puts fetched dispatches in hand, each with its job's batch key."""
-        taken: list[tuple[Msg, Dispatch]] = []
+        """Puts fetched dispatches in hand, each with its job's batch key (a dispatch
+        that does not say its job's shape runs alone)."""
+        now = time.monotonic()
         for msg in msgs:
             try:
-                taken.append((msg, Dispatch.decode(msg.data)))
+                dispatch = Dispatch.decode(msg.data)
             except MalformedDispatch as exc:
                 log.error("terminating a dispatch on %s: %s", msg.subject, exc)
                 await self._settle(msg.term(), "terminate")
-        try:
-            jobs = {j.id: j for j in await self.runner.repo.jobs.get_many([d.job_id for _, d in taken])}
-        except StoreError as exc:
-            log.warning("cannot read the jobs of %d dispatches; each runs alone: %s", len(taken), exc)
-            jobs = {}
-        now = time.monotonic()
-        for msg, dispatch in taken:
+                continue
             self._passes.arrived(dispatch.pass_id, dispatch.pass_jobs, now)
-            job = jobs.get(dispatch.job_id)
-            key = BatchKey(job.model, job.width, job.height, job.steps, job.guidance_scale) if job else None
+            shape = dispatch.shape
+            key = BatchKey(shape.model, shape.width, shape.height, shape.steps, shape.guidance_scale) if shape else None
             keepalive = asyncio.create_task(self._keep_in_progress(msg))
-            self._in_hand.append(InHand(msg, dispatch, key, job.num_images if job else 1, now, keepalive))
+            self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now, keepalive))
 
     async def _run_batch(self, batch: list[InHand]) -> None:
         # Backpressure: decoding and storing may not fall further behind than this.
@@ -179,30 +174,19 @@ class DispatchConsumer:
             return
         self.batches_run += 1
         sampled = await self.runner.sample([s for _, s in started])
-        for i, (pending, job) in enumerate(started):
-            # The batch's time is learned once, from its first member, under its rows.
-            task = asyncio.create_task(
-                self._finish(
-                    pending,
-                    job,
-                    busy_s=sampled.seconds / len(started),
-                    run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
-                    batch_rows=sampled.rows,
-                )
-            )
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
+        task = asyncio.create_task(self._finish(started, sampled))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
 
-    async def _finish(
-        self, pending: InHand, job: Started, *, busy_s: float, run_seconds: float | None, batch_rows: int
-    ) -> None:
+    async def _finish(self, started: list[tuple[InHand, Started]], sampled: SampledBatch) -> None:
         try:
-            outcome = await self.runner.finish(job, busy_s=busy_s, run_seconds=run_seconds, batch_rows=batch_rows)
+            outcomes = await self.runner.finish([job for _, job in started], sampled)
         except Exception:
-            # A defect, not the job's fault: the dispatch comes back, the worker goes on.
-            log.exception("finishing %s failed unexpectedly; leaving it for redelivery", job.job.id)
-            outcome = Outcome.NOT_STORED
-        await self._settled(pending, outcome)
+            # A defect, not the jobs' fault: the dispatches come back, the worker goes on.
+            log.exception("finishing %d jobs failed unexpectedly; leaving them for redelivery", len(started))
+            outcomes = [Outcome.NOT_STORED] * len(started)
+        for (pending, _), outcome in zip(started, outcomes, strict=True):
+            await self._settled(pending, outcome)
 
     async def _settled(self, pending: InHand, outcome: Outcome) -> None:
         pending.keepalive.cancel()

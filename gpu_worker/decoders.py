@@ -1,7 +1,7 @@
-"""Turning a job's latents into images, in the job's output format: on the decoder
-service that will finish them first (``VaeDecoder.Decode``), on another one when one
-fails or disappears mid-stream, and on this sampler itself as a last resort when
-``local_decode_fallback`` allows it."""
+"""Turning a batch's latents into images, in each job's output format: in one call to
+the decoder service that will finish them first (``VaeDecoder.Decode``), on another
+one when that fails or disappears mid-stream (only the jobs it did not finish go),
+and on this sampler itself as a last resort when ``local_decode_fallback`` allows."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 
 import grpc
 import torch
@@ -27,10 +28,13 @@ log = logging.getLogger("darkroom.gpu_worker.decoders")
 
 # How long a job waits for some decoder to take it before its attempt fails.
 DECODE_PATIENCE_S = 30.0
-# The live decoders are reread this often (and when none of them could decode).
-DECODERS_REREAD_S = 1.0
 DECODE_TIMEOUT_S = 120.0
 ROUND_PAUSE_S = 0.5
+# The live decoders are reread this often (and when none of them could decode).
+DECODERS_REREAD_S = 1.0
+
+# What each job of a decode came to: its images, or why it has none.
+Decoded = dict[str, list[ImageRecord] | BaseException]
 
 
 class DecodeUnavailable(DarkroomError):
@@ -62,16 +66,28 @@ def fastest_first(decoders: list[WorkerRecord], megapixels: float, in_flight: di
     return [decoders[i] for i in sorted(range(len(decoders)), key=known.__getitem__)]
 
 
-def latents_to_request(job: JobRecord, latents: torch.Tensor) -> vae_decoder_pb2.DecodeRequest:
-    array = latents.detach().to("cpu", torch.float32).contiguous().numpy()
+def decode_request(jobs: Sequence[tuple[JobRecord, torch.Tensor]], traceparents: Sequence[str | None]):
+    """One request for the jobs' latents (one model, one latent shape), in order."""
+    array = torch.cat([latents for _, latents in jobs]).detach().to("cpu", torch.float32).contiguous().numpy()
     return vae_decoder_pb2.DecodeRequest(
-        model=job.model,
+        model=jobs[0][0].model,
         latents=array.astype("<f4").tobytes(),
         shape=list(array.shape),
         dtype="float32",
-        mime_type=mime_type_of(job.output_format),
-        job_id=job.id,
+        jobs=[
+            vae_decoder_pb2.DecodeJob(
+                job_id=job.id,
+                images=int(latents.shape[0]),
+                mime_type=mime_type_of(job.output_format),
+                traceparent=traceparent or "",
+            )
+            for (job, latents), traceparent in zip(jobs, traceparents, strict=True)
+        ],
     )
+
+
+def _megapixels(jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> float:
+    return sum(job.num_images * job.width * job.height for job, _ in jobs) / 1e6
 
 
 class Decoders:
@@ -95,27 +111,55 @@ class Decoders:
         self._in_flight: dict[str, float] = {}
 
     async def decode(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
-        request = latents_to_request(job, latents)
-        megapixels = job.num_images * job.width * job.height / 1e6
+        """One job's images; raises what kept it from having them."""
+        outcome = (await self.decode_many([(job, latents)]))[job.id]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def decode_many(self, jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> Decoded:
+        """Each job's images (jobs of one model and size, a sampler's batch), or the
+        DecodeUnavailable that ended its wait for a decoder."""
+        out: Decoded = {}
+        pending = list(jobs)
         deadline = time.monotonic() + self.patience_s
         failures: list[str] = []
         while True:
-            for decoder in fastest_first(await self._candidates(), megapixels, self._in_flight):
+            for decoder in fastest_first(await self._candidates(), _megapixels(pending), self._in_flight):
+                megapixels = _megapixels(pending)
                 self._in_flight[decoder.id] = self._in_flight.get(decoder.id, 0.0) + megapixels
                 try:
-                    return await self._decode_on(decoder, request, job)
+                    decoded = await self._decode_on(decoder, pending)
                 except DecoderFailed as exc:
-                    log.warning("job %s: %s; trying another decoder", job.id, exc)
+                    log.warning("%d jobs: %s; trying another decoder", len(pending), exc)
                     failures.append(str(exc))
+                    continue
                 finally:
                     self._in_flight[decoder.id] -= megapixels
+                for job, _ in pending:
+                    outcome = decoded[job.id]
+                    if isinstance(outcome, BaseException):
+                        log.warning("job %s: %s; trying another decoder", job.id, outcome)
+                        failures.append(str(outcome))
+                    else:
+                        out[job.id] = outcome
+                pending = [(job, latents) for job, latents in pending if job.id not in out]
+                if not pending:
+                    return out
             self._known_at = float("-inf")  # none could: ask the registry again
             if self.local is not None:
-                log.warning("job %s: no decoder service could decode it; decoding here", job.id)
-                return await asyncio.to_thread(self._decode_locally, job, latents)
+                log.warning("%d jobs: no decoder service could decode them; decoding here", len(pending))
+                for job, latents in pending:
+                    try:
+                        out[job.id] = await asyncio.to_thread(self._decode_locally, job, latents)
+                    except Exception as exc:
+                        out[job.id] = exc
+                return out
             if time.monotonic() >= deadline:
                 tried = "; ".join(failures[-3:]) or "no decoder is registered"
-                raise DecodeUnavailable(f"no decoder could decode it in {self.patience_s:.0f}s ({tried})")
+                for job, _ in pending:
+                    out[job.id] = DecodeUnavailable(f"no decoder could decode it in {self.patience_s:.0f}s ({tried})")
+                return out
             await asyncio.sleep(ROUND_PAUSE_S)
 
     async def _candidates(self) -> list[WorkerRecord]:
@@ -132,36 +176,47 @@ class Decoders:
         start = next(self._rotation) % len(self._known)
         return self._known[start:] + self._known[:start]
 
-    async def _decode_on(
-        self, decoder: WorkerRecord, request: vae_decoder_pb2.DecodeRequest, job: JobRecord
-    ) -> list[ImageRecord]:
+    async def _decode_on(self, decoder: WorkerRecord, jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> Decoded:
+        """One call for the jobs: each job's images, or the DecoderFailed that the
+        decoder said of it; raises DecoderFailed when the call itself fails."""
         ch = self._channels.get(decoder.address)
         if ch is None:
             ch = self._channels[decoder.address] = channel(decoder.address)
         stub = vae_decoder_pb2_grpc.VaeDecoderStub(ch)
-        parts: dict[int, list[bytes]] = {}
-        meta: dict[int, vae_decoder_pb2.DecodeChunk] = {}
+        parts: dict[tuple[int, int], list[bytes]] = {}
+        meta: dict[tuple[int, int], vae_decoder_pb2.DecodeChunk] = {}
+        refused: dict[int, str] = {}
         try:
-            with tracing.decode_call(job, decoder.id) as metadata:
-                async for chunk in stub.Decode(request, timeout=DECODE_TIMEOUT_S, metadata=metadata):
-                    parts.setdefault(chunk.index, []).append(chunk.data)
+            with tracing.decode_call([job for job, _ in jobs], decoder.id) as traceparents:
+                async for chunk in stub.Decode(decode_request(jobs, traceparents), timeout=DECODE_TIMEOUT_S):
+                    if chunk.error:
+                        refused[chunk.job] = chunk.error
+                        continue
+                    parts.setdefault((chunk.job, chunk.index), []).append(chunk.data)
                     if chunk.last:
-                        meta[chunk.index] = chunk
+                        meta[(chunk.job, chunk.index)] = chunk
         except grpc.aio.AioRpcError as exc:
             raise DecoderFailed(f"decoder {decoder.id} failed: {exc.code().name} {exc.details()}") from exc
-        if sorted(meta) != list(range(job.num_images)):
-            raise DecoderFailed(f"decoder {decoder.id} returned images {sorted(meta)} for {job.num_images} latents")
-        return [
-            ImageRecord(
-                index=i,
-                data=b"".join(parts[i]),
-                mime_type=meta[i].mime_type,
-                width=meta[i].width,
-                height=meta[i].height,
-                seed=(job.seed + i) % 2**63,
-            )
-            for i in range(job.num_images)
-        ]
+        out: Decoded = {}
+        for n, (job, _) in enumerate(jobs):
+            got = sorted(i for j, i in meta if j == n)
+            if n in refused:
+                out[job.id] = DecoderFailed(f"decoder {decoder.id}: {refused[n]}")
+            elif got != list(range(job.num_images)):
+                out[job.id] = DecoderFailed(f"decoder {decoder.id} returned images {got} of {job.num_images}")
+            else:
+                out[job.id] = [
+                    ImageRecord(
+                        index=i,
+                        data=b"".join(parts[(n, i)]),
+                        mime_type=meta[(n, i)].mime_type,
+                        width=meta[(n, i)].width,
+                        height=meta[(n, i)].height,
+                        seed=(job.seed + i) % 2**63,
+                    )
+                    for i in range(job.num_images)
+                ]
+        return out
 
     def _decode_locally(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
         assert self.local is not None

@@ -30,7 +30,7 @@ from services import tracing
 from services.backoff import Backoff
 from services.bus import Dispatch
 from services.coalesce import Coalescer
-from services.db.records import JobRecord
+from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus
 from services.errors import InvalidArgument, JobInterrupted, StoreError
@@ -218,11 +218,44 @@ class JobRunner:
             *(JobEvent(s.job.id, s.job.attempt, JobStatus.DECODING) for s in sampled if s.decoding_at is not None)
         )
 
-    async def finish(self, started: Started, *, busy_s: float, run_seconds: float | None, batch_rows: int) -> Outcome:
-        """Takes a sampled job to its stored outcome: decoded and SUCCEEDED, or
-        failed, cancelled or handed back as its result says."""
+    async def finish(self, batch: Sequence[Started], sampled: SampledBatch) -> list[Outcome]:
+        """Takes a sampled batch's jobs to their stored outcomes, per job in order:
+        decoded (the batch in one call) and SUCCEEDED, or failed, cancelled or handed
+        back as each one's result says. The batch's time is learned once, from its
+        first member, under its rows."""
+        latents = [
+            (s.job, s.result) for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()
+        ]
+        decoded = await self.decoders.decode_many(latents) if latents else {}
+        decoded_at = _now()
+        return list(
+            await asyncio.gather(
+                *(
+                    self._finish_one(
+                        started,
+                        decoded.get(started.job.id),
+                        decoded_at,
+                        busy_s=sampled.seconds / len(batch),
+                        run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
+                        batch_rows=sampled.rows,
+                    )
+                    for i, started in enumerate(batch)
+                )
+            )
+        )
+
+    async def _finish_one(
+        self,
+        started: Started,
+        decoded: list[ImageRecord] | BaseException | None,
+        decoded_at: datetime,
+        *,
+        busy_s: float,
+        run_seconds: float | None,
+        batch_rows: int,
+    ) -> Outcome:
         try:
-            await self._finish(started, busy_s, run_seconds, batch_rows)
+            await self._finish(started, decoded, decoded_at, busy_s, run_seconds, batch_rows)
             return Outcome.STORED
         except OutcomeNotStored as exc:
             log.warning("job %s: %s; leaving it for redelivery", started.job.id, exc)
@@ -231,15 +264,26 @@ class JobRunner:
             started.timer.cancel()
             self.tracker.finished(started.watch)
 
-    async def _finish(self, started: Started, busy_s: float, run_seconds: float | None, batch_rows: int) -> None:
+    async def _finish(
+        self,
+        started: Started,
+        decoded: list[ImageRecord] | BaseException | None,
+        decoded_at: datetime,
+        busy_s: float,
+        run_seconds: float | None,
+        batch_rows: int,
+    ) -> None:
         job, watch = started.job, started.watch
         try:
             if isinstance(started.result, BaseException):
                 raise started.result
             if started.result is None:
                 raise RuntimeError("the job was never sampled")
-            images = await self.decoders.decode(job, started.result)
-            decoded_at = _now()
+            if watch.stopping.is_set() or decoded is None:
+                raise JobInterrupted(job.id)
+            if isinstance(decoded, BaseException):
+                raise decoded
+            images = decoded
             if watch.stopping.is_set():
                 raise JobInterrupted(job.id)
             result = Result(job.id, job.attempt, images, decoded_at, busy_s, run_seconds, batch_rows)

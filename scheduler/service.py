@@ -33,7 +33,7 @@ from scheduler.views import (
 )
 from scheduler.warmsets import demand_from, plan_warm_sets
 from services import tracing
-from services.bus import Bus, Dispatch
+from services.bus import Bus, Dispatch, JobShape
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
     Assignment,
@@ -220,7 +220,17 @@ class Scheduler:
         pass_id = uuid.uuid4().hex[:12]
         published_at = time.time()
         dispatches = [
-            (job.worker_id, Dispatch(job.id, job.attempt, published_at, pass_id, per_worker[job.worker_id]))
+            (
+                job.worker_id,
+                Dispatch(
+                    job.id,
+                    job.attempt,
+                    published_at,
+                    pass_id,
+                    per_worker[job.worker_id],
+                    JobShape(job.model, job.width, job.height, job.steps, job.guidance_scale, job.num_images),
+                ),
+            )
             for job in jobs
             if job.worker_id is not None
         ]

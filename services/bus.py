@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import nats
 from nats.errors import Error as NatsError
@@ -60,6 +60,19 @@ def message_id(job_id: str, attempt: int) -> str:
 
 
 @dataclass(frozen=True)
+class JobShape:
+    """What a worker batches a job by, sent with its dispatch so that the worker can
+    form batches without reading the jobs first."""
+
+    model: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    num_images: int
+
+
+@dataclass(frozen=True)
 class Dispatch:
     job_id: str
     attempt: int
@@ -70,6 +83,7 @@ class Dispatch:
     # batch, and for nothing else. "" and 0: not said.
     pass_id: str = ""
     pass_jobs: int = 0
+    shape: JobShape | None = None  # None: not said; the job runs alone
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -79,6 +93,7 @@ class Dispatch:
                 "published_at": self.published_at,
                 "pass_id": self.pass_id,
                 "pass_jobs": self.pass_jobs,
+                "shape": asdict(self.shape) if self.shape is not None else None,
             }
         ).encode()
 
@@ -95,9 +110,10 @@ class Dispatch:
                 raise ValueError("published_at must be a non-negative number")
             if not isinstance(pass_id, str) or not isinstance(pass_jobs, int) or pass_jobs < 0:
                 raise ValueError("pass_id must be a string and pass_jobs a non-negative integer")
+            shape = JobShape(**body["shape"]) if body.get("shape") is not None else None
         except (ValueError, TypeError, KeyError) as exc:
             raise MalformedDispatch(f"malformed dispatch {data[:200]!r}: {exc}") from exc
-        return cls(job_id, attempt, float(published_at), pass_id, pass_jobs)
+        return cls(job_id, attempt, float(published_at), pass_id, pass_jobs, shape)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 from services import tracing
 from services.settings import Settings, SettingsError
@@ -24,6 +25,7 @@ EXIT_UNFIT = 3
 EXIT_BAD_SETTINGS = 2
 
 Serve = Callable[[Settings, asyncio.Event], Awaitable[int | None]]
+T = TypeVar("T")
 
 
 def configure_logging(level: str) -> None:
@@ -46,6 +48,16 @@ async def show_alive(path: Path, every_s: float) -> None:
         with contextlib.suppress(OSError):
             os.utime(path)
         await asyncio.sleep(every_s)
+
+
+def run_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Runs ``main`` on uvloop where it is installed (Linux, macOS): the same asyncio,
+    with a loop written in C, which every service spends much of its time in."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def run_service(name: str, serve: Serve, settings: Settings | None = None) -> None:
@@ -81,7 +93,7 @@ def run_service(name: str, serve: Serve, settings: Settings | None = None) -> No
     tracing.start(name, settings)
     code: int | None = 0
     try:
-        code = asyncio.run(runner())
+        code = run_loop(runner())
     except KeyboardInterrupt:
         pass
     finally:

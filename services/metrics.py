@@ -22,6 +22,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
 
+from services import stages
 from services.settings import Settings
 from services.telemetry import THROTTLE_REASONS, GpuReading
 
@@ -62,7 +63,7 @@ LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 30
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 # Label values the callers use, so that dashboards and alerts can rely on them.
-STAGES = ("queue", "schedule", "dispatch", "sample", "decode", "store", "total")
+STAGES = (*stages.STAGES, "total")
 PLACEMENT_KINDS = ("warm", "cold", "batch")
 SUBMIT_RESULTS = ("accepted", "deduplicated", "refused")
 OUTCOMES = ("succeeded", "failed", "cancelled", "expired")
@@ -228,14 +229,10 @@ def observe_gpu(worker_id: str, reading: GpuReading) -> None:
 
 
 def observe_stages(model: str, times: Sequence[datetime | None]) -> None:
-    """A stored job's stages, from its timestamps in STAGES order (created, placed,
-    published, started, sampled, decoded, stored); a stage with an end missing is
-    not observed. ``total``: created to stored."""
-    for stage, start, end in zip(STAGES, times, times[1:], strict=False):
-        if start is not None and end is not None:
-            STAGE_SECONDS.labels(stage=stage, model=model).observe(max(0.0, (end - start).total_seconds()))
-    if times[0] is not None and times[-1] is not None:
-        STAGE_SECONDS.labels(stage="total", model=model).observe(max(0.0, (times[-1] - times[0]).total_seconds()))
+    """A stored job's stages (``services.stages``) from its timestamps: created,
+    placed, published, started, sampled, decoded, stored."""
+    for stage, seconds in stages.durations(times).items():
+        STAGE_SECONDS.labels(stage=stage, model=model).observe(seconds)
 
 
 def serve_metrics(settings: Settings, service: str) -> WSGIServer | None:

@@ -80,8 +80,9 @@ class Settings:
     # A sampler decodes its own latents when no decoder service can.
     local_decode_fallback: bool = False
     # A decoder gathers concurrent requests of one model and latent shape for this
-    # long, into one VAE call of at most this many images.
-    decode_batch_wait_ms: float = _at_least(0.0, 5.0)
+    # long (a sampler's batch is one request; under load requests gather anyway while
+    # the previous batch runs), into one VAE call of at most this many images.
+    decode_batch_wait_ms: float = _at_least(0.0, 0.0)
     decode_max_batch: int = _at_least(1, 8)
     # Images of more pixels than this decode in overlapping tiles, so that a
     # decoder's memory stays that of a tile.

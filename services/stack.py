@@ -88,6 +88,7 @@ def host_children(
     host = host_token()
     samplers = []
     gpus = visible_gpus()
+    threads: dict[str, str] = {}
     if gpus:
         for i in range(gpus):
             samplers.append(
@@ -102,9 +103,11 @@ def host_children(
                 )
             )
     else:
-        # Each CPU sampler gets its share of the cores: torch's threads, all
-        # samplers' at once on every core, would make each step many times slower.
-        threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // max(cpu_samplers, 1)))}
+        # Without a GPU, samplers and decoders compute on the CPU: each gets its
+        # share of the cores. torch's threads, every process's on every core at
+        # once, spin and wait on each other and make each step many times slower.
+        share = max(1, (os.cpu_count() or 1) // max(cpu_samplers + decoders, 1))
+        threads = {"OMP_NUM_THREADS": str(share)}
         for i in range(cpu_samplers):
             samplers.append(
                 child(
@@ -118,7 +121,14 @@ def host_children(
                 )
             )
     vaes = [
-        child(settings, f"vae_worker-{i}", "vae_worker", worker_id=f"{host}-vae{i}", metrics_port=ports.next())
+        child(
+            settings,
+            f"vae_worker-{i}",
+            "vae_worker",
+            extra_env=threads,
+            worker_id=f"{host}-vae{i}",
+            metrics_port=ports.next(),
+        )
         for i in range(decoders)
     ]
     # Decoders start first: a sampler that is ready has somewhere to decode.

@@ -6,8 +6,8 @@ line). A job's spans:
     └─ schedule                                    scheduler: queued, placed, published
        ├─ wait                                     sampler: from publish until its batch samples
        ├─ sample                                   sampler: the batch's denoising loop
-       ├─ darkroom.internal.v1.VaeDecoder/Decode   sampler: each decoder tried
-       │  └─ darkroom.internal.v1.VaeDecoder/Decode   decoder: its parent comes in the call's metadata
+       ├─ darkroom.internal.v1.VaeDecoder/Decode   sampler: each decoder tried (a call decodes a batch)
+       │  └─ darkroom.internal.v1.VaeDecoder/Decode   decoder: its parent comes with the job in the request
        └─ store                                    sampler: images and SUCCEEDED written
 
 Every span is built finished, once its end is known, from times the code keeps anyway
@@ -21,18 +21,16 @@ the sampler names it as its spans' parent with nothing added to the dispatch.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import logging
 import os
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -50,21 +48,14 @@ SERVICE_NAMES = {
     "gpu_worker": "darkroom-sampler",
     "vae_worker": "darkroom-decoder",
 }
-# The gRPC metadata key that carries a span's context to the service it calls (W3C).
-TRACEPARENT = "traceparent"
 SUBMIT = "darkroom.v1.ImageGeneration/SubmitJob"
 DECODE = "darkroom.internal.v1.VaeDecoder/Decode"
-
-# A decode call's metadata: the caller's span context.
-Metadata = tuple[tuple[str, str], ...]
-F = TypeVar("F", bound=Callable[..., Any])
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _SCOPE = InstrumentationScope("darkroom")
 _UNSET = Status(StatusCode.UNSET)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
-_UNTRACED: contextlib.nullcontext[None] = contextlib.nullcontext(None)
 log = logging.getLogger("darkroom.tracing")
 
 
@@ -227,17 +218,58 @@ def sampled(batch: Sequence[Sampled], *, seconds: float, rows: int, worker_id: s
             _emit(on, "sample", (ids[0], _new_span_id()), parent, began, end, sampling, status=status)
 
 
-def decode_call(job: JobRecord, decoder_id: str) -> contextlib.AbstractContextManager[Metadata | None]:
-    """Around one ``Decode`` call: a client span, and the metadata that carries its
-    context to the decoder (None when the job is not traced)."""
+def decode_call(jobs: Sequence[JobRecord], decoder_id: str) -> _DecodeCall:
+    """Around one ``Decode`` call for ``jobs`` (a sampler's batch): a client span in
+    each traced job's trace, and, per job, the context the decoder's span of it
+    takes as its parent (None for a job not traced)."""
     on = _exporting
     if on is None:
-        return _UNTRACED
+        return _DecodeCall(None, [None] * len(jobs))
+    calls: list[tuple[tuple[int, int], int, dict[str, Any]] | None] = []
+    for job in jobs:
+        with _contained:
+            if (ids := _ids(job.trace_context)) is not None:
+                attributes = {"rpc.system": "grpc", **_attempt(job), "darkroom.decoder.id": decoder_id}
+                calls.append(((ids[0], _new_span_id()), _schedule_span_id(ids[0], job), attributes))
+                continue
+        calls.append(None)
+    return _DecodeCall(on, calls)
+
+
+class _DecodeCall:
+    def __init__(self, on: _Exporting | None, calls: list[tuple[tuple[int, int], int, dict[str, Any]] | None]):
+        self.on, self.calls = on, calls
+        self.start = 0
+
+    def __enter__(self) -> list[str | None]:
+        self.start = time.time_ns()
+        return [_traceparent(*call[0]) if call is not None else None for call in self.calls]
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        if self.on is None:
+            return
+        end = time.time_ns()
+        status = _status(error) if error is not None else _UNSET
+        for call in self.calls:
+            if call is not None:
+                with _contained:
+                    ids, parent, attributes = call
+                    _emit(self.on, DECODE, ids, parent, self.start, end, attributes, SpanKind.CLIENT, status)
+
+
+def decoded(traceparent: str, job_id: str, *, start_ns: int, error: str = "") -> None:
+    """The decoder's span of one job of a ``Decode`` call, from the call's start until
+    now: a child of the sampler's client span whose context came with the job."""
+    on = _exporting
+    if on is None or not traceparent:
+        return
     with _contained:
-        if (ids := _ids(job.trace_context)) is not None:
-            attributes = {"rpc.system": "grpc", **_attempt(job), "darkroom.decoder.id": decoder_id}
-            return _Call(on, DECODE, (ids[0], _new_span_id()), _schedule_span_id(ids[0], job), attributes)
-    return _UNTRACED
+        if (parent := _ids(traceparent)) is None:
+            return
+        attributes = {"rpc.system": "grpc", "darkroom.job.id": job_id}
+        status = Status(StatusCode.ERROR, error) if error else _UNSET
+        ids = (parent[0], _new_span_id())
+        _emit(on, DECODE, ids, parent[1], start_ns, time.time_ns(), attributes, SpanKind.SERVER, status)
 
 
 def stored(job: JobRecord, *, worker_id: str, decoded_at: datetime, stored: bool) -> None:
@@ -255,37 +287,6 @@ def stored(job: JobRecord, *, worker_id: str, decoded_at: datetime, stored: bool
 
 
 # -- the decoder -------------------------------------------------------------------
-
-
-def serves(method: str) -> Callable[[F], F]:
-    """Decorates a server-streaming handler: a server span for each call whose caller
-    sent its context, with the request's ``job_id``. Without one, or with tracing off,
-    the handler's own stream is returned untouched."""
-
-    def decorate(handler: F) -> F:
-        @functools.wraps(handler)
-        def traced(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-            stream = handler(self, request, context)
-            on = _exporting
-            if on is None:
-                return stream
-            with _contained:
-                metadata = context.invocation_metadata() or ()
-                if (parent := _ids(next((v for k, v in metadata if k == TRACEPARENT), None))) is not None:
-                    attributes = {"rpc.system": "grpc", "darkroom.job.id": getattr(request, "job_id", "")}
-                    call = _Call(on, method, (parent[0], _new_span_id()), parent[1], attributes, SpanKind.SERVER)
-                    return _served(stream, call)
-            return stream
-
-        return cast(F, traced)
-
-    return decorate
-
-
-async def _served(stream: AsyncIterator[Any], call: _Call) -> AsyncIterator[Any]:
-    with call:
-        async for item in stream:
-            yield item
 
 
 # -- building spans ----------------------------------------------------------------
@@ -315,32 +316,6 @@ class _Contained:
 
 
 _contained = _Contained()
-
-
-class _Call:
-    """A span around a call, emitted as it ends: its status says how it ended."""
-
-    def __init__(
-        self,
-        on: _Exporting,
-        name: str,
-        ids: tuple[int, int],
-        parent: int,
-        attributes: dict[str, Any],
-        kind: SpanKind = SpanKind.CLIENT,
-    ) -> None:
-        self.on, self.name, self.ids, self.parent, self.attributes, self.kind = on, name, ids, parent, attributes, kind
-        self.start = 0
-
-    def __enter__(self) -> Metadata:
-        self.start = time.time_ns()
-        return ((TRACEPARENT, _traceparent(*self.ids)),)
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
-        with _contained:
-            status = _status(error) if error is not None else _UNSET
-            end = time.time_ns()
-            _emit(self.on, self.name, self.ids, self.parent, self.start, end, self.attributes, self.kind, status)
 
 
 def _emit(

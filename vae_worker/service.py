@@ -1,7 +1,8 @@
-"""The VAE decoder service: ``VaeDecoder.Decode`` turns latents into PNG, JPEG or
-WebP images and streams each back in chunks as soon as it is encoded. Concurrent
-requests are decoded in batches (``vae_worker.batcher``); the heartbeat carries the
-decoder's load, from which samplers pick the decoder that will finish first."""
+"""The VAE decoder service: ``VaeDecoder.Decode`` turns the latents of a sampler's
+batch of jobs into PNG, JPEG or WebP images and streams each back in chunks as soon
+as it is encoded. Concurrent requests are decoded in batches too
+(``vae_worker.batcher``); the heartbeat carries the decoder's load, from which
+samplers pick the decoder that will finish first."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
-import numpy as np
 
 from services import tracing
 from services.bus import check_worker_id, host_token
@@ -22,14 +23,15 @@ from services.db.migrate import upgrade_when_reachable
 from services.db.records import WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind
-from services.errors import DegenerateOutput, StoreError, WorkerSuperseded
+from services.errors import FieldViolation, InvalidArgument, StoreError, WorkerSuperseded
 from services.lifecycle import EXIT_UNFIT, run_service
 from services.metrics import observe_gpu, serve_metrics
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode
 from services.models.registry import ModelRegistry
-from services.models.vae import VaeDecoderEngine, latents_from_bytes
+from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
+from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
 from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
 from services.settings import Settings
@@ -39,43 +41,91 @@ from vae_worker.batcher import DecodeBatcher
 log = logging.getLogger("darkroom.vae_worker")
 
 
+# A request with fewer pixels than this is encoded in one go, off the event loop: a
+# thread hop per small image would cost more than its encoding.
+ENCODE_TOGETHER_BELOW_PIXELS = 1024 * 1024
+
+
 class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
     def __init__(self, batcher: DecodeBatcher) -> None:
         self.batcher = batcher
 
     @stream_errors
-    @tracing.serves(tracing.DECODE)
     async def Decode(
         self, request: vae_decoder_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vae_decoder_pb2.DecodeChunk]:
-        mime_type = check_mime_type(request.mime_type)
+        started_ns = time.time_ns()
         latents = latents_from_bytes(request.latents, list(request.shape), request.dtype or "float32")
+        jobs = check_jobs(request.jobs, int(latents.shape[0]))
         images = await self.batcher.decode(request.model, latents)
-        for index, image in enumerate(images):
-            if image.fault:
-                raise DegenerateOutput(f"job {request.job_id or '?'} image {index}: {image.fault}")
+        # Each job's images, or why it has none: one bad image fails its job alone.
+        sliced: list[tuple[int, DecodeJob, list[DecodedImage]]] = []
+        start = 0
+        for index, (job, _) in enumerate(jobs):
+            own = images[start : start + job.images]
+            start += job.images
+            fault = next((f"image {i}: {image.fault}" for i, image in enumerate(own) if image.fault), "")
+            if fault:
+                log.warning("job %s: %s", job.job_id or "?", fault)
+                tracing.decoded(job.traceparent, job.job_id, start_ns=started_ns, error=fault)
+                yield vae_decoder_pb2.DecodeChunk(job=index, last=True, error=fault)
+            else:
+                sliced.append((index, job, own))
+        async for index, job, image_index, image, mime_type, data in _encoded(sliced, dict(enumerate(jobs))):
+            height, width = image.pixels.shape[:2]
+            for offset, part, last in split(data):
+                yield vae_decoder_pb2.DecodeChunk(
+                    job=index,
+                    index=image_index,
+                    offset=offset,
+                    data=part,
+                    last=last,
+                    width=width,
+                    height=height,
+                    mime_type=mime_type,
+                )
+            if image_index == job.images - 1:
+                tracing.decoded(job.traceparent, job.job_id, start_ns=started_ns)
 
-        async def encoded(index: int, pixels: np.ndarray) -> tuple[int, bytes]:
-            return index, await asyncio.to_thread(encode, pixels, mime_type)
 
-        encodings = [asyncio.ensure_future(encoded(i, image.pixels)) for i, image in enumerate(images)]
-        try:
-            for next_done in asyncio.as_completed(encodings):
-                index, data = await next_done
-                height, width = images[index].pixels.shape[:2]
-                for offset, part, last in split(data):
-                    yield vae_decoder_pb2.DecodeChunk(
-                        index=index,
-                        offset=offset,
-                        data=part,
-                        last=last,
-                        width=width,
-                        height=height,
-                        mime_type=mime_type,
-                    )
-        finally:
-            for task in encodings:
-                task.cancel()
+def check_jobs(jobs: Sequence[DecodeJob], images: int) -> list[tuple[DecodeJob, str]]:
+    """Each job with the MIME type it is encoded in; InvalidArgument when the jobs do
+    not account for the latents' images exactly."""
+    if not jobs:
+        raise InvalidArgument([FieldViolation("jobs", "name at least one job")])
+    if any(job.images < 1 for job in jobs) or sum(job.images for job in jobs) != images:
+        raise InvalidArgument(
+            [FieldViolation("jobs", f"their images ({[j.images for j in jobs]}) must add up to the {images} latents")]
+        )
+    return [(job, check_mime_type(job.mime_type)) for job in jobs]
+
+
+async def _encoded(
+    sliced: list[tuple[int, DecodeJob, list[DecodedImage]]], jobs: dict[int, tuple[DecodeJob, str]]
+) -> AsyncIterator[tuple[int, DecodeJob, int, DecodedImage, str, bytes]]:
+    """Each image of each job encoded in its job's format, as soon as it is: small
+    ones together in one thread, large ones each in its own (PIL compresses outside
+    the GIL), in the order they finish."""
+    todo = [(index, job, i, image, jobs[index][1]) for index, job, own in sliced for i, image in enumerate(own)]
+    pixels = sum(image.pixels.shape[0] * image.pixels.shape[1] for *_, image, _ in todo)
+    if pixels < ENCODE_TOGETHER_BELOW_PIXELS:
+        datas = await asyncio.to_thread(lambda: [encode(image.pixels, mime) for *_, image, mime in todo])
+        for item, data in zip(todo, datas, strict=True):
+            yield (*item, data)
+        return
+
+    async def one(n: int) -> tuple[int, bytes]:
+        *_, image, mime_type = todo[n]
+        return n, await asyncio.to_thread(encode, image.pixels, mime_type)
+
+    encodings = [asyncio.ensure_future(one(n)) for n in range(len(todo))]
+    try:
+        for next_done in asyncio.as_completed(encodings):
+            n, data = await next_done
+            yield (*todo[n], data)
+    finally:
+        for task in encodings:
+            task.cancel()
 
 
 def batcher_for(settings: Settings, engine: VaeDecoderEngine) -> DecodeBatcher:

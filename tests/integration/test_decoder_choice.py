@@ -146,7 +146,12 @@ def latents(n: int, seed: int = 0) -> torch.Tensor:
 async def decode_directly(address: str, z: torch.Tensor) -> None:
     """Sends latents to one decoder, bypassing any choice."""
     array = z.numpy().astype("<f4")
-    request = vae_decoder_pb2.DecodeRequest(model="tiny", latents=array.tobytes(), shape=list(array.shape))
+    request = vae_decoder_pb2.DecodeRequest(
+        model="tiny",
+        latents=array.tobytes(),
+        shape=list(array.shape),
+        jobs=[vae_decoder_pb2.DecodeJob(job_id="direct", images=len(z))],
+    )
     async with channel(address) as ch:
         async for _ in vae_decoder_pb2_grpc.VaeDecoderStub(ch).Decode(request):
             pass

@@ -64,11 +64,22 @@ def latents(n: int, height: int = 8, width: int = 8, seed: int = 0) -> torch.Ten
     return torch.randn(n, 4, height, width, generator=torch.Generator().manual_seed(seed))
 
 
-def request(z: torch.Tensor, mime_type: str = "image/png") -> vae_decoder_pb2.DecodeRequest:
-    array = z.numpy().astype("<f4")
+def request(*jobs: torch.Tensor, mime_type: str = "image/png") -> vae_decoder_pb2.DecodeRequest:
+    """One request for jobs of these latents each (a sampler's batch)."""
+    array = torch.cat(jobs).numpy().astype("<f4")
     return vae_decoder_pb2.DecodeRequest(
-        model="tiny", latents=array.tobytes(), shape=list(array.shape), dtype="float32", mime_type=mime_type
+        model="tiny",
+        latents=array.tobytes(),
+        shape=list(array.shape),
+        dtype="float32",
+        jobs=[
+            vae_decoder_pb2.DecodeJob(job_id=f"j{i}", images=len(z), mime_type=mime_type) for i, z in enumerate(jobs)
+        ],
     )
+
+
+class Refused(Exception):
+    """The decoder said it could not make a job's images."""
 
 
 @dataclass
@@ -83,17 +94,37 @@ class Decoded:
             return np.asarray(img.convert("RGB"))
 
 
-async def decode(decoder: Decoder, req: vae_decoder_pb2.DecodeRequest) -> list[Decoded]:
-    parts: dict[int, bytearray] = {}
-    images: dict[int, Decoded] = {}
+async def decode_jobs(decoder: Decoder, req: vae_decoder_pb2.DecodeRequest) -> list[list[Decoded] | Refused]:
+    """Each job's images, or what the decoder said instead."""
+    parts: dict[tuple[int, int], bytearray] = {}
+    images: dict[tuple[int, int], Decoded] = {}
+    refused: dict[int, Refused] = {}
     async for chunk in decoder.stub.Decode(req):
-        data = parts.setdefault(chunk.index, bytearray())
+        if chunk.error:
+            assert chunk.job not in refused and not any(j == chunk.job for j, _ in parts)
+            refused[chunk.job] = Refused(chunk.error)
+            continue
+        data = parts.setdefault((chunk.job, chunk.index), bytearray())
         assert chunk.offset == len(data), "chunks out of order"
         data += chunk.data
         if chunk.last:
-            images[chunk.index] = Decoded(bytes(data), chunk.mime_type, chunk.width, chunk.height)
-    assert sorted(images) == list(range(req.shape[0]))
-    return [images[i] for i in sorted(images)]
+            images[(chunk.job, chunk.index)] = Decoded(bytes(data), chunk.mime_type, chunk.width, chunk.height)
+    out: list[list[Decoded] | Refused] = []
+    for n, job in enumerate(req.jobs):
+        if n in refused:
+            out.append(refused[n])
+        else:
+            assert sorted(i for j, i in images if j == n) == list(range(job.images))
+            out.append([images[(n, i)] for i in range(job.images)])
+    return out
+
+
+async def decode(decoder: Decoder, req: vae_decoder_pb2.DecodeRequest) -> list[Decoded]:
+    """The images of a request of one job; raises Refused if it has none."""
+    [got] = await decode_jobs(decoder, req)
+    if isinstance(got, Refused):
+        raise got
+    return got
 
 
 def solo(models_dir: Path, z: torch.Tensor) -> list[np.ndarray]:
@@ -171,7 +202,7 @@ async def test_requests_of_different_shapes_run_apart(data_dir) -> None:
 )
 async def test_each_format_is_encoded_as_asked(data_dir, mime_type: str, magic: bytes, pil_format: str) -> None:
     async with decoder_service(data_dir) as decoder:
-        images = await decode(decoder, request(latents(2, width=12), mime_type))
+        images = await decode(decoder, request(latents(2, width=12), mime_type=mime_type))
     for image in images:
         assert image.data.startswith(magic)
         assert image.mime_type == (mime_type or "image/png")
@@ -183,7 +214,7 @@ async def test_each_format_is_encoded_as_asked(data_dir, mime_type: str, magic: 
 async def test_an_unknown_format_is_refused_by_name(data_dir) -> None:
     async with decoder_service(data_dir) as decoder:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await decode(decoder, request(latents(1), "image/gif"))
+            await decode(decoder, request(latents(1), mime_type="image/gif"))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "mime_type" in (err.value.details() or "")
 
@@ -207,7 +238,7 @@ async def test_a_large_image_decodes_in_tiles_close_to_whole(data_dir, models_di
     assert np.abs(tiled - whole).mean() < np.abs(other.astype(float) - whole).mean() / 3
 
 
-async def test_nan_latents_fail_with_data_loss_alone_in_their_batch(data_dir) -> None:
+async def test_nan_latents_fail_their_job_alone_in_their_batch(data_dir) -> None:
     bad = latents(1)
     bad[0, 0, 0, 0] = float("nan")
     async with decoder_service(data_dir, decode_batch_wait_ms=10_000, decode_max_batch=2) as decoder:
@@ -216,9 +247,32 @@ async def test_nan_latents_fail_with_data_loss_alone_in_their_batch(data_dir) ->
         )
         assert decoder.batcher.telemetry()["decoded_batches"] == 1
     assert isinstance(good, list) and (good[0].width, good[0].height) == (64, 64)
-    assert isinstance(failed, grpc.aio.AioRpcError)
-    assert failed.code() == grpc.StatusCode.DATA_LOSS
-    assert "NaN" in (failed.details() or "")
+    assert isinstance(failed, Refused) and "NaN" in str(failed)
+
+
+async def test_a_request_of_several_jobs_gets_each_job_its_images_and_a_bad_one_fails_alone(
+    data_dir, models_dir
+) -> None:
+    one, bad, two = latents(1, seed=1), latents(2, seed=2), latents(2, seed=3)
+    bad[1, 0, 0, 0] = float("nan")
+    async with decoder_service(data_dir) as decoder:
+        got_one, got_bad, got_two = await decode_jobs(decoder, request(one, bad, two))
+        assert decoder.batcher.telemetry()["decoded_batches"] == 1  # the three jobs in one VAE call
+    assert isinstance(got_bad, Refused) and "image 1" in str(got_bad)
+    for got, z in ((got_one, one), (got_two, two)):
+        assert isinstance(got, list) and len(got) == len(z)
+        for image, alone in zip(got, solo(models_dir, z), strict=True):
+            assert np.array_equal(image.pixels(), alone)
+
+
+async def test_jobs_that_do_not_account_for_the_latents_are_refused_by_name(data_dir) -> None:
+    req = request(latents(2))
+    req.jobs[0].images = 1
+    async with decoder_service(data_dir) as decoder:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await decode_jobs(decoder, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "jobs" in (err.value.details() or "")
 
 
 def flat_vae_registry(models_dir: Path, where: Path) -> Path:
@@ -236,9 +290,8 @@ def flat_vae_registry(models_dir: Path, where: Path) -> Path:
     return registry
 
 
-async def test_degenerate_pixels_fail_with_data_loss(data_dir, models_dir, tmp_path: Path) -> None:
+async def test_degenerate_pixels_fail_their_job(data_dir, models_dir, tmp_path: Path) -> None:
     async with decoder_service(data_dir, flat_vae_registry(models_dir, tmp_path)) as decoder:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(Refused) as err:
             await decode(decoder, request(latents(1)))
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS
-    assert "degenerate" in (err.value.details() or "")
+    assert "degenerate" in str(err.value)

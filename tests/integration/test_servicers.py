@@ -53,7 +53,13 @@ async def test_cancelling_a_job_the_sampler_does_not_run_says_so(sampler) -> Non
 
 
 async def test_decoder_names_what_is_wrong_with_the_latents(decoder) -> None:
-    bad = vae_decoder_pb2.DecodeRequest(model="tiny", latents=b"\0" * 12, shape=[1, 4, 8, 8], dtype="float32")
+    bad = vae_decoder_pb2.DecodeRequest(
+        model="tiny",
+        latents=b"\0" * 12,
+        shape=[1, 4, 8, 8],
+        dtype="float32",
+        jobs=[vae_decoder_pb2.DecodeJob(images=1)],
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in decoder.Decode(bad):
             pass
@@ -62,7 +68,13 @@ async def test_decoder_names_what_is_wrong_with_the_latents(decoder) -> None:
 
 
 async def test_decoder_refuses_an_unknown_model(decoder) -> None:
-    request = vae_decoder_pb2.DecodeRequest(model="nope", latents=b"\0" * 4 * 256, shape=[1, 4, 8, 8], dtype="float32")
+    request = vae_decoder_pb2.DecodeRequest(
+        model="nope",
+        latents=b"\0" * 4 * 256,
+        shape=[1, 4, 8, 8],
+        dtype="float32",
+        jobs=[vae_decoder_pb2.DecodeJob(images=1)],
+    )
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in decoder.Decode(request):
             pass
@@ -71,7 +83,13 @@ async def test_decoder_refuses_an_unknown_model(decoder) -> None:
 
 
 async def test_decoder_turns_latents_into_pngs(decoder) -> None:
-    request = vae_decoder_pb2.DecodeRequest(model="tiny", latents=b"\0" * 4 * 512, shape=[2, 4, 8, 8], dtype="float32")
+    request = vae_decoder_pb2.DecodeRequest(
+        model="tiny",
+        latents=b"\0" * 4 * 512,
+        shape=[2, 4, 8, 8],
+        dtype="float32",
+        jobs=[vae_decoder_pb2.DecodeJob(images=2)],
+    )
     chunks = [c async for c in decoder.Decode(request)]
-    assert sorted({c.index for c in chunks}) == [0, 1]
+    assert sorted({c.index for c in chunks}) == [0, 1] and {c.job for c in chunks} == {0}
     assert all((c.width, c.height) == (64, 64) for c in chunks if c.last)

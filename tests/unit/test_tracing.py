@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -56,25 +56,6 @@ class Member:
     result: object
 
 
-class Context:
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        self.metadata = metadata
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-
-class Request:
-    job_id = "job-1"
-
-
-class Decoder:
-    @tracing.serves(tracing.DECODE)
-    async def Decode(self, request: Any, context: Any) -> AsyncIterator[int]:
-        yield 1
-        yield 2
-
-
 class Untouchable:
     """Fails the test if a call looks at it: a disabled call must return first."""
 
@@ -122,11 +103,9 @@ def test_without_an_endpoint_no_exporter_is_made_and_every_call_does_nothing(mon
     tracing.placed(nothing, {})
     tracing.sampled(nothing, seconds=1.0, rows=1, worker_id="w")
     tracing.stored(nothing, worker_id="w", decoded_at=nothing, stored=True)
-    with tracing.decode_call(nothing, "d") as metadata:
-        assert metadata is None
-    # The handler's own stream, not a wrapper around it.
-    stream: Any = Decoder().Decode(Request(), Context((("traceparent", "00-" + "1" * 32 + "-" + "2" * 16 + "-01"),)))
-    assert stream.__qualname__ == "Decoder.Decode"
+    with tracing.decode_call([record(job)], "d") as traceparents:
+        assert traceparents == [None]
+    tracing.decoded("00-" + "1" * 32 + "-" + "2" * 16 + "-01", "job-1", start_ns=0)
     tracing.stop()
 
 
@@ -148,15 +127,11 @@ def test_a_job_s_spans_share_its_trace_and_nest(exported: InMemorySpanExporter) 
     tracing.placed([placed], {placed.id: placed.routing or {}})
     running = replace(placed, dispatched_at=T0 + timedelta(seconds=2), started_at=T0 + timedelta(seconds=3))
     tracing.sampled([Member(running, object())], seconds=0.5, rows=1, worker_id="w1")
-    with tracing.decode_call(running, "vae-0") as metadata:
-        assert metadata is not None
-        [(key, context)] = metadata
-        assert key == "traceparent" and context.split("-")[1] == trace_hex
-
-        async def served() -> list[int]:
-            return [i async for i in Decoder().Decode(Request(), Context(metadata))]
-
-        assert asyncio.run(served()) == [1, 2]
+    with tracing.decode_call([running], "vae-0") as traceparents:
+        [context] = traceparents
+        assert context is not None and context.split("-")[1] == trace_hex
+        # The decoder's side, from the context that came with the job in the request.
+        tracing.decoded(context, "job-1", start_ns=time.time_ns())
     tracing.stored(running, worker_id="w1", decoded_at=datetime.now(UTC), stored=True)
     tracing.stop()  # flushes
 
@@ -196,7 +171,7 @@ def test_failures_mark_their_span(exported: InMemorySpanExporter) -> None:
     new = tracing.with_trace(new_job())
     job = replace(record(new), attempt=2, scheduled_at=T0, started_at=T0)
     tracing.sampled([Member(job, RuntimeError("CUDA error"))], seconds=0.1, rows=1, worker_id="w1")
-    with pytest.raises(ValueError), tracing.decode_call(job, "vae-0"):
+    with pytest.raises(ValueError), tracing.decode_call([job], "vae-0"):
         raise ValueError("gone")
     tracing.stop()
     spans = {s.name: s for s in exported.get_finished_spans()}
@@ -221,8 +196,8 @@ def test_untraced_jobs_are_skipped_and_the_ratio_samples(exported: InMemorySpanE
     untraced = record(new_job(), attempt=1, scheduled_at=T0)
     tracing.placed([untraced], {})
     tracing.sampled([Member(untraced, None)], seconds=0.1, rows=1, worker_id="w1")
-    with tracing.decode_call(untraced, "vae-0") as metadata:
-        assert metadata is None
+    with tracing.decode_call([untraced], "vae-0") as traceparents:
+        assert traceparents == [None]
     never = InMemorySpanExporter()
     tracing.start("gateway", Settings(trace_sample_ratio=0.0), exporter=never)
     job = new_job()

@@ -28,7 +28,11 @@ UPDATE jobs AS j SET
     error = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE j.error END,
     finished_at = CASE WHEN j.cancel_requested THEN %(now)s ELSE j.finished_at END,
     worker_id = CASE WHEN j.cancel_requested THEN j.worker_id ELSE NULL END,
-    progress_step = CASE WHEN j.cancel_requested THEN j.progress_step ELSE 0 END
+    progress_step = CASE WHEN j.cancel_requested THEN j.progress_step ELSE 0 END,
+    -- The next attempt's stages are its own.
+    dispatched_at = CASE WHEN j.cancel_requested THEN j.dispatched_at ELSE NULL END,
+    decoding_at = CASE WHEN j.cancel_requested THEN j.decoding_at ELSE NULL END,
+    decoded_at = CASE WHEN j.cancel_requested THEN j.decoded_at ELSE NULL END
 FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(failures)s::text[]) AS r(id, attempt, failure)
 WHERE j.id = r.id AND j.attempt = r.attempt AND ({guard})
 RETURNING j.id, j.status

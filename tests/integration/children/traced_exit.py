@@ -20,7 +20,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
     job_id = os.environ["TRACED_JOB_ID"]
     new = tracing.with_trace(NewJob(job_id, "free", 0, "tiny", "p", "", 64, 64, 1, 7.5, 1, 1, None))
     job: Any = SimpleNamespace(id=job_id, attempt=1, trace_context=new.trace_context)
-    with tracing.decode_call(job, "vae-0"):
+    with tracing.decode_call([job], "vae-0"):
         pass
     await asyncio.to_thread(Path(os.environ["TRACED_READY"]).touch)
     await stop.wait()

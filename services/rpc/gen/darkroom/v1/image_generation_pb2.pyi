@@ -101,18 +101,40 @@ class Progress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("created_time", "scheduled_time", "started_time", "decoding_time", "finished_time")
+    __slots__ = ("created_time", "scheduled_time", "started_time", "decoding_time", "finished_time", "dispatched_time", "decoded_time")
     CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_TIME_FIELD_NUMBER: _ClassVar[int]
     STARTED_TIME_FIELD_NUMBER: _ClassVar[int]
     DECODING_TIME_FIELD_NUMBER: _ClassVar[int]
     FINISHED_TIME_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHED_TIME_FIELD_NUMBER: _ClassVar[int]
+    DECODED_TIME_FIELD_NUMBER: _ClassVar[int]
     created_time: _timestamp_pb2.Timestamp
     scheduled_time: _timestamp_pb2.Timestamp
     started_time: _timestamp_pb2.Timestamp
     decoding_time: _timestamp_pb2.Timestamp
     finished_time: _timestamp_pb2.Timestamp
-    def __init__(self, created_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., scheduled_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decoding_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    dispatched_time: _timestamp_pb2.Timestamp
+    decoded_time: _timestamp_pb2.Timestamp
+    def __init__(self, created_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., scheduled_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., started_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decoding_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., dispatched_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., decoded_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class StageDurations(_message.Message):
+    __slots__ = ("queue_seconds", "schedule_seconds", "dispatch_seconds", "sample_seconds", "decode_seconds", "store_seconds", "total_seconds")
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    queue_seconds: float
+    schedule_seconds: float
+    dispatch_seconds: float
+    sample_seconds: float
+    decode_seconds: float
+    store_seconds: float
+    total_seconds: float
+    def __init__(self, queue_seconds: _Optional[float] = ..., schedule_seconds: _Optional[float] = ..., dispatch_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., store_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data", "mime_type", "width", "height", "seed")
@@ -161,7 +183,7 @@ class AttemptFailure(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +205,7 @@ class Job(_message.Message):
     STARTS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    STAGE_DURATIONS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -204,7 +227,8 @@ class Job(_message.Message):
     starts: int
     output_format: OutputFormat
     batch_images: int
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ...) -> None: ...
+    stage_durations: StageDurations
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&darkroom/internal/v1/vae_decoder.proto\x12\x14\x64\x61rkroom.internal.v1\"p\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07latents\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x11\n\tmime_type\x18\x05 \x01(\t\x12\x0e\n\x06job_id\x18\x06 \x01(\t\"z\n\x0b\x44\x65\x63odeChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\r\n\x05width\x18\x05 \x01(\r\x12\x0e\n\x06height\x18\x06 \x01(\r\x12\x11\n\tmime_type\x18\x07 \x01(\t2`\n\nVaeDecoder\x12R\n\x06\x44\x65\x63ode\x12#.darkroom.internal.v1.DecodeRequest\x1a!.darkroom.internal.v1.DecodeChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&darkroom/internal/v1/vae_decoder.proto\x12\x14\x64\x61rkroom.internal.v1\"S\n\tDecodeJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\r\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\"|\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07latents\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12-\n\x04jobs\x18\x05 \x03(\x0b\x32\x1f.darkroom.internal.v1.DecodeJob\"\x96\x01\n\x0b\x44\x65\x63odeChunk\x12\x0b\n\x03job\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x11\n\tmime_type\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t2`\n\nVaeDecoder\x12R\n\x06\x44\x65\x63ode\x12#.darkroom.internal.v1.DecodeRequest\x1a!.darkroom.internal.v1.DecodeChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'darkroom.internal.v1.vae_decoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEREQUEST']._serialized_start=64
-  _globals['_DECODEREQUEST']._serialized_end=176
-  _globals['_DECODECHUNK']._serialized_start=178
-  _globals['_DECODECHUNK']._serialized_end=300
-  _globals['_VAEDECODER']._serialized_start=302
-  _globals['_VAEDECODER']._serialized_end=398
+  _globals['_DECODEJOB']._serialized_start=64
+  _globals['_DECODEJOB']._serialized_end=147
+  _globals['_DECODEREQUEST']._serialized_start=149
+  _globals['_DECODEREQUEST']._serialized_end=273
+  _globals['_DECODECHUNK']._serialized_start=276
+  _globals['_DECODECHUNK']._serialized_end=426
+  _globals['_VAEDECODER']._serialized_start=428
+  _globals['_VAEDECODER']._serialized_end=524
 # @@protoc_insertion_point(module_scope)

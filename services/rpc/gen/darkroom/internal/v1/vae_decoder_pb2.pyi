@@ -1,29 +1,40 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DecodeJob(_message.Message):
+    __slots__ = ("job_id", "images", "mime_type", "traceparent")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    images: int
+    mime_type: str
+    traceparent: str
+    def __init__(self, job_id: _Optional[str] = ..., images: _Optional[int] = ..., mime_type: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
-    __slots__ = ("model", "latents", "shape", "dtype", "mime_type", "job_id")
+    __slots__ = ("model", "latents", "shape", "dtype", "jobs")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LATENTS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
-    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
-    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     model: str
     latents: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    mime_type: str
-    job_id: str
-    def __init__(self, model: _Optional[str] = ..., latents: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., mime_type: _Optional[str] = ..., job_id: _Optional[str] = ...) -> None: ...
+    jobs: _containers.RepeatedCompositeFieldContainer[DecodeJob]
+    def __init__(self, model: _Optional[str] = ..., latents: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[DecodeJob, _Mapping]]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("index", "offset", "data", "last", "width", "height", "mime_type")
+    __slots__ = ("job", "index", "offset", "data", "last", "width", "height", "mime_type", "error")
+    JOB_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +42,8 @@ class DecodeChunk(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job: int
     index: int
     offset: int
     data: bytes
@@ -38,4 +51,5 @@ class DecodeChunk(_message.Message):
     width: int
     height: int
     mime_type: str
-    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, job: _Optional[int] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., mime_type: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...

@@ -47,10 +47,12 @@ class VaeDecoderServicer:
     """
 
     def Decode(self, request, context):
-        """Decodes a batch of latents and streams each encoded image back in chunks,
-        each image as soon as it is encoded. Concurrent requests of the same model
-        and latent shape may run as one VAE call. Pixels with NaN or infinity, or
-        that barely vary, fail the request with DATA_LOSS.
+        """Decodes the latents of one or more jobs (one model, one latent shape: a
+        sampler's batch) and streams each encoded image back in chunks, each image as
+        soon as it is encoded. Concurrent requests of the same model and latent shape
+        may run as one VAE call. A job whose pixels have NaN or infinity, or barely
+        vary, gets a single chunk with `error` set instead of its images; the other
+        jobs of the request are unaffected.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
