@@ -241,7 +241,9 @@ def start_profiles(groups: dict[str, list[psutil.Process]], seconds: float, tmp:
 
 
 def finish_profiles(spies: dict[str, Any]) -> dict[str, list[tuple[str, float]]]:
-    """Per service, the functions it spent most of its samples in (self time)."""
+    """Per service, where its samples went: each sample is charged to the innermost
+    of Darkroom's own functions on its stack (what it spent, libraries included),
+    or to the library function it was in when no Darkroom frame is on the stack."""
     profiles = {}
     for name, (proc, out) in spies.items():
         proc.wait(timeout=120)
@@ -252,11 +254,22 @@ def finish_profiles(spies: dict[str, Any]) -> dict[str, list[tuple[str, float]]]
                 stack, _, n = line.rpartition(" ")
                 if not stack or not n.isdigit():
                     continue
-                leaf = stack.split(";")[-1]
-                counts[_short(leaf)] += int(n)
+                frames = stack.split(";")
+                own = [f for f in frames if _ours(f)]
+                counts[_short(own[-1] if own else frames[-1])] += int(n)
                 total += int(n)
-        profiles[name] = [(frame, n / total) for frame, n in counts.most_common(8)] if total else []
+        profiles[name] = [(frame, n / total) for frame, n in counts.most_common(10)] if total else []
     return profiles
+
+
+ROOT = str(HERE.parent) + "/"
+PACKAGES = ("gateway/", "scheduler/", "gpu_worker/", "vae_worker/", "services/")
+
+
+def _ours(frame: str) -> bool:
+    # py-spy names a module by its path, relative to the process's directory when it can.
+    where = frame.partition(" (")[2].removeprefix(ROOT)
+    return where.startswith(PACKAGES)
 
 
 def _short(frame: str) -> str:

@@ -125,7 +125,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if self._fleet_view is None or loop.time() - self._fleet_read >= self.settings.estimates_refresh_s:
             fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
             workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
-            self._fleet_view = (fleet, worker_views(workers, await self.repo.scheduling.held_jobs(), fleet))
+            self._fleet_view = (fleet, worker_views(workers, await self.repo.scheduling.held_groups(), fleet))
             self._fleet_read = loop.time()
         return self._fleet_view
 
@@ -156,9 +156,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         STREAMS_OPEN.inc()
         try:
             state = StreamState(request.job_id)
-            job = await self.repo.jobs.get(request.job_id)
+            stored = await self.repo.jobs.state(request.job_id)
             while True:
-                moved = state.on_job(job)
+                moved = state.on_stored(*stored)
                 if moved is not None:
                     yield moved
                 # Until the job ends: what NATS says, or what the database says after
@@ -173,7 +173,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                         yield out
                 if state.ended:
                     break
-                job = await self.repo.jobs.get(request.job_id)
+                stored = await self.repo.jobs.state(request.job_id)
             job, images = await self.repo.jobs.get_with_images(request.job_id)
             for image in images:
                 for chunk in image_chunks(job.id, image):

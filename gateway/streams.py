@@ -7,7 +7,6 @@ to send, each status once and in the order the job went through them."""
 from __future__ import annotations
 
 from gateway.convert import STATUS
-from services.db.records import JobRecord
 from services.db.states import JobStatus
 from services.events import JobEvent, position
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -34,9 +33,9 @@ class StreamState:
         self.attempt, self.status = attempt, status
         return pb.JobEvent(job_id=self.job_id, status=STATUS[status]) if changed else None
 
-    def on_job(self, job: JobRecord) -> pb.JobEvent | None:
-        """The job as stored: the status to send, if it moved on."""
-        return self._moved(job.attempt, job.status)
+    def on_stored(self, status: JobStatus, attempt: int) -> pb.JobEvent | None:
+        """The job's state as stored: the status to send, if it moved on."""
+        return self._moved(attempt, status)
 
     def on_event(self, event: JobEvent) -> list[pb.JobEvent]:
         """An event heard on NATS: the status or progress to send, if any. A step

@@ -72,6 +72,8 @@ class SampledBatch:
     seconds: float  # the GPU's time on the batch: free for the next once its latents are out
     rows: int  # images in it
     learnable: bool  # its model was warm: the time says how long such batches take
+    # Recording its jobs DECODING, under way while they decode: their outcomes wait for it.
+    recorded: asyncio.Future[None] | None = None
 
 
 def _now() -> datetime:
@@ -196,11 +198,13 @@ class JobRunner:
         BATCH_IMAGES.labels(model=model).observe(rows)
         tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
         sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()]
+        recorded = None
         if sampled:
             self._warmed_up.add(model)
-            await self._decoding(sampled)
+            # Not on the way to the image: the batch decodes meanwhile.
+            recorded = asyncio.ensure_future(self._decoding(sampled))
         # A batch that loaded or warmed up its model says little about how long batches take.
-        return SampledBatch(seconds, rows, learnable=was_warm)
+        return SampledBatch(seconds, rows, learnable=was_warm, recorded=recorded)
 
     async def _decoding(self, sampled: Sequence[Started]) -> None:
         now = _now()
@@ -228,6 +232,8 @@ class JobRunner:
         ]
         decoded = await self.decoders.decode_many(latents) if latents else {}
         decoded_at = _now()
+        if sampled.recorded is not None:
+            await sampled.recorded  # DECODING before SUCCEEDED, in the database and on the stream
         return list(
             await asyncio.gather(
                 *(

@@ -38,6 +38,7 @@ from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
     Assignment,
     Fail,
+    HeldGroup,
     JobSummary,
     Recovery,
     Requeue,
@@ -65,7 +66,7 @@ def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: dateti
     """The pass's decision, each placement kept in ``made``."""
 
     def decide(
-        queued: Sequence[JobSummary], workers: Sequence[WorkerRecord], held: Sequence[JobSummary]
+        queued: Sequence[JobSummary], workers: Sequence[WorkerRecord], held: Sequence[HeldGroup]
     ) -> list[Assignment]:
         measured = replace(fleet, costs=measured_costs(fleet.costs, workers))
         placements = policy.plan(

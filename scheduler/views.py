@@ -11,7 +11,7 @@ from dataclasses import replace
 from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
 from scheduler.warmsets import GpuView
-from services.db.records import Estimate, Fold, JobRecord, JobSummary, RunTime, WorkerRecord
+from services.db.records import Estimate, Fold, HeldGroup, JobRecord, JobSummary, RunTime, WorkerRecord
 from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
@@ -123,15 +123,22 @@ def job_view(job: JobRecord | JobSummary) -> policy.JobView:
     )
 
 
+def group_view(group: HeldGroup) -> policy.JobView:
+    """A held group as one job of its batch key (its largest)."""
+    return policy.JobView(
+        "", group.model, group.width, group.height, group.steps, group.largest, guidance_scale=group.guidance_scale
+    )
+
+
 def worker_views(
-    workers: Sequence[WorkerRecord], held: Sequence[JobSummary], fleet: policy.Fleet
+    workers: Sequence[WorkerRecord], held: Sequence[HeldGroup], fleet: policy.Fleet
 ) -> list[policy.WorkerView]:
     """Each worker with what it holds as batches: the ones running (started jobs
     of one key), and the ones it has not started, still open to more jobs."""
-    by_worker: dict[str, list[JobSummary]] = {}
-    for j in held:
-        if j.worker_id is not None and j.model in fleet.costs:
-            by_worker.setdefault(j.worker_id, []).append(j)
+    by_worker: dict[str, list[HeldGroup]] = {}
+    for g in held:
+        if g.model in fleet.costs:
+            by_worker.setdefault(g.worker_id, []).append(g)
     views = []
     for w in workers:
         view = policy.WorkerView(
@@ -146,29 +153,24 @@ def worker_views(
             planned_models=frozenset(w.planned_models),
         )
         mine = by_worker.get(w.id, [])
-        running: dict[policy.BatchKey, list[JobSummary]] = {}
-        waiting: dict[policy.BatchKey, list[JobSummary]] = {}
-        for j in mine:
-            if j.status != JobStatus.DECODING:  # decoding frees the GPU
-                group = running if j.status == JobStatus.RUNNING else waiting
-                group.setdefault(job_view(j).batch_key, []).append(j)
+        # Decoding frees the GPU: those jobs hold no work here.
+        running = [g for g in mine if g.status == JobStatus.RUNNING]
+        waiting = [g for g in mine if g.status == JobStatus.SCHEDULED]
         work, slots = 0.0, len(running)
-        for jobs in running.values():
-            done = jobs[0].progress_step / jobs[0].progress_total if jobs[0].progress_total else 0.0
-            rows = sum(j.num_images for j in jobs)
-            work += policy.batch_seconds(job_view(jobs[0]), rows, view, fleet) * (1.0 - done)
-        for jobs in waiting.values():
-            batches, seconds = policy.queued_batches(job_view(jobs[0]), sum(j.num_images for j in jobs), view, fleet)
+        for g in running:
+            work += policy.batch_seconds(group_view(g), g.images, view, fleet) * (1.0 - g.done)
+        for g in waiting:
+            batches, seconds = policy.queued_batches(group_view(g), g.images, view, fleet)
             work += seconds
             slots += batches
-        work += sum(fleet.costs[m].load_s for m in {j.model for j in mine} - set(w.warm_models))
+        work += sum(fleet.costs[m].load_s for m in {g.model for g in mine} - set(w.warm_models))
         views.append(
             replace(
                 view,
                 held_jobs=slots,
                 held_work_s=work,
-                held_capabilities=frozenset(fleet.costs[j.model].capability for j in mine),
-                open_batches=tuple(sorted((k, sum(j.num_images for j in js)) for k, js in waiting.items())),
+                held_capabilities=frozenset(fleet.costs[g.model].capability for g in mine),
+                open_batches=tuple(sorted((group_view(g).batch_key, g.images) for g in waiting)),
             )
         )
     return views

@@ -122,6 +122,24 @@ class JobSummary:
 
 
 @dataclass(frozen=True)
+class HeldGroup:
+    """Jobs one worker holds in one state with one batch key: what placement needs
+    to know of the work a worker holds, read as a few groups rather than every job."""
+
+    worker_id: str
+    status: JobStatus
+    model: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    jobs: int
+    images: int  # of all its jobs
+    largest: int  # images of its largest job
+    done: float  # the share of its steps done, of its most advanced job
+
+
+@dataclass(frozen=True)
 class ImageRecord:
     index: int
     data: bytes
@@ -294,7 +312,7 @@ Recovery = Requeue | Fail | Expire
 
 # Decides placements for one pass, given the queued jobs, the live workers and the
 # jobs the workers already hold. Pure: the scheduler's policy.
-Decide = Callable[[Sequence[JobSummary], Sequence[WorkerRecord], Sequence[JobSummary]], Sequence[Assignment]]
+Decide = Callable[[Sequence[JobSummary], Sequence[WorkerRecord], Sequence[HeldGroup]], Sequence[Assignment]]
 # Decides what to do with jobs that may need recovering, given the workers that are
 # dead and the database's clock. Pure: the scheduler's recovery policy.
 Review = Callable[[Sequence[JobRecord], Sequence[DeadWorker], datetime], Sequence[Recovery]]

@@ -19,7 +19,8 @@ SMALL: dict[str, Any] = {"model": "tiny", "width": 64, "height": 64, "steps": 2}
 
 
 def test_paid_job_overtakes_queued_free_jobs(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> None:
-    # No backlog: a worker is given one job at a time, so placement order is run order.
+    # No backlog and jobs of different steps (none can join another's batch): a
+    # worker is given one job at a time, so placement order is run order.
     stack = make_stack(tmp_path, postgres, models_dir, worker_backlog=0)
     stack.start()
     try:
@@ -27,7 +28,8 @@ def test_paid_job_overtakes_queued_free_jobs(tmp_path: Path, postgres: EmbeddedP
         scheduler.stop()
         client = stub(stack)
         free = [
-            client.SubmitJob(pb.SubmitJobRequest(**SMALL, prompt=f"free {i}", lane="free")).job_id for i in range(4)
+            client.SubmitJob(pb.SubmitJobRequest(**{**SMALL, "steps": 3 + i}, prompt=f"free {i}", lane="free")).job_id
+            for i in range(4)
         ]
         paid = client.SubmitJob(pb.SubmitJobRequest(**SMALL, prompt="paid", lane="paid")).job_id
         scheduler.start()

@@ -117,10 +117,10 @@ async def test_every_write_of_an_older_attempt_changes_nothing(repo: Repository,
 
     job = await repo.jobs.get(job_id)
     assert (job.status, job.attempt, job.worker_id, job.progress_step) == (JobStatus.RUNNING, new, W2, 2)
-    assert await repo.jobs.images(job_id) == []
+    assert (await repo.jobs.get_with_images(job_id))[1] == []
     assert await repo.attempts.finish(job_id, new, W2, [IMAGE], now=now(), busy_s=1.0)
     assert not await repo.attempts.finish(job_id, new, W2, [IMAGE], now=now(), busy_s=1.0), "one result at most"
-    assert len(await repo.jobs.images(job_id)) == 1
+    assert len((await repo.jobs.get_with_images(job_id))[1]) == 1
     assert (await repo.jobs.get(job_id)).status == JobStatus.SUCCEEDED
 
 
@@ -246,7 +246,7 @@ async def test_redelivered_dispatch_is_handled_idempotently(repo: Repository, wo
     assert await repo.attempts.finish(job_id, attempt, W1, [IMAGE], now=now(), busy_s=1.0)
     # Redelivered once more after its outcome was stored (the ack was lost): nothing to run.
     assert await repo.attempts.start(job_id, attempt, W1, now=now()) is None
-    assert len(await repo.jobs.images(job_id)) == 1
+    assert len((await repo.jobs.get_with_images(job_id))[1]) == 1
 
 
 async def test_run_times_are_learned_once_by_the_scheduler(repo: Repository, workers) -> None:

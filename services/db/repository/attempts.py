@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from services.db.records import AttemptFailure, ImageRecord, JobRecord
-from services.db.repository.database import Database, fetch_all
+from services.db.repository.database import Database
 from services.db.repository.requeue import JOB_COLUMNS_J, end, requeue
 from services.db.states import HELD, STARTED, JobStatus
 
@@ -157,61 +157,58 @@ class Attempts:
 
     async def finish_many(self, results: Sequence[Result], worker_id: str, *, now: datetime) -> set[str]:
         """Stores each result's images and marks its job SUCCEEDED, all in one
-        transaction, each only if its attempt is still current here; returns the ids
-        stored. ``run_seconds``: how long it ran, if that is worth learning from, in a
+        statement (one round trip, one commit), each only if its attempt is still
+        current here; returns the ids stored. ``run_seconds``: how long it ran, if that is worth learning from, in a
         batch of ``batch_rows`` images (its own, if None)."""
         if not results:
             return set()
-        async with self.db.tx() as conn:
-            rows = await fetch_all(
-                conn,
-                f"""
+        images = [(r.job_id, image) for r in results for image in r.images]
+        rows = await self.db.all(
+            f"""
+            WITH stored AS (
                 UPDATE jobs AS j SET
                     status = 'SUCCEEDED', error = '', finished_at = %(now)s, decoded_at = r.decoded_at,
                     run_seconds = r.run_seconds, batch_rows = r.batch_rows
                 FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(decoded)s::timestamptz[],
-                            %(run_seconds)s::float8[], %(batch_rows)s::int[])
-                     AS r(id, attempt, decoded_at, run_seconds, batch_rows)
+                            %(run_seconds)s::float8[], %(batch_rows)s::int[], %(busy)s::float8[])
+                     AS r(id, attempt, decoded_at, run_seconds, batch_rows, busy_s)
                 WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
-                RETURNING j.id
-                """,
-                {
-                    "now": now,
-                    "worker": worker_id,
-                    "statuses": _STARTED,
-                    "ids": [r.job_id for r in results],
-                    "attempts": [r.attempt for r in results],
-                    "decoded": [r.decoded_at for r in results],
-                    "run_seconds": [r.run_seconds for r in results],
-                    "batch_rows": [r.batch_rows for r in results],
-                },
+                RETURNING j.id, r.busy_s
+            ), images AS (
+                INSERT INTO job_images (job_id, "index", data, mime_type, width, height, seed)
+                SELECT i.* FROM unnest(%(image_jobs)s::varchar[], %(indexes)s::int[], %(datas)s::bytea[],
+                                       %(mime_types)s::varchar[], %(widths)s::int[], %(heights)s::int[],
+                                       %(seeds)s::bigint[])
+                     AS i(job_id, "index", data, mime_type, width, height, seed)
+                WHERE i.job_id IN (SELECT id FROM stored)
+            ), counted AS (
+                UPDATE workers SET
+                    completed = completed + (SELECT count(*) FROM stored),
+                    busy_seconds = busy_seconds + (SELECT coalesce(sum(busy_s), 0) FROM stored)
+                WHERE id = %(worker)s AND EXISTS (SELECT 1 FROM stored)
             )
-            stored = {row["id"] for row in rows}
-            images = [(r.job_id, image) for r in results if r.job_id in stored for image in r.images]
-            if images:
-                await conn.execute(
-                    """
-                    INSERT INTO job_images (job_id, "index", data, mime_type, width, height, seed)
-                    SELECT * FROM unnest(%s::varchar[], %s::int[], %s::bytea[], %s::varchar[], %s::int[],
-                                         %s::int[], %s::bigint[])
-                    """,
-                    (
-                        [job_id for job_id, _ in images],
-                        [i.index for _, i in images],
-                        [i.data for _, i in images],
-                        [i.mime_type for _, i in images],
-                        [i.width for _, i in images],
-                        [i.height for _, i in images],
-                        [i.seed for _, i in images],
-                    ),
-                )
-            if stored:
-                busy = sum(r.busy_s for r in results if r.job_id in stored)
-                await conn.execute(
-                    "UPDATE workers SET completed = completed + %s, busy_seconds = busy_seconds + %s WHERE id = %s",
-                    (len(stored), busy, worker_id),
-                )
-        return stored
+            SELECT id FROM stored
+            """,
+            {
+                "now": now,
+                "worker": worker_id,
+                "statuses": _STARTED,
+                "ids": [r.job_id for r in results],
+                "attempts": [r.attempt for r in results],
+                "decoded": [r.decoded_at for r in results],
+                "run_seconds": [r.run_seconds for r in results],
+                "batch_rows": [r.batch_rows for r in results],
+                "busy": [r.busy_s for r in results],
+                "image_jobs": [job_id for job_id, _ in images],
+                "indexes": [i.index for _, i in images],
+                "datas": [i.data for _, i in images],
+                "mime_types": [i.mime_type for _, i in images],
+                "widths": [i.width for _, i in images],
+                "heights": [i.height for _, i in images],
+                "seeds": [i.seed for _, i in images],
+            },
+        )
+        return {row["id"] for row in rows}
 
     async def cancel(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
         async with self.db.connection() as conn:

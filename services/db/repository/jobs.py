@@ -8,8 +8,18 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import JOB_COLUMNS, ImageRecord, JobRecord, LaneCount, NewJob, ShapeCount, Totals
+from services.db.records import (
+    JOB_COLUMNS,
+    JOB_FIELDS,
+    ImageRecord,
+    JobRecord,
+    LaneCount,
+    NewJob,
+    ShapeCount,
+    Totals,
+)
 from services.db.repository.database import Database, fetch_all
+from services.db.repository.requeue import qualified
 from services.db.states import HELD, JobStatus
 from services.errors import NotFound
 
@@ -48,6 +58,12 @@ _INSERTED_FIELDS = (
     "deadline",
     "trace_context",
 )
+_WITH_IMAGES = f"""
+SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,
+       i.height AS image_height, i.seed AS image_seed
+FROM jobs j LEFT JOIN job_images i ON i.job_id = j.id
+WHERE j.id = %s ORDER BY i."index"
+"""
 _CANCELLABLE_AT_ONCE = (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value)
 _HELD = [st.value for st in HELD]
 
@@ -67,7 +83,9 @@ class Jobs:
         whether an earlier submit with its idempotency key had made it."""
         params: dict[str, object] = {name: [getattr(j, name) for j in jobs] for name in _INSERTED_FIELDS}
         params["now"] = now
-        async with self.db.tx() as conn:
+        async with self.db.connection() as conn:
+            # One statement, committed on its own. A submit whose key another has
+            # inserted meanwhile waits for that one's commit, then finds its job.
             inserted = {row["id"]: JobRecord.of(row) for row in await fetch_all(conn, _INSERT, params)}
             keys = [j.idempotency_key for j in jobs if j.id not in inserted and j.idempotency_key]
             earlier: dict[str, JobRecord] = {}
@@ -93,29 +111,30 @@ class Jobs:
         return JobRecord.of(row)
 
     async def get_with_images(self, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
-        """The job, and its images if it has succeeded, in one transaction."""
-        async with self.db.connection() as conn:
-            row = await (await conn.execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s", (job_id,))).fetchone()
-            if row is None:
-                raise NotFound(f"job {job_id} not found")
-            job = JobRecord.of(row)
-            images = await _images(conn, job_id) if job.status == JobStatus.SUCCEEDED else []
-        return job, images
+        """The job, and its images if it has succeeded, in one statement (a job has
+        images only once it has succeeded: they are stored with its SUCCEEDED)."""
+        rows = await self.db.all(_WITH_IMAGES, (job_id,))
+        if not rows:
+            raise NotFound(f"job {job_id} not found")
+        images = [
+            ImageRecord(
+                r["image_index"], r["data"], r["mime_type"], r["image_width"], r["image_height"], r["image_seed"]
+            )
+            for r in rows
+            if r["image_index"] is not None
+        ]
+        return JobRecord.of(rows[0]), images
 
-    async def get_many(self, job_ids: Sequence[str]) -> list[JobRecord]:
-        """The jobs of ``job_ids`` that exist, in no particular order."""
-        if not job_ids:
-            return []
-        rows = await self.db.all(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ANY(%s)", (list(job_ids),))
-        return [JobRecord.of(r) for r in rows]
+    async def state(self, job_id: str) -> tuple[JobStatus, int]:
+        """The job's status and attempt: all a stream needs to begin."""
+        row = await self.db.one("SELECT status, attempt FROM jobs WHERE id = %s", (job_id,))
+        if row is None:
+            raise NotFound(f"job {job_id} not found")
+        return JobStatus(row["status"]), row["attempt"]
 
     async def find_by_idempotency_key(self, key: str) -> JobRecord | None:
         row = await self.db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = %s", (key,))
         return JobRecord.of(row) if row is not None else None
-
-    async def images(self, job_id: str) -> list[ImageRecord]:
-        async with self.db.connection() as conn:
-            return await _images(conn, job_id)
 
     async def request_cancel(self, job_id: str, *, now: datetime) -> tuple[JobRecord, bool]:
         """Cancels a job that has not started at once; flags a started one, whose
@@ -169,15 +188,6 @@ class Jobs:
             """
         )
         return [LaneCount(JobStatus(r["status"]), r["lane"], r["n"], r["oldest"]) for r in rows]
-
-
-async def _images(conn: AsyncConnection[DictRow], job_id: str) -> list[ImageRecord]:
-    rows = await fetch_all(
-        conn,
-        'SELECT "index", data, mime_type, width, height, seed FROM job_images WHERE job_id = %s ORDER BY "index"',
-        (job_id,),
-    )
-    return [ImageRecord(r["index"], r["data"], r["mime_type"], r["width"], r["height"], r["seed"]) for r in rows]
 
 
 async def shape_counts(conn: AsyncConnection[DictRow], where: str, params: dict[str, object]) -> list[ShapeCount]:

@@ -10,12 +10,21 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from services.db.records import SUMMARY_COLUMNS, SUMMARY_FIELDS, Decide, JobSummary, ShapeCount, WarmPlan, WorkerRecord
-from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, fetch_all, try_lock
+from services.db.records import (
+    SUMMARY_COLUMNS,
+    SUMMARY_FIELDS,
+    Decide,
+    HeldGroup,
+    JobSummary,
+    ShapeCount,
+    WarmPlan,
+    WorkerRecord,
+)
+from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, TRY_LOCK, Database, fetch_all, try_lock
 from services.db.repository.jobs import shape_counts
 from services.db.repository.requeue import qualified
-from services.db.repository.workers import live_workers
-from services.db.states import HELD, WorkerKind
+from services.db.repository.workers import live_workers, live_workers_query
+from services.db.states import HELD, JobStatus, WorkerKind
 
 _HELD = [st.value for st in HELD]
 # The oldest ``limit`` placeable jobs of every lane, found without reading the rest
@@ -48,6 +57,16 @@ RETURNING {qualified(SUMMARY_FIELDS, "j")}
 """
 
 
+_HELD_GROUPS = """
+SELECT worker_id, status, model, width, height, steps, guidance_scale,
+       count(*) AS jobs, sum(num_images) AS images, max(num_images) AS largest,
+       coalesce(max(progress_step::float8 / nullif(progress_total, 0)), 0) AS done
+FROM jobs WHERE status = ANY(%s) AND worker_id IS NOT NULL
+GROUP BY worker_id, status, model, width, height, steps, guidance_scale
+ORDER BY worker_id, status, model, width, height, steps, guidance_scale
+"""
+
+
 class Scheduling:
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -58,15 +77,22 @@ class Scheduling:
         """One scheduling pass under the scheduler lock. Returns the jobs now
         SCHEDULED (attempt raised, worker set), in the order they were placed, or
         None if another replica holds the lock."""
-        async with self.db.tx() as conn:
-            if not await try_lock(conn, SCHEDULER_LOCK):
+        # Pipelined: the lock and the three reads go in one round trip, the placements
+        # in another, the commit in a third (a replica that loses the lock reads for
+        # nothing, which costs less than waiting for each answer).
+        async with self.db.connection() as conn, conn.pipeline(), conn.transaction():
+            locked = await conn.execute(TRY_LOCK, (SCHEDULER_LOCK,))
+            window = await conn.execute(_QUEUE_WINDOW, {"limit": limit, "max_attempts": max_attempts, "now": now})
+            live = await conn.execute(*live_workers_query(WorkerKind.SAMPLER, stale_after_s))
+            held = await conn.execute(_HELD_GROUPS, (_HELD,))
+            row = await locked.fetchone()
+            if not (row and row["locked"]):
                 return None
-            rows = await fetch_all(conn, _QUEUE_WINDOW, {"limit": limit, "max_attempts": max_attempts, "now": now})
-            if not rows:
+            queued = [JobSummary.of(r) for r in await window.fetchall()]
+            if not queued:
                 return []
-            queued = [JobSummary.of(r) for r in rows]
-            workers = await live_workers(conn, WorkerKind.SAMPLER, stale_after_s)
-            assignments = decide(queued, workers, await held_jobs(conn))
+            workers = [WorkerRecord.of(r) for r in await live.fetchall()]
+            assignments = decide(queued, workers, [held_group(r) for r in await held.fetchall()])
             if not assignments:
                 return []
             placed = await fetch_all(
@@ -88,10 +114,10 @@ class Scheduling:
         )
         return [JobSummary.of(r) for r in rows]
 
-    async def held_jobs(self) -> list[JobSummary]:
-        """Every job a worker holds: scheduled to it, running or decoding."""
+    async def held_groups(self) -> list[HeldGroup]:
+        """The jobs workers hold (scheduled to them, running or decoding), grouped."""
         async with self.db.connection() as conn:
-            return await held_jobs(conn)
+            return await held_groups(conn)
 
     async def held_per_worker(self) -> dict[str, int]:
         rows = await self.db.all(
@@ -123,6 +149,23 @@ class Scheduling:
             return plans
 
 
-async def held_jobs(conn: AsyncConnection[DictRow]) -> list[JobSummary]:
-    rows = await fetch_all(conn, f"SELECT {SUMMARY_COLUMNS} FROM jobs WHERE status = ANY(%s)", (_HELD,))
-    return [JobSummary.of(r) for r in rows]
+async def held_groups(conn: AsyncConnection[DictRow]) -> list[HeldGroup]:
+    """Per worker, state and batch key, what its jobs add up to: a few rows however
+    many jobs are held."""
+    return [held_group(r) for r in await fetch_all(conn, _HELD_GROUPS, (_HELD,))]
+
+
+def held_group(r: DictRow) -> HeldGroup:
+    return HeldGroup(
+        r["worker_id"],
+        JobStatus(r["status"]),
+        r["model"],
+        r["width"],
+        r["height"],
+        r["steps"],
+        r["guidance_scale"],
+        r["jobs"],
+        int(r["images"]),
+        r["largest"],
+        min(1.0, r["done"]),
+    )
