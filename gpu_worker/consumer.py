@@ -21,7 +21,6 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from gpu_worker.batching import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
@@ -102,18 +101,18 @@ class DispatchConsumer:
                 try:
                     if sub is None:
                         sub = await self.bus.dispatch_consumer(self.worker_id, self.consumer)
-                    msgs = await sub.fetch(self.max_in_hand - len(self._in_hand), timeout=wait_s)
+                    msgs = await sub.pull(self.max_in_hand - len(self._in_hand), wait_s)
                     backoff.reset()
-                except (TimeoutError, NatsTimeoutError):
-                    if not self._in_hand and not self._finishing:
-                        await self.on_idle()  # the moment to load or drop models
-                    continue
                 except (*BUS_ERRORS, BusError) as exc:
                     log.warning("cannot fetch dispatches, retrying in %.1fs: %s", backoff.next_s, exc)
                     # Bind afresh: the consumer may have been recreated meanwhile.
                     await self._unsubscribe(sub)
                     sub = None
                     await backoff.wait(stop)
+                    continue
+                if not msgs:
+                    if not self._in_hand and not self._finishing:
+                        await self.on_idle()  # the moment to load or drop models
                     continue
                 await self._take(msgs)
         finally:

@@ -3,6 +3,7 @@ follows its settings, and a forgotten worker leaves nothing on the stream."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +33,7 @@ async def test_existing_consumer_is_updated_to_new_settings(nats_server: Embedde
         sub = await bus.dispatch_consumer("host-cpu0", ConsumerSettings(ack_wait_s=15, max_ack_pending=8))
         assert await bus.consumer_settings("host-cpu0") == ConsumerSettings(15.0, 8)
         # The same durable consumer, with what was waiting on it.
-        [msg] = await sub.fetch(1, timeout=2)
+        [msg] = await sub.pull(1, wait_s=2)
         assert Dispatch.decode(msg.data) == Dispatch("j1", 1)
         await msg.ack()
         await sub.unsubscribe()
@@ -63,5 +64,38 @@ async def test_duplicate_publish_of_one_attempt_is_dropped(nats_server: Embedded
         assert await bus.publish_dispatch("host-cpu0", Dispatch("j1", 1))
         assert not await bus.publish_dispatch("host-cpu0", Dispatch("j1", 1))
         assert await bus.publish_dispatch("host-cpu0", Dispatch("j1", 2))
+    finally:
+        await bus.close()
+
+
+async def test_a_pull_returns_what_is_there_without_waiting_for_a_full_batch(nats_server: EmbeddedNats) -> None:
+    bus = await Bus.connect([nats_server.url], name="test")
+    try:
+        sub = await bus.dispatch_consumer("host-cpu5", ConsumerSettings())
+        for attempt in (1, 2, 3):
+            await bus.publish_dispatch("host-cpu5", Dispatch("j1", attempt))
+        # Three of the ten asked for: answered at once, not when the 60 s pass.
+        msgs = await asyncio.wait_for(sub.pull(10, wait_s=60), 10)
+        assert [Dispatch.decode(m.data).attempt for m in msgs] == [1, 2, 3]
+        for msg in msgs:
+            await msg.ack()
+        assert await sub.pull(10, wait_s=0.2) == []  # nothing there: an empty answer once the wait is over
+        await sub.unsubscribe()
+    finally:
+        await bus.close()
+
+
+async def test_a_waiting_pull_returns_a_lone_dispatch_as_it_comes(nats_server: EmbeddedNats) -> None:
+    bus = await Bus.connect([nats_server.url], name="test")
+    try:
+        sub = await bus.dispatch_consumer("host-cpu6", ConsumerSettings())
+        waiting = asyncio.ensure_future(sub.pull(64, wait_s=60))
+        await asyncio.sleep(0.2)  # the pull is lingering on the server
+        await bus.publish_dispatch("host-cpu6", Dispatch("j9", 1))
+        # One message, not the 64 asked for: it comes now, not when the 60 s pass.
+        [msg] = await asyncio.wait_for(waiting, 10)
+        assert Dispatch.decode(msg.data) == Dispatch("j9", 1)
+        await msg.ack()
+        await sub.unsubscribe()
     finally:
         await bus.close()
