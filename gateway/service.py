@@ -17,7 +17,7 @@ from gateway.streams import StreamState
 from gateway.validation import validate_submit
 from scheduler import admission, policy
 from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
-from services import tracing
+from services import logs, tracing
 from services.bus import connect_nats
 from services.coalesce import Coalescer, SingleFlight
 from services.db.migrate import upgrade_when_reachable
@@ -144,19 +144,25 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
-        job, images = await self.repo.jobs.get_with_images(request.job_id)
-        return job_message(job, images)
+        with logs.about_job(request.job_id):
+            job, images = await self.repo.jobs.get_with_images(request.job_id)
+            return job_message(job, images)
 
     @stream_errors
     async def StreamJob(
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
+        with logs.about_job(request.job_id):
+            async for event in self._stream(request.job_id):
+                yield event
+
+    async def _stream(self, job_id: str) -> AsyncIterator[pb.JobEvent]:
         # Following first, reading second: nothing that happens after the read is missed.
-        feed = await self.events.follow(request.job_id)
+        feed = await self.events.follow(job_id)
         STREAMS_OPEN.inc()
         try:
-            state = StreamState(request.job_id)
-            stored = await self.repo.jobs.state(request.job_id)
+            state = StreamState(job_id)
+            stored = await self.repo.jobs.state(job_id)
             while True:
                 moved = state.on_stored(*stored)
                 if moved is not None:
@@ -173,8 +179,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                         yield out
                 if state.ended:
                     break
-                stored = await self.repo.jobs.state(request.job_id)
-            job, images = await self.repo.jobs.get_with_images(request.job_id)
+                stored = await self.repo.jobs.state(job_id)
+            job, images = await self.repo.jobs.get_with_images(job_id)
             for image in images:
                 for chunk in image_chunks(job.id, image):
                     yield chunk
@@ -186,7 +192,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
-        job, ended_now = await self.repo.jobs.request_cancel(request.job_id, now=datetime.now(UTC))
+        with logs.about_job(request.job_id):
+            return await self._cancel(request.job_id)
+
+    async def _cancel(self, job_id: str) -> pb.CancelJobResponse:
+        job, ended_now = await self.repo.jobs.request_cancel(job_id, now=datetime.now(UTC))
         if ended_now:
             JOBS_FINISHED.labels(outcome="cancelled").inc()
             await self.events.job(JobEvent(job.id, job.attempt, job.status))

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from gpu_worker.batching import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
 from gpu_worker.runner import JobRunner, Outcome, SampledBatch, Started
+from services import logs
 from services.backoff import Backoff
 from services.bus import BUS_ERRORS, Bus, ConsumerSettings, Dispatch
 from services.errors import BusError, MalformedDispatch
@@ -120,7 +121,7 @@ class DispatchConsumer:
                 await asyncio.wait(self._finishing)
             for pending in self._in_hand:
                 pending.keepalive.cancel()
-                await self._settle(pending.msg.nak(), f"nak {pending.dispatch.job_id}")
+                await self._settle(pending.msg.nak(), f"nak {pending.dispatch.job_id}", pending.dispatch.job_id)
             self._in_hand = []
             await self._unsubscribe(sub)
 
@@ -161,7 +162,11 @@ class DispatchConsumer:
         try:
             results: dict[str, Started | Outcome] = await self.runner.start([p.dispatch for p in batch])
         except Exception:
-            log.exception("starting %d jobs failed unexpectedly; leaving them for redelivery", len(batch))
+            log.exception(
+                "starting %d jobs failed unexpectedly; leaving them for redelivery",
+                len(batch),
+                extra=logs.jobs_fields(p.dispatch.job_id for p in batch),
+            )
             results = {}
         for pending in batch:
             result = results.get(pending.dispatch.job_id, Outcome.NOT_STORED)
@@ -182,7 +187,11 @@ class DispatchConsumer:
             outcomes = await self.runner.finish([job for _, job in started], sampled)
         except Exception:
             # A defect, not the jobs' fault: the dispatches come back, the worker goes on.
-            log.exception("finishing %d jobs failed unexpectedly; leaving them for redelivery", len(started))
+            log.exception(
+                "finishing %d jobs failed unexpectedly; leaving them for redelivery",
+                len(started),
+                extra=logs.jobs_fields(job.job.id for _, job in started),
+            )
             outcomes = [Outcome.NOT_STORED] * len(started)
         for (pending, _), outcome in zip(started, outcomes, strict=True):
             await self._settled(pending, outcome)
@@ -191,18 +200,18 @@ class DispatchConsumer:
         pending.keepalive.cancel()
         job_id = pending.dispatch.job_id
         if outcome is Outcome.STORED:
-            await self._settle(pending.msg.ack(), f"ack {job_id}")
+            await self._settle(pending.msg.ack(), f"ack {job_id}", job_id)
         else:
-            await self._settle(pending.msg.nak(delay=REDELIVER_AFTER_S), f"nak {job_id}")
+            await self._settle(pending.msg.nak(delay=REDELIVER_AFTER_S), f"nak {job_id}", job_id)
 
     @staticmethod
-    async def _settle(call: Awaitable[None], what: str) -> None:
+    async def _settle(call: Awaitable[None], what: str, job_id: str = "") -> None:
         # Not settled (NATS away): JetStream redelivers it after the ack wait, and
         # the redelivery finds the outcome stored, or runs the job again.
         try:
             await call
         except BUS_ERRORS as exc:
-            log.warning("cannot %s: %s", what, exc)
+            log.warning("cannot %s: %s", what, exc, extra=logs.job_fields(job_id) if job_id else None)
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         """Keeps JetStream from redelivering a job while it waits or runs."""

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from services import tracing
+from services import logs, tracing
 from services.db.records import ImageRecord, JobRecord, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
@@ -131,7 +131,12 @@ class Decoders:
                 try:
                     decoded = await self._decode_on(decoder, pending)
                 except DecoderFailed as exc:
-                    log.warning("%d jobs: %s; trying another decoder", len(pending), exc)
+                    log.warning(
+                        "%d jobs: %s; trying another decoder",
+                        len(pending),
+                        exc,
+                        extra=logs.jobs_fields(job.id for job, _ in pending),
+                    )
                     failures.append(str(exc))
                     continue
                 finally:
@@ -139,7 +144,12 @@ class Decoders:
                 for job, _ in pending:
                     outcome = decoded[job.id]
                     if isinstance(outcome, BaseException):
-                        log.warning("job %s: %s; trying another decoder", job.id, outcome)
+                        log.warning(
+                            "job %s: %s; trying another decoder",
+                            job.id,
+                            outcome,
+                            extra=logs.job_fields(job.id, job.attempt),
+                        )
                         failures.append(str(outcome))
                     else:
                         out[job.id] = outcome
@@ -148,7 +158,11 @@ class Decoders:
                     return out
             self._known_at = float("-inf")  # none could: ask the registry again
             if self.local is not None:
-                log.warning("%d jobs: no decoder service could decode them; decoding here", len(pending))
+                log.warning(
+                    "%d jobs: no decoder service could decode them; decoding here",
+                    len(pending),
+                    extra=logs.jobs_fields(job.id for job, _ in pending),
+                )
                 for job, latents in pending:
                     try:
                         out[job.id] = await asyncio.to_thread(self._decode_locally, job, latents)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.tracker import JobTracker
+from services import logs
 from services.backoff import Backoff
 from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.repository import Repository
@@ -96,6 +97,7 @@ class Presence:
                     self.worker_id,
                     len(registration.requeued),
                     ", ".join(registration.requeued),
+                    extra=logs.jobs_fields(registration.requeued),
                 )
                 await self._moved(registration.requeued)
             return True
@@ -132,7 +134,12 @@ class Presence:
             log.warning("cannot deregister: %s", exc)
             return
         if handed_back:
-            log.info("handed back %d jobs: %s", len(handed_back), ", ".join(handed_back))
+            log.info(
+                "handed back %d jobs: %s",
+                len(handed_back),
+                ", ".join(handed_back),
+                extra=logs.jobs_fields(handed_back),
+            )
             await self._moved(handed_back)
 
     async def _moved(self, job_ids: Sequence[str]) -> None:

@@ -26,7 +26,7 @@ import torch
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
-from services import tracing
+from services import logs, tracing
 from services.backoff import Backoff
 from services.bus import Dispatch
 from services.coalesce import Coalescer
@@ -146,7 +146,7 @@ class JobRunner:
                 lambda: self.repo.attempts.start_many(requests, self.worker_id, now=_now()),
             )
         except OutcomeNotStored as exc:
-            log.warning("%s; leaving them for redelivery", exc)
+            log.warning("%s; leaving them for redelivery", exc, extra=logs.jobs_fields(d.job_id for d in dispatches))
             return {d.job_id: Outcome.NOT_STORED for d in dispatches}
         out: dict[str, Started | Outcome] = {}
         loop = asyncio.get_running_loop()
@@ -154,7 +154,12 @@ class JobRunner:
             job = jobs.get(d.job_id)
             if job is None:
                 # Cancelled before it started, requeued, or a stale attempt: nothing to run.
-                log.info("dropping %s attempt %d: not this worker's to run", d.job_id, d.attempt)
+                log.info(
+                    "dropping %s attempt %d: not this worker's to run",
+                    d.job_id,
+                    d.attempt,
+                    extra=logs.job_fields(d.job_id, d.attempt),
+                )
                 out[d.job_id] = Outcome.STORED
                 continue
             watch = self.tracker.open(job.id, job.attempt)
@@ -183,7 +188,12 @@ class JobRunner:
             if len(batch) == 1:
                 results = [exc]
             else:
-                log.warning("a batch of %d failed (%s); running its jobs one by one", len(batch), exc)
+                log.warning(
+                    "a batch of %d failed (%s); running its jobs one by one",
+                    len(batch),
+                    exc,
+                    extra=logs.jobs_fields(s.job.id for s in batch),
+                )
                 results = []
                 for member in members:
                     try:
@@ -213,7 +223,12 @@ class JobRunner:
                 [(s.job.id, s.job.attempt) for s in sampled], self.worker_id, now=now
             )
         except StoreError as exc:
-            log.warning("cannot record %d jobs decoding (their outcomes will be): %s", len(sampled), exc)
+            log.warning(
+                "cannot record %d jobs decoding (their outcomes will be): %s",
+                len(sampled),
+                exc,
+                extra=logs.jobs_fields(s.job.id for s in sampled),
+            )
             return
         for s in sampled:
             if s.job.id in marked:
@@ -261,10 +276,16 @@ class JobRunner:
         batch_rows: int,
     ) -> Outcome:
         try:
-            await self._finish(started, decoded, decoded_at, busy_s, run_seconds, batch_rows)
+            with logs.about_job(started.job.id, started.job.attempt):
+                await self._finish(started, decoded, decoded_at, busy_s, run_seconds, batch_rows)
             return Outcome.STORED
         except OutcomeNotStored as exc:
-            log.warning("job %s: %s; leaving it for redelivery", started.job.id, exc)
+            log.warning(
+                "job %s: %s; leaving it for redelivery",
+                started.job.id,
+                exc,
+                extra=logs.job_fields(started.job.id, started.job.attempt),
+            )
             return Outcome.NOT_STORED
         finally:
             started.timer.cancel()
@@ -394,7 +415,7 @@ class JobRunner:
             try:
                 standing = await self.repo.attempts.progress(job.id, job.attempt, self.worker_id, step, total)
             except StoreError as exc:
-                log.debug("progress of %s not recorded: %s", job.id, exc)
+                log.debug("progress of %s not recorded: %s", job.id, exc, extra=logs.job_fields(job.id, job.attempt))
                 return
             if standing == Standing.CANCEL_REQUESTED:
                 watch.stop(StopReason.CANCELLED)

@@ -32,7 +32,7 @@ from scheduler.views import (
     worker_views,
 )
 from scheduler.warmsets import demand_from, plan_warm_sets
-from services import tracing
+from services import logs, tracing
 from services.bus import Bus, Dispatch, JobShape
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
@@ -257,7 +257,7 @@ class Scheduler:
             shortest_timeout_s=self.recovery.shortest_timeout_s,
         )
         for action in done or []:
-            log.warning("recovered %s", describe(action))
+            log.warning("recovered %s", describe(action), extra=logs.job_fields(action.job_id, action.attempt))
             count_recovered(action)
         if done:
             # Requeued, failed or expired: streams read the outcome from the database.

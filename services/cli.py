@@ -98,7 +98,7 @@ def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
 def cmd_supervise(args: argparse.Namespace) -> int:
     """A GPU host: one sampler per visible GPU and the decoders asked for, kept
     running until SIGINT/SIGTERM."""
-    from services.lifecycle import configure_logging
+    from services import logs
     from services.metrics import targets_path, write_targets
     from services.stack import host_children, metrics_targets, restart_policy, stop_order
     from services.supervisor import Supervisor
@@ -107,7 +107,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     if not settings.database_url or not settings.nats_url:
         print("darkroom: set DARKROOM_DATABASE_URL and DARKROOM_NATS_URL", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    logs.configure(settings.log_level, service="supervise", fmt=settings.log_format)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())

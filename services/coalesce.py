@@ -11,6 +11,7 @@ be as old as the oldest concurrent caller."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
@@ -31,7 +32,9 @@ class Coalescer(Generic[T, R]):
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.append((item, future))
         if self._runner is None:
-            self._runner = asyncio.create_task(self._run())
+            # A context of its own: what its first caller was about (a job, for the
+            # logs) is not what the calls it carries are about.
+            self._runner = asyncio.create_task(self._run(), context=contextvars.Context())
         return await future
 
     async def _run(self) -> None:

@@ -83,7 +83,7 @@ class JobEvent:
             if "status" in body:
                 return cls(job_id, attempt, JobStatus(body["status"]))
             return cls(job_id, attempt, step=int(body.get("step", 0)), total=int(body.get("total", 0)))
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError) as exc:
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not a job event: {data[:100]!r}") from exc
 
 

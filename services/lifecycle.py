@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services import tracing
+from services import logs, tracing
 from services.settings import Settings, SettingsError
 
 # serve() returns it when the process is not fit to go on (a worker whose attempts
@@ -26,14 +26,6 @@ EXIT_BAD_SETTINGS = 2
 
 Serve = Callable[[Settings, asyncio.Event], Awaitable[int | None]]
 T = TypeVar("T")
-
-
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
 
 
 def _dump_tasks() -> None:
@@ -65,10 +57,10 @@ def run_service(name: str, serve: Serve, settings: Settings | None = None) -> No
     try:
         settings = settings or Settings.from_env()
     except SettingsError as exc:
-        configure_logging("INFO")
+        logs.configure("INFO", service=name)
         logger.error("%s", exc)
         sys.exit(EXIT_BAD_SETTINGS)
-    configure_logging(settings.log_level)
+    logs.configure(settings.log_level, service=name, fmt=settings.log_format)
     # `kill -USR1 <pid>` prints every thread's stack: how to see what a stuck service waits on.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     liveness = Path(settings.liveness_file) if settings.liveness_file else None

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "DARKROOM_"
+LOG_FORMATS = ("json", "text")
 
 
 class SettingsError(ValueError):
@@ -148,6 +149,9 @@ class Settings:
     liveness_file: str = ""
     restarts: int = _at_least(0, 0)
     log_level: str = "INFO"
+    # "json": one object per line, with job_id and attempt on every line about a
+    # job; "text": the same as key=value after the message.
+    log_format: str = "json"
 
     # Traces (``services.tracing``): an OpenTelemetry collector's OTLP/gRPC address,
     # "http://host:4317" (plaintext) or "https://host:4317" (TLS); empty: no traces.
@@ -163,6 +167,8 @@ class Settings:
                 raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: must be a number of at least {low}")
             if high is not None and value > high:
                 raise SettingsError(f"{ENV_PREFIX}{f.name.upper()}={value!r}: must be at most {high}")
+        if self.log_format not in LOG_FORMATS:
+            raise SettingsError(f"{ENV_PREFIX}LOG_FORMAT={self.log_format!r}: must be one of {', '.join(LOG_FORMATS)}")
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
             raise SettingsError(
                 f"{ENV_PREFIX}OTLP_ENDPOINT={self.otlp_endpoint!r}: must start with http:// (plaintext) or https://"

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services import tracing
+from services import logs, tracing
 from services.bus import check_worker_id, host_token
 from services.chunks import split
 from services.db.migrate import upgrade_when_reachable
@@ -66,7 +66,7 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
             start += job.images
             fault = next((f"image {i}: {image.fault}" for i, image in enumerate(own) if image.fault), "")
             if fault:
-                log.warning("job %s: %s", job.job_id or "?", fault)
+                log.warning("job %s: %s", job.job_id or "?", fault, extra=logs.job_fields(job.job_id))
                 tracing.decoded(job.traceparent, job.job_id, start_ns=started_ns, error=fault)
                 yield vae_decoder_pb2.DecodeChunk(job=index, last=True, error=fault)
             else:

@@ -33,8 +33,24 @@ def test_submit_and_poll_returns_png_of_requested_size(stack) -> None:
     assert job.routing.candidates and job.routing.reason
     assert job.progress.step == job.progress.total == 4
     t = job.timings
-    assert t.created_time.ToDatetime() <= t.scheduled_time.ToDatetime() <= t.started_time.ToDatetime()
-    assert t.started_time.ToDatetime() <= t.decoding_time.ToDatetime() <= t.finished_time.ToDatetime()
+    times = [
+        t.created_time,
+        t.scheduled_time,
+        t.dispatched_time,
+        t.started_time,
+        t.decoding_time,
+        t.decoded_time,
+        t.finished_time,
+    ]
+    assert all(ts.ToNanoseconds() > 0 for ts in times)
+    assert [ts.ToDatetime() for ts in times] == sorted(ts.ToDatetime() for ts in times)
+    # Each stage's duration, from those times: they add up to the whole.
+    d = job.stage_durations
+    stages = [d.queue_seconds, d.schedule_seconds, d.dispatch_seconds, d.sample_seconds, d.decode_seconds]
+    assert all(d.HasField(f.name) for f in d.DESCRIPTOR.fields)
+    assert d.sample_seconds > 0 and d.total_seconds > 0
+    assert abs(sum([*stages, d.store_seconds]) - d.total_seconds) < 1e-6
+    assert abs(d.total_seconds - (t.finished_time.ToNanoseconds() - t.created_time.ToNanoseconds()) / 1e9) < 1e-6
 
 
 def test_stream_shows_status_progress_then_image_chunks_then_terminal(stack) -> None:

@@ -133,3 +133,63 @@ def test_measured_load_times_and_footprints_correct_the_registry() -> None:
     assert corrected["sd"].load_s == 4.0  # the median: one slow disk does not set it
     assert corrected["sd"].vram_bytes == 5 * GB  # larger than the registry's 4 GB
     assert measured_costs({"sd": SD}, [sampler("d", {})])["sd"] == SD
+
+
+def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
+    from datetime import UTC, datetime
+
+    from scheduler.views import worker_views
+    from services.db.records import HeldGroup, WorkerRecord
+    from services.db.states import JobStatus, WorkerKind, WorkerStatus
+
+    now = datetime.now(UTC)
+    record = WorkerRecord(
+        "a",
+        WorkerKind.SAMPLER,
+        "",
+        "cpu",
+        WorkerStatus.READY,
+        ("sd",),
+        ("sd",),
+        0,
+        0,
+        0.0,
+        1.0,
+        0,
+        0,
+        0.0,
+        {},
+        now,
+        now,
+    )
+
+    def group(status: JobStatus, steps: int, images: int, done: float = 0.0) -> HeldGroup:
+        return HeldGroup("a", status, "sd", 512, 512, steps, 7.5, images, images, 1, done)
+
+    groups = [
+        group(JobStatus.RUNNING, 20, 2, done=0.5),  # a batch of 2 half done: 1.2 s of which 0.6 s left
+        group(JobStatus.SCHEDULED, 20, 3),  # waiting, of the same key: one batch of 3, 1.4 s, open to more
+        group(JobStatus.SCHEDULED, 30, 1),  # another key: its own batch (1.5 s from the registry)
+        group(JobStatus.DECODING, 20, 4),  # decoding frees the GPU: no work here
+        replace(group(JobStatus.SCHEDULED, 20, 1), worker_id="b"),  # another worker's
+    ]
+    [view] = worker_views([record], groups, fleet())
+    assert view.held_jobs == 3  # batches: the running one and two waiting
+    assert abs(view.held_work_s - (0.6 + 1.4 + 1.5)) < 1e-9
+    assert view.open_batches == (
+        (("sd", 512, 512, 20, 7.5), 3),
+        (("sd", 512, 512, 30, 7.5), 1),
+    )
+    assert view.held_capabilities == frozenset({"image"})
+
+
+def test_a_placement_is_warm_cold_or_joins_a_batch() -> None:
+    from scheduler.policy import Candidate, Placement
+    from scheduler.service import placement_kind
+
+    def placed(note: str) -> Placement:
+        return Placement("j", "a", "earliest", (Candidate("b", True, 9.0, "cold"), Candidate("a", True, 1.0, note)))
+
+    assert placement_kind(placed("warm")) == "warm"
+    assert placement_kind(placed("cold (+8.0s load), evicts x")) == "cold"
+    assert placement_kind(placed("joins a batch of 2 (+0.20s)")) == "batch"

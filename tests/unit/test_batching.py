@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_worker.batching import next_batch
+from gpu_worker.batching import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
 from gpu_worker.residency import DoesNotFit, Resident, victims
 
@@ -72,3 +72,23 @@ def test_pinned_models_go_last() -> None:
 def test_a_model_bigger_than_everything_does_not_fit() -> None:
     with pytest.raises(DoesNotFit):
         victims(100 * MIB, 10 * MIB, [Resident("m", 10 * MIB, 0, 1.0)])
+
+
+def test_a_worker_waits_for_the_rest_of_a_pass_and_for_nothing_else() -> None:
+    arrivals = PassArrivals()
+    assert arrivals.wait_s(0.0, 0.05) == 0  # nothing announced: no wait
+    arrivals.arrived("p1", 3, now=10.0)
+    assert arrivals.wait_s(10.01, 0.05) == pytest.approx(0.04)
+    arrivals.arrived("p1", 3, now=10.02)
+    arrivals.arrived("p1", 3, now=10.03)  # the third of three: the pass is whole
+    assert arrivals.wait_s(10.03, 0.05) == 0
+    arrivals.arrived("alone", 1, now=11.0)  # a pass of one job announces nothing to wait for
+    arrivals.arrived("", 5, now=11.0)  # nor does a dispatch that names no pass
+    assert arrivals.wait_s(11.0, 0.05) == 0
+
+
+def test_a_pass_whose_jobs_never_all_come_is_given_up() -> None:
+    arrivals = PassArrivals()
+    arrivals.arrived("p1", 2, now=0.0)  # its other job was lost, or dropped as a duplicate
+    assert arrivals.wait_s(0.01, 0.05) > 0
+    assert arrivals.wait_s(0.06, 0.05) == 0

@@ -16,38 +16,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from services import tracing
-from services.db.records import JobRecord, NewJob
+from services.db.records import JobRecord
 from services.db.states import JobStatus
 from services.settings import Settings, SettingsError
-
-# In the past: a span that would end before it starts is clamped.
-T0 = datetime.now(UTC) - timedelta(minutes=5)
-
-
-def new_job(**changes: Any) -> NewJob:
-    job = NewJob("job-1", "free", 0, "tiny", "a fox", "", 64, 64, 4, 7.5, 7, 1, None)
-    return replace(job, **changes)
-
-
-def record(new: NewJob, **changes: Any) -> JobRecord:
-    fields = {k: v for k, v in new.__dict__.items() if k in JobRecord.__dataclass_fields__}
-    job = JobRecord(
-        **fields,
-        status=JobStatus.QUEUED,
-        attempt=0,
-        worker_id=None,
-        error="",
-        progress_step=0,
-        progress_total=0,
-        routing=None,
-        cancel_requested=False,
-        created_at=T0,
-        scheduled_at=None,
-        started_at=None,
-        decoding_at=None,
-        finished_at=None,
-    )
-    return replace(job, **changes)
+from tests.records import T0, new_job, record
 
 
 @dataclass

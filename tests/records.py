@@ -1,0 +1,40 @@
+"""Records as the repository returns them, for unit tests of the code that uses them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from services.db.records import JobRecord, NewJob
+from services.db.states import JobStatus
+
+# In the past: a span that would end before it starts is clamped.
+T0 = datetime.now(UTC) - timedelta(minutes=5)
+
+
+def new_job(**changes: Any) -> NewJob:
+    job = NewJob("job-1", "free", 0, "tiny", "a fox", "", 64, 64, 4, 7.5, 7, 1, None)
+    return replace(job, **changes)
+
+
+def record(new: NewJob | None = None, **changes: Any) -> JobRecord:
+    """The job as stored once ``new`` was submitted, with ``changes``."""
+    fields = {k: v for k, v in (new or new_job()).__dict__.items() if k in JobRecord.__dataclass_fields__}
+    job = JobRecord(
+        **fields,
+        status=JobStatus.QUEUED,
+        attempt=0,
+        worker_id=None,
+        error="",
+        progress_step=0,
+        progress_total=0,
+        routing=None,
+        cancel_requested=False,
+        created_at=T0,
+        scheduled_at=None,
+        started_at=None,
+        decoding_at=None,
+        finished_at=None,
+    )
+    return replace(job, **changes)

@@ -1,0 +1,39 @@
+"""Job events as they travel on NATS: encoded and decoded, one subject per job."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.db.states import JobStatus
+from services.events import JobEvent, job_subject
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        JobEvent("j1", 2, JobStatus.DECODING),
+        JobEvent("j1", 1, step=3, total=20),
+        JobEvent("j1", 0),  # a change to read from the database
+    ],
+)
+def test_events_round_trip(event: JobEvent) -> None:
+    assert JobEvent.decode("j1", event.encode()) == event
+
+
+def test_progress_is_a_step_of_a_total() -> None:
+    assert JobEvent("j1", 1, step=0, total=5).progress
+    assert not JobEvent("j1", 1, JobStatus.RUNNING).progress
+    assert not JobEvent("j1", 1).progress
+
+
+@pytest.mark.parametrize("data", [b"", b"[]", b"{}", b'{"attempt": "x"}', b'{"attempt": 1, "status": "NAPPING"}'])
+def test_anything_else_is_not_an_event(data: bytes) -> None:
+    with pytest.raises(ValueError, match="not a job event"):
+        JobEvent.decode("j1", data)
+
+
+def test_a_job_id_that_is_no_subject_token_is_refused() -> None:
+    assert job_subject("0b7c3c1e-1a2b") == "darkroom.job.0b7c3c1e-1a2b"
+    for bad in ("a.b", "*", ">", "", "a b"):
+        with pytest.raises(ValueError, match="subject token"):
+            job_subject(bad)
