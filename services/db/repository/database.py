@@ -195,12 +195,9 @@ async def fetch_one(conn: AsyncConnection[DictRow], sql: str, params: Params = N
     return await (await conn.execute(sql, params)).fetchone()
 
 
-TRY_LOCK = "SELECT pg_try_advisory_xact_lock(%s) AS locked"
-
-
 async def try_lock(conn: AsyncConnection[DictRow], key: int) -> bool:
     """Takes a transaction-scoped advisory lock if it is free."""
-    row = await fetch_one(conn, TRY_LOCK, (key,))
+    row = await fetch_one(conn, "SELECT pg_try_advisory_xact_lock(%s) AS locked", (key,))
     return bool(row and row["locked"])
 
 

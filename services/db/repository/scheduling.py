@@ -3,8 +3,9 @@ its advisory lock so that replicas take turns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from typing import Any
 
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
@@ -20,10 +21,10 @@ from services.db.records import (
     WarmPlan,
     WorkerRecord,
 )
-from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, TRY_LOCK, Database, fetch_all, try_lock
+from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
 from services.db.repository.jobs import shape_counts
 from services.db.repository.requeue import qualified
-from services.db.repository.workers import live_workers, live_workers_query
+from services.db.repository.workers import LIVE_WORKERS, live_workers, live_workers_params
 from services.db.states import HELD, JobStatus, WorkerKind
 
 _HELD = [st.value for st in HELD]
@@ -61,10 +62,29 @@ _HELD_GROUPS = """
 SELECT worker_id, status, model, width, height, steps, guidance_scale,
        count(*) AS jobs, sum(num_images) AS images, max(num_images) AS largest,
        coalesce(max(progress_step::float8 / nullif(progress_total, 0)), 0) AS done
-FROM jobs WHERE status = ANY(%s) AND worker_id IS NOT NULL
+FROM jobs WHERE status = ANY(%(held)s) AND worker_id IS NOT NULL
 GROUP BY worker_id, status, model, width, height, steps, guidance_scale
-ORDER BY worker_id, status, model, width, height, steps, guidance_scale
 """
+# A pass's lock and everything it reads, in one statement: one round trip, and a
+# server that, between statements, is always waiting with its idle-in-transaction
+# timeout armed (a frozen replica's lock must die with that timeout). A replica
+# that loses the lock has read for nothing, which costs less than a round trip.
+_PASS_READ = f"""
+SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked,
+       (SELECT coalesce(json_agg(q), '[]') FROM ({_QUEUE_WINDOW}) q) AS queued,
+       (SELECT coalesce(json_agg(w ORDER BY w.id), '[]') FROM ({LIVE_WORKERS}) w) AS workers,
+       (SELECT coalesce(json_agg(g), '[]') FROM ({_HELD_GROUPS}) g) AS held
+"""
+_SUMMARY_TIMES = ("created_at", "scheduled_at")
+_WORKER_TIMES = ("started_at", "last_heartbeat")
+
+
+def _times(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """A row read as JSON, its timestamps parsed back."""
+    for name in names:
+        if isinstance(row[name], str):
+            row[name] = datetime.fromisoformat(row[name])
+    return row
 
 
 class Scheduling:
@@ -77,22 +97,26 @@ class Scheduling:
         """One scheduling pass under the scheduler lock. Returns the jobs now
         SCHEDULED (attempt raised, worker set), in the order they were placed, or
         None if another replica holds the lock."""
-        # Pipelined: the lock and the three reads go in one round trip, the placements
-        # in another, the commit in a third (a replica that loses the lock reads for
-        # nothing, which costs less than waiting for each answer).
-        async with self.db.connection() as conn, conn.pipeline(), conn.transaction():
-            locked = await conn.execute(TRY_LOCK, (SCHEDULER_LOCK,))
-            window = await conn.execute(_QUEUE_WINDOW, {"limit": limit, "max_attempts": max_attempts, "now": now})
-            live = await conn.execute(*live_workers_query(WorkerKind.SAMPLER, stale_after_s))
-            held = await conn.execute(_HELD_GROUPS, (_HELD,))
-            row = await locked.fetchone()
-            if not (row and row["locked"]):
+        async with self.db.tx() as conn:
+            read = await fetch_one(
+                conn,
+                _PASS_READ,
+                {
+                    "lock": SCHEDULER_LOCK,
+                    "limit": limit,
+                    "max_attempts": max_attempts,
+                    "now": now,
+                    "held": _HELD,
+                    **live_workers_params(WorkerKind.SAMPLER, stale_after_s),
+                },
+            )
+            if read is None or not read["locked"]:
                 return None
-            queued = [JobSummary.of(r) for r in await window.fetchall()]
+            queued = [JobSummary.of(_times(r, _SUMMARY_TIMES)) for r in read["queued"]]
             if not queued:
                 return []
-            workers = [WorkerRecord.of(r) for r in await live.fetchall()]
-            assignments = decide(queued, workers, [held_group(r) for r in await held.fetchall()])
+            workers = [WorkerRecord.of(_times(r, _WORKER_TIMES)) for r in read["workers"]]
+            assignments = decide(queued, workers, [held_group(r) for r in read["held"]])
             if not assignments:
                 return []
             placed = await fetch_all(
@@ -152,10 +176,10 @@ class Scheduling:
 async def held_groups(conn: AsyncConnection[DictRow]) -> list[HeldGroup]:
     """Per worker, state and batch key, what its jobs add up to: a few rows however
     many jobs are held."""
-    return [held_group(r) for r in await fetch_all(conn, _HELD_GROUPS, (_HELD,))]
+    return [held_group(r) for r in await fetch_all(conn, _HELD_GROUPS, {"held": _HELD})]
 
 
-def held_group(r: DictRow) -> HeldGroup:
+def held_group(r: Mapping[str, Any]) -> HeldGroup:
     return HeldGroup(
         r["worker_id"],
         JobStatus(r["status"]),

@@ -183,16 +183,17 @@ class Workers:
         return changed > 0
 
 
-def live_workers_query(kind: WorkerKind, stale_after_s: float) -> tuple[str, dict[str, Any]]:
-    """Workers of a kind that take work: ready, with a recent heartbeat."""
-    return (
-        f"SELECT {WORKER_COLUMNS} FROM workers WHERE kind = %(kind)s AND status = %(ready)s AND {FRESH} ORDER BY id",
-        {"kind": kind.value, "ready": WorkerStatus.READY.value, "stale_after_s": stale_after_s},
-    )
+# Workers of a kind that take work: ready, with a recent heartbeat (live_workers_params).
+LIVE_WORKERS = f"SELECT {WORKER_COLUMNS} FROM workers WHERE kind = %(kind)s AND status = %(ready)s AND {FRESH}"
+
+
+def live_workers_params(kind: WorkerKind, stale_after_s: float) -> dict[str, Any]:
+    return {"kind": kind.value, "ready": WorkerStatus.READY.value, "stale_after_s": stale_after_s}
 
 
 async def live_workers(conn: AsyncConnection[DictRow], kind: WorkerKind, stale_after_s: float) -> list[WorkerRecord]:
-    return [WorkerRecord.of(row) for row in await fetch_all(conn, *live_workers_query(kind, stale_after_s))]
+    rows = await fetch_all(conn, LIVE_WORKERS + " ORDER BY id", live_workers_params(kind, stale_after_s))
+    return [WorkerRecord.of(row) for row in rows]
 
 
 async def _held(conn: AsyncConnection[DictRow], worker_id: str) -> list[DictRow]:
