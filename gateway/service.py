@@ -24,7 +24,7 @@ from services.db.migrate import upgrade_when_reachable
 from services.db.records import JobRecord, NewJob, ShapeCount, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
-from services.errors import BusError, ResourceExhausted
+from services.errors import BusError, NotFound, ResourceExhausted
 from services.events import Events, JobEvent
 from services.lifecycle import run_service
 from services.metrics import JOBS_FINISHED, STREAMS_OPEN, SUBMITS, serve_metrics
@@ -56,9 +56,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
         self._fleet_read = 0.0
-        # Concurrent submits share one INSERT, and one read of the queue ahead.
+        # Concurrent submits share one INSERT, and one read of the queue ahead;
+        # concurrent streams share their reads of the jobs they follow.
         self._create = Coalescer(self._create_many)
         self._queued_ahead: dict[int, SingleFlight[list[ShapeCount]]] = {}
+        self._states = Coalescer(self.repo.jobs.states)
+        self._results = Coalescer(self.repo.jobs.many_with_images)
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         ch = self._channels.get(address)
@@ -103,6 +106,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             return await self._submitted(job, True, now)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
+
+    async def _state(self, job_id: str) -> tuple[JobStatus, int]:
+        state = await self._states(job_id)
+        if state is None:
+            raise NotFound(f"job {job_id} not found")
+        return state
 
     async def _create_many(self, submits: list[tuple[NewJob, datetime]]) -> list[tuple[JobRecord, bool]]:
         return await self.repo.jobs.create_many([new for new, _ in submits], now=submits[-1][1])
@@ -162,7 +171,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         STREAMS_OPEN.inc()
         try:
             state = StreamState(job_id)
-            stored = await self.repo.jobs.state(job_id)
+            stored = await self._state(job_id)
             while True:
                 moved = state.on_stored(*stored)
                 if moved is not None:
@@ -179,8 +188,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                         yield out
                 if state.ended:
                     break
-                stored = await self.repo.jobs.state(job_id)
-            job, images = await self.repo.jobs.get_with_images(job_id)
+                stored = await self._state(job_id)
+            result = await self._results(job_id)
+            if result is None:
+                raise NotFound(f"job {job_id} not found")
+            job, images = result
             for image in images:
                 for chunk in image_chunks(job.id, image):
                     yield chunk

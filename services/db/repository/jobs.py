@@ -62,7 +62,7 @@ _WITH_IMAGES = f"""
 SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,
        i.height AS image_height, i.seed AS image_seed
 FROM jobs j LEFT JOIN job_images i ON i.job_id = j.id
-WHERE j.id = %s ORDER BY i."index"
+WHERE j.id = ANY(%s) ORDER BY j.id, i."index"
 """
 _CANCELLABLE_AT_ONCE = (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value)
 _HELD = [st.value for st in HELD]
@@ -113,24 +113,45 @@ class Jobs:
     async def get_with_images(self, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
         """The job, and its images if it has succeeded, in one statement (a job has
         images only once it has succeeded: they are stored with its SUCCEEDED)."""
-        rows = await self.db.all(_WITH_IMAGES, (job_id,))
-        if not rows:
+        [found] = await self.many_with_images([job_id])
+        if found is None:
             raise NotFound(f"job {job_id} not found")
-        images = [
-            ImageRecord(
-                r["image_index"], r["data"], r["mime_type"], r["image_width"], r["image_height"], r["image_seed"]
-            )
-            for r in rows
-            if r["image_index"] is not None
-        ]
-        return JobRecord.of(rows[0]), images
+        return found
+
+    async def many_with_images(self, job_ids: Sequence[str]) -> list[tuple[JobRecord, list[ImageRecord]] | None]:
+        """``get_with_images`` of each job, in order, in one statement; None for a
+        job that does not exist."""
+        found: dict[str, tuple[JobRecord, list[ImageRecord]]] = {}
+        for r in await self.db.all(_WITH_IMAGES, (list(job_ids),)):
+            if r["id"] not in found:
+                found[r["id"]] = (JobRecord.of(r), [])
+            images = found[r["id"]][1]
+            if r["image_index"] is not None:
+                images.append(
+                    ImageRecord(
+                        r["image_index"],
+                        r["data"],
+                        r["mime_type"],
+                        r["image_width"],
+                        r["image_height"],
+                        r["image_seed"],
+                    )
+                )
+        return [found.get(job_id) for job_id in job_ids]
 
     async def state(self, job_id: str) -> tuple[JobStatus, int]:
         """The job's status and attempt: all a stream needs to begin."""
-        row = await self.db.one("SELECT status, attempt FROM jobs WHERE id = %s", (job_id,))
-        if row is None:
+        [state] = await self.states([job_id])
+        if state is None:
             raise NotFound(f"job {job_id} not found")
-        return JobStatus(row["status"]), row["attempt"]
+        return state
+
+    async def states(self, job_ids: Sequence[str]) -> list[tuple[JobStatus, int] | None]:
+        """``state`` of each job, in order, in one statement; None for a job that
+        does not exist."""
+        rows = await self.db.all("SELECT id, status, attempt FROM jobs WHERE id = ANY(%s)", (list(job_ids),))
+        by_id = {r["id"]: (JobStatus(r["status"]), r["attempt"]) for r in rows}
+        return [by_id.get(job_id) for job_id in job_ids]
 
     async def find_by_idempotency_key(self, key: str) -> JobRecord | None:
         row = await self.db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = %s", (key,))
