@@ -167,7 +167,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     async def _stream(self, job_id: str) -> AsyncIterator[pb.JobEvent]:
         # Following first, reading second: nothing that happens after the read is missed.
-        feed = await self.events.follow(job_id)
+        feed = self.events.follow(job_id)
         STREAMS_OPEN.inc()
         try:
             state = StreamState(job_id)
@@ -200,7 +200,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         finally:
             STREAMS_OPEN.dec()
             if feed is not None:
-                await feed.close()
+                feed.close()
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
@@ -330,6 +330,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
         # start flowing once it answers.
         with contextlib.suppress(BusError):
             events.nc = await connect_nats(settings.nats_servers, name="darkroom-gateway", stop=stop)
+            await events.route()
 
     connecting = asyncio.create_task(connect_events()) if settings.nats_servers else None
     try:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.bus import BUS_ERRORS
 from services.db.states import JobStatus
@@ -96,37 +95,42 @@ def job_subject(job_id: str) -> str:
 class JobFeed:
     """The events of one job, from the moment it was opened."""
 
-    def __init__(self, job_id: str, sub: Subscription) -> None:
+    def __init__(self, job_id: str, followers: dict[str, list[JobFeed]]) -> None:
         self.job_id = job_id
-        self._sub = sub
+        self._queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+        self._followers = followers
+        followers.setdefault(job_id, []).append(self)
+
+    def put(self, event: JobEvent) -> None:
+        self._queue.put_nowait(event)
 
     async def next(self, timeout_s: float) -> JobEvent | None:
         """The next event, or None after ``timeout_s`` of silence."""
-        while True:
-            try:
-                msg = await self._sub.next_msg(timeout=timeout_s)
-            except (NatsTimeoutError, TimeoutError):
-                return None
-            except BUS_ERRORS:
-                return None
-            try:
-                return JobEvent.decode(self.job_id, msg.data)
-            except ValueError as exc:
-                log.warning("%s", exc)
-
-    async def close(self) -> None:
         try:
-            await self._sub.unsubscribe()
-        except BUS_ERRORS:
-            pass
+            return await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        feeds = self._followers.get(self.job_id, [])
+        if self in feeds:
+            feeds.remove(self)
+        if not feeds:
+            self._followers.pop(self.job_id, None)
 
 
 class Events:
     """Publishing and following job events over a NATS connection (None: NATS is not
-    there yet, and every call does nothing)."""
+    there yet, and every call does nothing).
+
+    A process that follows jobs (the gateway) subscribes once to every job's events
+    and hands each to the streams of its job: a stream begins following without a
+    round trip to the server, and misses nothing published from then on."""
 
     def __init__(self, nc: nats.NATS | None = None) -> None:
         self.nc = nc
+        self._followers: dict[str, list[JobFeed]] = {}
+        self._routing: Subscription | None = None
 
     @property
     def connected(self) -> bool:
@@ -151,25 +155,36 @@ class Events:
         except BUS_ERRORS as exc:
             log.debug("work event not published: %s", exc)
 
-    async def follow(self, job_id: str) -> JobFeed | None:
-        """Subscribes to the job's events, confirmed by the server so that nothing
-        published from now on is missed; None when NATS cannot be asked now."""
-        if not self.connected or not _TOKEN.match(job_id):
-            return None
-        assert self.nc is not None
+    async def route(self) -> None:
+        """Subscribes to every job's events, for ``follow`` (the subscription lives as
+        long as the connection, across reconnects)."""
+        if self.nc is None or self._routing is not None:
+            return
+        prefix = len(JOB_PREFIX) + 1
+
+        async def arrived(msg: Msg) -> None:
+            feeds = self._followers.get(msg.subject[prefix:])
+            if not feeds:
+                return  # nobody here follows that job
+            try:
+                event = JobEvent.decode(feeds[0].job_id, msg.data)
+            except ValueError as exc:
+                log.warning("%s", exc)
+                return
+            for feed in feeds:
+                feed.put(event)
+
         try:
-            sub = await self.nc.subscribe(job_subject(job_id))
+            self._routing = await self.nc.subscribe(f"{JOB_PREFIX}.>", cb=arrived)
         except BUS_ERRORS as exc:
-            log.debug("cannot follow %s: %s", job_id, exc)
+            raise BusError(f"cannot subscribe to job events: {exc}") from exc
+
+    def follow(self, job_id: str) -> JobFeed | None:
+        """The job's events from now on; None while they cannot be heard (NATS away,
+        or not routed here): the caller reads the job instead."""
+        if self._routing is None or not self.connected or not _TOKEN.match(job_id):
             return None
-        feed = JobFeed(job_id, sub)
-        try:
-            await self.nc.flush(timeout=1)
-        except BUS_ERRORS as exc:
-            log.debug("cannot follow %s: %s", job_id, exc)
-            await feed.close()
-            return None
-        return feed
+        return JobFeed(job_id, self._followers)
 
     async def on_work(self, wake: asyncio.Event) -> None:
         """Sets ``wake`` whenever there may be work to place (the subscription lives
