@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
@@ -16,12 +16,15 @@ STATUS = {s: pb.JobStatus.Value(f"JOB_STATUS_{s.value}") for s in JobStatus}
 OUTPUT_FORMAT = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def timestamp(when: datetime | None) -> timestamp_pb2.Timestamp | None:
     if when is None:
         return None
-    ts = timestamp_pb2.Timestamp()
-    ts.FromDatetime(when)
-    return ts
+    # As Timestamp.FromDatetime does, in a fraction of its time: to the microsecond.
+    delta = when - _EPOCH
+    return timestamp_pb2.Timestamp(seconds=delta.days * 86400 + delta.seconds, nanos=delta.microseconds * 1000)
 
 
 def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.Job:

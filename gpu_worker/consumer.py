@@ -51,7 +51,6 @@ class InHand:
     key: BatchKey | None  # None: its job could not be read; it runs alone
     rows: int
     arrived: float
-    keepalive: asyncio.Task[None]
 
 
 class DispatchConsumer:
@@ -77,6 +76,8 @@ class DispatchConsumer:
         self._in_hand: list[InHand] = []
         self._finishing: set[asyncio.Task[None]] = set()
         self._passes = PassArrivals()
+        # Every dispatch taken and not yet settled, by its ack subject.
+        self._unsettled: dict[str, Msg] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set, or the runner finds this worker unfit; returns once
@@ -84,6 +85,7 @@ class DispatchConsumer:
         left for redelivery (the worker hands their jobs back as it deregisters)."""
         sub = None
         backoff = Backoff()
+        keepalive = asyncio.create_task(self._keep_in_progress())
         try:
             while not stop.is_set() and not self.runner.unfit:
                 wait_s = FETCH_WAIT_S
@@ -119,8 +121,8 @@ class DispatchConsumer:
         finally:
             if self._finishing:
                 await asyncio.wait(self._finishing)
+            keepalive.cancel()
             for pending in self._in_hand:
-                pending.keepalive.cancel()
                 await self._settle(pending.msg.nak(), f"nak {pending.dispatch.job_id}", pending.dispatch.job_id)
             self._in_hand = []
             await self._unsubscribe(sub)
@@ -151,8 +153,8 @@ class DispatchConsumer:
             self._passes.arrived(dispatch.pass_id, dispatch.pass_jobs, now)
             shape = dispatch.shape
             key = BatchKey(shape.model, shape.width, shape.height, shape.steps, shape.guidance_scale) if shape else None
-            keepalive = asyncio.create_task(self._keep_in_progress(msg))
-            self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now, keepalive))
+            self._unsettled[msg.reply] = msg
+            self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now))
 
     async def _run_batch(self, batch: list[InHand]) -> None:
         # Backpressure: decoding and storing may not fall further behind than this.
@@ -197,7 +199,7 @@ class DispatchConsumer:
             await self._settled(pending, outcome)
 
     async def _settled(self, pending: InHand, outcome: Outcome) -> None:
-        pending.keepalive.cancel()
+        self._unsettled.pop(pending.msg.reply, None)
         job_id = pending.dispatch.job_id
         if outcome is Outcome.STORED:
             await self._settle(pending.msg.ack(), f"ack {job_id}", job_id)
@@ -213,9 +215,11 @@ class DispatchConsumer:
         except BUS_ERRORS as exc:
             log.warning("cannot %s: %s", what, exc, extra=logs.job_fields(job_id) if job_id else None)
 
-    async def _keep_in_progress(self, msg: Msg) -> None:
-        """Keeps JetStream from redelivering a job while it waits or runs."""
+    async def _keep_in_progress(self) -> None:
+        """Keeps JetStream from redelivering the jobs this worker holds while they
+        wait or run: all of them, every third of the ack wait."""
         while True:
             await asyncio.sleep(self.consumer.ack_wait_s / 3)
-            with contextlib.suppress(*BUS_ERRORS):
-                await msg.in_progress()
+            for msg in list(self._unsettled.values()):
+                with contextlib.suppress(*BUS_ERRORS):
+                    await msg.in_progress()

@@ -13,12 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from services.db.records import AttemptFailure, ImageRecord, JobRecord
+from services.db.records import JOB_FIELDS, AttemptFailure, ImageRecord, JobRecord
 from services.db.repository.database import Database
-from services.db.repository.requeue import JOB_COLUMNS_J, end, requeue
+from services.db.repository.requeue import end, requeue
 from services.db.states import HELD, STARTED, JobStatus
 
 _HELD = [st.value for st in HELD]
+# A started job as its worker reads it back: all of it but its routing (why the
+# scheduler chose the worker, which the worker does not need and can be long).
+_STARTED_COLUMNS = ", ".join("NULL AS routing" if name == "routing" else f"j.{name}" for name in JOB_FIELDS)
 _STARTED = [st.value for st in STARTED]
 # This attempt is still the job's current one on this worker, in one of %(statuses)s.
 _CURRENT = "j.worker_id = %(worker)s AND j.status = ANY(%(statuses)s)"
@@ -86,7 +89,7 @@ class Attempts:
             FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(dispatched)s::timestamptz[])
                  AS r(id, attempt, dispatched_at)
             WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
-            RETURNING {JOB_COLUMNS_J}
+            RETURNING {_STARTED_COLUMNS}
             """,
             {
                 "now": now,

@@ -12,7 +12,7 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import JOB_FIELDS, AttemptFailure
+from services.db.records import AttemptFailure
 from services.db.repository.database import fetch_all
 from services.db.states import JobStatus
 
@@ -115,5 +115,3 @@ def qualified(fields: Sequence[str], alias: str) -> str:
     """``alias.a, alias.b, ...``: a column list for a statement that joins."""
     return ", ".join(f"{alias}.{name}" for name in fields)
 
-
-JOB_COLUMNS_J = qualified(JOB_FIELDS, "j")
