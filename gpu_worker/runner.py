@@ -350,7 +350,7 @@ class JobRunner:
     async def _store_results(self, results: list[Result]) -> list[bool]:
         """Results that finished together, stored in one transaction; each one's
         SUCCEEDED published, and the schedulers told that this worker has room."""
-        stored = await self.repo.attempts.finish_many(results, self.worker_id, now=_now())
+        stored = await self.repo.attempts.finish_many(results, self.worker_id)
         JOBS_FINISHED.labels(outcome="succeeded").inc(len(stored))
         await self.events.job(
             *(JobEvent(r.job_id, r.attempt, JobStatus.SUCCEEDED) for r in results if r.job_id in stored)

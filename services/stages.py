@@ -6,7 +6,7 @@ schedule  placed to published to its worker
 dispatch  published to started on the worker (JetStream, the worker's batching)
 sample    started to latents out (the denoising loop)
 decode    latents out to images decoded
-store     images decoded to the result stored
+store     images decoded to the result written (the database's clock; its commit follows)
 """
 
 from __future__ import annotations

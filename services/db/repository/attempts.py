@@ -154,11 +154,12 @@ class Attempts:
         decoded_at: datetime | None = None,
     ) -> bool:
         """Stores the images and marks SUCCEEDED in one transaction, only if this
-        attempt is still the job's current one: at most one visible result."""
+        attempt is still the job's current one: at most one visible result.
+        ``decoded_at``: when its images were decoded (``now`` if not given)."""
         result = Result(job_id, attempt, images, decoded_at or now, busy_s, run_seconds, batch_rows)
-        return job_id in await self.finish_many([result], worker_id, now=now)
+        return job_id in await self.finish_many([result], worker_id)
 
-    async def finish_many(self, results: Sequence[Result], worker_id: str, *, now: datetime) -> set[str]:
+    async def finish_many(self, results: Sequence[Result], worker_id: str) -> set[str]:
         """Stores each result's images and marks its job SUCCEEDED, all in one
         statement (one round trip, one commit), each only if its attempt is still
         current here; returns the ids stored. ``run_seconds``: how long it ran, if that is worth learning from, in a
@@ -170,7 +171,7 @@ class Attempts:
             f"""
             WITH stored AS (
                 UPDATE jobs AS j SET
-                    status = 'SUCCEEDED', error = '', finished_at = %(now)s, decoded_at = r.decoded_at,
+                    status = 'SUCCEEDED', error = '', finished_at = clock_timestamp(), decoded_at = r.decoded_at,
                     run_seconds = r.run_seconds, batch_rows = r.batch_rows
                 FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(decoded)s::timestamptz[],
                             %(run_seconds)s::float8[], %(batch_rows)s::int[], %(busy)s::float8[])
@@ -193,7 +194,6 @@ class Attempts:
             SELECT id FROM stored
             """,
             {
-                "now": now,
                 "worker": worker_id,
                 "statuses": _STARTED,
                 "ids": [r.job_id for r in results],
