@@ -17,7 +17,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -249,35 +249,34 @@ class JobRunner:
         decoded_at = _now()
         if sampled.recorded is not None:
             await sampled.recorded  # DECODING before SUCCEEDED, in the database and on the stream
+        # What each job's result will say, but its images: what the batch measured.
+        results = [
+            Result(
+                started.job.id,
+                started.job.attempt,
+                (),
+                decoded_at,
+                busy_s=sampled.seconds / len(batch),
+                run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
+                batch_rows=sampled.rows,
+            )
+            for i, started in enumerate(batch)
+        ]
         return list(
             await asyncio.gather(
                 *(
-                    self._finish_one(
-                        started,
-                        decoded.get(started.job.id),
-                        decoded_at,
-                        busy_s=sampled.seconds / len(batch),
-                        run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
-                        batch_rows=sampled.rows,
-                    )
-                    for i, started in enumerate(batch)
+                    self._finish_one(started, decoded.get(started.job.id), result)
+                    for started, result in zip(batch, results, strict=True)
                 )
             )
         )
 
     async def _finish_one(
-        self,
-        started: Started,
-        decoded: list[ImageRecord] | BaseException | None,
-        decoded_at: datetime,
-        *,
-        busy_s: float,
-        run_seconds: float | None,
-        batch_rows: int,
+        self, started: Started, decoded: list[ImageRecord] | BaseException | None, result: Result
     ) -> Outcome:
         try:
             with logs.about_job(started.job.id, started.job.attempt):
-                await self._finish(started, decoded, decoded_at, busy_s, run_seconds, batch_rows)
+                await self._finish(started, decoded, result)
             return Outcome.STORED
         except OutcomeNotStored as exc:
             log.warning(
@@ -292,13 +291,7 @@ class JobRunner:
             self.tracker.finished(started.watch)
 
     async def _finish(
-        self,
-        started: Started,
-        decoded: list[ImageRecord] | BaseException | None,
-        decoded_at: datetime,
-        busy_s: float,
-        run_seconds: float | None,
-        batch_rows: int,
+        self, started: Started, decoded: list[ImageRecord] | BaseException | None, result: Result
     ) -> None:
         job, watch = started.job, started.watch
         try:
@@ -310,16 +303,15 @@ class JobRunner:
                 raise JobInterrupted(job.id)
             if isinstance(decoded, BaseException):
                 raise decoded
-            images = decoded
             if watch.stopping.is_set():
                 raise JobInterrupted(job.id)
-            result = Result(job.id, job.attempt, images, decoded_at, busy_s, run_seconds, batch_rows)
+            result = replace(result, images=decoded)
             stored = await self._store(f"the result of {job.id}", lambda: self._results(result))
             self.failures_in_a_row = 0
             if stored:
                 times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, started.decoding_at)
-                observe_stages(job.model, (*times, decoded_at, _now()))
-            tracing.stored(job, worker_id=self.worker_id, decoded_at=decoded_at, stored=stored)
+                observe_stages(job.model, (*times, result.decoded_at, _now()))
+            tracing.stored(job, worker_id=self.worker_id, decoded_at=result.decoded_at, stored=stored)
             log.info("job %s done (stored=%s)", job.id, stored)
         except JobInterrupted:
             await self._interrupted(job, watch.stop_reason, started.timeout_s)

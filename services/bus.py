@@ -181,20 +181,6 @@ class Bus:
         except BUS_ERRORS as exc:
             raise BusError(f"cannot create stream {DISPATCH_STREAM}: {exc}") from exc
 
-    async def publish_dispatch(self, worker_id: str, dispatch: Dispatch) -> bool:
-        """Publishes a job to its worker; returns False if JetStream dropped it as a duplicate."""
-        try:
-            ack = await self.js.publish(
-                dispatch_subject(worker_id),
-                dispatch.encode(),
-                stream=DISPATCH_STREAM,
-                headers={"Nats-Msg-Id": message_id(dispatch.job_id, dispatch.attempt)},
-                timeout=5,
-            )
-        except BUS_ERRORS as exc:
-            raise BusError(f"cannot publish {dispatch.job_id} to {worker_id}: {exc}") from exc
-        return not ack.duplicate
-
     async def publish_dispatches(self, dispatches: list[tuple[str, Dispatch]], *, timeout_s: float = 5.0) -> None:
         """Publishes (worker id, dispatch) pairs all at once and waits for JetStream
         to have taken every one (a duplicate, dropped, counts as taken)."""

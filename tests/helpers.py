@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
@@ -11,9 +11,23 @@ from PIL import Image
 
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from services.rpc.server import Server
 from services.stack import LocalStack
 
 T = TypeVar("T")
+
+
+async def channel_to(server: Server) -> AsyncIterator[grpc.aio.Channel]:
+    """Starts ``server`` (built on port 0, in this process), yields a channel to it,
+    and stops it."""
+    await server.grpc.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            yield ch
+    finally:
+        await server.grpc.stop(0)
+
+
 TERMINAL = {pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED}
 
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.db.records import JobRecord, NewJob
-from services.db.states import JobStatus
+from services.db.records import JobRecord, NewJob, WorkerRecord
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
 
 # In the past: a span that would end before it starts is clamped.
 T0 = datetime.now(UTC) - timedelta(minutes=5)
@@ -38,3 +38,28 @@ def record(new: NewJob | None = None, **changes: Any) -> JobRecord:
         finished_at=None,
     )
     return replace(job, **changes)
+
+
+def sampler(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: Any) -> WorkerRecord:
+    """A ready sampler as the registry holds it, serving and warm with ``models``."""
+    now = datetime.now(UTC)
+    worker = WorkerRecord(
+        id=worker_id,
+        kind=WorkerKind.SAMPLER,
+        address="",
+        device="cpu",
+        status=WorkerStatus.READY,
+        models=models,
+        warm_models=models,
+        vram_total_bytes=0,
+        vram_used_bytes=0,
+        temperature_c=0.0,
+        speed=1.0,
+        completed=0,
+        errors=0,
+        busy_seconds=0.0,
+        telemetry={},
+        started_at=now,
+        last_heartbeat=now,
+    )
+    return replace(worker, **changes)

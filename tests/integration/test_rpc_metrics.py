@@ -19,7 +19,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import build_server
 from services.rpc.status import stream_errors, unary_errors
-from tests.helpers import wait_for
+from tests.helpers import channel_to, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -90,12 +90,8 @@ async def serving(
         "127.0.0.1",
         0,
     )
-    await server.grpc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-            yield sampler_pb2_grpc.SamplerStub(ch), image_generation_pb2_grpc.ImageGenerationStub(ch)
-    finally:
-        await server.grpc.stop(0)
+    async for ch in channel_to(server):
+        yield sampler_pb2_grpc.SamplerStub(ch), image_generation_pb2_grpc.ImageGenerationStub(ch)
 
 
 @pytest.fixture
@@ -177,13 +173,8 @@ async def test_a_stream_the_client_leaves_is_counted_cancelled(streams) -> None:
 
 async def bare_server(*interceptors: grpc.aio.ServerInterceptor) -> AsyncIterator[grpc.aio.Channel]:
     """A server with health checking and reflection only."""
-    server = build_server([], "127.0.0.1", 0, interceptors)
-    await server.grpc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-            yield ch
-    finally:
-        await server.grpc.stop(0)
+    async for ch in channel_to(build_server([], "127.0.0.1", 0, interceptors)):
+        yield ch
 
 
 async def test_health_checks_are_counted_too() -> None:

@@ -16,26 +16,17 @@ from gpu_worker.tracker import JobTracker
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
-from services.rpc.server import Server
 from services.settings import Settings
+from tests.helpers import channel_to
 from vae_worker.service import batcher_for
 from vae_worker.service import create_server as create_decoder_server
 
 pytestmark = pytest.mark.integration
 
 
-async def started(server: Server) -> AsyncIterator[grpc.aio.Channel]:
-    await server.grpc.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-            yield ch
-    finally:
-        await server.grpc.stop(0)
-
-
 @pytest.fixture
 async def sampler() -> AsyncIterator[sampler_pb2_grpc.SamplerStub]:
-    async for ch in started(create_sampler_server(Settings(worker_port=0), JobTracker())):
+    async for ch in channel_to(create_sampler_server(Settings(worker_port=0), JobTracker())):
         yield sampler_pb2_grpc.SamplerStub(ch)
 
 
@@ -43,7 +34,7 @@ async def sampler() -> AsyncIterator[sampler_pb2_grpc.SamplerStub]:
 async def decoder(models_dir: Path) -> AsyncIterator[vae_decoder_pb2_grpc.VaeDecoderStub]:
     settings = replace(Settings(vae_port=0), data_dir=models_dir.parent)
     engine = VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu"))
-    async for ch in started(create_decoder_server(settings, batcher_for(settings, engine))):
+    async for ch in channel_to(create_decoder_server(settings, batcher_for(settings, engine))):
         yield vae_decoder_pb2_grpc.VaeDecoderStub(ch)
 
 

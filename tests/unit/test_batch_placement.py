@@ -94,33 +94,13 @@ def test_an_unlearned_batch_size_scales_from_the_nearest_learned_one() -> None:
 
 
 def test_measured_load_times_and_footprints_correct_the_registry() -> None:
-    from datetime import UTC, datetime
 
     from scheduler.views import measured_costs
     from services.db.records import WorkerRecord
-    from services.db.states import WorkerKind, WorkerStatus
+    from tests.records import sampler as sampler_record
 
     def sampler(wid: str, models: dict[str, dict[str, float]]) -> WorkerRecord:
-        now = datetime.now(UTC)
-        return WorkerRecord(
-            wid,
-            WorkerKind.SAMPLER,
-            "",
-            "cpu",
-            WorkerStatus.READY,
-            ("sd",),
-            ("sd",),
-            0,
-            0,
-            0.0,
-            1.0,
-            0,
-            0,
-            0.0,
-            {"models": models},
-            now,
-            now,
-        )
+        return sampler_record(wid, telemetry={"models": models})
 
     workers = [
         sampler("a", {"sd": {"bytes": 5 * GB, "load_s": 3.0}}),
@@ -136,32 +116,13 @@ def test_measured_load_times_and_footprints_correct_the_registry() -> None:
 
 
 def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
-    from datetime import UTC, datetime
 
     from scheduler.views import worker_views
-    from services.db.records import HeldGroup, WorkerRecord
-    from services.db.states import JobStatus, WorkerKind, WorkerStatus
+    from services.db.records import HeldGroup
+    from services.db.states import JobStatus
+    from tests.records import sampler
 
-    now = datetime.now(UTC)
-    record = WorkerRecord(
-        "a",
-        WorkerKind.SAMPLER,
-        "",
-        "cpu",
-        WorkerStatus.READY,
-        ("sd",),
-        ("sd",),
-        0,
-        0,
-        0.0,
-        1.0,
-        0,
-        0,
-        0.0,
-        {},
-        now,
-        now,
-    )
+    record = sampler("a")
 
     def group(status: JobStatus, steps: int, images: int, done: float = 0.0) -> HeldGroup:
         return HeldGroup("a", status, "sd", 512, 512, steps, 7.5, images, images, 1, done)

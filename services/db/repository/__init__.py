@@ -38,8 +38,5 @@ class Repository:
         self.recovery = Recoveries(self.db)
         self.estimates = Estimates(self.db)
 
-    async def ping(self) -> None:
-        await self.db.ping()
-
     async def close(self) -> None:
         await self.db.close()

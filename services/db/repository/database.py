@@ -174,9 +174,6 @@ class Database:
         async with self.connection() as conn:
             return (await conn.execute(sql, params)).rowcount
 
-    async def ping(self) -> None:
-        await self.one("SELECT 1")
-
     async def close(self) -> None:
         self._closed = True
         await self._discard_idle()

@@ -114,4 +114,3 @@ async def end(
 def qualified(fields: Sequence[str], alias: str) -> str:
     """``alias.a, alias.b, ...``: a column list for a statement that joins."""
     return ", ".join(f"{alias}.{name}" for name in fields)
-
