@@ -188,6 +188,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                         yield out
                 if state.ended:
                     break
+                if feed is None:  # NATS may be back: follow from before the next read
+                    feed = self.events.follow(job_id)
                 stored = await self._state(job_id)
             result = await self._results(job_id)
             if result is None:
