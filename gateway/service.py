@@ -21,7 +21,7 @@ from services import logs, tracing
 from services.bus import connect_nats
 from services.coalesce import Coalescer, SingleFlight
 from services.db.migrate import upgrade_when_reachable
-from services.db.records import JobRecord, NewJob, ShapeCount, WorkerRecord
+from services.db.records import JobRecord, ShapeCount, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import BusError, NotFound, ResourceExhausted
@@ -58,7 +58,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self._fleet_read = 0.0
         # Concurrent submits share one INSERT, and one read of the queue ahead;
         # concurrent streams share their reads of the jobs they follow.
-        self._create = Coalescer(self._create_many)
+        self._create = Coalescer(self.repo.jobs.create_many)
         self._queued_ahead: dict[int, SingleFlight[list[ShapeCount]]] = {}
         self._states = Coalescer(self.repo.jobs.states)
         self._results = Coalescer(self.repo.jobs.many_with_images)
@@ -112,9 +112,6 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if state is None:
             raise NotFound(f"job {job_id} not found")
         return state
-
-    async def _create_many(self, submits: list[tuple[NewJob, datetime]]) -> list[tuple[JobRecord, bool]]:
-        return await self.repo.jobs.create_many([new for new, _ in submits], now=submits[-1][1])
 
     async def _submitted(
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None

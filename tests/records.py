@@ -40,8 +40,9 @@ def record(new: NewJob | None = None, **changes: Any) -> JobRecord:
     return replace(job, **changes)
 
 
-def sampler(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: Any) -> WorkerRecord:
-    """A ready sampler as the registry holds it, serving and warm with ``models``."""
+def worker_record(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: Any) -> WorkerRecord:
+    """A worker as the registry holds it: a ready sampler, serving and warm with
+    ``models``, unless ``changes`` say otherwise."""
     now = datetime.now(UTC)
     worker = WorkerRecord(
         id=worker_id,

@@ -97,10 +97,10 @@ def test_measured_load_times_and_footprints_correct_the_registry() -> None:
 
     from scheduler.views import measured_costs
     from services.db.records import WorkerRecord
-    from tests.records import sampler as sampler_record
+    from tests.records import worker_record
 
     def sampler(wid: str, models: dict[str, dict[str, float]]) -> WorkerRecord:
-        return sampler_record(wid, telemetry={"models": models})
+        return worker_record(wid, telemetry={"models": models})
 
     workers = [
         sampler("a", {"sd": {"bytes": 5 * GB, "load_s": 3.0}}),
@@ -120,9 +120,9 @@ def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
     from scheduler.views import worker_views
     from services.db.records import HeldGroup
     from services.db.states import JobStatus
-    from tests.records import sampler
+    from tests.records import worker_record
 
-    record = sampler("a")
+    record = worker_record("a")
 
     def group(status: JobStatus, steps: int, images: int, done: float = 0.0) -> HeldGroup:
         return HeldGroup("a", status, "sd", 512, 512, steps, 7.5, images, images, 1, done)

@@ -3,34 +3,22 @@ from the load each heartbeats; in rotation while a speed is unknown."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Any
 
 from gpu_worker.decoders import estimated_finish_s, fastest_first
 from services.db.records import WorkerRecord
-from services.db.states import WorkerKind, WorkerStatus
+from services.db.states import WorkerKind
+from tests.records import worker_record
 
 
 def decoder(worker_id: str, **telemetry: Any) -> WorkerRecord:
-    now = datetime.now(UTC)
-    return WorkerRecord(
-        id=worker_id,
+    return worker_record(
+        worker_id,
         kind=WorkerKind.DECODER,
         address="127.0.0.1:1",
-        device="cpu",
-        status=WorkerStatus.READY,
         models=("tiny",),
         warm_models=(),
-        vram_total_bytes=0,
-        vram_used_bytes=0,
-        temperature_c=0.0,
-        speed=1.0,
-        completed=0,
-        errors=0,
-        busy_seconds=0.0,
         telemetry=telemetry,
-        started_at=now,
-        last_heartbeat=now,
     )
 
 

@@ -29,14 +29,14 @@ INSERT INTO jobs (id, status, lane, priority, model, prompt, negative_prompt, wi
                   guidance_scale, seed, num_images, output_format, idempotency_key, deadline,
                   trace_context, created_at)
 SELECT id, 'QUEUED', lane, priority, model, prompt, negative_prompt, width, height, steps,
-       guidance_scale, seed, num_images, output_format, idempotency_key, deadline, trace_context, %(now)s
+       guidance_scale, seed, num_images, output_format, idempotency_key, deadline, trace_context, created_at
 FROM unnest(%(id)s::varchar[], %(lane)s::varchar[], %(priority)s::int[], %(model)s::varchar[],
             %(prompt)s::text[], %(negative_prompt)s::text[], %(width)s::int[], %(height)s::int[],
             %(steps)s::int[], %(guidance_scale)s::float8[], %(seed)s::bigint[], %(num_images)s::int[],
             %(output_format)s::varchar[], %(idempotency_key)s::varchar[], %(deadline)s::timestamptz[],
-            %(trace_context)s::varchar[])
+            %(trace_context)s::varchar[], %(created_at)s::timestamptz[])
      AS n(id, lane, priority, model, prompt, negative_prompt, width, height, steps, guidance_scale, seed,
-          num_images, output_format, idempotency_key, deadline, trace_context)
+          num_images, output_format, idempotency_key, deadline, trace_context, created_at)
 ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING {JOB_COLUMNS}
 """
@@ -75,14 +75,16 @@ class Jobs:
     async def create(self, job: NewJob, *, now: datetime) -> tuple[JobRecord, bool]:
         """Inserts a QUEUED job; returns it and whether an earlier submit with the
         same idempotency key already made it (then nothing new is stored)."""
-        [created] = await self.create_many([job], now=now)
+        [created] = await self.create_many([(job, now)])
         return created
 
-    async def create_many(self, jobs: Sequence[NewJob], *, now: datetime) -> list[tuple[JobRecord, bool]]:
-        """Inserts QUEUED jobs in one statement; per job, in order, the stored job and
-        whether an earlier submit with its idempotency key had made it."""
+    async def create_many(self, submits: Sequence[tuple[NewJob, datetime]]) -> list[tuple[JobRecord, bool]]:
+        """Inserts QUEUED jobs, each submitted at its time, in one statement; per job,
+        in order, the stored job and whether an earlier submit with its idempotency
+        key had made it."""
+        jobs = [job for job, _ in submits]
         params: dict[str, object] = {name: [getattr(j, name) for j in jobs] for name in _INSERTED_FIELDS}
-        params["now"] = now
+        params["created_at"] = [at for _, at in submits]
         async with self.db.connection() as conn:
             # One statement, committed on its own. A submit whose key another has
             # inserted meanwhile waits for that one's commit, then finds its job.
