@@ -15,12 +15,13 @@ import pytest
 from scheduler.recovery import RecoveryConfig, review
 from scheduler.views import fold_run_times
 from services.db.migrate import upgrade
-from services.db.records import Assignment, ImageRecord, NewJob, WorkerHeartbeat
+from services.db.records import Assignment, ImageRecord, WorkerHeartbeat
 from services.db.repository import Repository, Standing
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.embedded import EmbeddedPostgres
 from services.errors import WorkerSuperseded
 from tests.conftest import fresh_database
+from tests.records import new_job
 
 pytestmark = pytest.mark.integration
 
@@ -48,22 +49,7 @@ def heartbeat(worker_id: str) -> WorkerHeartbeat:
 
 
 async def submit(repo: Repository, **changes) -> str:
-    job = NewJob(
-        id=str(uuid.uuid4()),
-        lane="free",
-        priority=0,
-        model="tiny",
-        prompt="p",
-        negative_prompt="",
-        width=64,
-        height=64,
-        steps=4,
-        guidance_scale=7.5,
-        seed=1,
-        num_images=1,
-        idempotency_key=None,
-        **changes,
-    )
+    job = new_job(id=str(uuid.uuid4()), prompt="p", seed=1, **changes)
     await repo.jobs.create(job, now=now())
     return job.id
 

@@ -8,41 +8,24 @@ from datetime import UTC, datetime, timedelta
 from scheduler.recovery import TIMEOUT_GRACE_S, RecoveryConfig, review
 from services.db.records import AttemptFailure, DeadWorker, Expire, Fail, JobRecord, Requeue
 from services.db.states import JobStatus
+from tests.records import new_job, record
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)
 CONFIG = RecoveryConfig(max_attempts=3, timeouts={"tiny": 60.0})
 
 
 def job(status: JobStatus = JobStatus.RUNNING, **changes) -> JobRecord:
-    base = JobRecord(
-        id="j1",
-        status=status,
-        lane="free",
-        priority=0,
-        model="tiny",
-        prompt="p",
-        negative_prompt="",
-        width=64,
-        height=64,
-        steps=10,
-        guidance_scale=7.5,
-        seed=1,
-        num_images=1,
-        idempotency_key=None,
-        attempt=1,
-        worker_id="w1" if status in (JobStatus.SCHEDULED, JobStatus.RUNNING, JobStatus.DECODING) else None,
-        error="",
-        progress_step=0,
-        progress_total=10,
-        routing=None,
-        cancel_requested=False,
-        created_at=NOW - timedelta(seconds=30),
-        scheduled_at=NOW - timedelta(seconds=20),
-        started_at=NOW - timedelta(seconds=10),
-        decoding_at=None,
-        finished_at=None,
-    )
-    return replace(base, **changes)
+    held = status in (JobStatus.SCHEDULED, JobStatus.RUNNING, JobStatus.DECODING)
+    fields = {
+        "status": status,
+        "attempt": 1,
+        "worker_id": "w1" if held else None,
+        "progress_total": 10,
+        "created_at": NOW - timedelta(seconds=30),
+        "scheduled_at": NOW - timedelta(seconds=20),
+        "started_at": NOW - timedelta(seconds=10),
+    }
+    return record(new_job(id="j1", prompt="p", seed=1, steps=10), **(fields | changes))
 
 
 DEAD = [DeadWorker("w1", "no heartbeat for 12s")]
