@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import io
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -69,3 +70,9 @@ def count_jobs(stack: LocalStack) -> int:
         row = conn.execute("SELECT count(*) FROM jobs").fetchone()
         assert row is not None
         return int(row[0])
+
+
+def metrics_text(address: str) -> str:
+    """What a process serves Prometheus at ``address`` (host:port)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
+        return str(reply.read().decode())

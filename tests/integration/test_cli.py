@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -16,14 +15,9 @@ import psycopg
 import pytest
 
 from services.embedded import free_port
-from tests.helpers import png_size, wait_for
+from tests.helpers import metrics_text, png_size, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def metrics_text(address: str) -> str:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
-        return reply.read().decode()
 
 
 def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> None:
