@@ -8,7 +8,7 @@ from google.protobuf import timestamp_pb2
 
 from services import stages
 from services.chunks import split
-from services.db.records import ImageRecord, JobRecord
+from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
@@ -74,6 +74,20 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         failed_attempts=[
             pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],
+        checkpoint_step=job.checkpoint_step,
+        suspensions=[suspension(e) for e in job.suspensions],
+        resumptions=[suspension(e) for e in job.resumptions],
+    )
+
+
+def suspension(event: SuspendEvent) -> pb.Suspension:
+    return pb.Suspension(
+        attempt=event.attempt,
+        worker_id=event.worker_id,
+        step=event.step,
+        total=event.total,
+        reason=event.reason,
+        time=timestamp(event.at),
     )
 
 

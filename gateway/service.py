@@ -21,7 +21,7 @@ from services import logs, tracing
 from services.bus import connect_nats
 from services.coalesce import Coalescer, SingleFlight
 from services.db.migrate import upgrade_when_reachable
-from services.db.records import JobRecord, ShapeCount, WorkerRecord
+from services.db.records import JobRecord, JobState, ShapeCount, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import BusError, NotFound, ResourceExhausted
@@ -107,7 +107,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
 
-    async def _state(self, job_id: str) -> tuple[JobStatus, int]:
+    async def _state(self, job_id: str) -> JobState:
         state = await self._states(job_id)
         if state is None:
             raise NotFound(f"job {job_id} not found")
@@ -170,7 +170,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             state = StreamState(job_id)
             stored = await self._state(job_id)
             while True:
-                moved = state.on_stored(*stored)
+                for logged in state.on_log(stored.suspend_log):
+                    yield logged
+                moved = state.on_stored(stored.status, stored.attempt)
                 if moved is not None:
                     yield moved
                 # Until the job ends: what NATS says, or what the database says after

@@ -2,11 +2,16 @@
 
 Pure: it is fed the job as read from the database and the events heard on NATS
 (in any order, some stale, some lost), and says which status and progress events
-to send, each status once and in the order the job went through them."""
+to send, each status once and in the order the job went through them. Suspensions
+and resumptions come from the job's record only (an event about one makes the
+stream read it), each sent once."""
 
 from __future__ import annotations
 
-from gateway.convert import STATUS
+from collections.abc import Sequence
+
+from gateway.convert import STATUS, suspension
+from services.db.records import SUSPENDED, SuspendEvent
 from services.db.states import JobStatus
 from services.events import JobEvent, position
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -18,6 +23,7 @@ class StreamState:
         self.status: JobStatus | None = None
         self.attempt = -1
         self.last_step = -1
+        self.logged = 0  # entries of the job's suspend_log sent
 
     @property
     def ended(self) -> bool:
@@ -32,6 +38,18 @@ class StreamState:
             self.last_step = -1  # another attempt: its progress starts over
         self.attempt, self.status = attempt, status
         return pb.JobEvent(job_id=self.job_id, status=STATUS[status]) if changed else None
+
+    def on_log(self, log: Sequence[SuspendEvent]) -> list[pb.JobEvent]:
+        """The job's suspensions and resumptions as stored: those not yet sent, in
+        order (the log only grows)."""
+        new = log[self.logged :]
+        self.logged = max(self.logged, len(log))
+        return [
+            pb.JobEvent(job_id=self.job_id, suspended=suspension(e))
+            if e.kind == SUSPENDED
+            else pb.JobEvent(job_id=self.job_id, resumed=suspension(e))
+            for e in new
+        ]
 
     def on_stored(self, status: JobStatus, attempt: int) -> pb.JobEvent | None:
         """The job's state as stored: the status to send, if it moved on."""

@@ -23,8 +23,10 @@ from typing import TypeVar
 
 import torch
 
+from gpu_worker.checkpoint import Checkpoint
+from gpu_worker.checkpoint_saver import CheckpointSaver
 from gpu_worker.decoders import Decoders, DecodeUnavailable
-from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleRequest
+from gpu_worker.engine import BadOutput, BatchMember, JobSuspended, SamplerEngine, SampleRequest
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
 from services import logs, tracing
 from services.backoff import Backoff
@@ -35,7 +37,16 @@ from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus
 from services.errors import InvalidArgument, JobInterrupted, StoreError
 from services.events import Events, JobEvent
-from services.metrics import ATTEMPTS_FAILED, BATCH_IMAGES, JOBS_FINISHED, REQUEUES, observe_stages
+from services.metrics import (
+    ATTEMPTS_FAILED,
+    BATCH_IMAGES,
+    CHECKPOINTS,
+    JOBS_FINISHED,
+    REQUEUES,
+    RESUMED_STEPS,
+    SUSPENSIONS,
+    observe_stages,
+)
 from services.models.registry import DEFAULT_TIMEOUT_S
 
 log = logging.getLogger("darkroom.gpu_worker.runner")
@@ -65,6 +76,8 @@ class Started:
     timeout_s: float
     result: torch.Tensor | BaseException | None = None
     decoding_at: datetime | None = None  # when recorded DECODING
+    resume: Checkpoint | None = None  # the checkpoint it starts from
+    saver: CheckpointSaver | None = None  # stores its periodic checkpoints
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,7 @@ class JobRunner:
         except OutcomeNotStored as exc:
             log.warning("%s; leaving them for redelivery", exc, extra=logs.jobs_fields(d.job_id for d in dispatches))
             return {d.job_id: Outcome.NOT_STORED for d in dispatches}
+        stored = await self._checkpoints([job for job in jobs.values() if job.checkpoint_step > 0])
         out: dict[str, Started | Outcome] = {}
         loop = asyncio.get_running_loop()
         for d in dispatches:
@@ -166,11 +180,39 @@ class JobRunner:
             spec = self.engine.registry.models.get(job.model)
             timeout_s = spec.timeout_s if spec is not None else DEFAULT_TIMEOUT_S
             timer = loop.call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
-            out[d.job_id] = Started(job, watch, timer, timeout_s)
+            out[d.job_id] = Started(job, watch, timer, timeout_s, resume=stored.get(job.id))
+        started = [s for s in out.values() if isinstance(s, Started)]
         await self.events.job(
-            *(JobEvent(s.job.id, s.job.attempt, JobStatus.RUNNING) for s in out.values() if isinstance(s, Started))
+            *(JobEvent(s.job.id, s.job.attempt, JobStatus.RUNNING) for s in started),
+            # Its resumption joined its record: streams read it from there.
+            *(JobEvent(s.job.id, s.job.attempt) for s in started if s.job.checkpoint_step > 0),
         )
         return out
+
+    async def _checkpoints(self, jobs: Sequence[JobRecord]) -> dict[str, Checkpoint]:
+        """The checkpoint each job resumes from. One that cannot be read now costs
+        its job the steps it saved, not the job."""
+        if not jobs:
+            return {}
+        try:
+            stored = await self.repo.checkpoints.load(jobs)
+        except StoreError as exc:
+            log.warning(
+                "cannot read the checkpoints of %d jobs; they start from step 0: %s",
+                len(jobs),
+                exc,
+                extra=logs.jobs_fields(j.id for j in jobs),
+            )
+            return {}
+        for job in jobs:
+            if job.id not in stored:
+                log.warning(
+                    "job %s: its checkpoint at step %d is not stored; starting from step 0",
+                    job.id,
+                    job.checkpoint_step,
+                    extra=logs.job_fields(job.id, job.attempt),
+                )
+        return {job_id: Checkpoint(c.step, c.total, c.data) for job_id, c in stored.items()}
 
     async def sample(self, batch: Sequence[Started]) -> SampledBatch:
         """Runs the batch's denoising loops together and leaves each member's latents
@@ -204,10 +246,11 @@ class JobRunner:
         seconds = time.perf_counter() - began
         for started, result in zip(batch, results, strict=True):
             started.result = result
+            started.watch.sampled = True
         rows = sum(s.job.num_images for s in batch)
         BATCH_IMAGES.labels(model=model).observe(rows)
         tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
-        sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()]
+        sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
         recorded = None
         if sampled:
             self._warmed_up.add(model)
@@ -242,9 +285,7 @@ class JobRunner:
         decoded (the batch in one call) and SUCCEEDED, or failed, cancelled or handed
         back as each one's result says. The batch's time is learned once, from its
         first member, under its rows."""
-        latents = [
-            (s.job, s.result) for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.stopping.is_set()
-        ]
+        latents = [(s.job, s.result) for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
         decoded = await self.decoders.decode_many(latents) if latents else {}
         decoded_at = _now()
         if sampled.recorded is not None:
@@ -299,11 +340,11 @@ class JobRunner:
                 raise started.result
             if started.result is None:
                 raise RuntimeError("the job was never sampled")
-            if watch.stopping.is_set() or decoded is None:
+            if watch.discards_work or decoded is None:
                 raise JobInterrupted(job.id)
             if isinstance(decoded, BaseException):
                 raise decoded
-            if watch.stopping.is_set():
+            if watch.discards_work:
                 raise JobInterrupted(job.id)
             result = replace(result, images=decoded)
             stored = await self._store(f"the result of {job.id}", lambda: self._results(result))
@@ -313,8 +354,13 @@ class JobRunner:
                 observe_stages(job.model, (*times, result.decoded_at, _now()))
             tracing.stored(job, worker_id=self.worker_id, decoded_at=result.decoded_at, stored=stored)
             log.info("job %s done (stored=%s)", job.id, stored)
+        except JobSuspended as exc:
+            await self._suspended(started, exc.checkpoint)
         except JobInterrupted:
-            await self._interrupted(job, watch.stop_reason, started.timeout_s)
+            if watch.stop_reason is not None and watch.stop_reason.keeps_work:
+                await self._suspended(started, None)  # stopped with nothing of its own to save
+            else:
+                await self._interrupted(job, watch.stop_reason, started.timeout_s)
         except OutcomeNotStored:
             raise
         except InvalidArgument as exc:
@@ -371,6 +417,41 @@ class JobRunner:
             await self.events.job(JobEvent(job.id, job.attempt, status))
         await self.events.work()
 
+    async def _suspended(self, started: Started, checkpoint: Checkpoint | None) -> None:
+        """Stores the job's checkpoint and puts it back in the queue, no attempt
+        counted: the next attempt, on any GPU, starts where this one stopped."""
+        job, watch = started.job, started.watch
+        preempted = watch.stop_reason == StopReason.PREEMPTED
+        reason = watch.detail or ("preempted" if preempted else "drain")
+        if started.saver is not None:
+            await started.saver.settled()  # a periodic write landing later would be refused anyway
+        step = checkpoint.step if checkpoint is not None else 0
+        total = checkpoint.total if checkpoint is not None else job.steps
+        status = await self._store(
+            f"the suspension of {job.id}",
+            lambda: self.repo.checkpoints.suspend(
+                job.id,
+                job.attempt,
+                self.worker_id,
+                step=step,
+                total=total,
+                data=checkpoint.data if checkpoint is not None else None,
+                reason=reason,
+                preempted=preempted,
+                now=_now(),
+            ),
+        )
+        log.info("job %s suspended at step %d/%d (%s): %s", job.id, step, total, reason, status)
+        if status == JobStatus.QUEUED:
+            SUSPENSIONS.labels(cause="preempted" if preempted else "drain").inc()
+            if checkpoint is not None and checkpoint.step > 0:
+                CHECKPOINTS.labels(kind="suspension").inc()
+        elif status == JobStatus.CANCELLED:
+            JOBS_FINISHED.labels(outcome="cancelled").inc()
+        if status is not None:
+            await self.events.job(JobEvent(job.id, job.attempt))  # its suspension joined its record
+        await self._ended(job, status)
+
     async def _interrupted(self, job: JobRecord, reason: StopReason | None, timeout_s: float) -> None:
         attempt = (job.id, job.attempt, self.worker_id)
         log.info("job %s attempt %d stopped: %s", job.id, job.attempt, reason.value if reason else "?")
@@ -411,6 +492,9 @@ class JobRunner:
                 return
             if standing == Standing.CANCEL_REQUESTED:
                 watch.stop(StopReason.CANCELLED)
+            elif standing == Standing.SUSPEND_REQUESTED:
+                # The scheduler's call to this worker did not arrive; its flag did.
+                watch.stop(StopReason.PREEMPTED, "preempted for waiting work")
             elif standing == Standing.SUPERSEDED:
                 watch.stop(StopReason.SUPERSEDED)
 
@@ -433,4 +517,26 @@ class JobRunner:
             job.seed,
             job.num_images,
         )
-        return BatchMember(request, on_step, watch.stopping)
+        if started.resume is not None:
+            RESUMED_STEPS.inc(started.resume.step)
+
+        async def save(checkpoint: Checkpoint) -> bool:
+            return await self.repo.checkpoints.save(
+                job.id,
+                job.attempt,
+                self.worker_id,
+                step=checkpoint.step,
+                total=checkpoint.total,
+                data=checkpoint.data,
+                now=_now(),
+            )
+
+        started.saver = CheckpointSaver(job.id, job.attempt, save, loop)
+        return BatchMember(
+            request,
+            on_step,
+            watch.stopping,
+            resume=started.resume,
+            on_checkpoint=started.saver.offer,
+            suspend=lambda: watch.stop_reason is not None and watch.stop_reason.keeps_work,
+        )

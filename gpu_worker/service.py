@@ -3,8 +3,10 @@ subject, runs the denoising loop, has the latents decoded, stores the result and
 only then acks the message.
 
 Stopping (SIGTERM) is a drain: it takes no new job, reports ``draining`` at once,
-finishes the job it runs within the grace period (or hands it back), hands back
-what it holds but has not started, deregisters and exits."""
+suspends the jobs it is sampling at their next step (each goes back to the queue
+with its checkpoint, to resume on another GPU, so a drain takes about one step),
+lets the jobs already decoding finish within the grace period (or hands them back),
+hands back what it holds but has not started, deregisters and exits."""
 
 from __future__ import annotations
 
@@ -68,6 +70,16 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         watch.stop(StopReason.CANCELLED)
         return sampler_pb2.SamplerCancelResponse(was_running=True)
 
+    @unary_errors
+    async def SuspendJob(
+        self, request: sampler_pb2.SamplerSuspendRequest, context: grpc.aio.ServicerContext
+    ) -> sampler_pb2.SamplerSuspendResponse:
+        watch = self.tracker.get(request.job_id)
+        if watch is None or watch.attempt != request.attempt or watch.finished_at is not None or watch.sampled:
+            return sampler_pb2.SamplerSuspendResponse(was_running=False)
+        watch.stop(StopReason.PREEMPTED, request.reason or "preempted")
+        return sampler_pb2.SamplerSuspendResponse(was_running=True)
+
 
 def create_server(settings: Settings, tracker: JobTracker) -> Server:
     """The Sampler gRPC server (not started); port 0 picks a free port."""
@@ -83,13 +95,17 @@ async def _drain(
     stop: asyncio.Event, finished: asyncio.Event, presence: Presence, tracker: JobTracker, grace_s: float
 ) -> None:
     """Once the worker is stopping: says so at once (nothing more is placed here),
-    and hands back the running job if it has not finished within the grace."""
+    suspends what it samples at the next step, and hands back what is still running
+    (decoding) if it has not finished within the grace."""
     await stop.wait()
     if finished.is_set():
         return
     if presence.superseded.is_set():
         tracker.stop_all(StopReason.SUPERSEDED)
         return
+    suspended = tracker.suspend_sampling(StopReason.SUSPENDED, "drain")
+    if suspended:
+        log.info("draining: suspending %d jobs at their next step", suspended)
     await presence.set_status(WorkerStatus.DRAINING)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(finished.wait(), grace_s)

@@ -17,6 +17,16 @@ class StopReason(enum.Enum):
     TIMED_OUT = "timed out"  # past its model's hard timeout
     SUPERSEDED = "superseded"  # the job moved on (requeued): nothing to record
     HANDED_BACK = "handed back"  # the worker is draining: back to the queue, no attempt counted
+    # Checkpointed at the next step and back to the queue, no attempt counted: the
+    # worker is draining, or the scheduler wants the GPU for other work.
+    SUSPENDED = "suspended"
+    PREEMPTED = "preempted"
+
+    @property
+    def keeps_work(self) -> bool:
+        """A job stopped for this reason keeps what it has done: suspended at a
+        step, or finished if its sampling was done already."""
+        return self in (StopReason.SUSPENDED, StopReason.PREEMPTED)
 
 
 class JobWatch:
@@ -27,12 +37,22 @@ class JobWatch:
         self.stopping = threading.Event()
         self.stop_reason: StopReason | None = None
         self.finished_at: float | None = None
+        # Its latents are out: a suspension has nothing left to save.
+        self.sampled = False
+        self.detail = ""  # why, in words, for the job's record (whom a preemption makes room for)
 
-    def stop(self, reason: StopReason) -> None:
+    def stop(self, reason: StopReason, detail: str = "") -> None:
         """Asks the job to stop at its next step; the first reason given wins."""
         if self.stop_reason is None:
             self.stop_reason = reason
+            self.detail = detail
         self.stopping.set()
+
+    @property
+    def discards_work(self) -> bool:
+        """It was stopped, and what it did is not to be used: cancelled, timed out,
+        superseded or handed back, but not suspended."""
+        return self.stopping.is_set() and not (self.stop_reason is not None and self.stop_reason.keeps_work)
 
 
 class JobTracker:
@@ -56,6 +76,14 @@ class JobTracker:
     def stop_all(self, reason: StopReason) -> None:
         for watch in self.running():
             watch.stop(reason)
+
+    def suspend_sampling(self, reason: StopReason, detail: str = "") -> int:
+        """Suspends, at their next step, the jobs still sampling (those already
+        decoding finish); returns how many."""
+        sampling = [w for w in self.running() if not w.sampled]
+        for watch in sampling:
+            watch.stop(reason, detail)
+        return len(sampling)
 
     def finished(self, watch: JobWatch) -> None:
         watch.finished_at = time.monotonic()

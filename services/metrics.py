@@ -132,6 +132,24 @@ REQUEUES = Counter(
     "Jobs put back in the queue, by cause (a worker lost, a drain's hand-back, a failed attempt to retry).",
     ["cause"],
 )
+CHECKPOINTS = Counter(
+    "darkroom_checkpoints",
+    "Denoising checkpoints stored, by kind: periodic, or taken by a suspension.",
+    ["kind"],
+)
+SUSPENSIONS = Counter(
+    "darkroom_suspensions",
+    "Jobs suspended at a step and put back in the queue with their checkpoint, by cause: drain or preempted.",
+    ["cause"],
+)
+RESUMED_STEPS = Counter(
+    "darkroom_resumed_steps",
+    "Denoising steps not run again because an attempt resumed its job from a checkpoint.",
+)
+PREEMPTIONS = Counter(
+    "darkroom_preemptions",
+    "Running jobs the scheduler asked to suspend to make room for waiting ones.",
+)
 ATTEMPTS_FAILED = Counter(
     "darkroom_attempts_failed",
     "Attempts that failed (each one counts towards MAX_ATTEMPTS), by cause.",

@@ -127,6 +127,15 @@ class Settings:
     lane_aging_per_s: float = _at_least(0.0, 0.5)
     # "capability:gpus" each: at most that many GPUs hold such work while other work waits.
     capability_caps: tuple[str, ...] = ()
+    # Preemption: running jobs of these lanes or capabilities may be suspended at a
+    # step (checkpointed, back to the queue, no attempt counted) for waiting jobs of
+    # the preempting lanes. Empty: nothing is ever preempted.
+    preemptible: tuple[str, ...] = ()
+    preempting_lanes: tuple[str, ...] = ()
+    # A job is never preempted more often than this.
+    max_preemptions: int = _at_least(0, 2)
+    # A waiting job preempts only when it would otherwise wait longer than this.
+    preempt_after_s: float = _at_least(0.0, 2.0)
     # A GPU's queued work counts more above this temperature (twice at +10 C).
     hot_temperature_c: float = 70.0
     # The warm-set planner: how often it runs, and how much history it weighs.

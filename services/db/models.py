@@ -82,6 +82,17 @@ class JobRow(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # W3C trace context (traceparent) of the submit: each service's spans join its trace.
     trace_context: Mapped[str | None] = mapped_column(String(128))
+    # The latest denoising checkpoint (in ``job_checkpoints``): the steps it holds
+    # done, and the attempt that wrote it. Only the checkpoint these name is resumed
+    # from: a write from any other attempt is refused, so a stale one is never used.
+    checkpoint_step: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    checkpoint_attempt: Mapped[int | None] = mapped_column(Integer)
+    # Times suspended to make room for other work (a drain's suspension does not count).
+    preemptions: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    # The scheduler asked its worker to suspend it at the next step.
+    suspend_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    # One entry per suspension and resumption: {"kind", "attempt", "worker_id", "step", "reason", "at"}.
+    suspend_log: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
@@ -110,6 +121,19 @@ class JobImageRow(Base):
     width: Mapped[int] = mapped_column(Integer, nullable=False)
     height: Mapped[int] = mapped_column(Integer, nullable=False)
     seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
+
+
+class JobCheckpointRow(Base):
+    """A job's latest denoising state, written by the attempt ``jobs.checkpoint_attempt`` names."""
+
+    __tablename__ = "job_checkpoints"
+
+    job_id: Mapped[str] = mapped_column(String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    step: Mapped[int] = mapped_column(Integer, nullable=False)
+    total: Mapped[int] = mapped_column(Integer, nullable=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 
 
 class WorkerRow(Base):

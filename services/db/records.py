@@ -41,6 +41,57 @@ class AttemptFailure:
         return f"attempt {self.attempt} on {self.worker_id}: {self.error}"
 
 
+SUSPENDED = "suspended"
+RESUMED = "resumed"
+
+
+@dataclass(frozen=True)
+class SuspendEvent:
+    """A job was suspended at a step (its checkpoint stored, back to the queue), or
+    an attempt resumed it from its checkpoint."""
+
+    kind: str  # SUSPENDED or RESUMED
+    attempt: int
+    worker_id: str
+    step: int
+    total: int
+    at: datetime
+    reason: str = ""  # why it was suspended: "drain", "preempted for <job>"
+
+    @classmethod
+    def of(cls, entry: Mapping[str, Any]) -> SuspendEvent:
+        return cls(
+            kind=entry["kind"],
+            attempt=int(entry["attempt"]),
+            worker_id=entry["worker_id"],
+            step=int(entry["step"]),
+            total=int(entry["total"]),
+            at=datetime.fromisoformat(entry["at"]),
+            reason=entry.get("reason", ""),
+        )
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What a stream reads of its job: where it stands, and its suspensions."""
+
+    status: JobStatus
+    attempt: int
+    suspend_log: tuple[SuspendEvent, ...] = ()
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """A job's latest denoising state as stored: written by ``attempt`` with ``step``
+    of ``total`` steps done."""
+
+    job_id: str
+    attempt: int
+    step: int
+    total: int
+    data: bytes
+
+
 @dataclass(frozen=True)
 class JobRecord:
     id: str
@@ -78,6 +129,11 @@ class JobRecord:
     dispatched_at: datetime | None = None
     decoded_at: datetime | None = None
     trace_context: str | None = None
+    checkpoint_step: int = 0  # steps its latest checkpoint holds done (0: none)
+    checkpoint_attempt: int | None = None  # the attempt that wrote it
+    preemptions: int = 0
+    suspend_requested: bool = False
+    suspend_log: tuple[SuspendEvent, ...] = ()
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:
@@ -85,7 +141,16 @@ class JobRecord:
         values = {name: row[name] for name in JOB_FIELDS}
         values["status"] = JobStatus(row["status"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
+        values["suspend_log"] = tuple(SuspendEvent.of(entry) for entry in row["suspend_log"] or ())
         return cls(**values)
+
+    @property
+    def suspensions(self) -> tuple[SuspendEvent, ...]:
+        return tuple(e for e in self.suspend_log if e.kind == SUSPENDED)
+
+    @property
+    def resumptions(self) -> tuple[SuspendEvent, ...]:
+        return tuple(e for e in self.suspend_log if e.kind == RESUMED)
 
 
 @dataclass(frozen=True)
@@ -119,6 +184,26 @@ class JobSummary:
         values["status"] = JobStatus(row["status"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job running on a worker, as preemption sees it."""
+
+    id: str
+    attempt: int
+    worker_id: str
+    lane: str
+    priority: int
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    progress_step: int  # steps done, counted from the job's first step (a resumed job starts past 0)
+    preemptions: int  # times it has been suspended for other work
+    suspend_requested: bool  # a suspension is asked for and not yet done
+    started_at: datetime | None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ once, in ``database``."""
 from __future__ import annotations
 
 from services.db.repository.attempts import Attempts, Result, Standing, StartRequest
+from services.db.repository.checkpoints import Checkpoints
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
 from services.db.repository.estimates import Estimates
 from services.db.repository.jobs import Jobs
@@ -27,7 +28,8 @@ class Repository:
     """``jobs``: what clients submit and read; ``attempts``: writes from the worker
     holding a job, fenced by attempt; ``workers``: the registry; ``scheduling``:
     the scheduler's passes; ``recovery``: stalled, expired and exhausted jobs;
-    ``estimates``: learned durations."""
+    ``estimates``: learned durations; ``checkpoints``: denoising checkpoints and
+    suspensions."""
 
     def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
         self.db = Database(database_url, pool_size=pool_size, application_name=application_name)
@@ -37,6 +39,7 @@ class Repository:
         self.scheduling = Scheduling(self.db)
         self.recovery = Recoveries(self.db)
         self.estimates = Estimates(self.db)
+        self.checkpoints = Checkpoints(self.db)
 
     async def close(self) -> None:
         await self.db.close()

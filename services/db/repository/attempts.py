@@ -32,6 +32,7 @@ class Standing(enum.Enum):
 
     CURRENT = "current"
     CANCEL_REQUESTED = "cancel requested"
+    SUSPEND_REQUESTED = "suspend requested"  # the scheduler wants its GPU for other work
     SUPERSEDED = "superseded"  # requeued or moved on: its work will not be used
 
 
@@ -84,8 +85,15 @@ class Attempts:
                 status = 'RUNNING',
                 started_at = CASE WHEN j.status = 'SCHEDULED' THEN %(now)s ELSE j.started_at END,
                 starts = j.starts + 1,
-                progress_step = 0,
-                dispatched_at = r.dispatched_at
+                progress_step = j.checkpoint_step,
+                dispatched_at = r.dispatched_at,
+                -- An attempt that starts from a checkpoint resumes the job (once, however
+                -- often its dispatch is redelivered).
+                suspend_log = CASE WHEN j.status = 'SCHEDULED' AND j.checkpoint_step > 0
+                    THEN j.suspend_log || jsonb_build_array(jsonb_build_object(
+                        'kind', 'resumed', 'attempt', j.attempt, 'worker_id', %(worker)s::text,
+                        'step', j.checkpoint_step, 'total', j.steps, 'at', to_jsonb(%(now)s::timestamptz)))
+                    ELSE j.suspend_log END
             FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(dispatched)s::timestamptz[])
                  AS r(id, attempt, dispatched_at)
             WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
@@ -107,13 +115,15 @@ class Attempts:
             f"""
             UPDATE jobs AS j SET progress_step = %(step)s, progress_total = %(total)s
             WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND {_CURRENT}
-            RETURNING j.cancel_requested
+            RETURNING j.cancel_requested, j.suspend_requested
             """,
             {"id": job_id, "attempt": attempt, "worker": worker_id, "statuses": _STARTED, "step": step, "total": total},
         )
         if row is None:
             return Standing.SUPERSEDED
-        return Standing.CANCEL_REQUESTED if row["cancel_requested"] else Standing.CURRENT
+        if row["cancel_requested"]:
+            return Standing.CANCEL_REQUESTED
+        return Standing.SUSPEND_REQUESTED if row["suspend_requested"] else Standing.CURRENT
 
     async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
         """Marks (job id, attempt) of a sampled batch DECODING, every step done;
@@ -190,6 +200,8 @@ class Attempts:
                     completed = completed + (SELECT count(*) FROM stored),
                     busy_seconds = busy_seconds + (SELECT coalesce(sum(busy_s), 0) FROM stored)
                 WHERE id = %(worker)s AND EXISTS (SELECT 1 FROM stored)
+            ), dropped AS (
+                DELETE FROM job_checkpoints WHERE job_id IN (SELECT id FROM stored)
             )
             SELECT id FROM stored
             """,

@@ -13,9 +13,11 @@ from services.db.records import (
     JOB_FIELDS,
     ImageRecord,
     JobRecord,
+    JobState,
     LaneCount,
     NewJob,
     ShapeCount,
+    SuspendEvent,
     Totals,
 )
 from services.db.repository.database import Database, fetch_all
@@ -141,18 +143,25 @@ class Jobs:
                 )
         return [found.get(job_id) for job_id in job_ids]
 
-    async def state(self, job_id: str) -> tuple[JobStatus, int]:
-        """The job's status and attempt: all a stream needs to begin."""
+    async def state(self, job_id: str) -> JobState:
+        """The job's status, attempt and suspensions: all a stream needs to begin."""
         [state] = await self.states([job_id])
         if state is None:
             raise NotFound(f"job {job_id} not found")
         return state
 
-    async def states(self, job_ids: Sequence[str]) -> list[tuple[JobStatus, int] | None]:
+    async def states(self, job_ids: Sequence[str]) -> list[JobState | None]:
         """``state`` of each job, in order, in one statement; None for a job that
         does not exist."""
-        rows = await self.db.all("SELECT id, status, attempt FROM jobs WHERE id = ANY(%s)", (list(job_ids),))
-        by_id = {r["id"]: (JobStatus(r["status"]), r["attempt"]) for r in rows}
+        rows = await self.db.all(
+            "SELECT id, status, attempt, suspend_log FROM jobs WHERE id = ANY(%s)", (list(job_ids),)
+        )
+        by_id = {
+            r["id"]: JobState(
+                JobStatus(r["status"]), r["attempt"], tuple(SuspendEvent.of(e) for e in r["suspend_log"] or ())
+            )
+            for r in rows
+        }
         return [by_id.get(job_id) for job_id in job_ids]
 
     async def find_by_idempotency_key(self, key: str) -> JobRecord | None:

@@ -28,7 +28,9 @@ UPDATE jobs AS j SET
     error = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE j.error END,
     finished_at = CASE WHEN j.cancel_requested THEN %(now)s ELSE j.finished_at END,
     worker_id = CASE WHEN j.cancel_requested THEN j.worker_id ELSE NULL END,
-    progress_step = CASE WHEN j.cancel_requested THEN j.progress_step ELSE 0 END,
+    -- The next attempt resumes from the job's checkpoint, if it has one.
+    progress_step = CASE WHEN j.cancel_requested THEN j.progress_step ELSE j.checkpoint_step END,
+    suspend_requested = false,
     -- The next attempt's stages are its own.
     dispatched_at = CASE WHEN j.cancel_requested THEN j.dispatched_at ELSE NULL END,
     decoding_at = CASE WHEN j.cancel_requested THEN j.decoding_at ELSE NULL END,
@@ -38,17 +40,24 @@ WHERE j.id = r.id AND j.attempt = r.attempt AND ({guard})
 RETURNING j.id, j.status
 """
 
-# Ends a job in a terminal state; a failure, if any, joins its log.
+# Ends a job in a terminal state; a failure, if any, joins its log. Its checkpoint
+# has no further use.
 _END = """
-UPDATE jobs AS j SET
-    status = %(status)s,
-    error = %(error)s,
-    finished_at = %(now)s,
-    failures = j.failures + (%(failure)s::text IS NOT NULL)::int,
-    attempt_log = CASE WHEN %(failure)s::text IS NULL THEN j.attempt_log
-                       ELSE j.attempt_log || jsonb_build_array(%(failure)s::jsonb) END
-WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND ({guard})
-RETURNING j.id
+WITH ended AS (
+    UPDATE jobs AS j SET
+        status = %(status)s,
+        error = %(error)s,
+        finished_at = %(now)s,
+        suspend_requested = false,
+        failures = j.failures + (%(failure)s::text IS NOT NULL)::int,
+        attempt_log = CASE WHEN %(failure)s::text IS NULL THEN j.attempt_log
+                           ELSE j.attempt_log || jsonb_build_array(%(failure)s::jsonb) END
+    WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND ({guard})
+    RETURNING j.id
+), dropped AS (
+    DELETE FROM job_checkpoints c USING ended WHERE c.job_id = ended.id
+)
+SELECT id FROM ended
 """
 
 

@@ -51,7 +51,7 @@ WHERE lanes.lane IS NOT NULL
 _SCHEDULE = f"""
 UPDATE jobs AS j SET
     status = 'SCHEDULED', worker_id = a.worker_id, attempt = j.attempt + 1,
-    scheduled_at = %(now)s, routing = a.routing, progress_step = 0
+    scheduled_at = %(now)s, routing = a.routing, progress_step = j.checkpoint_step
 FROM unnest(%(ids)s::varchar[], %(workers)s::varchar[], %(routings)s::jsonb[]) AS a(id, worker_id, routing)
 WHERE j.id = a.id AND j.status = 'QUEUED'
 RETURNING {qualified(SUMMARY_FIELDS, "j")}

@@ -182,8 +182,24 @@ class AttemptFailure(_message.Message):
     error: str
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
+class Suspension(_message.Message):
+    __slots__ = ("attempt", "worker_id", "step", "total", "reason", "time")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    worker_id: str
+    step: int
+    total: int
+    reason: str
+    time: _timestamp_pb2.Timestamp
+    def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +222,9 @@ class Job(_message.Message):
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
     BATCH_IMAGES_FIELD_NUMBER: _ClassVar[int]
     STAGE_DURATIONS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    SUSPENSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESUMPTIONS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -228,7 +247,10 @@ class Job(_message.Message):
     output_format: OutputFormat
     batch_images: int
     stage_durations: StageDurations
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ...) -> None: ...
+    checkpoint_step: int
+    suspensions: _containers.RepeatedCompositeFieldContainer[Suspension]
+    resumptions: _containers.RepeatedCompositeFieldContainer[Suspension]
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -257,18 +279,22 @@ class ImageChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("job_id", "status", "progress", "image_chunk", "terminal")
+    __slots__ = ("job_id", "status", "progress", "image_chunk", "terminal", "suspended", "resumed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CHUNK_FIELD_NUMBER: _ClassVar[int]
     TERMINAL_FIELD_NUMBER: _ClassVar[int]
+    SUSPENDED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     progress: Progress
     image_chunk: ImageChunk
     terminal: Job
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., image_chunk: _Optional[_Union[ImageChunk, _Mapping]] = ..., terminal: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+    suspended: Suspension
+    resumed: Suspension
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., image_chunk: _Optional[_Union[ImageChunk, _Mapping]] = ..., terminal: _Optional[_Union[Job, _Mapping]] = ..., suspended: _Optional[_Union[Suspension, _Mapping]] = ..., resumed: _Optional[_Union[Suspension, _Mapping]] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id",)

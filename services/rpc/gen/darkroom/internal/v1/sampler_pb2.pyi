@@ -15,3 +15,19 @@ class SamplerCancelResponse(_message.Message):
     WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     was_running: bool
     def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
+
+class SamplerSuspendRequest(_message.Message):
+    __slots__ = ("job_id", "attempt", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    attempt: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SamplerSuspendResponse(_message.Message):
+    __slots__ = ("was_running",)
+    WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    was_running: bool
+    def __init__(self, was_running: _Optional[bool] = ...) -> None: ...

@@ -42,6 +42,11 @@ class SamplerStub:
                 request_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelRequest.SerializeToString,
                 response_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelResponse.FromString,
                 _registered_method=True)
+        self.SuspendJob = channel.unary_unary(
+                '/darkroom.internal.v1.Sampler/SuspendJob',
+                request_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerSuspendRequest.SerializeToString,
+                response_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerSuspendResponse.FromString,
+                _registered_method=True)
 
 
 class SamplerServicer:
@@ -57,6 +62,15 @@ class SamplerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SuspendJob(self, request, context):
+        """Suspends the job at its next denoising step: its checkpoint is stored and it
+        goes back to the queue with no attempt counted, to resume on any GPU. The
+        scheduler calls it to make room for waiting work (preemption).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SamplerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -64,6 +78,11 @@ def add_SamplerServicer_to_server(servicer, server):
                     servicer.CancelJob,
                     request_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelRequest.FromString,
                     response_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelResponse.SerializeToString,
+            ),
+            'SuspendJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.SuspendJob,
+                    request_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerSuspendRequest.FromString,
+                    response_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerSuspendResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -96,6 +115,33 @@ class Sampler:
             '/darkroom.internal.v1.Sampler/CancelJob',
             darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelRequest.SerializeToString,
             darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerCancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SuspendJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.internal.v1.Sampler/SuspendJob',
+            darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerSuspendRequest.SerializeToString,
+            darkroom_dot_internal_dot_v1_dot_sampler__pb2.SamplerSuspendResponse.FromString,
             options,
             channel_credentials,
             insecure,
