@@ -4,10 +4,18 @@ batch of jobs.
 Jobs with the same model, size, steps and guidance run as one batch. Each member
 keeps its own noise (its seeds), its own noise-scheduler state, its own progress
 and its own stop: a cancelled or timed-out member leaves at the next step and the
-rest go on. On a GPU the members' UNet calls are fused into one; on a CPU each
-member's call runs on its own rows, because CPU kernels block matrix products
-differently for different batch sizes and only then is a batched image exactly the
-one the job would get alone.
+rest go on. On a GPU the UNet calls of the members at the same step are fused into
+one; on a CPU each member's call runs on its own rows, because CPU kernels block
+matrix products differently for different batch sizes and only then is a batched
+image exactly the one the job would get alone.
+
+A member may be suspended rather than stopped, and resumed later, anywhere: at a
+step boundary its state is captured into a ``Checkpoint`` (gpu_worker/checkpoint.py),
+and a member given one starts from its step, with its own step index, beside
+members that start from 0. Resuming gives exactly the uninterrupted image on a CPU
+(on a GPU, what rerunning the job would give there). Checkpoints may also be taken
+every so many steps or seconds (the model's registry entry), handed to the member's
+``on_checkpoint`` from this thread.
 
 Runs in a worker thread (never on the event loop)."""
 
@@ -18,18 +26,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gpu_worker import checkpoint
+from gpu_worker.checkpoint import Checkpoint, CheckpointMismatch, CheckpointPolicy, Snapshot
 from gpu_worker.prompts import Conditioning, PromptCache
 from gpu_worker.residency import DoesNotFit, Resident, victims
 from services.errors import DarkroomError, JobInterrupted, ModelError
 from services.metrics import COLD_LOADS, MODEL_LOAD_SECONDS
 from services.models import loader, sim
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry, ModelSpec, scheduler_class
 
 log = logging.getLogger("darkroom.sampler")
 
@@ -40,6 +50,18 @@ ACTIVATION_HEADROOM = 0.15
 
 class BadOutput(DarkroomError):
     """The sampler produced NaN, inf or a degenerate (near-constant) result."""
+
+
+class JobSuspended(JobInterrupted):
+    """A member stopped at a step boundary whose ``checkpoint`` resumes it there."""
+
+    def __init__(self, job: str, checkpoint: Checkpoint) -> None:
+        super().__init__(job)
+        self.job = job
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return f"{self.job} suspended at step {self.checkpoint.step}/{self.checkpoint.total}"
 
 
 @dataclass(frozen=True)
@@ -68,11 +90,22 @@ class SampleRequest:
         return BatchKey(self.model, self.width, self.height, self.steps, self.guidance_scale)
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class BatchMember:
     request: SampleRequest
     on_step: Callable[[int, int], None]  # (step done, total), from the sampling thread
     stopping: threading.Event  # set from any thread: leave the batch at the next step
+    resume: Checkpoint | None = None  # start from this checkpoint's step
+    # Periodic checkpoints (the model's policy), from the sampling thread: the batch
+    # waits for it, so it should hand the bytes off, not store them.
+    on_checkpoint: Callable[[Checkpoint], None] | None = None
+    # Asked, from the sampling thread, once ``stopping`` is seen: True leaves with
+    # JobSuspended and a checkpoint, False with JobInterrupted.
+    suspend: Callable[[], bool] = _never
 
 
 @dataclass
@@ -86,13 +119,24 @@ class _Model:
 
 @dataclass
 class _Run:
-    """One member's state inside the denoising loop."""
+    """One member's state inside the denoising loop (a sim member's: no scheduler,
+    no latents; its step is all its state)."""
 
     member: BatchMember
-    conditioning: Conditioning
-    latents: torch.Tensor
-    scheduler: Any
-    generators: list[torch.Generator]
+    fingerprint: dict[str, Any]
+    total: int  # steps of its loop: the scheduler's timesteps
+    start: Checkpoint  # where it started: handed back if it is suspended before a step
+    conditioning: Conditioning = field(default_factory=Conditioning.empty)
+    latents: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    scheduler: Any = None
+    generators: list[torch.Generator] = field(default_factory=list)
+    step: int = 0  # steps done
+    # A fresh scheduler set to the job's steps: what a checkpoint need not hold.
+    # Built at the first capture: building one costs about as much as the rest.
+    baseline: Any = None
+    # The last checkpoint (or the start): the policy counts steps and seconds from it.
+    marked_step: int = 0
+    marked_at: float = 0.0
     result: torch.Tensor | BaseException | None = None
 
 
@@ -256,9 +300,10 @@ class SamplerEngine:
 
     def sample_batch(self, members: Sequence[BatchMember]) -> list[torch.Tensor | BaseException]:
         """Runs the members' denoising loops together. Returns, per member, its
-        latents (num_images, C, H/8, W/8) on the CPU, or what ended it: JobInterrupted
-        once its ``stopping`` was set, BadOutput, or the error of its own inputs.
-        An error of the batch as a whole (the model, the device) is raised."""
+        latents (num_images, C, H/8, W/8) on the CPU, or what ended it: JobSuspended
+        or JobInterrupted once its ``stopping`` was set, BadOutput, or the error of
+        its own inputs. An error of the batch as a whole (the model, the device) is
+        raised."""
         keys = {m.request.key for m in members}
         if len(keys) != 1:
             raise ValueError(f"a batch holds jobs of one shape, not {len(keys)}")
@@ -267,11 +312,12 @@ class SamplerEngine:
         if key.model not in self._models:  # a job waits for this load
             COLD_LOADS.labels(model=key.model).inc()
         pipe = self.load(key.model)
+        policy = CheckpointPolicy(spec.checkpoint_every_steps, spec.checkpoint_every_s)
         if spec.family == "sim":
-            return self._simulate(spec, key, members)
+            return self._simulate(spec, key, members, policy)
         with torch.inference_mode():
             runs = [self._prepare(pipe, spec, m) for m in members]
-            self._denoise(pipe, key, [r for r in runs if r.result is None])
+            self._denoise(pipe, key, [r for r in runs if r.result is None], policy)
         for run in runs:
             if run.result is None:
                 try:
@@ -282,32 +328,57 @@ class SamplerEngine:
         return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
 
     def _simulate(
-        self, spec: ModelSpec, key: BatchKey, members: Sequence[BatchMember]
+        self, spec: ModelSpec, key: BatchKey, members: Sequence[BatchMember], policy: CheckpointPolicy
     ) -> list[torch.Tensor | BaseException]:
-        """A sim model's batch: the modelled time per step, then latents from each job's seeds."""
+        """A sim model's batch: the modelled time per step, then latents from each
+        job's seeds. Its checkpoints hold the step alone."""
+        runs = []
+        for m in members:
+            fingerprint = checkpoint.fingerprint(m.request, spec.scheduler)
+            run = _Run(m, fingerprint, key.steps, checkpoint.capture(0, key.steps, fingerprint, None))
+            if m.resume is not None:
+                try:
+                    self._restore(None, run, m.resume)
+                except CheckpointMismatch as exc:
+                    self._cannot_resume(run, m.resume, exc)
+            runs.append(run)
+        self._mark(runs)
+
+        def on_step(i: int, step: int, total: int) -> None:
+            runs[i].step = step
+            members[i].on_step(step, total)
+            self._checkpoint_if_due(runs[i], policy)
+
         finished = sim.sleep_steps(
             spec,
             key.width,
             key.height,
             key.steps,
             [m.stopping for m in members],
-            lambda i, step, total: members[i].on_step(step, total),
+            on_step,
+            [r.step for r in runs],
         )
         return [
-            sim.latents(m.request) if done else JobInterrupted(key.model)
-            for m, done in zip(members, finished, strict=True)
+            sim.latents(r.member.request) if done else self._stopped(r) for r, done in zip(runs, finished, strict=True)
         ]
 
     def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember) -> _Run:
         req = member.request
-        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-        scheduler.set_timesteps(req.steps, device=self.device)
-        generators = [
-            torch.Generator(device=self.device).manual_seed((req.seed + i) % 2**63) for i in range(req.num_images)
-        ]
-        run = _Run(member, Conditioning.empty(), torch.empty(0), scheduler, generators)
+        scheduler, generators = self._fresh_state(pipe, spec, req)
+        fingerprint = checkpoint.fingerprint(req, type(scheduler).__name__)
+        total = len(scheduler.timesteps)
+        run = _Run(member, fingerprint, total, checkpoint.capture(0, total, fingerprint, None))
+        run.scheduler, run.generators = scheduler, generators
+        resumed = False
+        if member.resume is not None:
+            try:
+                resumed = self._restore(pipe, run, member.resume)
+            except CheckpointMismatch as exc:
+                self._cannot_resume(run, member.resume, exc)
+                # Restoring may have changed them before it failed.
+                run.scheduler, run.generators = self._fresh_state(pipe, spec, req)
         if member.stopping.is_set():
-            run.result = JobInterrupted(req.model)
+            run.result = self._stopped(run)
             return run
         try:
             cfg = req.guidance_scale > 1.0
@@ -315,44 +386,171 @@ class SamplerEngine:
                 (req.model, req.prompt, req.negative_prompt, cfg, req.width, req.height),
                 lambda: Conditioning.encode(pipe, spec.family, req, self.device, cfg),
             )
-            from diffusers.utils.torch_utils import randn_tensor
+            if not resumed:
+                from diffusers.utils.torch_utils import randn_tensor
 
-            shape = (
-                1,
-                pipe.unet.config.in_channels,
-                req.height // pipe.vae_scale_factor,
-                req.width // pipe.vae_scale_factor,
-            )
-            dtype = pipe.unet.dtype
-            # One draw per image from its own generator, as the diffusers pipelines do.
-            noise = [randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in generators]
-            run.latents = torch.cat(noise) * scheduler.init_noise_sigma
+                shape = (1, *self._latent_shape(pipe, req)[1:])
+                # One draw per image from its own generator, as the diffusers pipelines do.
+                dtype = pipe.unet.dtype
+                noise = [randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in run.generators]
+                run.latents = torch.cat(noise) * run.scheduler.init_noise_sigma
         except Exception as exc:  # this member's inputs: it fails alone
             run.result = exc
         return run
 
-    def _denoise(self, pipe: Any, key: BatchKey, runs: list[_Run]) -> None:
+    def _fresh_state(self, pipe: Any, spec: ModelSpec, req: SampleRequest) -> tuple[Any, list[torch.Generator]]:
+        """A new noise scheduler set to the job's steps, and each image's generator
+        seeded: the state of a job at step 0, before its noise is drawn."""
+        cls = scheduler_class(spec) if spec.scheduler else type(pipe.scheduler)
+        scheduler = cls.from_config(pipe.scheduler.config)
+        scheduler.set_timesteps(req.steps, device=self.device)
+        generators = [
+            torch.Generator(device=self.device).manual_seed((req.seed + i) % 2**63) for i in range(req.num_images)
+        ]
+        return scheduler, generators
+
+    @staticmethod
+    def _latent_shape(pipe: Any, req: SampleRequest) -> tuple[int, ...]:
+        scale = pipe.vae_scale_factor
+        return (req.num_images, pipe.unet.config.in_channels, req.height // scale, req.width // scale)
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def _restore(self, pipe: Any, run: _Run, resume: Checkpoint) -> bool:
+        """Puts ``run`` (fresh, at step 0) at ``resume``'s step. Returns whether it
+        restored latents (False: a checkpoint with no state, whose run draws its
+        noise as a fresh one does). Raises CheckpointMismatch for a checkpoint of
+        another request, and for one this engine cannot continue (another kind of
+        device, another dtype), having perhaps changed the run's scheduler."""
+        snapshot = checkpoint.restore(resume, run.fingerprint, self.device)
+        if resume.total != run.total:
+            raise CheckpointMismatch(f"the checkpoint is of {resume.total} steps; this scheduler takes {run.total}")
+        if run.scheduler is None:  # a sim run: its step is its whole state
+            run.step, run.start = resume.step, resume
+            return False
+        if snapshot is None:
+            if resume.step:
+                raise CheckpointMismatch(f"the checkpoint of step {resume.step} holds no denoising state")
+            run.start = resume
+            return False
+        self._check_snapshot(pipe, run, snapshot)
+        try:
+            for generator, state in zip(run.generators, snapshot.generators, strict=True):
+                generator.set_state(state)
+        except (RuntimeError, ValueError) as exc:
+            raise CheckpointMismatch(f"the checkpoint's generator state does not fit: {exc}") from None
+        checkpoint.apply_scheduler_state(run.scheduler, snapshot.scheduler, snapshot.removed)
+        run.latents = snapshot.latents
+        run.step, run.start = resume.step, resume
+        return True
+
+    def _check_snapshot(self, pipe: Any, run: _Run, snapshot: Snapshot) -> None:
+        if snapshot.device_type != self.device.type:
+            # Generator states (and the arithmetic) differ by kind of device.
+            raise CheckpointMismatch(f"the checkpoint was taken on {snapshot.device_type}, not {self.device.type}")
+        shape = self._latent_shape(pipe, run.member.request)
+        if tuple(snapshot.latents.shape) != shape or snapshot.latents.dtype != pipe.unet.dtype:
+            raise CheckpointMismatch(
+                f"the checkpoint's latents are {tuple(snapshot.latents.shape)} {snapshot.latents.dtype}, "
+                f"not {shape} {pipe.unet.dtype}"
+            )
+        if len(snapshot.generators) != len(run.generators):
+            raise CheckpointMismatch(f"the checkpoint holds {len(snapshot.generators)} generators")
+
+    @staticmethod
+    def _cannot_resume(run: _Run, resume: Checkpoint, exc: CheckpointMismatch) -> None:
+        # Not an error of the job: from step 0 it still gets its image, only later.
+        model = run.member.request.model
+        log.warning(
+            "a %s job cannot resume from its checkpoint of step %d; it runs from step 0: %s", model, resume.step, exc
+        )
+        run.step = 0
+
+    def _capture(self, run: _Run) -> Checkpoint:
+        """The run's checkpoint now, at a step boundary."""
+        if run.scheduler is None:
+            return checkpoint.capture(run.step, run.total, run.fingerprint, None)
+        if run.baseline is None:
+            run.baseline = type(run.scheduler).from_config(run.scheduler.config)
+            run.baseline.set_timesteps(run.member.request.steps, device=self.device)
+        changed, removed = checkpoint.scheduler_state(run.scheduler, run.baseline)
+        generators = [g.get_state() for g in run.generators]
+        snapshot = Snapshot(run.latents, generators, changed, removed, self.device.type)
+        return checkpoint.capture(run.step, run.total, run.fingerprint, snapshot)
+
+    def _stopped(self, run: _Run) -> JobInterrupted:
+        """What a member whose ``stopping`` is set leaves with, at a step boundary."""
+        model = run.member.request.model
+        try:
+            if not run.member.suspend():
+                return JobInterrupted(model)
+            # No step ran here: the state is the one it started from.
+            return JobSuspended(model, run.start if run.step == run.start.step else self._capture(run))
+        except Exception:
+            # The job still stops; it reruns from its last checkpoint, or step 0.
+            log.exception("a %s job could not be suspended at step %d; it is interrupted", model, run.step)
+            return JobInterrupted(model)
+
+    @staticmethod
+    def _mark(runs: Sequence[_Run]) -> None:
+        now = time.monotonic()
+        for run in runs:
+            run.marked_step, run.marked_at = run.step, now
+
+    def _checkpoint_if_due(self, run: _Run, policy: CheckpointPolicy) -> None:
+        """After a step: the member's periodic checkpoint, if the policy says so.
+        None after the last step: the result follows at once."""
+        if run.member.on_checkpoint is None or run.step >= run.total:
+            return
+        now = time.monotonic()
+        if not policy.due(run.step - run.marked_step, now - run.marked_at):
+            return
+        run.marked_step, run.marked_at = run.step, now
+        try:
+            run.member.on_checkpoint(self._capture(run))
+        except Exception:
+            # A checkpoint only saves time on a resume: failing one never fails the job.
+            log.exception("a %s job's checkpoint at step %d was not taken", run.member.request.model, run.step)
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _denoise(self, pipe: Any, key: BatchKey, runs: list[_Run], policy: CheckpointPolicy) -> None:
+        """Steps every run to its end, one step of each per round, each at its own
+        step index: a resumed member finishes before a fresh one beside it."""
         if not runs:
             return
-        timesteps = runs[0].scheduler.timesteps
         takes_generator = "generator" in inspect.signature(runs[0].scheduler.step).parameters
         cfg = key.guidance_scale > 1.0
-        for index, t in enumerate(timesteps):
-            active = [r for r in runs if r.result is None]
+        self._mark(runs)
+        while True:
+            active = [r for r in runs if r.result is None and r.step < r.total]
             for r in active:
                 if r.member.stopping.is_set():
-                    r.result = JobInterrupted(key.model)
+                    r.result = self._stopped(r)
             active = [r for r in active if r.result is None]
             if not active:
                 return
-            groups = [active] if self.fuse_batches else [[r] for r in active]
-            for group in groups:
+            for group in self._groups(active):
+                t = group[0].scheduler.timesteps[group[0].step]
                 noise = self._predict(pipe, group, t, cfg, key.guidance_scale)
                 for r, eps in zip(group, noise, strict=True):
                     extra = {"generator": r.generators} if takes_generator else {}
                     r.latents = r.scheduler.step(eps, t, r.latents, **extra, return_dict=False)[0]
             for r in active:
-                r.member.on_step(index + 1, len(timesteps))
+                r.step += 1
+                r.member.on_step(r.step, r.total)
+                self._checkpoint_if_due(r, policy)
+
+    def _groups(self, active: list[_Run]) -> list[list[_Run]]:
+        """The runs that share one UNet call. Members of a batch share a model, its
+        scheduler class and their steps, so the same step index is the same
+        timestep; comparing indices spares a device sync per member."""
+        if not self.fuse_batches:
+            return [[r] for r in active]
+        by_step: dict[int, list[_Run]] = {}
+        for r in active:
+            by_step.setdefault(r.step, []).append(r)
+        return list(by_step.values())
 
     def _predict(self, pipe: Any, group: list[_Run], t: torch.Tensor, cfg: bool, guidance: float) -> list[torch.Tensor]:
         """The guided noise prediction of each run in ``group``, from one UNet call."""

@@ -256,8 +256,10 @@ class JobRunner:
             self._warmed_up.add(model)
             # Not on the way to the image: the batch decodes meanwhile.
             recorded = asyncio.ensure_future(self._decoding(sampled))
-        # A batch that loaded or warmed up its model says little about how long batches take.
-        return SampledBatch(seconds, rows, learnable=was_warm, recorded=recorded)
+        # A batch that loaded or warmed up its model says little about how long
+        # batches take; nor does one that resumed a job part of the way through.
+        whole = all(s.resume is None for s in batch)
+        return SampledBatch(seconds, rows, learnable=was_warm and whole, recorded=recorded)
 
     async def _decoding(self, sampled: Sequence[Started]) -> None:
         now = _now()
@@ -498,8 +500,16 @@ class JobRunner:
             elif standing == Standing.SUPERSEDED:
                 watch.stop(StopReason.SUPERSEDED)
 
+        resumed_at = started.resume.step if started.resume is not None else 0
+
         def on_step(step: int, total: int) -> None:
-            nonlocal last_write
+            nonlocal last_write, resumed_at
+            if resumed_at:
+                # Its first step says whether the engine took the checkpoint (or,
+                # finding it unusable, started over).
+                if step == resumed_at + 1:
+                    RESUMED_STEPS.inc(resumed_at)
+                resumed_at = 0
             # The last step's progress is written with the DECODING that follows it.
             write = step < total and time.monotonic() - last_write >= PROGRESS_WRITE_EVERY_S
             if write:
@@ -517,8 +527,6 @@ class JobRunner:
             job.seed,
             job.num_images,
         )
-        if started.resume is not None:
-            RESUMED_STEPS.inc(started.resume.step)
 
         async def save(checkpoint: Checkpoint) -> bool:
             return await self.repo.checkpoints.save(

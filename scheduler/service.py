@@ -20,6 +20,7 @@ from datetime import UTC, datetime, timedelta
 from scheduler import policy
 from scheduler.estimates import Durations, Shape
 from scheduler.job_gauges import job_gauges_loop
+from scheduler.preempting import PassView, Preempter
 from scheduler.recovery import RecoveryConfig, review
 from scheduler.views import (
     costs_from,
@@ -29,6 +30,7 @@ from scheduler.views import (
     job_view,
     measured_costs,
     policy_config,
+    preemption_config,
     worker_views,
 )
 from scheduler.warmsets import demand_from, plan_warm_sets
@@ -62,17 +64,18 @@ log = logging.getLogger("darkroom.scheduler")
 LEARN_BATCH = 500
 
 
-def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime, made: list[policy.Placement]):
-    """The pass's decision, each placement kept in ``made``."""
+def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime, made: PassView):
+    """The pass's decision, what it saw and decided kept in ``made``."""
 
     def decide(
         queued: Sequence[JobSummary], workers: Sequence[WorkerRecord], held: Sequence[HeldGroup]
     ) -> list[Assignment]:
         measured = replace(fleet, costs=measured_costs(fleet.costs, workers))
-        placements = policy.plan(
-            [job_view(j) for j in queued], worker_views(workers, held, measured), measured, config, now=now.timestamp()
-        )
-        made.extend(placements)
+        views = worker_views(workers, held, measured)
+        placements = policy.plan([job_view(j) for j in queued], views, measured, config, now=now.timestamp())
+        made.placements.extend(placements)
+        made.jobs.update((j.id, j) for j in queued)
+        made.workers, made.fleet = views, measured
         return [Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None]
 
     return decide
@@ -159,6 +162,9 @@ class Scheduler:
         # Set when NATS says there may be work to place.
         self._wake = asyncio.Event()
         self.config = policy_config(settings)
+        self.preempter = Preempter(
+            repo, preemption_config(settings, capabilities={m.capability for m in registry.models.values()})
+        )
         self.recovery = RecoveryConfig(
             max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
         )
@@ -192,8 +198,8 @@ class Scheduler:
 
     async def run_pass(self) -> int:
         now = datetime.now(UTC)
-        placements: list[policy.Placement] = []
-        decide = make_decide(await self.fleet(), self.config, now=now, made=placements)
+        made = PassView([], {}, [])
+        decide = make_decide(await self.fleet(), self.config, now=now, made=made)
         scheduled = await self.repo.scheduling.schedule_pass(
             decide,
             limit=self.settings.scheduler_batch,
@@ -201,6 +207,10 @@ class Scheduler:
             max_attempts=self.settings.max_attempts,
             now=now,
         )
+        placements = made.placements
+        # Urgent work left waiting behind preemptible work makes room (its
+        # placement comes in a later pass, once the GPU is free).
+        await self.preempter.after_pass(made, now=now.timestamp())
         if not scheduled:
             return 0
         log.debug("placed %d jobs", len(scheduled))
@@ -366,6 +376,7 @@ class Scheduler:
             tg.create_task(self.recovery_loop(stop))
             tg.create_task(self.planning_loop(stop))
             tg.create_task(job_gauges_loop(self.repo, [lane.name for lane in self.config.lanes], stop))
+        await self.preempter.close()
 
 
 def describe(action: Recovery) -> str:

@@ -5,13 +5,23 @@ which estimates when a job will run."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
+from scheduler.preemption import PreemptionConfig, RunningView, running_estimates
 from scheduler.warmsets import GpuView
-from services.db.records import Estimate, Fold, HeldGroup, JobRecord, JobSummary, RunTime, WorkerRecord
+from services.db.records import (
+    Estimate,
+    Fold,
+    HeldGroup,
+    JobRecord,
+    JobSummary,
+    RunningJob,
+    RunTime,
+    WorkerRecord,
+)
 from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
@@ -40,6 +50,34 @@ def policy_config(settings: Settings) -> policy.PolicyConfig:
         aging_per_s=settings.lane_aging_per_s,
         capability_caps=tuple(caps),
         hot_c=settings.hot_temperature_c,
+    )
+
+
+def preemption_config(settings: Settings, *, capabilities: Iterable[str] | None = None) -> PreemptionConfig:
+    """Preemption as configured: ``DARKROOM_PREEMPTING_LANES`` must name lanes of
+    ``DARKROOM_LANES``; ``DARKROOM_PREEMPTIBLE`` may name no preempting lane (its
+    jobs are never preempted, so the entry could only mislead) and, when the
+    registry's ``capabilities`` are given, only lanes and capabilities."""
+    lanes = [lane.name for lane in policy_config(settings).lanes]
+    for name in settings.preempting_lanes:
+        if name not in lanes:
+            raise SettingsError(
+                f"DARKROOM_PREEMPTING_LANES names {name!r}, which is not a lane of DARKROOM_LANES ({', '.join(lanes)})"
+            )
+    known = None if capabilities is None else {*lanes, *capabilities}
+    for name in settings.preemptible:
+        if name in settings.preempting_lanes:
+            raise SettingsError(
+                f"DARKROOM_PREEMPTIBLE names {name!r}, which is in DARKROOM_PREEMPTING_LANES: "
+                "a preempting lane's jobs are never preempted"
+            )
+        if known is not None and name not in known:
+            raise SettingsError(f"DARKROOM_PREEMPTIBLE names {name!r}, which is neither a lane nor a model capability")
+    return PreemptionConfig(
+        preemptible=frozenset(settings.preemptible),
+        preempting_lanes=frozenset(settings.preempting_lanes),
+        max_preemptions=settings.max_preemptions,
+        preempt_after_s=settings.preempt_after_s,
     )
 
 
@@ -109,6 +147,8 @@ def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate
 
 
 def job_view(job: JobRecord | JobSummary) -> policy.JobView:
+    # A preempted job ages from its suspension (``aged_from``): back in the queue
+    # with its old age, it would outrank the job it was suspended for at once.
     return policy.JobView(
         job.id,
         job.model,
@@ -117,10 +157,42 @@ def job_view(job: JobRecord | JobSummary) -> policy.JobView:
         job.steps,
         job.num_images,
         job.priority,
-        job.created_at.timestamp(),
+        (job.aged_from or job.created_at).timestamp(),
         guidance_scale=job.guidance_scale,
         failed_on=frozenset(f.worker_id for f in job.attempt_log),
     )
+
+
+def running_views(
+    jobs: Sequence[RunningJob], workers: Sequence[WorkerRecord] | Sequence[policy.WorkerView], fleet: policy.Fleet
+) -> list[RunningView]:
+    """Running jobs as preemption sees them: each one's step and what is left of
+    it on its worker, from the learned durations at that worker's speed. Each is
+    estimated alone, also in a batch (which runs longer: the rule then thinks the
+    worker frees later than it does, never sooner). A job of a model with no cost
+    has infinite estimates and capability "", and is never chosen to make room."""
+    speeds = {w.id: w.speed for w in workers}
+    views = []
+    for job in jobs:
+        cost = fleet.costs.get(job.model)
+        shape = policy.JobView(job.id, job.model, job.width, job.height, job.steps, job.num_images, job.priority)
+        worker = policy.WorkerView(job.worker_id, frozenset(), frozenset(), 0, 0, speed=speeds.get(job.worker_id, 1.0))
+        step_s, remaining_s = running_estimates(shape, worker, fleet, steps_done=job.progress_step)
+        views.append(
+            RunningView(
+                job_id=job.id,
+                attempt=job.attempt,
+                worker_id=job.worker_id,
+                lane=job.lane,
+                capability=cost.capability if cost is not None else "",
+                model=job.model,
+                preemptions=job.preemptions,
+                suspend_requested=job.suspend_requested,
+                step_s=step_s,
+                remaining_s=remaining_s,
+            )
+        )
+    return views
 
 
 def group_view(group: HeldGroup) -> policy.JobView:

@@ -41,11 +41,11 @@ def fresh_database(pg: EmbeddedPostgres) -> str:
     return f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{name}"
 
 
-def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, **overrides: Any) -> LocalStack:
+def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, *, samplers: int = 1, **overrides: Any) -> LocalStack:
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "models").symlink_to(models, target_is_directory=True)
     settings = Settings(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, log_level="INFO")
-    return LocalStack(replace(settings, **overrides), durable=False)
+    return LocalStack(replace(settings, **overrides), cpu_workers=samplers, durable=False)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,19 @@ loads a job's model when the job starts if it is not loaded (a cold load the job
 waits for), evicting by (planned, eviction priority, least recently used) until
 it fits; a failed GPU's jobs go back to the central queue and it comes back
 empty after its downtime, then warms its boot models.
+
+Suspension (only when a policy asks for it, as Darkroom's does where the scenario
+configures preemption): the running batch stops at its next step boundary and
+writes its checkpoint (``checkpoint_s`` on the GPU), then goes back to the central
+queue keeping the steps it did, no attempt counted. A resumed job runs alone (on
+any GPU), paying ``resume_s`` (reading its checkpoint back) on top of its remaining
+steps and any model load.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -30,6 +38,14 @@ class Job:
     cold: bool = False
     attempts: int = 0
     gpu: str | None = None
+    # Suspension: the share of its steps done (kept across suspensions), the share
+    # done when its current run began, and how often it was suspended.
+    done: float = 0.0
+    resumed_from: float = 0.0
+    preemptions: int = 0
+    suspend_requested: bool = False
+    suspended: bool = False  # back in the queue from a suspension: its next start counts no attempt
+    suspended_at: float | None = None  # its latest suspension
 
     @property
     def id(self) -> int:
@@ -52,6 +68,7 @@ class Gpu:
     running_since: float = 0.0
     run_s: float = 0.0  # how long the running batch takes, its load included
     run_load_s: float = 0.0  # the load part of it
+    run_resume_s: float = 0.0  # the part reading a resumed job's checkpoint back
     busy_until: float = 0.0
     preloading: str | None = None
     planned: frozenset[str] = frozenset()
@@ -103,10 +120,11 @@ class Result:
     busy_s: float
     up_s: float
     overloaded: bool
+    suspensions: int = 0
 
 
 # Event kinds, in the order they are handled at the same instant.
-DONE, FAIL, RECOVER, ARRIVAL, TICK = range(5)
+DONE, FAIL, RECOVER, ARRIVAL, TICK, SUSPENDED = range(6)
 
 
 class Simulation:
@@ -123,6 +141,7 @@ class Simulation:
         self._seq = 0
         self.cold_loads = 0
         self.preloads = 0
+        self.suspensions = 0
         self.preloaded: dict[str, int] = {}
         self.up_since = dict.fromkeys(self.gpus, 0.0)
         self.up_s = 0.0
@@ -171,14 +190,22 @@ class Simulation:
         job = gpu.queue.popleft()
         model = self.scenario.models[job.model]
         riders, images = [], job.trace.type.batch
-        for other in list(gpu.queue):
-            if other.trace.type == job.trace.type and images + other.trace.type.batch <= model.max_batch:
+        # A resumed job runs alone: its batch-mates would be at other steps.
+        for other in list(gpu.queue) if not job.done else ():
+            if (
+                other.trace.type == job.trace.type
+                and not other.done
+                and images + other.trace.type.batch <= model.max_batch
+            ):
                 gpu.queue.remove(other)
                 riders.append(other)
                 images += other.trace.type.batch
         for member in (job, *riders):
             member.start_s = now
-            member.attempts += 1
+            if not member.suspended:
+                member.attempts += 1
+            member.suspended = False
+            member.resumed_from = member.done
             member.gpu = gpu.id
         load_s = 0.0
         if job.model not in gpu.loaded:
@@ -190,9 +217,13 @@ class Simulation:
         gpu.loaded[job.model] = now
         per_image = sum(m.trace.work_s / m.trace.type.batch for m in (job, *riders)) / (1 + len(riders))
         run = per_image * model.batch_factor(images) / self.speed(gpu, now)
-        gpu.running, gpu.riders, gpu.running_since, gpu.run_s = job, riders, now, load_s + run
-        gpu.run_load_s = load_s
-        gpu.busy_until = now + load_s + run
+        resume_s = 0.0
+        if job.done:
+            run *= 1.0 - job.done
+            resume_s = self.scenario.resume_s
+        gpu.running, gpu.riders, gpu.running_since, gpu.run_s = job, riders, now, load_s + resume_s + run
+        gpu.run_load_s, gpu.run_resume_s = load_s, resume_s
+        gpu.busy_until = now + load_s + resume_s + run
         self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, run))
 
     def _maybe_preload(self, gpu: Gpu, now: float) -> None:
@@ -207,6 +238,29 @@ class Simulation:
         self.preloaded[model] = self.preloaded.get(model, 0) + 1
         gpu.busy_until = now + self.scenario.models[model].load_s
         self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, None))
+
+    def suspend(self, gpu_id: str, now: float) -> None:
+        """Asks the batch running on ``gpu_id`` to suspend at its next step boundary.
+        Asking again changes nothing; a batch whose next boundary is its last step
+        just finishes."""
+        gpu = self.gpus[gpu_id]
+        batch = gpu.batch
+        if not batch or any(j.suspend_requested for j in batch):
+            return
+        for job in batch:
+            job.suspend_requested = True
+        head = batch[0]
+        steps_left = head.trace.type.steps * (1.0 - head.resumed_from)
+        compute_start = gpu.running_since + gpu.run_load_s + gpu.run_resume_s
+        step_s = (gpu.run_s - gpu.run_load_s - gpu.run_resume_s) / steps_left
+        # Steps of this run done at the boundary it stops at (0: it stops as soon
+        # as its model is loaded and its checkpoint read, before its first step).
+        steps = math.ceil(max(now - compute_start, 0.0) / step_s - 1e-9)
+        if steps >= steps_left - 1e-6:
+            return
+        gpu.busy_until = compute_start + steps * step_s + self.scenario.checkpoint_s
+        gpu.generation += 1  # its DONE will not come
+        self._push(gpu.busy_until, SUSPENDED, (gpu.id, gpu.generation, steps / head.trace.type.steps))
 
     def assign(self, job: Job, gpu_id: str, now: float) -> None:
         gpu = self.gpus[gpu_id]
@@ -238,6 +292,8 @@ class Simulation:
             elif kind == TICK:
                 self.policy.on_tick(self, now)
                 self._push(now + self.scenario.plan_interval_s, TICK, None)
+            elif kind == SUSPENDED:
+                self._suspended(payload, now)
             # Events at the same instant settle before the policy looks.
             if self.events and self.events[0][0] == now:
                 continue
@@ -265,6 +321,7 @@ class Simulation:
             busy_s=sum(g.busy_s for g in self.gpus.values()),
             up_s=self.up_s,
             overloaded=overloaded,
+            suspensions=self.suspensions,
         )
 
     def _done(self, payload: object, now: float) -> None:
@@ -283,11 +340,34 @@ class Simulation:
             assert batch and run is not None
             for job in batch:
                 job.finish_s = now
+                job.done, job.suspend_requested = 1.0, False
             gpu.busy_s += gpu.run_s
             gpu.running, gpu.riders = None, []
             gpu.loaded[batch[0].model] = now
             self.policy.on_done(self, batch, gpu, run, now)
         self._start_next(gpu, now)
+
+    def _suspended(self, payload: object, now: float) -> None:
+        assert isinstance(payload, tuple)
+        gpu_id: str = payload[0]
+        generation: int = payload[1]
+        share: float = payload[2]
+        gpu = self.gpus[gpu_id]
+        if generation != gpu.generation:
+            return
+        batch = gpu.batch
+        for job in batch:
+            job.done = job.resumed_from + share
+            job.preemptions += 1
+            job.suspend_requested, job.suspended, job.suspended_at = False, True, now
+            self.pending.append(job)
+        self.pending.sort(key=lambda j: j.queued_at)
+        self.suspensions += 1
+        gpu.busy_s += now - gpu.running_since
+        gpu.running, gpu.riders = None, []
+        gpu.loaded[batch[0].model] = now
+        # Nothing starts here before the policy has looked: the GPU was freed for
+        # a waiting job (the loop starts queued work after the policy's pass).
 
     def _fail(self, gpu_id: str, now: float) -> None:
         gpu = self.gpus[gpu_id]
@@ -295,7 +375,7 @@ class Simulation:
         if gpu.running is not None:
             gpu.busy_s += now - gpu.running_since
         for job in lost:
-            job.start_s, job.cold = None, False
+            job.start_s, job.cold, job.suspend_requested = None, False, False
             self.pending.append(job)
         self.pending.sort(key=lambda j: j.queued_at)
         gpu.queue.clear()

@@ -10,7 +10,18 @@ import itertools
 from dataclasses import replace
 
 from scheduler.estimates import Durations, observe, with_observation
-from scheduler.policy import BatchKey, Fleet, JobView, WorkerView, batch_seconds, order_queue, plan, queued_batches
+from scheduler.policy import (
+    BatchKey,
+    Fleet,
+    JobView,
+    WorkerView,
+    batch_seconds,
+    job_seconds,
+    order_queue,
+    plan,
+    queued_batches,
+)
+from scheduler.preemption import RunningView, choose_preemptions
 from scheduler.simulator.engine import Gpu, Job, Simulation
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.warmsets import GpuView, demand_from, plan_warm_sets
@@ -18,27 +29,34 @@ from scheduler.warmsets import GpuView, demand_from, plan_warm_sets
 
 class DarkroomPolicy:
     """``scheduler.policy.plan`` for placement, ``scheduler.warmsets`` every
-    ``plan_interval_s``, durations and speeds learned with ``scheduler.estimates``."""
+    ``plan_interval_s``, durations and speeds learned with ``scheduler.estimates``,
+    and, where the scenario configures it, ``scheduler.preemption`` after each
+    pass: the jobs the pass left waiting may have running jobs suspended."""
 
     name = "darkroom"
 
     def __init__(self, scenario: Scenario) -> None:
         self.config = scenario.darkroom
+        self.preemption = scenario.preemption
         self.costs = {name: m.cost() for name, m in scenario.models.items()}
         # With batching, a job may join an open batch on a worker whose backlog is full.
         self.batching = any(c.max_batch > 1 for c in self.costs.values())
         self.durations = Durations()
         self.batch = scenario.scheduler_batch
-        self.views: dict[int, JobView] = {}
+        self.views: dict[tuple[int, int], JobView] = {}
         self.plan_changes = 0
         self.primaries: dict[str, str | None] = {}
 
     def job_view(self, job: Job) -> JobView:
-        view = self.views.get(job.id)
+        view = self.views.get((job.id, job.preemptions))
         if view is None:
             t = job.trace.type
-            view = JobView(str(job.id), t.model, t.width, t.height, t.steps, t.batch, job.trace.priority, job.queued_at)
-            self.views[job.id] = view
+            # A preempted job's priority ages from its suspension, as the
+            # scheduler's ``aged_from`` has it: it does not outrank at once the
+            # job it made room for.
+            aged_from = job.suspended_at if job.preemptions and job.suspended_at is not None else job.queued_at
+            view = JobView(str(job.id), t.model, t.width, t.height, t.steps, t.batch, job.trace.priority, aged_from)
+            self.views[(job.id, job.preemptions)] = view
         return view
 
     def worker_view(self, sim: Simulation, gpu: Gpu, now: float) -> WorkerView:
@@ -50,17 +68,21 @@ class DarkroomPolicy:
         # The GPU as the learned durations see it: its id and declared speed.
         estimated = WorkerView(gpu.id, frozenset(), frozenset(), 0, 0, speed=gpu.spec.speed)
         if gpu.running is not None:
-            rows = sum(j.trace.type.batch for j in gpu.batch)
-            expected = batch_seconds(self.job_view(gpu.running), rows, estimated, fleet) + gpu.run_load_s
-            work += max(expected - (now - gpu.running_since), 0.0)
-        # What is queued runs as batches of one job type, as the GPU will run them.
+            work += self.running_left(gpu, estimated, fleet, now)
+        # What is queued runs as batches of one job type, as the GPU will run them;
+        # a resumed job alone, for what it has left.
         waiting: dict[BatchKey, list[Job]] = {}
+        slots = 1 if gpu.running is not None else 0
         for job in gpu.queue:
-            waiting.setdefault(self.job_view(job).batch_key, []).append(job)
+            if job.done:
+                left = job_seconds(self.job_view(job), estimated, fleet) * (1.0 - job.done)
+                work += left + sim.scenario.resume_s
+                slots += 1
+            else:
+                waiting.setdefault(self.job_view(job).batch_key, []).append(job)
             if job.model not in warm:
                 work += self.costs[job.model].load_s
                 warm.add(job.model)
-        slots = 1 if gpu.running is not None else 0
         for jobs in waiting.values():
             rows = sum(j.trace.type.batch for j in jobs)
             batches, seconds = queued_batches(self.job_view(jobs[0]), rows, estimated, fleet)
@@ -83,22 +105,71 @@ class DarkroomPolicy:
             open_batches=tuple(sorted((key, sum(j.trace.type.batch for j in jobs)) for key, jobs in waiting.items())),
         )
 
+    def running_left(self, gpu: Gpu, estimated: WorkerView, fleet: Fleet, now: float) -> float:
+        """Estimated seconds until the batch ``gpu`` runs is done."""
+        assert gpu.running is not None
+        rows = sum(j.trace.type.batch for j in gpu.batch)
+        expected = batch_seconds(self.job_view(gpu.running), rows, estimated, fleet) * (1.0 - gpu.running.resumed_from)
+        expected += gpu.run_load_s + gpu.run_resume_s
+        return max(expected - (now - gpu.running_since), 0.0)
+
+    def running_views(self, sim: Simulation, now: float) -> list[RunningView]:
+        """The running jobs as ``scheduler.views.running_views`` builds them from
+        Postgres: a step of the batch and what is left of it, as estimated."""
+        fleet = Fleet(self.costs, self.durations)
+        views = []
+        for gpu in sim.live():
+            if gpu.running is None:
+                continue
+            estimated = WorkerView(gpu.id, frozenset(), frozenset(), 0, 0, speed=gpu.spec.speed)
+            rows = sum(j.trace.type.batch for j in gpu.batch)
+            step_s = batch_seconds(self.job_view(gpu.running), rows, estimated, fleet) / gpu.running.trace.type.steps
+            left = self.running_left(gpu, estimated, fleet, now)
+            for job in gpu.batch:
+                views.append(
+                    RunningView(
+                        str(job.id),
+                        job.attempts,
+                        gpu.id,
+                        job.trace.lane,
+                        job.capability,
+                        job.model,
+                        job.preemptions,
+                        job.suspend_requested,
+                        step_s,
+                        left,
+                    )
+                )
+        return views
+
     def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
         live = sim.live()
-        if not self.batching and not any(g.held <= self.config.backlog_limit for g in live):
+        preempting = self.preemption.enabled
+        if not self.batching and not preempting and not any(g.held <= self.config.backlog_limit for g in live):
             return []  # no worker has room: the pass could only explain, not place
         by_id = {str(j.id): j for j in sim.pending}
         queue = order_queue([self.job_view(j) for j in sim.pending], self.config, now=now)[: self.batch]
-        placements = plan(
-            queue,
-            [self.worker_view(sim, g, now) for g in live],
-            Fleet(self.costs, self.durations),
-            self.config,
-            now=now,
-        )
+        workers = [self.worker_view(sim, g, now) for g in live]
+        fleet = Fleet(self.costs, self.durations)
+        placements = plan(queue, workers, fleet, self.config, now=now)
+        if preempting:
+            views = {v.id: v for v in queue}
+            waiting = [
+                (views[p.job_id], by_id[p.job_id].trace.lane, p)
+                for p in placements
+                if p.worker_id is None and self.preemption.may_preempt(by_id[p.job_id].trace.lane)
+            ]
+            if waiting:
+                running = self.running_views(sim, now)
+                for chosen in choose_preemptions(
+                    waiting, running, self.preemption, now=now, workers=workers, fleet=fleet
+                ):
+                    sim.suspend(chosen.worker_id, now)
         return [(by_id[p.job_id], p.worker_id) for p in placements if p.worker_id is not None]
 
     def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+        if any(j.resumed_from for j in batch):
+            return  # a resumed run is part of a job (and a checkpoint read): nothing to learn from
         # Learned as the scheduler learns from workers: once per batch, under its images.
         shape = replace(self.job_view(batch[0]).shape, batch=sum(j.trace.type.batch for j in batch))
         cost = self.costs[batch[0].model]

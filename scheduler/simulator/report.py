@@ -51,6 +51,15 @@ def summarize(result: Result) -> Row:
     )
 
 
+def by_lane(result: Result) -> dict[str, tuple[float, float, float]]:
+    """p50, p95 and p99 latency (arrival to finish) of the finished jobs of each lane."""
+    lanes: dict[str, list[float]] = {}
+    for job in result.jobs:
+        if job.finish_s is not None:
+            lanes.setdefault(job.trace.lane, []).append(job.finish_s - job.trace.arrival_s)
+    return {k: (percentile(v, 50), percentile(v, 95), percentile(v, 99)) for k, v in sorted(lanes.items())}
+
+
 def sustainable(rows: Iterable[Row], limit_s: float) -> float:
     """The highest load reached, scanning up from the lowest, before image p99
     first passes ``limit_s`` (0 if even the lowest fails)."""

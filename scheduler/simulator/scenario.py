@@ -16,6 +16,7 @@ from typing import Any
 
 from scheduler.estimates import REFERENCE_PIXELS
 from scheduler.policy import Lane, ModelCost, PolicyConfig
+from scheduler.preemption import PreemptionConfig
 
 DEFAULT_SCENARIO = Path(__file__).with_name("default_scenario.toml")
 GIB = 1024**3
@@ -79,6 +80,7 @@ class JobType:
     height: int
     steps: int
     batch: int = 1
+    lane: str = ""  # every job of the type in this lane; empty: paid by ``paid_share``, else free
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,11 @@ class Scenario:
     failures: tuple[Failure, ...]
     darkroom: PolicyConfig
     seeds: SeedSettings = field(default_factory=SeedSettings)
+    # Darkroom's preemption (off unless the scenario configures it), and what a
+    # suspension costs a GPU: writing the checkpoint, and reading it back to resume.
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    checkpoint_s: float = 0.05
+    resume_s: float = 0.5
 
     def work_s(self, jt: JobType) -> float:
         """True seconds of a job of this type on a speed-1.0 GPU."""
@@ -223,6 +230,26 @@ def load(path: str | Path | None = None) -> Scenario:
     lanes = tuple(
         Lane(n, int(t["priority"]), float(t.get("max_wait_s", math.inf))) for n, t in dr.get("lanes", {}).items()
     )
+    lane_names = [lane.name for lane in lanes or PolicyConfig().lanes]
+    for jt in job_types.values():
+        if jt.lane and jt.lane not in lane_names:
+            raise ScenarioError(f"jobs.{jt.name}: unknown lane {jt.lane!r}")
+    pre = dr.get("preemption", {})
+    unknown = set(pre) - {"preemptible", "preempting_lanes", "max_preemptions", "preempt_after_s"}
+    if unknown:
+        raise ScenarioError(f"darkroom.preemption: unknown keys {sorted(unknown)}")
+    preemption = PreemptionConfig(
+        preemptible=frozenset(pre.get("preemptible", ())),
+        preempting_lanes=frozenset(pre.get("preempting_lanes", ())),
+        max_preemptions=int(pre.get("max_preemptions", PreemptionConfig.max_preemptions)),
+        preempt_after_s=float(pre.get("preempt_after_s", PreemptionConfig.preempt_after_s)),
+    )
+    for name in sorted(preemption.preempting_lanes):
+        if name not in lane_names:
+            raise ScenarioError(f"darkroom.preemption: preempting lane {name!r} is not a lane")
+    for name in sorted(preemption.preemptible):
+        if name not in lane_names and all(m.capability != name for m in models.values()):
+            raise ScenarioError(f"darkroom.preemption: preemptible {name!r} is neither a lane nor a capability")
     darkroom = PolicyConfig(
         backlog_limit=int(dr.get("backlog_limit", 0)),
         lanes=lanes or PolicyConfig().lanes,
@@ -253,6 +280,9 @@ def load(path: str | Path | None = None) -> Scenario:
         failures=tuple(_build(Failure, f"failures[{i}]", t) for i, t in enumerate(data.get("failures", []))),
         darkroom=darkroom,
         seeds=_build(SeedSettings, "seeds", data.get("seeds", {})),
+        preemption=preemption,
+        checkpoint_s=float(sim.get("checkpoint_s", Scenario.checkpoint_s)),
+        resume_s=float(sim.get("resume_s", Scenario.resume_s)),
     )
 
 
@@ -282,4 +312,6 @@ def trace(scenario: Scenario, load: float) -> list[TraceJob]:
         jt = scenario.job_types[rng.choices(names, weights=[phase.weights[n] for n in names])[0]]
         noise = rng.lognormvariate(-(scenario.noise_sigma**2) / 2, scenario.noise_sigma)
         lane = paid if paid is not None and rng.random() < scenario.paid_share else free
+        if jt.lane:  # drawn above all the same: the other jobs' lanes stay as they were
+            lane = next(la for la in scenario.darkroom.lanes if la.name == jt.lane)
         jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority))

@@ -93,6 +93,9 @@ class JobRow(Base):
     suspend_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     # One entry per suspension and resumption: {"kind", "attempt", "worker_id", "step", "reason", "at"}.
     suspend_log: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
+    # Its priority ages from here rather than from its creation: a job suspended
+    # for other work waits anew, or it would outrank at once the job it made room for.
+    aged_from: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),

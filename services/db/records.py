@@ -134,6 +134,7 @@ class JobRecord:
     preemptions: int = 0
     suspend_requested: bool = False
     suspend_log: tuple[SuspendEvent, ...] = ()
+    aged_from: datetime | None = None
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:
@@ -176,6 +177,7 @@ class JobSummary:
     scheduled_at: datetime | None
     attempt_log: tuple[AttemptFailure, ...]
     trace_context: str | None = None
+    aged_from: datetime | None = None  # its priority ages from here (None: from its creation)
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobSummary:

@@ -64,6 +64,14 @@ class ModelSpec:
     attention: str = ""
     # An output whose latents vary less than this (standard deviation) is degenerate.
     min_output_std: float = 1e-3
+    # The noise scheduler: a diffusers scheduler class name such as
+    # "DPMSolverMultistepScheduler", built from the model's own scheduler config;
+    # "" keeps the model's own class.
+    scheduler: str = ""
+    # A running job writes a checkpoint (gpu_worker/checkpoint.py) every so many
+    # steps, or seconds, whichever comes first; 0 turns either off.
+    checkpoint_every_steps: int = 0
+    checkpoint_every_s: float = 0.0
 
     @property
     def vram_bytes(self) -> int:
@@ -104,6 +112,9 @@ class ModelRegistry:
                 raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
             if spec.max_batch < 1:
                 raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
+            _check_checkpointing(spec)
+            if spec.scheduler:
+                scheduler_class(spec)
             models[name] = spec
         if not models:
             raise ModelError(f"model registry {path} names no models")
@@ -120,6 +131,32 @@ class ModelRegistry:
 
     def names(self) -> list[str]:
         return sorted(self.models)
+
+
+def _check_checkpointing(spec: ModelSpec) -> None:
+    for key, kinds, what in (
+        ("checkpoint_every_steps", (int,), "a whole number"),
+        ("checkpoint_every_s", (int, float), "a number"),
+    ):
+        value = getattr(spec, key)
+        # ``not value >= 0`` refuses NaN too; bool is an int to Python, not to TOML users.
+        if isinstance(value, bool) or not isinstance(value, kinds) or not value >= 0:
+            raise ModelError(f"model {spec.name!r}: {key} must be {what} >= 0, not {value!r}")
+
+
+def scheduler_class(spec: ModelSpec) -> type[Any]:
+    """The diffusers noise-scheduler class ``spec.scheduler`` names. Imports diffusers,
+    so the registry does only for models that name one."""
+    import diffusers
+
+    found = getattr(diffusers, spec.scheduler, None) if spec.scheduler.isidentifier() else None
+    # A class whose optional dependencies are missing is a stand-in that is no SchedulerMixin.
+    if not (isinstance(found, type) and issubclass(found, diffusers.SchedulerMixin)):
+        raise ModelError(
+            f"model {spec.name!r}: scheduler {spec.scheduler!r} is not a diffusers noise scheduler class "
+            "(or its optional dependencies are not installed)"
+        )
+    return found
 
 
 def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, Any]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -59,28 +59,41 @@ def latents(job: SimJob) -> torch.Tensor:
 
 
 def sleep_steps(
-    spec: ModelSpec, width: int, height: int, steps: int, stopping: Sequence[threading.Event], on_step
+    spec: ModelSpec,
+    width: int,
+    height: int,
+    steps: int,
+    stopping: Sequence[threading.Event],
+    on_step: Callable[[int, int, int], None],
+    start: Sequence[int] | None = None,
 ) -> list[bool]:
-    """Sleeps through ``steps`` modelled steps for a batch of members, each with its
-    own ``stopping``; calls ``on_step(member, step, total)`` after each step for the
-    members still running. Returns, per member, whether it ran every step."""
+    """Sleeps through the modelled steps of a batch of members, each with its own
+    ``stopping`` and its own first step (``start``, default 0: a resumed member
+    starts where its checkpoint was taken); calls ``on_step(member, step, total)``
+    after each step for the members still running. Returns, per member, whether it
+    ran every step. A sim job's latents come from its seeds, so its step is its
+    whole state: the caller checkpoints it from what ``on_step`` reported."""
+    done = list(start) if start is not None else [0] * len(stopping)
+    if len(done) != len(stopping) or not all(0 <= s <= steps for s in done):
+        raise ValueError(f"start steps {done} do not fit {len(stopping)} members of {steps} steps")
     per_step = step_seconds(spec, width, height)
     running = [True] * len(stopping)
     deadline = time.perf_counter()
-    for step in range(steps):
+    while True:
         for i, event in enumerate(stopping):
-            if running[i] and event.is_set():
+            if running[i] and done[i] < steps and event.is_set():
                 running[i] = False
-        if not any(running):
+        stepping = [i for i in range(len(stopping)) if running[i] and done[i] < steps]
+        if not stepping:
             break
         # Against a deadline, so that the sleeps' own overshoot does not add up.
         deadline += per_step
         pause = deadline - time.perf_counter()
         if pause > 0:
             time.sleep(pause)
-        for i in range(len(stopping)):
-            if running[i]:
-                on_step(i, step + 1, steps)
+        for i in stepping:
+            done[i] += 1
+            on_step(i, done[i], steps)
     return running
 
 

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from services.db.migrate import upgrade
-from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, WorkerHeartbeat
+from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary, WorkerHeartbeat
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus, WorkerKind
 from services.embedded import EmbeddedPostgres
@@ -48,14 +48,24 @@ async def running(repo: Repository, worker_id: str, job_id: str | None = None) -
     if job_id is None:
         job_id = str(uuid.uuid4())
         await repo.jobs.create(new_job(id=job_id, steps=20), now=now())
+    seen: list[JobSummary] = []
+
+    def decide(queued, workers, held):
+        seen.extend(queued)
+        return [Assignment(j.id, worker_id, {}) for j in queued if j.id == job_id]
+
     placed = await repo.scheduling.schedule_pass(
-        lambda queued, workers, held: [Assignment(j.id, worker_id, {}) for j in queued if j.id == job_id],
+        decide,
         limit=100,
         stale_after_s=60,
         max_attempts=3,
         now=now(),
     )
     assert placed is not None and [j.id for j in placed] == [job_id]
+    # As the pass read it (JSON): every timestamp a datetime again.
+    [summary] = [j for j in seen if j.id == job_id]
+    assert isinstance(summary.created_at, datetime)
+    assert summary.aged_from is None or isinstance(summary.aged_from, datetime)
     attempt = placed[0].attempt
     assert await repo.attempts.start(job_id, attempt, worker_id, now=now()) is not None
     return job_id, attempt
@@ -132,6 +142,8 @@ async def test_suspension_requeues_without_an_attempt_and_logs_where_and_why(rep
     assert job.status == JobStatus.QUEUED and job.failures == 0 and not job.attempt_log
     assert (job.checkpoint_step, job.progress_step, job.preemptions) == (7, 7, 1)
     assert not job.suspend_requested
+    # Its priority ages anew, or it would outrank the job it made room for.
+    assert job.aged_from is not None and job.aged_from > job.created_at
     [entry] = job.suspensions
     assert (entry.kind, entry.attempt, entry.worker_id, entry.step, entry.reason) == (
         SUSPENDED,
@@ -142,6 +154,7 @@ async def test_suspension_requeues_without_an_attempt_and_logs_where_and_why(rep
     )
     # Preempted as often as allowed: the scheduler may not ask again.
     _, second = await running(repo, W2, job_id)
+    assert (await repo.jobs.get(job_id)).aged_from == job.aged_from
     assert await repo.checkpoints.request_suspend(job_id, second, max_preemptions=1) is None
     # The stale attempt's suspension changes nothing.
     stale = await repo.checkpoints.suspend(

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from gpu_worker import checkpoint
+from gpu_worker.checkpoint import Checkpoint, CheckpointMismatch
+from gpu_worker.engine import BatchMember, JobSuspended, SamplerEngine, SampleRequest
 from services.errors import ModelError
 from services.models import sim
 from services.models.registry import ModelRegistry
@@ -73,3 +77,55 @@ def test_sim_is_a_registry_s_explicit_choice(tmp_path: Path) -> None:
     bad.write_text('[models.fake]\nsource = "builtin:sim"\nfamily = "sd15"\n')
     with pytest.raises(ModelError, match="sim family"):
         ModelRegistry.load(bad)
+
+
+def test_each_member_starts_at_its_own_step() -> None:
+    seen: list[tuple[int, int, int]] = []
+    ran = sim.sleep_steps(spec(), 64, 64, 4, [threading.Event(), threading.Event()], _append(seen), start=[2, 0])
+    assert ran == [True, True]
+    assert [s for s in seen if s[0] == 0] == [(0, 3, 4), (0, 4, 4)]
+    assert [s for s in seen if s[0] == 1] == [(1, n, 4) for n in (1, 2, 3, 4)]
+    with pytest.raises(ValueError, match="start steps"):
+        sim.sleep_steps(spec(), 64, 64, 4, [threading.Event()], _append(seen), start=[5])
+
+
+def _append(seen: list[tuple[int, int, int]]) -> Callable[[int, int, int], None]:
+    return lambda member, step, total: seen.append((member, step, total))
+
+
+def test_a_suspended_sim_job_resumes_at_its_step_to_the_same_latents(tmp_path: Path) -> None:
+    request = SampleRequest("sim", "p", "", 64, 64, 5, 7.5, 3, 2)
+    stopping = threading.Event()
+    steps: list[int] = []
+
+    def on_step(step: int, total: int) -> None:
+        steps.append(step)
+        if step == 2:
+            stopping.set()
+
+    registry = ModelRegistry.load(BENCH_REGISTRY)
+    other = BatchMember(replace(request, seed=4), lambda step, total: None, threading.Event())
+    first = SamplerEngine(registry, tmp_path, torch.device("cpu"))
+    leaving, staying = first.sample_batch([BatchMember(request, on_step, stopping, suspend=lambda: True), other])
+    assert isinstance(leaving, JobSuspended) and (leaving.checkpoint.step, leaving.checkpoint.total) == (2, 5)
+    assert isinstance(staying, torch.Tensor) and torch.equal(staying, sim.latents(other.request))
+    assert steps == [1, 2]
+
+    steps.clear()
+    resumed = BatchMember(request, lambda step, total: steps.append(step), threading.Event(), resume=leaving.checkpoint)
+    [result] = SamplerEngine(registry, tmp_path, torch.device("cpu")).sample_batch([resumed])
+    assert isinstance(result, torch.Tensor) and torch.equal(result, sim.latents(request))
+    assert steps == [3, 4, 5]
+
+
+def test_a_sim_job_checkpoints_by_the_registry_s_policy(tmp_path: Path) -> None:
+    registry = ModelRegistry({"sim": replace(spec(), checkpoint_every_steps=2)})
+    taken: list[Checkpoint] = []
+    request = SampleRequest("sim", "p", "", 64, 64, 5, 7.5, 3, 1)
+    member = BatchMember(request, lambda step, total: None, threading.Event(), on_checkpoint=taken.append)
+    SamplerEngine(registry, tmp_path, torch.device("cpu")).sample_batch([member])
+    assert [c.step for c in taken] == [2, 4]
+    fingerprint = checkpoint.fingerprint(request, "")
+    assert checkpoint.restore(taken[0], fingerprint, torch.device("cpu")) is None  # the step is all it holds
+    with pytest.raises(CheckpointMismatch):
+        checkpoint.restore(taken[0], checkpoint.fingerprint(replace(request, seed=4), ""), torch.device("cpu"))

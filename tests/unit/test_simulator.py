@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 
 from bench import placement
+from scheduler.simulator import lanes
 from scheduler.simulator import scenario as scenarios
-from scheduler.simulator.engine import Simulation
+from scheduler.simulator.engine import Job, Simulation
+from scheduler.simulator.lanes import PREEMPTION_SCENARIO
 from scheduler.simulator.policies import POLICIES, DarkroomPolicy
+from scheduler.simulator.report import by_lane
 
 SMALL = """
 [simulation]
@@ -207,3 +210,142 @@ def test_batching_carries_a_load_one_job_at_a_time_cannot(tmp_path: Path) -> Non
     waits = sorted(j.finish_s - j.trace.arrival_s for j in batched.jobs if j.finish_s is not None)
     alone_waits = sorted(j.finish_s - j.trace.arrival_s for j in alone.jobs if j.finish_s is not None)
     assert alone.overloaded or alone_waits[-1] > 10 * waits[-1]
+
+
+# Preemption: a suspended job keeps its steps, and an urgent lane stops waiting for long work.
+
+ONE_GPU = """
+[simulation]
+duration_s = 60
+seed = 1
+noise_sigma = 0.0
+checkpoint_s = 0.05
+resume_s = 0.5
+
+[darkroom]
+[darkroom.lanes.urgent]
+priority = 10
+[darkroom.lanes.batch]
+priority = 0
+[darkroom.preemption]
+preemptible = ["video"]
+preempting_lanes = ["urgent"]
+
+[models.img]
+capability = "image"
+step_s_512 = 0.05
+load_s = 5
+vram_gb = 8
+
+[models.vid]
+capability = "video"
+step_s_512 = 1.0
+load_s = 8
+vram_gb = 12
+
+[jobs.img]
+model = "img"
+width = 512
+height = 512
+steps = 20
+lane = "urgent"
+
+[jobs.vid]
+model = "vid"
+width = 512
+height = 512
+steps = 40
+lane = "batch"
+
+[[phases]]
+start_s = 0
+weights = { img = 1, vid = 1 }
+
+[[gpus]]
+id = "g"
+speed = 1.0
+vram_gb = 24
+pinned = ["img", "vid"]
+"""
+
+
+def one_gpu_run(tmp_path: Path, toml: str, policy: str = "darkroom") -> dict[str, Job]:
+    """A 40 s video from 0 s, and a 1 s urgent image arriving at 10.3 s."""
+    path = tmp_path / "one.toml"
+    path.write_text(toml)
+    sc = scenarios.load(path)
+    lanes = {lane.name: lane.priority for lane in sc.darkroom.lanes}
+    trace = [
+        scenarios.TraceJob(0, sc.job_types["vid"], 0.0, 40.0, "batch", lanes["batch"]),
+        scenarios.TraceJob(1, sc.job_types["img"], 10.3, 1.0, "urgent", lanes["urgent"]),
+    ]
+    result = Simulation(sc, POLICIES[policy](sc), trace, load=1.0).run()
+    return {j.model: j for j in result.jobs}
+
+
+def test_an_urgent_job_suspends_a_video_that_resumes_where_it_stopped(tmp_path: Path) -> None:
+    jobs = one_gpu_run(tmp_path, ONE_GPU)
+    video, image = jobs["vid"], jobs["img"]
+    # The video stops at its step boundary (11 s) and writes its checkpoint (0.05 s).
+    assert image.start_s == pytest.approx(11.05) and image.finish_s == pytest.approx(12.05)
+    # It resumes after the image with its 29 steps left, reading its checkpoint back
+    # (0.5 s): it loses no step, and its suspension counts no attempt.
+    assert video.finish_s == pytest.approx(12.05 + 0.5 + 29.0)
+    assert (video.preemptions, video.attempts, video.done) == (1, 1, 1.0)
+
+
+def test_a_gpu_failing_before_the_suspension_is_done_loses_the_run_not_the_job(tmp_path: Path) -> None:
+    # Asked to suspend at 10.3 s, the GPU fails at 10.8 s, before the step boundary:
+    # no checkpoint was written, so the video starts over (another attempt) once
+    # the GPU is back at 15.8 s, after the urgent image.
+    failing = ONE_GPU + '[[failures]]\ngpu = "g"\nat_s = 10.8\ndown_s = 5.0\n'
+    jobs = one_gpu_run(tmp_path, failing)
+    video, image = jobs["vid"], jobs["img"]
+    assert image.finish_s == pytest.approx(16.8)
+    assert video.finish_s == pytest.approx(56.8)
+    assert (video.preemptions, video.attempts, video.suspend_requested) == (0, 2, False)
+
+
+def test_without_preemption_configured_the_urgent_job_waits(tmp_path: Path) -> None:
+    off = ONE_GPU.replace('preempting_lanes = ["urgent"]', "preempting_lanes = []")
+    jobs = one_gpu_run(tmp_path, off)
+    assert scenarios.load(tmp_path / "one.toml").preemption.enabled is False
+    assert jobs["img"].finish_s == pytest.approx(41.0)
+    assert jobs["vid"].preemptions == 0
+    # The seeds' policies never preempt, whatever the scenario says.
+    assert one_gpu_run(tmp_path, ONE_GPU, "shortest-queue")["img"].finish_s == pytest.approx(41.0)
+
+
+def test_a_job_suspended_max_preemptions_times_runs_to_its_end(tmp_path: Path) -> None:
+    once = ONE_GPU.replace('preempting_lanes = ["urgent"]', 'preempting_lanes = ["urgent"]\nmax_preemptions = 0')
+    assert one_gpu_run(tmp_path, once)["img"].finish_s == pytest.approx(41.0)
+
+
+def test_preemption_scenario_keys_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(ONE_GPU.replace('lane = "urgent"', 'lane = "vip"'))
+    with pytest.raises(scenarios.ScenarioError, match=r"jobs\.img: unknown lane 'vip'"):
+        scenarios.load(path)
+    path.write_text(ONE_GPU.replace('preempting_lanes = ["urgent"]', 'preempting_lanes = ["vip"]'))
+    with pytest.raises(scenarios.ScenarioError, match="preempting lane 'vip'"):
+        scenarios.load(path)
+    path.write_text(ONE_GPU.replace('preemptible = ["video"]', 'preemptible = ["vidoe"]'))
+    with pytest.raises(scenarios.ScenarioError, match="preemptible 'vidoe' is neither"):
+        scenarios.load(path)
+    path.write_text(ONE_GPU.replace("[darkroom.preemption]", "[darkroom.preemption]\npreempt_after = 1"))
+    with pytest.raises(scenarios.ScenarioError, match="unknown keys"):
+        scenarios.load(path)
+
+
+def test_preemption_keeps_the_urgent_lane_s_p99_low_on_a_fleet_busy_with_videos() -> None:
+    """The shipped preemption scenario at 85%: four GPUs mostly running 40 s
+    best-effort videos. Without preemption an interactive job that finds them all
+    busy waits for a video to end; with it, for a video's next step."""
+    sc = scenarios.load(PREEMPTION_SCENARIO)
+    on, off = (lanes.run(sc, 0.85, preempt=p) for p in (True, False))
+    p99 = {name: by_lane(r)["interactive"][2] for name, r in (("on", on), ("off", off))}
+    assert p99["on"] < 10.0 and p99["off"] > 2 * p99["on"]
+    assert on.suspensions > 0 and off.suspensions == 0
+    assert all(j.finish_s is not None and j.done == 1.0 for j in on.jobs)
+    assert max(j.preemptions for j in on.jobs) <= sc.preemption.max_preemptions
+    assert all(j.preemptions == 0 for j in on.jobs if j.trace.lane == "interactive")

@@ -4,7 +4,10 @@ them, progress only for the attempt that runs."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from gateway.streams import StreamState
+from services.db.records import RESUMED, SUSPENDED, SuspendEvent
 from services.db.states import JobStatus
 from services.events import JobEvent, position
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -79,3 +82,21 @@ def test_a_change_without_a_status_is_left_to_the_database() -> None:
     state.on_stored(JobStatus.RUNNING, 1)
     assert state.on_event(JobEvent(J, 0)) == []  # e.g. requeued by recovery: the caller reads the job
     assert not state.ended
+
+
+def test_suspensions_and_resumptions_are_sent_once_each_in_order() -> None:
+    at = datetime(2026, 11, 22, tzinfo=UTC)
+    suspended = SuspendEvent(SUSPENDED, 1, "w1", 7, 20, at, "drain")
+    resumed = SuspendEvent(RESUMED, 2, "w2", 7, 20, at)
+    state = StreamState(J)
+    assert state.on_log(()) == []
+    [first] = state.on_log((suspended,))
+    assert first.WhichOneof("event") == "suspended"
+    assert (first.suspended.attempt, first.suspended.worker_id, first.suspended.step) == (1, "w1", 7)
+    assert first.suspended.reason == "drain"
+    # Read again after a silence, and once more after it resumed: only what is new.
+    assert state.on_log((suspended,)) == []
+    [second] = state.on_log((suspended, resumed))
+    assert second.WhichOneof("event") == "resumed"
+    assert (second.resumed.attempt, second.resumed.worker_id, second.resumed.step) == (2, "w2", 7)
+    assert state.on_log((suspended, resumed)) == []

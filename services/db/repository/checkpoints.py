@@ -131,10 +131,11 @@ class Checkpoints:
                 await conn.execute(
                     """
                     UPDATE jobs SET suspend_log = suspend_log || jsonb_build_array(%(entry)s::jsonb),
-                                    preemptions = preemptions + %(preempted)s
+                                    preemptions = preemptions + %(preempted)s::int,
+                                    aged_from = CASE WHEN %(preempted)s THEN %(now)s ELSE aged_from END
                     WHERE id = %(id)s
                     """,
-                    {"id": job_id, "entry": json.dumps(entry), "preempted": int(preempted)},
+                    {"id": job_id, "entry": json.dumps(entry), "preempted": preempted, "now": now},
                 )
             return status
 

@@ -4,6 +4,7 @@ its advisory lock so that replicas take turns."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from datetime import datetime
 from typing import Any
 
@@ -75,8 +76,9 @@ SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked,
        (SELECT coalesce(json_agg(w ORDER BY w.id), '[]') FROM ({LIVE_WORKERS}) w) AS workers,
        (SELECT coalesce(json_agg(g), '[]') FROM ({_HELD_GROUPS}) g) AS held
 """
-_SUMMARY_TIMES = ("created_at", "scheduled_at")
-_WORKER_TIMES = ("started_at", "last_heartbeat")
+# The timestamps of a job summary or a worker, which JSON carries as text.
+_SUMMARY_TIMES = tuple(f.name for f in fields(JobSummary) if str(f.type).startswith("datetime"))
+_WORKER_TIMES = tuple(f.name for f in fields(WorkerRecord) if str(f.type).startswith("datetime"))
 
 
 def _times(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:

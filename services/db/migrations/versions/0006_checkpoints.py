@@ -22,6 +22,7 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("preemptions", sa.Integer, nullable=False, server_default=sa.text("0")))
     op.add_column("jobs", sa.Column("suspend_requested", sa.Boolean, nullable=False, server_default=sa.text("false")))
     op.add_column("jobs", sa.Column("suspend_log", JSONB, nullable=False, server_default=sa.text("'[]'")))
+    op.add_column("jobs", sa.Column("aged_from", sa.DateTime(timezone=True)))
     op.create_table(
         "job_checkpoints",
         sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
@@ -35,6 +36,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("job_checkpoints")
+    op.drop_column("jobs", "aged_from")
     op.drop_column("jobs", "suspend_log")
     op.drop_column("jobs", "suspend_requested")
     op.drop_column("jobs", "preemptions")

@@ -1,0 +1,101 @@
+"""Carrying out preemption: after a placement pass, the jobs it left waiting (or
+placed behind running work) that may preempt are matched against the running jobs
+by the pure rule (``scheduler.preemption``); each running job it chooses is flagged
+``suspend_requested`` in the database, fenced by attempt and by the job's
+preemption count, and its worker is told at once over ``Sampler.SuspendJob``. A
+worker that does not hear the call sees the flag at its next progress write, so a
+lost call costs a fraction of a second, not the preemption."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, replace
+
+import grpc
+
+from scheduler import policy
+from scheduler.preemption import Preemption, PreemptionConfig, choose_preemptions
+from scheduler.views import job_view, running_views
+from services.db.records import JobSummary
+from services.db.repository import Repository
+from services.metrics import PREEMPTIONS
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
+from services.rpc.server import channel
+
+log = logging.getLogger("darkroom.scheduler.preempting")
+
+SUSPEND_CALL_TIMEOUT_S = 2.0
+
+
+@dataclass
+class PassView:
+    """What a placement pass saw and decided, for the preemption that follows it."""
+
+    placements: list[policy.Placement]
+    jobs: dict[str, JobSummary]
+    workers: list[policy.WorkerView]
+    fleet: policy.Fleet | None = None
+
+
+def waiting_for_room(view: PassView, config: PreemptionConfig) -> list[tuple[policy.JobView, str, policy.Placement]]:
+    """The pass's jobs of preempting lanes, in its order, as the rule takes them. A
+    job the pass placed behind other work on a worker can only be helped there: its
+    placement is narrowed to that worker."""
+    waiting = []
+    for p in view.placements:
+        job = view.jobs.get(p.job_id)
+        if job is None or not config.may_preempt(job.lane):
+            continue
+        if p.worker_id is not None:
+            p = replace(p, candidates=tuple(c for c in p.candidates if c.worker_id == p.worker_id))
+        waiting.append((job_view(job), job.lane, p))
+    return waiting
+
+
+class Preempter:
+    def __init__(self, repo: Repository, config: PreemptionConfig) -> None:
+        self.repo = repo
+        self.config = config
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def after_pass(self, view: PassView, *, now: float) -> list[Preemption]:
+        """Asks for the suspensions the rule chooses for this pass; returns those
+        asked for."""
+        if not self.config.enabled or view.fleet is None:
+            return []
+        waiting = waiting_for_room(view, self.config)
+        if not waiting:
+            return []
+        running = running_views(await self.repo.checkpoints.running(), view.workers, view.fleet)
+        chosen = choose_preemptions(waiting, running, self.config, now=now, workers=view.workers, fleet=view.fleet)
+        asked = []
+        for p in chosen:
+            address = await self.repo.checkpoints.request_suspend(
+                p.job_id, p.attempt, max_preemptions=self.config.max_preemptions
+            )
+            if address is None:
+                continue  # it moved on meanwhile, or another pass asked first
+            PREEMPTIONS.inc()
+            log.info("suspending %s on %s: %s", p.job_id, p.worker_id, p.reason, extra={"job_id": p.job_id})
+            await self._tell(address, p)
+            asked.append(p)
+        return asked
+
+    async def _tell(self, address: str, p: Preemption) -> None:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = channel(address)
+        request = sampler_pb2.SamplerSuspendRequest(
+            job_id=p.job_id, attempt=p.attempt, reason=f"preempted for {p.for_job_id}"
+        )
+        try:
+            await sampler_pb2_grpc.SamplerStub(ch).SuspendJob(request, timeout=SUSPEND_CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.info("%s did not take the suspension of %s (its flag will do): %s", address, p.job_id, exc.code())
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            with contextlib.suppress(Exception):
+                await ch.close()
+        self._channels.clear()
