@@ -24,6 +24,21 @@ from tests.helpers import wait_for
 
 pytestmark = pytest.mark.faults
 
+# The tiny model, checkpointing every 5 steps.
+CHECKPOINTED = """
+[models.tiny]
+source = "builtin:tiny"
+family = "tiny"
+dtype = "float32"
+vram_mb = 16
+max_width = 512
+max_height = 512
+max_steps = 150
+step_ms_512 = 200
+load_s = 0.5
+checkpoint_every_steps = 5
+"""
+
 
 @pytest.fixture
 def make(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> Iterator:
@@ -230,23 +245,64 @@ def test_client_stream_cut_and_reopened(make) -> None:
     assert len(followed.results) == 1
 
 
+def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_path: Path) -> None:
+    registry = tmp_path / "registry.toml"
+    registry.write_text(CHECKPOINTED)
+    stack = make(model_registry=str(registry))
+    load = Load(stack)
+    steps = 100
+    [job_id] = load.submit(1, width=256, height=256, steps=steps)
+    victim = running_job(load, [job_id], min_step=40)
+    stack.services[sampler_of(stack, victim.worker_id)].kill()
+    fault_at = now()
+    check("sampler `kill -9` during a long job: resumed from its checkpoint", stack, load, fault_at=fault_at)
+    job = load.get(job_id)
+    [resumption] = job.resumptions
+    assert resumption.attempt == victim.attempts + 1
+    assert [f.worker_id for f in job.failed_attempts] == [victim.worker_id], "the crash cost an attempt"
+    killed = steps_before_the_crash([e for events in load.jobs[0].log.events for e in events])
+    assert victim.progress.step <= killed and resumption.step <= killed
+    # What the crash cost: the steps after its last checkpoint, run again.
+    run = killed + (steps - resumption.step)
+    assert run <= 1.2 * steps, (
+        f"{run} steps run for a {steps}-step job (killed at {killed}, resumed at {resumption.step})"
+    )
+
+
+def steps_before_the_crash(events: list[pb.JobEvent]) -> int:
+    """The last step the first attempt reported: its progress up to the first status
+    that follows it (the job going back to the queue, or on to its next attempt)."""
+    last = 0
+    for event in events:
+        if event.HasField("progress"):
+            last = max(last, event.progress.step)
+        elif event.HasField("status") and last:
+            break
+    assert last, "the first attempt reported no progress"
+    return last
+
+
 def test_sampler_drained_with_a_backlog(make) -> None:
     stack = make(samplers=2, worker_backlog=3, shutdown_grace_s=20.0)
     load = Load(stack)
-    ids = load.submit(10, width=64, height=64, steps=40)
+    # Long enough (about 1.5 s each) that the one running is still sampling when the drain begins.
+    ids = load.submit(10, width=128, height=128, steps=100)
     draining = sorted(n for n in stack.services if n.startswith("gpu_worker"))[0]
     worker_id = stack.services[draining].env["DARKROOM_WORKER_ID"]
 
     def held() -> list[pb.Job]:
         return [j for j in map(load.get, ids) if j.worker_id == worker_id and j.status in (2, 3, 4)]
 
-    wait_for(
-        held,
-        lambda jobs: len(jobs) >= 3 and any(j.status == pb.JOB_STATUS_RUNNING for j in jobs),
-        timeout=60,
-        what="a backlog on the sampler",
+    def sampling(j: pb.Job) -> bool:
+        return j.status == pb.JOB_STATUS_RUNNING and 1 <= j.progress.step <= 50
+
+    running = next(
+        j.job_id
+        for j in wait_for(
+            held, lambda jobs: len(jobs) >= 3 and any(map(sampling, jobs)), timeout=60, what="a backlog on the sampler"
+        )
+        if sampling(j)
     )
-    running = next(j.job_id for j in held() if j.status == pb.JOB_STATUS_RUNNING)
     fault_at = now()
     started = time.monotonic()
     stopper = threading.Thread(target=stack.services[draining].stop)
@@ -256,8 +312,18 @@ def test_sampler_drained_with_a_backlog(make) -> None:
     check("sampler SIGTERM with a backlog: drain and hand-back", stack, load, fault_at=fault_at)
     assert stack.services[draining].proc is None or stack.services[draining].proc.returncode == 0
     jobs = {j: load.get(j) for j in ids}
-    assert jobs[running].worker_id == worker_id and jobs[running].attempts == 1, "it finished the job it ran"
-    assert all(j.starts == 1 and not j.failed_attempts for j in jobs.values()), "nothing ran twice, nothing counted"
-    assert drain_s < 20, f"the drain took {drain_s:.1f}s: it should take about one job, well inside the grace"
+    # What it was sampling (the batch of the job seen running) was suspended at a
+    # step and resumed elsewhere from there; the rest ran once.
+    suspended = {j: job for j, job in jobs.items() if job.suspensions}
+    assert running in suspended
+    for job in suspended.values():
+        [suspension] = job.suspensions
+        [resumption] = job.resumptions
+        assert (suspension.worker_id, suspension.reason) == (worker_id, "drain")
+        assert resumption.worker_id != worker_id and resumption.step == suspension.step > 0
+        assert not job.failed_attempts and job.worker_id != worker_id and job.starts == 2
+    rest = [job for j, job in jobs.items() if j not in suspended]
+    assert all(j.starts == 1 and not j.failed_attempts for j in rest), "nothing ran twice, nothing counted"
+    assert drain_s < 20, f"the drain took {drain_s:.1f}s: it should take about one step, well inside the grace"
     with psycopg.connect(stack.pg_url) as conn:
         assert conn.execute("SELECT status FROM workers WHERE id = %s", (worker_id,)).fetchone() == ("gone",)
