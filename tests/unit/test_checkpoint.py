@@ -390,4 +390,4 @@ def test_the_registry_takes_good_checkpoint_and_scheduler_settings(tmp_path: Pat
         30,
     )
     default = ModelRegistry.load().get("tiny")
-    assert (default.scheduler, default.checkpoint_every_steps, default.checkpoint_every_s) == ("", 0, 0.0)
+    assert (default.scheduler, default.checkpoint_every_steps, default.checkpoint_every_s) == ("", 0, 10.0)
