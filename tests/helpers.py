@@ -32,6 +32,23 @@ async def channel_to(server: Server) -> AsyncIterator[grpc.aio.Channel]:
 TERMINAL = {pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED}
 
 
+# The tiny model, checkpointing every 5 steps, with a first step estimate near what a
+# 2-core CPU takes (so that the scheduler sees from the start which jobs are long).
+CHECKPOINTED_TINY = """
+[models.tiny]
+source = "builtin:tiny"
+family = "tiny"
+dtype = "float32"
+vram_mb = 16
+max_width = 512
+max_height = 512
+max_steps = 150
+step_ms_512 = 200
+load_s = 0.5
+checkpoint_every_steps = 5
+"""
+
+
 def stub(stack: LocalStack) -> image_generation_pb2_grpc.ImageGenerationStub:
     return image_generation_pb2_grpc.ImageGenerationStub(grpc.insecure_channel(stack.gateway_address))
 

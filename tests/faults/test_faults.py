@@ -20,24 +20,9 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.stack import LocalStack
 from tests.conftest import fresh_database
 from tests.faults.harness import Load, check, fault_stack, now, stop_and_check_processes
-from tests.helpers import wait_for
+from tests.helpers import CHECKPOINTED_TINY, wait_for
 
 pytestmark = pytest.mark.faults
-
-# The tiny model, checkpointing every 5 steps.
-CHECKPOINTED = """
-[models.tiny]
-source = "builtin:tiny"
-family = "tiny"
-dtype = "float32"
-vram_mb = 16
-max_width = 512
-max_height = 512
-max_steps = 150
-step_ms_512 = 200
-load_s = 0.5
-checkpoint_every_steps = 5
-"""
 
 
 @pytest.fixture
@@ -247,7 +232,7 @@ def test_client_stream_cut_and_reopened(make) -> None:
 
 def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_path: Path) -> None:
     registry = tmp_path / "registry.toml"
-    registry.write_text(CHECKPOINTED)
+    registry.write_text(CHECKPOINTED_TINY)
     stack = make(model_registry=str(registry))
     load = Load(stack)
     steps = 100

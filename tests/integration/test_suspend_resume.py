@@ -18,23 +18,10 @@ from services.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.stack import LocalStack
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import CHECKPOINTED_TINY, stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
-REGISTRY = """
-[models.tiny]
-source = "builtin:tiny"
-family = "tiny"
-dtype = "float32"
-vram_mb = 16
-max_width = 512
-max_height = 512
-max_steps = 150
-step_ms_512 = 200
-load_s = 0.5
-checkpoint_every_steps = 5
-"""
 LONG: dict[str, Any] = {"model": "tiny", "prompt": "a long one", "width": 256, "height": 256, "steps": 120, "seed": 11}
 
 
@@ -44,7 +31,7 @@ def stack(
 ) -> Iterator[LocalStack]:
     tmp = tmp_path_factory.mktemp("suspend")
     registry = tmp / "registry.toml"
-    registry.write_text(REGISTRY)
+    registry.write_text(CHECKPOINTED_TINY)
     s = make_stack(
         tmp / "stack",
         postgres,
