@@ -359,7 +359,7 @@ class JobRunner:
         except JobSuspended as exc:
             await self._suspended(started, exc.checkpoint)
         except JobInterrupted:
-            if watch.stop_reason is not None and watch.stop_reason.keeps_work:
+            if watch.suspending:
                 await self._suspended(started, None)  # stopped with nothing of its own to save
             else:
                 await self._interrupted(job, watch.stop_reason, started.timeout_s)
@@ -546,5 +546,5 @@ class JobRunner:
             watch.stopping,
             resume=started.resume,
             on_checkpoint=started.saver.offer,
-            suspend=lambda: watch.stop_reason is not None and watch.stop_reason.keeps_work,
+            suspend=lambda: watch.suspending,
         )

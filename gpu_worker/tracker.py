@@ -49,10 +49,15 @@ class JobWatch:
         self.stopping.set()
 
     @property
+    def suspending(self) -> bool:
+        """It is asked to stop keeping what it has done (see ``StopReason.keeps_work``)."""
+        return self.stop_reason is not None and self.stop_reason.keeps_work
+
+    @property
     def discards_work(self) -> bool:
         """It was stopped, and what it did is not to be used: cancelled, timed out,
         superseded or handed back, but not suspended."""
-        return self.stopping.is_set() and not (self.stop_reason is not None and self.stop_reason.keeps_work)
+        return self.stopping.is_set() and not self.suspending
 
 
 class JobTracker:

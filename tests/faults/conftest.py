@@ -17,3 +17,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(HEADER)
     for summary in SUMMARIES:
         terminalreporter.write_line(summary.row())
+    for summary in SUMMARIES:
+        for note in summary.notes:
+            terminalreporter.write_line(f"- {summary.scenario}: {note}")

@@ -240,7 +240,7 @@ def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_
     victim = running_job(load, [job_id], min_step=40)
     stack.services[sampler_of(stack, victim.worker_id)].kill()
     fault_at = now()
-    check("sampler `kill -9` during a long job: resumed from its checkpoint", stack, load, fault_at=fault_at)
+    summary = check("sampler `kill -9` during a long job: resumed from its checkpoint", stack, load, fault_at=fault_at)
     job = load.get(job_id)
     [resumption] = job.resumptions
     assert resumption.attempt == victim.attempts + 1
@@ -249,6 +249,7 @@ def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_
     assert victim.progress.step <= killed and resumption.step <= killed
     # What the crash cost: the steps after its last checkpoint, run again.
     run = killed + (steps - resumption.step)
+    summary.notes.append(f"{run} steps run for {steps} (killed after step {killed}, resumed from {resumption.step})")
     assert run <= 1.2 * steps, (
         f"{run} steps run for a {steps}-step job (killed at {killed}, resumed at {resumption.step})"
     )
@@ -294,7 +295,8 @@ def test_sampler_drained_with_a_backlog(make) -> None:
     stopper.start()
     stopper.join(60)
     drain_s = time.monotonic() - started
-    check("sampler SIGTERM with a backlog: drain and hand-back", stack, load, fault_at=fault_at)
+    summary = check("sampler SIGTERM with a backlog: drain and hand-back", stack, load, fault_at=fault_at)
+    summary.notes.append(f"SIGTERM to exit: {drain_s:.1f} s")
     assert stack.services[draining].proc is None or stack.services[draining].proc.returncode == 0
     jobs = {j: load.get(j) for j in ids}
     # What it was sampling (the batch of the job seen running) was suspended at a
