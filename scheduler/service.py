@@ -337,6 +337,7 @@ class Scheduler:
                 if loop.time() - self._last_prune >= prune_every:
                     self._last_prune = loop.time()
                     await self.forget_gone_workers()
+                    await self.repo.checkpoints.prune()
             except StoreError as exc:
                 self._db_answered(False)
                 log.warning("recovery pass failed, will retry: %s", exc)

@@ -164,18 +164,28 @@ async def test_suspension_requeues_without_an_attempt_and_logs_where_and_why(rep
     assert (await repo.jobs.get(job_id)).checkpoint_step == 7
 
 
-async def test_a_job_that_ends_drops_its_checkpoint(repo: Repository) -> None:
-    job_id, attempt = await running(repo, W1)
-    assert await save(repo, job_id, attempt, W1, 4)
-    await repo.attempts.decoding([(job_id, attempt)], W1, now=now())
+async def test_the_checkpoints_of_ended_jobs_are_pruned_and_only_those(repo: Repository) -> None:
+    succeeded, attempt = await running(repo, W1)
+    assert await save(repo, succeeded, attempt, W1, 4)
+    await repo.attempts.decoding([(succeeded, attempt)], W1, now=now())
     image = ImageRecord(0, b"png", "image/png", 64, 64, 1)
-    assert await repo.attempts.finish_many([Result(job_id, attempt, [image], now(), busy_s=1.0)], W1) == {job_id}
-    other, other_attempt = await running(repo, W1)
-    assert await save(repo, other, other_attempt, W1, 4)
-    await repo.attempts.fail(other, other_attempt, W1, "bad prompt", retryable=False, now=now())
+    assert await repo.attempts.finish_many([Result(succeeded, attempt, [image], now(), busy_s=1.0)], W1) == {succeeded}
+    failed, failed_attempt = await running(repo, W1)
+    assert await save(repo, failed, failed_attempt, W1, 4)
+    await repo.attempts.fail(failed, failed_attempt, W1, "bad prompt", retryable=False, now=now())
+    # Suspended, then cancelled while it waited in the queue.
+    cancelled, cancelled_attempt = await running(repo, W1)
+    await repo.checkpoints.suspend(
+        cancelled, cancelled_attempt, W1, step=4, total=20, data=b"s4", reason="drain", preempted=False, now=now()
+    )
+    await repo.jobs.request_cancel(cancelled, now=now())
+    alive, alive_attempt = await running(repo, W2)
+    assert await save(repo, alive, alive_attempt, W2, 4)
+
+    assert await repo.checkpoints.prune() == 3
     async with await psycopg.AsyncConnection.connect(repo.db.url, autocommit=True) as conn:
         rows = await (await conn.execute("SELECT job_id FROM job_checkpoints")).fetchall()
-    assert rows == []
+    assert rows == [(alive,)]
 
 
 async def test_start_many_resumes_once_however_often_a_dispatch_is_redelivered(repo: Repository) -> None:

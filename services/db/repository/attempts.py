@@ -200,8 +200,6 @@ class Attempts:
                     completed = completed + (SELECT count(*) FROM stored),
                     busy_seconds = busy_seconds + (SELECT coalesce(sum(busy_s), 0) FROM stored)
                 WHERE id = %(worker)s AND EXISTS (SELECT 1 FROM stored)
-            ), dropped AS (
-                DELETE FROM job_checkpoints WHERE job_id IN (SELECT id FROM stored)
             )
             SELECT id FROM stored
             """,

@@ -40,24 +40,18 @@ WHERE j.id = r.id AND j.attempt = r.attempt AND ({guard})
 RETURNING j.id, j.status
 """
 
-# Ends a job in a terminal state; a failure, if any, joins its log. Its checkpoint
-# has no further use.
+# Ends a job in a terminal state; a failure, if any, joins its log.
 _END = """
-WITH ended AS (
-    UPDATE jobs AS j SET
-        status = %(status)s,
-        error = %(error)s,
-        finished_at = %(now)s,
-        suspend_requested = false,
-        failures = j.failures + (%(failure)s::text IS NOT NULL)::int,
-        attempt_log = CASE WHEN %(failure)s::text IS NULL THEN j.attempt_log
-                           ELSE j.attempt_log || jsonb_build_array(%(failure)s::jsonb) END
-    WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND ({guard})
-    RETURNING j.id
-), dropped AS (
-    DELETE FROM job_checkpoints c USING ended WHERE c.job_id = ended.id
-)
-SELECT id FROM ended
+UPDATE jobs AS j SET
+    status = %(status)s,
+    error = %(error)s,
+    finished_at = %(now)s,
+    suspend_requested = false,
+    failures = j.failures + (%(failure)s::text IS NOT NULL)::int,
+    attempt_log = CASE WHEN %(failure)s::text IS NULL THEN j.attempt_log
+                       ELSE j.attempt_log || jsonb_build_array(%(failure)s::jsonb) END
+WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND ({guard})
+RETURNING j.id
 """
 
 
