@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gpu_worker.service import create_server as create_sampler_server
-from gpu_worker.tracker import JobTracker
+from gpu_worker.tracker import JobTracker, StopReason
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
@@ -41,6 +41,27 @@ async def decoder(models_dir: Path) -> AsyncIterator[vae_decoder_pb2_grpc.VaeDec
 async def test_cancelling_a_job_the_sampler_does_not_run_says_so(sampler) -> None:
     reply = await sampler.CancelJob(sampler_pb2.SamplerCancelRequest(job_id="nope"))
     assert not reply.was_running
+
+
+async def suspend(sampler: sampler_pb2_grpc.SamplerStub, job_id: str, attempt: int) -> bool:
+    request = sampler_pb2.SamplerSuspendRequest(job_id=job_id, attempt=attempt, reason=f"preempted for {job_id}x")
+    return (await sampler.SuspendJob(request)).was_running
+
+
+async def test_suspend_reaches_only_the_attempt_asked_for_while_it_samples() -> None:
+    tracker = JobTracker()
+    sampling, sampled = tracker.open("j1", 2), tracker.open("j2", 1)
+    sampled.sampled = True
+    async for ch in channel_to(create_sampler_server(Settings(worker_port=0), tracker)):
+        sampler = sampler_pb2_grpc.SamplerStub(ch)
+        assert not await suspend(sampler, "j1", 1), "an older attempt of it"
+        assert not await suspend(sampler, "j2", 1), "its latents are out: nothing left to suspend"
+        assert not await suspend(sampler, "nope", 1)
+        assert not sampling.stopping.is_set() and not sampled.stopping.is_set()
+        assert await suspend(sampler, "j1", 2)
+    assert sampling.stopping.is_set() and sampling.stop_reason == StopReason.PREEMPTED
+    assert sampling.suspending and not sampling.discards_work
+    assert sampling.detail == "preempted for j1x"
 
 
 async def test_decoder_names_what_is_wrong_with_the_latents(decoder) -> None:
