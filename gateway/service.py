@@ -32,7 +32,7 @@ from services.models.registry import ModelRegistry
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from services.rpc.server import Server, build_server, channel
+from services.rpc.server import Channels, Server, build_server
 from services.rpc.status import stream_errors, unary_errors
 from services.settings import Settings
 
@@ -53,7 +53,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.events = events
         self.costs = costs_from(registry)
         self.config = policy_config(settings)
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()
         self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
         self._fleet_read = 0.0
         # Concurrent submits share one INSERT, and one read of the queue ahead;
@@ -64,14 +64,10 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self._results = Coalescer(self.repo.jobs.many_with_images)
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = channel(address)
-        return sampler_pb2_grpc.SamplerStub(ch)
+        return sampler_pb2_grpc.SamplerStub(self._channels.to(address))
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._channels.close()
 
     @unary_errors
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:

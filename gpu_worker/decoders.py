@@ -22,7 +22,7 @@ from services.errors import DarkroomError, StoreError
 from services.models.encoding import encode, mime_type_of
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
-from services.rpc.server import channel
+from services.rpc.server import Channels
 
 log = logging.getLogger("darkroom.gpu_worker.decoders")
 
@@ -104,7 +104,7 @@ class Decoders:
         self.local = local
         self.patience_s = patience_s
         self._rotation = itertools.count()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()
         self._known: list[WorkerRecord] = []
         self._known_at = float("-inf")
         # Megapixels this sampler has sent each decoder and not had back.
@@ -193,10 +193,7 @@ class Decoders:
     async def _decode_on(self, decoder: WorkerRecord, jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> Decoded:
         """One call for the jobs: each job's images, or the DecoderFailed that the
         decoder said of it; raises DecoderFailed when the call itself fails."""
-        ch = self._channels.get(decoder.address)
-        if ch is None:
-            ch = self._channels[decoder.address] = channel(decoder.address)
-        stub = vae_decoder_pb2_grpc.VaeDecoderStub(ch)
+        stub = vae_decoder_pb2_grpc.VaeDecoderStub(self._channels.to(decoder.address))
         parts: dict[tuple[int, int], list[bytes]] = {}
         meta: dict[tuple[int, int], vae_decoder_pb2.DecodeChunk] = {}
         refused: dict[int, str] = {}
@@ -242,5 +239,4 @@ class Decoders:
         return images
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self._channels.close()

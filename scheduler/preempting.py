@@ -8,7 +8,6 @@ lost call costs a fraction of a second, not the preemption."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, replace
 
@@ -21,7 +20,7 @@ from services.db.records import JobSummary
 from services.db.repository import Repository
 from services.metrics import PREEMPTIONS
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
-from services.rpc.server import channel
+from services.rpc.server import Channels
 
 log = logging.getLogger("darkroom.scheduler.preempting")
 
@@ -57,7 +56,7 @@ class Preempter:
     def __init__(self, repo: Repository, config: PreemptionConfig) -> None:
         self.repo = repo
         self.config = config
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels = Channels()
 
     async def after_pass(self, view: PassView, *, now: float) -> list[Preemption]:
         """Asks for the suspensions the rule chooses for this pass; returns those
@@ -83,19 +82,15 @@ class Preempter:
         return asked
 
     async def _tell(self, address: str, p: Preemption) -> None:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = channel(address)
         request = sampler_pb2.SamplerSuspendRequest(
             job_id=p.job_id, attempt=p.attempt, reason=f"preempted for {p.for_job_id}"
         )
         try:
-            await sampler_pb2_grpc.SamplerStub(ch).SuspendJob(request, timeout=SUSPEND_CALL_TIMEOUT_S)
+            await sampler_pb2_grpc.SamplerStub(self._channels.to(address)).SuspendJob(
+                request, timeout=SUSPEND_CALL_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             log.info("%s did not take the suspension of %s (its flag will do): %s", address, p.job_id, exc.code())
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            with contextlib.suppress(Exception):
-                await ch.close()
-        self._channels.clear()
+        await self._channels.close()

@@ -61,3 +61,22 @@ def build_server(
 
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class Channels:
+    """One channel per address, opened at first use and kept: for a process that
+    calls many peers (samplers, decoders) again and again."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, grpc.aio.Channel] = {}
+
+    def to(self, address: str) -> grpc.aio.Channel:
+        ch = self._open.get(address)
+        if ch is None:
+            ch = self._open[address] = channel(address)
+        return ch
+
+    async def close(self) -> None:
+        open_, self._open = self._open, {}
+        for ch in open_.values():
+            await ch.close()
