@@ -6,7 +6,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.db.records import JobRecord, NewJob, WorkerRecord
+from services.db.records import SUMMARY_FIELDS, JobRecord, JobSummary, NewJob, WorkerRecord
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 
 # In the past: a span that would end before it starts is clamped.
@@ -38,6 +38,12 @@ def record(new: NewJob | None = None, **changes: Any) -> JobRecord:
         finished_at=None,
     )
     return replace(job, **changes)
+
+
+def summary(new: NewJob | None = None, **changes: Any) -> JobSummary:
+    """The job as the scheduler reads it (a ``JobSummary``), with ``changes``."""
+    job = record(new, **changes)
+    return JobSummary(**{name: getattr(job, name) for name in SUMMARY_FIELDS})
 
 
 def worker_record(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: Any) -> WorkerRecord:

@@ -8,14 +8,13 @@ from scheduler import policy
 from scheduler.preempting import PassView, waiting_for_room
 from scheduler.preemption import PreemptionConfig
 from services.db.records import JobSummary
-from services.db.states import JobStatus
-from tests.records import T0
+from tests.records import summary
 
 CONFIG = PreemptionConfig(preemptible=frozenset({"free"}), preempting_lanes=frozenset({"paid"}))
 
 
-def summary(job_id: str, lane: str) -> JobSummary:
-    return JobSummary(job_id, JobStatus.QUEUED, lane, 10, "tiny", 64, 64, 20, 7.5, 1, 0, None, 0, 0, T0, None, ())
+def in_queue(job_id: str, lane: str) -> JobSummary:
+    return summary(id=job_id, lane=lane, priority=10, steps=20)
 
 
 def placement(job_id: str, worker_id: str | None) -> policy.Placement:
@@ -26,7 +25,7 @@ def placement(job_id: str, worker_id: str | None) -> policy.Placement:
 def test_only_preempting_lanes_wait_for_room_in_the_pass_order() -> None:
     view = PassView(
         [placement("p2", None), placement("f1", None), placement("p1", None)],
-        {"p1": summary("p1", "paid"), "p2": summary("p2", "paid"), "f1": summary("f1", "free")},
+        {"p1": in_queue("p1", "paid"), "p2": in_queue("p2", "paid"), "f1": in_queue("f1", "free")},
         [],
     )
     assert [(job.id, lane) for job, lane, _ in waiting_for_room(view, CONFIG)] == [("p2", "paid"), ("p1", "paid")]
@@ -34,7 +33,7 @@ def test_only_preempting_lanes_wait_for_room_in_the_pass_order() -> None:
 
 
 def test_a_job_placed_behind_work_can_only_be_helped_where_it_was_placed() -> None:
-    view = PassView([placement("p1", "w2"), placement("p2", None)], {j: summary(j, "paid") for j in ("p1", "p2")}, [])
+    view = PassView([placement("p1", "w2"), placement("p2", None)], {j: in_queue(j, "paid") for j in ("p1", "p2")}, [])
     [(_, _, placed), (_, _, queued)] = waiting_for_room(view, CONFIG)
     assert [c.worker_id for c in placed.candidates] == ["w2"]
     assert [c.worker_id for c in queued.candidates] == ["w1", "w2"]

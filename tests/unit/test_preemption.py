@@ -24,9 +24,9 @@ from scheduler.estimates import Durations, Learned
 from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, PolicyConfig, WorkerView, plan
 from scheduler.preemption import Preemption, PreemptionConfig, RunningView, choose_preemptions, estimated_wait
 from scheduler.views import job_view, preemption_config, running_views
-from services.db.records import JobSummary, RunningJob
-from services.db.states import JobStatus
+from services.db.records import RunningJob
 from services.settings import Settings, SettingsError
+from tests import records
 
 GB = 1024**3
 COSTS = {
@@ -369,24 +369,6 @@ def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
 
 def test_a_preempted_job_ages_from_its_suspension() -> None:
     created, suspended = datetime(2025, 1, 1, tzinfo=UTC), datetime(2025, 1, 1, 0, 1, tzinfo=UTC)
-    summary = JobSummary(
-        id="v",
-        status=JobStatus.QUEUED,
-        lane="free",
-        priority=0,
-        model="vid",
-        width=512,
-        height=512,
-        steps=30,
-        guidance_scale=7.5,
-        num_images=1,
-        attempt=1,
-        worker_id=None,
-        progress_step=10,
-        progress_total=30,
-        created_at=created,
-        scheduled_at=None,
-        attempt_log=(),
-    )
+    summary = records.summary(id="v", lane="free", model="vid", width=512, height=512, steps=30, created_at=created)
     assert job_view(summary).queued_at == created.timestamp()
     assert job_view(replace(summary, aged_from=suspended)).queued_at == suspended.timestamp()
