@@ -213,7 +213,7 @@ def eviction_cost(model: str, worker: WorkerView, fleet: Fleet, config: PolicyCo
         return 0.0, []
     victims = sorted(
         (m for m in worker.warm_models if m in costs),
-        key=lambda m: (m in worker.planned_models, costs[m].eviction_priority),
+        key=lambda m: (m in worker.planned_models, costs[m].eviction_priority, m),
     )
     cost, evicted = 0.0, []
     for victim in victims:

@@ -227,7 +227,7 @@ class Simulation:
         self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, run))
 
     def _maybe_preload(self, gpu: Gpu, now: float) -> None:
-        missing = [m for m in gpu.planned if m not in gpu.loaded and self.fits(gpu, m)]
+        missing = [m for m in sorted(gpu.planned) if m not in gpu.loaded and self.fits(gpu, m)]
         if not missing:
             return
         model = max(missing, key=lambda m: self.scenario.models[m].vram_gb)
