@@ -80,7 +80,17 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             default_lane=default_lane(self.config).name,
             now=now,
         )
-        view = policy.JobView(new.id, new.model, new.width, new.height, new.steps, new.num_images, new.priority)
+        cost = self.costs.get(new.model)
+        view = policy.JobView(
+            new.id,
+            new.model,
+            new.width,
+            new.height,
+            new.steps,
+            new.num_images,
+            new.priority,
+            target_s=self.config.target_s(new.lane, cost.capability if cost is not None else ""),
+        )
         eta = await self._estimate(view, now)
         refusal = admission.admit(new.lane, eta, self.config)
         if refusal is not None:
@@ -113,7 +123,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
     ) -> pb.SubmitJobResponse:
         if eta is None and job.status == JobStatus.QUEUED:
-            eta = await self._estimate(job_view(job), now)
+            eta = await self._estimate(job_view(job, self.config, self.costs), now)
         response = pb.SubmitJobResponse(job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated)
         if eta is not None:
             start = now + timedelta(seconds=eta.wait_s)

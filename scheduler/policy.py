@@ -51,6 +51,9 @@ class Lane:
     priority: int
     # Backpressure: a submit whose estimated wait passes this is refused.
     max_wait_s: float = float("inf")
+    # Latency target: seconds from submit to done that the lane's jobs should meet
+    # (at p99). None: best effort (throughput only).
+    target_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -66,9 +69,28 @@ class PolicyConfig:
     # at ``hot_c + hot_span_c`` (the seed's 2x at 80 C).
     hot_c: float = 70.0
     hot_span_c: float = 10.0
+    # Latency classes beyond the lanes': capabilities (or lanes) whose work is best
+    # effort whatever its lane's target (video, batch work) ...
+    best_effort: frozenset[str] = frozenset()
+    # ... and capabilities with a target of their own, tighter than their lane's.
+    capability_targets: tuple[tuple[str, float], ...] = ()
 
     def lane(self, name: str) -> Lane | None:
         return next((lane for lane in self.lanes if lane.name == name), None)
+
+    def target_s(self, lane: str, capability: str) -> float | None:
+        """The latency target of work of ``capability`` in ``lane``, or None for
+        best-effort work: the tighter of the lane's and the capability's targets,
+        unless either is listed as best effort."""
+        if lane in self.best_effort or capability in self.best_effort:
+            return None
+        found = self.lane(lane)
+        targets = [t for t in (found.target_s if found else None, dict(self.capability_targets).get(capability)) if t]
+        return min(targets) if targets else None
+
+    @property
+    def has_targets(self) -> bool:
+        return any(lane.target_s for lane in self.lanes) or bool(self.capability_targets)
 
     def cap(self, capability: str) -> int | None:
         return dict(self.capability_caps).get(capability)
@@ -87,6 +109,9 @@ class JobView:
     guidance_scale: float = 7.5
     # Workers where an attempt of it failed: it goes elsewhere if anywhere else can take it.
     failed_on: frozenset[str] = frozenset()
+    # Its latency target (``PolicyConfig.target_s`` of its lane and capability);
+    # None: best effort.
+    target_s: float | None = None
 
     @property
     def shape(self) -> Shape:

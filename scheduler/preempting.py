@@ -9,7 +9,7 @@ lost call costs a fraction of a second, not the preemption."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -35,6 +35,7 @@ class PassView:
     jobs: dict[str, JobSummary]
     workers: list[policy.WorkerView]
     fleet: policy.Fleet | None = None
+    config: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
 
 
 def waiting_for_room(view: PassView, config: PreemptionConfig) -> list[tuple[policy.JobView, str, policy.Placement]]:
@@ -48,7 +49,8 @@ def waiting_for_room(view: PassView, config: PreemptionConfig) -> list[tuple[pol
             continue
         if p.worker_id is not None:
             p = replace(p, candidates=tuple(c for c in p.candidates if c.worker_id == p.worker_id))
-        waiting.append((job_view(job), job.lane, p))
+        costs = view.fleet.costs if view.fleet is not None else {}
+        waiting.append((job_view(job, view.config, costs), job.lane, p))
     return waiting
 
 

@@ -72,10 +72,11 @@ def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: dateti
     ) -> list[Assignment]:
         measured = replace(fleet, costs=measured_costs(fleet.costs, workers))
         views = worker_views(workers, held, measured)
-        placements = policy.plan([job_view(j) for j in queued], views, measured, config, now=now.timestamp())
+        jobs = [job_view(j, config, measured.costs) for j in queued]
+        placements = policy.plan(jobs, views, measured, config, now=now.timestamp())
         made.placements.extend(placements)
         made.jobs.update((j.id, j) for j in queued)
-        made.workers, made.fleet = views, measured
+        made.workers, made.fleet, made.config = views, measured, config
         return [Assignment(p.job_id, p.worker_id, routing_json(p)) for p in placements if p.worker_id is not None]
 
     return decide

@@ -146,9 +146,12 @@ def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate
     )
 
 
-def job_view(job: JobRecord | JobSummary) -> policy.JobView:
+def job_view(
+    job: JobRecord | JobSummary, config: policy.PolicyConfig, costs: Mapping[str, policy.ModelCost]
+) -> policy.JobView:
     # A preempted job ages from its suspension (``aged_from``): back in the queue
     # with its old age, it would outrank the job it was suspended for at once.
+    cost = costs.get(job.model)
     return policy.JobView(
         job.id,
         job.model,
@@ -160,6 +163,7 @@ def job_view(job: JobRecord | JobSummary) -> policy.JobView:
         (job.aged_from or job.created_at).timestamp(),
         guidance_scale=job.guidance_scale,
         failed_on=frozenset(f.worker_id for f in job.attempt_log),
+        target_s=config.target_s(job.lane, cost.capability if cost is not None else ""),
     )
 
 

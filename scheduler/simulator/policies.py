@@ -55,7 +55,17 @@ class DarkroomPolicy:
             # scheduler's ``aged_from`` has it: it does not outrank at once the
             # job it made room for.
             aged_from = job.suspended_at if job.preemptions and job.suspended_at is not None else job.queued_at
-            view = JobView(str(job.id), t.model, t.width, t.height, t.steps, t.batch, job.trace.priority, aged_from)
+            view = JobView(
+                str(job.id),
+                t.model,
+                t.width,
+                t.height,
+                t.steps,
+                t.batch,
+                job.trace.priority,
+                aged_from,
+                target_s=job.trace.target_s,
+            )
             self.views[(job.id, job.preemptions)] = view
         return view
 

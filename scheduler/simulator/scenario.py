@@ -187,6 +187,11 @@ class TraceJob:
     work_s: float  # true seconds at speed 1.0, noise included
     lane: str
     priority: int
+    target_s: float | None = None  # its latency target (from its lane and capability); None: best effort
+
+    @property
+    def best_effort(self) -> bool:
+        return self.target_s is None
 
 
 def _build(cls: Any, where: str, table: dict[str, Any], **extra: Any) -> Any:
@@ -228,7 +233,13 @@ def load(path: str | Path | None = None) -> Scenario:
         raise ScenarioError(f"{path}: needs [[gpus]] and [[phases]], the first starting at 0")
     dr = data.get("darkroom", {})
     lanes = tuple(
-        Lane(n, int(t["priority"]), float(t.get("max_wait_s", math.inf))) for n, t in dr.get("lanes", {}).items()
+        Lane(
+            n,
+            int(t["priority"]),
+            float(t.get("max_wait_s", math.inf)),
+            float(t["target_s"]) if "target_s" in t else None,
+        )
+        for n, t in dr.get("lanes", {}).items()
     )
     lane_names = [lane.name for lane in lanes or PolicyConfig().lanes]
     for jt in job_types.values():
@@ -257,7 +268,12 @@ def load(path: str | Path | None = None) -> Scenario:
         capability_caps=tuple((k, int(v)) for k, v in dr.get("capability_caps", {}).items()),
         hot_c=float(dr.get("hot_c", PolicyConfig.hot_c)),
         hot_span_c=float(dr.get("hot_span_c", PolicyConfig.hot_span_c)),
+        best_effort=frozenset(dr.get("best_effort", ())),
+        capability_targets=tuple((k, float(v)) for k, v in dr.get("capability_targets", {}).items()),
     )
+    for name in sorted(darkroom.best_effort):
+        if name not in lane_names and all(m.capability != name for m in models.values()):
+            raise ScenarioError(f"darkroom.best_effort: {name!r} is neither a lane nor a capability")
     return Scenario(
         name=str(sim.get("name", path.stem)),
         duration_s=float(sim.get("duration_s", 3600)),
@@ -314,4 +330,5 @@ def trace(scenario: Scenario, load: float) -> list[TraceJob]:
         lane = paid if paid is not None and rng.random() < scenario.paid_share else free
         if jt.lane:  # drawn above all the same: the other jobs' lanes stay as they were
             lane = next(la for la in scenario.darkroom.lanes if la.name == jt.lane)
-        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority))
+        target = scenario.darkroom.target_s(lane.name, scenario.models[jt.model].capability)
+        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority, target))

@@ -370,5 +370,5 @@ def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
 def test_a_preempted_job_ages_from_its_suspension() -> None:
     created, suspended = datetime(2025, 1, 1, tzinfo=UTC), datetime(2025, 1, 1, 0, 1, tzinfo=UTC)
     summary = records.summary(id="v", lane="free", model="vid", width=512, height=512, steps=30, created_at=created)
-    assert job_view(summary).queued_at == created.timestamp()
-    assert job_view(replace(summary, aged_from=suspended)).queued_at == suspended.timestamp()
+    assert job_view(summary, PolicyConfig(), {}).queued_at == created.timestamp()
+    assert job_view(replace(summary, aged_from=suspended), PolicyConfig(), {}).queued_at == suspended.timestamp()
