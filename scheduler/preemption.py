@@ -60,6 +60,9 @@ class PreemptionConfig:
     preempting_lanes: frozenset[str] = frozenset()  # lanes whose waiting jobs may suspend them
     max_preemptions: int = 2  # a job is never suspended for other work more often than this
     preempt_after_s: float = 2.0  # a waiting job preempts only when it would wait longer than this
+    # Latency classes decide: a job with a latency target that it would miss may
+    # suspend best-effort work (a job with no target), beside the lists above.
+    for_targets: bool = False
 
     @property
     def enabled(self) -> bool:

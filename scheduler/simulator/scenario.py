@@ -246,7 +246,7 @@ def load(path: str | Path | None = None) -> Scenario:
         if jt.lane and jt.lane not in lane_names:
             raise ScenarioError(f"jobs.{jt.name}: unknown lane {jt.lane!r}")
     pre = dr.get("preemption", {})
-    unknown = set(pre) - {"preemptible", "preempting_lanes", "max_preemptions", "preempt_after_s"}
+    unknown = set(pre) - {"preemptible", "preempting_lanes", "max_preemptions", "preempt_after_s", "for_targets"}
     if unknown:
         raise ScenarioError(f"darkroom.preemption: unknown keys {sorted(unknown)}")
     preemption = PreemptionConfig(
@@ -254,6 +254,7 @@ def load(path: str | Path | None = None) -> Scenario:
         preempting_lanes=frozenset(pre.get("preempting_lanes", ())),
         max_preemptions=int(pre.get("max_preemptions", PreemptionConfig.max_preemptions)),
         preempt_after_s=float(pre.get("preempt_after_s", PreemptionConfig.preempt_after_s)),
+        for_targets=bool(pre.get("for_targets", False)),
     )
     for name in sorted(preemption.preempting_lanes):
         if name not in lane_names:
