@@ -28,16 +28,25 @@ class Row:
     preloads: int
     utilisation: float
     overloaded: bool
+    # Best-effort jobs (no latency target): jobs per second finished, and p50, p95, p99.
+    best_effort_throughput: float = 0.0
+    best_effort_latency: tuple[float, float, float] = (math.nan, math.nan, math.nan)
 
     def p99(self, kind: str) -> float:
         return math.inf if self.overloaded else self.latency.get(kind, (math.nan,) * 3)[2]
 
+    def best_effort_p99(self) -> float:
+        return math.inf if self.overloaded else self.best_effort_latency[2]
+
 
 def summarize(result: Result) -> Row:
     by_kind: dict[str, list[float]] = {}
+    best_effort: list[float] = []
     for job in result.jobs:
         if job.finish_s is not None:
             by_kind.setdefault(job.capability, []).append(job.finish_s - job.trace.arrival_s)
+            if job.trace.best_effort:
+                best_effort.append(job.finish_s - job.trace.arrival_s)
     done = sum(len(v) for v in by_kind.values())
     return Row(
         policy=result.policy,
@@ -48,6 +57,8 @@ def summarize(result: Result) -> Row:
         preloads=result.preloads,
         utilisation=result.busy_s / result.up_s if result.up_s else 0.0,
         overloaded=result.overloaded,
+        best_effort_throughput=len(best_effort) / result.makespan_s if result.makespan_s else 0.0,
+        best_effort_latency=(percentile(best_effort, 50), percentile(best_effort, 95), percentile(best_effort, 99)),
     )
 
 
@@ -87,5 +98,69 @@ def table(rows: Sequence[Row], kinds: Sequence[str]) -> list[str]:
             lat = r.latency.get(k, (math.nan,) * 3)
             cells += ["overload" if r.overloaded else _fmt(v) for v in lat]
         cells += [str(r.cold_loads), str(r.preloads), f"{r.utilisation:.0%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+# -- over several trace seeds -------------------------------------------------------
+
+
+def median(values: Iterable[float]) -> float:
+    """The median of the values that are not NaN (NaN if there are none); of an
+    even count, the mean of the middle two, taken in sorted order, so the same
+    values give the same figure in any order."""
+    kept = sorted(v for v in values if not math.isnan(v))
+    if not kept:
+        return math.nan
+    mid = len(kept) // 2
+    return kept[mid] if len(kept) % 2 else (kept[mid - 1] + kept[mid]) / 2
+
+
+def worst(values: Iterable[float], *, higher_is_better: bool = False) -> float:
+    """The worst of the values that are not NaN: the highest of latencies and
+    ratios where lower is better, the lowest of throughputs and loads."""
+    kept = [v for v in values if not math.isnan(v)]
+    if not kept:
+        return math.nan
+    return min(kept) if higher_is_better else max(kept)
+
+
+def spread(values: Sequence[float], fmt: str = ".1f", *, higher_is_better: bool = False) -> str:
+    """``median (worst)`` of the values, or the one value; ``overload`` for infinity, ``-`` for none."""
+
+    def one(x: float) -> str:
+        return "overload" if math.isinf(x) else ("-" if math.isnan(x) else format(x, fmt))
+
+    mid, bad = median(values), worst(values, higher_is_better=higher_is_better)
+    return one(mid) if len(values) < 2 else f"{one(mid)} ({one(bad)})"
+
+
+def _latency(row: Row, kind: str, i: int) -> float:
+    return math.inf if row.overloaded else row.latency.get(kind, (math.nan,) * 3)[i]
+
+
+def seed_table(groups: Sequence[tuple[str, float, Sequence[Row]]]) -> list[str]:
+    """A markdown table, a row per (policy, load, the rows of its trace seeds):
+    each cell the median over the seeds with the worst seed's figure in brackets."""
+    header = [
+        "policy",
+        "load",
+        "jobs/s",
+        "image p50 s",
+        "image p95 s",
+        "image p99 s",
+        "best-effort p99 s",
+        "best-effort jobs/s",
+        "cold loads",
+        "GPU util",
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for policy, load, rows in groups:
+        cells = [policy, f"{load:.0%}", spread([r.throughput for r in rows], ".3f", higher_is_better=True)]
+        cells += [spread([_latency(r, "image", i) for r in rows]) for i in range(3)]
+        cells.append(spread([r.best_effort_p99() for r in rows]))
+        cells.append(spread([r.best_effort_throughput for r in rows], ".3f", higher_is_better=True))
+        cells.append(spread([float(r.cold_loads) for r in rows], ".0f"))
+        cells.append(f"{median([r.utilisation for r in rows]):.0%}")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
