@@ -74,6 +74,9 @@ class PolicyConfig:
     best_effort: frozenset[str] = frozenset()
     # ... and capabilities with a target of their own, tighter than their lane's.
     capability_targets: tuple[tuple[str, float], ...] = ()
+    # The warm-set plan sizes latency-bound work's GPUs for this multiple of its
+    # forecast demand: room for bursts the forecast does not see.
+    latency_headroom: float = 1.3
 
     def lane(self, name: str) -> Lane | None:
         return next((lane for lane in self.lanes if lane.name == name), None)
@@ -228,9 +231,31 @@ def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: Policy
     return cap if any(n > 0 for c, n in others if c != capability) else None
 
 
-def eviction_cost(model: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> tuple[float, list[str]]:
+def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> bool:
+    """Whether best-effort ``job`` must keep off ``worker``: where latency classes
+    are configured, best-effort work runs on the GPUs the plan gives its model
+    (the share latency-bound work does not need), and elsewhere only on a GPU
+    with nothing to do that has room for its model beside what is loaded (work
+    conserving, without evicting what latency-bound work will want back)."""
+    if job.target_s is not None or not config.has_targets or fleet.planned.get(job.model, 0) == 0:
+        return False
+    if job.model in worker.planned_models:
+        return False
+    idle = worker.held_jobs == 0 and worker.held_work_s == 0
+    room = not worker.vram_total_bytes or (
+        job.model in worker.warm_models
+        or fleet.costs[job.model].vram_bytes <= worker.vram_total_bytes - worker.vram_used_bytes
+    )
+    return not (idle and room)
+
+
+def eviction_cost(
+    model: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig, *, urgent: bool = False
+) -> tuple[float, list[str]]:
     """What loading ``model`` on ``worker`` costs in reloads of what it evicts: the
-    models the planner does not want there go first, then by eviction priority."""
+    models the planner does not want there go first, then by eviction priority.
+    For ``urgent`` (latency-bound) work, evicting a best-effort model costs
+    nothing: best-effort work has no latency to lose."""
     costs = fleet.costs
     need = costs[model].vram_bytes
     free = worker.vram_total_bytes - worker.vram_used_bytes
@@ -251,7 +276,11 @@ def eviction_cost(model: str, worker: WorkerView, fleet: Fleet, config: PolicyCo
         # neither counts while a cap keeps that model's work off this worker.
         planned = victim in worker.planned_models
         last = fleet.warm.get(victim, 1) <= 1
-        if (planned or last) and capped_out(costs[victim].capability, worker, fleet, config) is None:
+        if (
+            (planned or last)
+            and capped_out(costs[victim].capability, worker, fleet, config) is None
+            and not (urgent and costs[victim].capability in config.best_effort)
+        ):
             cost += costs[victim].load_s
     return cost, evicted
 
@@ -276,6 +305,8 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) 
         # Capped work is the long kind: started off-plan in a lull, it would hold
         # a GPU the planner counts on for other models for minutes.
         return Candidate(worker.id, False, float("inf"), f"not planned for {job.model}")
+    if off_share(job, worker, fleet, config):
+        return Candidate(worker.id, False, float("inf"), f"best effort, and not planned for {job.model}")
     # The seed's thermal rule: a hot GPU's wait counts more (2x at 80 C), which
     # steers work to cooler GPUs before the learned speed shows the throttling.
     heat = thermal_factor(worker.temperature_c, config)
@@ -288,14 +319,21 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) 
     finish = worker.held_work_s * heat + job_seconds(job, worker, fleet)
     note = "warm"
     if not warm:
-        reload_s, evicted = eviction_cost(job.model, worker, fleet, config)
+        urgent = job.target_s is not None
+        reload_s, evicted = eviction_cost(job.model, worker, fleet, config, urgent=urgent)
         finish += cost.load_s + reload_s
         note = f"cold (+{cost.load_s:.1f}s load)"
         if evicted:
             note += f", evicts {'+'.join(evicted)}"
         # Near capacity the enemy is thrash: a job may not push out a model this
         # worker is planned to keep while other queued jobs wait for that model.
-        needed = [m for m in evicted if m in worker.planned_models and fleet.wanted.get(m, 0) > 0]
+        needed = [
+            m
+            for m in evicted
+            if m in worker.planned_models
+            and fleet.wanted.get(m, 0) > 0
+            and not (urgent and fleet.costs[m].capability in config.best_effort)
+        ]
         if needed:
             return Candidate(worker.id, False, float("inf"), f"would evict {'+'.join(needed)}, which queued jobs need")
     if heat > 1.0:
@@ -345,9 +383,19 @@ def effective_priority(job: JobView, config: PolicyConfig, *, now: float) -> flo
     return job.priority + config.aging_per_s * max(0.0, now - job.queued_at)
 
 
+def queue_key(job: JobView, config: PolicyConfig, *, now: float) -> tuple[int, float, float, str]:
+    """Latency-bound work first, earliest deadline (submit plus target) first, so
+    a job with a looser target overtakes a tighter one only once its own deadline
+    comes sooner; then best-effort work, highest lane first, older first within a
+    lane, and aging across lanes."""
+    if job.target_s is not None:
+        return (0, job.queued_at + job.target_s, job.queued_at, job.id)
+    return (1, -effective_priority(job, config, now=now), job.queued_at, job.id)
+
+
 def order_queue(jobs: Sequence[JobView], config: PolicyConfig, *, now: float) -> list[JobView]:
-    """Highest lane first, older first within a lane, and aging across lanes."""
-    return sorted(jobs, key=lambda j: (-effective_priority(j, config, now=now), j.queued_at, j.id))
+    """The order a pass places jobs in: see ``queue_key``."""
+    return sorted(jobs, key=lambda j: queue_key(j, config, now=now))
 
 
 def plan(
@@ -402,7 +450,7 @@ def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PolicyConfig, *
     added = job_seconds(job, w, fleet)
     warm, used = w.warm_models, w.vram_used_bytes
     if job.model not in warm:
-        reload_s, evicted = eviction_cost(job.model, w, fleet, config)
+        reload_s, evicted = eviction_cost(job.model, w, fleet, config, urgent=job.target_s is not None)
         added += cost.load_s + reload_s
         warm = (warm - set(evicted)) | {job.model}
         used = used - sum(fleet.costs[m].vram_bytes for m in evicted) + cost.vram_bytes

@@ -45,12 +45,15 @@ def waiting_for_room(view: PassView, config: PreemptionConfig) -> list[tuple[pol
     waiting = []
     for p in view.placements:
         job = view.jobs.get(p.job_id)
-        if job is None or not config.may_preempt(job.lane):
+        if job is None:
+            continue
+        costs = view.fleet.costs if view.fleet is not None else {}
+        jv = job_view(job, view.config, costs)
+        if not config.may_preempt(job.lane, jv.target_s):
             continue
         if p.worker_id is not None:
             p = replace(p, candidates=tuple(c for c in p.candidates if c.worker_id == p.worker_id))
-        costs = view.fleet.costs if view.fleet is not None else {}
-        waiting.append((job_view(job, view.config, costs), job.lane, p))
+        waiting.append((jv, job.lane, p))
     return waiting
 
 
@@ -68,7 +71,7 @@ class Preempter:
         waiting = waiting_for_room(view, self.config)
         if not waiting:
             return []
-        running = running_views(await self.repo.checkpoints.running(), view.workers, view.fleet)
+        running = running_views(await self.repo.checkpoints.running(), view.workers, view.fleet, view.config)
         chosen = choose_preemptions(waiting, running, self.config, now=now, workers=view.workers, fleet=view.fleet)
         asked = []
         for p in chosen:

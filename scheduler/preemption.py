@@ -10,11 +10,13 @@ The rule, for each waiting job given (those the placement pass left queued, or
 placed behind other work with their candidates narrowed to that worker), in the
 order given (the pass's priority order):
 
-1. It may preempt only when preemption is enabled, its lane is one of
-   ``preempting_lanes``, and its estimated wait is more than ``preempt_after_s``.
-   Its wait on a worker is its candidate's ``finish_s`` less what it would take
-   there were that worker free (its run, and its model's load when not warm
-   there); its estimated wait is the least of those over its eligible candidates.
+1. It may preempt only when preemption is enabled and either its lane is one of
+   ``preempting_lanes`` and its estimated wait is more than ``preempt_after_s``,
+   or (``for_targets``) it has a latency target and would miss it: the time it
+   has waited plus its earliest estimated finish passes the target. Its wait on
+   a worker is its candidate's ``finish_s`` less what it would take there were
+   that worker free (its run, and its model's load when not warm there); its
+   estimated wait is the least of those over its eligible candidates.
 2. Room already being made counts first: an eligible candidate running a job that
    is already asked to suspend (``suspend_requested``), and that no earlier
    waiting job claimed in this call, is claimed by this job, which then asks for
@@ -22,7 +24,9 @@ order given (the pass's priority order):
 3. Otherwise a worker may be freed for it when it is an eligible candidate (it
    serves and fits the model) and every job it runs is preemptible: its lane or
    its model's capability is in ``preemptible``, it has been preempted fewer than
-   ``max_preemptions`` times, and it is not already asked to suspend. A job of a
+   ``max_preemptions`` times, and it is not already asked to suspend. With
+   ``for_targets`` every best-effort job (no latency target) counts as listed,
+   and a job with a target is never preemptible. A job of a
    preempting lane is never preemptible, even when its capability is listed:
    urgent work must not suspend urgent work. A worker running a batch is freed
    only by suspending the whole batch, one ``Preemption`` per job in it.
@@ -66,16 +70,24 @@ class PreemptionConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.preemptible) and bool(self.preempting_lanes) and self.max_preemptions > 0
+        listed = bool(self.preemptible) and bool(self.preempting_lanes)
+        return (listed or self.for_targets) and self.max_preemptions > 0
 
-    def may_preempt(self, lane: str) -> bool:
-        return self.enabled and lane in self.preempting_lanes
+    def may_preempt(self, lane: str, target_s: float | None = None) -> bool:
+        """Whether a waiting job of ``lane`` (with latency target ``target_s``)
+        may have running work suspended for it."""
+        return self.enabled and (lane in self.preempting_lanes or (self.for_targets and target_s is not None))
 
     def preemptible_job(self, job: RunningView) -> bool:
         """Whether ``job`` may be suspended for other work (``suspend_requested``
-        aside): listed by lane or capability, not of a preempting lane, and not
-        preempted ``max_preemptions`` times already."""
+        aside): listed by lane or capability (or best effort, with ``for_targets``),
+        not of a preempting lane nor latency-bound, and not preempted
+        ``max_preemptions`` times already."""
         listed = job.lane in self.preemptible or job.capability in self.preemptible
+        if self.for_targets:
+            if job.target_s is not None:
+                return False  # latency-bound work is never suspended for other work
+            listed = True
         return listed and job.lane not in self.preempting_lanes and job.preemptions < self.max_preemptions
 
 
@@ -93,6 +105,7 @@ class RunningView:
     suspend_requested: bool
     step_s: float  # estimated seconds of one of its steps on its worker (time until it can be suspended)
     remaining_s: float  # estimated seconds until it finishes
+    target_s: float | None = None  # its latency target; None: best effort
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,15 @@ def estimated_wait(job: JobView, placement: Placement, workers: Mapping[str, Wor
         (_wait(job, c, workers, fleet) for c in placement.candidates if c.eligible),
         default=math.inf,
     )
+
+
+def _misses_target(job: JobView, placement: Placement, config: PreemptionConfig, *, now: float) -> bool:
+    """Whether ``job``, by where the pass could put it, is estimated to finish
+    past its latency target (only with ``for_targets``)."""
+    if not config.for_targets or job.target_s is None:
+        return False
+    best = min((c.finish_s for c in placement.candidates if c.eligible), default=math.inf)
+    return max(now - job.queued_at, 0.0) + best > job.target_s
 
 
 def _wait(job: JobView, c: Candidate, workers: Mapping[str, WorkerView], fleet: Fleet | None) -> float:
@@ -191,10 +213,11 @@ def choose_preemptions(
     taken: set[str] = set()  # workers claimed or freed in this call: each serves one waiting job
     chosen: list[Preemption] = []
     for job, lane, placement in waiting:
-        if not config.may_preempt(lane):
+        if not config.may_preempt(lane, job.target_s):
             continue
         wait = estimated_wait(job, placement, views, fleet)
-        if not wait > config.preempt_after_s:
+        listed = lane in config.preempting_lanes and wait > config.preempt_after_s
+        if not (listed or _misses_target(job, placement, config, now=now)):
             continue
         pending: list[_Room] = []
         free: list[_Room] = []

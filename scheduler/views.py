@@ -168,7 +168,10 @@ def job_view(
 
 
 def running_views(
-    jobs: Sequence[RunningJob], workers: Sequence[WorkerRecord] | Sequence[policy.WorkerView], fleet: policy.Fleet
+    jobs: Sequence[RunningJob],
+    workers: Sequence[WorkerRecord] | Sequence[policy.WorkerView],
+    fleet: policy.Fleet,
+    config: policy.PolicyConfig | None = None,
 ) -> list[RunningView]:
     """Running jobs as preemption sees them: each one's step and what is left of
     it on its worker, from the learned durations at that worker's speed. Each is
@@ -194,6 +197,7 @@ def running_views(
                 suspend_requested=job.suspend_requested,
                 step_s=step_s,
                 remaining_s=remaining_s,
+                target_s=(config or policy.PolicyConfig()).target_s(job.lane, cost.capability if cost else ""),
             )
         )
     return views

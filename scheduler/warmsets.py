@@ -18,6 +18,9 @@ from scheduler.policy import READY, ModelCost
 
 # A move must lower the busiest model's load by this fraction to be worth a load.
 HYSTERESIS = 0.15
+# How much of the latest change in demand the forecast carries forward: damped,
+# as a full step doubles the noise of a half window's count.
+TREND_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,55 @@ def demand_from(recent: Sequence[tuple[str, float]], window_s: float) -> dict[st
     for model, seconds in recent:
         demand[model] = demand.get(model, 0.0) + seconds / window_s
     return demand
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """Work submitted in the demand window, grouped: speed-1.0 seconds of it."""
+
+    model: str
+    seconds: float
+    newer: bool  # submitted in the newer half of the window
+    latency_bound: bool  # it has a latency target
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Predicted work per second by model, for each latency class."""
+
+    latency_bound: dict[str, float]
+    best_effort: dict[str, float]
+
+    def planning(self, headroom: float) -> dict[str, float]:
+        """What the plan sizes GPUs for: latency-bound work with ``headroom`` for
+        bursts (its GPUs run at most 1 / headroom busy on the forecast), best-effort
+        work as forecast."""
+        models = sorted({*self.latency_bound, *self.best_effort})
+        return {m: headroom * self.latency_bound.get(m, 0.0) + self.best_effort.get(m, 0.0) for m in models}
+
+
+def forecast(submitted: Sequence[Submitted], window_s: float) -> Forecast:
+    """The demand of the next half window. Latency-bound demand follows its trend
+    up (the newer half's rate plus ``TREND_WEIGHT`` of its change over the older
+    half's), so a rising phase or a burst gets GPUs before its queue forms, and
+    never falls below the whole window's mean (releasing GPUs on a dip would cost
+    the next burst's tail). Best-effort demand is the window's mean: it has no
+    latency to protect, and its few long jobs make its trend noise, which would
+    move GPUs (and their loads) back and forth."""
+    half = window_s / 2
+    rates: dict[tuple[bool, str], list[float]] = {}
+    for s in submitted:
+        older_newer = rates.setdefault((s.latency_bound, s.model), [0.0, 0.0])
+        older_newer[1 if s.newer else 0] += s.seconds / half
+    latency: dict[str, float] = {}
+    best_effort: dict[str, float] = {}
+    for (bound, model), (older, newer) in sorted(rates.items()):
+        mean = (older + newer) / 2
+        if bound:
+            latency[model] = max(mean, newer + TREND_WEIGHT * (newer - older))
+        else:
+            best_effort[model] = mean
+    return Forecast(latency, best_effort)
 
 
 def _fits(gpu: GpuView, model: str, costs: Mapping[str, ModelCost]) -> bool:
@@ -169,8 +221,13 @@ def plan_warm_sets(
     gpus: Sequence[GpuView],
     costs: Mapping[str, ModelCost],
     caps: Mapping[str, int] | None = None,
+    *,
+    best_effort: frozenset[str] = frozenset(),
 ) -> dict[str, WarmSet]:
-    """``caps``: at most this many GPUs give their primary slot to a capability."""
+    """``caps``: at most this many GPUs give their primary slot to a capability.
+    ``best_effort``: models whose work has no latency target; like capped ones
+    they are planned only where they are primary, so the GPUs they hold are the
+    share of the fleet the latency-bound work does not need."""
     caps = caps or {}
     usable = [g for g in gpus if g.state == READY]
     wanted = [m for m in sorted(demand, key=lambda m: -demand[m]) if demand[m] > 0 and m in costs]
@@ -221,8 +278,8 @@ def plan_warm_sets(
         used = sum(costs[m].vram_bytes for m in chosen)
         # Fill the room left, keeping what is already loaded before loading more.
         for m in sorted(wanted, key=lambda m: (m not in g.warm_models, -demand[m])):
-            if m in chosen or not _fits(g, m, costs) or costs[m].capability in caps:
-                continue  # capped models live only where they are primary: the cap counts those
+            if m in chosen or not _fits(g, m, costs) or costs[m].capability in caps or m in best_effort:
+                continue  # capped and best-effort models live only where they are primary
             if not g.vram_total_bytes or used + costs[m].vram_bytes <= g.vram_total_bytes:
                 chosen.append(m)
                 used += costs[m].vram_bytes

@@ -24,7 +24,7 @@ from scheduler.policy import (
 from scheduler.preemption import RunningView, choose_preemptions
 from scheduler.simulator.engine import Gpu, Job, Simulation
 from scheduler.simulator.scenario import GIB, Scenario
-from scheduler.warmsets import GpuView, demand_from, plan_warm_sets
+from scheduler.warmsets import GpuView, Submitted, forecast, plan_warm_sets
 
 
 class DarkroomPolicy:
@@ -148,6 +148,7 @@ class DarkroomPolicy:
                         job.suspend_requested,
                         step_s,
                         left,
+                        job.trace.target_s,
                     )
                 )
         return views
@@ -167,7 +168,8 @@ class DarkroomPolicy:
             waiting = [
                 (views[p.job_id], by_id[p.job_id].trace.lane, p)
                 for p in placements
-                if p.worker_id is None and self.preemption.may_preempt(by_id[p.job_id].trace.lane)
+                if p.worker_id is None
+                and self.preemption.may_preempt(by_id[p.job_id].trace.lane, by_id[p.job_id].trace.target_s)
             ]
             if waiting:
                 running = self.running_views(sim, now)
@@ -188,13 +190,15 @@ class DarkroomPolicy:
 
     def on_tick(self, sim: Simulation, now: float) -> None:
         window = sim.scenario.demand_window_s
-        recent = []
+        submitted = []
         for job in reversed(sim.arrived):
             if job.queued_at < now - window:
                 break
             view = self.job_view(job)
-            recent.append((job.model, self.durations.shape_seconds(view.shape, self.costs[job.model].step_s_512)))
-        if not recent:
+            seconds = self.durations.shape_seconds(view.shape, self.costs[job.model].step_s_512)
+            bound = view.target_s is not None or not self.config.has_targets
+            submitted.append(Submitted(job.model, seconds, job.queued_at >= now - window / 2, bound))
+        if not submitted:
             return
         gpus = [
             GpuView(
@@ -208,7 +212,10 @@ class DarkroomPolicy:
             for g in sim.live()
         ]
         caps = dict(self.config.capability_caps)
-        for gpu_id, warm in plan_warm_sets(demand_from(recent, window), gpus, self.costs, caps).items():
+        predicted = forecast(submitted, window)
+        demand = predicted.planning(self.config.latency_headroom)
+        best_effort = frozenset(m for m in predicted.best_effort if m not in predicted.latency_bound)
+        for gpu_id, warm in plan_warm_sets(demand, gpus, self.costs, caps, best_effort=best_effort).items():
             if sim.gpus[gpu_id].planned != warm.models:
                 self.plan_changes += 1
             sim.gpus[gpu_id].planned = warm.models
