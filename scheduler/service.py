@@ -33,7 +33,7 @@ from scheduler.views import (
     preemption_config,
     worker_views,
 )
-from scheduler.warmsets import demand_from, plan_warm_sets
+from scheduler.warmsets import Submitted, forecast, plan_warm_sets
 from services import logs, tracing
 from services.bus import Bus, Dispatch, JobShape
 from services.db.migrate import upgrade_when_reachable
@@ -44,7 +44,7 @@ from services.db.records import (
     JobSummary,
     Recovery,
     Requeue,
-    ShapeCount,
+    SubmittedCount,
     WarmPlan,
     WorkerRecord,
 )
@@ -83,29 +83,33 @@ def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: dateti
 
 
 def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: float):
-    def plan(workers: Sequence[WorkerRecord], demand: Sequence[ShapeCount]) -> dict[str, WarmPlan]:
-        recent = [
-            (
-                d.model,
-                d.count
-                * fleet.durations.shape_seconds(
-                    Shape(d.model, d.width * d.height, d.steps, d.num_images), fleet.costs[d.model].step_s_512
-                ),
-            )
-            for d in demand
-            if d.model in fleet.costs
-        ]
-        if not recent:
+    def plan(workers: Sequence[WorkerRecord], demand: Sequence[SubmittedCount]) -> dict[str, WarmPlan]:
+        submitted = [submitted_work(d, fleet, config) for d in demand if d.model in fleet.costs]
+        if not submitted:
             return {}  # nothing to plan from: leave the warm sets as they are
+        predicted = forecast(submitted, window_s)
         plans = plan_warm_sets(
-            demand_from(recent, window_s),
+            predicted.planning(config.latency_headroom),
             gpu_views(workers, fleet.durations),
             measured_costs(fleet.costs, workers),
             dict(config.capability_caps),
+            best_effort=predicted.best_effort_models,
         )
         return {wid: WarmPlan(p.primary, tuple(sorted(p.models))) for wid, p in plans.items()}
 
     return plan
+
+
+def submitted_work(d: SubmittedCount, fleet: policy.Fleet, config: policy.PolicyConfig) -> Submitted:
+    """Jobs submitted of one shape and lane as the forecast takes them: their
+    speed-1.0 seconds, and their latency class (all latency-bound where no lane
+    or capability has a target, so the plan is what it was before classes)."""
+    cost = fleet.costs[d.model]
+    seconds = d.count * fleet.durations.shape_seconds(
+        Shape(d.model, d.width * d.height, d.steps, d.num_images), cost.step_s_512
+    )
+    bound = config.target_s(d.lane, cost.capability) is not None or not config.has_targets
+    return Submitted(d.model, seconds, d.newer, bound)
 
 
 def placement_kind(p: policy.Placement) -> str:
@@ -362,6 +366,7 @@ class Scheduler:
         plans = await self.repo.scheduling.plan_pass(
             make_plan(await self.fleet(), self.config, window_s=window),
             since=now - timedelta(seconds=window),
+            newer_since=now - timedelta(seconds=window / 2),
             stale_after_s=self.settings.worker_stale_after_s,
         )
         if plans:

@@ -31,10 +31,25 @@ def policy_config(settings: Settings) -> policy.PolicyConfig:
     lanes = []
     for entry in settings.lanes:
         try:
-            name, priority, max_wait = entry.split(":")
-            lanes.append(policy.Lane(name, int(priority), float(max_wait)))
+            name, priority, max_wait, *target = entry.split(":")
+            if len(target) > 1 or (target and not float(target[0]) > 0):
+                raise ValueError(entry)
+            lanes.append(policy.Lane(name, int(priority), float(max_wait), float(target[0]) if target else None))
         except ValueError:
-            raise SettingsError(f"DARKROOM_LANES entry {entry!r}: expected name:priority:max_wait_s") from None
+            raise SettingsError(
+                f"DARKROOM_LANES entry {entry!r}: expected name:priority:max_wait_s[:target_s], target_s > 0"
+            ) from None
+    targets = []
+    for entry in settings.capability_targets:
+        try:
+            capability, seconds = entry.split(":")
+            if not float(seconds) > 0:
+                raise ValueError(entry)
+            targets.append((capability, float(seconds)))
+        except ValueError:
+            raise SettingsError(
+                f"DARKROOM_CAPABILITY_TARGETS entry {entry!r}: expected capability:target_s, target_s > 0"
+            ) from None
     caps = []
     for entry in settings.capability_caps:
         try:
@@ -50,6 +65,9 @@ def policy_config(settings: Settings) -> policy.PolicyConfig:
         aging_per_s=settings.lane_aging_per_s,
         capability_caps=tuple(caps),
         hot_c=settings.hot_temperature_c,
+        best_effort=frozenset(settings.best_effort),
+        capability_targets=tuple(targets),
+        latency_headroom=settings.latency_headroom,
     )
 
 
@@ -73,11 +91,15 @@ def preemption_config(settings: Settings, *, capabilities: Iterable[str] | None 
             )
         if known is not None and name not in known:
             raise SettingsError(f"DARKROOM_PREEMPTIBLE names {name!r}, which is neither a lane nor a model capability")
+    for name in settings.best_effort:
+        if known is not None and name not in known:
+            raise SettingsError(f"DARKROOM_BEST_EFFORT names {name!r}, which is neither a lane nor a model capability")
     return PreemptionConfig(
         preemptible=frozenset(settings.preemptible),
         preempting_lanes=frozenset(settings.preempting_lanes),
         max_preemptions=settings.max_preemptions,
         preempt_after_s=settings.preempt_after_s,
+        for_targets=settings.preempt_for_targets,
     )
 
 

@@ -66,6 +66,11 @@ class Forecast:
     latency_bound: dict[str, float]
     best_effort: dict[str, float]
 
+    @property
+    def best_effort_models(self) -> frozenset[str]:
+        """Models with best-effort demand and no latency-bound demand."""
+        return frozenset(m for m in self.best_effort if m not in self.latency_bound)
+
     def planning(self, headroom: float) -> dict[str, float]:
         """What the plan sizes GPUs for: latency-bound work with ``headroom`` for
         bursts (its GPUs run at most 1 / headroom busy on the forecast), best-effort

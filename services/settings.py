@@ -120,9 +120,19 @@ class Settings:
     # Consecutive failed attempts after which a sampler reports itself unhealthy
     # and exits, for its supervisor to restart it.
     unhealthy_after_failures: int = _at_least(1, 3)
-    # Priority lanes, "name:priority:max_wait_s" each; higher priority runs first,
-    # and a submit whose estimated wait passes max_wait_s is refused (backpressure).
+    # Priority lanes, "name:priority:max_wait_s[:target_s]" each; higher priority
+    # runs first, a submit whose estimated wait passes max_wait_s is refused
+    # (backpressure), and a lane with a latency target (seconds, submit to done)
+    # is latency-bound: its work goes before best-effort work, earliest deadline first.
     lanes: tuple[str, ...] = ("paid:10:120", "free:0:300")
+    # Capabilities or lanes whose work is best effort whatever its lane's target
+    # (video, batch work): it takes the GPUs latency-bound work does not need.
+    best_effort: tuple[str, ...] = ()
+    # "capability:target_s" each: a latency target tighter than the lane's.
+    capability_targets: tuple[str, ...] = ()
+    # The warm-set plan sizes latency-bound work's GPUs for this multiple of its
+    # forecast demand (room for bursts).
+    latency_headroom: float = _at_least(1.0, 1.3)
     # Priority a waiting job gains per second, so that no lane starves.
     lane_aging_per_s: float = _at_least(0.0, 0.5)
     # "capability:gpus" each: at most that many GPUs hold such work while other work waits.
@@ -136,6 +146,9 @@ class Settings:
     max_preemptions: int = _at_least(0, 2)
     # A waiting job preempts only when it would otherwise wait longer than this.
     preempt_after_s: float = _at_least(0.0, 2.0)
+    # Latency classes decide preemption too: a job with a target it would miss may
+    # suspend best-effort work (a job with no target).
+    preempt_for_targets: bool = False
     # A GPU's queued work counts more above this temperature (twice at +10 C).
     hot_temperature_c: float = 70.0
     # The warm-set planner: how often it runs, and how much history it weighs.

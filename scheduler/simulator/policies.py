@@ -214,8 +214,8 @@ class DarkroomPolicy:
         caps = dict(self.config.capability_caps)
         predicted = forecast(submitted, window)
         demand = predicted.planning(self.config.latency_headroom)
-        best_effort = frozenset(m for m in predicted.best_effort if m not in predicted.latency_bound)
-        for gpu_id, warm in plan_warm_sets(demand, gpus, self.costs, caps, best_effort=best_effort).items():
+        plans = plan_warm_sets(demand, gpus, self.costs, caps, best_effort=predicted.best_effort_models)
+        for gpu_id, warm in plans.items():
             if sim.gpus[gpu_id].planned != warm.models:
                 self.plan_changes += 1
             sim.gpus[gpu_id].planned = warm.models

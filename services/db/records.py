@@ -342,6 +342,21 @@ class ShapeCount:
 
 
 @dataclass(frozen=True)
+class SubmittedCount:
+    """How many jobs of one shape and lane were submitted in one half of the
+    warm-set planner's demand window."""
+
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    lane: str
+    newer: bool  # in the newer half of the window
+    count: int
+
+
+@dataclass(frozen=True)
 class WarmPlan:
     primary: str | None
     models: tuple[str, ...]

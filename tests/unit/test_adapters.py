@@ -46,7 +46,7 @@ from scheduler.simulator.engine import Job, Simulation
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.scenario import GIB, TraceJob
 from scheduler.views import durations_from, job_view, running_views, worker_views
-from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob, ShapeCount
+from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob, SubmittedCount
 from services.db.states import JobStatus
 from tests.records import new_job, summary, worker_record
 
@@ -441,41 +441,45 @@ def test_running_views_are_the_same(sim_world: Simulated) -> None:
     exercised(production_views)
 
 
-def capture(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[tuple[Any, ...]]:
-    """The positional arguments of calls to ``module.plan_warm_sets``, which then
-    plans nothing."""
-    calls: list[tuple[Any, ...]] = []
+def capture(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The arguments of calls to ``module.plan_warm_sets``, which then plans nothing."""
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
-    def plan_warm_sets(*args: Any, **_: Any) -> dict[str, Any]:
-        calls.append(args)
+    def plan_warm_sets(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        calls.append((args, kwargs))
         return {}
 
     monkeypatch.setattr(module, "plan_warm_sets", plan_warm_sets)
     return calls
 
 
-def shape_counts(jobs: Mapping[str, JobSummary]) -> list[ShapeCount]:
-    counts: dict[tuple[str, int, int, int, int], int] = {}
+def submitted_counts(jobs: Mapping[str, JobSummary]) -> list[SubmittedCount]:
+    """The planner's demand query over ``jobs``, all submitted within the window."""
+    counts: dict[tuple[str, int, int, int, int, str, bool], int] = {}
     for j in jobs.values():
-        key = (j.model, j.width, j.height, j.steps, j.num_images)
+        newer = j.created_at.timestamp() >= NOW - WINDOW_S / 2
+        key = (j.model, j.width, j.height, j.steps, j.num_images, j.lane, newer)
         counts[key] = counts.get(key, 0) + 1
-    return [ShapeCount(*key, count=n) for key, n in sorted(counts.items())]
+    return [SubmittedCount(*key, count=n) for key, n in sorted(counts.items())]
 
 
-def test_warm_set_planning_sees_the_same_gpus(sim_world: Simulated, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPUs, costs and caps the warm-set planner is given. (Not the demand: it
-    is not built by an adapter, and the simulator forecasts it per latency class
-    where production's ``make_plan`` takes the window's mean.)"""
+def test_warm_set_planning_sees_the_same_gpus_and_demand(sim_world: Simulated, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPUs, costs, caps, forecast demand and best-effort models the warm-set
+    planner is given."""
     simulated_calls = capture(monkeypatch, scheduler.simulator.policies)
     production_calls = capture(monkeypatch, scheduler.service)
     sim_world.policy.on_tick(sim_world.sim, NOW)
     config = sim_world.sim.scenario.darkroom
     # Every job was submitted within the window.
-    scheduler.service.make_plan(production_fleet(), config, window_s=WINDOW_S)(WORKERS, shape_counts(JOBS))
-    [(_, s_gpus, s_costs, s_caps)] = simulated_calls
-    [(_, p_gpus, p_costs, p_caps)] = production_calls
+    scheduler.service.make_plan(production_fleet(), config, window_s=WINDOW_S)(WORKERS, submitted_counts(JOBS))
+    [((s_demand, s_gpus, s_costs, s_caps), s_kwargs)] = simulated_calls
+    [((p_demand, p_gpus, p_costs, p_caps), p_kwargs)] = production_calls
     assert p_gpus == s_gpus
     assert (p_costs, p_caps) == (s_costs, s_caps) == (COSTS, {"video": 1})
+    assert p_demand.keys() == s_demand.keys() and p_demand
+    for model, need in p_demand.items():
+        assert need == pytest.approx(s_demand[model], rel=1e-9)
+    assert p_kwargs == s_kwargs and "best_effort" in p_kwargs
     assert [(g.id, g.primary, g.speed) for g in p_gpus] == [
         ("fast", "img", 2.0),
         ("slow", "vid", 0.5),

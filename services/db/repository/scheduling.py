@@ -18,12 +18,11 @@ from services.db.records import (
     Decide,
     HeldGroup,
     JobSummary,
-    ShapeCount,
+    SubmittedCount,
     WarmPlan,
     WorkerRecord,
 )
 from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
-from services.db.repository.jobs import shape_counts
 from services.db.repository.requeue import qualified
 from services.db.repository.workers import LIVE_WORKERS, live_workers, live_workers_params
 from services.db.states import HELD, JobStatus, WorkerKind
@@ -153,19 +152,20 @@ class Scheduling:
 
     async def plan_pass(
         self,
-        plan: Callable[[Sequence[WorkerRecord], Sequence[ShapeCount]], dict[str, WarmPlan]],
+        plan: Callable[[Sequence[WorkerRecord], Sequence[SubmittedCount]], dict[str, WarmPlan]],
         *,
         since: datetime,
+        newer_since: datetime,
         stale_after_s: float,
     ) -> dict[str, WarmPlan] | None:
-        """One planning pass under the planner lock: the demand since ``since`` and
-        the live workers in, each worker's warm set written. None if another
-        replica is planning."""
+        """One planning pass under the planner lock: the demand since ``since`` (by
+        shape and lane, split at ``newer_since``) and the live workers in, each
+        worker's warm set written. None if another replica is planning."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, PLANNER_LOCK):
                 return None
             workers = await live_workers(conn, WorkerKind.SAMPLER, stale_after_s)
-            demand = await shape_counts(conn, "created_at >= %(since)s", {"since": since})
+            demand = await submitted_counts(conn, since, newer_since)
             plans = plan(workers, demand)
             for worker_id, warm in sorted(plans.items()):
                 await conn.execute(
@@ -173,6 +173,25 @@ class Scheduling:
                     (warm.primary, Jsonb(list(warm.models)), worker_id),
                 )
             return plans
+
+
+async def submitted_counts(
+    conn: AsyncConnection[DictRow], since: datetime, newer_since: datetime
+) -> list[SubmittedCount]:
+    rows = await fetch_all(
+        conn,
+        """
+        SELECT model, width, height, steps, num_images, lane, created_at >= %(newer)s AS newer, count(*) AS n
+        FROM jobs WHERE created_at >= %(since)s
+        GROUP BY model, width, height, steps, num_images, lane, newer
+        ORDER BY model, width, height, steps, num_images, lane, newer
+        """,
+        {"since": since, "newer": newer_since},
+    )
+    return [
+        SubmittedCount(r["model"], r["width"], r["height"], r["steps"], r["num_images"], r["lane"], r["newer"], r["n"])
+        for r in rows
+    ]
 
 
 async def held_groups(conn: AsyncConnection[DictRow]) -> list[HeldGroup]:
