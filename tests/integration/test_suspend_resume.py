@@ -1,6 +1,7 @@
 """Suspend and resume through the gRPC API, with real processes: a drain suspends
 the job it samples at the next step and another GPU resumes it; urgent work
-preempts a long best-effort job, which resumes afterwards; either way the image is
+(a job with a latency target it would miss) preempts a long best-effort job,
+which resumes afterwards; either way the image is
 the one the job would have made uninterrupted, and every suspension and resumption
 shows in GetJob and StreamJob."""
 
@@ -37,9 +38,10 @@ def stack(
         postgres,
         models_dir,
         model_registry=str(registry),
-        preemptible=("free",),
-        preempting_lanes=("paid",),
-        preempt_after_s=0.5,
+        # Latency classes decide preemption: paid work has a 0.5 s target, free
+        # work none (best effort).
+        lanes=("paid:10:120:0.5", "free:0:300"),
+        preempt_for_targets=True,
         shutdown_grace_s=30.0,
         restart_backoff_s=0.2,
         samplers=2,
