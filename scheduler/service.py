@@ -88,9 +88,11 @@ def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: flo
         if not submitted:
             return {}  # nothing to plan from: leave the warm sets as they are
         predicted = forecast(submitted, window_s)
+        gpus = gpu_views(workers, fleet.durations)
+        capacity = sum(g.speed for g in gpus if g.state == policy.READY)
         plans = plan_warm_sets(
-            predicted.planning(config.latency_headroom),
-            gpu_views(workers, fleet.durations),
+            predicted.planning(config.latency_headroom, capacity),
+            gpus,
             measured_costs(fleet.costs, workers),
             dict(config.capability_caps),
             best_effort=predicted.best_effort_models,
@@ -109,7 +111,7 @@ def submitted_work(d: SubmittedCount, fleet: policy.Fleet, config: policy.Policy
         Shape(d.model, d.width * d.height, d.steps, d.num_images), cost.step_s_512
     )
     bound = config.target_s(d.lane, cost.capability) is not None or not config.has_targets
-    return Submitted(d.model, seconds, d.newer, bound)
+    return Submitted(d.model, seconds, d.newer, bound, d.backlog)
 
 
 def placement_kind(p: policy.Placement) -> str:

@@ -57,6 +57,9 @@ class Submitted:
     seconds: float
     newer: bool  # submitted in the newer half of the window
     latency_bound: bool  # it has a latency target
+    # Submitted before the window and still queued: a backlog, planned to be
+    # worked off over the next window on top of the forecast.
+    backlog: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,12 +74,18 @@ class Forecast:
         """Models with best-effort demand and no latency-bound demand."""
         return frozenset(m for m in self.best_effort if m not in self.latency_bound)
 
-    def planning(self, headroom: float) -> dict[str, float]:
+    def planning(self, headroom: float, capacity: float) -> dict[str, float]:
         """What the plan sizes GPUs for: latency-bound work with ``headroom`` for
-        bursts (its GPUs run at most 1 / headroom busy on the forecast), best-effort
-        work as forecast."""
+        bursts (its GPUs run at most 1 / headroom busy on the forecast), then
+        best-effort work as forecast, scaled down to what the fleet's
+        ``capacity`` (speed-1.0 seconds per second) has left, so that best-effort
+        work gets the GPUs latency-bound work does not need and never the others."""
+        bound = {m: headroom * d for m, d in self.latency_bound.items()}
+        wanted = sum(self.best_effort.values())
+        spare = max(capacity - sum(bound.values()), 0.0)
+        scale = min(1.0, spare / wanted) if wanted > 0 else 1.0
         models = sorted({*self.latency_bound, *self.best_effort})
-        return {m: headroom * self.latency_bound.get(m, 0.0) + self.best_effort.get(m, 0.0) for m in models}
+        return {m: bound.get(m, 0.0) + scale * self.best_effort.get(m, 0.0) for m in models}
 
 
 def forecast(submitted: Sequence[Submitted], window_s: float) -> Forecast:
@@ -86,20 +95,24 @@ def forecast(submitted: Sequence[Submitted], window_s: float) -> Forecast:
     never falls below the whole window's mean (releasing GPUs on a dip would cost
     the next burst's tail). Best-effort demand is the window's mean: it has no
     latency to protect, and its few long jobs make its trend noise, which would
-    move GPUs (and their loads) back and forth."""
+    move GPUs (and their loads) back and forth. Work still queued from before
+    the window is added to either, to be worked off over the next window."""
     half = window_s / 2
     rates: dict[tuple[bool, str], list[float]] = {}
     for s in submitted:
-        older_newer = rates.setdefault((s.latency_bound, s.model), [0.0, 0.0])
-        older_newer[1 if s.newer else 0] += s.seconds / half
+        older_newer_backlog = rates.setdefault((s.latency_bound, s.model), [0.0, 0.0, 0.0])
+        if s.backlog:
+            older_newer_backlog[2] += s.seconds / window_s
+        else:
+            older_newer_backlog[1 if s.newer else 0] += s.seconds / half
     latency: dict[str, float] = {}
     best_effort: dict[str, float] = {}
-    for (bound, model), (older, newer) in sorted(rates.items()):
+    for (bound, model), (older, newer, backlog) in sorted(rates.items()):
         mean = (older + newer) / 2
         if bound:
-            latency[model] = max(mean, newer + TREND_WEIGHT * (newer - older))
+            latency[model] = max(mean, newer + TREND_WEIGHT * (newer - older)) + backlog
         else:
-            best_effort[model] = mean
+            best_effort[model] = mean + backlog
     return Forecast(latency, best_effort)
 
 

@@ -188,16 +188,21 @@ class DarkroomPolicy:
         obs = observe(self.durations, shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
         self.durations = with_observation(self.durations, shape, gpu.id, obs)
 
+    def submitted(self, job: Job, *, newer: bool = False, backlog: bool = False) -> Submitted:
+        view = self.job_view(job)
+        seconds = self.durations.shape_seconds(view.shape, self.costs[job.model].step_s_512)
+        bound = view.target_s is not None or not self.config.has_targets
+        return Submitted(job.model, seconds, newer, bound, backlog)
+
     def on_tick(self, sim: Simulation, now: float) -> None:
         window = sim.scenario.demand_window_s
         submitted = []
         for job in reversed(sim.arrived):
             if job.queued_at < now - window:
                 break
-            view = self.job_view(job)
-            seconds = self.durations.shape_seconds(view.shape, self.costs[job.model].step_s_512)
-            bound = view.target_s is not None or not self.config.has_targets
-            submitted.append(Submitted(job.model, seconds, job.queued_at >= now - window / 2, bound))
+            submitted.append(self.submitted(job, newer=job.queued_at >= now - window / 2))
+        # Queued from before the window: the backlog, as production's query finds it.
+        submitted += [self.submitted(job, backlog=True) for job in sim.pending if job.queued_at < now - window]
         if not submitted:
             return
         gpus = [
@@ -213,7 +218,7 @@ class DarkroomPolicy:
         ]
         caps = dict(self.config.capability_caps)
         predicted = forecast(submitted, window)
-        demand = predicted.planning(self.config.latency_headroom)
+        demand = predicted.planning(self.config.latency_headroom, sum(g.speed for g in gpus))
         plans = plan_warm_sets(demand, gpus, self.costs, caps, best_effort=predicted.best_effort_models)
         for gpu_id, warm in plans.items():
             if sim.gpus[gpu_id].planned != warm.models:

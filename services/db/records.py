@@ -344,7 +344,7 @@ class ShapeCount:
 @dataclass(frozen=True)
 class SubmittedCount:
     """How many jobs of one shape and lane were submitted in one half of the
-    warm-set planner's demand window."""
+    warm-set planner's demand window (or before it, and are still queued)."""
 
     model: str
     width: int
@@ -354,6 +354,7 @@ class SubmittedCount:
     lane: str
     newer: bool  # in the newer half of the window
     count: int
+    backlog: bool = False  # submitted before the window and still queued
 
 
 @dataclass(frozen=True)

@@ -190,9 +190,25 @@ def test_best_effort_demand_is_the_window_s_mean() -> None:
     assert predicted.best_effort_models == {"vid"}
 
 
+def test_work_queued_from_before_the_window_is_planned_to_be_worked_off() -> None:
+    predicted = forecast(
+        [
+            Submitted("vid", 30.0, False, False),
+            Submitted("vid", 30.0, True, False),
+            Submitted("vid", 120.0, True, False, backlog=True),
+        ],
+        60.0,
+    )
+    # 1.0/s submitted, and 120 s of backlog over the 60 s window.
+    assert predicted.best_effort == {"vid": pytest.approx(3.0)}
+
+
 def test_the_plan_sizes_latency_bound_work_with_headroom() -> None:
     predicted = forecast([Submitted("sd", 30.0, False, True), Submitted("vid", 30.0, False, False)], 60.0)
-    assert predicted.planning(1.5) == {"sd": pytest.approx(0.75), "vid": pytest.approx(0.5)}
+    assert predicted.planning(1.5, 10.0) == {"sd": pytest.approx(0.75), "vid": pytest.approx(0.5)}
+    # Best-effort work is planned on what latency-bound work leaves of the fleet.
+    assert predicted.planning(1.5, 1.0) == {"sd": pytest.approx(0.75), "vid": pytest.approx(0.25)}
+    assert predicted.planning(1.5, 0.5)["vid"] == 0.0
     # A model with work of both classes is not best effort.
     both = forecast([Submitted("sd", 1.0, False, True), Submitted("sd", 1.0, True, False)], 60.0)
     assert both.best_effort_models == frozenset()

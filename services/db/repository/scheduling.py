@@ -159,8 +159,9 @@ class Scheduling:
         stale_after_s: float,
     ) -> dict[str, WarmPlan] | None:
         """One planning pass under the planner lock: the demand since ``since`` (by
-        shape and lane, split at ``newer_since``) and the live workers in, each
-        worker's warm set written. None if another replica is planning."""
+        shape and lane, split at ``newer_since``, and what is still queued from
+        before it) and the live workers in, each worker's warm set written. None
+        if another replica is planning."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, PLANNER_LOCK):
                 return None
@@ -181,15 +182,26 @@ async def submitted_counts(
     rows = await fetch_all(
         conn,
         """
-        SELECT model, width, height, steps, num_images, lane, created_at >= %(newer)s AS newer, count(*) AS n
-        FROM jobs WHERE created_at >= %(since)s
-        GROUP BY model, width, height, steps, num_images, lane, newer
-        ORDER BY model, width, height, steps, num_images, lane, newer
+        SELECT model, width, height, steps, num_images, lane,
+               created_at >= %(newer)s AS newer, created_at < %(since)s AS backlog, count(*) AS n
+        FROM jobs WHERE created_at >= %(since)s OR status = 'QUEUED'
+        GROUP BY model, width, height, steps, num_images, lane, newer, backlog
+        ORDER BY model, width, height, steps, num_images, lane, newer, backlog
         """,
         {"since": since, "newer": newer_since},
     )
     return [
-        SubmittedCount(r["model"], r["width"], r["height"], r["steps"], r["num_images"], r["lane"], r["newer"], r["n"])
+        SubmittedCount(
+            r["model"],
+            r["width"],
+            r["height"],
+            r["steps"],
+            r["num_images"],
+            r["lane"],
+            r["newer"],
+            r["n"],
+            r["backlog"],
+        )
         for r in rows
     ]
 
