@@ -236,10 +236,10 @@ def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConf
     are configured, best-effort work runs on the GPUs the plan gives its model
     (the share latency-bound work does not need), and elsewhere only on a GPU
     with nothing to do that has room for its model beside what is loaded (work
-    conserving, without evicting what latency-bound work will want back)."""
-    if job.target_s is not None or not config.has_targets or fleet.planned.get(job.model, 0) == 0:
-        return False
-    if job.model in worker.planned_models:
+    conserving, without evicting what latency-bound work will want back). So
+    too before the first plan: a fleet starting on a burst of long videos would
+    otherwise fill every GPU with them."""
+    if job.target_s is not None or not config.has_targets or job.model in worker.planned_models:
         return False
     idle = worker.held_jobs == 0 and worker.held_work_s == 0
     room = not worker.vram_total_bytes or (

@@ -13,7 +13,8 @@ order given (the pass's priority order):
 1. It may preempt only when preemption is enabled and either its lane is one of
    ``preempting_lanes`` and its estimated wait is more than ``preempt_after_s``,
    or (``for_targets``) it has a latency target and would miss it: the time it
-   has waited plus its earliest estimated finish passes the target. Its wait on
+   has waited plus its earliest estimated finish passes ``target_share`` of the
+   target. Its wait on
    a worker is its candidate's ``finish_s`` less what it would take there were
    that worker free (its run, and its model's load when not warm there); its
    estimated wait is the least of those over its eligible candidates.
@@ -67,6 +68,10 @@ class PreemptionConfig:
     # Latency classes decide: a job with a latency target that it would miss may
     # suspend best-effort work (a job with no target), beside the lists above.
     for_targets: bool = False
+    # "Would miss": its estimated finish passes this share of its target. The
+    # estimate is a mean and the target a p99, and a queue ahead of it only grows
+    # as more urgent work arrives: waiting for the whole target is too late.
+    target_share: float = 0.3
 
     @property
     def enabled(self) -> bool:
@@ -154,7 +159,7 @@ def _misses_target(job: JobView, placement: Placement, config: PreemptionConfig,
     if not config.for_targets or job.target_s is None:
         return False
     best = min((c.finish_s for c in placement.candidates if c.eligible), default=math.inf)
-    return max(now - job.queued_at, 0.0) + best > job.target_s
+    return max(now - job.queued_at, 0.0) + best > job.target_s * config.target_share
 
 
 def _wait(job: JobView, c: Candidate, workers: Mapping[str, WorkerView], fleet: Fleet | None) -> float:

@@ -100,6 +100,7 @@ def preemption_config(settings: Settings, *, capabilities: Iterable[str] | None 
         max_preemptions=settings.max_preemptions,
         preempt_after_s=settings.preempt_after_s,
         for_targets=settings.preempt_for_targets,
+        target_share=settings.preempt_target_share,
     )
 
 

@@ -149,6 +149,9 @@ class Settings:
     # Latency classes decide preemption too: a job with a target it would miss may
     # suspend best-effort work (a job with no target).
     preempt_for_targets: bool = False
+    # ... when its estimated finish passes this share of its target (the estimate
+    # is a mean, the target a p99).
+    preempt_target_share: float = _between(0.01, 1.0, 0.3)
     # A GPU's queued work counts more above this temperature (twice at +10 C).
     hot_temperature_c: float = 70.0
     # The warm-set planner: how often it runs, and how much history it weighs.

@@ -246,7 +246,14 @@ def load(path: str | Path | None = None) -> Scenario:
         if jt.lane and jt.lane not in lane_names:
             raise ScenarioError(f"jobs.{jt.name}: unknown lane {jt.lane!r}")
     pre = dr.get("preemption", {})
-    unknown = set(pre) - {"preemptible", "preempting_lanes", "max_preemptions", "preempt_after_s", "for_targets"}
+    unknown = set(pre) - {
+        "preemptible",
+        "preempting_lanes",
+        "max_preemptions",
+        "preempt_after_s",
+        "for_targets",
+        "target_share",
+    }
     if unknown:
         raise ScenarioError(f"darkroom.preemption: unknown keys {sorted(unknown)}")
     preemption = PreemptionConfig(
@@ -255,6 +262,7 @@ def load(path: str | Path | None = None) -> Scenario:
         max_preemptions=int(pre.get("max_preemptions", PreemptionConfig.max_preemptions)),
         preempt_after_s=float(pre.get("preempt_after_s", PreemptionConfig.preempt_after_s)),
         for_targets=bool(pre.get("for_targets", False)),
+        target_share=float(pre.get("target_share", PreemptionConfig.target_share)),
     )
     for name in sorted(preemption.preempting_lanes):
         if name not in lane_names:

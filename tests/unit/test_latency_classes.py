@@ -151,11 +151,17 @@ def test_best_effort_work_may_take_an_idle_gpu_with_room_beside_its_models() -> 
     assert off_share(video, idle_full, fleet, CLASSES)
 
 
-def test_without_targets_or_a_plan_best_effort_runs_anywhere() -> None:
+def test_without_targets_best_effort_runs_anywhere() -> None:
     video = job("v", "vid")
     busy = worker("img", warm=("sd",), planned=("sd",), held_jobs=1, held_work_s=1.0)
     assert not off_share(video, busy, Fleet(COSTS, planned={"vid": 1}), PolicyConfig())
-    assert not off_share(video, busy, Fleet(COSTS), CLASSES)
+
+
+def test_before_the_first_plan_best_effort_takes_only_idle_gpus_with_room() -> None:
+    video = job("v", "vid")
+    unplanned = Fleet(COSTS)
+    assert off_share(video, worker("busy", warm=("sd",), held_jobs=1, held_work_s=1.0), unplanned, CLASSES)
+    assert not off_share(video, worker("idle", warm=("sd",)), unplanned, CLASSES)
 
 
 # -- what urgent work may evict -----------------------------------------------------
@@ -225,7 +231,7 @@ def test_best_effort_models_are_planned_only_where_they_are_primary() -> None:
 
 # -- preemption by targets ----------------------------------------------------------
 
-FOR_TARGETS = PreemptionConfig(for_targets=True)
+FOR_TARGETS = PreemptionConfig(for_targets=True, target_share=1.0)
 NOW = 100.0
 
 
@@ -241,9 +247,11 @@ def waiting(
     return urgent, "free", placement
 
 
-def choose(item: tuple[JobView, str, Placement], running: list[RunningView]) -> list[str]:
+def choose(
+    item: tuple[JobView, str, Placement], running: list[RunningView], config: PreemptionConfig = FOR_TARGETS
+) -> list[str]:
     workers = [worker("a", warm=("sd",))]
-    chosen = choose_preemptions([item], running, FOR_TARGETS, now=NOW, workers=workers, fleet=Fleet(COSTS))
+    chosen = choose_preemptions([item], running, config, now=NOW, workers=workers, fleet=Fleet(COSTS))
     return [p.job_id for p in chosen]
 
 
@@ -256,6 +264,12 @@ def test_a_job_that_makes_its_target_suspends_nothing() -> None:
     assert choose(waiting(7.0, queued_at=NOW - 2.0), [video_on("a")]) == []
     # The same estimate after 4 s of waiting misses it.
     assert choose(waiting(7.0, queued_at=NOW - 4.0), [video_on("a")]) == ["v-a"]
+
+
+def test_would_miss_means_passing_a_share_of_the_target() -> None:
+    # Done in 4 s against a 10 s target: it makes it, but not within 30 % of it.
+    assert choose(waiting(4.0), [video_on("a")]) == []
+    assert choose(waiting(4.0), [video_on("a")], PreemptionConfig(for_targets=True)) == ["v-a"]
 
 
 def test_latency_bound_work_is_never_suspended_for_other_latency_bound_work() -> None:
