@@ -197,15 +197,21 @@ def running_views(
     config: policy.PolicyConfig | None = None,
 ) -> list[RunningView]:
     """Running jobs as preemption sees them: each one's step and what is left of
-    it on its worker, from the learned durations at that worker's speed. Each is
-    estimated alone, also in a batch (which runs longer: the rule then thinks the
-    worker frees later than it does, never sooner). A job of a model with no cost
-    has infinite estimates and capability "", and is never chosen to make room."""
+    it on its worker, from the learned durations at that worker's speed. Jobs of
+    one shape running on one worker are estimated as the batch they run in, as
+    the simulator does. A job of a model with no cost has infinite estimates and
+    capability "", and is never chosen to make room."""
     speeds = {w.id: w.speed for w in workers}
+    # Jobs of one shape running on one worker run as one batch.
+    rows: dict[tuple[str, str, int, int, int], int] = {}
+    for job in jobs:
+        key = (job.worker_id, job.model, job.width, job.height, job.steps)
+        rows[key] = rows.get(key, 0) + job.num_images
     views = []
     for job in jobs:
         cost = fleet.costs.get(job.model)
-        shape = policy.JobView(job.id, job.model, job.width, job.height, job.steps, job.num_images, job.priority)
+        batch = rows[(job.worker_id, job.model, job.width, job.height, job.steps)]
+        shape = policy.JobView(job.id, job.model, job.width, job.height, job.steps, batch, job.priority)
         worker = policy.WorkerView(job.worker_id, frozenset(), frozenset(), 0, 0, speed=speeds.get(job.worker_id, 1.0))
         step_s, remaining_s = running_estimates(shape, worker, fleet, steps_done=job.progress_step)
         views.append(

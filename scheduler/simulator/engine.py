@@ -12,7 +12,8 @@ empty after its downtime, then warms its boot models.
 Suspension (only when a policy asks for it, as Darkroom's does where the scenario
 configures preemption): the running batch stops at its next step boundary and
 writes its checkpoint (``checkpoint_s`` on the GPU), then goes back to the central
-queue keeping the steps it did, no attempt counted. A resumed job runs alone (on
+queue keeping the steps it did, no failure counted (its next start is a new
+attempt, as production's fencing token counts it). A resumed job runs alone (on
 any GPU), paying ``resume_s`` (reading its checkpoint back) on top of its remaining
 steps and any model load.
 """
@@ -44,8 +45,9 @@ class Job:
     resumed_from: float = 0.0
     preemptions: int = 0
     suspend_requested: bool = False
-    suspended: bool = False  # back in the queue from a suspension: its next start counts no attempt
     suspended_at: float | None = None  # its latest suspension
+    # GPUs that failed while running it, as production's attempt log records them.
+    failed_on: frozenset[str] = frozenset()
 
     @property
     def id(self) -> int:
@@ -202,9 +204,7 @@ class Simulation:
                 images += other.trace.type.batch
         for member in (job, *riders):
             member.start_s = now
-            if not member.suspended:
-                member.attempts += 1
-            member.suspended = False
+            member.attempts += 1  # every start, as production's fencing token counts them
             member.resumed_from = member.done
             member.gpu = gpu.id
         load_s = 0.0
@@ -359,7 +359,7 @@ class Simulation:
         for job in batch:
             job.done = job.resumed_from + share
             job.preemptions += 1
-            job.suspend_requested, job.suspended, job.suspended_at = False, True, now
+            job.suspend_requested, job.suspended_at = False, now
             self.pending.append(job)
         self.pending.sort(key=lambda j: j.queued_at)
         self.suspensions += 1
@@ -374,6 +374,8 @@ class Simulation:
         lost = list(gpu.queue) + gpu.batch
         if gpu.running is not None:
             gpu.busy_s += now - gpu.running_since
+        for job in gpu.batch:
+            job.failed_on |= {gpu_id}  # a started attempt failed there; queued ones just go back
         for job in lost:
             job.start_s, job.cold, job.suspend_requested = None, False, False
             self.pending.append(job)

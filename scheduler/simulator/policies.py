@@ -43,12 +43,13 @@ class DarkroomPolicy:
         self.batching = any(c.max_batch > 1 for c in self.costs.values())
         self.durations = Durations()
         self.batch = scenario.scheduler_batch
-        self.views: dict[tuple[int, int], JobView] = {}
+        self.views: dict[tuple[int, int, frozenset[str]], JobView] = {}
         self.plan_changes = 0
         self.primaries: dict[str, str | None] = {}
 
     def job_view(self, job: Job) -> JobView:
-        view = self.views.get((job.id, job.preemptions))
+        key = (job.id, job.preemptions, job.failed_on)
+        view = self.views.get(key)
         if view is None:
             t = job.trace.type
             # A preempted job's priority ages from its suspension, as the
@@ -64,9 +65,10 @@ class DarkroomPolicy:
                 t.batch,
                 job.trace.priority,
                 aged_from,
+                failed_on=job.failed_on,
                 target_s=job.trace.target_s,
             )
-            self.views[(job.id, job.preemptions)] = view
+            self.views[key] = view
         return view
 
     def worker_view(self, sim: Simulation, gpu: Gpu, now: float) -> WorkerView:

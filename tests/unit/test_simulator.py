@@ -291,7 +291,9 @@ def test_an_urgent_job_suspends_a_video_that_resumes_where_it_stopped(tmp_path: 
     # It resumes after the image with its 29 steps left, reading its checkpoint back
     # (0.5 s): it loses no step, and its suspension counts no attempt.
     assert video.finish_s == pytest.approx(12.05 + 0.5 + 29.0)
-    assert (video.preemptions, video.attempts, video.done) == (1, 1, 1.0)
+    # Suspended once and resumed: two starts, two attempts (production's fencing
+    # token counts each dispatch), and no failure.
+    assert (video.preemptions, video.attempts, video.done) == (1, 2, 1.0)
 
 
 def test_a_gpu_failing_before_the_suspension_is_done_loses_the_run_not_the_job(tmp_path: Path) -> None:
