@@ -239,7 +239,7 @@ def choose_preemptions(
             # Room is already being made where it can run: it waits for that.
             taken.add(min(pending, key=lambda r: r.key).candidate.worker_id)
             continue
-        best_now = min(c.finish_s for c in placement.candidates if c.eligible)
+        best_now = min((c.finish_s for c in placement.candidates if c.eligible), default=math.inf)
         helpful = [r for r in free if r.finish_s < best_now]
         if not helpful:
             continue

@@ -272,6 +272,12 @@ def test_would_miss_means_passing_a_share_of_the_target() -> None:
     assert choose(waiting(4.0), [video_on("a")], PreemptionConfig(for_targets=True)) == ["v-a"]
 
 
+def test_a_job_no_worker_can_take_now_asks_nothing() -> None:
+    urgent = job("u", queued_at=NOW - 20.0, target_s=10.0)
+    nowhere = Placement("u", None, "waits", (Candidate("a", False, float("inf"), "cannot serve the model"),))
+    assert choose((urgent, "free", nowhere), [video_on("a")]) == []
+
+
 def test_latency_bound_work_is_never_suspended_for_other_latency_bound_work() -> None:
     assert choose(waiting(31.0), [video_on("a", target_s=30.0)]) == []
 
