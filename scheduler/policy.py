@@ -77,6 +77,9 @@ class PolicyConfig:
     # The warm-set plan sizes latency-bound work's GPUs for this multiple of its
     # forecast demand: room for bursts the forecast does not see.
     latency_headroom: float = 1.3
+    # Late binding: a job waits for a busy worker rather than start on one with
+    # room only when it is estimated to finish more than this many times sooner.
+    spill_within: float = 2.5
 
     def lane(self, name: str) -> Lane | None:
         return next((lane for lane in self.lanes if lane.name == name), None)
@@ -326,12 +329,14 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) 
         if evicted:
             note += f", evicts {'+'.join(evicted)}"
         # Near capacity the enemy is thrash: a job may not push out a model this
-        # worker is planned to keep while other queued jobs wait for that model.
+        # worker is planned to keep while other queued jobs wait for that model,
+        # unless the model stays warm on at least as many other workers as
+        # there are jobs waiting for it.
         needed = [
             m
             for m in evicted
             if m in worker.planned_models
-            and fleet.wanted.get(m, 0) > 0
+            and 0 < fleet.wanted.get(m, 0) >= fleet.warm.get(m, 0)
             and not (urgent and fleet.costs[m].capability in config.best_effort)
         ]
         if needed:
@@ -366,6 +371,19 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pol
         )
         return Placement(job.id, None, reason, candidates)
     best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
+    if not best.has_room:
+        # A start now on a warm worker beats a reservation estimated up to
+        # ``spill_within`` times sooner: the reservation's estimate only grows as
+        # more urgent work arrives and goes ahead of it, and the warm worker with
+        # room is otherwise idle. (A cold one would add a load and its evictions.)
+        warm = {w.id for w in workers if job.model in w.warm_models}
+        roomy = [
+            c
+            for c in eligible
+            if c.has_room and c.worker_id in warm and c.finish_s <= best.finish_s * config.spill_within
+        ]
+        if roomy:
+            best = min(roomy, key=lambda c: (c.finish_s, c.worker_id))
     if not best.has_room:
         return Placement(
             job.id,

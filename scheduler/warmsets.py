@@ -82,7 +82,11 @@ class Forecast:
         work gets the GPUs latency-bound work does not need and never the others."""
         bound = {m: headroom * d for m, d in self.latency_bound.items()}
         wanted = sum(self.best_effort.values())
-        spare = max(capacity - sum(bound.values()), 0.0)
+        # The headroom is given up before half of what latency-bound work truly
+        # leaves: a forecast over the fleet's capacity must not stop best-effort
+        # work altogether.
+        truly_left = capacity - sum(self.latency_bound.values())
+        spare = max(capacity - sum(bound.values()), truly_left / 2, 0.0)
         scale = min(1.0, spare / wanted) if wanted > 0 else 1.0
         models = sorted({*self.latency_bound, *self.best_effort})
         return {m: bound.get(m, 0.0) + scale * self.best_effort.get(m, 0.0) for m in models}

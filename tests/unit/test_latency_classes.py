@@ -214,6 +214,9 @@ def test_the_plan_sizes_latency_bound_work_with_headroom() -> None:
     assert predicted.planning(1.5, 10.0) == {"sd": pytest.approx(0.75), "vid": pytest.approx(0.5)}
     # Best-effort work is planned on what latency-bound work leaves of the fleet.
     assert predicted.planning(1.5, 1.0) == {"sd": pytest.approx(0.75), "vid": pytest.approx(0.25)}
+    # A forecast past the fleet gives up its headroom before half of what the
+    # latency-bound work truly leaves (0.7 - 0.5 = 0.2: 0.1 for best effort).
+    assert predicted.planning(1.5, 0.7)["vid"] == pytest.approx(0.1)
     assert predicted.planning(1.5, 0.5)["vid"] == 0.0
     # A model with work of both classes is not best effort.
     both = forecast([Submitted("sd", 1.0, False, True), Submitted("sd", 1.0, True, False)], 60.0)

@@ -253,6 +253,19 @@ def test_full_best_worker_reserves_the_job_instead_of_placing_it_elsewhere() -> 
     assert "waits for full" in p.reason
 
 
+def test_a_warm_worker_with_room_takes_the_job_unless_the_reservation_is_much_sooner() -> None:
+    # full: 3 + 1 = 4 s; slow (speed 0.15, warm, idle): 6.7 s, within 2.5x of the
+    # reservation: the job starts now on the slow worker.
+    full = worker("full", warm=("sd",), held_jobs=3, held_work_s=3.0)
+    slow = worker("slow", warm=("sd",), speed=0.15)
+    assert place(job(), [slow, full], fleet(), CONFIG).worker_id == "slow"
+    # At speed 0.09 (11.1 s, past 10 s) it waits for full.
+    slower = worker("slower", warm=("sd",), speed=0.09)
+    p = place(job(), [slower, full], fleet(), CONFIG)
+    assert (p.worker_id, p.reserved_on) == (None, "full")
+    assert place(job(), [slower, full], fleet(), replace(CONFIG, spill_within=5.0)).worker_id == "slower"
+
+
 def test_plan_lets_later_jobs_see_reserved_work() -> None:
     # j1 reserves "full" (7.5 + 1 = 8.5 s < 9 s cold); with that reservation "full"
     # ends at 9.5 s, so j2 goes to the cold worker.
@@ -285,6 +298,15 @@ def test_cold_placement_may_not_evict_a_planned_model_other_queued_jobs_want() -
     p = place(job(), [crowded, busy], fleet(wanted={"xl": 1}), CONFIG)
     assert p.worker_id == "busy"
     assert not candidate(p, "crowded").eligible and "would evict xl" in candidate(p, "crowded").note
+
+
+def test_cold_placement_may_evict_a_wanted_model_warm_on_enough_other_workers() -> None:
+    crowded = worker("crowded", warm=("xl",), planned=("xl",), vram_used_bytes=22 * GB)
+    busy = worker("busy", warm=("sd",), held_jobs=1, held_work_s=30.0)
+    # Two queued xl jobs and xl warm here and on two more workers: one copy may go.
+    assert place(job(), [crowded, busy], fleet(wanted={"xl": 2}, warm={"xl": 3}), CONFIG).worker_id == "crowded"
+    # Warm here and on one more only: each copy is wanted.
+    assert place(job(), [crowded, busy], fleet(wanted={"xl": 2}, warm={"xl": 2}), CONFIG).worker_id == "busy"
 
 
 def test_plan_counts_later_queued_jobs_as_wanting_the_model() -> None:
