@@ -1,10 +1,11 @@
 """Warm-set planning: which models each GPU keeps loaded, following demand.
 
 The slow loop beside placement. Demand per model is measured in speed-1.0 seconds
-of work per second; each GPU gives its measured speed to one primary model, and
-the plan moves GPUs between models only when that lowers the busiest model's load
-by a clear margin, so noise in the demand does not make the fleet thrash. Room
-left on a GPU is filled with other wanted models that fit beside the primary.
+of work per second and forecast per latency class (``forecast``); each GPU gives
+its measured speed to one primary model, and the plan moves GPUs between models
+only when that lowers the busiest model's load by a clear margin, so noise in the
+demand does not make the fleet thrash. Room left on a GPU is filled with other
+wanted models that fit beside the primary (never best-effort ones).
 
 Pure: demand, workers and costs in; the planned warm set per worker out.
 """
@@ -38,15 +39,6 @@ class GpuView:
 class WarmSet:
     primary: str | None  # the model this GPU's speed is counted for
     models: frozenset[str]  # everything it should keep loaded, the primary included
-
-
-def demand_from(recent: Sequence[tuple[str, float]], window_s: float) -> dict[str, float]:
-    """Work per second by model over the last ``window_s``, from (model, speed-1.0
-    seconds) of each job submitted in that window (queued ones included)."""
-    demand: dict[str, float] = {}
-    for model, seconds in recent:
-        demand[model] = demand.get(model, 0.0) + seconds / window_s
-    return demand
 
 
 @dataclass(frozen=True)

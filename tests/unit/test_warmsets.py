@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from scheduler.policy import ModelCost
-from scheduler.warmsets import GpuView, WarmSet, demand_from, plan_warm_sets
+from scheduler.warmsets import Forecast, GpuView, Submitted, WarmSet, forecast, plan_warm_sets
 
 GB = 1024**3
 COSTS = {
@@ -40,10 +40,14 @@ def primaries(plans: dict[str, WarmSet]) -> Counter[str | None]:
 
 
 def test_demand_is_work_per_second_by_model() -> None:
-    recent = [("sd", 30.0), ("sd", 30.0), ("xl", 60.0)]
-    assert demand_from(recent, 60.0) == {"sd": pytest.approx(1.0), "xl": pytest.approx(1.0)}
-    assert demand_from(recent, 120.0) == {"sd": pytest.approx(0.5), "xl": pytest.approx(0.5)}
-    assert demand_from([], 60.0) == {}
+    submitted = [
+        Submitted("sd", 30.0, False, True),
+        Submitted("sd", 30.0, True, True),
+        Submitted("xl", 60.0, True, True),
+    ]
+    # Steady sd: 1.0/s; xl only in the newer half: its rate there (2.0/s) and half its rise.
+    assert forecast(submitted, 60.0).latency_bound == {"sd": pytest.approx(1.0), "xl": pytest.approx(3.0)}
+    assert forecast([], 60.0) == Forecast({}, {})
 
 
 def test_each_demanded_model_gets_a_gpu() -> None:
