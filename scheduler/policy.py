@@ -249,6 +249,12 @@ def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConf
         job.model in worker.warm_models
         or fleet.costs[job.model].vram_bytes <= worker.vram_total_bytes - worker.vram_used_bytes
     )
+    if idle and not room and fleet.planned.get(job.model, 0) == 0:
+        # A model the plan gives no GPU (every GPU it fits is latency-bound
+        # work's) would starve: it may have an idle one, evicting what no queued
+        # job wants, until latency-bound work takes the GPU back by preemption.
+        _, evicted = eviction_cost(job.model, worker, fleet, config)
+        room = not any(fleet.wanted.get(m, 0) > 0 for m in evicted)
     return not (idle and room)
 
 

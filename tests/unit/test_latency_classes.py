@@ -151,6 +151,17 @@ def test_best_effort_work_may_take_an_idle_gpu_with_room_beside_its_models() -> 
     assert off_share(video, idle_full, fleet, CLASSES)
 
 
+def test_a_best_effort_model_the_plan_gives_no_gpu_may_evict_on_an_idle_one() -> None:
+    # vid (16 GB) does not fit beside xl (12 GB) in 24 GB; the plan keeps xl here
+    # and gives vid nothing anywhere.
+    video = job("v", "vid")
+    idle_xl = worker("g", warm=("xl",), planned=("xl",))
+    assert not off_share(video, idle_xl, Fleet(COSTS, planned={"xl": 1}), CLASSES)
+    # Not while queued work wants what it would evict, nor where vid has GPUs of its own.
+    assert off_share(video, idle_xl, Fleet(COSTS, planned={"xl": 1}, wanted={"xl": 1}), CLASSES)
+    assert off_share(video, idle_xl, Fleet(COSTS, planned={"xl": 1, "vid": 1}), CLASSES)
+
+
 def test_without_targets_best_effort_runs_anywhere() -> None:
     video = job("v", "vid")
     busy = worker("img", warm=("sd",), planned=("sd",), held_jobs=1, held_work_s=1.0)
