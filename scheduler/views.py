@@ -5,8 +5,9 @@ which estimates when a job will run."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
@@ -26,37 +27,51 @@ from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
 from services.settings import Settings, SettingsError
 
+T = TypeVar("T")
+
+
+def _entries(entries: Iterable[str], variable: str, form: str, parse: Callable[[list[str]], T]) -> list[T]:
+    """Each ``a:b:...`` entry of a setting parsed; a bad one stops the service,
+    naming the variable and the form it expects."""
+    parsed = []
+    for entry in entries:
+        try:
+            parsed.append(parse(entry.split(":")))
+        except ValueError:
+            raise SettingsError(f"{variable} entry {entry!r}: expected {form}") from None
+    return parsed
+
+
+def _positive(text: str) -> float:
+    seconds = float(text)
+    if not seconds > 0:
+        raise ValueError(text)
+    return seconds
+
+
+def _lane(fields: list[str]) -> policy.Lane:
+    name, priority, max_wait, *target = fields
+    if len(target) > 1:
+        raise ValueError(fields)
+    return policy.Lane(name, int(priority), float(max_wait), _positive(target[0]) if target else None)
+
+
+def _target(fields: list[str]) -> tuple[str, float]:
+    capability, seconds = fields
+    return capability, _positive(seconds)
+
+
+def _cap(fields: list[str]) -> tuple[str, int]:
+    capability, gpus = fields
+    return capability, int(gpus)
+
 
 def policy_config(settings: Settings) -> policy.PolicyConfig:
-    lanes = []
-    for entry in settings.lanes:
-        try:
-            name, priority, max_wait, *target = entry.split(":")
-            if len(target) > 1 or (target and not float(target[0]) > 0):
-                raise ValueError(entry)
-            lanes.append(policy.Lane(name, int(priority), float(max_wait), float(target[0]) if target else None))
-        except ValueError:
-            raise SettingsError(
-                f"DARKROOM_LANES entry {entry!r}: expected name:priority:max_wait_s[:target_s], target_s > 0"
-            ) from None
-    targets = []
-    for entry in settings.capability_targets:
-        try:
-            capability, seconds = entry.split(":")
-            if not float(seconds) > 0:
-                raise ValueError(entry)
-            targets.append((capability, float(seconds)))
-        except ValueError:
-            raise SettingsError(
-                f"DARKROOM_CAPABILITY_TARGETS entry {entry!r}: expected capability:target_s, target_s > 0"
-            ) from None
-    caps = []
-    for entry in settings.capability_caps:
-        try:
-            capability, gpus = entry.split(":")
-            caps.append((capability, int(gpus)))
-        except ValueError:
-            raise SettingsError(f"DARKROOM_CAPABILITY_CAPS entry {entry!r}: expected capability:gpus") from None
+    lanes = _entries(settings.lanes, "DARKROOM_LANES", "name:priority:max_wait_s[:target_s], target_s > 0", _lane)
+    targets = _entries(
+        settings.capability_targets, "DARKROOM_CAPABILITY_TARGETS", "capability:target_s, target_s > 0", _target
+    )
+    caps = _entries(settings.capability_caps, "DARKROOM_CAPABILITY_CAPS", "capability:gpus", _cap)
     if not lanes:
         raise SettingsError("DARKROOM_LANES names no lane")
     return policy.PolicyConfig(
@@ -202,6 +217,7 @@ def running_views(
     the simulator does. A job of a model with no cost has infinite estimates and
     capability "", and is never chosen to make room."""
     speeds = {w.id: w.speed for w in workers}
+    config = config or policy.PolicyConfig()
     # Jobs of one shape running on one worker run as one batch.
     rows: dict[tuple[str, str, int, int, int], int] = {}
     for job in jobs:
@@ -226,7 +242,7 @@ def running_views(
                 suspend_requested=job.suspend_requested,
                 step_s=step_s,
                 remaining_s=remaining_s,
-                target_s=(config or policy.PolicyConfig()).target_s(job.lane, cost.capability if cost else ""),
+                target_s=config.target_s(job.lane, cost.capability if cost else ""),
             )
         )
     return views
