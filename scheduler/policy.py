@@ -98,6 +98,12 @@ class PolicyConfig:
     def has_targets(self) -> bool:
         return any(lane.target_s for lane in self.lanes) or bool(self.capability_targets)
 
+    def plans_as_latency_bound(self, target_s: float | None) -> bool:
+        """Whether the warm-set plan counts work with ``target_s`` as latency-bound:
+        all of it where nothing has a target, so the plan is what it was before
+        latency classes."""
+        return target_s is not None or not self.has_targets
+
     def cap(self, capability: str) -> int | None:
         return dict(self.capability_caps).get(capability)
 

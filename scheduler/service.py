@@ -104,13 +104,12 @@ def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: flo
 
 def submitted_work(d: SubmittedCount, fleet: policy.Fleet, config: policy.PolicyConfig) -> Submitted:
     """Jobs submitted of one shape and lane as the forecast takes them: their
-    speed-1.0 seconds, and their latency class (all latency-bound where no lane
-    or capability has a target, so the plan is what it was before classes)."""
+    speed-1.0 seconds, and their latency class."""
     cost = fleet.costs[d.model]
     seconds = d.count * fleet.durations.shape_seconds(
         Shape(d.model, d.width * d.height, d.steps, d.num_images), cost.step_s_512
     )
-    bound = config.target_s(d.lane, cost.capability) is not None or not config.has_targets
+    bound = config.plans_as_latency_bound(config.target_s(d.lane, cost.capability))
     return Submitted(d.model, seconds, d.newer, bound, d.backlog)
 
 

@@ -193,8 +193,7 @@ class DarkroomPolicy:
     def submitted(self, job: Job, *, newer: bool = False, backlog: bool = False) -> Submitted:
         view = self.job_view(job)
         seconds = self.durations.shape_seconds(view.shape, self.costs[job.model].step_s_512)
-        bound = view.target_s is not None or not self.config.has_targets
-        return Submitted(job.model, seconds, newer, bound, backlog)
+        return Submitted(job.model, seconds, newer, self.config.plans_as_latency_bound(view.target_s), backlog)
 
     def on_tick(self, sim: Simulation, now: float) -> None:
         window = sim.scenario.demand_window_s
