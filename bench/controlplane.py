@@ -40,11 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 
 from bench import loadgen
+from services.config.settings import Settings
 from services.models import sim
 from services.models.registry import ModelRegistry
-from services.settings import Settings
-from services.stack import LocalStack
-from services.stages import STAGES
+from services.ops.stack import LocalStack
+from services.telemetry.stages import STAGES
 
 HERE = Path(__file__).resolve().parent
 REGISTRY = HERE / "sim_registry.toml"
@@ -230,7 +230,7 @@ def start_profiles(groups: dict[str, list[psutil.Process]], seconds: float, tmp:
         print("(no py-spy in this environment: pip install py-spy for profiles)", file=sys.stderr)
         return {}
     spies = {}
-    for name in ("gateway", "scheduler", "gpu_worker", "vae_worker", "loadgen"):
+    for name in ("gateway", "scheduler", "sampler", "decoder", "loadgen"):
         if not groups.get(name):
             continue
         out = tmp / f"{name}.txt"
@@ -302,7 +302,7 @@ def fmt(x: float, digits: int = 1) -> str:
 
 def throughput_table(runs: list[Run], floor_rate: float) -> str:
     """``floor_rate``: jobs/s the same sim work does in plain loops, one per sampler."""
-    services = ["gateway", "scheduler", "gpu_worker", "vae_worker", "postgres", "nats-server", "loadgen"]
+    services = ["gateway", "scheduler", "sampler", "decoder", "postgres", "nats-server", "loadgen"]
     head = "| offered jobs/s | completed jobs/s | vs floor | e2e p50 ms | e2e p99 ms | failed | generator lag p99 ms | "
     head += " | ".join(f"{s} CPU ms/job" for s in services) + " | CPU use |"
     lines = [head, "|" + "---|" * (8 + len(services))]

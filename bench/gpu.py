@@ -134,9 +134,9 @@ def _job(case: Case, batch: int) -> Any:  # a JobRecord-shaped stand-in for deco
 def through_stack(
     cases: tuple[Case, ...], batches: tuple[int, ...], device: torch.device, rounds: int, data: Path
 ) -> dict[tuple[str, int], Through]:
+    from services.config.settings import Settings
+    from services.ops.stack import LocalStack
     from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-    from services.settings import Settings
-    from services.stack import LocalStack
     from tests.helpers import stub
 
     settings = Settings(

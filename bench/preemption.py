@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
+from services.config.settings import Settings
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from services.settings import Settings
-from services.stack import LocalStack
 
 REGISTRY = """
 [models.video]

@@ -6,11 +6,11 @@ from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
-from services import stages
-from services.chunks import split
 from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus
+from services.rpc.chunks import split
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.telemetry import stages
 
 STATUS = {s: pb.JobStatus.Value(f"JOB_STATUS_{s.value}") for s in JobStatus}
 OUTPUT_FORMAT = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
@@ -92,7 +92,7 @@ def suspension(event: SuspendEvent) -> pb.Suspension:
 
 
 def stage_durations(job: JobRecord) -> dict[str, float]:
-    """Seconds per stage of the job's latest attempt (``services.stages``). A job
+    """Seconds per stage of the job's latest attempt (``services.telemetry.stages``). A job
     that ended without a result has no ``store`` stage and no total."""
     stored = job.finished_at if job.status == JobStatus.SUCCEEDED else None
     times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, job.decoding_at, job.decoded_at)

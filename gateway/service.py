@@ -13,30 +13,31 @@ import grpc
 
 from gateway.auth import ApiKeyInterceptor
 from gateway.convert import STATUS, image_chunks, job_message, timestamp
+from gateway.metrics import STREAMS_OPEN, SUBMITS
 from gateway.streams import StreamState
 from gateway.validation import validate_submit
 from scheduler import admission, policy
 from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
-from services import logs, tracing
-from services.bus import connect_nats
+from services.bus.connection import connect_nats
+from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
+from services.config.settings import Settings
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import JobRecord, JobState, ShapeCount, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import BusError, NotFound, ResourceExhausted
-from services.events import Events, JobEvent
-from services.lifecycle import run_service
-from services.metrics import JOBS_FINISHED, STREAMS_OPEN, SUBMITS, serve_metrics
 from services.models.registry import ModelRegistry
+from services.ops.lifecycle import run_service
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Channels, Server, build_server
 from services.rpc.status import stream_errors, unary_errors
-from services.settings import Settings
+from services.telemetry import logs, tracing
+from services.telemetry.metrics import JOBS_FINISHED, serve_metrics
 
-log = logging.getLogger("darkroom.gateway")
+log = logging.getLogger(__name__)
 
 # A stream that hears nothing of its job for this long reads it from the database:
 # events are hints, and one may have been lost.

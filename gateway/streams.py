@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.convert import STATUS, suspension
+from services.bus.events import JobEvent, position
 from services.db.records import SUSPENDED, SuspendEvent
 from services.db.states import JobStatus
-from services.events import JobEvent, position
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 

@@ -12,11 +12,11 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from gpu_worker.checkpoint import Checkpoint
-from services import logs
+from gpu_worker.metrics import CHECKPOINTS
 from services.errors import StoreError
-from services.metrics import CHECKPOINTS
+from services.telemetry import logs
 
-log = logging.getLogger("darkroom.gpu_worker.checkpoints")
+log = logging.getLogger(__name__)
 
 
 class CheckpointSaver:

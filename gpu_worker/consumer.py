@@ -22,15 +22,16 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
-from gpu_worker.batching import PassArrivals, next_batch
+from gpu_worker.batch_choice import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
 from gpu_worker.runner import JobRunner, Outcome, SampledBatch, Started
-from services import logs
 from services.backoff import Backoff
-from services.bus import BUS_ERRORS, Bus, ConsumerSettings, Dispatch
+from services.bus.connection import BUS_ERRORS
+from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.errors import BusError, MalformedDispatch
+from services.telemetry import logs
 
-log = logging.getLogger("darkroom.gpu_worker.consumer")
+log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 0.5
 # How long the jobs a scheduling pass sent here are waited for: they are published

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from services import logs, tracing
 from services.db.records import ImageRecord, JobRecord, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
@@ -23,8 +22,9 @@ from services.models.encoding import encode, mime_type_of
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Channels
+from services.telemetry import logs, tracing
 
-log = logging.getLogger("darkroom.gpu_worker.decoders")
+log = logging.getLogger(__name__)
 
 # How long a job waits for some decoder to take it before its attempt fails.
 DECODE_PATIENCE_S = 30.0

@@ -34,14 +34,14 @@ import torch
 
 from gpu_worker import checkpoint
 from gpu_worker.checkpoint import Checkpoint, CheckpointMismatch, CheckpointPolicy, Snapshot
+from gpu_worker.metrics import COLD_LOADS, MODEL_LOAD_SECONDS
 from gpu_worker.prompts import Conditioning, PromptCache
 from gpu_worker.residency import DoesNotFit, Resident, victims
 from services.errors import DarkroomError, JobInterrupted, ModelError
-from services.metrics import COLD_LOADS, MODEL_LOAD_SECONDS
 from services.models import loader, sim
 from services.models.registry import ModelRegistry, ModelSpec, scheduler_class
 
-log = logging.getLogger("darkroom.sampler")
+log = logging.getLogger(__name__)
 
 WARM_UP_STEPS = 2
 # On a GPU, memory kept free beyond the models, for activations.

@@ -9,19 +9,20 @@ import logging
 from collections.abc import Callable, Sequence
 
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.metrics import WORKER_INFLIGHT
 from gpu_worker.tracker import JobTracker
-from services import logs
 from services.backoff import Backoff
+from services.bus.events import Events, JobEvent
+from services.config.settings import Settings
 from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import StoreError, WorkerSuperseded
-from services.events import Events, JobEvent
-from services.metrics import WORKER_INFLIGHT, observe_gpu
-from services.settings import Settings
-from services.telemetry import Telemetry
+from services.telemetry import logs
+from services.telemetry.gpu import Telemetry
+from services.telemetry.metrics import observe_gpu
 
-log = logging.getLogger("darkroom.gpu_worker.presence")
+log = logging.getLogger(__name__)
 
 
 class Presence:

@@ -8,7 +8,7 @@ bus error never marks a job FAILED; one job's failure never stops the process.
 Writes go to the database a batch at a time: the batch's jobs start in one
 statement, become DECODING in one, and the results that finish together are stored
 in one transaction (a group commit). Every change, and every denoising step, is
-published as a job event once it is durable (``services.events``)."""
+published as a job event once it is durable (``services.bus.events``)."""
 
 from __future__ import annotations
 
@@ -27,29 +27,21 @@ from gpu_worker.checkpoint import Checkpoint
 from gpu_worker.checkpoint_saver import CheckpointSaver
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.engine import BadOutput, BatchMember, JobSuspended, SamplerEngine, SampleRequest
+from gpu_worker.metrics import BATCH_IMAGES, CHECKPOINTS, RESUMED_STEPS, SUSPENSIONS, observe_stages
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
-from services import logs, tracing
 from services.backoff import Backoff
-from services.bus import Dispatch
+from services.bus.dispatch import Dispatch
+from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer
 from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus
 from services.errors import InvalidArgument, JobInterrupted, StoreError
-from services.events import Events, JobEvent
-from services.metrics import (
-    ATTEMPTS_FAILED,
-    BATCH_IMAGES,
-    CHECKPOINTS,
-    JOBS_FINISHED,
-    REQUEUES,
-    RESUMED_STEPS,
-    SUSPENSIONS,
-    observe_stages,
-)
 from services.models.registry import DEFAULT_TIMEOUT_S
+from services.telemetry import logs, tracing
+from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES
 
-log = logging.getLogger("darkroom.gpu_worker.runner")
+log = logging.getLogger(__name__)
 
 # Progress is written to Postgres at most this often (the cancel flag comes back
 # with it); job events carry every step.

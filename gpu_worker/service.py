@@ -22,27 +22,27 @@ import torch
 from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.decoders import Decoders
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.plan_follower import follow_plan
 from gpu_worker.presence import Presence
 from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
-from gpu_worker.warm_plan import follow_plan
-from services.bus import Bus, ConsumerSettings, check_worker_id, host_token
+from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
+from services.bus.events import Events
+from services.config.settings import Settings
 from services.db.migrate import upgrade_when_reachable
 from services.db.repository import Repository
 from services.db.states import WorkerStatus
-from services.events import Events
-from services.lifecycle import EXIT_UNFIT, run_service
-from services.metrics import serve_metrics
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
+from services.ops.lifecycle import EXIT_UNFIT, run_service
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import unary_errors
-from services.settings import Settings
-from services.telemetry import Telemetry
+from services.telemetry.gpu import Telemetry
+from services.telemetry.metrics import serve_metrics
 
-log = logging.getLogger("darkroom.gpu_worker")
+log = logging.getLogger(__name__)
 
 
 def default_worker_id(device: torch.device) -> str:
@@ -115,7 +115,7 @@ async def _drain(
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> int:
-    serve_metrics(settings, "gpu_worker")
+    serve_metrics(settings, "sampler")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)
@@ -177,7 +177,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             batch_wait_s=settings.batch_wait_ms / 1000.0,
             max_in_hand=settings.dispatch_max_ack_pending,
         )
-        log.info("gpu_worker %s on %s listening on %s", worker_id, device, address)
+        log.info("sampler %s on %s listening on %s", worker_id, device, address)
         finished = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(presence.run(until=finished))
@@ -208,4 +208,4 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
 
 
 def main() -> None:
-    run_service("gpu_worker", serve)
+    run_service("sampler", serve)

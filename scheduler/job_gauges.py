@@ -12,13 +12,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 
+from scheduler.metrics import JOBS, QUEUE_DEPTH, QUEUE_OLDEST
 from services.db.records import LaneCount
 from services.db.repository import Repository
 from services.db.states import JobStatus
 from services.errors import StoreError
-from services.metrics import JOBS, QUEUE_DEPTH, QUEUE_OLDEST
 
-log = logging.getLogger("darkroom.scheduler.job_gauges")
+log = logging.getLogger(__name__)
 
 # Often enough for a dashboard.
 REFRESH_S = 5.0

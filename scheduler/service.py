@@ -20,8 +20,9 @@ from datetime import UTC, datetime, timedelta
 from scheduler import policy
 from scheduler.estimates import Durations, Shape
 from scheduler.job_gauges import job_gauges_loop
-from scheduler.preempting import PassView, Preempter
+from scheduler.metrics import PLACEMENTS, QUEUE_WAIT
 from scheduler.recovery import RecoveryConfig, review
+from scheduler.suspend_requests import PassView, Preempter
 from scheduler.views import (
     costs_from,
     durations_from,
@@ -33,9 +34,10 @@ from scheduler.views import (
     preemption_config,
     worker_views,
 )
-from scheduler.warmsets import Submitted, forecast, plan_warm_sets
-from services import logs, tracing
-from services.bus import Bus, Dispatch, JobShape
+from scheduler.warm_planner import Submitted, forecast, plan_warm_sets
+from services.bus.dispatch import Bus, Dispatch, JobShape
+from services.bus.events import Events, JobEvent
+from services.config.settings import Settings
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
     Assignment,
@@ -51,14 +53,13 @@ from services.db.records import (
 from services.db.repository import Repository
 from services.db.states import JobStatus
 from services.errors import BusError, StoreError
-from services.events import Events, JobEvent
-from services.lifecycle import run_service
-from services.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, PLACEMENTS, QUEUE_WAIT, REQUEUES, serve_metrics
 from services.models.registry import ModelRegistry
+from services.ops.lifecycle import run_service
 from services.rpc.server import Server, build_server
-from services.settings import Settings
+from services.telemetry import logs, tracing
+from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES, serve_metrics
 
-log = logging.getLogger("darkroom.scheduler")
+log = logging.getLogger(__name__)
 
 # Run times folded into the learned estimates in one pass.
 LEARN_BATCH = 500

@@ -12,7 +12,8 @@ from typing import TypeVar
 from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
 from scheduler.preemption import PreemptionConfig, RunningView, running_estimates
-from scheduler.warmsets import GpuView
+from scheduler.warm_planner import GpuView
+from services.config.settings import Settings, SettingsError
 from services.db.records import (
     Estimate,
     Fold,
@@ -25,7 +26,6 @@ from services.db.records import (
 )
 from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
-from services.settings import Settings, SettingsError
 
 T = TypeVar("T")
 

@@ -9,10 +9,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from services.embedded import EmbeddedPostgres
+from services.config.settings import Settings
 from services.models.registry import ensure_tiny_model
-from services.settings import Settings
-from services.stack import LocalStack
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
 
 _db_names = itertools.count()
 

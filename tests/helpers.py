@@ -10,10 +10,10 @@ import grpc
 import psycopg
 from PIL import Image
 
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Server
-from services.stack import LocalStack
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """The VAE decoder service: ``VaeDecoder.Decode`` turns the latents of a sampler's
 batch of jobs into PNG, JPEG or WebP images and streams each back in chunks as soon
 as it is encoded. Concurrent requests are decoded in batches too
-(``vae_worker.batcher``); the heartbeat carries the decoder's load, from which
+(``vae_worker.decode_batches``); the heartbeat carries the decoder's load, from which
 samplers pick the decoder that will finish first."""
 
 from __future__ import annotations
@@ -16,29 +16,29 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
-from services import logs, tracing
-from services.bus import check_worker_id, host_token
-from services.chunks import split
+from services.bus.dispatch import check_worker_id, host_token
+from services.config.settings import Settings
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.errors import FieldViolation, InvalidArgument, StoreError, WorkerSuperseded
-from services.lifecycle import EXIT_UNFIT, run_service
-from services.metrics import observe_gpu, serve_metrics
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode
 from services.models.registry import ModelRegistry
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
+from services.ops.lifecycle import EXIT_UNFIT, run_service
+from services.rpc.chunks import split
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
 from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
-from services.settings import Settings
-from services.telemetry import Telemetry
-from vae_worker.batcher import DecodeBatcher
+from services.telemetry import logs, tracing
+from services.telemetry.gpu import Telemetry
+from services.telemetry.metrics import observe_gpu, serve_metrics
+from vae_worker.decode_batches import DecodeBatcher
 
-log = logging.getLogger("darkroom.vae_worker")
+log = logging.getLogger(__name__)
 
 
 # A request with fewer pixels than this is encoded in one go, off the event loop: a
@@ -148,7 +148,7 @@ def create_server(settings: Settings, batcher: DecodeBatcher) -> Server:
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> int:
-    serve_metrics(settings, "vae_worker")
+    serve_metrics(settings, "decoder")
     if not await upgrade_when_reachable(settings.database_url, stop):
         return 0
     registry = ModelRegistry.load(settings.model_registry or None)
@@ -186,7 +186,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
     try:
         await server.grpc.start()
         await server.set_serving(True)
-        log.info("vae_worker %s on %s listening on %s", worker_id, device, address)
+        log.info("decoder %s on %s listening on %s", worker_id, device, address)
         while not stop.is_set():
             try:
                 if registered:
@@ -210,4 +210,4 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
 
 
 def main() -> None:
-    run_service("vae_worker", serve)
+    run_service("decoder", serve)

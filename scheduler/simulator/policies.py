@@ -24,11 +24,11 @@ from scheduler.policy import (
 from scheduler.preemption import RunningView, choose_preemptions
 from scheduler.simulator.engine import Gpu, Job, Simulation
 from scheduler.simulator.scenario import GIB, Scenario
-from scheduler.warmsets import GpuView, Submitted, forecast, plan_warm_sets
+from scheduler.warm_planner import GpuView, Submitted, forecast, plan_warm_sets
 
 
 class DarkroomPolicy:
-    """``scheduler.policy.plan`` for placement, ``scheduler.warmsets`` every
+    """``scheduler.policy.plan`` for placement, ``scheduler.warm_planner`` every
     ``plan_interval_s``, durations and speeds learned with ``scheduler.estimates``,
     and, where the scenario configures it, ``scheduler.preemption`` after each
     pass: the jobs the pass left waiting may have running jobs suspended."""

@@ -13,7 +13,7 @@ from sqlalchemy.exc import OperationalError
 
 from services.backoff import Backoff
 
-log = logging.getLogger("darkroom.db")
+log = logging.getLogger(__name__)
 
 # Any fixed number: it only has to differ from the scheduler's lock key.
 _MIGRATION_LOCK = 0x6461726B

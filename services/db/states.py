@@ -37,4 +37,4 @@ class WorkerStatus(enum.StrEnum):
 
 class WorkerKind(enum.StrEnum):
     SAMPLER = "sampler"
-    DECODER = "vae"
+    DECODER = "decoder"

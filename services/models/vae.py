@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.config.settings import Settings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader, sim
 from services.models.registry import ModelRegistry
-from services.settings import Settings
 
-log = logging.getLogger("darkroom.vae")
+log = logging.getLogger(__name__)
 
 _NUMPY_DTYPES = {"float32": "<f4", "float16": "<f2"}
 # The defaults of DARKROOM_DECODE_TILE_ABOVE_PIXELS and DARKROOM_DECODE_MIN_PIXEL_STD,

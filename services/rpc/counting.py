@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pool
 
-from services.metrics import RPC_DURATION, RPC_REQUESTS
+from services.telemetry.metrics import RPC_DURATION, RPC_REQUESTS
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 # A handler's behaviour, by its kind, and how to make a handler of that kind.

@@ -24,7 +24,7 @@ from services.errors import (
     Unauthenticated,
 )
 
-log = logging.getLogger("darkroom.rpc")
+log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 

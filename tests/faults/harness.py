@@ -20,11 +20,11 @@ import psutil
 import psycopg
 from PIL import Image
 
-from services.client import GeneratedImage, StreamLog, follow, submit
+from services.config.settings import Settings
+from services.ops.stack import LocalStack
+from services.rpc.client import GeneratedImage, StreamLog, follow, submit
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from services.settings import Settings
-from services.stack import LocalStack
 
 # Failures noticed in seconds rather than the production defaults' tens of seconds.
 FAST: dict[str, Any] = {

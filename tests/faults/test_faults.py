@@ -15,9 +15,9 @@ import grpc
 import psycopg
 import pytest
 
-from services.embedded import EmbeddedNatsCluster, EmbeddedPostgres
+from services.ops.embedded import EmbeddedNatsCluster, EmbeddedPostgres
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from services.stack import LocalStack
 from tests.conftest import fresh_database
 from tests.faults.harness import Load, check, fault_stack, now, stop_and_check_processes
 from tests.helpers import CHECKPOINTED_TINY, wait_for
@@ -92,7 +92,7 @@ def test_decoder_killed_mid_decode_stream(make) -> None:
     # Frozen first, so that a decode the sampler sends it stays open; then killed
     # with that stream open. Decodes sent to the other decoder finish; one that has
     # been decoding for a while is the frozen decoder's.
-    decoder = stack.services["vae_worker-0"]
+    decoder = stack.services["decoder-0"]
     decoder.signal(signal.SIGSTOP)
     ids = load.submit(6, width=256, height=256, steps=4, num_images=2)
 
@@ -273,7 +273,7 @@ def test_sampler_drained_with_a_backlog(make) -> None:
     load = Load(stack)
     # Long enough (about 1.5 s each) that the one running is still sampling when the drain begins.
     ids = load.submit(10, width=128, height=128, steps=100)
-    draining = sorted(n for n in stack.services if n.startswith("gpu_worker"))[0]
+    draining = sorted(n for n in stack.services if n.startswith("sampler"))[0]
     worker_id = stack.services[draining].env["DARKROOM_WORKER_ID"]
 
     def held() -> list[pb.Job]:

@@ -12,7 +12,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from services.embedded import EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
 from tests.helpers import count_jobs, stub, wait_terminal

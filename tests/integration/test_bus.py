@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bus import Bus, ConsumerSettings, Dispatch
-from services.embedded import EmbeddedNats
+from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
+from services.ops.embedded import EmbeddedNats
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from services.db.migrate import upgrade
 from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary, WorkerHeartbeat
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus, WorkerKind
-from services.embedded import EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
 from tests.records import new_job
 

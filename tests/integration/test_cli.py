@@ -14,7 +14,7 @@ import psutil
 import psycopg
 import pytest
 
-from services.embedded import free_port
+from services.ops.embedded import free_port
 from tests.helpers import metrics_text, png_size, wait_for
 
 pytestmark = pytest.mark.integration
@@ -32,7 +32,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
     env.pop("DARKROOM_NATS_URL", None)
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data), "--port", str(port)],
+        [sys.executable, "-m", "services.ops.cli", "up", "--data-dir", str(data), "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -64,7 +64,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
             what="the metrics list",
         )
         targets = json.loads((data / "prometheus" / "targets.json").read_text())
-        assert sorted(t["labels"]["child"] for t in targets) == ["gateway", "gpu_worker-0", "scheduler", "vae_worker-0"]
+        assert sorted(t["labels"]["child"] for t in targets) == ["gateway", "sampler-0", "scheduler", "decoder-0"]
         for target in targets:
             [address] = target["targets"]
             assert f"darkroom:   {target['labels']['child']} -> http://{address}/metrics" in printed
@@ -78,7 +78,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
             [
                 sys.executable,
                 "-m",
-                "services.cli",
+                "services.ops.cli",
                 "generate",
                 "a cat",
                 "-o",
@@ -113,7 +113,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
 
 
 def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> None:
-    from services.embedded import EmbeddedNats
+    from services.ops.embedded import EmbeddedNats
     from tests.conftest import fresh_database
 
     nats_server = EmbeddedNats(tmp_path)
@@ -126,7 +126,16 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
         "DARKROOM_HEARTBEAT_INTERVAL_S": "0.5",
     }
     supervise = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "supervise", "--data-dir", str(tmp_path / "data"), "--decoders", "1"],
+        [
+            sys.executable,
+            "-m",
+            "services.ops.cli",
+            "supervise",
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--decoders",
+            "1",
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -144,13 +153,13 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
     try:
         ready = wait_for(
             workers,
-            lambda ws: sorted((k, s) for k, s, _ in ws.values()) == [("sampler", "ready"), ("vae", "ready")],
+            lambda ws: sorted((k, s) for k, s, _ in ws.values()) == [("decoder", "ready"), ("sampler", "ready")],
             timeout=120,
             what="a sampler and a decoder to register",
         )
         [sampler_id] = [w for w, (kind, _, _) in ready.items() if kind == "sampler"]
         targets = json.loads((tmp_path / "data" / "prometheus" / "targets.json").read_text())
-        assert sorted(t["labels"]["service"] for t in targets) == ["gpu_worker", "vae_worker"]
+        assert sorted(t["labels"]["service"] for t in targets) == ["decoder", "sampler"]
         for target in targets:
             assert "darkroom_gpu_telemetry_available" in metrics_text(target["targets"][0])
         children = psutil.Process(supervise.pid).children(recursive=True)

@@ -20,17 +20,17 @@ import torch
 from PIL import Image
 
 from gpu_worker.decoders import Decoders, DecodeUnavailable
+from services.config.settings import Settings
 from services.db.migrate import upgrade
 from services.db.records import JobRecord, WorkerHeartbeat, WorkerRecord
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind
-from services.embedded import EmbeddedPostgres, free_port
 from services.models.encoding import encode
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
+from services.ops.embedded import EmbeddedPostgres, free_port
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import channel
-from services.settings import Settings
 from tests.conftest import fresh_database
 from tests.integration.test_decoder_service import flat_vae_registry
 from vae_worker.service import serve

@@ -12,7 +12,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from PIL import Image
 
-from services.client import collect_stream
+from services.rpc.client import collect_stream
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.helpers import count_jobs, stub, wait_terminal
 

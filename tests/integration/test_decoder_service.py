@@ -20,12 +20,12 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from services.config.settings import Settings
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
-from services.settings import Settings
 from tests.helpers import wait_for
-from vae_worker.batcher import DecodeBatcher
+from vae_worker.decode_batches import DecodeBatcher
 from vae_worker.service import batcher_for, create_server
 
 pytestmark = pytest.mark.integration

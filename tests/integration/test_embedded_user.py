@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from services.embedded import PG_USER_WHEN_ROOT, EmbeddedPostgres, as_user
+from services.ops.embedded import PG_USER_WHEN_ROOT, EmbeddedPostgres, as_user
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")

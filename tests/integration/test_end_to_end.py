@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.client import collect_stream
+from services.rpc.client import collect_stream
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.helpers import png_size, stub, wait_terminal
 

@@ -14,13 +14,13 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from gateway.service import create_server
+from services.config.settings import Settings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
-from services.embedded import EmbeddedPostgres, free_port
 from services.models.registry import ModelRegistry
+from services.ops.embedded import EmbeddedPostgres, free_port
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from services.settings import Settings
 from tests.conftest import fresh_database
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.embedded import EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_terminal

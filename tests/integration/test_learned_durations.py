@@ -10,10 +10,10 @@ import psycopg
 import pytest
 
 from scheduler.estimates import REFERENCE_PIXELS
-from services.embedded import EmbeddedPostgres
 from services.models.registry import ModelRegistry
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from services.stack import LocalStack
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_for, wait_terminal
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.embedded import EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_terminal
@@ -45,6 +45,6 @@ def test_every_line_about_a_job_names_it(tmp_path: Path, postgres: EmbeddedPostg
                     named = entry.get("job_id") == job_id or job_id in entry.get("job_ids", [])  # type: ignore[operator]
                     assert named, f"{log.name}: a line about {job_id} does not name it: {line}"
     for job_id, entries in about.items():
-        done = [e for e in entries if e["service"] == "gpu_worker" and "done" in str(e["message"])]
+        done = [e for e in entries if e["service"] == "sampler" and "done" in str(e["message"])]
         assert done, f"the sampler never said it finished {job_id}"
         assert all(e["attempt"] == 1 for e in done)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.embedded import EmbeddedPostgres
 from services.models.registry import ModelRegistry
+from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_for, wait_terminal
@@ -51,8 +51,8 @@ def test_bad_outputs_fail_the_attempt_retry_elsewhere_and_restart_the_worker(
     try:
         client = stub(stack)
         stack.add(
-            "gpu_worker-broken",
-            "gpu_worker",
+            "sampler-broken",
+            "sampler",
             worker_id="broken",
             model_registry=str(poisoned_registry(models_dir, tmp_path)),
             preload_models=(),
@@ -78,7 +78,7 @@ def test_bad_outputs_fail_the_attempt_retry_elsewhere_and_restart_the_worker(
             what="the broken sampler to be restarted by its supervisor",
         )
         assert stats["broken"].restarts >= 1
-        stack.add("gpu_worker-good", "gpu_worker", worker_id="good")
+        stack.add("sampler-good", "sampler", worker_id="good")
         for job_id in ids:
             job = wait_terminal(client, job_id)
             assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
@@ -102,9 +102,7 @@ def test_a_pinned_model_is_warmed_up_before_the_worker_reports_ready(
     try:
         client = stub(stack)
         registry = str(poisoned_registry(models_dir, tmp_path))
-        stack.add(
-            "gpu_worker-broken", "gpu_worker", worker_id="broken", model_registry=registry, preload_models=("tiny",)
-        )
+        stack.add("sampler-broken", "sampler", worker_id="broken", model_registry=registry, preload_models=("tiny",))
         stats = wait_for(
             lambda: {w.worker_id: w for w in client.GetStats(pb.GetStatsRequest()).workers},
             lambda ws: "broken" in ws and ws["broken"].restarts >= 2,
@@ -112,6 +110,6 @@ def test_a_pinned_model_is_warmed_up_before_the_worker_reports_ready(
             what="the broken sampler to fail its warm-up twice",
         )
         assert stats["broken"].state == "starting" and not stats["broken"].available
-        assert str(stack.services["gpu_worker-broken"].last_exit).startswith("it exited with code")
+        assert str(stack.services["sampler-broken"].last_exit).startswith("it exited with code")
     finally:
         stack.stop()

@@ -21,10 +21,11 @@ import grpc
 import pytest
 import yaml
 
-from services.embedded import free_port
-from services.metrics import STAGES, targets_path
+from gpu_worker.metrics import STAGES
+from services.ops.embedded import free_port
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from services.stack import LocalStack
+from services.telemetry.metrics import targets_path
 from tests.helpers import stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
@@ -33,7 +34,7 @@ INFRA = Path(__file__).resolve().parents[2] / "infra" / "prometheus"
 DASHBOARD = INFRA.parent / "grafana" / "darkroom.json"
 # What Grafana puts in place of the dashboard's variables.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$worker": ".*", "$model": ".*", "$lane": ".*"}
-SERVICES = {"gateway", "scheduler", "gpu_worker", "vae_worker"}
+SERVICES = {"gateway", "scheduler", "sampler", "decoder"}
 SUBMIT = "/darkroom.v1.ImageGeneration/SubmitJob"
 GET_JOB = "/darkroom.v1.ImageGeneration/GetJob"
 DECODE = "/darkroom.internal.v1.VaeDecoder/Decode"
@@ -176,12 +177,10 @@ def test_prometheus_scrapes_every_service(prometheus_binary: str, stack: LocalSt
         eventually(url, 'darkroom_submits_total{service="gateway",lane="free",result="accepted"}', at_least(1))
         eventually(url, 'darkroom_queue_wait_seconds_count{service="scheduler",lane="free"}', at_least(1))
         eventually(url, 'sum(darkroom_placements_total{service="scheduler"})', at_least(1))
-        eventually(url, 'darkroom_batch_images_count{service="gpu_worker",model="tiny"}', at_least(1))
-        stages = eventually(
-            url, 'darkroom_stage_seconds_count{service="gpu_worker",model="tiny"}', lambda s: len(s) == 7
-        )
+        eventually(url, 'darkroom_batch_images_count{service="sampler",model="tiny"}', at_least(1))
+        stages = eventually(url, 'darkroom_stage_seconds_count{service="sampler",model="tiny"}', lambda s: len(s) == 7)
         assert {labels["stage"] for labels, _ in stages} == set(STAGES)
-        eventually(url, 'darkroom_jobs_finished_total{service="gpu_worker",outcome="succeeded"}', at_least(1))
+        eventually(url, 'darkroom_jobs_finished_total{service="sampler",outcome="succeeded"}', at_least(1))
         eventually(url, 'darkroom_streams_open{service="gateway"}', lambda s: len(s) == 1)
 
         # Samplers and decoders: GPU telemetry as NVML gives it, or absent and said so.
@@ -190,14 +189,14 @@ def test_prometheus_scrapes_every_service(prometheus_binary: str, stack: LocalSt
         )
         for labels, value in available:
             worker = workers[labels["worker"]]
-            assert labels["service"] == ("gpu_worker" if worker.kind == "sampler" else "vae_worker")
+            assert labels["service"] == worker.kind
             assert value == (1 if worker.telemetry_source == "nvml" else 0)
             temperature = query(url, f'darkroom_gpu_temperature_celsius{{worker="{labels["worker"]}"}}')
             assert len(temperature) == value  # no 0 C from a worker without NVML
-        eventually(url, 'darkroom_worker_inflight{service="gpu_worker"}', lambda s: len(s) == 1)
-        eventually(url, 'sum(darkroom_decode_batch_images_count{service="vae_worker"})', at_least(1))
-        eventually(url, 'darkroom_decoder_queued_images{service="vae_worker"}', lambda s: len(s) == 1)
-        eventually(url, f'darkroom_rpc_requests_total{{service="vae_worker",method="{DECODE}",code="OK"}}', at_least(1))
+        eventually(url, 'darkroom_worker_inflight{service="sampler"}', lambda s: len(s) == 1)
+        eventually(url, 'sum(darkroom_decode_batch_images_count{service="decoder"})', at_least(1))
+        eventually(url, 'darkroom_decoder_queued_images{service="decoder"}', lambda s: len(s) == 1)
+        eventually(url, f'darkroom_rpc_requests_total{{service="decoder",method="{DECODE}",code="OK"}}', at_least(1))
 
         # Every panel of the dashboard asks this Prometheus something it understands.
         for expr in panel_queries():

@@ -11,8 +11,8 @@ import nats
 import psycopg
 import pytest
 
-from services.bus import DISPATCH_STREAM
-from services.embedded import EmbeddedPostgres
+from services.bus.dispatch import DISPATCH_STREAM
+from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_for, wait_terminal
@@ -63,7 +63,7 @@ def test_worker_gone_for_good_is_forgotten_and_can_come_back(
     try:
         stack.start()
         [worker_id] = stack.sampler_ids()
-        sampler = stack.services["gpu_worker-0"]
+        sampler = stack.services["sampler-0"]
         sampler.stop()
 
         def row_exists() -> bool:

@@ -14,10 +14,10 @@ import nats
 import psycopg
 import pytest
 
-from services.bus import DISPATCH_STREAM, dispatch_subject
-from services.embedded import EmbeddedPostgres
+from services.bus.dispatch import DISPATCH_STREAM, dispatch_subject
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from services.stack import LocalStack
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_for, wait_terminal
 
@@ -82,7 +82,7 @@ def submit(client, model: str = "tiny", *, size: int = 64, steps: int = 4) -> st
 
 def test_job_still_queued_past_its_deadline_expires(stack: LocalStack) -> None:
     client = stub(stack)
-    sampler = stack.services["gpu_worker-0"]
+    sampler = stack.services["sampler-0"]
     sampler.stop()  # drained and deregistered: nothing can run the job
     try:
         request = pb.SubmitJobRequest(model="tiny", prompt="p", width=64, height=64, steps=2)
@@ -131,7 +131,7 @@ def test_malformed_dispatch_is_terminated_and_the_worker_carries_on(stack: Local
     client = stub(stack)
     assert wait_terminal(client, submit(client)).status == pb.JOB_STATUS_SUCCEEDED
     wait_for(lambda: asyncio.run(messages_left()), lambda n: n == 0, timeout=10, what="the stream to empty")
-    assert stack.services["gpu_worker-0"].restarts == 0
+    assert stack.services["sampler-0"].restarts == 0
 
 
 def test_job_scheduled_but_never_published_is_published_again(stack: LocalStack) -> None:
@@ -154,7 +154,7 @@ def test_job_scheduled_but_never_published_is_published_again(stack: LocalStack)
 
 def test_worker_whose_attempts_keep_failing_goes_unhealthy_and_is_restarted(stack: LocalStack) -> None:
     client = stub(stack)
-    sampler = stack.services["gpu_worker-0"]
+    sampler = stack.services["sampler-0"]
     before = sampler.restarts
     ids = [submit(client, "broken") for _ in range(3)]
     jobs = [wait_terminal(client, i, timeout=90) for i in ids]

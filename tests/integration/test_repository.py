@@ -18,8 +18,8 @@ from services.db.migrate import upgrade
 from services.db.records import Assignment, ImageRecord, WorkerHeartbeat
 from services.db.repository import Repository, Standing
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
-from services.embedded import EmbeddedPostgres
 from services.errors import WorkerSuperseded
+from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
 from tests.records import new_job
 

@@ -29,11 +29,11 @@ import psycopg
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from services.bus import DISPATCH_STREAM
+from services.bus.dispatch import DISPATCH_STREAM
 from services.db.repository import IDLE_IN_TRANSACTION_MS, SCHEDULER_LOCK
-from services.embedded import EmbeddedPostgres
-from services.stack import LocalStack
-from services.supervisor import Child
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
+from services.ops.supervisor import Child
 from tests.conftest import make_stack
 from tests.helpers import wait_for
 

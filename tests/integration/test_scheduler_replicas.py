@@ -14,8 +14,8 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.bus import DISPATCH_STREAM
-from services.stack import LocalStack
+from services.bus.dispatch import DISPATCH_STREAM
+from services.ops.stack import LocalStack
 from tests.conftest import make_stack
 from tests.helpers import metrics_text, wait_for
 

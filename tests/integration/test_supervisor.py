@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.supervisor import Child, RestartPolicy, Supervisor
+from services.ops.supervisor import Child, RestartPolicy, Supervisor
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration

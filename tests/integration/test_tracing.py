@@ -23,9 +23,9 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from services import tracing
-from services.embedded import EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.telemetry import tracing
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_for, wait_terminal
 

@@ -12,10 +12,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from services.embedded import EmbeddedPostgres
 from services.models.registry import DEFAULT_REGISTRY
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from services.stack import LocalStack
 from tests.conftest import make_stack
 from tests.helpers import stub, wait_for, wait_terminal
 

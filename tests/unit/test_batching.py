@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_worker.batching import PassArrivals, next_batch
+from gpu_worker.batch_choice import PassArrivals, next_batch
 from gpu_worker.engine import BatchKey
 from gpu_worker.residency import DoesNotFit, Resident, victims
 

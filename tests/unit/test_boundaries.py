@@ -28,7 +28,7 @@ SERVICES = ("gateway", "scheduler", "gpu_worker", "vae_worker")
 # wait and admit it (the policy's views built from records, the policy, admission).
 GATEWAY_USES = frozenset({"scheduler.admission", "scheduler.policy", "scheduler.views"})
 # Pure policy code: frozen snapshots in, decisions out; no I/O, no service.
-PURE = GATEWAY_USES | {"scheduler", "scheduler.estimates", "scheduler.preemption", "scheduler.warmsets"}
+PURE = GATEWAY_USES | {"scheduler", "scheduler.estimates", "scheduler.preemption", "scheduler.warm_planner"}
 
 
 @dataclass(frozen=True)

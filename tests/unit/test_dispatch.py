@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.bus import Dispatch, JobShape, dispatch_subject
+from services.bus.dispatch import Dispatch, JobShape, dispatch_subject
 from services.errors import MalformedDispatch
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.bus.events import JobEvent, job_subject
 from services.db.states import JobStatus
-from services.events import JobEvent, job_subject
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,8 @@ from scheduler.policy import (
 )
 from scheduler.preemption import PreemptionConfig, RunningView, choose_preemptions
 from scheduler.views import policy_config, preemption_config
-from scheduler.warmsets import GpuView, Submitted, forecast, plan_warm_sets
-from services.settings import Settings, SettingsError
+from scheduler.warm_planner import GpuView, Submitted, forecast, plan_warm_sets
+from services.config.settings import Settings, SettingsError
 
 GB = 1024**3
 COSTS = {

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from services import logs
+from services.telemetry import logs
 
 
 @pytest.fixture

@@ -20,15 +20,19 @@ import yaml
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
+from gateway import metrics as gateway_metrics
+from gpu_worker import metrics as sampler_metrics
+from scheduler import metrics as scheduler_metrics
 from scheduler.job_gauges import job_gauges_loop, show
-from services import metrics
+from services.config.settings import Settings
 from services.db.records import LaneCount
 from services.db.states import JobStatus
 from services.errors import StoreUnavailable
-from services.metrics import Target, observe_gpu, serve_metrics, write_targets
-from services.settings import Settings
-from services.stack import MetricsPorts, child, metrics_target
-from services.telemetry import THROTTLE_REASONS, GpuReading
+from services.ops.stack import MetricsPorts, child, metrics_target
+from services.telemetry import metrics
+from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
+from services.telemetry.metrics import Target, observe_gpu, serve_metrics, write_targets
+from vae_worker import metrics as decoder_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "infra" / "grafana" / "darkroom.json"
@@ -38,13 +42,20 @@ METRIC_NAME = re.compile(r"\bdarkroom_[a-z0-9_]+")
 SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
 
 
+# Where metrics are defined: the shared ones, then each service's own.
+METRIC_MODULES = (metrics, gateway_metrics, scheduler_metrics, sampler_metrics, decoder_metrics)
+
+
+def defined() -> list[MetricWrapperBase]:
+    return [v for m in METRIC_MODULES for v in vars(m).values() if isinstance(v, MetricWrapperBase)]
+
+
 def exposed_names() -> set[str]:
-    """Every sample name services.metrics defines."""
+    """Every sample name Darkroom's metric modules define."""
     names: set[str] = set()
-    for value in vars(metrics).values():
-        if isinstance(value, MetricWrapperBase):
-            for family in value.describe():
-                names.update(family.name + suffix for suffix in SUFFIXES[family.type])
+    for value in defined():
+        for family in value.describe():
+            names.update(family.name + suffix for suffix in SUFFIXES[family.type])
     return names
 
 
@@ -70,12 +81,11 @@ def test_the_names_carry_their_units_and_a_prefix() -> None:
     names = exposed_names()
     assert names and all(n.startswith("darkroom_") for n in names)
     assert {"darkroom_rpc_requests_total", "darkroom_rpc_duration_seconds_bucket", "darkroom_jobs"} <= names
-    for value in vars(metrics).values():
-        if isinstance(value, MetricWrapperBase):
-            [family] = value.describe()
-            assert family.documentation and len(family.documentation) > 15, family.name
-            if family.type == "histogram":
-                assert family.name.endswith(("_seconds", "_images")), family.name
+    for value in defined():
+        [family] = value.describe()
+        assert family.documentation and len(family.documentation) > 15, family.name
+        if family.type == "histogram":
+            assert family.name.endswith(("_seconds", "_images")), family.name
 
 
 def test_every_metric_the_dashboard_queries_is_defined() -> None:
@@ -212,9 +222,9 @@ async def test_the_gauge_loop_rides_out_a_database_outage() -> None:
 
 def test_targets_are_a_file_service_discovery_file(tmp_path: Path) -> None:
     path = tmp_path / "prometheus" / "targets.json"
-    write_targets(path, [Target("gpu_worker-0", "gpu_worker", "host-a", "127.0.0.1:9401")])
+    write_targets(path, [Target("sampler-0", "sampler", "host-a", "127.0.0.1:9401")])
     assert json.loads(path.read_text()) == [
-        {"targets": ["127.0.0.1:9401"], "labels": {"service": "gpu_worker", "child": "gpu_worker-0", "host": "host-a"}}
+        {"targets": ["127.0.0.1:9401"], "labels": {"service": "sampler", "child": "sampler-0", "host": "host-a"}}
     ]
     assert path.stat().st_mode & 0o044 == 0o044  # a Prometheus running as its own user reads it
     write_targets(path, [])
@@ -229,11 +239,11 @@ def test_children_get_consecutive_ports_from_a_first_one_or_free_ones(tmp_path: 
     ports = [free.next() for _ in range(20)]
     assert len(set(ports)) == 20 and all(p > 0 for p in ports)
     settings = Settings(data_dir=tmp_path, metrics_port=9400)
-    c = child(settings, "vae_worker-1", "vae_worker", metrics_port=9405)
+    c = child(settings, "decoder-1", "decoder", metrics_port=9405)
     target = metrics_target(c)
     assert target is not None and (target.service, target.child, target.address) == (
-        "vae_worker",
-        "vae_worker-1",
+        "decoder",
+        "decoder-1",
         "127.0.0.1:9405",
     )
     assert target.url == "http://127.0.0.1:9405/metrics"
@@ -257,7 +267,7 @@ def test_a_service_serves_its_metrics_and_survives_a_taken_port(caplog: pytest.L
         port = taken.getsockname()[1]
         assert serve_metrics(Settings(metrics_port=port), "gateway") is None
     assert "cannot serve metrics" in caplog.text
-    from services.embedded import free_port
+    from services.ops.embedded import free_port
 
     port = free_port()
     server = serve_metrics(Settings(metrics_port=port), "gateway")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduler import policy
-from scheduler.preempting import PassView, waiting_for_room
 from scheduler.preemption import PreemptionConfig
+from scheduler.suspend_requests import PassView, waiting_for_room
 from services.db.records import JobSummary
 from tests.records import summary
 

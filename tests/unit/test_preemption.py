@@ -24,8 +24,8 @@ from scheduler.estimates import Durations, Learned
 from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, PolicyConfig, WorkerView, plan
 from scheduler.preemption import Preemption, PreemptionConfig, RunningView, choose_preemptions, estimated_wait
 from scheduler.views import job_view, preemption_config, running_views
+from services.config.settings import Settings, SettingsError
 from services.db.records import RunningJob
-from services.settings import Settings, SettingsError
 from tests import records
 
 GB = 1024**3

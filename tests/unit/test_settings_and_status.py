@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 from google.rpc import code_pb2, error_details_pb2
 
+from services.config.settings import Settings, SettingsError
 from services.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted, StoreUnavailable
 from services.rpc.status import to_status
-from services.settings import Settings, SettingsError
 
 
 def test_settings_from_env_parse_each_type() -> None:

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from gateway.convert import stage_durations
 from services.db.states import JobStatus
-from services.stages import STAGES, durations
+from services.telemetry.stages import STAGES, durations
 from tests.records import record
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from gateway.streams import StreamState
+from services.bus.events import JobEvent, position
 from services.db.records import RESUMED, SUSPENDED, SuspendEvent
 from services.db.states import JobStatus
-from services.events import JobEvent, position
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 J = "job-1"

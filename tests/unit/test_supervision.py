@@ -3,7 +3,7 @@ is hung."""
 
 from __future__ import annotations
 
-from services.supervisor import STARTUP_GRACE_S, RestartPolicy, hung
+from services.ops.supervisor import STARTUP_GRACE_S, RestartPolicy, hung
 
 
 def test_restart_delay_doubles_up_to_the_cap() -> None:

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from services import telemetry
-from services.telemetry import Telemetry, throttle_names
+from services.telemetry import gpu as telemetry
+from services.telemetry.gpu import Telemetry, throttle_names
 
 
 class NotSupported(Exception):

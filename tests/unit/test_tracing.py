@@ -1,4 +1,4 @@
-"""services.tracing without a stack: nothing at all without an endpoint, and with one
+"""services.telemetry.tracing without a stack: nothing at all without an endpoint, and with one
 (an in-memory exporter) the spans of a job, their parents, times and statuses."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services import tracing
+from services.config.settings import Settings, SettingsError
 from services.db.records import JobRecord
 from services.db.states import JobStatus
-from services.settings import Settings, SettingsError
+from services.telemetry import tracing
 from tests.records import T0, new_job, record
 
 
@@ -54,7 +54,7 @@ def attrs(span: ReadableSpan) -> Mapping[str, Any]:
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    tracing.start("gpu_worker", Settings(), exporter=exporter)
+    tracing.start("sampler", Settings(), exporter=exporter)
     yield exporter
     tracing.stop()
 

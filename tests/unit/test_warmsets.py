@@ -1,4 +1,4 @@
-"""Warm-set planning rules of scheduler.warmsets, over plain data.
+"""Warm-set planning rules of scheduler.warm_planner, over plain data.
 
 GPUs have 24 GB. The 4 GB models fit side by side; two 16 GB models do not.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from scheduler.policy import ModelCost
-from scheduler.warmsets import Forecast, GpuView, Submitted, WarmSet, forecast, plan_warm_sets
+from scheduler.warm_planner import Forecast, GpuView, Submitted, WarmSet, forecast, plan_warm_sets
 
 GB = 1024**3
 COSTS = {

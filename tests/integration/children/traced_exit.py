@@ -10,10 +10,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from services import tracing
+from services.config.settings import Settings
 from services.db.records import NewJob
-from services.lifecycle import run_service
-from services.settings import Settings
+from services.ops.lifecycle import run_service
+from services.telemetry import tracing
 
 
 async def serve(settings: Settings, stop: asyncio.Event) -> int:

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class SamplerStub:
-    """Served by each gpu_worker. Jobs reach it over JetStream, and its jobs' events go
+    """Served by each sampler (gpu_worker/). Jobs reach it over JetStream, and its jobs' events go
     out on NATS (darkroom.job.<job id>); this service lets the gateway stop a job it
     runs without waiting for the worker to read the job's cancel flag.
     """
@@ -50,7 +50,7 @@ class SamplerStub:
 
 
 class SamplerServicer:
-    """Served by each gpu_worker. Jobs reach it over JetStream, and its jobs' events go
+    """Served by each sampler (gpu_worker/). Jobs reach it over JetStream, and its jobs' events go
     out on NATS (darkroom.job.<job id>); this service lets the gateway stop a job it
     runs without waiting for the worker to read the job's cancel flag.
     """
@@ -93,7 +93,7 @@ def add_SamplerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Sampler:
-    """Served by each gpu_worker. Jobs reach it over JetStream, and its jobs' events go
+    """Served by each sampler (gpu_worker/). Jobs reach it over JetStream, and its jobs' events go
     out on NATS (darkroom.job.<job id>); this service lets the gateway stop a job it
     runs without waiting for the worker to read the job's cancel flag.
     """

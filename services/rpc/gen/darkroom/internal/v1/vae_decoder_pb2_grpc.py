@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class VaeDecoderStub:
-    """Served by each vae_worker: turns latents into encoded images.
+    """Served by each decoder (vae_worker/): turns latents into encoded images.
     """
 
     def __init__(self, channel):
@@ -43,7 +43,7 @@ class VaeDecoderStub:
 
 
 class VaeDecoderServicer:
-    """Served by each vae_worker: turns latents into encoded images.
+    """Served by each decoder (vae_worker/): turns latents into encoded images.
     """
 
     def Decode(self, request, context):
@@ -75,7 +75,7 @@ def add_VaeDecoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VaeDecoder:
-    """Served by each vae_worker: turns latents into encoded images.
+    """Served by each decoder (vae_worker/): turns latents into encoded images.
     """
 
     @staticmethod

@@ -9,7 +9,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-log = logging.getLogger("darkroom.telemetry")
+log = logging.getLogger(__name__)
 
 # NVML's clock-event (throttle) reason bits, by the names operators know. GPU idle
 # is left out: an idle GPU is not throttled.

@@ -38,15 +38,15 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from services.config.settings import Settings
 from services.db.records import JobRecord, JobSummary, NewJob
-from services.settings import Settings
 
 # What each service process is called in a trace, by its ``run_service`` name.
 SERVICE_NAMES = {
     "gateway": "darkroom-gateway",
     "scheduler": "darkroom-scheduler",
-    "gpu_worker": "darkroom-sampler",
-    "vae_worker": "darkroom-decoder",
+    "sampler": "darkroom-sampler",
+    "decoder": "darkroom-decoder",
 }
 SUBMIT = "darkroom.v1.ImageGeneration/SubmitJob"
 DECODE = "darkroom.internal.v1.VaeDecoder/Decode"
@@ -56,7 +56,7 @@ _SCOPE = InstrumentationScope("darkroom")
 _UNSET = Status(StatusCode.UNSET)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
-log = logging.getLogger("darkroom.tracing")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

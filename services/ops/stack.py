@@ -13,15 +13,16 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from services.bus import host_token
-from services.embedded import EmbeddedNats, EmbeddedPostgres, free_port
-from services.metrics import Target, targets_path, write_targets
-from services.settings import ENV_PREFIX, Settings
-from services.supervisor import Child, RestartPolicy, Supervisor
+from services.bus.dispatch import host_token
+from services.config.settings import ENV_PREFIX, Settings
+from services.ops import SERVICE_MODULES
+from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from services.ops.supervisor import Child, RestartPolicy, Supervisor
+from services.telemetry.metrics import Target, targets_path, write_targets
 
 # Stopping front to back: stop taking work first, let samplers finish (or hand
 # back) theirs, and keep the decoders up until they have.
-STOP_ORDER_RANK = {"gateway": 0, "scheduler": 1, "gpu_worker": 2, "vae_worker": 3}
+STOP_ORDER_RANK = {"gateway": 0, "scheduler": 1, "sampler": 2, "decoder": 3}
 
 
 def visible_gpus() -> int:
@@ -44,16 +45,18 @@ def restart_policy(settings: Settings) -> RestartPolicy:
 
 
 def child(
-    settings: Settings, name: str, module: str, *, extra_env: dict[str, str] | None = None, **overrides: Any
+    settings: Settings, name: str, service: str, *, extra_env: dict[str, str] | None = None, **overrides: Any
 ) -> Child:
-    """A supervised service process with these settings (and overrides)."""
+    """A supervised process of ``service`` (a key of SERVICE_MODULES) with these
+    settings (and overrides)."""
     env = {**os.environ, **replace(settings, **overrides).to_env(), **(extra_env or {})}
     return Child(
         name,
-        module,
+        SERVICE_MODULES[service],
         env,
         settings.data_dir / "logs" / f"{name}.log",
         settings.data_dir / "run" / f"{name}.alive",
+        service=service,
     )
 
 
@@ -94,8 +97,8 @@ def host_children(
             samplers.append(
                 child(
                     settings,
-                    f"gpu_worker-{i}",
-                    "gpu_worker",
+                    f"sampler-{i}",
+                    "sampler",
                     extra_env={"CUDA_VISIBLE_DEVICES": str(i)},
                     device="cuda:0",
                     worker_id=f"{host}-gpu{i}",
@@ -112,8 +115,8 @@ def host_children(
             samplers.append(
                 child(
                     settings,
-                    f"gpu_worker-{i}",
-                    "gpu_worker",
+                    f"sampler-{i}",
+                    "sampler",
                     extra_env=threads,
                     device="cpu",
                     worker_id=f"{host}-cpu{i}",
@@ -123,8 +126,8 @@ def host_children(
     vaes = [
         child(
             settings,
-            f"vae_worker-{i}",
-            "vae_worker",
+            f"decoder-{i}",
+            "decoder",
             extra_env=threads,
             worker_id=f"{host}-vae{i}",
             metrics_port=ports.next(),
@@ -144,7 +147,7 @@ def metrics_target(c: Child) -> Target | None:
     if host in ("0.0.0.0", "::"):
         host = socket.getfqdn()  # listening everywhere: named as other hosts know it
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return Target(c.name, c.module, host_token(), address)
+    return Target(c.name, c.service, host_token(), address)
 
 
 def metrics_targets(children: Iterable[Child]) -> list[Target]:
@@ -232,7 +235,7 @@ class LocalStack:
         self.wait_ready(timeout)
 
     def sampler_ids(self) -> list[str]:
-        return sorted(c.env["DARKROOM_WORKER_ID"] for n, c in self.services.items() if n.startswith("gpu_worker"))
+        return sorted(c.env["DARKROOM_WORKER_ID"] for n, c in self.services.items() if n.startswith("sampler"))
 
     def wait_ready(self, timeout: float, *, samplers: int | None = None) -> None:
         """Until the gateway answers health checks and the workers have registered.
@@ -249,7 +252,7 @@ class LocalStack:
                     reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 with psycopg.connect(self.pg_url, connect_timeout=2) as conn:
                     row = conn.execute(
-                        "SELECT count(*) FILTER (WHERE kind = 'sampler'), count(*) FILTER (WHERE kind = 'vae') "
+                        "SELECT count(*) FILTER (WHERE kind = 'sampler'), count(*) FILTER (WHERE kind = 'decoder') "
                         "FROM workers WHERE status = 'ready' AND last_heartbeat > now() - interval '10 seconds'"
                     ).fetchone()
                 assert row is not None

@@ -17,16 +17,16 @@ from dataclasses import asdict, dataclass
 import nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig, Header, RetentionPolicy, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError, NotFoundError
 
 from services.backoff import Backoff
+from services.bus.connection import BUS_ERRORS, connect_nats
 from services.errors import BusError, MalformedDispatch
 
-log = logging.getLogger("darkroom.bus")
+log = logging.getLogger(__name__)
 
 DISPATCH_STREAM = "DARKROOM_DISPATCH"
 DISPATCH_PREFIX = "darkroom.dispatch"
@@ -36,8 +36,6 @@ DUPLICATE_WINDOW_S = 120.0
 _WORKER_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 # JetStream's "stream name already in use with a different configuration".
 _STREAM_NAME_IN_USE = 10058
-# Errors that mean "NATS cannot do it right now" on any call.
-BUS_ERRORS = (NatsError, OSError, TimeoutError)
 # How long JetStream may take to answer a pull request that does not wait.
 PULL_ANSWER_S = 5.0
 _IDLE_HEARTBEAT = "100"
@@ -310,41 +308,3 @@ class DispatchPuller:
 
     async def unsubscribe(self) -> None:
         await self.sub.unsubscribe()
-
-
-async def connect_nats(
-    servers: list[str], *, name: str, stop: asyncio.Event | None = None, retry_max_s: float = 5.0
-) -> nats.NATS:
-    """A connection to NATS that reconnects on its own, forever, once made; retries
-    the first connect with backoff until NATS answers (or ``stop`` is set)."""
-    backoff = Backoff(max_s=retry_max_s)
-    while True:
-        try:
-            return await nats.connect(
-                servers,
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=2,
-                drain_timeout=5,
-                error_cb=_log_error,
-                disconnected_cb=_log_disconnected,
-                reconnected_cb=_log_reconnected,
-            )
-        except BUS_ERRORS as exc:
-            if stop is not None and stop.is_set():
-                raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc
-            log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, backoff.next_s)
-            await backoff.wait()
-
-
-async def _log_error(exc: Exception) -> None:
-    log.warning("NATS: %s", exc)
-
-
-async def _log_disconnected() -> None:
-    log.warning("NATS: disconnected; reconnecting")
-
-
-async def _log_reconnected() -> None:
-    log.info("NATS: reconnected")

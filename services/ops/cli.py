@@ -11,10 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.settings import Settings
+from services.config.settings import Settings
+from services.ops import SERVICE_MODULES
 
 if TYPE_CHECKING:
-    from services.metrics import Target
+    from services.telemetry.metrics import Target
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -27,7 +28,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.stack import LocalStack
+    from services.ops.stack import LocalStack
 
     stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers, decoders=args.decoders)
     stopped = threading.Event()
@@ -47,7 +48,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _print_metrics(targets: list[Target], data_dir: Path) -> None:
-    from services.metrics import targets_path
+    from services.telemetry.metrics import targets_path
 
     print(f"darkroom: metrics, listed for Prometheus in {targets_path(data_dir)}:", flush=True)
     for t in targets:
@@ -76,7 +77,7 @@ def _request(prompt: str, args: argparse.Namespace):
 def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client import JobFailed, generate
+    from services.rpc.client import JobFailed, generate
 
     try:
         job, images = generate(address, _request(prompt, args), api_key=args.api_key)
@@ -98,10 +99,10 @@ def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
 def cmd_supervise(args: argparse.Namespace) -> int:
     """A GPU host: one sampler per visible GPU and the decoders asked for, kept
     running until SIGINT/SIGTERM."""
-    from services import logs
-    from services.metrics import targets_path, write_targets
-    from services.stack import host_children, metrics_targets, restart_policy, stop_order
-    from services.supervisor import Supervisor
+    from services.ops.stack import host_children, metrics_targets, restart_policy, stop_order
+    from services.ops.supervisor import Supervisor
+    from services.telemetry import logs
+    from services.telemetry.metrics import targets_path, write_targets
 
     settings = _settings(args)
     if not settings.database_url or not settings.nats_url:
@@ -152,7 +153,7 @@ def cmd_build_tiny_model(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import importlib
 
-    importlib.import_module(f"{args.service.replace('-', '_')}.service").main()
+    importlib.import_module(f"{SERVICE_MODULES[args.service]}.service").main()
     return 0
 
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="run one service (settings from DARKROOM_* variables)")
-    serve.add_argument("service", choices=["gateway", "scheduler", "gpu-worker", "vae-worker"])
+    serve.add_argument("service", choices=sorted(SERVICE_MODULES))
     serve.set_defaults(func=cmd_serve)
 
     migrate = sub.add_parser("migrate", help="apply database migrations to DARKROOM_DATABASE_URL")

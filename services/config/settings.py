@@ -178,7 +178,7 @@ class Settings:
     # job; "text": the same as key=value after the message.
     log_format: str = "json"
 
-    # Traces (``services.tracing``): an OpenTelemetry collector's OTLP/gRPC address,
+    # Traces (``services.telemetry.tracing``): an OpenTelemetry collector's OTLP/gRPC address,
     # "http://host:4317" (plaintext) or "https://host:4317" (TLS); empty: no traces.
     otlp_endpoint: str = ""
     # The share of jobs traced, decided at submit: every service follows the gateway.

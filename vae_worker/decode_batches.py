@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from services.metrics import DECODE_BATCH_IMAGES, DECODE_SECONDS, DECODER_QUEUED_IMAGES, DECODER_QUEUED_MEGAPIXELS
 from services.models.vae import DecodedImage, VaeDecoderEngine
+from vae_worker.metrics import DECODE_BATCH_IMAGES, DECODE_SECONDS, DECODER_QUEUED_IMAGES, DECODER_QUEUED_MEGAPIXELS
 
 # Pixels per latent along each side, for the work a waiting request holds (SD's VAEs).
 LATENT_SCALE = 8

@@ -3,7 +3,7 @@ supervise`` (a GPU host's samplers and decoders) both use it.
 
 A child that exits is restarted after a delay that doubles with each quick failure
 (and resets once it has stayed up a while). A child that stops showing it is alive
-(it touches a file from its event loop, see ``services.lifecycle``) is hung: it is
+(it touches a file from its event loop, see ``services.ops.lifecycle``) is hung: it is
 sent SIGTERM, then SIGKILL after a grace, and restarted. Each restart is logged
 with its reason, and the child is told its restart count, which samplers report
 in their heartbeats (``GetStats``)."""
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.embedded import ManagedProcess
-from services.settings import ENV_PREFIX
+from services.config.settings import ENV_PREFIX
+from services.ops.embedded import ManagedProcess
 
-log = logging.getLogger("darkroom.supervisor")
+log = logging.getLogger(__name__)
 
 # A child that stayed up this long was healthy: its next failure starts the backoff over.
 STABLE_AFTER_S = 60.0
@@ -59,10 +59,21 @@ class Child(ManagedProcess):
     """One supervised process. ``stop()`` means "stay stopped"; ``kill()`` is a
     crash (SIGKILL), which the supervisor answers with a restart."""
 
-    def __init__(self, name: str, module: str, env: dict[str, str], log_path: Path, liveness_path: Path | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        env: dict[str, str],
+        log_path: Path,
+        liveness_path: Path | None,
+        *,
+        service: str = "",
+    ) -> None:
         super().__init__()
         self.name = name
         self.module = module
+        # What it is, in logs, metrics and the CLI (its module, unless said).
+        self.service = service or module
         self.env = env
         self.log_path = log_path
         self.liveness_path = liveness_path

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from scheduler import policy
+from scheduler.metrics import PREEMPTIONS
 from scheduler.preemption import Preemption, PreemptionConfig, choose_preemptions
 from scheduler.views import job_view, running_views
 from services.db.records import JobSummary
 from services.db.repository import Repository
-from services.metrics import PREEMPTIONS
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Channels
 
-log = logging.getLogger("darkroom.scheduler.preempting")
+log = logging.getLogger(__name__)
 
 SUSPEND_CALL_TIMEOUT_S = 2.0
 

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services import logs, tracing
-from services.settings import Settings, SettingsError
+from services.config.settings import Settings, SettingsError
+from services.telemetry import logs, tracing
 
 # serve() returns it when the process is not fit to go on (a worker whose attempts
 # keep failing, one whose id another process took): its supervisor restarts it.
@@ -53,7 +53,7 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
 
 
 def run_service(name: str, serve: Serve, settings: Settings | None = None) -> None:
-    logger = logging.getLogger(f"darkroom.{name}")
+    logger = logging.getLogger(__name__)
     try:
         settings = settings or Settings.from_env()
     except SettingsError as exc:

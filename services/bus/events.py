@@ -21,11 +21,11 @@ import nats
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from services.bus import BUS_ERRORS
+from services.bus.connection import BUS_ERRORS
 from services.db.states import JobStatus
 from services.errors import BusError
 
-log = logging.getLogger("darkroom.events")
+log = logging.getLogger(__name__)
 
 JOB_PREFIX = "darkroom.job"
 WORK_SUBJECT = "darkroom.work"

@@ -11,7 +11,7 @@ from gpu_worker.engine import SamplerEngine
 from services.db.records import WarmPlan
 from services.errors import DarkroomError
 
-log = logging.getLogger("darkroom.gpu_worker.warm_plan")
+log = logging.getLogger(__name__)
 
 
 async def follow_plan(plan: WarmPlan, engine: SamplerEngine, *, on_drop: Callable[[str], None]) -> None:

@@ -1,5 +1,6 @@
-"""Every Prometheus metric Darkroom has, defined once, and the small helpers that
-serve and feed them.
+"""The Prometheus metrics every service shares (gRPC calls, jobs ended, GPU
+telemetry), the buckets all use, and the helpers that serve and list them. Each
+service defines its own metrics beside its code (``<service>/metrics.py``).
 
 Each service process serves its own ``/metrics`` (``serve_metrics``); ``darkroom
 up`` and ``darkroom supervise`` give each child a port and list them all in a
@@ -15,18 +16,16 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from importlib import metadata
 from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
 
-from services import stages
-from services.settings import Settings
-from services.telemetry import THROTTLE_REASONS, GpuReading
+from services.config.settings import Settings
+from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
 
-log = logging.getLogger("darkroom.metrics")
+log = logging.getLogger(__name__)
 
 # ``_created`` series double what every counter and histogram costs Prometheus,
 # and nothing here reads them.
@@ -63,9 +62,6 @@ LOAD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 30
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 # Label values the callers use, so that dashboards and alerts can rely on them.
-STAGES = (*stages.STAGES, "total")
-PLACEMENT_KINDS = ("warm", "cold", "batch")
-SUBMIT_RESULTS = ("accepted", "deduplicated", "refused")
 OUTCOMES = ("succeeded", "failed", "cancelled", "expired")
 
 # --- every service -------------------------------------------------------------
@@ -83,45 +79,8 @@ RPC_DURATION = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 
-# --- jobs: the scheduler counts them in PostgreSQL (scheduler.job_gauges) ---------
-
-JOBS = Gauge(
-    "darkroom_jobs",
-    "Jobs not yet ended, in each state (QUEUED, SCHEDULED, RUNNING, DECODING), per lane "
-    "(every scheduler replica reports the same figures). Ended jobs: darkroom_jobs_finished_total.",
-    ["state", "lane"],
-)
-QUEUE_DEPTH = Gauge("darkroom_queue_depth", "Jobs queued (QUEUED, not yet placed), per lane.", ["lane"])
-QUEUE_OLDEST = Gauge(
-    "darkroom_queue_oldest_seconds",
-    "How long ago the oldest job still queued in the lane was submitted (0: none queued).",
-    ["lane"],
-)
-
 # --- the life of a job ----------------------------------------------------------
 
-SUBMITS = Counter(
-    "darkroom_submits",
-    "SubmitJob calls that passed validation, per lane, by result: accepted, deduplicated or refused (lane full).",
-    ["lane", "result"],
-)
-QUEUE_WAIT = Histogram(
-    "darkroom_queue_wait_seconds",
-    "How long a job waited queued, from submit (or requeue) to its placement on a GPU.",
-    ["lane"],
-    buckets=WAIT_BUCKETS,
-)
-STAGE_SECONDS = Histogram(
-    "darkroom_stage_seconds",
-    "How long a job spent in each stage: queue, schedule, dispatch, sample, decode, store; total: submit to stored.",
-    ["stage", "model"],
-    buckets=LATENCY_BUCKETS,
-)
-PLACEMENTS = Counter(
-    "darkroom_placements",
-    "Jobs the scheduler placed, by kind: warm (its model loaded there), cold (it must load), batch (joins a batch).",
-    ["kind"],
-)
 JOBS_FINISHED = Counter(
     "darkroom_jobs_finished",
     "Jobs that reached a final state, by outcome: succeeded, failed, cancelled or expired.",
@@ -132,50 +91,10 @@ REQUEUES = Counter(
     "Jobs put back in the queue, by cause (a worker lost, a drain's hand-back, a failed attempt to retry).",
     ["cause"],
 )
-CHECKPOINTS = Counter(
-    "darkroom_checkpoints",
-    "Denoising checkpoints stored, by kind: periodic, or taken by a suspension.",
-    ["kind"],
-)
-SUSPENSIONS = Counter(
-    "darkroom_suspensions",
-    "Jobs suspended at a step and put back in the queue with their checkpoint, by cause: drain or preempted.",
-    ["cause"],
-)
-RESUMED_STEPS = Counter(
-    "darkroom_resumed_steps",
-    "Denoising steps not run again because an attempt resumed its job from a checkpoint.",
-)
-PREEMPTIONS = Counter(
-    "darkroom_preemptions",
-    "Running jobs the scheduler asked to suspend to make room for waiting ones.",
-)
 ATTEMPTS_FAILED = Counter(
     "darkroom_attempts_failed",
     "Attempts that failed (each one counts towards MAX_ATTEMPTS), by cause.",
     ["cause"],
-)
-STREAMS_OPEN = Gauge("darkroom_streams_open", "StreamJob streams this gateway is serving now.")
-
-# --- samplers -------------------------------------------------------------------
-
-COLD_LOADS = Counter(
-    "darkroom_cold_loads", "Models a sampler loaded to run a job (not preloaded, not planned).", ["model"]
-)
-MODEL_LOAD_SECONDS = Histogram(
-    "darkroom_model_load_seconds",
-    "How long a sampler took to load a model into memory.",
-    ["model"],
-    buckets=LOAD_BUCKETS,
-)
-BATCH_IMAGES = Histogram(
-    "darkroom_batch_images",
-    "Images in each batch a sampler ran through the denoising loop.",
-    ["model"],
-    buckets=BATCH_BUCKETS,
-)
-WORKER_INFLIGHT = Gauge(
-    "darkroom_worker_inflight", "Jobs a sampler is running now (a batch counts each of its jobs).", ["worker"]
 )
 
 # --- GPU telemetry (samplers and decoders), from NVML at each heartbeat ---------------
@@ -199,19 +118,6 @@ GPU_THROTTLED = Gauge(
     "darkroom_gpu_throttled",
     "1 while the GPU's clocks are held down for this reason (NVML clock-event reasons; idle is none).",
     ["worker", "reason"],
-)
-
-# --- decoders -------------------------------------------------------------------
-
-DECODER_QUEUED_IMAGES = Gauge("darkroom_decoder_queued_images", "Images this decoder holds: waiting and decoding.")
-DECODER_QUEUED_MEGAPIXELS = Gauge(
-    "darkroom_decoder_queued_megapixels", "Megapixels of the images this decoder holds: waiting and decoding."
-)
-DECODE_BATCH_IMAGES = Histogram(
-    "darkroom_decode_batch_images", "Images in each VAE call a decoder made.", ["model"], buckets=BATCH_BUCKETS
-)
-DECODE_SECONDS = Histogram(
-    "darkroom_decode_seconds", "How long each batched VAE call took.", ["model"], buckets=LATENCY_BUCKETS
 )
 
 # The per-worker GPU gauges, by the GpuReading field each is read from, and the
@@ -246,13 +152,6 @@ def observe_gpu(worker_id: str, reading: GpuReading) -> None:
             GPU_THROTTLED.remove(worker_id, reason)
 
 
-def observe_stages(model: str, times: Sequence[datetime | None]) -> None:
-    """A stored job's stages (``services.stages``) from its timestamps: created,
-    placed, published, started, sampled, decoded, stored."""
-    for stage, seconds in stages.durations(times).items():
-        STAGE_SECONDS.labels(stage=stage, model=model).observe(seconds)
-
-
 def serve_metrics(settings: Settings, service: str) -> WSGIServer | None:
     """Serves ``/metrics`` on ``settings.metrics_port`` from a thread of its own (0:
     not at all); returns the server, to shut down where the process goes on. A
@@ -277,7 +176,7 @@ def serve_metrics(settings: Settings, service: str) -> WSGIServer | None:
 @dataclass(frozen=True)
 class Target:
     """One process for Prometheus to scrape: ``service`` is its kind (gateway,
-    scheduler, gpu_worker, vae_worker), ``child`` its name under its supervisor."""
+    scheduler, sampler, decoder), ``child`` its name under its supervisor."""
 
     child: str
     service: str

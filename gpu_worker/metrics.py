@@ -1,0 +1,59 @@
+"""The sampler's Prometheus metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.telemetry import stages
+from services.telemetry.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, LOAD_BUCKETS
+
+STAGES = (*stages.STAGES, "total")
+
+STAGE_SECONDS = Histogram(
+    "darkroom_stage_seconds",
+    "How long a job spent in each stage: queue, schedule, dispatch, sample, decode, store; total: submit to stored.",
+    ["stage", "model"],
+    buckets=LATENCY_BUCKETS,
+)
+CHECKPOINTS = Counter(
+    "darkroom_checkpoints",
+    "Denoising checkpoints stored, by kind: periodic, or taken by a suspension.",
+    ["kind"],
+)
+SUSPENSIONS = Counter(
+    "darkroom_suspensions",
+    "Jobs suspended at a step and put back in the queue with their checkpoint, by cause: drain or preempted.",
+    ["cause"],
+)
+RESUMED_STEPS = Counter(
+    "darkroom_resumed_steps",
+    "Denoising steps not run again because an attempt resumed its job from a checkpoint.",
+)
+COLD_LOADS = Counter(
+    "darkroom_cold_loads", "Models a sampler loaded to run a job (not preloaded, not planned).", ["model"]
+)
+MODEL_LOAD_SECONDS = Histogram(
+    "darkroom_model_load_seconds",
+    "How long a sampler took to load a model into memory.",
+    ["model"],
+    buckets=LOAD_BUCKETS,
+)
+BATCH_IMAGES = Histogram(
+    "darkroom_batch_images",
+    "Images in each batch a sampler ran through the denoising loop.",
+    ["model"],
+    buckets=BATCH_BUCKETS,
+)
+WORKER_INFLIGHT = Gauge(
+    "darkroom_worker_inflight", "Jobs a sampler is running now (a batch counts each of its jobs).", ["worker"]
+)
+
+
+def observe_stages(model: str, times: Sequence[datetime | None]) -> None:
+    """A stored job's stages (``services.telemetry.stages``) from its timestamps: created,
+    placed, published, started, sampled, decoded, stored."""
+    for stage, seconds in stages.durations(times).items():
+        STAGE_SECONDS.labels(stage=stage, model=model).observe(seconds)

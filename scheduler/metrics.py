@@ -1,0 +1,38 @@
+"""The scheduler's Prometheus metrics. Jobs by state are counted in PostgreSQL
+(``scheduler.job_gauges``): every scheduler replica reports the same figures."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from services.telemetry.metrics import WAIT_BUCKETS
+
+PLACEMENT_KINDS = ("warm", "cold", "batch")
+
+JOBS = Gauge(
+    "darkroom_jobs",
+    "Jobs not yet ended, in each state (QUEUED, SCHEDULED, RUNNING, DECODING), per lane "
+    "(every scheduler replica reports the same figures). Ended jobs: darkroom_jobs_finished_total.",
+    ["state", "lane"],
+)
+QUEUE_DEPTH = Gauge("darkroom_queue_depth", "Jobs queued (QUEUED, not yet placed), per lane.", ["lane"])
+QUEUE_OLDEST = Gauge(
+    "darkroom_queue_oldest_seconds",
+    "How long ago the oldest job still queued in the lane was submitted (0: none queued).",
+    ["lane"],
+)
+QUEUE_WAIT = Histogram(
+    "darkroom_queue_wait_seconds",
+    "How long a job waited queued, from submit (or requeue) to its placement on a GPU.",
+    ["lane"],
+    buckets=WAIT_BUCKETS,
+)
+PLACEMENTS = Counter(
+    "darkroom_placements",
+    "Jobs the scheduler placed, by kind: warm (its model loaded there), cold (it must load), batch (joins a batch).",
+    ["kind"],
+)
+PREEMPTIONS = Counter(
+    "darkroom_preemptions",
+    "Running jobs the scheduler asked to suspend to make room for waiting ones.",
+)

@@ -1,0 +1,56 @@
+"""The connection to NATS every service shares: it reconnects on its own, forever,
+once made, and says so in the log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import nats
+from nats.errors import Error as NatsError
+
+from services.backoff import Backoff
+from services.errors import BusError
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "NATS cannot do it right now" on any call.
+BUS_ERRORS = (NatsError, OSError, TimeoutError)
+
+
+async def connect_nats(
+    servers: list[str], *, name: str, stop: asyncio.Event | None = None, retry_max_s: float = 5.0
+) -> nats.NATS:
+    """A connection to NATS that reconnects on its own, forever, once made; retries
+    the first connect with backoff until NATS answers (or ``stop`` is set)."""
+    backoff = Backoff(max_s=retry_max_s)
+    while True:
+        try:
+            return await nats.connect(
+                servers,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=2,
+                drain_timeout=5,
+                error_cb=_log_error,
+                disconnected_cb=_log_disconnected,
+                reconnected_cb=_log_reconnected,
+            )
+        except BUS_ERRORS as exc:
+            if stop is not None and stop.is_set():
+                raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc
+            log.warning("NATS at %s not ready (%s); retrying in %.1fs", ",".join(servers), exc, backoff.next_s)
+            await backoff.wait()
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("NATS: %s", exc)
+
+
+async def _log_disconnected() -> None:
+    log.warning("NATS: disconnected; reconnecting")
+
+
+async def _log_reconnected() -> None:
+    log.info("NATS: reconnected")

@@ -1,0 +1,18 @@
+"""The decoder's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import Gauge, Histogram
+
+from services.telemetry.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+
+DECODER_QUEUED_IMAGES = Gauge("darkroom_decoder_queued_images", "Images this decoder holds: waiting and decoding.")
+DECODER_QUEUED_MEGAPIXELS = Gauge(
+    "darkroom_decoder_queued_megapixels", "Megapixels of the images this decoder holds: waiting and decoding."
+)
+DECODE_BATCH_IMAGES = Histogram(
+    "darkroom_decode_batch_images", "Images in each VAE call a decoder made.", ["model"], buckets=BATCH_BUCKETS
+)
+DECODE_SECONDS = Histogram(
+    "darkroom_decode_seconds", "How long each batched VAE call took.", ["model"], buckets=LATENCY_BUCKETS
+)
