@@ -35,7 +35,7 @@ from scheduler.views import (
     worker_views,
 )
 from scheduler.warm_planner import Submitted, forecast, plan_warm_sets
-from services.bus.dispatch import Bus, Dispatch, JobShape
+from services.bus.dispatch import Bus, Dispatch
 from services.bus.events import Events, JobEvent
 from services.config.settings import Settings
 from services.db.migrate import upgrade_when_reachable
@@ -53,6 +53,7 @@ from services.db.records import (
 from services.db.repository import Repository
 from services.db.states import JobStatus
 from services.errors import BusError, StoreError
+from services.generation import JobShape
 from services.models.registry import ModelRegistry
 from services.ops.lifecycle import run_service
 from services.rpc.server import Server, build_server

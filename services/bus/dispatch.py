@@ -25,6 +25,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS, connect_nats
 from services.errors import BusError, MalformedDispatch
+from services.generation import JobShape
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +63,6 @@ def consumer_name(worker_id: str) -> str:
 
 def message_id(job_id: str, attempt: int) -> str:
     return f"{job_id}:{attempt}"
-
-
-@dataclass(frozen=True)
-class JobShape:
-    """What a worker batches a job by, sent with its dispatch so that the worker can
-    form batches without reading the jobs first."""
-
-    model: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    num_images: int
 
 
 @dataclass(frozen=True)

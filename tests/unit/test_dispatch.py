@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.bus.dispatch import Dispatch, JobShape, dispatch_subject
+from services.bus.dispatch import Dispatch, dispatch_subject
 from services.errors import MalformedDispatch
+from services.generation import JobShape
 
 
 def test_dispatch_round_trips() -> None:
