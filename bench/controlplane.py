@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 
 from bench import loadgen
-from services.config.settings import Settings
+from services.config.sections import Settings
 from services.models import sim
 from services.models.registry import ModelRegistry
 from services.ops.stack import LocalStack
@@ -108,12 +108,14 @@ def floor(jobs: int) -> list[float]:
 
 
 def start_stack(data_dir: Path, samplers: int, decoders: int) -> LocalStack:
-    settings = Settings(
-        data_dir=data_dir,
-        gateway_port=0,
-        model_registry=str(REGISTRY),
-        preload_models=(MODEL,),
-        log_level="INFO",
+    settings = Settings.from_env(
+        {
+            "DARKROOM_DATA_DIR": str(data_dir),
+            "DARKROOM_GATEWAY_PORT": "0",
+            "DARKROOM_MODEL_REGISTRY": str(REGISTRY),
+            "DARKROOM_PRELOAD_MODELS": MODEL,
+            "DARKROOM_LOG_LEVEL": "INFO",
+        }
     )
     stack = LocalStack(settings, cpu_workers=samplers, decoders=decoders, durable=True)
     stack.start(timeout=180)

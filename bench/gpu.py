@@ -134,18 +134,20 @@ def _job(case: Case, batch: int) -> Any:  # a JobRecord-shaped stand-in for deco
 def through_stack(
     cases: tuple[Case, ...], batches: tuple[int, ...], device: torch.device, rounds: int, data: Path
 ) -> dict[tuple[str, int], Through]:
-    from services.config.settings import Settings
+    from services.config.sections import Settings
     from services.ops.stack import LocalStack
     from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
     from tests.helpers import stub
 
-    settings = Settings(
-        data_dir=data,
-        gateway_port=0,
-        device=device.type,
-        preload_models=tuple(sorted({c.model for c in cases})),
-        batch_wait_ms=50.0,
-        log_level="WARNING",
+    settings = Settings.from_env(
+        {
+            "DARKROOM_DATA_DIR": str(data),
+            "DARKROOM_GATEWAY_PORT": "0",
+            "DARKROOM_DEVICE": device.type,
+            "DARKROOM_PRELOAD_MODELS": ",".join(sorted({c.model for c in cases})),
+            "DARKROOM_BATCH_WAIT_MS": "50",
+            "DARKROOM_LOG_LEVEL": "WARNING",
+        }
     )
     stack = LocalStack(settings, cpu_workers=1, decoders=1, durable=False)
     results = {}

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from services.config.settings import Settings
+from services.config.sections import Settings
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
@@ -119,16 +119,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="darkroom-preemption-") as tmp:
         registry = Path(tmp) / "registry.toml"
         registry.write_text(REGISTRY.format(step_ms=args.step_ms))
-        settings = Settings(
-            data_dir=Path(tmp) / "stack",
-            gateway_port=0,
-            model_registry=str(registry),
-            preload_models=("video", "image"),
-            preemptible=("video",),
-            preempting_lanes=("paid",),
-            preempt_after_s=0.5,
-            max_preemptions=1000,
-            log_level="WARNING",
+        settings = Settings.from_env(
+            {
+                "DARKROOM_DATA_DIR": str(Path(tmp) / "stack"),
+                "DARKROOM_GATEWAY_PORT": "0",
+                "DARKROOM_MODEL_REGISTRY": str(registry),
+                "DARKROOM_PRELOAD_MODELS": "video,image",
+                "DARKROOM_PREEMPTIBLE": "video",
+                "DARKROOM_PREEMPTING_LANES": "paid",
+                "DARKROOM_PREEMPT_AFTER_S": "0.5",
+                "DARKROOM_MAX_PREEMPTIONS": "1000",
+                "DARKROOM_LOG_LEVEL": "WARNING",
+            }
         )
         stack = LocalStack(settings, cpu_workers=args.samplers, decoders=1, durable=False)
         stack.start(timeout=180)

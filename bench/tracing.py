@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from services.config.settings import Settings
+from services.config.sections import KernelSettings
 from services.db.records import JobRecord, NewJob
 from services.db.states import JobStatus
 from services.telemetry import tracing
@@ -129,7 +129,7 @@ def process_cost_per_job_us(jobs: int, rate: float) -> float:
     receiver.start()
     while not port.value:
         time.sleep(0.01)
-    tracing.start("sampler", Settings(otlp_endpoint=f"http://127.0.0.1:{port.value}"))
+    tracing.start("sampler", KernelSettings(otlp_endpoint=f"http://127.0.0.1:{port.value}"))
     calls = hooks()
     sampler = [calls[name] for name in ("sampler sampled (1 job)", "sampler decode_call", "sampler stored")]
     began, clock = time.process_time(), time.monotonic()
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     off = {name: per_call_ns(call, args.calls) for name, call in hooks().items()}
     # Room for every span: a full queue drops, and logs each one it drops.
     os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = str(10 * args.calls * len(off))
-    tracing.start("sampler", Settings(), exporter=Discard())
+    tracing.start("sampler", KernelSettings(), exporter=Discard())
     on = {name: per_call_ns(call, args.calls) for name, call in hooks().items()}
     tracing.stop()
     del os.environ["OTEL_BSP_MAX_QUEUE_SIZE"]

@@ -17,11 +17,11 @@ from gateway.metrics import STREAMS_OPEN, SUBMITS
 from gateway.streams import StreamState
 from gateway.validation import validate_submit
 from scheduler import admission, policy
-from scheduler.views import costs_from, default_lane, durations_from, job_view, policy_config, worker_views
+from scheduler.views import costs_from, durations_from, job_view, worker_views
 from services.bus.connection import connect_nats
 from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
-from services.config.settings import Settings
+from services.config.sections import GatewaySettings, KernelSettings
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import JobRecord, JobState, ShapeCount, WorkerRecord
 from services.db.repository import Repository
@@ -47,13 +47,22 @@ POLL_S = 0.05
 
 
 class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
-    def __init__(self, settings: Settings, repo: Repository, registry: ModelRegistry, events: Events) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        repo: Repository,
+        registry: ModelRegistry,
+        events: Events,
+        *,
+        stale_after_s: float,
+    ) -> None:
         self.settings = settings
+        self.stale_after_s = stale_after_s
         self.repo = repo
         self.registry = registry
         self.events = events
         self.costs = costs_from(registry)
-        self.config = policy_config(settings)
+        self.config = settings.placement
         self._channels = Channels()
         self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
         self._fleet_read = 0.0
@@ -77,8 +86,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             request,
             self.registry,
             max_prompt_chars=self.settings.max_prompt_chars,
-            lanes={lane.name: lane.priority for lane in self.config.lanes},
-            default_lane=default_lane(self.config).name,
+            placement=self.config,
             now=now,
         )
         cost = self.costs.get(new.model)
@@ -135,9 +143,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     async def _fleet(self, now: datetime) -> tuple[policy.Fleet, list[policy.WorkerView]]:
         """The scheduler's view of the fleet, reread at most every estimates_refresh_s."""
         loop = asyncio.get_running_loop()
-        if self._fleet_view is None or loop.time() - self._fleet_read >= self.settings.estimates_refresh_s:
+        if self._fleet_view is None or loop.time() - self._fleet_read >= self.config.estimates_refresh_s:
             fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
-            workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
+            workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
             self._fleet_view = (fleet, worker_views(workers, await self.repo.scheduling.held_groups(), fleet))
             self._fleet_read = loop.time()
         return self._fleet_view
@@ -234,7 +242,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.settings.worker_stale_after_s)
+        workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
         return pb.ListModelsResponse(
             models=[
                 pb.ModelInfo(
@@ -252,7 +260,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
-        stale_s = self.settings.worker_stale_after_s
+        stale_s = self.stale_after_s
         workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=stale_s)
         workers += await self.repo.workers.all(WorkerKind.DECODER, stale_after_s=stale_s)
         held = await self.repo.scheduling.held_per_worker()
@@ -304,11 +312,17 @@ def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
 
 
 def create_server(
-    settings: Settings, repo: Repository, registry: ModelRegistry, events: Events | None = None
+    kernel: KernelSettings,
+    settings: GatewaySettings,
+    repo: Repository,
+    registry: ModelRegistry,
+    events: Events | None = None,
 ) -> tuple[Server, ImageGenerationServicer]:
     """The public gRPC server (not started); port 0 picks a free port. Without
     ``events`` (NATS), streams read their jobs from the database."""
-    servicer = ImageGenerationServicer(settings, repo, registry, events or Events())
+    servicer = ImageGenerationServicer(
+        settings, repo, registry, events or Events(), stale_after_s=kernel.worker_stale_after_s
+    )
     interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
     server = build_server(
         [
@@ -317,37 +331,37 @@ def create_server(
                 "darkroom.v1.ImageGeneration",
             )
         ],
-        settings.gateway_host,
-        settings.gateway_port,
+        settings.host,
+        settings.port,
         interceptors,
     )
     return server, servicer
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    serve_metrics(settings, "gateway")
-    if not await upgrade_when_reachable(settings.database_url, stop):
+async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio.Event) -> None:
+    serve_metrics(kernel, "gateway")
+    if not await upgrade_when_reachable(kernel.database_url, stop):
         return
-    registry = ModelRegistry.load(settings.model_registry or None)
-    repo = Repository(settings.database_url, application_name="darkroom-gateway")
+    registry = ModelRegistry.load(kernel.model_registry or None)
+    repo = Repository(kernel.database_url, application_name="darkroom-gateway")
     events = Events()
-    server, servicer = create_server(settings, repo, registry, events)
+    server, servicer = create_server(kernel, settings, repo, registry, events)
 
     async def connect_events() -> None:
         # The gateway serves without NATS (streams then read the database); events
         # start flowing once it answers.
         with contextlib.suppress(BusError):
-            events.nc = await connect_nats(settings.nats_servers, name="darkroom-gateway", stop=stop)
+            events.nc = await connect_nats(kernel.nats_servers, name="darkroom-gateway", stop=stop)
             await events.route()
 
-    connecting = asyncio.create_task(connect_events()) if settings.nats_servers else None
+    connecting = asyncio.create_task(connect_events()) if kernel.nats_servers else None
     try:
         await server.grpc.start()
         await server.set_serving(True)
-        log.info("gateway listening on %s:%d", settings.gateway_host, server.port)
+        log.info("gateway listening on %s:%d", settings.host, server.port)
         await stop.wait()
         await server.set_serving(False)
-        await server.grpc.stop(settings.shutdown_grace_s)
+        await server.grpc.stop(kernel.shutdown_grace_s)
     finally:
         if connecting is not None:
             connecting.cancel()
@@ -358,4 +372,4 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 
 def main() -> None:
-    run_service("gateway", serve)
+    run_service("gateway", serve, GatewaySettings)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Mapping
 from datetime import UTC, datetime
 
+from services.config.placement import PlacementSettings
 from services.db.records import NewJob
 from services.errors import FieldViolation, InvalidArgument
 from services.models.registry import ModelRegistry
@@ -17,7 +17,7 @@ MAX_GUIDANCE = 50.0
 DEFAULT_GUIDANCE = 7.5
 MAX_IDEMPOTENCY_KEY = 256
 MAX_SEED = 2**63 - 1
-DEFAULT_LANES = {"paid": 10, "free": 0}  # DARKROOM_LANES' default
+DEFAULT_PLACEMENT = PlacementSettings()
 # The output formats a job may ask for, by the name stored on the job.
 OUTPUT_FORMATS = {
     pb.OUTPUT_FORMAT_UNSPECIFIED: "png",
@@ -32,11 +32,11 @@ def validate_submit(
     registry: ModelRegistry,
     *,
     max_prompt_chars: int,
-    lanes: Mapping[str, int] = DEFAULT_LANES,
-    default_lane: str = "free",
+    placement: PlacementSettings = DEFAULT_PLACEMENT,
     now: datetime,
 ) -> NewJob:
-    """``lanes``: each lane's priority; an empty ``lane`` means ``default_lane``."""
+    """Lanes are ``placement``'s; an empty ``lane`` means the lowest."""
+    lanes = {lane.name: lane.priority for lane in placement.lanes}
     bad: list[FieldViolation] = []
     spec = registry.models.get(req.model)
     if not req.model:
@@ -70,7 +70,7 @@ def validate_submit(
         bad.append(FieldViolation("seed", f"must be at most {MAX_SEED}"))
     if len(req.idempotency_key) > MAX_IDEMPOTENCY_KEY:
         bad.append(FieldViolation("idempotency_key", f"is longer than {MAX_IDEMPOTENCY_KEY} characters"))
-    lane = req.lane or default_lane
+    lane = req.lane or placement.default_lane.name
     if lane not in lanes:
         bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(sorted(lanes))}"))
     output_format = OUTPUT_FORMATS.get(req.output_format)

@@ -13,7 +13,7 @@ from gpu_worker.metrics import WORKER_INFLIGHT
 from gpu_worker.tracker import JobTracker
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
-from services.config.settings import Settings
+from services.config.sections import KernelSettings
 from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class Presence:
     def __init__(
         self,
-        settings: Settings,
+        settings: KernelSettings,
         repo: Repository,
         worker_id: str,
         incarnation: str,

@@ -28,7 +28,7 @@ from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
-from services.config.settings import Settings
+from services.config.sections import KernelSettings, SamplerSettings
 from services.db.migrate import upgrade_when_reachable
 from services.db.repository import Repository
 from services.db.states import WorkerStatus
@@ -81,13 +81,13 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return sampler_pb2.SamplerSuspendResponse(was_running=True)
 
 
-def create_server(settings: Settings, tracker: JobTracker) -> Server:
+def create_server(settings: SamplerSettings, tracker: JobTracker) -> Server:
     """The Sampler gRPC server (not started); port 0 picks a free port."""
     servicer = SamplerServicer(tracker)
     return build_server(
         [(lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s), "darkroom.internal.v1.Sampler")],
-        settings.worker_host,
-        settings.worker_port,
+        settings.host,
+        settings.port,
     )
 
 
@@ -114,38 +114,42 @@ async def _drain(
     tracker.stop_all(StopReason.HANDED_BACK)
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> int:
-    serve_metrics(settings, "sampler")
-    if not await upgrade_when_reachable(settings.database_url, stop):
+async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.Event) -> int:
+    serve_metrics(kernel, "sampler")
+    if not await upgrade_when_reachable(kernel.database_url, stop):
         return 0
-    registry = ModelRegistry.load(settings.model_registry or None)
+    registry = ModelRegistry.load(kernel.model_registry or None)
     device = pick_device(settings.device)
     engine = SamplerEngine(
         registry,
-        settings.models_dir,
+        kernel.models_dir,
         device,
         memory_budget_bytes=settings.memory_budget_mb * 2**20,
         prompt_cache_bytes=settings.prompt_cache_mb * 2**20,
         pinned=settings.preload_models,
     )
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
-    repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
+    repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()
     server = create_server(settings, tracker)
-    local = VaeDecoderEngine.from_settings(settings, registry, device) if settings.local_decode_fallback else None
-    decoders = Decoders(repo, stale_after_s=settings.worker_stale_after_s, local=local)
+    local = (
+        VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
+        if settings.local_decode_fallback
+        else None
+    )
+    decoders = Decoders(repo, stale_after_s=kernel.worker_stale_after_s, local=local)
     bus: Bus | None = None
     try:
         bus = await Bus.connect(
-            settings.nats_servers, name=f"darkroom-sampler-{worker_id}", replicas=settings.nats_replicas, stop=stop
+            kernel.nats_servers, name=f"darkroom-sampler-{worker_id}", replicas=kernel.nats_replicas, stop=stop
         )
         await server.grpc.start()
         await server.set_serving(True)
-        address = f"{settings.worker_host}:{server.port}"
+        address = f"{settings.host}:{server.port}"
         telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
         events = Events(bus.nc)
         presence = Presence(
-            settings,
+            kernel,
             repo,
             worker_id,
             str(uuid.uuid4()),
@@ -181,7 +185,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         finished = asyncio.Event()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(presence.run(until=finished))
-            tg.create_task(_drain(stop, finished, presence, tracker, settings.shutdown_grace_s))
+            tg.create_task(_drain(stop, finished, presence, tracker, kernel.shutdown_grace_s))
             # Registered (as starting) before loading: what an earlier run of this
             # worker held is back in the queue already, not waiting for the load.
             for name in settings.preload_models:
@@ -200,7 +204,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         await presence.deregister()
         return EXIT_UNFIT if runner.unfit else 0
     finally:
-        await server.grpc.stop(settings.shutdown_grace_s)
+        await server.grpc.stop(kernel.shutdown_grace_s)
         await decoders.close()
         if bus is not None:
             await bus.close()
@@ -208,4 +212,4 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
 
 
 def main() -> None:
-    run_service("sampler", serve)
+    run_service("sampler", serve, SamplerSettings)

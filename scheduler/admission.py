@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.policy import READY, Fleet, JobView, PolicyConfig, WorkerView, job_seconds
+from scheduler.policy import READY, Fleet, JobView, WorkerView, job_seconds
+from services.config.placement import PlacementSettings
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def estimate(
     return Estimate(wait, job_seconds(job, fastest, fleet))
 
 
-def admit(lane_name: str, wait: Estimate | None, config: PolicyConfig) -> Refusal | None:
+def admit(lane_name: str, wait: Estimate | None, config: PlacementSettings) -> Refusal | None:
     lane = config.lane(lane_name)
     if lane is None or wait is None or wait.wait_s <= lane.max_wait_s:
         return None

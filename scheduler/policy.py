@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from scheduler.estimates import Durations, Shape
+from services.config.placement import PlacementSettings
 
 READY = "ready"
 
@@ -46,69 +47,6 @@ class ModelCost:
 
 
 @dataclass(frozen=True)
-class Lane:
-    name: str
-    priority: int
-    # Backpressure: a submit whose estimated wait passes this is refused.
-    max_wait_s: float = float("inf")
-    # Latency target: seconds from submit to done that the lane's jobs should meet
-    # (at p99). None: best effort (throughput only).
-    target_s: float | None = None
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    backlog_limit: int = 2
-    lanes: tuple[Lane, ...] = (Lane("paid", 10, 120.0), Lane("free", 0, 300.0))
-    # Aging: a waiting job gains this much priority per second, so a lower lane
-    # never starves (free overtakes a fresh paid job after 10 / 0.5 = 20 s).
-    aging_per_s: float = 0.5
-    # At most this many GPUs may hold work of a capability while other work waits.
-    capability_caps: tuple[tuple[str, int], ...] = ()
-    # The estimate on a GPU at or above ``hot_c`` grows linearly with heat: twice
-    # at ``hot_c + hot_span_c`` (the seed's 2x at 80 C).
-    hot_c: float = 70.0
-    hot_span_c: float = 10.0
-    # Latency classes beyond the lanes': capabilities (or lanes) whose work is best
-    # effort whatever its lane's target (video, batch work) ...
-    best_effort: frozenset[str] = frozenset()
-    # ... and capabilities with a target of their own, tighter than their lane's.
-    capability_targets: tuple[tuple[str, float], ...] = ()
-    # The warm-set plan sizes latency-bound work's GPUs for this multiple of its
-    # forecast demand: room for bursts the forecast does not see.
-    latency_headroom: float = 1.3
-    # Late binding: a job waits for a busy worker rather than start on one with
-    # room only when it is estimated to finish more than this many times sooner.
-    spill_within: float = 2.5
-
-    def lane(self, name: str) -> Lane | None:
-        return next((lane for lane in self.lanes if lane.name == name), None)
-
-    def target_s(self, lane: str, capability: str) -> float | None:
-        """The latency target of work of ``capability`` in ``lane``, or None for
-        best-effort work: the tighter of the lane's and the capability's targets,
-        unless either is listed as best effort."""
-        if lane in self.best_effort or capability in self.best_effort:
-            return None
-        found = self.lane(lane)
-        targets = [t for t in (found.target_s if found else None, dict(self.capability_targets).get(capability)) if t]
-        return min(targets) if targets else None
-
-    @property
-    def has_targets(self) -> bool:
-        return any(lane.target_s for lane in self.lanes) or bool(self.capability_targets)
-
-    def plans_as_latency_bound(self, target_s: float | None) -> bool:
-        """Whether the warm-set plan counts work with ``target_s`` as latency-bound:
-        all of it where nothing has a target, so the plan is what it was before
-        latency classes."""
-        return target_s is not None or not self.has_targets
-
-    def cap(self, capability: str) -> int | None:
-        return dict(self.capability_caps).get(capability)
-
-
-@dataclass(frozen=True)
 class JobView:
     id: str
     model: str
@@ -121,7 +59,7 @@ class JobView:
     guidance_scale: float = 7.5
     # Workers where an attempt of it failed: it goes elsewhere if anywhere else can take it.
     failed_on: frozenset[str] = frozenset()
-    # Its latency target (``PolicyConfig.target_s`` of its lane and capability);
+    # Its latency target (``PlacementSettings.target_s`` of its lane and capability);
     # None: best effort.
     target_s: float | None = None
 
@@ -191,7 +129,7 @@ class Fleet:
     planned: Mapping[str, int] = field(default_factory=dict)  # model -> live workers planned to keep it
 
 
-def thermal_factor(temperature_c: float, config: PolicyConfig) -> float:
+def thermal_factor(temperature_c: float, config: PlacementSettings) -> float:
     return 1.0 + max(0.0, temperature_c - config.hot_c) / config.hot_span_c
 
 
@@ -228,7 +166,7 @@ def joining_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float | N
     return max(growth, 0.0) if growth <= job_seconds(job, worker, fleet) else None
 
 
-def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> int | None:
+def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> int | None:
     """The cap that keeps ``capability`` off this worker now, if one does: it is
     reached, other work is queued or running, and the worker holds none of it
     already. (Only a fleet with nothing else to do lets long work spread: a
@@ -240,7 +178,7 @@ def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: Policy
     return cap if any(n > 0 for c, n in others if c != capability) else None
 
 
-def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> bool:
+def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> bool:
     """Whether best-effort ``job`` must keep off ``worker``: where latency classes
     are configured, best-effort work runs on the GPUs the plan gives its model
     (the share latency-bound work does not need), and elsewhere only on a GPU
@@ -265,7 +203,7 @@ def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConf
 
 
 def eviction_cost(
-    model: str, worker: WorkerView, fleet: Fleet, config: PolicyConfig, *, urgent: bool = False
+    model: str, worker: WorkerView, fleet: Fleet, config: PlacementSettings, *, urgent: bool = False
 ) -> tuple[float, list[str]]:
     """What loading ``model`` on ``worker`` costs in reloads of what it evicts: the
     models the planner does not want there go first, then by eviction priority.
@@ -300,7 +238,7 @@ def eviction_cost(
     return cost, evicted
 
 
-def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) -> Candidate:
+def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
     cost = fleet.costs[job.model]
     if worker.state != READY:
         return Candidate(worker.id, False, float("inf"), worker.state)
@@ -359,7 +297,7 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PolicyConfig) 
     return Candidate(worker.id, True, finish, note, has_room)
 
 
-def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: PolicyConfig) -> Placement:
+def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: PlacementSettings) -> Placement:
     if job.model not in fleet.costs:
         return Placement(job.id, None, f"unknown model {job.model!r}", ())
     candidates = tuple(score(job, w, fleet, config) for w in workers)
@@ -409,11 +347,11 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pol
     )
 
 
-def effective_priority(job: JobView, config: PolicyConfig, *, now: float) -> float:
+def effective_priority(job: JobView, config: PlacementSettings, *, now: float) -> float:
     return job.priority + config.aging_per_s * max(0.0, now - job.queued_at)
 
 
-def queue_key(job: JobView, config: PolicyConfig, *, now: float) -> tuple[int, float, float, str]:
+def queue_key(job: JobView, config: PlacementSettings, *, now: float) -> tuple[int, float, float, str]:
     """Latency-bound work first, earliest deadline (submit plus target) first, so
     a job with a looser target overtakes a tighter one only once its own deadline
     comes sooner; then best-effort work, highest lane first, older first within a
@@ -423,7 +361,7 @@ def queue_key(job: JobView, config: PolicyConfig, *, now: float) -> tuple[int, f
     return (1, -effective_priority(job, config, now=now), job.queued_at, job.id)
 
 
-def order_queue(jobs: Sequence[JobView], config: PolicyConfig, *, now: float) -> list[JobView]:
+def order_queue(jobs: Sequence[JobView], config: PlacementSettings, *, now: float) -> list[JobView]:
     """The order a pass places jobs in: see ``queue_key``."""
     return sorted(jobs, key=lambda j: queue_key(j, config, now=now))
 
@@ -432,7 +370,7 @@ def plan(
     jobs: Sequence[JobView],
     workers: Sequence[WorkerView],
     fleet: Fleet,
-    config: PolicyConfig,
+    config: PlacementSettings,
     *,
     now: float,
 ) -> list[Placement]:
@@ -471,7 +409,7 @@ def plan(
     return placements
 
 
-def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PolicyConfig, *, placed: bool) -> WorkerView:
+def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PlacementSettings, *, placed: bool) -> WorkerView:
     cost = fleet.costs[job.model]
     joining = joining_seconds(job, w, fleet) if placed else None
     if joining is not None:

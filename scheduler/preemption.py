@@ -57,43 +57,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from scheduler.policy import Candidate, Fleet, JobView, Placement, WorkerView, job_seconds
-
-
-@dataclass(frozen=True)
-class PreemptionConfig:
-    preemptible: frozenset[str] = frozenset()  # lanes or capabilities whose running jobs may be suspended
-    preempting_lanes: frozenset[str] = frozenset()  # lanes whose waiting jobs may suspend them
-    max_preemptions: int = 2  # a job is never suspended for other work more often than this
-    preempt_after_s: float = 2.0  # a waiting job preempts only when it would wait longer than this
-    # Latency classes decide: a job with a latency target that it would miss may
-    # suspend best-effort work (a job with no target), beside the lists above.
-    for_targets: bool = False
-    # "Would miss": its estimated finish passes this share of its target. The
-    # estimate is a mean and the target a p99, and a queue ahead of it only grows
-    # as more urgent work arrives: waiting for the whole target is too late.
-    target_share: float = 0.3
-
-    @property
-    def enabled(self) -> bool:
-        listed = bool(self.preemptible) and bool(self.preempting_lanes)
-        return (listed or self.for_targets) and self.max_preemptions > 0
-
-    def may_preempt(self, lane: str, target_s: float | None = None) -> bool:
-        """Whether a waiting job of ``lane`` (with latency target ``target_s``)
-        may have running work suspended for it."""
-        return self.enabled and (lane in self.preempting_lanes or (self.for_targets and target_s is not None))
-
-    def preemptible_job(self, job: RunningView) -> bool:
-        """Whether ``job`` may be suspended for other work (``suspend_requested``
-        aside): listed by lane or capability (or best effort, with ``for_targets``),
-        not of a preempting lane nor latency-bound, and not preempted
-        ``max_preemptions`` times already."""
-        listed = job.lane in self.preemptible or job.capability in self.preemptible
-        if self.for_targets:
-            if job.target_s is not None:
-                return False  # latency-bound work is never suspended for other work
-            listed = True
-        return listed and job.lane not in self.preempting_lanes and job.preemptions < self.max_preemptions
+from services.config.placement import PreemptionSettings
 
 
 @dataclass(frozen=True)
@@ -111,6 +75,19 @@ class RunningView:
     step_s: float  # estimated seconds of one of its steps on its worker (time until it can be suspended)
     remaining_s: float  # estimated seconds until it finishes
     target_s: float | None = None  # its latency target; None: best effort
+
+
+def preemptible(job: RunningView, settings: PreemptionSettings) -> bool:
+    """Whether ``job`` may be suspended for other work (``suspend_requested``
+    aside): listed by lane or capability (or best effort, with ``for_targets``),
+    not of a preempting lane nor latency-bound, and not preempted
+    ``max_preemptions`` times already."""
+    listed = job.lane in settings.preemptible or job.capability in settings.preemptible
+    if settings.for_targets:
+        if job.target_s is not None:
+            return False  # latency-bound work is never suspended for other work
+        listed = True
+    return listed and job.lane not in settings.preempting_lanes and job.preemptions < settings.max_preemptions
 
 
 @dataclass(frozen=True)
@@ -153,7 +130,7 @@ def estimated_wait(job: JobView, placement: Placement, workers: Mapping[str, Wor
     )
 
 
-def _misses_target(job: JobView, placement: Placement, config: PreemptionConfig, *, now: float) -> bool:
+def _misses_target(job: JobView, placement: Placement, config: PreemptionSettings, *, now: float) -> bool:
     """Whether ``job``, by where the pass could put it, is estimated to finish
     past its latency target (only with ``for_targets``)."""
     if not config.for_targets or job.target_s is None:
@@ -193,7 +170,7 @@ def _room(c: Candidate, jobs: tuple[RunningView, ...], wait_s: float, own_s: flo
 def choose_preemptions(
     waiting: Sequence[tuple[JobView, str, Placement]],
     running: Sequence[RunningView],
-    config: PreemptionConfig,
+    config: PreemptionSettings,
     *,
     now: float,
     workers: Sequence[WorkerView] = (),
@@ -233,7 +210,7 @@ def choose_preemptions(
             room = _room(c, jobs, _wait(job, c, views, fleet), own_seconds(job, views.get(c.worker_id), fleet))
             if any(j.suspend_requested for j in jobs):
                 pending.append(room)
-            elif all(config.preemptible_job(j) for j in jobs):
+            elif all(preemptible(j, config) for j in jobs):
                 free.append(room)
         if pending:
             # Room is already being made where it can run: it waits for that.

@@ -30,14 +30,13 @@ from scheduler.views import (
     gpu_views,
     job_view,
     measured_costs,
-    policy_config,
-    preemption_config,
     worker_views,
 )
 from scheduler.warm_planner import Submitted, forecast, plan_warm_sets
 from services.bus.dispatch import Bus, Dispatch
 from services.bus.events import Events, JobEvent
-from services.config.settings import Settings
+from services.config.placement import PlacementSettings, check_names
+from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import (
     Assignment,
@@ -66,7 +65,7 @@ log = logging.getLogger(__name__)
 LEARN_BATCH = 500
 
 
-def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: datetime, made: PassView):
+def make_decide(fleet: policy.Fleet, config: PlacementSettings, *, now: datetime, made: PassView):
     """The pass's decision, what it saw and decided kept in ``made``."""
 
     def decide(
@@ -84,7 +83,7 @@ def make_decide(fleet: policy.Fleet, config: policy.PolicyConfig, *, now: dateti
     return decide
 
 
-def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: float):
+def make_plan(fleet: policy.Fleet, config: PlacementSettings, *, window_s: float):
     def plan(workers: Sequence[WorkerRecord], demand: Sequence[SubmittedCount]) -> dict[str, WarmPlan]:
         submitted = [submitted_work(d, fleet, config) for d in demand if d.model in fleet.costs]
         if not submitted:
@@ -104,7 +103,7 @@ def make_plan(fleet: policy.Fleet, config: policy.PolicyConfig, *, window_s: flo
     return plan
 
 
-def submitted_work(d: SubmittedCount, fleet: policy.Fleet, config: policy.PolicyConfig) -> Submitted:
+def submitted_work(d: SubmittedCount, fleet: policy.Fleet, config: PlacementSettings) -> Submitted:
     """Jobs submitted of one shape and lane as the forecast takes them: their
     speed-1.0 seconds, and their latency class."""
     cost = fleet.costs[d.model]
@@ -162,16 +161,20 @@ def routing_json(p: policy.Placement) -> dict[str, object]:
 
 
 class Scheduler:
-    def __init__(self, settings: Settings, repo: Repository, bus: Bus, registry: ModelRegistry) -> None:
+    def __init__(
+        self, settings: SchedulerSettings, repo: Repository, bus: Bus, registry: ModelRegistry, *, stale_after_s: float
+    ) -> None:
         self.settings = settings
+        self.stale_after_s = stale_after_s
         self.repo = repo
         self.bus = bus
         self.events = Events(bus.nc)
         # Set when NATS says there may be work to place.
         self._wake = asyncio.Event()
-        self.config = policy_config(settings)
+        self.config = settings.placement
+        check_names(settings.placement, settings.preemption, {m.capability for m in registry.models.values()})
         self.preempter = Preempter(
-            repo, preemption_config(settings, capabilities={m.capability for m in registry.models.values()})
+            repo, settings.preemption
         )
         self.recovery = RecoveryConfig(
             max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
@@ -195,11 +198,11 @@ class Scheduler:
 
     def _may_judge_heartbeats(self) -> bool:
         up = self._db_up_since
-        return up is not None and asyncio.get_running_loop().time() - up >= self.settings.worker_stale_after_s
+        return up is not None and asyncio.get_running_loop().time() - up >= self.stale_after_s
 
     async def fleet(self) -> policy.Fleet:
         loop = asyncio.get_running_loop()
-        if loop.time() - self._durations_read >= self.settings.estimates_refresh_s:
+        if loop.time() - self._durations_read >= self.config.estimates_refresh_s:
             self.durations = durations_from(*await self.repo.estimates.learned())
             self._durations_read = loop.time()
         return policy.Fleet(self.costs, self.durations)
@@ -210,8 +213,8 @@ class Scheduler:
         decide = make_decide(await self.fleet(), self.config, now=now, made=made)
         scheduled = await self.repo.scheduling.schedule_pass(
             decide,
-            limit=self.settings.scheduler_batch,
-            stale_after_s=self.settings.worker_stale_after_s,
+            limit=self.settings.batch,
+            stale_after_s=self.stale_after_s,
             max_attempts=self.settings.max_attempts,
             now=now,
         )
@@ -269,7 +272,7 @@ class Scheduler:
         ``scheduler.recovery``."""
         done = await self.repo.recovery.recovery_pass(
             lambda jobs, dead, now: review(jobs, dead, now, self.recovery),
-            stale_after_s=self.settings.worker_stale_after_s,
+            stale_after_s=self.stale_after_s,
             judge_heartbeats=self._may_judge_heartbeats(),
             max_attempts=self.settings.max_attempts,
             shortest_timeout_s=self.recovery.shortest_timeout_s,
@@ -329,7 +332,7 @@ class Scheduler:
         scheduler interval passes, or the scheduler stops."""
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
         try:
-            await asyncio.wait(waits, timeout=self.settings.scheduler_interval_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=self.settings.interval_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
@@ -370,7 +373,7 @@ class Scheduler:
             make_plan(await self.fleet(), self.config, window_s=window),
             since=now - timedelta(seconds=window),
             newer_since=now - timedelta(seconds=window / 2),
-            stale_after_s=self.settings.worker_stale_after_s,
+            stale_after_s=self.stale_after_s,
         )
         if plans:
             log.debug("warm sets: %s", {w: p.models for w, p in plans.items()})
@@ -380,7 +383,7 @@ class Scheduler:
         try:
             await self.events.on_work(self._wake)
         except BusError as exc:
-            log.warning("not woken by work events (placing every %.3fs): %s", self.settings.scheduler_interval_s, exc)
+            log.warning("not woken by work events (placing every %.3fs): %s", self.settings.interval_s, exc)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.placement_loop(stop))
             tg.create_task(self.recovery_loop(stop))
@@ -398,27 +401,27 @@ def describe(action: Recovery) -> str:
     return f"{action.job_id}: EXPIRED (deadline passed while queued)"
 
 
-def create_server(settings: Settings) -> Server:
+def create_server(settings: SchedulerSettings) -> Server:
     """Health checking only: the scheduler's work reaches it through Postgres."""
-    return build_server([], settings.scheduler_host, settings.scheduler_port)
+    return build_server([], settings.host, settings.port)
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> None:
-    serve_metrics(settings, "scheduler")
-    if not await upgrade_when_reachable(settings.database_url, stop):
+async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> None:
+    serve_metrics(kernel, "scheduler")
+    if not await upgrade_when_reachable(kernel.database_url, stop):
         return
-    registry = ModelRegistry.load(settings.model_registry or None)
-    repo = Repository(settings.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
+    registry = ModelRegistry.load(kernel.model_registry or None)
+    repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
     server = create_server(settings)
     bus: Bus | None = None
     try:
         bus = await Bus.connect(
-            settings.nats_servers, name="darkroom-scheduler", replicas=settings.nats_replicas, stop=stop
+            kernel.nats_servers, name="darkroom-scheduler", replicas=kernel.nats_replicas, stop=stop
         )
         await server.grpc.start()
         await server.set_serving(True)
         log.info("scheduler running (health on port %d)", server.port)
-        await Scheduler(settings, repo, bus, registry).run(stop)
+        await Scheduler(settings, repo, bus, registry, stale_after_s=kernel.worker_stale_after_s).run(stop)
     finally:
         await server.grpc.stop(0)
         if bus is not None:
@@ -427,4 +430,4 @@ async def serve(settings: Settings, stop: asyncio.Event) -> None:
 
 
 def main() -> None:
-    run_service("scheduler", serve)
+    run_service("scheduler", serve, SchedulerSettings)

@@ -15,8 +15,9 @@ import grpc
 
 from scheduler import policy
 from scheduler.metrics import PREEMPTIONS
-from scheduler.preemption import Preemption, PreemptionConfig, choose_preemptions
+from scheduler.preemption import Preemption, choose_preemptions
 from scheduler.views import job_view, running_views
+from services.config.placement import PlacementSettings, PreemptionSettings
 from services.db.records import JobSummary
 from services.db.repository import Repository
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
@@ -35,10 +36,10 @@ class PassView:
     jobs: dict[str, JobSummary]
     workers: list[policy.WorkerView]
     fleet: policy.Fleet | None = None
-    config: policy.PolicyConfig = field(default_factory=policy.PolicyConfig)
+    config: PlacementSettings = field(default_factory=PlacementSettings)
 
 
-def waiting_for_room(view: PassView, config: PreemptionConfig) -> list[tuple[policy.JobView, str, policy.Placement]]:
+def waiting_for_room(view: PassView, config: PreemptionSettings) -> list[tuple[policy.JobView, str, policy.Placement]]:
     """The pass's jobs of preempting lanes, in its order, as the rule takes them. A
     job the pass placed behind other work on a worker can only be helped there: its
     placement is narrowed to that worker."""
@@ -58,7 +59,7 @@ def waiting_for_room(view: PassView, config: PreemptionConfig) -> list[tuple[pol
 
 
 class Preempter:
-    def __init__(self, repo: Repository, config: PreemptionConfig) -> None:
+    def __init__(self, repo: Repository, config: PreemptionSettings) -> None:
         self.repo = repo
         self.config = config
         self._channels = Channels()

@@ -1,19 +1,18 @@
-"""Settings, registry entries and database records as the policy's frozen views.
+"""Registry entries and database records as the policy's frozen views.
 Shared by the scheduler, which places jobs and plans warm sets, and the gateway,
 which estimates when a job will run."""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import TypeVar
 
 from scheduler import policy
 from scheduler.estimates import Durations, Learned, Shape, learn
-from scheduler.preemption import PreemptionConfig, RunningView, running_estimates
+from scheduler.preemption import RunningView, running_estimates
 from scheduler.warm_planner import GpuView
-from services.config.settings import Settings, SettingsError
+from services.config.placement import PlacementSettings
 from services.db.records import (
     Estimate,
     Fold,
@@ -26,101 +25,6 @@ from services.db.records import (
 )
 from services.db.states import JobStatus
 from services.models.registry import ModelRegistry
-
-T = TypeVar("T")
-
-
-def _entries(entries: Iterable[str], variable: str, form: str, parse: Callable[[list[str]], T]) -> list[T]:
-    """Each ``a:b:...`` entry of a setting parsed; a bad one stops the service,
-    naming the variable and the form it expects."""
-    parsed = []
-    for entry in entries:
-        try:
-            parsed.append(parse(entry.split(":")))
-        except ValueError:
-            raise SettingsError(f"{variable} entry {entry!r}: expected {form}") from None
-    return parsed
-
-
-def _positive(text: str) -> float:
-    seconds = float(text)
-    if not seconds > 0:
-        raise ValueError(text)
-    return seconds
-
-
-def _lane(fields: list[str]) -> policy.Lane:
-    name, priority, max_wait, *target = fields
-    if len(target) > 1:
-        raise ValueError(fields)
-    return policy.Lane(name, int(priority), float(max_wait), _positive(target[0]) if target else None)
-
-
-def _target(fields: list[str]) -> tuple[str, float]:
-    capability, seconds = fields
-    return capability, _positive(seconds)
-
-
-def _cap(fields: list[str]) -> tuple[str, int]:
-    capability, gpus = fields
-    return capability, int(gpus)
-
-
-def policy_config(settings: Settings) -> policy.PolicyConfig:
-    lanes = _entries(settings.lanes, "DARKROOM_LANES", "name:priority:max_wait_s[:target_s], target_s > 0", _lane)
-    targets = _entries(
-        settings.capability_targets, "DARKROOM_CAPABILITY_TARGETS", "capability:target_s, target_s > 0", _target
-    )
-    caps = _entries(settings.capability_caps, "DARKROOM_CAPABILITY_CAPS", "capability:gpus", _cap)
-    if not lanes:
-        raise SettingsError("DARKROOM_LANES names no lane")
-    return policy.PolicyConfig(
-        backlog_limit=settings.worker_backlog,
-        lanes=tuple(lanes),
-        aging_per_s=settings.lane_aging_per_s,
-        capability_caps=tuple(caps),
-        hot_c=settings.hot_temperature_c,
-        best_effort=frozenset(settings.best_effort),
-        capability_targets=tuple(targets),
-        latency_headroom=settings.latency_headroom,
-    )
-
-
-def preemption_config(settings: Settings, *, capabilities: Iterable[str] | None = None) -> PreemptionConfig:
-    """Preemption as configured: ``DARKROOM_PREEMPTING_LANES`` must name lanes of
-    ``DARKROOM_LANES``; ``DARKROOM_PREEMPTIBLE`` may name no preempting lane (its
-    jobs are never preempted, so the entry could only mislead) and, when the
-    registry's ``capabilities`` are given, only lanes and capabilities."""
-    lanes = [lane.name for lane in policy_config(settings).lanes]
-    for name in settings.preempting_lanes:
-        if name not in lanes:
-            raise SettingsError(
-                f"DARKROOM_PREEMPTING_LANES names {name!r}, which is not a lane of DARKROOM_LANES ({', '.join(lanes)})"
-            )
-    known = None if capabilities is None else {*lanes, *capabilities}
-    for name in settings.preemptible:
-        if name in settings.preempting_lanes:
-            raise SettingsError(
-                f"DARKROOM_PREEMPTIBLE names {name!r}, which is in DARKROOM_PREEMPTING_LANES: "
-                "a preempting lane's jobs are never preempted"
-            )
-        if known is not None and name not in known:
-            raise SettingsError(f"DARKROOM_PREEMPTIBLE names {name!r}, which is neither a lane nor a model capability")
-    for name in settings.best_effort:
-        if known is not None and name not in known:
-            raise SettingsError(f"DARKROOM_BEST_EFFORT names {name!r}, which is neither a lane nor a model capability")
-    return PreemptionConfig(
-        preemptible=frozenset(settings.preemptible),
-        preempting_lanes=frozenset(settings.preempting_lanes),
-        max_preemptions=settings.max_preemptions,
-        preempt_after_s=settings.preempt_after_s,
-        for_targets=settings.preempt_for_targets,
-        target_share=settings.preempt_target_share,
-    )
-
-
-def default_lane(config: policy.PolicyConfig) -> policy.Lane:
-    return min(config.lanes, key=lambda lane: lane.priority)
 
 
 def costs_from(registry: ModelRegistry) -> dict[str, policy.ModelCost]:
@@ -185,7 +89,7 @@ def durations_from(shapes: Mapping[str, Estimate], speeds: Mapping[str, Estimate
 
 
 def job_view(
-    job: JobRecord | JobSummary, config: policy.PolicyConfig, costs: Mapping[str, policy.ModelCost]
+    job: JobRecord | JobSummary, config: PlacementSettings, costs: Mapping[str, policy.ModelCost]
 ) -> policy.JobView:
     # A preempted job ages from its suspension (``aged_from``): back in the queue
     # with its old age, it would outrank the job it was suspended for at once.
@@ -209,7 +113,7 @@ def running_views(
     jobs: Sequence[RunningJob],
     workers: Sequence[WorkerRecord] | Sequence[policy.WorkerView],
     fleet: policy.Fleet,
-    config: policy.PolicyConfig | None = None,
+    config: PlacementSettings | None = None,
 ) -> list[RunningView]:
     """Running jobs as preemption sees them: each one's step and what is left of
     it on its worker, from the learned durations at that worker's speed. Jobs of
@@ -217,7 +121,7 @@ def running_views(
     the simulator does. A job of a model with no cost has infinite estimates and
     capability "", and is never chosen to make room."""
     speeds = {w.id: w.speed for w in workers}
-    config = config or policy.PolicyConfig()
+    config = config or PlacementSettings()
     # Jobs of one shape running on one worker run as one batch.
     rows: dict[tuple[str, str, int, int, int], int] = {}
     for job in jobs:

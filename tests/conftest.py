@@ -2,17 +2,17 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 
-from services.config.settings import Settings
+from services.config.sections import Settings
 from services.models.registry import ensure_tiny_model
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
+from tests.helpers import env_of
 
 _db_names = itertools.count()
 
@@ -41,11 +41,13 @@ def fresh_database(pg: EmbeddedPostgres) -> str:
     return f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{name}"
 
 
-def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, *, samplers: int = 1, **overrides: Any) -> LocalStack:
+def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, *, samplers: int = 1, **values: Any) -> LocalStack:
+    """A stack in ``tmp`` on a fresh database, its settings changed by ``values``
+    (see ``env_of``)."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "models").symlink_to(models, target_is_directory=True)
-    settings = Settings(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, log_level="INFO")
-    return LocalStack(replace(settings, **overrides), cpu_workers=samplers, durable=False)
+    base = env_of(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, log_level="INFO")
+    return LocalStack(Settings.from_env({**base, **env_of(**values)}), cpu_workers=samplers, durable=False)
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,15 @@ import grpc
 import psycopg
 from PIL import Image
 
+from services.config.fields import ENV_PREFIX
+from services.config.sections import Settings
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Server
 
 T = TypeVar("T")
+KNOWN = Settings.variables()
 
 
 async def channel_to(server: Server) -> AsyncIterator[grpc.aio.Channel]:
@@ -47,6 +50,23 @@ step_ms_512 = 200
 load_s = 0.5
 checkpoint_every_steps = 5
 """
+
+
+def env_of(**values: object) -> dict[str, str]:
+    """Settings as a child reads them: ``heartbeat_interval_s=0.5`` is
+    ``DARKROOM_HEARTBEAT_INTERVAL_S="0.5"``. A name that is no setting's variable
+    fails here rather than being ignored."""
+    env = {}
+    for name, value in values.items():
+        variable = ENV_PREFIX + name.upper()
+        assert variable in KNOWN, f"{variable} is not a setting"
+        if isinstance(value, bool):
+            env[variable] = "true" if value else "false"
+        elif isinstance(value, tuple | list | set | frozenset):
+            env[variable] = ",".join(str(v) for v in value)
+        else:
+            env[variable] = str(value)
+    return env
 
 
 def stub(stack: LocalStack) -> image_generation_pb2_grpc.ImageGenerationStub:
@@ -82,7 +102,7 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def count_jobs(stack: LocalStack) -> int:
-    url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    url = stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(url) as conn:
         row = conn.execute("SELECT count(*) FROM jobs").fetchone()
         assert row is not None

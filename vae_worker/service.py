@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from services.bus.dispatch import check_worker_id, host_token
-from services.config.settings import Settings
+from services.config.sections import DecoderSettings, KernelSettings
 from services.db.migrate import upgrade_when_reachable
 from services.db.records import WorkerHeartbeat
 from services.db.repository import Repository
@@ -128,11 +128,11 @@ async def _encoded(
             task.cancel()
 
 
-def batcher_for(settings: Settings, engine: VaeDecoderEngine) -> DecodeBatcher:
-    return DecodeBatcher(engine, wait_s=settings.decode_batch_wait_ms / 1000.0, max_images=settings.decode_max_batch)
+def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBatcher:
+    return DecodeBatcher(engine, wait_s=settings.batch_wait_ms / 1000.0, max_images=settings.max_batch)
 
 
-def create_server(settings: Settings, batcher: DecodeBatcher) -> Server:
+def create_server(settings: DecoderSettings, batcher: DecodeBatcher) -> Server:
     """The VaeDecoder gRPC server (not started); port 0 picks a free port."""
     servicer = VaeDecoderServicer(batcher)
     return build_server(
@@ -142,26 +142,26 @@ def create_server(settings: Settings, batcher: DecodeBatcher) -> Server:
                 "darkroom.internal.v1.VaeDecoder",
             )
         ],
-        settings.vae_host,
-        settings.vae_port,
+        settings.host,
+        settings.port,
     )
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> int:
-    serve_metrics(settings, "decoder")
-    if not await upgrade_when_reachable(settings.database_url, stop):
+async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio.Event) -> int:
+    serve_metrics(kernel, "decoder")
+    if not await upgrade_when_reachable(kernel.database_url, stop):
         return 0
-    registry = ModelRegistry.load(settings.model_registry or None)
+    registry = ModelRegistry.load(kernel.model_registry or None)
     device = pick_device(settings.device)
-    engine = VaeDecoderEngine.from_settings(settings, registry, device)
+    engine = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
-    worker_id = check_worker_id(settings.worker_id or f"{host_token()}-vae-{settings.vae_port or os.getpid()}")
+    worker_id = check_worker_id(settings.worker_id or f"{host_token()}-decoder-{settings.port or os.getpid()}")
     incarnation = str(uuid.uuid4())
-    repo = Repository(settings.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
+    repo = Repository(kernel.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
     batcher = batcher_for(settings, engine)
     server = create_server(settings, batcher)
-    address = f"{settings.vae_host}:{server.port}"
+    address = f"{settings.host}:{server.port}"
 
     gpu = Telemetry((device.index or 0) if device.type == "cuda" else None)
 
@@ -178,7 +178,7 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             vram_total_bytes=card.vram_total_bytes,
             vram_used_bytes=card.vram_used_bytes,
             temperature_c=card.temperature_c,
-            restarts=settings.restarts,
+            restarts=kernel.restarts,
             telemetry={**card.as_dict(), **batcher.telemetry()},
         )
 
@@ -200,14 +200,14 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
             except StoreError as exc:
                 log.warning("heartbeat failed: %s", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), settings.heartbeat_interval_s)
+                await asyncio.wait_for(stop.wait(), kernel.heartbeat_interval_s)
         with contextlib.suppress(StoreError):
             await repo.workers.deregister(worker_id, incarnation)
         return 0
     finally:
-        await server.grpc.stop(settings.shutdown_grace_s)
+        await server.grpc.stop(kernel.shutdown_grace_s)
         await repo.close()
 
 
 def main() -> None:
-    run_service("decoder", serve)
+    run_service("decoder", serve, DecoderSettings)

@@ -13,18 +13,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from scheduler.preemption import PreemptionConfig
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator.engine import Result, Simulation
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.report import by_lane
+from services.config.placement import PreemptionSettings
 
 PREEMPTION_SCENARIO = Path(__file__).with_name("preemption_scenario.toml")
 
 
 def run(sc: scenarios.Scenario, load: float, *, preempt: bool) -> Result:
     if not preempt:
-        sc = replace(sc, preemption=PreemptionConfig())
+        sc = replace(sc, preemption=PreemptionSettings())
     return Simulation(sc, DarkroomPolicy(sc), scenarios.trace(sc, load), load=load).run()
 
 

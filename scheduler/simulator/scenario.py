@@ -7,7 +7,6 @@ operator describes their own GPUs and models there and runs
 
 from __future__ import annotations
 
-import math
 import random
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -15,15 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from scheduler.estimates import REFERENCE_PIXELS
-from scheduler.policy import Lane, ModelCost, PolicyConfig
-from scheduler.preemption import PreemptionConfig
+from scheduler.policy import ModelCost
+from services.config.fields import SettingsError, naming_tables
+from services.config.placement import PlacementSettings, PreemptionSettings, check_names
 
 DEFAULT_SCENARIO = Path(__file__).with_name("default_scenario.toml")
 GIB = 1024**3
 
 
-class ScenarioError(ValueError):
-    """The scenario file is missing something or names something unknown."""
+class ScenarioError(SettingsError):
+    """The scenario file is missing something or names something unknown (its
+    ``[darkroom]`` settings raise SettingsError, as the environment's do)."""
 
 
 @dataclass(frozen=True)
@@ -140,11 +141,11 @@ class Scenario:
     bursts: Bursts
     thermal: tuple[Thermal, ...]
     failures: tuple[Failure, ...]
-    darkroom: PolicyConfig
+    darkroom: PlacementSettings
     seeds: SeedSettings = field(default_factory=SeedSettings)
     # Darkroom's preemption (off unless the scenario configures it), and what a
     # suspension costs a GPU: writing the checkpoint, and reading it back to resume.
-    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     checkpoint_s: float = 0.05
     resume_s: float = 0.5
 
@@ -232,57 +233,14 @@ def load(path: str | Path | None = None) -> Scenario:
     if not gpus or not phases or phases[0].start_s != 0:
         raise ScenarioError(f"{path}: needs [[gpus]] and [[phases]], the first starting at 0")
     dr = data.get("darkroom", {})
-    lanes = tuple(
-        Lane(
-            n,
-            int(t["priority"]),
-            float(t.get("max_wait_s", math.inf)),
-            float(t["target_s"]) if "target_s" in t else None,
-        )
-        for n, t in dr.get("lanes", {}).items()
-    )
-    lane_names = [lane.name for lane in lanes or PolicyConfig().lanes]
+    darkroom = PlacementSettings.from_table({k: v for k, v in dr.items() if k != "preemption"}, "darkroom")
+    preemption = PreemptionSettings.from_table(dr.get("preemption", {}), "darkroom.preemption")
+    with naming_tables({PlacementSettings: "darkroom", PreemptionSettings: "darkroom.preemption"}):
+        check_names(darkroom, preemption, {m.capability for m in models.values()})
+    lane_names = [lane.name for lane in darkroom.lanes]
     for jt in job_types.values():
         if jt.lane and jt.lane not in lane_names:
             raise ScenarioError(f"jobs.{jt.name}: unknown lane {jt.lane!r}")
-    pre = dr.get("preemption", {})
-    unknown = set(pre) - {
-        "preemptible",
-        "preempting_lanes",
-        "max_preemptions",
-        "preempt_after_s",
-        "for_targets",
-        "target_share",
-    }
-    if unknown:
-        raise ScenarioError(f"darkroom.preemption: unknown keys {sorted(unknown)}")
-    preemption = PreemptionConfig(
-        preemptible=frozenset(pre.get("preemptible", ())),
-        preempting_lanes=frozenset(pre.get("preempting_lanes", ())),
-        max_preemptions=int(pre.get("max_preemptions", PreemptionConfig.max_preemptions)),
-        preempt_after_s=float(pre.get("preempt_after_s", PreemptionConfig.preempt_after_s)),
-        for_targets=bool(pre.get("for_targets", False)),
-        target_share=float(pre.get("target_share", PreemptionConfig.target_share)),
-    )
-    for name in sorted(preemption.preempting_lanes):
-        if name not in lane_names:
-            raise ScenarioError(f"darkroom.preemption: preempting lane {name!r} is not a lane")
-    for name in sorted(preemption.preemptible):
-        if name not in lane_names and all(m.capability != name for m in models.values()):
-            raise ScenarioError(f"darkroom.preemption: preemptible {name!r} is neither a lane nor a capability")
-    darkroom = PolicyConfig(
-        backlog_limit=int(dr.get("backlog_limit", 0)),
-        lanes=lanes or PolicyConfig().lanes,
-        aging_per_s=float(dr.get("aging_per_s", PolicyConfig.aging_per_s)),
-        capability_caps=tuple((k, int(v)) for k, v in dr.get("capability_caps", {}).items()),
-        hot_c=float(dr.get("hot_c", PolicyConfig.hot_c)),
-        hot_span_c=float(dr.get("hot_span_c", PolicyConfig.hot_span_c)),
-        best_effort=frozenset(dr.get("best_effort", ())),
-        capability_targets=tuple((k, float(v)) for k, v in dr.get("capability_targets", {}).items()),
-    )
-    for name in sorted(darkroom.best_effort):
-        if name not in lane_names and all(m.capability != name for m in models.values()):
-            raise ScenarioError(f"darkroom.best_effort: {name!r} is neither a lane nor a capability")
     return Scenario(
         name=str(sim.get("name", path.stem)),
         duration_s=float(sim.get("duration_s", 3600)),

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.config.settings import Settings
+from services.config.sections import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader, sim
 from services.models.registry import ModelRegistry
@@ -91,13 +91,11 @@ class VaeDecoderEngine:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls, settings: Settings, registry: ModelRegistry, device: torch.device) -> VaeDecoderEngine:
+    def from_settings(
+        cls, decode: DecodeSettings, registry: ModelRegistry, models_dir: Path, device: torch.device
+    ) -> VaeDecoderEngine:
         return cls(
-            registry,
-            settings.models_dir,
-            device,
-            tile_above_pixels=settings.decode_tile_above_pixels,
-            min_pixel_std=settings.decode_min_pixel_std,
+            registry, models_dir, device, tile_above_pixels=decode.tile_above_pixels, min_pixel_std=decode.min_pixel_std
         )
 
     def warm_models(self) -> list[str]:

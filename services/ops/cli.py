@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.config.settings import Settings
+from services.config.fields import SettingsError
+from services.config.sections import KernelSettings, Settings
 from services.ops import SERVICE_MODULES
 
 if TYPE_CHECKING:
@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    settings = Settings.from_env()
+    """Every setting, from the environment and the command line's options."""
+    changed = {}
     if getattr(args, "data_dir", None):
-        settings = replace(settings, data_dir=Path(args.data_dir).expanduser().resolve())
+        changed["DARKROOM_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
     if getattr(args, "port", None) is not None:
-        settings = replace(settings, gateway_port=args.port)
-    return settings
+        changed["DARKROOM_GATEWAY_PORT"] = str(args.port)
+    return Settings.from_env({**os.environ, **changed})
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -36,8 +37,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stopped.set())
     try:
         stack.start()
-        print(f"darkroom: gateway listening on {stack.gateway_address} (data in {stack.settings.data_dir})", flush=True)
-        _print_metrics(stack.metrics_targets(), stack.settings.data_dir)
+        data_dir = stack.settings.kernel.data_dir
+        print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
+        _print_metrics(stack.metrics_targets(), data_dir)
         if args.demo_prompt is not None:
             return _generate_into(stack.gateway_address, args.demo_prompt, args)
         stopped.wait()
@@ -105,10 +107,11 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     from services.telemetry.metrics import targets_path, write_targets
 
     settings = _settings(args)
-    if not settings.database_url or not settings.nats_url:
+    kernel = settings.kernel
+    if not kernel.database_url or not kernel.nats_url:
         print("darkroom: set DARKROOM_DATABASE_URL and DARKROOM_NATS_URL", file=sys.stderr)
         return 2
-    logs.configure(settings.log_level, service="supervise", fmt=settings.log_format)
+    logs.configure(kernel.log_level, service="supervise", fmt=kernel.log_format)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
@@ -117,14 +120,14 @@ def cmd_supervise(args: argparse.Namespace) -> int:
         supervisor.add(child)
     supervisor.start()
     targets = metrics_targets(supervisor.children.values())
-    write_targets(targets_path(settings.data_dir), targets)
+    write_targets(targets_path(kernel.data_dir), targets)
     print(f"darkroom: supervising {', '.join(supervisor.children)}", flush=True)
-    _print_metrics(targets, settings.data_dir)
+    _print_metrics(targets, kernel.data_dir)
     try:
         stopped.wait()
     finally:
-        supervisor.stop(stop_order(list(supervisor.children)), timeout=settings.shutdown_grace_s + 5.0)
-        write_targets(targets_path(settings.data_dir), [])
+        supervisor.stop(stop_order(list(supervisor.children)), timeout=kernel.shutdown_grace_s + 5.0)
+        write_targets(targets_path(kernel.data_dir), [])
     return 0
 
 
@@ -135,11 +138,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from services.db.migrate import upgrade
 
-    settings = Settings.from_env()
-    if not settings.database_url:
+    kernel = KernelSettings.from_env()
+    if not kernel.database_url:
         print("darkroom: set DARKROOM_DATABASE_URL", file=sys.stderr)
         return 2
-    upgrade(settings.database_url)
+    upgrade(kernel.database_url)
     return 0
 
 
@@ -216,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     tiny.set_defaults(func=cmd_build_tiny_model)
 
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except SettingsError as exc:
+        print(f"darkroom: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

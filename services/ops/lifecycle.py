@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
-from services.config.settings import Settings, SettingsError
+from services.config.fields import Section, SettingsError
+from services.config.sections import KernelSettings
 from services.telemetry import logs, tracing
 
 # serve() returns it when the process is not fit to go on (a worker whose attempts
@@ -24,8 +25,10 @@ EXIT_UNFIT = 3
 # A setting that cannot be used: restarting will not help.
 EXIT_BAD_SETTINGS = 2
 
-Serve = Callable[[Settings, asyncio.Event], Awaitable[int | None]]
 T = TypeVar("T")
+S = TypeVar("S", bound=Section)
+# A service's serve(): the kernel's settings and its own, until ``stop`` is set.
+Serve = Callable[[KernelSettings, S, asyncio.Event], Awaitable[int | None]]
 
 
 def _dump_tasks() -> None:
@@ -52,10 +55,14 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-def run_service(name: str, serve: Serve, settings: Settings | None = None) -> None:
+def run_service(name: str, serve: Serve[S], section: type[S]) -> None:
+    """Runs service ``name`` in this process: its settings (the kernel's and its
+    ``section``) from the environment, logging, tracing, liveness, and
+    ``serve`` until SIGINT or SIGTERM."""
     logger = logging.getLogger(__name__)
     try:
-        settings = settings or Settings.from_env()
+        settings = KernelSettings.from_env()
+        own = section.from_env()
     except SettingsError as exc:
         logs.configure("INFO", service=name)
         logger.error("%s", exc)
@@ -77,7 +84,7 @@ def run_service(name: str, serve: Serve, settings: Settings | None = None) -> No
         if liveness is not None:
             alive = asyncio.create_task(show_alive(liveness, every_s=1.0))
         try:
-            return await serve(settings, stop)
+            return await serve(settings, own, stop)
         finally:
             if alive is not None:
                 alive.cancel()

@@ -9,12 +9,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Iterable
-from dataclasses import replace
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 from services.bus.dispatch import host_token
-from services.config.settings import ENV_PREFIX, Settings
+from services.config.fields import ENV_PREFIX
+from services.config.sections import Settings
 from services.ops import SERVICE_MODULES
 from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from services.ops.supervisor import Child, RestartPolicy, Supervisor
@@ -36,26 +35,29 @@ def visible_gpus() -> int:
 
 
 def restart_policy(settings: Settings) -> RestartPolicy:
+    supervisor = settings.supervisor
     return RestartPolicy(
-        backoff_s=settings.restart_backoff_s,
-        backoff_max_s=settings.restart_backoff_max_s,
-        hang_after_s=settings.hang_after_s,
-        kill_grace_s=min(settings.shutdown_grace_s, 5.0),
+        backoff_s=supervisor.restart_backoff_s,
+        backoff_max_s=supervisor.restart_backoff_max_s,
+        hang_after_s=supervisor.hang_after_s,
+        kill_grace_s=min(settings.kernel.shutdown_grace_s, 5.0),
     )
 
 
-def child(
-    settings: Settings, name: str, service: str, *, extra_env: dict[str, str] | None = None, **overrides: Any
-) -> Child:
+def child(settings: Settings, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
     """A supervised process of ``service`` (a key of SERVICE_MODULES) with these
-    settings (and overrides)."""
-    env = {**os.environ, **replace(settings, **overrides).to_env(), **(extra_env or {})}
+    settings, changed by the ``DARKROOM_*`` variables of ``env`` (checked here,
+    so that a bad one stops the caller), and the rest of ``env`` beside them."""
+    env = env or {}
+    own = settings.with_env({k: v for k, v in env.items() if k.startswith(ENV_PREFIX)})
+    others = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
+    data = settings.kernel.data_dir
     return Child(
         name,
         SERVICE_MODULES[service],
-        env,
-        settings.data_dir / "logs" / f"{name}.log",
-        settings.data_dir / "run" / f"{name}.alive",
+        {**os.environ, **own.to_env(), **others},
+        data / "logs" / f"{name}.log",
+        data / "run" / f"{name}.alive",
         service=service,
     )
 
@@ -87,7 +89,7 @@ def host_children(
     none. Worker ids come from the host and the GPU, so a restarted sampler takes
     back its own subject. Metrics ports go to the samplers first, by GPU, then to
     the decoders: a sampler's port does not move when the decoders change."""
-    ports = ports or MetricsPorts(settings.metrics_port)
+    ports = ports or MetricsPorts(settings.kernel.metrics_port)
     host = host_token()
     samplers = []
     gpus = visible_gpus()
@@ -99,10 +101,12 @@ def host_children(
                     settings,
                     f"sampler-{i}",
                     "sampler",
-                    extra_env={"CUDA_VISIBLE_DEVICES": str(i)},
-                    device="cuda:0",
-                    worker_id=f"{host}-gpu{i}",
-                    metrics_port=ports.next(),
+                    {
+                        "CUDA_VISIBLE_DEVICES": str(i),
+                        "DARKROOM_DEVICE": "cuda:0",
+                        "DARKROOM_WORKER_ID": f"{host}-gpu{i}",
+                        "DARKROOM_METRICS_PORT": str(ports.next()),
+                    },
                 )
             )
     else:
@@ -117,10 +121,12 @@ def host_children(
                     settings,
                     f"sampler-{i}",
                     "sampler",
-                    extra_env=threads,
-                    device="cpu",
-                    worker_id=f"{host}-cpu{i}",
-                    metrics_port=ports.next(),
+                    {
+                        **threads,
+                        "DARKROOM_DEVICE": "cpu",
+                        "DARKROOM_WORKER_ID": f"{host}-cpu{i}",
+                        "DARKROOM_METRICS_PORT": str(ports.next()),
+                    },
                 )
             )
     vaes = [
@@ -128,9 +134,7 @@ def host_children(
             settings,
             f"decoder-{i}",
             "decoder",
-            extra_env=threads,
-            worker_id=f"{host}-vae{i}",
-            metrics_port=ports.next(),
+            {**threads, "DARKROOM_WORKER_ID": f"{host}-decoder{i}", "DARKROOM_METRICS_PORT": str(ports.next())},
         )
         for i in range(decoders)
     ]
@@ -167,8 +171,8 @@ class LocalStack:
         self.postgres: EmbeddedPostgres | None = None
         self.nats: EmbeddedNats | None = None
         self.supervisor = Supervisor(restart_policy(settings))
-        self.log_dir = settings.data_dir / "logs"
-        self.metrics_ports = MetricsPorts(settings.metrics_port)
+        self.log_dir = settings.kernel.data_dir / "logs"
+        self.metrics_ports = MetricsPorts(settings.kernel.metrics_port)
 
     @property
     def services(self) -> dict[str, Child]:
@@ -176,52 +180,52 @@ class LocalStack:
 
     @property
     def gateway_address(self) -> str:
-        return f"{self.settings.gateway_host}:{self.settings.gateway_port}"
+        return f"{self.settings.gateway.host}:{self.settings.gateway.port}"
 
     @property
     def pg_url(self) -> str:
         """The database URL for psycopg (no SQLAlchemy driver suffix)."""
-        return self.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+        return self.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
 
     def start_backends(self) -> None:
-        data = self.settings.data_dir
+        data = self.settings.kernel.data_dir
         data.mkdir(parents=True, exist_ok=True)
-        if not self.settings.database_url:
+        if not self.settings.kernel.database_url:
             self.postgres = EmbeddedPostgres(data, durable=self.durable)
             self.postgres.start()
-            self.settings = replace(self.settings, database_url=self.postgres.url)
-        if not self.settings.nats_url:
+            self.settings = self.settings.with_env({"DARKROOM_DATABASE_URL": self.postgres.url})
+        if not self.settings.kernel.nats_url:
             self.nats = EmbeddedNats(data)
             self.nats.start()
-            self.settings = replace(self.settings, nats_url=self.nats.url)
+            self.settings = self.settings.with_env({"DARKROOM_NATS_URL": self.nats.url})
         from services.db.migrate import upgrade
 
-        upgrade(self.settings.database_url)
+        upgrade(self.settings.kernel.database_url)
 
     def metrics_targets(self) -> list[Target]:
         return metrics_targets(self.services.values())
 
-    def add(self, name: str, module: str, **overrides: Any) -> Child:
-        """Starts one more supervised service process, with a metrics port of its own."""
-        if "metrics_port" not in overrides:
-            overrides["metrics_port"] = self.metrics_ports.next()
-        added = self.supervisor.add(child(self.settings, name, module, **overrides))
-        write_targets(targets_path(self.settings.data_dir), self.metrics_targets())
+    def add(self, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
+        """Starts one more supervised process of ``service``, with ``env`` changing
+        its settings (see ``child``) and a metrics port of its own."""
+        env = {"DARKROOM_METRICS_PORT": str(self.metrics_ports.next()), **(env or {})}
+        added = self.supervisor.add(child(self.settings, name, service, env))
+        write_targets(targets_path(self.settings.kernel.data_dir), self.metrics_targets())
         return added
 
     def start(self, timeout: float = 120.0) -> None:
         self.start_backends()
-        if not self.settings.gateway_port:
-            self.settings = replace(self.settings, gateway_port=free_port())
+        if not self.settings.gateway.port:
+            self.settings = self.settings.with_env({"DARKROOM_GATEWAY_PORT": str(free_port())})
         # Build models once, up front, rather than in every process that needs them.
         from services.models.registry import BUILTIN_TINY, ModelRegistry, ensure_tiny_model
 
-        registry = ModelRegistry.load(self.settings.model_registry or None)
-        builtin = tuple(s.name for s in registry.models.values() if s.source == BUILTIN_TINY)
+        registry = ModelRegistry.load(self.settings.kernel.model_registry or None)
+        builtin = [s.name for s in registry.models.values() if s.source == BUILTIN_TINY]
         for name in builtin:
-            ensure_tiny_model(self.settings.models_dir / name)
-        if not self.settings.preload_models:
-            self.settings = replace(self.settings, preload_models=builtin)
+            ensure_tiny_model(self.settings.kernel.models_dir / name)
+        if not self.settings.sampler.preload_models:
+            self.settings = self.settings.with_env({"DARKROOM_PRELOAD_MODELS": ",".join(builtin)})
         # Metrics ports in a fixed order: gateway, scheduler, samplers, decoders.
         gateway_metrics, scheduler_metrics = self.metrics_ports.next(), self.metrics_ports.next()
         host = host_children(
@@ -229,8 +233,8 @@ class LocalStack:
         )
         for c in host:
             self.supervisor.add(c)
-        self.add("scheduler", "scheduler", metrics_port=scheduler_metrics)
-        self.add("gateway", "gateway", metrics_port=gateway_metrics)
+        self.add("scheduler", "scheduler", {"DARKROOM_METRICS_PORT": str(scheduler_metrics)})
+        self.add("gateway", "gateway", {"DARKROOM_METRICS_PORT": str(gateway_metrics)})
         self.supervisor.start()
         self.wait_ready(timeout)
 
@@ -268,9 +272,9 @@ class LocalStack:
 
     def stop(self) -> None:
         # Samplers get their drain's grace before SIGKILL.
-        self.supervisor.stop(stop_order(list(self.services)), timeout=self.settings.shutdown_grace_s + 5.0)
+        self.supervisor.stop(stop_order(list(self.services)), timeout=self.settings.kernel.shutdown_grace_s + 5.0)
         # A stopped stack is no target: an alert on `up == 0` then means a crash, not Ctrl-C.
-        write_targets(targets_path(self.settings.data_dir), [])
+        write_targets(targets_path(self.settings.kernel.data_dir), [])
         if self.nats is not None:
             self.nats.stop()
         if self.postgres is not None:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.config.settings import ENV_PREFIX
+from services.config.fields import ENV_PREFIX
 from services.ops.embedded import ManagedProcess
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
 
-from services.config.settings import Settings
+from services.config.sections import KernelSettings
 from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def observe_gpu(worker_id: str, reading: GpuReading) -> None:
             GPU_THROTTLED.remove(worker_id, reason)
 
 
-def serve_metrics(settings: Settings, service: str) -> WSGIServer | None:
+def serve_metrics(settings: KernelSettings, service: str) -> WSGIServer | None:
     """Serves ``/metrics`` on ``settings.metrics_port`` from a thread of its own (0:
     not at all); returns the server, to shut down where the process goes on. A
     port that cannot be had is logged, not fatal: an observer's port is no reason

@@ -38,7 +38,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from services.config.settings import Settings
+from services.config.sections import KernelSettings
 from services.db.records import JobRecord, JobSummary, NewJob
 
 # What each service process is called in a trace, by its ``run_service`` name.
@@ -71,7 +71,7 @@ class _Exporting:
 _exporting: _Exporting | None = None
 
 
-def start(process: str, settings: Settings, *, exporter: SpanExporter | None = None) -> None:
+def start(process: str, settings: KernelSettings, *, exporter: SpanExporter | None = None) -> None:
     """Sets up this process's export, once at its start; nothing at all without an
     endpoint. ``exporter`` replaces the OTLP one (tests). The ``OTEL_BSP_*`` and
     ``OTEL_EXPORTER_OTLP_*`` variables (delay, queue, headers, certificates) apply."""

@@ -20,11 +20,12 @@ import psutil
 import psycopg
 from PIL import Image
 
-from services.config.settings import Settings
+from services.config.sections import Settings
 from services.ops.stack import LocalStack
 from services.rpc.client import GeneratedImage, StreamLog, follow, submit
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from tests.helpers import env_of
 
 # Failures noticed in seconds rather than the production defaults' tens of seconds.
 FAST: dict[str, Any] = {
@@ -48,7 +49,8 @@ def fault_stack(
 ) -> LocalStack:
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "models").symlink_to(models_dir, target_is_directory=True)
-    settings = Settings(data_dir=data_dir, database_url=database_url, gateway_port=0, **{**FAST, **overrides})
+    base = env_of(data_dir=data_dir, database_url=database_url, gateway_port=0, **{**FAST, **overrides})
+    settings = Settings.from_env(base)
     return LocalStack(settings, cpu_workers=samplers, decoders=decoders, durable=False)
 
 

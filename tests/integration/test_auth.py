@@ -11,14 +11,14 @@ from services.ops.embedded import free_port
 from services.ops.stack import child
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from tests.helpers import wait_for
+from tests.helpers import env_of, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 def test_api_key_required(stack) -> None:
     port = free_port()
-    gateway = child(stack.settings, "gateway-auth", "gateway", gateway_port=port, api_keys=("s3cret",))
+    gateway = child(stack.settings, "gateway-auth", "gateway", env_of(gateway_port=port, api_keys=("s3cret",)))
     gateway.start()
     try:
         ch = grpc.insecure_channel(f"127.0.0.1:{port}")

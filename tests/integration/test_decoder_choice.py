@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from gpu_worker.decoders import Decoders, DecodeUnavailable
-from services.config.settings import Settings
+from services.config.sections import DecoderSettings, KernelSettings
 from services.db.migrate import upgrade
 from services.db.records import JobRecord, WorkerHeartbeat, WorkerRecord
 from services.db.repository import Repository
@@ -32,6 +32,7 @@ from services.ops.embedded import EmbeddedPostgres, free_port
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import channel
 from tests.conftest import fresh_database
+from tests.helpers import env_of
 from tests.integration.test_decoder_service import flat_vae_registry
 from vae_worker.service import serve
 
@@ -85,18 +86,18 @@ async def decoder_service(
     data_dir: Path, database_url: str, repo: Repository, worker_id: str, **overrides: Any
 ) -> AsyncIterator[str]:
     """A decoder service running until the block ends; yields its address once registered."""
-    settings = Settings(
+    env = env_of(
         data_dir=data_dir,
         database_url=database_url,
         device="cpu",
-        vae_port=0,
+        decoder_port=0,
         worker_id=worker_id,
         heartbeat_interval_s=0.1,
         shutdown_grace_s=0.0,
         **overrides,
     )
     stop = asyncio.Event()
-    service = asyncio.create_task(serve(settings, stop))
+    service = asyncio.create_task(serve(KernelSettings.from_env(env), DecoderSettings.from_env(env), stop))
     try:
         registered = await until(
             lambda: decoders_by_id(repo), lambda ds: worker_id in ds, what=f"{worker_id} to register"

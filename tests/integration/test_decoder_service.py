@@ -9,7 +9,7 @@ import io
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,11 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from services.config.settings import Settings
+from services.config.sections import DecoderSettings
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
-from tests.helpers import wait_for
+from tests.helpers import env_of, wait_for
 from vae_worker.decode_batches import DecodeBatcher
 from vae_worker.service import batcher_for, create_server
 
@@ -49,8 +49,9 @@ def data_dir(tmp_path: Path, models_dir: Path) -> Path:
 
 @asynccontextmanager
 async def decoder_service(data_dir: Path, registry: Path | None = None, **overrides: Any) -> AsyncIterator[Decoder]:
-    settings = replace(Settings(vae_port=0, data_dir=data_dir), **overrides)
-    batcher = batcher_for(settings, VaeDecoderEngine.from_settings(settings, ModelRegistry.load(registry), CPU))
+    settings = DecoderSettings.from_env(env_of(decoder_port=0, **overrides))
+    engine = VaeDecoderEngine.from_settings(settings.decode, ModelRegistry.load(registry), data_dir / "models", CPU)
+    batcher = batcher_for(settings, engine)
     server = create_server(settings, batcher)
     await server.grpc.start()
     try:

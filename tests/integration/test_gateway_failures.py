@@ -14,7 +14,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from gateway.service import create_server
-from services.config.settings import Settings
+from services.config.sections import GatewaySettings, KernelSettings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.models.registry import ModelRegistry
@@ -28,9 +28,10 @@ Stub = image_generation_pb2_grpc.ImageGenerationStub
 
 
 async def serving(database_url: str) -> AsyncIterator[image_generation_pb2_grpc.ImageGenerationStub]:
-    settings = Settings(database_url=database_url, gateway_port=0)
     repo = Repository(database_url, pool_size=1)
-    server, servicer = create_server(settings, repo, ModelRegistry.load())
+    server, servicer = create_server(
+        KernelSettings(database_url=database_url), GatewaySettings(port=0), repo, ModelRegistry.load()
+    )
     await server.grpc.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:

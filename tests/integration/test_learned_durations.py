@@ -25,7 +25,7 @@ RUNS = 3
 
 
 def learned(stack: LocalStack) -> dict[tuple[str, str], tuple[float, int]]:
-    url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    url = stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(url) as conn:
         rows = conn.execute("SELECT kind, key, mean, count FROM learned_estimates").fetchall()
     return {(kind, key): (float(mean), int(count)) for kind, key, mean, count in rows}

@@ -18,7 +18,7 @@ from services.models.registry import ModelRegistry
 from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import env_of, stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -53,9 +53,7 @@ def test_bad_outputs_fail_the_attempt_retry_elsewhere_and_restart_the_worker(
         stack.add(
             "sampler-broken",
             "sampler",
-            worker_id="broken",
-            model_registry=str(poisoned_registry(models_dir, tmp_path)),
-            preload_models=(),
+            env_of(worker_id="broken", model_registry=poisoned_registry(models_dir, tmp_path), preload_models=()),
         )
         stack.wait_ready(60, samplers=1)
         request: dict[str, Any] = dict(model="tiny", width=64, height=64, steps=3)
@@ -78,7 +76,7 @@ def test_bad_outputs_fail_the_attempt_retry_elsewhere_and_restart_the_worker(
             what="the broken sampler to be restarted by its supervisor",
         )
         assert stats["broken"].restarts >= 1
-        stack.add("sampler-good", "sampler", worker_id="good")
+        stack.add("sampler-good", "sampler", env_of(worker_id="good"))
         for job_id in ids:
             job = wait_terminal(client, job_id)
             assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
@@ -102,7 +100,9 @@ def test_a_pinned_model_is_warmed_up_before_the_worker_reports_ready(
     try:
         client = stub(stack)
         registry = str(poisoned_registry(models_dir, tmp_path))
-        stack.add("sampler-broken", "sampler", worker_id="broken", model_registry=registry, preload_models=("tiny",))
+        stack.add(
+            "sampler-broken", "sampler", env_of(worker_id="broken", model_registry=registry, preload_models=("tiny",))
+        )
         stats = wait_for(
             lambda: {w.worker_id: w for w in client.GetStats(pb.GetStatsRequest()).workers},
             lambda ws: "broken" in ws and ws["broken"].restarts >= 2,

@@ -140,7 +140,7 @@ def test_prometheus_scrapes_every_service(prometheus_binary: str, stack: LocalSt
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     workers = {w.worker_id: w for w in client.GetStats(pb.GetStatsRequest()).workers}
 
-    targets = targets_path(stack.settings.data_dir)
+    targets = targets_path(stack.settings.kernel.data_dir)
     listed = json.loads(targets.read_text())
     assert {group["labels"]["service"] for group in listed} == SERVICES
     assert len(listed) == len(stack.services)

@@ -73,7 +73,7 @@ def test_worker_gone_for_good_is_forgotten_and_can_come_back(
         wait_for(row_exists, lambda exists: not exists, timeout=30, what="the worker's row to be forgotten")
 
         async def consumers() -> set[str]:
-            nc = await nats.connect(stack.settings.nats_url)
+            nc = await nats.connect(stack.settings.kernel.nats_url)
             try:
                 return {c.name for c in await nc.jetstream().consumers_info(DISPATCH_STREAM)}
             finally:

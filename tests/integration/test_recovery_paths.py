@@ -114,14 +114,14 @@ def test_malformed_dispatch_is_terminated_and_the_worker_carries_on(stack: Local
     [worker_id] = stack.sampler_ids()
 
     async def publish_garbage() -> None:
-        nc = await nats.connect(stack.settings.nats_url)
+        nc = await nats.connect(stack.settings.kernel.nats_url)
         try:
             await nc.jetstream().publish(dispatch_subject(worker_id), b"{not json", stream=DISPATCH_STREAM)
         finally:
             await nc.close()
 
     async def messages_left() -> int:
-        nc = await nats.connect(stack.settings.nats_url)
+        nc = await nats.connect(stack.settings.kernel.nats_url)
         try:
             return (await nc.jetstream().stream_info(DISPATCH_STREAM)).state.messages
         finally:

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
@@ -35,7 +35,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.ops.supervisor import Child
 from tests.conftest import make_stack
-from tests.helpers import wait_for
+from tests.helpers import env_of, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +101,7 @@ class Audit:
 
 
 def pg_url(stack: LocalStack) -> str:
-    return stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    return stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
 
 
 def seed_workers(conn: psycopg.Connection) -> None:
@@ -169,17 +169,18 @@ def is_stopped(pid: int) -> bool:
 def new_stack(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> LocalStack:
     stack = make_stack(tmp_path, postgres, models_dir)
     stack.start_backends()
-    stack.settings = replace(
-        stack.settings,
-        # Fake workers never take jobs off their backlog: let them hold any number.
-        worker_backlog=100_000,
-        scheduler_batch=16,
-        worker_stale_after_s=3600,
-        scheduler_interval_s=0.01,
-        # Nothing here starts a job, so redispatch would publish every SCHEDULED job
-        # again: keep it out, so the audit counts placements only.
-        redispatch_after_s=3600,
-        log_level="DEBUG",
+    stack.settings = stack.settings.with_env(
+        env_of(
+            # Fake workers never take jobs off their backlog: let them hold any number.
+            worker_backlog=100_000,
+            scheduler_batch=16,
+            worker_stale_after_s=3600,
+            scheduler_interval_s=0.01,
+            # Nothing here starts a job, so redispatch would publish every SCHEDULED job
+            # again: keep it out, so the audit counts placements only.
+            redispatch_after_s=3600,
+            log_level="DEBUG",
+        )
     )
     return stack
 
@@ -266,7 +267,7 @@ def assert_dispatched_once(conn: psycopg.Connection, audit: Audit) -> int:
 
 def test_frozen_replica_lock_is_released_and_other_replica_takes_over(tmp_path, postgres, models_dir) -> None:
     stack = new_stack(tmp_path, postgres, models_dir)
-    audit = Audit(stack.settings.nats_url)
+    audit = Audit(stack.settings.kernel.nats_url)
     try:
         with psycopg.connect(pg_url(stack), autocommit=True) as db, frozen_processes() as stopped:
             seed_workers(db)
@@ -340,7 +341,7 @@ def test_frozen_replica_lock_is_released_and_other_replica_takes_over(tmp_path, 
 
 def test_killed_replica_other_takes_over(tmp_path, postgres, models_dir) -> None:
     stack = new_stack(tmp_path, postgres, models_dir)
-    audit = Audit(stack.settings.nats_url)
+    audit = Audit(stack.settings.kernel.nats_url)
     url = pg_url(stack)
     feeding = threading.Event()
     feeder_errors: list[BaseException] = []

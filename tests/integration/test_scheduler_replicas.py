@@ -6,7 +6,6 @@ import asyncio
 import collections
 import json
 import uuid
-from dataclasses import replace
 
 import nats
 import psycopg
@@ -17,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.bus.dispatch import DISPATCH_STREAM
 from services.ops.stack import LocalStack
 from tests.conftest import make_stack
-from tests.helpers import metrics_text, wait_for
+from tests.helpers import env_of, metrics_text, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -82,18 +81,14 @@ async def read_dispatches(url: str) -> list[tuple[str, dict]]:
 def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, models_dir) -> None:
     stack: LocalStack = make_stack(tmp_path, postgres, models_dir)
     stack.start_backends()
-    stack.settings = replace(
-        stack.settings,
-        worker_backlog=10_000,
-        scheduler_batch=16,
-        worker_stale_after_s=3600,
-        scheduler_interval_s=0.01,
+    stack.settings = stack.settings.with_env(
+        env_of(worker_backlog=10_000, scheduler_batch=16, worker_stale_after_s=3600, scheduler_interval_s=0.01)
     )
-    db_url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    db_url = stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
     try:
         ports = {"a": stack.metrics_ports.next(), "b": stack.metrics_ports.next()}
-        a = stack.add("scheduler-a", "scheduler", metrics_port=ports["a"])
-        b = stack.add("scheduler-b", "scheduler", metrics_port=ports["b"])
+        a = stack.add("scheduler-a", "scheduler", env_of(metrics_port=ports["a"]))
+        b = stack.add("scheduler-b", "scheduler", env_of(metrics_port=ports["b"]))
         # Both replicas are up before there is work: otherwise the first could drain
         # the queue while the second still starts, and nothing would be contended.
         with psycopg.connect(db_url, autocommit=True) as conn:
@@ -116,7 +111,7 @@ def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, mode
             timeout=10,
             what="the placements to be counted",
         )
-        dispatches = asyncio.run(read_dispatches(stack.settings.nats_url))
+        dispatches = asyncio.run(read_dispatches(stack.settings.kernel.nats_url))
         with psycopg.connect(db_url) as conn:
             rows: dict[str, str] = dict(
                 conn.execute("SELECT id, worker_id FROM jobs WHERE status = 'SCHEDULED' AND attempt = 1").fetchall()

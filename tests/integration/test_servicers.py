@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -13,7 +12,7 @@ import torch
 
 from gpu_worker.service import create_server as create_sampler_server
 from gpu_worker.tracker import JobTracker, StopReason
-from services.config.settings import Settings
+from services.config.sections import DecoderSettings, SamplerSettings
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
@@ -26,13 +25,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 async def sampler() -> AsyncIterator[sampler_pb2_grpc.SamplerStub]:
-    async for ch in channel_to(create_sampler_server(Settings(worker_port=0), JobTracker())):
+    async for ch in channel_to(create_sampler_server(SamplerSettings(port=0), JobTracker())):
         yield sampler_pb2_grpc.SamplerStub(ch)
 
 
 @pytest.fixture
 async def decoder(models_dir: Path) -> AsyncIterator[vae_decoder_pb2_grpc.VaeDecoderStub]:
-    settings = replace(Settings(vae_port=0), data_dir=models_dir.parent)
+    settings = DecoderSettings(port=0)
     engine = VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu"))
     async for ch in channel_to(create_decoder_server(settings, batcher_for(settings, engine))):
         yield vae_decoder_pb2_grpc.VaeDecoderStub(ch)
@@ -52,7 +51,7 @@ async def test_suspend_reaches_only_the_attempt_asked_for_while_it_samples() -> 
     tracker = JobTracker()
     sampling, sampled = tracker.open("j1", 2), tracker.open("j2", 1)
     sampled.sampled = True
-    async for ch in channel_to(create_sampler_server(Settings(worker_port=0), tracker)):
+    async for ch in channel_to(create_sampler_server(SamplerSettings(port=0), tracker)):
         sampler = sampler_pb2_grpc.SamplerStub(ch)
         assert not await suspend(sampler, "j1", 1), "an older attempt of it"
         assert not await suspend(sampler, "j2", 1), "its latents are out: nothing left to suspend"

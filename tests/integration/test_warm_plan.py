@@ -38,7 +38,7 @@ def two_model_registry(path: Path) -> Path:
 
 
 def samplers(stack: LocalStack) -> list[dict[str, Any]]:
-    url = stack.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    url = stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
     with psycopg.connect(url) as conn:
         rows = conn.execute(
             "SELECT id, warm_models, planned_models, primary_model FROM workers "

@@ -59,6 +59,7 @@ demand_window_s = 180
 resume_s = 0.5
 
 [darkroom]
+backlog_limit = 0
 best_effort = ["video", "free"]
 capability_targets = { image = 20 }
 capability_caps = { video = 1 }

@@ -12,7 +12,8 @@ import pytest
 
 from scheduler.admission import Estimate, Refusal, admit, estimate
 from scheduler.estimates import Durations, Learned
-from scheduler.policy import Fleet, JobView, ModelCost, PolicyConfig, WorkerView
+from scheduler.policy import Fleet, JobView, ModelCost, WorkerView
+from services.config.placement import PlacementSettings
 
 GB = 1024**3
 COSTS = {
@@ -21,7 +22,7 @@ COSTS = {
     "big": ModelCost("image", step_s_512=0.1, load_s=20.0, vram_bytes=30 * GB),
 }
 FLEET = Fleet(COSTS)
-CONFIG = PolicyConfig()  # paid: 120 s, free: 300 s
+CONFIG = PlacementSettings()  # paid: 120 s, free: 300 s
 
 
 def job(model: str = "sd", **overrides: Any) -> JobView:

@@ -10,14 +10,15 @@ from dataclasses import replace
 from typing import Any
 
 from scheduler.estimates import Durations, Learned, Shape
-from scheduler.policy import Fleet, JobView, ModelCost, PolicyConfig, WorkerView, place, plan
+from scheduler.policy import Fleet, JobView, ModelCost, WorkerView, place, plan
+from services.config.placement import PlacementSettings
 
 GB = 1024**3
 SD = ModelCost("image", step_s_512=0.05, load_s=8.0, vram_bytes=4 * GB, max_batch=4)
 PIXELS = 512 * 512
 BATCHED = Durations(shapes={Shape("sd", PIXELS, 20, k).key: Learned(1 + 0.2 * (k - 1), 10) for k in range(1, 5)})
 KEY = ("sd", 512, 512, 20, 7.5)
-CONFIG = PolicyConfig(backlog_limit=1)
+CONFIG = PlacementSettings(backlog_limit=1)
 
 
 def job(jid: str, **overrides: Any) -> JobView:

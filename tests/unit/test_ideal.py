@@ -25,6 +25,7 @@ scan = [0.4, 0.6, 0.7, 0.85, 1.0]
 p99_limit_s = 45
 
 [darkroom]
+backlog_limit = 0
 best_effort = ["video"]
 capability_caps = { video = 1 }
 [darkroom.lanes.paid]

@@ -18,20 +18,17 @@ from scheduler.policy import (
     Candidate,
     Fleet,
     JobView,
-    Lane,
     ModelCost,
     Placement,
-    PolicyConfig,
     WorkerView,
     eviction_cost,
     off_share,
     order_queue,
     place,
 )
-from scheduler.preemption import PreemptionConfig, RunningView, choose_preemptions
-from scheduler.views import policy_config, preemption_config
+from scheduler.preemption import RunningView, choose_preemptions
 from scheduler.warm_planner import GpuView, Submitted, forecast, plan_warm_sets
-from services.config.settings import Settings, SettingsError
+from services.config.placement import Lane, PlacementSettings, PreemptionSettings
 
 GB = 1024**3
 COSTS = {
@@ -39,7 +36,7 @@ COSTS = {
     "xl": ModelCost("image", step_s_512=0.1, load_s=12.0, vram_bytes=12 * GB),
     "vid": ModelCost("video", step_s_512=0.5, load_s=30.0, vram_bytes=16 * GB),
 }
-CLASSES = PolicyConfig(
+CLASSES = PlacementSettings(
     lanes=(Lane("paid", 10, target_s=10.0), Lane("free", 0, target_s=30.0), Lane("batch", 0)),
     best_effort=frozenset({"video"}),
     capability_targets=(("upscale", 5.0),),
@@ -76,35 +73,7 @@ def test_a_job_s_target_is_its_lane_s_unless_its_capability_says_otherwise() -> 
     # Best effort wins over any lane's target, and a lane without one is best effort.
     assert CLASSES.target_s("paid", "video") is None
     assert CLASSES.target_s("batch", "image") is None
-    assert CLASSES.has_targets and not PolicyConfig().has_targets
-
-
-def test_lanes_with_targets_and_best_effort_come_from_settings() -> None:
-    settings = Settings(
-        lanes=("paid:10:120:8", "free:0:300"), best_effort=("video",), capability_targets=("upscale:4",)
-    )
-    config = policy_config(settings)
-    assert config.lanes == (Lane("paid", 10, 120.0, 8.0), Lane("free", 0, 300.0, None))
-    assert config.best_effort == {"video"} and config.capability_targets == (("upscale", 4.0),)
-    assert preemption_config(replace(settings, preempt_for_targets=True)).for_targets
-
-
-@pytest.mark.parametrize(
-    ("changes", "variable"),
-    [
-        ({"lanes": ("paid:10:120:0",)}, "DARKROOM_LANES"),
-        ({"lanes": ("paid:10:120:8:9",)}, "DARKROOM_LANES"),
-        ({"capability_targets": ("upscale",)}, "DARKROOM_CAPABILITY_TARGETS"),
-    ],
-)
-def test_a_bad_target_names_its_variable(changes: dict[str, Any], variable: str) -> None:
-    with pytest.raises(SettingsError, match=variable):
-        policy_config(Settings(**changes))
-
-
-def test_a_best_effort_name_that_is_neither_lane_nor_capability_is_refused() -> None:
-    with pytest.raises(SettingsError, match="DARKROOM_BEST_EFFORT names 'vidoe'"):
-        preemption_config(Settings(best_effort=("vidoe",)), capabilities={"image", "video"})
+    assert CLASSES.has_targets and not PlacementSettings().has_targets
 
 
 # -- queue order --------------------------------------------------------------------
@@ -165,7 +134,7 @@ def test_a_best_effort_model_the_plan_gives_no_gpu_may_evict_on_an_idle_one() ->
 def test_without_targets_best_effort_runs_anywhere() -> None:
     video = job("v", "vid")
     busy = worker("img", warm=("sd",), planned=("sd",), held_jobs=1, held_work_s=1.0)
-    assert not off_share(video, busy, Fleet(COSTS, planned={"vid": 1}), PolicyConfig())
+    assert not off_share(video, busy, Fleet(COSTS, planned={"vid": 1}), PlacementSettings())
 
 
 def test_before_the_first_plan_best_effort_takes_only_idle_gpus_with_room() -> None:
@@ -245,7 +214,7 @@ def test_best_effort_models_are_planned_only_where_they_are_primary() -> None:
 
 # -- preemption by targets ----------------------------------------------------------
 
-FOR_TARGETS = PreemptionConfig(for_targets=True, target_share=1.0)
+FOR_TARGETS = PreemptionSettings(for_targets=True, target_share=1.0)
 NOW = 100.0
 
 
@@ -262,7 +231,7 @@ def waiting(
 
 
 def choose(
-    item: tuple[JobView, str, Placement], running: list[RunningView], config: PreemptionConfig = FOR_TARGETS
+    item: tuple[JobView, str, Placement], running: list[RunningView], config: PreemptionSettings = FOR_TARGETS
 ) -> list[str]:
     workers = [worker("a", warm=("sd",))]
     chosen = choose_preemptions([item], running, config, now=NOW, workers=workers, fleet=Fleet(COSTS))
@@ -283,7 +252,7 @@ def test_a_job_that_makes_its_target_suspends_nothing() -> None:
 def test_would_miss_means_passing_a_share_of_the_target() -> None:
     # Done in 4 s against a 10 s target: it makes it, but not within 30 % of it.
     assert choose(waiting(4.0), [video_on("a")]) == []
-    assert choose(waiting(4.0), [video_on("a")], PreemptionConfig(for_targets=True)) == ["v-a"]
+    assert choose(waiting(4.0), [video_on("a")], PreemptionSettings(for_targets=True)) == ["v-a"]
 
 
 def test_a_job_no_worker_can_take_now_asks_nothing() -> None:

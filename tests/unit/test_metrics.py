@@ -24,7 +24,7 @@ from gateway import metrics as gateway_metrics
 from gpu_worker import metrics as sampler_metrics
 from scheduler import metrics as scheduler_metrics
 from scheduler.job_gauges import job_gauges_loop, show
-from services.config.settings import Settings
+from services.config.sections import KernelSettings, Settings
 from services.db.records import LaneCount
 from services.db.states import JobStatus
 from services.errors import StoreUnavailable
@@ -32,6 +32,7 @@ from services.ops.stack import MetricsPorts, child, metrics_target
 from services.telemetry import metrics
 from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
 from services.telemetry.metrics import Target, observe_gpu, serve_metrics, write_targets
+from tests.helpers import env_of
 from vae_worker import metrics as decoder_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -238,8 +239,8 @@ def test_children_get_consecutive_ports_from_a_first_one_or_free_ones(tmp_path: 
     free = MetricsPorts(0)
     ports = [free.next() for _ in range(20)]
     assert len(set(ports)) == 20 and all(p > 0 for p in ports)
-    settings = Settings(data_dir=tmp_path, metrics_port=9400)
-    c = child(settings, "decoder-1", "decoder", metrics_port=9405)
+    settings = Settings.from_env(env_of(data_dir=tmp_path, metrics_port=9400))
+    c = child(settings, "decoder-1", "decoder", env_of(metrics_port=9405))
     target = metrics_target(c)
     assert target is not None and (target.service, target.child, target.address) == (
         "decoder",
@@ -247,30 +248,30 @@ def test_children_get_consecutive_ports_from_a_first_one_or_free_ones(tmp_path: 
         "127.0.0.1:9405",
     )
     assert target.url == "http://127.0.0.1:9405/metrics"
-    assert metrics_target(child(settings, "gateway", "gateway", metrics_port=0)) is None
-    everywhere = metrics_target(child(settings, "gateway", "gateway", metrics_host="0.0.0.0"))
+    assert metrics_target(child(settings, "gateway", "gateway", env_of(metrics_port=0))) is None
+    everywhere = metrics_target(child(settings, "gateway", "gateway", env_of(metrics_host="0.0.0.0")))
     assert everywhere is not None and everywhere.address == f"{socket.getfqdn()}:9400"
 
 
 def test_the_metrics_port_setting() -> None:
-    assert Settings().metrics_port == 0  # a bare service serves none
-    assert Settings.from_env({"DARKROOM_METRICS_PORT": "9464"}).metrics_port == 9464
+    assert KernelSettings().metrics_port == 0  # a bare service serves none
+    assert KernelSettings.from_env({"DARKROOM_METRICS_PORT": "9464"}).metrics_port == 9464
     with pytest.raises(ValueError, match="DARKROOM_METRICS_PORT"):
-        Settings.from_env({"DARKROOM_METRICS_PORT": "-1"})
+        KernelSettings.from_env({"DARKROOM_METRICS_PORT": "-1"})
 
 
 def test_a_service_serves_its_metrics_and_survives_a_taken_port(caplog: pytest.LogCaptureFixture) -> None:
-    assert serve_metrics(Settings(metrics_port=0), "gateway") is None
+    assert serve_metrics(KernelSettings(metrics_port=0), "gateway") is None
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert serve_metrics(Settings(metrics_port=port), "gateway") is None
+        assert serve_metrics(KernelSettings(metrics_port=port), "gateway") is None
     assert "cannot serve metrics" in caplog.text
     from services.ops.embedded import free_port
 
     port = free_port()
-    server = serve_metrics(Settings(metrics_port=port), "gateway")
+    server = serve_metrics(KernelSettings(metrics_port=port), "gateway")
     assert server is not None
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:

@@ -18,7 +18,6 @@ from scheduler.policy import (
     JobView,
     ModelCost,
     Placement,
-    PolicyConfig,
     WorkerView,
     capped_out,
     eviction_cost,
@@ -28,6 +27,7 @@ from scheduler.policy import (
     plan,
     thermal_factor,
 )
+from services.config.placement import PlacementSettings
 
 GB = 1024**3
 COSTS = {
@@ -36,8 +36,8 @@ COSTS = {
     "big": ModelCost("image", step_s_512=0.1, load_s=20.0, vram_bytes=30 * GB),
     "vid": ModelCost("video", step_s_512=0.5, load_s=30.0, vram_bytes=12 * GB),  # 10 s per job
 }
-CONFIG = PolicyConfig()
-VIDEO_CAP = PolicyConfig(capability_caps=(("video", 1),))
+CONFIG = PlacementSettings()
+VIDEO_CAP = PlacementSettings(capability_caps=(("video", 1),))
 
 
 def job(jid: str = "j", model: str = "sd", **overrides: Any) -> JobView:

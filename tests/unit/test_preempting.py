@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from scheduler import policy
-from scheduler.preemption import PreemptionConfig
 from scheduler.suspend_requests import PassView, waiting_for_room
+from services.config.placement import PreemptionSettings
 from services.db.records import JobSummary
 from tests.records import summary
 
-CONFIG = PreemptionConfig(preemptible=frozenset({"free"}), preempting_lanes=frozenset({"paid"}))
+CONFIG = PreemptionSettings(preemptible=frozenset({"free"}), preempting_lanes=frozenset({"paid"}))
 
 
 def in_queue(job_id: str, lane: str) -> JobSummary:

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from scheduler.estimates import Durations, Learned
-from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, PolicyConfig, WorkerView, plan
-from scheduler.preemption import Preemption, PreemptionConfig, RunningView, choose_preemptions, estimated_wait
-from scheduler.views import job_view, preemption_config, running_views
-from services.config.settings import Settings, SettingsError
+from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, WorkerView, plan
+from scheduler.preemption import Preemption, RunningView, choose_preemptions, estimated_wait
+from scheduler.views import job_view, running_views
+from services.config.placement import PlacementSettings, PreemptionSettings
 from services.db.records import RunningJob
 from tests import records
 
@@ -34,7 +34,7 @@ COSTS = {
     "vid": ModelCost("video", step_s_512=1.0, load_s=12.0, vram_bytes=12 * GB),
 }
 FLEET = Fleet(COSTS)
-CONFIG = PreemptionConfig(preemptible=frozenset({"video"}), preempting_lanes=frozenset({"paid"}))
+CONFIG = PreemptionSettings(preemptible=frozenset({"video"}), preempting_lanes=frozenset({"paid"}))
 
 
 def job(jid: str = "urgent", model: str = "sd", **overrides: Any) -> JobView:
@@ -74,7 +74,7 @@ def waits(jid: str = "urgent", lane: str = "paid", **finish: float | None) -> tu
 def choose(
     waiting: list[tuple[JobView, str, Placement]],
     jobs: list[RunningView],
-    config: PreemptionConfig = CONFIG,
+    config: PreemptionSettings = CONFIG,
     workers: list[WorkerView] | None = None,
 ) -> list[Preemption]:
     if workers is None:
@@ -104,13 +104,13 @@ def test_an_urgent_job_behind_long_videos_suspends_one() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        PreemptionConfig(),
+        PreemptionSettings(),
         replace(CONFIG, preemptible=frozenset()),
         replace(CONFIG, preempting_lanes=frozenset()),
         replace(CONFIG, max_preemptions=0),
     ],
 )
-def test_nothing_is_preempted_when_preemption_is_disabled(config: PreemptionConfig) -> None:
+def test_nothing_is_preempted_when_preemption_is_disabled(config: PreemptionSettings) -> None:
     assert not config.enabled
     assert choose([waits(a=31.0, b=31.0)], BUSY, config) == []
 
@@ -298,7 +298,7 @@ def test_plan_leaves_an_urgent_job_queued_behind_videos_and_the_rule_frees_a_gpu
         for w in ("a", "b")
     ]
     urgent = job(queued_at=99.0)
-    placements = plan([urgent], busy, FLEET, PolicyConfig(backlog_limit=0), now=100.0)
+    placements = plan([urgent], busy, FLEET, PlacementSettings(backlog_limit=0), now=100.0)
     assert placements[0].worker_id is None and placements[0].reserved_on == "a"
     jobs = [running("v-b", "b", remaining_s=25.0, step_s=0.5), running("v-a", "a", remaining_s=25.0)]
     chosen = choose_preemptions([(urgent, "paid", placements[0])], jobs, CONFIG, now=100.0, workers=busy, fleet=FLEET)
@@ -306,29 +306,7 @@ def test_plan_leaves_an_urgent_job_queued_behind_videos_and_the_rule_frees_a_gpu
     assert "waiting 1.0s" in chosen[0].reason
 
 
-# Adapters: settings and database records.
-
-
-def test_preemption_config_from_settings() -> None:
-    settings = Settings(preemptible=("video", "free"), preempting_lanes=("paid",), max_preemptions=3)
-    config = preemption_config(settings, capabilities=["image", "video"])
-    assert config == PreemptionConfig(frozenset({"video", "free"}), frozenset({"paid"}), 3, 2.0)
-    assert config.enabled
-    assert not preemption_config(Settings()).enabled
-
-
-def test_a_preempting_lane_that_is_no_lane_is_a_settings_error() -> None:
-    with pytest.raises(SettingsError, match="DARKROOM_PREEMPTING_LANES names 'vip'"):
-        preemption_config(Settings(preemptible=("video",), preempting_lanes=("vip",)))
-    assert preemption_config(Settings(lanes=("vip:20:10", "free:0:300"), preempting_lanes=("vip",))).preempting_lanes
-
-
-def test_preemptible_names_must_make_sense() -> None:
-    with pytest.raises(SettingsError, match="DARKROOM_PREEMPTIBLE names 'paid'"):
-        preemption_config(Settings(preemptible=("paid",), preempting_lanes=("paid",)))
-    with pytest.raises(SettingsError, match="DARKROOM_PREEMPTIBLE names 'vidoe'"):
-        preemption_config(Settings(preemptible=("vidoe",)), capabilities=["image", "video"])
-    assert preemption_config(Settings(preemptible=("vidoe",))).preemptible == {"vidoe"}  # capabilities unknown
+# Adapters: database records.
 
 
 def record(**overrides: Any) -> RunningJob:
@@ -370,5 +348,5 @@ def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
 def test_a_preempted_job_ages_from_its_suspension() -> None:
     created, suspended = datetime(2025, 1, 1, tzinfo=UTC), datetime(2025, 1, 1, 0, 1, tzinfo=UTC)
     summary = records.summary(id="v", lane="free", model="vid", width=512, height=512, steps=30, created_at=created)
-    assert job_view(summary, PolicyConfig(), {}).queued_at == created.timestamp()
-    assert job_view(replace(summary, aged_from=suspended), PolicyConfig(), {}).queued_at == suspended.timestamp()
+    assert job_view(summary, PlacementSettings(), {}).queued_at == created.timestamp()
+    assert job_view(replace(summary, aged_from=suspended), PlacementSettings(), {}).queued_at == suspended.timestamp()

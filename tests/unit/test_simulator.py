@@ -16,6 +16,7 @@ from scheduler.simulator.engine import Job, Simulation
 from scheduler.simulator.lanes import PREEMPTION_SCENARIO
 from scheduler.simulator.policies import POLICIES, DarkroomPolicy
 from scheduler.simulator.report import by_lane
+from services.config.fields import SettingsError
 
 SMALL = """
 [simulation]
@@ -25,6 +26,7 @@ loads = [0.5, 0.85]
 scan = [0.5, 0.85]
 
 [darkroom]
+backlog_limit = 0
 capability_caps = { video = 1 }
 [darkroom.lanes.paid]
 priority = 10
@@ -223,6 +225,7 @@ checkpoint_s = 0.05
 resume_s = 0.5
 
 [darkroom]
+backlog_limit = 0
 [darkroom.lanes.urgent]
 priority = 10
 [darkroom.lanes.batch]
@@ -328,14 +331,15 @@ def test_preemption_scenario_keys_are_checked(tmp_path: Path) -> None:
     path.write_text(ONE_GPU.replace('lane = "urgent"', 'lane = "vip"'))
     with pytest.raises(scenarios.ScenarioError, match=r"jobs\.img: unknown lane 'vip'"):
         scenarios.load(path)
+    # The settings' own checks, naming the scenario's keys.
     path.write_text(ONE_GPU.replace('preempting_lanes = ["urgent"]', 'preempting_lanes = ["vip"]'))
-    with pytest.raises(scenarios.ScenarioError, match="preempting lane 'vip'"):
+    with pytest.raises(SettingsError, match=r"darkroom\.preemption\.preempting_lanes names 'vip'"):
         scenarios.load(path)
     path.write_text(ONE_GPU.replace('preemptible = ["video"]', 'preemptible = ["vidoe"]'))
-    with pytest.raises(scenarios.ScenarioError, match="preemptible 'vidoe' is neither"):
+    with pytest.raises(SettingsError, match=r"darkroom\.preemption\.preemptible names 'vidoe', which is neither"):
         scenarios.load(path)
     path.write_text(ONE_GPU.replace("[darkroom.preemption]", "[darkroom.preemption]\npreempt_after = 1"))
-    with pytest.raises(scenarios.ScenarioError, match="unknown keys"):
+    with pytest.raises(SettingsError, match=r"darkroom\.preemption: unknown keys"):
         scenarios.load(path)
 
 

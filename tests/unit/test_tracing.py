@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.config.settings import Settings, SettingsError
+from services.config.sections import KernelSettings
 from services.db.records import JobRecord
 from services.db.states import JobStatus
 from services.telemetry import tracing
@@ -54,7 +54,7 @@ def attrs(span: ReadableSpan) -> Mapping[str, Any]:
 @pytest.fixture
 def exported() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    tracing.start("sampler", Settings(), exporter=exporter)
+    tracing.start("sampler", KernelSettings(), exporter=exporter)
     yield exporter
     tracing.stop()
 
@@ -66,7 +66,7 @@ def test_without_an_endpoint_no_exporter_is_made_and_every_call_does_nothing(mon
         raise AssertionError("an exporter was made")
 
     monkeypatch.setattr(otlp, "OTLPSpanExporter", no_exporter)
-    tracing.start("gateway", Settings(otlp_endpoint=""))
+    tracing.start("gateway", KernelSettings(otlp_endpoint=""))
     assert not tracing.exporting()
     job = new_job()
     assert tracing.with_trace(job) is job
@@ -171,7 +171,7 @@ def test_untraced_jobs_are_skipped_and_the_ratio_samples(exported: InMemorySpanE
     with tracing.decode_call([untraced], "vae-0") as traceparents:
         assert traceparents == [None]
     never = InMemorySpanExporter()
-    tracing.start("gateway", Settings(trace_sample_ratio=0.0), exporter=never)
+    tracing.start("gateway", KernelSettings(trace_sample_ratio=0.0), exporter=never)
     job = new_job()
     assert all(tracing.with_trace(job) is job for _ in range(100))
     tracing.stop()
@@ -181,32 +181,13 @@ def test_untraced_jobs_are_skipped_and_the_ratio_samples(exported: InMemorySpanE
 def test_stop_exports_what_is_queued(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # never by the clock
     exporter = InMemorySpanExporter()
-    tracing.start("scheduler", Settings(), exporter=exporter)
+    tracing.start("scheduler", KernelSettings(), exporter=exporter)
     new = tracing.with_trace(new_job())
     tracing.placed([replace(record(new), attempt=1, scheduled_at=T0)], {})
     assert exporter.get_finished_spans() == ()
     tracing.stop()
     [span] = exporter.get_finished_spans()
     assert span.resource.attributes["service.name"] == "darkroom-scheduler"
-
-
-@pytest.mark.parametrize(
-    ("variable", "value"),
-    [
-        ("DARKROOM_TRACE_SAMPLE_RATIO", "1.5"),
-        ("DARKROOM_TRACE_SAMPLE_RATIO", "-0.1"),
-        ("DARKROOM_OTLP_ENDPOINT", "collector:4317"),
-    ],
-)
-def test_bad_trace_settings_name_the_variable(variable: str, value: str) -> None:
-    with pytest.raises(SettingsError, match=variable):
-        Settings.from_env({variable: value})
-
-
-def test_trace_settings_from_env() -> None:
-    s = Settings.from_env({"DARKROOM_OTLP_ENDPOINT": "http://otel:4317", "DARKROOM_TRACE_SAMPLE_RATIO": "0.25"})
-    assert (s.otlp_endpoint, s.trace_sample_ratio) == ("http://otel:4317", 0.25)
-    assert Settings.from_env(s.to_env()) == s
 
 
 def test_an_error_in_a_hook_loses_its_span_not_the_job(exported: InMemorySpanExporter, caplog) -> None:

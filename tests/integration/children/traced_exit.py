@@ -10,13 +10,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from services.config.settings import Settings
+from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.records import NewJob
 from services.ops.lifecycle import run_service
 from services.telemetry import tracing
 
 
-async def serve(settings: Settings, stop: asyncio.Event) -> int:
+async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     job_id = os.environ["TRACED_JOB_ID"]
     new = tracing.with_trace(NewJob(job_id, "free", 0, "tiny", "p", "", 64, 64, 1, 7.5, 1, 1, None))
     job: Any = SimpleNamespace(id=job_id, attempt=1, trace_context=new.trace_context)
@@ -28,4 +28,4 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
 
 
 if __name__ == "__main__":
-    run_service("scheduler", serve)
+    run_service("scheduler", serve, SchedulerSettings)

@@ -1,0 +1,258 @@
+"""Every Darkroom setting, by the part that reads it. A service process receives the
+kernel's section and its own; ``darkroom up`` and ``darkroom supervise`` hold them
+all (``Settings``) and pass them down as ``DARKROOM_*`` variables. The reference,
+``docs/settings.md``, is written from these definitions (``services.config.docs``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.config.fields import Codec, Section, SettingsError, setting
+from services.config.placement import PlacementSettings, PreemptionSettings
+
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_LEVEL = Codec("a level", lambda raw: raw.strip().upper(), lambda v: str(v).upper())
+
+
+def _default_data_dir() -> Path:
+    return Path(os.path.expanduser("~/.darkroom"))
+
+
+@dataclass(frozen=True)
+class KernelSettings(Section):
+    """What every service reads: where the stores are, logs, metrics, traces, stopping."""
+
+    data_dir: Path = setting(
+        doc="Where the embedded stack keeps PostgreSQL, JetStream, built models, logs and liveness files.",
+        factory=_default_data_dir,
+    )
+    database_url: str = setting(
+        "", "PostgreSQL, as postgresql+psycopg://user:pass@host:5432/db; empty: `darkroom up` starts its own."
+    )
+    nats_url: str = setting(
+        "",
+        "NATS with JetStream: one URL, or every node of a cluster comma-separated; empty: `darkroom up` starts "
+        "its own.",
+    )
+    nats_replicas: int = setting(
+        1, "Copies JetStream keeps of the dispatch stream: 3 on a three-node cluster.", at_least=1
+    )
+    model_registry: str = setting("", "The model registry, a TOML file; empty: the one shipped with Darkroom.")
+    heartbeat_interval_s: float = setting(1.0, "How often samplers and decoders heartbeat.", at_least=0.05)
+    worker_stale_after_s: float = setting(
+        10.0,
+        "A worker whose last heartbeat is older than this is given no work, and the jobs it holds go back to "
+        "the queue.",
+        at_least=0.5,
+    )
+    shutdown_grace_s: float = setting(
+        10.0, "How long a stopping service may take to finish what it is doing.", at_least=0.0
+    )
+    log_level: str = setting("INFO", "The least severe log lines written.", choices=LOG_LEVELS, codec=LOG_LEVEL)
+    log_format: str = setting(
+        "json",
+        "json: one object per line, with job_id and attempt on every line about a job; text: the same as key=value "
+        "after the message.",
+        choices=LOG_FORMATS,
+    )
+    metrics_host: str = setting("127.0.0.1", "Where /metrics listens; 0.0.0.0 lets another host scrape.")
+    metrics_port: int = setting(
+        0,
+        "Prometheus /metrics port; 0 serves none. Under `darkroom up` and `darkroom supervise`: the first of "
+        "consecutive ports, one per child (0: a free port each), listed in DATA_DIR/prometheus/targets.json.",
+        at_least=0,
+    )
+    otlp_endpoint: str = setting(
+        "",
+        "An OpenTelemetry collector's OTLP/gRPC address, http://host:4317 (plaintext) or https://host:4317 (TLS); "
+        "empty: no traces.",
+    )
+    trace_sample_ratio: float = setting(
+        1.0,
+        "The share of jobs traced, decided at submit: every service follows the gateway.",
+        at_least=0.0,
+        at_most=1.0,
+    )
+    liveness_file: str = setting("", "The file a supervised child touches to show it is alive; set by its supervisor.")
+    restarts: int = setting(0, "How often the supervisor has restarted this child; set by it.", at_least=0)
+
+    def check(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise SettingsError(
+                f"DARKROOM_OTLP_ENDPOINT={self.otlp_endpoint!r}: must start with http:// (plaintext) or https://"
+            )
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def nats_servers(self) -> list[str]:
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
+
+
+@dataclass(frozen=True)
+class GatewaySettings(Section):
+    """The public gRPC front door."""
+
+    host: str = setting("127.0.0.1", "Where the gateway listens.", env="GATEWAY_HOST")
+    port: int = setting(50051, "The gateway's port; 0 picks a free one.", env="GATEWAY_PORT", at_least=0)
+    api_keys: tuple[str, ...] = setting((), "Keys a caller must present (Bearer); empty disables authentication.")
+    max_prompt_chars: int = setting(2000, "The longest prompt (and negative prompt) accepted.", at_least=1)
+    placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings(Section):
+    """Placement, recovery and warm-set planning."""
+
+    host: str = setting("127.0.0.1", "Where the scheduler serves gRPC health checking.", env="SCHEDULER_HOST")
+    port: int = setting(0, "The scheduler's health port; 0 picks a free one.", env="SCHEDULER_PORT", at_least=0)
+    interval_s: float = setting(
+        0.05,
+        "How often a scheduler with nothing to wake it looks for work.",
+        env="SCHEDULER_INTERVAL_S",
+        at_least=0.001,
+    )
+    batch: int = setting(64, "Queued jobs one placement pass reads per lane.", env="SCHEDULER_BATCH", at_least=1)
+    recovery_interval_s: float = setting(
+        1.0, "How often the scheduler looks for stalled, expired and exhausted jobs.", at_least=0.05
+    )
+    max_attempts: int = setting(
+        3,
+        "Failed attempts (a crash, a timeout, an error) after which a job is FAILED, with each one's reason.",
+        at_least=1,
+    )
+    redispatch_after_s: float = setting(
+        15.0,
+        "A SCHEDULED job not started after this long is published again (same message id: JetStream drops it if the "
+        "first publish got through).",
+        at_least=0.1,
+    )
+    worker_forget_after_s: float = setting(
+        3600.0,
+        "A worker silent this long, holding nothing, is forgotten: its registry row, its JetStream consumer and "
+        "its subject.",
+        at_least=1.0,
+    )
+    plan_interval_s: float = setting(15.0, "How often the warm-set planner runs.", at_least=0.1)
+    demand_window_s: float = setting(120.0, "How much demand history the warm-set planner weighs.", at_least=1.0)
+    placement: PlacementSettings = setting(doc="How jobs are placed.", factory=PlacementSettings)
+    preemption: PreemptionSettings = setting(doc="Which running jobs may be suspended.", factory=PreemptionSettings)
+
+
+@dataclass(frozen=True)
+class DecodeSettings(Section):
+    """How latents become pixels: the decoder's, and a sampler's local fallback."""
+
+    tile_above_pixels: int = setting(
+        1536 * 1536,
+        "Images of more pixels decode in overlapping tiles, so that memory stays that of a tile.",
+        env="DECODE_TILE_ABOVE_PIXELS",
+        at_least=1,
+    )
+    min_pixel_std: float = setting(
+        0.002,
+        "Decoded images whose pixels (0..1) vary less than this (standard deviation) are degenerate: the decode "
+        "fails, for another decoder to try.",
+        env="DECODE_MIN_PIXEL_STD",
+        at_least=0.0,
+    )
+
+
+@dataclass(frozen=True)
+class SamplerSettings(Section):
+    """A sampler: one process per GPU (``gpu_worker/``)."""
+
+    worker_id: str = setting("", "Its id; empty: host and GPU, so a restarted sampler takes back its own subject.")
+    host: str = setting(
+        "127.0.0.1", "Where its gRPC server listens (and the address it registers).", env="SAMPLER_HOST"
+    )
+    port: int = setting(0, "Its gRPC port; 0 picks a free one.", env="SAMPLER_PORT", at_least=0)
+    device: str = setting("", 'cuda, cuda:0, cpu, or empty for "cuda if available, else cpu".')
+    preload_models: tuple[str, ...] = setting(
+        (),
+        "Models pinned to it: loaded and warmed up with one real generation before it reports ready, evicted last "
+        "(`darkroom up`: the builtin ones).",
+    )
+    memory_budget_mb: int = setting(
+        0,
+        "Memory its models may take (MiB); 0: the GPU's own, less 15 % for activations, unlimited on a CPU.",
+        at_least=0,
+    )
+    batch_wait_ms: float = setting(
+        0.0,
+        "How long it waits, holding a partial batch, for more jobs of its shape; it always waits for the jobs the "
+        "same scheduling pass sent it, so 0 batches what was queued together and delays nothing else.",
+        at_least=0.0,
+    )
+    prompt_cache_mb: int = setting(64, "Prompt embeddings it keeps (MiB), least recently used first out.", at_least=0)
+    local_decode_fallback: bool = setting(False, "It decodes its own latents when no decoder service can.")
+    dispatch_ack_wait_s: float = setting(
+        30.0, "JetStream redelivers a dispatch not acked (or kept in progress) this long.", at_least=1.0
+    )
+    dispatch_max_ack_pending: int = setting(64, "Dispatches it may hold unacked.", at_least=1)
+    outcome_retry_s: float = setting(
+        30.0,
+        "How long it retries storing a job's outcome before leaving the dispatch unacked, for redelivery.",
+        at_least=0.0,
+    )
+    unhealthy_after_failures: int = setting(
+        3,
+        "Failed attempts in a row after which it reports unhealthy and exits, for its supervisor to restart it.",
+        at_least=1,
+    )
+    decode: DecodeSettings = setting(doc="Its local fallback decode.", factory=DecodeSettings)
+
+
+@dataclass(frozen=True)
+class DecoderSettings(Section):
+    """A decoder (``vae_worker/``): latents in, encoded images out."""
+
+    worker_id: str = setting("", "Its id; empty: host and port.")
+    host: str = setting(
+        "127.0.0.1", "Where its gRPC server listens (and the address it registers).", env="DECODER_HOST"
+    )
+    port: int = setting(0, "Its gRPC port; 0 picks a free one.", env="DECODER_PORT", at_least=0)
+    device: str = setting("", 'cuda, cuda:0, cpu, or empty for "cuda if available, else cpu".')
+    preload_models: tuple[str, ...] = setting((), "Models whose VAE it loads at start.")
+    batch_wait_ms: float = setting(
+        0.0,
+        "How long it gathers concurrent requests of one model and latent shape into one VAE call (a sampler's batch "
+        "is one request; under load requests gather anyway while the previous batch runs).",
+        env="DECODE_BATCH_WAIT_MS",
+        at_least=0.0,
+    )
+    max_batch: int = setting(8, "Images in one VAE call at most.", env="DECODE_MAX_BATCH", at_least=1)
+    decode: DecodeSettings = setting(doc="How it decodes.", factory=DecodeSettings)
+
+
+@dataclass(frozen=True)
+class SupervisorSettings(Section):
+    """`darkroom up` and `darkroom supervise`: restarting what exits or hangs."""
+
+    hang_after_s: float = setting(
+        15.0, "A child that has not shown it is alive for this long is hung: killed and restarted.", at_least=1.0
+    )
+    restart_backoff_s: float = setting(0.5, "The first restart delay, doubling with each quick failure.", at_least=0.0)
+    restart_backoff_max_s: float = setting(30.0, "The longest restart delay.", at_least=0.0)
+
+
+@dataclass(frozen=True)
+class Settings(Section):
+    """All of them: what `darkroom up` and `darkroom supervise` read and pass down."""
+
+    kernel: KernelSettings = setting(doc="Every service.", factory=KernelSettings)
+    gateway: GatewaySettings = setting(doc="The gateway.", factory=GatewaySettings)
+    scheduler: SchedulerSettings = setting(doc="The scheduler.", factory=SchedulerSettings)
+    sampler: SamplerSettings = setting(doc="Each sampler.", factory=SamplerSettings)
+    decoder: DecoderSettings = setting(doc="Each decoder.", factory=DecoderSettings)
+    supervisor: SupervisorSettings = setting(doc="The supervisor.", factory=SupervisorSettings)
+
+    def with_env(self, env: Mapping[str, str]) -> Settings:
+        """These settings with some variables changed, as a child would read them."""
+        return Settings.from_env({**self.to_env(), **env})
