@@ -173,9 +173,7 @@ class Scheduler:
         self._wake = asyncio.Event()
         self.config = settings.placement
         check_names(settings.placement, settings.preemption, {m.capability for m in registry.models.values()})
-        self.preempter = Preempter(
-            repo, settings.preemption
-        )
+        self.preempter = Preempter(repo, settings.preemption)
         self.recovery = RecoveryConfig(
             max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
         )
