@@ -17,7 +17,10 @@ from gateway.metrics import STREAMS_OPEN, SUBMITS
 from gateway.streams import StreamState
 from gateway.validation import validate_submit
 from scheduler import admission, policy
-from scheduler.views import costs_from, durations_from, job_view, worker_views
+from scheduler import facts
+from scheduler.costs import costs_from
+from scheduler.learning import durations_from
+from scheduler.views import job_view, worker_views
 from services.bus.connection import connect_nats
 from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
@@ -132,7 +135,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
     ) -> pb.SubmitJobResponse:
         if eta is None and job.status == JobStatus.QUEUED:
-            eta = await self._estimate(job_view(job, self.config, self.costs), now)
+            eta = await self._estimate(job_view(facts.queued_job(job), self.config, self.costs), now)
         response = pb.SubmitJobResponse(job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated)
         if eta is not None:
             start = now + timedelta(seconds=eta.wait_s)
@@ -146,7 +149,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if self._fleet_view is None or loop.time() - self._fleet_read >= self.config.estimates_refresh_s:
             fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
             workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
-            self._fleet_view = (fleet, worker_views(workers, await self.repo.scheduling.held_groups(), fleet))
+            held = await self.repo.scheduling.held_groups()
+            self._fleet_view = (fleet, worker_views(facts.fleet_snapshot(now, workers=workers, held=held), fleet))
             self._fleet_read = loop.time()
         return self._fleet_view
 

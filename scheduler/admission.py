@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.policy import READY, Fleet, JobView, WorkerView, job_seconds
+from scheduler.policy import Fleet, JobView, WorkerView, job_seconds
 from services.config.placement import PlacementSettings
+from services.db.states import WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Refusal:
 
 def _capable(job: JobView, w: WorkerView, fleet: Fleet) -> bool:
     cost = fleet.costs[job.model]
-    if w.state != READY or job.model not in w.models:
+    if w.state != WorkerStatus.READY or job.model not in w.models:
         return False
     return not w.vram_total_bytes or cost.vram_bytes <= w.vram_total_bytes
 

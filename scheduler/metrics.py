@@ -7,8 +7,6 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.telemetry.metrics import WAIT_BUCKETS
 
-PLACEMENT_KINDS = ("warm", "cold", "batch")
-
 JOBS = Gauge(
     "darkroom_jobs",
     "Jobs not yet ended, in each state (QUEUED, SCHEDULED, RUNNING, DECODING), per lane "

@@ -25,6 +25,7 @@ be tested on its own.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -32,8 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from scheduler.estimates import Durations, Shape
 from services.config.placement import PlacementSettings
-
-READY = "ready"
+from services.db.states import WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -88,13 +88,21 @@ class WorkerView:
     held_work_s: float = 0.0  # estimated seconds until it has done them
     held_capabilities: frozenset[str] = frozenset()
     temperature_c: float = 0.0
-    state: str = READY  # "ready", "draining", "unhealthy"
+    state: WorkerStatus = WorkerStatus.READY
     planned_models: frozenset[str] = frozenset()  # the warm set the planner wants here
     # Images of jobs it holds but has not started, per batch key: batches still open.
     open_batches: tuple[tuple[BatchKey, int], ...] = ()
 
     def open_rows(self, key: BatchKey) -> int:
         return dict(self.open_batches).get(key, 0)
+
+
+class PlacementKind(enum.StrEnum):
+    """What a worker has to do to take a job."""
+
+    WARM = "warm"  # its model is loaded there
+    COLD = "cold"  # it loads the model first
+    BATCH = "batch"  # it joins a batch the worker holds
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,7 @@ class Candidate:
     finish_s: float  # estimated seconds from now until the job would be done there
     note: str
     has_room: bool = True  # its backlog can take the job now
+    kind: PlacementKind | None = None  # what taking the job means there (None: not eligible)
 
 
 @dataclass(frozen=True)
@@ -240,8 +249,8 @@ def eviction_cost(
 
 def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
     cost = fleet.costs[job.model]
-    if worker.state != READY:
-        return Candidate(worker.id, False, float("inf"), worker.state)
+    if worker.state != WorkerStatus.READY:
+        return Candidate(worker.id, False, float("inf"), worker.state.value)
     if job.model not in worker.models:
         return Candidate(worker.id, False, float("inf"), "cannot serve the model")
     warm = job.model in worker.warm_models
@@ -268,7 +277,9 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSetti
         rows = worker.open_rows(job.batch_key)
         note = f"joins a batch of {rows} (+{joining:.2f}s)"
         # It waits for no slot of the backlog: the batch is already in it.
-        return Candidate(worker.id, True, worker.held_work_s * heat + joining, note, has_room=True)
+        return Candidate(
+            worker.id, True, worker.held_work_s * heat + joining, note, has_room=True, kind=PlacementKind.BATCH
+        )
     finish = worker.held_work_s * heat + job_seconds(job, worker, fleet)
     note = "warm"
     if not warm:
@@ -294,7 +305,7 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSetti
     if heat > 1.0:
         note += f", hot {worker.temperature_c:.0f}C: wait x{heat:.1f}"
     has_room = worker.held_jobs <= config.backlog_limit
-    return Candidate(worker.id, True, finish, note, has_room)
+    return Candidate(worker.id, True, finish, note, has_room, PlacementKind.WARM if warm else PlacementKind.COLD)
 
 
 def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: PlacementSettings) -> Placement:
@@ -381,7 +392,7 @@ def plan(
     wanted = Counter(j.model for j in ordered)
     busy = Counter(c for w in workers for c in w.held_capabilities)
     warm = Counter(m for w in workers for m in w.warm_models)
-    planned = {m: n for m, n in Counter(m for w in workers if w.state == READY for m in w.planned_models).items()}
+    planned = dict(Counter(m for w in workers if w.state == WorkerStatus.READY for m in w.planned_models))
     view = {w.id: w for w in workers}
     placements = []
     for job in ordered:

@@ -1,5 +1,5 @@
-"""Recovery policy: pure decisions over a snapshot of jobs that may be stuck, with
-the clock passed in. The repository finds the candidates and applies the result.
+"""Recovery policy: pure decisions over a fleet snapshot's jobs that may be stuck,
+with the clock passed in. The repository finds the candidates and applies the result.
 
 - A job held by a dead worker goes back to the queue. If it had started, the
   attempt counts as failed; one only scheduled there did nothing and costs nothing.
@@ -14,14 +14,46 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
-from services.db.records import AttemptFailure, DeadWorker, Expire, Fail, JobRecord, Recovery, Requeue
+from scheduler.snapshot import FleetSnapshot
+from services.db.records import AttemptFailure, JobRecord
 from services.db.states import HELD, STARTED, JobStatus
 from services.models.registry import DEFAULT_TIMEOUT_S
 
 # How long past its timeout a running job may go before the scheduler takes it back.
 TIMEOUT_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """Back to QUEUED. ``failure`` is None for a hand-back that costs no attempt;
+    ``cause`` says why in a word or two (for the metrics)."""
+
+    job_id: str
+    attempt: int
+    status: JobStatus
+    failure: AttemptFailure | None
+    cause: str = "worker lost"
+
+
+@dataclass(frozen=True)
+class Fail:
+    job_id: str
+    attempt: int
+    status: JobStatus
+    reason: str
+    failure: AttemptFailure | None = None
+    cause: str = "attempts used"
+
+
+@dataclass(frozen=True)
+class Expire:
+    job_id: str
+    attempt: int
+
+
+Recovery = Requeue | Fail | Expire
 
 
 @dataclass(frozen=True)
@@ -52,12 +84,12 @@ def _fail_attempt(job: JobRecord, failure: AttemptFailure, config: RecoveryConfi
     return Requeue(job.id, job.attempt, job.status, failure, cause)
 
 
-def review(
-    jobs: Sequence[JobRecord], dead: Sequence[DeadWorker], now: datetime, config: RecoveryConfig
-) -> list[Recovery]:
-    why_dead = {d.id: d.reason for d in dead}
+def review(snapshot: FleetSnapshot, config: RecoveryConfig) -> list[Recovery]:
+    """What to do with each of the snapshot's stalled jobs, given its dead workers."""
+    why_dead = {d.id: d.reason for d in snapshot.dead}
+    now = datetime.fromtimestamp(snapshot.now, UTC)
     actions: list[Recovery] = []
-    for job in jobs:
+    for job in snapshot.stalled:
         if job.status == JobStatus.QUEUED:
             if job.deadline is not None and job.deadline <= now:
                 actions.append(Expire(job.id, job.attempt))

@@ -9,16 +9,16 @@ lost call costs a fraction of a second, not the preemption."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import grpc
 
-from scheduler import policy
+from scheduler import driver, facts
+from scheduler.driver import PassDecision
 from scheduler.metrics import PREEMPTIONS
-from scheduler.preemption import Preemption, choose_preemptions
-from scheduler.views import job_view, running_views
+from scheduler.preemption import Preemption
+from scheduler.snapshot import FleetSnapshot
 from services.config.placement import PlacementSettings, PreemptionSettings
-from services.db.records import JobSummary
 from services.db.repository import Repository
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Channels
@@ -28,56 +28,29 @@ log = logging.getLogger(__name__)
 SUSPEND_CALL_TIMEOUT_S = 2.0
 
 
-@dataclass
-class PassView:
-    """What a placement pass saw and decided, for the preemption that follows it."""
-
-    placements: list[policy.Placement]
-    jobs: dict[str, JobSummary]
-    workers: list[policy.WorkerView]
-    fleet: policy.Fleet | None = None
-    config: PlacementSettings = field(default_factory=PlacementSettings)
-
-
-def waiting_for_room(view: PassView, config: PreemptionSettings) -> list[tuple[policy.JobView, str, policy.Placement]]:
-    """The pass's jobs of preempting lanes, in its order, as the rule takes them. A
-    job the pass placed behind other work on a worker can only be helped there: its
-    placement is narrowed to that worker."""
-    waiting = []
-    for p in view.placements:
-        job = view.jobs.get(p.job_id)
-        if job is None:
-            continue
-        costs = view.fleet.costs if view.fleet is not None else {}
-        jv = job_view(job, view.config, costs)
-        if not config.may_preempt(job.lane, jv.target_s):
-            continue
-        if p.worker_id is not None:
-            p = replace(p, candidates=tuple(c for c in p.candidates if c.worker_id == p.worker_id))
-        waiting.append((jv, job.lane, p))
-    return waiting
-
-
 class Preempter:
-    def __init__(self, repo: Repository, config: PreemptionSettings) -> None:
+    def __init__(self, repo: Repository, placement: PlacementSettings, preemption: PreemptionSettings) -> None:
         self.repo = repo
-        self.config = config
+        self.placement = placement
+        self.preemption = preemption
         self._channels = Channels()
 
-    async def after_pass(self, view: PassView, *, now: float) -> list[Preemption]:
-        """Asks for the suspensions the rule chooses for this pass; returns those
-        asked for."""
-        if not self.config.enabled or view.fleet is None:
+    async def after_pass(self, fleet: FleetSnapshot, decision: PassDecision) -> list[Preemption]:
+        """Asks for the suspensions the rule chooses after the pass that ``fleet``
+        and ``decision`` are of; returns those asked for."""
+        if not self.preemption.enabled:
             return []
-        waiting = waiting_for_room(view, self.config)
+        waiting = driver.waiting_for_room(decision, self.preemption)
         if not waiting:
             return []
-        running = running_views(await self.repo.checkpoints.running(), view.workers, view.fleet, view.config)
-        chosen = choose_preemptions(waiting, running, self.config, now=now, workers=view.workers, fleet=view.fleet)
+        running = tuple(map(facts.running_job, await self.repo.checkpoints.running()))
+        chosen = driver.preempt(
+            decision, replace(fleet, running=running), self.preemption, self.placement, waiting=waiting
+        )
         asked = []
         for p in chosen:
             address = await self.repo.checkpoints.request_suspend(
-                p.job_id, p.attempt, max_preemptions=self.config.max_preemptions
+                p.job_id, p.attempt, max_preemptions=self.preemption.max_preemptions
             )
             if address is None:
                 continue  # it moved on meanwhile, or another pass asked first

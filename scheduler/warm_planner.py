@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from scheduler.policy import READY, ModelCost
+from scheduler.policy import ModelCost
+from services.db.states import WorkerStatus
 
 # A move must lower the busiest model's load by this fraction to be worth a load.
 HYSTERESIS = 0.15
@@ -31,7 +32,7 @@ class GpuView:
     warm_models: frozenset[str]
     vram_total_bytes: int  # 0: unlimited (a CPU worker)
     speed: float
-    state: str = READY
+    state: WorkerStatus = WorkerStatus.READY
     primary: str | None = None  # the primary model of the last plan, if any
 
 
@@ -243,7 +244,7 @@ def plan_warm_sets(
     they are planned only where they are primary, so the GPUs they hold are the
     share of the fleet the latency-bound work does not need."""
     caps = caps or {}
-    usable = [g for g in gpus if g.state == READY]
+    usable = [g for g in gpus if g.state == WorkerStatus.READY]
     wanted = [m for m in sorted(demand, key=lambda m: -demand[m]) if demand[m] > 0 and m in costs]
     primary: dict[str, str | None] = {}
     for g in usable:

@@ -3,7 +3,7 @@ queries that make them, so that policy code can use them without SQL."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
@@ -380,45 +380,6 @@ class DeadWorker:
     reason: str
 
 
-# -- recovery decisions, made by the scheduler's pure recovery policy ---------------
-
-
-@dataclass(frozen=True)
-class Requeue:
-    """Back to QUEUED. ``failure`` is None for a hand-back that costs no attempt;
-    ``cause`` says why in a word or two (for the metrics)."""
-
-    job_id: str
-    attempt: int
-    status: JobStatus
-    failure: AttemptFailure | None
-    cause: str = "worker lost"
-
-
-@dataclass(frozen=True)
-class Fail:
-    job_id: str
-    attempt: int
-    status: JobStatus
-    reason: str
-    failure: AttemptFailure | None = None
-    cause: str = "attempts used"
-
-
-@dataclass(frozen=True)
-class Expire:
-    job_id: str
-    attempt: int
-
-
-Recovery = Requeue | Fail | Expire
-
-# Decides placements for one pass, given the queued jobs, the live workers and the
-# jobs the workers already hold. Pure: the scheduler's policy.
-Decide = Callable[[Sequence[JobSummary], Sequence[WorkerRecord], Sequence[HeldGroup]], Sequence[Assignment]]
-# Decides what to do with jobs that may need recovering, given the workers that are
-# dead and the database's clock. Pure: the scheduler's recovery policy.
-Review = Callable[[Sequence[JobRecord], Sequence[DeadWorker], datetime], Sequence[Recovery]]
 # A learned estimate as stored: (mean, count).
 Estimate = tuple[float, int]
 
@@ -433,10 +394,3 @@ class RunTime:
     batch: int
     worker_id: str
     seconds: float
-
-
-# Given every stored (shape, speed) estimate and new run times, returns the
-# estimates after learning from them. Pure: the scheduler's estimates code.
-Fold = Callable[
-    [dict[str, Estimate], dict[str, Estimate], Sequence[RunTime]], tuple[dict[str, Estimate], dict[str, Estimate]]
-]

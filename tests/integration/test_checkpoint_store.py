@@ -48,20 +48,11 @@ async def running(repo: Repository, worker_id: str, job_id: str | None = None) -
     if job_id is None:
         job_id = str(uuid.uuid4())
         await repo.jobs.create(new_job(id=job_id, steps=20), now=now())
-    seen: list[JobSummary] = []
-
-    def decide(queued, workers, held):
-        seen.extend(queued)
-        return [Assignment(j.id, worker_id, {}) for j in queued if j.id == job_id]
-
-    placed = await repo.scheduling.schedule_pass(
-        decide,
-        limit=100,
-        stale_after_s=60,
-        max_attempts=3,
-        now=now(),
-    )
-    assert placed is not None and [j.id for j in placed] == [job_id]
+    async with repo.scheduling.placement_pass(limit=100, stale_after_s=60, max_attempts=3, now=now()) as read:
+        assert read is not None
+        seen: list[JobSummary] = list(read.queued)
+        placed = await read.assign([Assignment(j.id, worker_id, {}) for j in read.queued if j.id == job_id])
+    assert [j.id for j in placed] == [job_id]
     # As the pass read it (JSON): every timestamp a datetime again.
     [summary] = [j for j in seen if j.id == job_id]
     assert isinstance(summary.created_at, datetime)

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
 
-from scheduler.recovery import RecoveryConfig, review
-from scheduler.views import fold_run_times
+from scheduler.passes import learn_run_times, recover_stalled
+from scheduler.recovery import RecoveryConfig
 from services.db.migrate import upgrade
-from services.db.records import Assignment, ImageRecord, WorkerHeartbeat
+from services.db.records import Assignment, ImageRecord, JobSummary, WorkerHeartbeat
 from services.db.repository import Repository, Standing
+from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import WorkerSuperseded
 from services.ops.embedded import EmbeddedPostgres
@@ -54,14 +55,18 @@ async def submit(repo: Repository, **changes) -> str:
     return job.id
 
 
+async def placement_pass(
+    repo: Repository, assign: Callable[[PlacementPass], list[Assignment]], *, limit: int = 100
+) -> list[JobSummary] | None:
+    """A real placement pass, assigning what ``assign`` says of what it read."""
+    async with repo.scheduling.placement_pass(limit=limit, stale_after_s=60, max_attempts=3, now=now()) as read:
+        return None if read is None else await read.assign(assign(read))
+
+
 async def schedule(repo: Repository, job_id: str, worker_id: str) -> int:
-    """Places the job on ``worker_id`` through a real scheduling pass; returns its attempt."""
-    placed = await repo.scheduling.schedule_pass(
-        lambda queued, workers, held: [Assignment(j.id, worker_id, {}) for j in queued if j.id == job_id],
-        limit=100,
-        stale_after_s=60,
-        max_attempts=3,
-        now=now(),
+    """Places the job on ``worker_id`` through a real placement pass; returns its attempt."""
+    placed = await placement_pass(
+        repo, lambda read: [Assignment(j.id, worker_id, {}) for j in read.queued if j.id == job_id]
     )
     assert placed is not None and [j.id for j in placed] == [job_id]
     return placed[0].attempt
@@ -149,9 +154,7 @@ async def test_retryable_failure_requeues_and_the_last_one_fails_with_every_reas
         await repo.attempts.start(job_id, attempt, W1, now=now())
         assert await repo.attempts.fail(job_id, attempt, W1, f"boom {n}", retryable=True, now=now()) == JobStatus.QUEUED
     # Out of attempts: never placed again, and the recovery pass fails it.
-    assert (
-        await repo.scheduling.schedule_pass(lambda *_: [], limit=10, stale_after_s=60, max_attempts=3, now=now()) == []
-    )
+    assert await placement_pass(repo, lambda read: [Assignment(j.id, W1, {}) for j in read.queued], limit=10) == []
     await recovery_pass(repo)
     job = await repo.jobs.get(job_id)
     assert job.status == JobStatus.FAILED
@@ -170,13 +173,7 @@ async def test_non_retryable_failure_fails_at_once(repo: Repository, workers) ->
 
 async def recovery_pass(repo: Repository, *, judge: bool = True, stale_after_s: float = 60):
     config = RecoveryConfig(max_attempts=3)
-    return await repo.recovery.recovery_pass(
-        lambda jobs, dead, at: review(jobs, dead, at, config),
-        stale_after_s=stale_after_s,
-        judge_heartbeats=judge,
-        max_attempts=3,
-        shortest_timeout_s=config.shortest_timeout_s,
-    )
+    return await recover_stalled(repo, config, stale_after_s=stale_after_s, judge_heartbeats=judge)
 
 
 def age_heartbeat(repo_url: str, worker_id: str, seconds: float) -> None:
@@ -208,13 +205,7 @@ async def test_recovery_expires_queued_jobs_past_their_deadline(repo: Repository
     fine = await submit(repo, deadline=now() + timedelta(hours=1))
     await asyncio.sleep(0.3)
     # Not placed once past it, even before recovery runs.
-    placed = await repo.scheduling.schedule_pass(
-        lambda queued, *_: [Assignment(j.id, W1, {}) for j in queued],
-        limit=10,
-        stale_after_s=60,
-        max_attempts=3,
-        now=now(),
-    )
+    placed = await placement_pass(repo, lambda read: [Assignment(j.id, W1, {}) for j in read.queued], limit=10)
     assert [j.id for j in placed or []] == [fine]
     await recovery_pass(repo)
     assert (await repo.jobs.get(late)).status == JobStatus.EXPIRED
@@ -236,17 +227,17 @@ async def test_redelivered_dispatch_is_handled_idempotently(repo: Repository, wo
 
 
 async def test_run_times_are_learned_once_by_the_scheduler(repo: Repository, workers) -> None:
-    from scheduler.views import costs_from
+    from scheduler.costs import costs_from
     from services.models.registry import ModelRegistry
 
-    fold = fold_run_times(costs_from(ModelRegistry.load()))
+    costs = costs_from(ModelRegistry.load())
     timed, warm_up = await submit(repo), await submit(repo)
     for job_id, run_seconds in ((timed, 2.0), (warm_up, None)):
         attempt = await schedule(repo, job_id, W1)
         await repo.attempts.start(job_id, attempt, W1, now=now())
         await repo.attempts.finish(job_id, attempt, W1, [IMAGE], now=now(), busy_s=2.5, run_seconds=run_seconds)
-    assert await repo.estimates.learn_pass(fold, limit=10, now=now()) == 1
-    assert await repo.estimates.learn_pass(fold, limit=10, now=now()) == 0, "each run time is learned once"
+    assert await learn_run_times(repo, costs, limit=10) == 1
+    assert await learn_run_times(repo, costs, limit=10) == 0, "each run time is learned once"
     shapes, speeds = await repo.estimates.learned()
     assert shapes == {"tiny|4096|4|1": (2.0, 1)}
     assert set(speeds) == {W1}

@@ -14,6 +14,7 @@ from scheduler.admission import Estimate, Refusal, admit, estimate
 from scheduler.estimates import Durations, Learned
 from scheduler.policy import Fleet, JobView, ModelCost, WorkerView
 from services.config.placement import PlacementSettings
+from services.db.states import WorkerStatus
 
 GB = 1024**3
 COSTS = {
@@ -42,7 +43,7 @@ def wait(j: JobView, ahead: list[tuple[JobView, int]], workers: list[WorkerView]
 
 def test_no_estimate_without_a_capable_worker() -> None:
     assert estimate(job(), [], [], FLEET) is None
-    assert estimate(job(), [], [worker(state="draining")], FLEET) is None
+    assert estimate(job(), [], [worker(state=WorkerStatus.DRAINING)], FLEET) is None
     assert estimate(job(), [], [worker(models=frozenset({"xl"}))], FLEET) is None
     assert estimate(job("big"), [], [worker()], FLEET) is None  # 30 GB on 24 GB
     assert estimate(job("nope"), [], [worker()], FLEET) is None
@@ -93,7 +94,7 @@ def test_load_time_is_added_when_no_capable_worker_has_the_model_warm() -> None:
     assert wait(job(), [], [worker(warm=())]) == pytest.approx(8.0)
     assert wait(job(), [], [worker("a", warm=()), worker("b")]) == pytest.approx(0.0)
     # A warm worker that cannot take the job does not count.
-    assert wait(job(), [], [worker("a", warm=()), worker("b", state="draining")]) == pytest.approx(8.0)
+    assert wait(job(), [], [worker("a", warm=()), worker("b", state=WorkerStatus.DRAINING)]) == pytest.approx(8.0)
 
 
 def test_admit_refuses_past_the_lane_limit_with_the_wait_as_retry_delay() -> None:

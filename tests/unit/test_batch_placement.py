@@ -96,12 +96,13 @@ def test_an_unlearned_batch_size_scales_from_the_nearest_learned_one() -> None:
 
 def test_measured_load_times_and_footprints_correct_the_registry() -> None:
 
-    from scheduler.views import measured_costs
-    from services.db.records import WorkerRecord
+    from scheduler import facts
+    from scheduler.costs import measured_costs
+    from scheduler.snapshot import Worker
     from tests.records import worker_record
 
-    def sampler(wid: str, models: dict[str, dict[str, float]]) -> WorkerRecord:
-        return worker_record(wid, telemetry={"models": models})
+    def sampler(wid: str, models: dict[str, dict[str, float]]) -> Worker:
+        return facts.worker(worker_record(wid, telemetry={"models": models}))
 
     workers = [
         sampler("a", {"sd": {"bytes": 5 * GB, "load_s": 3.0}}),
@@ -118,6 +119,9 @@ def test_measured_load_times_and_footprints_correct_the_registry() -> None:
 
 def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
 
+    from datetime import UTC, datetime
+
+    from scheduler import facts
     from scheduler.views import worker_views
     from services.db.records import HeldGroup
     from services.db.states import JobStatus
@@ -135,7 +139,7 @@ def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
         group(JobStatus.DECODING, 20, 4),  # decoding frees the GPU: no work here
         replace(group(JobStatus.SCHEDULED, 20, 1), worker_id="b"),  # another worker's
     ]
-    [view] = worker_views([record], groups, fleet())
+    [view] = worker_views(facts.fleet_snapshot(datetime.now(UTC), workers=[record], held=groups), fleet())
     assert view.held_jobs == 3  # batches: the running one and two waiting
     assert abs(view.held_work_s - (0.6 + 1.4 + 1.5)) < 1e-9
     assert view.open_batches == (
@@ -145,13 +149,16 @@ def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
     assert view.held_capabilities == frozenset({"image"})
 
 
-def test_a_placement_is_warm_cold_or_joins_a_batch() -> None:
-    from scheduler.policy import Candidate, Placement
-    from scheduler.service import placement_kind
+def test_a_placement_says_whether_it_is_warm_cold_or_joins_a_batch() -> None:
+    from scheduler.policy import PlacementKind
+    from scheduler.reports import placement_kind
 
-    def placed(note: str) -> Placement:
-        return Placement("j", "a", "earliest", (Candidate("b", True, 9.0, "cold"), Candidate("a", True, 1.0, note)))
-
-    assert placement_kind(placed("warm")) == "warm"
-    assert placement_kind(placed("cold (+8.0s load), evicts x")) == "cold"
-    assert placement_kind(placed("joins a batch of 2 (+0.20s)")) == "batch"
+    cold = worker("c", warm_models=frozenset())
+    joinable = worker("b", held_jobs=1, held_work_s=0.5, open_batches=((KEY, 1),))
+    for chosen, kind in (
+        (worker("w"), PlacementKind.WARM),
+        (cold, PlacementKind.COLD),
+        (joinable, PlacementKind.BATCH),
+    ):
+        placement = place(job("j"), [chosen], fleet(), CONFIG)
+        assert placement.worker_id == chosen.id and placement_kind(placement) == kind

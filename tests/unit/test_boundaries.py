@@ -25,10 +25,26 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "scheduler", "gpu_worker", "vae_worker", "services")
 SERVICES = ("gateway", "scheduler", "gpu_worker", "vae_worker")
 # The scheduler modules the gateway may import: what it needs to estimate a job's
-# wait and admit it (the policy's views built from records, the policy, admission).
-GATEWAY_USES = frozenset({"scheduler.admission", "scheduler.policy", "scheduler.views"})
+# wait and admit it (a fleet snapshot from records, its views, the policy and
+# admission, costs and learned durations).
+GATEWAY_USES = frozenset(
+    {
+        "scheduler",
+        "scheduler.admission",
+        "scheduler.costs",
+        "scheduler.facts",
+        "scheduler.learning",
+        "scheduler.policy",
+        "scheduler.views",
+    }
+)
 # Pure policy code: frozen snapshots in, decisions out; no I/O, no service.
-PURE = GATEWAY_USES | {"scheduler", "scheduler.estimates", "scheduler.preemption", "scheduler.warm_planner"}
+PURE = GATEWAY_USES | {
+    "scheduler.estimates",
+    "scheduler.preemption",
+    "scheduler.snapshot",
+    "scheduler.warm_planner",
+}
 
 
 @dataclass(frozen=True)

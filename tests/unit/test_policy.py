@@ -28,6 +28,7 @@ from scheduler.policy import (
     thermal_factor,
 )
 from services.config.placement import PlacementSettings
+from services.db.states import WorkerStatus
 
 GB = 1024**3
 COSTS = {
@@ -198,8 +199,8 @@ def test_hot_busy_gpu_loses_to_a_cool_one_it_would_otherwise_beat() -> None:
 # 5. Ineligible workers.
 
 
-@pytest.mark.parametrize("state", ["draining", "unhealthy"])
-def test_worker_not_ready_is_ineligible(state: str) -> None:
+@pytest.mark.parametrize("state", [WorkerStatus.DRAINING, WorkerStatus.UNHEALTHY])
+def test_worker_not_ready_is_ineligible(state: WorkerStatus) -> None:
     idle = worker("idle", warm=("sd",), state=state)
     busy = worker("busy", warm=("sd",), held_jobs=1, held_work_s=50.0)
     p = place(job(), [idle, busy], fleet(), CONFIG)
@@ -363,7 +364,7 @@ def test_capped_model_only_goes_to_workers_planned_for_it() -> None:
 
 
 def test_plan_counts_only_live_workers_as_planned() -> None:
-    draining = worker("draining", warm=("vid",), planned=("vid",), state="draining")
+    draining = worker("draining", warm=("vid",), planned=("vid",), state=WorkerStatus.DRAINING)
     idle = worker("idle", warm=("vid",))
     placements = plan([job(model="vid")], [draining, idle], fleet(), VIDEO_CAP, now=0.0)
     assert placements[0].worker_id == "idle"
@@ -414,7 +415,7 @@ def test_placement_records_scored_candidates_and_a_reason() -> None:
     workers = [
         worker("cold"),
         worker("warm", warm=("sd",), held_jobs=1, held_work_s=3.0),
-        worker("off", state="draining"),
+        worker("off", state=WorkerStatus.DRAINING),
     ]
     p = place(job("j1"), workers, fleet(), CONFIG)
     assert p.job_id == "j1"

@@ -20,9 +20,11 @@ from typing import Any
 
 import pytest
 
+from scheduler import facts
 from scheduler.estimates import Durations, Learned
 from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, WorkerView, plan
 from scheduler.preemption import Preemption, RunningView, choose_preemptions, estimated_wait
+from scheduler.snapshot import FleetSnapshot
 from scheduler.views import job_view, running_views
 from services.config.placement import PlacementSettings, PreemptionSettings
 from services.db.records import RunningJob
@@ -329,17 +331,25 @@ def record(**overrides: Any) -> RunningJob:
     return replace(base, **overrides)
 
 
+def fleet_of(jobs: list[RunningJob], workers: list[str]) -> FleetSnapshot:
+    """The running ``jobs`` on ready workers of speed 1, as the database has them."""
+    now = datetime(2025, 1, 1, 0, 5, tzinfo=UTC)
+    return facts.fleet_snapshot(now, workers=[records.worker_record(w) for w in workers], running=jobs)
+
+
 def test_running_views_estimate_the_step_and_the_rest_at_the_worker_s_speed() -> None:
     learned = Fleet(COSTS, Durations(speeds={"a": Learned(2.0, 10), "b": Learned(1.0, 10)}))
-    (fast,) = running_views([record()], [worker("a"), worker("b")], learned)
+    (fast,) = running_views(fleet_of([record()], ["a", "b"]), learned)
     # Mean learned speed is held at 1: a runs at 4/3, so 1 s steps take 0.75 s.
-    assert fast == RunningView("v", 2, "a", "free", "video", "vid", 1, False, 0.75, 15.0)
-    (unlearned,) = running_views([record(progress_step=25, suspend_requested=True)], [worker("a")], FLEET)
-    assert (unlearned.step_s, unlearned.remaining_s, unlearned.suspend_requested) == (1.0, 5.0, True)
+    assert replace(fast, remaining_s=0.0) == RunningView("v", 2, "a", "free", "video", "vid", 1, False, 0.75, 0.0)
+    assert fast.remaining_s == pytest.approx(15.0)
+    (unlearned,) = running_views(fleet_of([record(progress_step=25, suspend_requested=True)], ["a"]), FLEET)
+    assert (unlearned.step_s, unlearned.suspend_requested) == (1.0, True)
+    assert unlearned.remaining_s == pytest.approx(5.0)
 
 
 def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
-    (view,) = running_views([record(model="gone")], [worker("a")], FLEET)
+    (view,) = running_views(fleet_of([record(model="gone")], ["a"]), FLEET)
     assert view.capability == "" and view.step_s == float("inf")
     config = replace(CONFIG, preemptible=frozenset({"free"}))
     assert choose([waits(a=31.0)], [view], config) == []
@@ -348,5 +358,7 @@ def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
 def test_a_preempted_job_ages_from_its_suspension() -> None:
     created, suspended = datetime(2025, 1, 1, tzinfo=UTC), datetime(2025, 1, 1, 0, 1, tzinfo=UTC)
     summary = records.summary(id="v", lane="free", model="vid", width=512, height=512, steps=30, created_at=created)
-    assert job_view(summary, PlacementSettings(), {}).queued_at == created.timestamp()
-    assert job_view(replace(summary, aged_from=suspended), PlacementSettings(), {}).queued_at == suspended.timestamp()
+    view = job_view(facts.queued_job(summary), PlacementSettings(), {})
+    assert view.queued_at == created.timestamp()
+    resumed = job_view(facts.queued_job(replace(summary, aged_from=suspended)), PlacementSettings(), {})
+    assert resumed.queued_at == suspended.timestamp()

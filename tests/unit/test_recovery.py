@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from scheduler.recovery import TIMEOUT_GRACE_S, RecoveryConfig, review
-from services.db.records import AttemptFailure, DeadWorker, Expire, Fail, JobRecord, Requeue
+from scheduler.recovery import TIMEOUT_GRACE_S, Expire, Fail, Recovery, RecoveryConfig, Requeue
+from scheduler.recovery import review as review_snapshot
+from scheduler.snapshot import FleetSnapshot
+from services.db.records import AttemptFailure, DeadWorker, JobRecord
 from services.db.states import JobStatus
 from tests.records import new_job, record
 
@@ -29,6 +31,11 @@ def job(status: JobStatus = JobStatus.RUNNING, **changes) -> JobRecord:
 
 
 DEAD = [DeadWorker("w1", "no heartbeat for 12s")]
+
+
+def review(jobs: list[JobRecord], dead: list[DeadWorker], now: datetime, config: RecoveryConfig) -> list[Recovery]:
+    """The policy over a snapshot of ``jobs`` and ``dead`` at ``now``."""
+    return review_snapshot(FleetSnapshot(now.timestamp(), stalled=tuple(jobs), dead=tuple(dead)), config)
 
 
 def test_started_job_on_a_dead_worker_is_requeued_with_the_failure_counted() -> None:

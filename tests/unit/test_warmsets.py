@@ -13,6 +13,7 @@ import pytest
 
 from scheduler.policy import ModelCost
 from scheduler.warm_planner import Forecast, GpuView, Submitted, WarmSet, forecast, plan_warm_sets
+from services.db.states import WorkerStatus
 
 GB = 1024**3
 COSTS = {
@@ -133,7 +134,7 @@ def test_capped_models_are_not_added_as_secondaries() -> None:
     assert all("vid" in ws.models for ws in uncapped.values())
 
 
-@pytest.mark.parametrize("state", ["draining", "unhealthy"])
-def test_gpus_not_ready_get_nothing(state: str) -> None:
+@pytest.mark.parametrize("state", [WorkerStatus.DRAINING, WorkerStatus.UNHEALTHY])
+def test_gpus_not_ready_get_nothing(state: WorkerStatus) -> None:
     plans = plan_warm_sets({"xl": 1.0, "xl2": 1.0}, [gpu("off", state=state), gpu("on")], COSTS)
     assert set(plans) == {"on"}

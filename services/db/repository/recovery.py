@@ -1,15 +1,19 @@
 """Recovery, as procrastinate's stalled-jobs API does it: find the jobs that can no
 longer finish where they are (their worker is dead, they ran past their timeout,
-they waited past their deadline, they used their attempts), let the scheduler's
-pure recovery policy decide, and apply its decisions, fenced by attempt, under
-the scheduler lock so that one replica at a time does it."""
+they waited past their deadline, they used their attempts) and offer the writes
+that take them back or end them, fenced by attempt, under the scheduler lock so
+that one replica at a time does it. The scheduler's recovery policy decides."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from datetime import datetime
 
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import JOB_COLUMNS, DeadWorker, Expire, Fail, JobRecord, Recovery, Requeue, Review
+from services.db.records import JOB_COLUMNS, AttemptFailure, DeadWorker, JobRecord
 from services.db.repository.database import SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import end, requeue
 from services.db.repository.workers import FRESH
@@ -30,22 +34,21 @@ class Recoveries:
     def __init__(self, db: Database) -> None:
         self.db = db
 
+    @contextlib.asynccontextmanager
     async def recovery_pass(
-        self,
-        review: Review,
-        *,
-        stale_after_s: float,
-        judge_heartbeats: bool,
-        max_attempts: int,
-        shortest_timeout_s: float,
-    ) -> list[Recovery] | None:
-        """One recovery pass; returns what it did, or None if another replica holds
-        the scheduler lock. ``judge_heartbeats`` False: heartbeats may be stale
-        because the database itself was away, so only workers that said they
-        stopped count as dead."""
+        self, *, stale_after_s: float, judge_heartbeats: bool, max_attempts: int, shortest_timeout_s: float
+    ) -> AsyncIterator[RecoveryPass | None]:
+        """One recovery pass under the scheduler lock: yields the jobs that may be
+        stuck (held by dead or unknown workers, queued past their deadline or out
+        of attempts, started longer ago than ``shortest_timeout_s``), locked, with
+        the dead workers and the database's clock, for the caller to requeue or
+        end them; None if another replica holds the lock. ``judge_heartbeats``
+        False: heartbeats may be stale because the database itself was away, so
+        only workers that said they stopped count as dead."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, SCHEDULER_LOCK):
-                return None
+                yield None
+                return
             dead = await _dead_workers(conn, stale_after_s, judge_heartbeats)
             rows = await fetch_all(
                 conn,
@@ -58,38 +61,36 @@ class Recoveries:
                     "timeout_s": shortest_timeout_s,
                 },
             )
-            if not rows:
-                return []
             jobs = [JobRecord.of(r) for r in rows]
             holders = sorted({j.worker_id for j in jobs if j.worker_id is not None})
             known = {r["id"] for r in await fetch_all(conn, "SELECT id FROM workers WHERE id = ANY(%s)", (holders,))}
             dead += [DeadWorker(w, "unknown worker") for w in holders if w not in known]
             clock = await fetch_one(conn, "SELECT now() AS now")
             assert clock is not None
-            now = clock["now"]
-            by_id = {j.id: j for j in jobs}
-            done: list[Recovery] = []
-            requeues: list[Requeue] = []
-            for action in review(jobs, dead, now):
-                job = by_id.get(action.job_id)
-                if job is None or job.attempt != action.attempt:
-                    continue
-                if isinstance(action, Requeue):
-                    if job.status == action.status:
-                        requeues.append(action)
-                elif isinstance(action, Fail):
-                    if job.status == action.status and await end(
-                        conn, job.id, job.attempt, JobStatus.FAILED, action.reason, now=now, failure=action.failure
-                    ):
-                        done.append(action)
-                elif isinstance(action, Expire):
-                    if job.status == JobStatus.QUEUED and await end(
-                        conn, job.id, job.attempt, JobStatus.EXPIRED, "deadline passed while queued", now=now
-                    ):
-                        done.append(action)
-            changed = await requeue(conn, [(a.job_id, a.attempt, a.failure) for a in requeues], now=now)
-            done += [a for a in requeues if a.job_id in changed]
-            return sorted(done, key=lambda a: a.job_id)
+            yield RecoveryPass(conn, jobs, dead, clock["now"])
+
+
+class RecoveryPass:
+    """What a recovery pass found, and its writes, each fenced by attempt."""
+
+    def __init__(
+        self, conn: AsyncConnection[DictRow], jobs: list[JobRecord], dead: list[DeadWorker], now: datetime
+    ) -> None:
+        self._conn = conn
+        self.jobs = jobs
+        self.dead = dead
+        self.now = now
+
+    async def requeue(self, jobs: Sequence[tuple[str, int, AttemptFailure | None]]) -> set[str]:
+        """Puts (job id, attempt, failure or None) back in the queue; returns the
+        ids requeued (a job whose attempt moved on is not)."""
+        return set(await requeue(self._conn, jobs, now=self.now))
+
+    async def end(
+        self, job_id: str, attempt: int, status: JobStatus, reason: str, failure: AttemptFailure | None = None
+    ) -> bool:
+        """Ends the job in ``status`` if ``attempt`` is still its current one."""
+        return await end(self._conn, job_id, attempt, status, reason, now=self.now, failure=failure)
 
 
 async def _dead_workers(

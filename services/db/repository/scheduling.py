@@ -3,7 +3,8 @@ its advisory lock so that replicas take turns."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import fields
 from datetime import datetime
 from typing import Any
@@ -15,7 +16,7 @@ from psycopg.types.json import Jsonb
 from services.db.records import (
     SUMMARY_COLUMNS,
     SUMMARY_FIELDS,
-    Decide,
+    Assignment,
     HeldGroup,
     JobSummary,
     SubmittedCount,
@@ -92,12 +93,14 @@ class Scheduling:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    async def schedule_pass(
-        self, decide: Decide, *, limit: int, stale_after_s: float, max_attempts: int, now: datetime
-    ) -> list[JobSummary] | None:
-        """One scheduling pass under the scheduler lock. Returns the jobs now
-        SCHEDULED (attempt raised, worker set), in the order they were placed, or
-        None if another replica holds the lock."""
+    @contextlib.asynccontextmanager
+    async def placement_pass(
+        self, *, limit: int, stale_after_s: float, max_attempts: int, now: datetime
+    ) -> AsyncIterator[PlacementPass | None]:
+        """One placement pass under the scheduler lock: yields what it reads (the
+        oldest ``limit`` placeable jobs of each lane, the live samplers, the work
+        they hold), for the caller to assign jobs (``PlacementPass.assign``)
+        before the block ends; None if another replica holds the lock."""
         async with self.db.tx() as conn:
             read = await fetch_one(
                 conn,
@@ -112,26 +115,15 @@ class Scheduling:
                 },
             )
             if read is None or not read["locked"]:
-                return None
-            queued = [JobSummary.of(_times(r, _SUMMARY_TIMES)) for r in read["queued"]]
-            if not queued:
-                return []
-            workers = [WorkerRecord.of(_times(r, _WORKER_TIMES)) for r in read["workers"]]
-            assignments = decide(queued, workers, [held_group(r) for r in read["held"]])
-            if not assignments:
-                return []
-            placed = await fetch_all(
+                yield None
+                return
+            yield PlacementPass(
                 conn,
-                _SCHEDULE,
-                {
-                    "now": now,
-                    "ids": [a.job_id for a in assignments],
-                    "workers": [a.worker_id for a in assignments],
-                    "routings": [Jsonb(a.routing) for a in assignments],
-                },
+                now,
+                [JobSummary.of(_times(r, _SUMMARY_TIMES)) for r in read["queued"]],
+                [WorkerRecord.of(_times(r, _WORKER_TIMES)) for r in read["workers"]],
+                [held_group(r) for r in read["held"]],
             )
-        order = {a.job_id: i for i, a in enumerate(assignments)}
-        return sorted((JobSummary.of(r) for r in placed), key=lambda j: order[j.id])
 
     async def scheduled_not_started(self, *, older_than: datetime) -> list[JobSummary]:
         rows = await self.db.all(
@@ -150,30 +142,71 @@ class Scheduling:
         )
         return {row["worker_id"]: row["n"] for row in rows if row["worker_id"]}
 
-    async def plan_pass(
-        self,
-        plan: Callable[[Sequence[WorkerRecord], Sequence[SubmittedCount]], dict[str, WarmPlan]],
-        *,
-        since: datetime,
-        newer_since: datetime,
-        stale_after_s: float,
-    ) -> dict[str, WarmPlan] | None:
-        """One planning pass under the planner lock: the demand since ``since`` (by
-        shape and lane, split at ``newer_since``, and what is still queued from
-        before it) and the live workers in, each worker's warm set written. None
-        if another replica is planning."""
+    @contextlib.asynccontextmanager
+    async def planning_pass(
+        self, *, since: datetime, newer_since: datetime, stale_after_s: float
+    ) -> AsyncIterator[PlanningPass | None]:
+        """One planning pass under the planner lock: yields the live samplers and
+        the demand since ``since`` (by shape and lane, split at ``newer_since``,
+        and what is still queued from before it), for the caller to store each
+        worker's warm set (``PlanningPass.store``); None if another replica is
+        planning."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, PLANNER_LOCK):
-                return None
+                yield None
+                return
             workers = await live_workers(conn, WorkerKind.SAMPLER, stale_after_s)
-            demand = await submitted_counts(conn, since, newer_since)
-            plans = plan(workers, demand)
-            for worker_id, warm in sorted(plans.items()):
-                await conn.execute(
-                    "UPDATE workers SET primary_model = %s, planned_models = %s WHERE id = %s",
-                    (warm.primary, Jsonb(list(warm.models)), worker_id),
-                )
-            return plans
+            yield PlanningPass(conn, workers, await submitted_counts(conn, since, newer_since))
+
+
+class PlacementPass:
+    """What a placement pass read, and its one write."""
+
+    def __init__(
+        self,
+        conn: AsyncConnection[DictRow],
+        now: datetime,
+        queued: list[JobSummary],
+        workers: list[WorkerRecord],
+        held: list[HeldGroup],
+    ) -> None:
+        self._conn = conn
+        self.now = now
+        self.queued = queued
+        self.workers = workers
+        self.held = held
+
+    async def assign(self, assignments: Sequence[Assignment]) -> list[JobSummary]:
+        """Marks the jobs SCHEDULED on their workers (attempt raised) and returns
+        them in the order assigned; a job no longer QUEUED is left out."""
+        if not assignments:
+            return []
+        placed = await fetch_all(
+            self._conn,
+            _SCHEDULE,
+            {
+                "now": self.now,
+                "ids": [a.job_id for a in assignments],
+                "workers": [a.worker_id for a in assignments],
+                "routings": [Jsonb(a.routing) for a in assignments],
+            },
+        )
+        order = {a.job_id: i for i, a in enumerate(assignments)}
+        return sorted((JobSummary.of(r) for r in placed), key=lambda j: order[j.id])
+
+
+class PlanningPass:
+    def __init__(self, conn: AsyncConnection[DictRow], workers: list[WorkerRecord], demand: list[SubmittedCount]):
+        self._conn = conn
+        self.workers = workers
+        self.demand = demand
+
+    async def store(self, plans: Mapping[str, WarmPlan]) -> None:
+        for worker_id, warm in sorted(plans.items()):
+            await self._conn.execute(
+                "UPDATE workers SET primary_model = %s, planned_models = %s WHERE id = %s",
+                (warm.primary, Jsonb(list(warm.models)), worker_id),
+            )
 
 
 async def submitted_counts(

@@ -1,10 +1,11 @@
-"""Production and the simulator build the placement policy's views alike.
+"""Production and the simulator fill the same fleet snapshot.
 
-Production builds them from database records (``scheduler/views.py``); the
-simulator from its simulated world (``DarkroomPolicy`` in
-``scheduler/simulator/policies.py``). Here one fleet state is set up both ways,
-each fact written down once per side, and the two adapters must agree on every
-``JobView``, ``WorkerView``, ``RunningView`` and on what warm-set planning is given.
+Production fills it from database records (``scheduler/facts.py``), the simulator
+from its world (``scheduler/simulator/facts.py``); everything after the snapshot
+is one driver. Here one fleet state is set up both ways, each fact written down
+once per side, and the two fillers must agree on every fact. The one thing they
+may tell differently is how far running work is: production reads the steps
+done, the simulator knows when the run began; both must leave the same work.
 
 The state, on one clock (seconds since the epoch, ``BASE`` + the offsets below,
 all exact in binary so that times and durations compare exactly), at ``NOW`` =
@@ -24,12 +25,13 @@ Latency classes: paid has a 30 s target, image work 20 s, free and video work is
 best effort: A and F are bound by 20 s, C by 30 s, the others best effort.
 
 The tests at the end cover where the two once diverged: a resumed job's attempt,
-a running batch's step estimate, and the GPU a failed attempt ran on.
+a running batch's progress, and the GPU a failed attempt ran on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,15 +39,16 @@ from typing import Any
 
 import pytest
 
-import scheduler.service
-import scheduler.simulator.policies
+from scheduler import driver, facts
 from scheduler.estimates import Durations, Learned
-from scheduler.policy import Fleet, ModelCost, WorkerView
+from scheduler.learning import durations_from
+from scheduler.policy import Fleet, ModelCost
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator.engine import Job, Simulation
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.scenario import GIB, TraceJob
-from scheduler.views import durations_from, job_view, running_views, worker_views
+from scheduler.snapshot import FleetSnapshot, Progress
+from scheduler.views import job_view, running_views, worker_views
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob, SubmittedCount
 from services.db.states import JobStatus
 from tests.records import new_job, summary, worker_record
@@ -190,9 +193,6 @@ class Simulated:
     sim: Simulation
     policy: DarkroomPolicy
     jobs: dict[str, Job]
-
-    def worker_views(self) -> list[WorkerView]:
-        return [self.policy.worker_view(self.sim, gpu, NOW) for gpu in self.sim.live()]
 
 
 def scenario(tmp_path: Path) -> scenarios.Scenario:
@@ -372,11 +372,24 @@ def production_fleet() -> Fleet:
 # -- checks -----------------------------------------------------------------------
 
 
-def exercised(views: list[Any], *, but: tuple[str, ...] = ()) -> None:
-    """Every defaulted field of the views' type (``but`` those named) is off its
-    default in some view: the state exercises it, so an adapter that dropped it
+def production(now: float = NOW, **records: Any) -> FleetSnapshot:
+    return facts.fleet_snapshot(datetime.fromtimestamp(now, UTC), **records)
+
+
+def simulated_snapshot(world: Simulated) -> FleetSnapshot:
+    fleet = world.policy.facts.fleet_snapshot(world.sim, NOW, world.policy.primaries)
+    return replace(fleet, running=tuple(world.policy.facts.running(world.sim, NOW)))
+
+
+def progress_free(items: Sequence[Any]) -> list[Any]:
+    return [replace(i, progress=Progress()) for i in items]
+
+
+def exercised(items: Sequence[Any], *, but: tuple[str, ...] = ()) -> None:
+    """Every defaulted field of the facts' type (``but`` those named) is off its
+    default in some fact: the state exercises it, so a filler that dropped it
     could not agree with one that did not."""
-    kind = type(views[0])
+    kind = type(items[0])
     for f in fields(kind):
         if f.name in but:
             continue
@@ -386,67 +399,49 @@ def exercised(views: list[Any], *, but: tuple[str, ...] = ()) -> None:
             default = f.default_factory()
         else:
             continue  # no default: always given
-        assert any(getattr(v, f.name) != default for v in views), f"no {kind.__name__} sets {f.name}"
+        assert any(getattr(i, f.name) != default for i in items), f"no {kind.__name__} sets {f.name}"
 
 
-def test_job_views_are_the_same(sim_world: Simulated) -> None:
-    config = sim_world.sim.scenario.darkroom
-    for name, job in sim_world.jobs.items():
-        simulated_view = sim_world.policy.job_view(job)
-        production_view = job_view(JOBS[name], config, COSTS)
-        assert simulated_view == production_view, name
-        assert simulated_view.batch_key == production_view.batch_key
-    views = [job_view(j, config, COSTS) for j in JOBS.values()]
-    # guidance_scale: the simulator has none (every simulated job has the default);
-    # failed_on: see test_a_job_whose_gpu_failed_avoids_it_in_both.
-    exercised(views, but=("guidance_scale", "failed_on"))
+def test_queued_jobs_are_the_same(sim_world: Simulated) -> None:
+    simulated = [sim_world.policy.facts.queued_job(job) for job in sim_world.jobs.values()]
+    produced = [facts.queued_job(JOBS[name]) for name in sim_world.jobs]
+    assert simulated == produced
+    # guidance_scale: the simulator has none; failed_on: see test_a_job_whose_gpu_failed_avoids_it_in_both.
+    exercised(produced, but=("failed_on",))
+    views = [job_view(j, sim_world.sim.scenario.darkroom, COSTS) for j in produced]
     assert {v.id: v.target_s for v in views} == {A: 20, F: 20, C: 30, B1: None, B2: None, B3: None, D: None, E: None}
     assert {v.id: v.queued_at for v in views if v.id in (D, F, E)} == {D: BASE + 4.0, F: BASE + 9.0, E: BASE + 11.0}
 
 
-def test_worker_views_are_the_same(sim_world: Simulated) -> None:
-    simulated_views = sim_world.worker_views()
-    production_views = worker_views(WORKERS, HELD, production_fleet())
-    assert [v.id for v in simulated_views] == [v.id for v in production_views] == ["fast", "slow", "small"]
-    for s, p in zip(simulated_views, production_views, strict=True):
-        assert p.held_work_s == pytest.approx(s.held_work_s, abs=1e-9), p.id
-        assert replace(s, held_work_s=0.0) == replace(p, held_work_s=0.0)
+def test_workers_and_what_they_hold_are_the_same(sim_world: Simulated) -> None:
+    simulated = simulated_snapshot(sim_world)
+    produced = production(workers=WORKERS, held=HELD, running=RUNNING)
+    assert simulated.workers == produced.workers
+    assert [w.id for w in produced.workers] == ["fast", "slow", "small"]
+    exercised(produced.workers, but=("state", "loading_s", "measured"))
+    assert progress_free(simulated.held) == progress_free(produced.held)
     # fast: A's 1 s left, C's model load 3 s, the batches of 4 (8 s) and 1 (2.5 s)
     # of B1-B3, C's 1.25 s; slow: 12 steps of 2 s.
-    assert [v.held_jobs for v in production_views] == [4, 1, 0]
-    assert [v.held_work_s for v in production_views] == pytest.approx([15.75, 24.0, 0.0], abs=1e-9)
-    # state: a simulated GPU is ready or down (and then not live), never draining.
-    exercised(production_views, but=("state",))
+    views = worker_views(produced, production_fleet())
+    assert [v.held_jobs for v in views] == [4, 1, 0]
+    assert [v.held_work_s for v in views] == pytest.approx([15.75, 24.0, 0.0], abs=1e-9)
+    assert [v.held_work_s for v in worker_views(simulated, production_fleet())] == pytest.approx(
+        [15.75, 24.0, 0.0], abs=1e-9
+    )
 
 
-def test_running_views_are_the_same(sim_world: Simulated) -> None:
+def test_running_jobs_are_the_same(sim_world: Simulated) -> None:
+    simulated = simulated_snapshot(sim_world)
+    produced = production(workers=WORKERS, held=HELD, running=RUNNING)
+    assert progress_free(simulated.running) == progress_free(produced.running)
+    exercised(produced.running, but=("progress",))
     config = sim_world.sim.scenario.darkroom
-    simulated_views = sim_world.policy.running_views(sim_world.sim, NOW)
-    production_views = running_views(RUNNING, WORKERS, production_fleet(), config)
-    by_id = {v.job_id: v for v in production_views}
-    assert [v.job_id for v in simulated_views] == [A, D]
-    for name, s in zip((A, D), simulated_views, strict=True):
-        p = by_id[name]
-        assert p.step_s == pytest.approx(s.step_s, abs=1e-9), name
-        assert p.remaining_s == pytest.approx(s.remaining_s, abs=1e-9), name
-        assert replace(s, step_s=0.0, remaining_s=0.0) == replace(p, step_s=0.0, remaining_s=0.0)
-    assert [(v.step_s, v.remaining_s) for v in production_views] == [
-        pytest.approx((0.125, 1.0), abs=1e-9),
-        pytest.approx((2.0, 24.0), abs=1e-9),
-    ]
-    exercised(production_views)
-
-
-def capture(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The arguments of calls to ``module.plan_warm_sets``, which then plans nothing."""
-    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-
-    def plan_warm_sets(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        calls.append((args, kwargs))
-        return {}
-
-    monkeypatch.setattr(module, "plan_warm_sets", plan_warm_sets)
-    return calls
+    for fleet in (simulated, produced):
+        views = running_views(fleet, production_fleet(), config)
+        assert [(v.job_id, v.step_s, v.remaining_s) for v in views] == [
+            (A, pytest.approx(0.125), pytest.approx(1.0)),
+            (D, pytest.approx(2.0), pytest.approx(24.0)),
+        ]
 
 
 def submitted_counts(jobs: Mapping[str, JobSummary]) -> list[SubmittedCount]:
@@ -459,39 +454,30 @@ def submitted_counts(jobs: Mapping[str, JobSummary]) -> list[SubmittedCount]:
     return [SubmittedCount(*key, count=n) for key, n in sorted(counts.items())]
 
 
-def test_warm_set_planning_sees_the_same_gpus_and_demand(sim_world: Simulated, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The GPUs, costs, caps, forecast demand and best-effort models the warm-set
-    planner is given."""
-    simulated_calls = capture(monkeypatch, scheduler.simulator.policies)
-    production_calls = capture(monkeypatch, scheduler.service)
-    sim_world.policy.on_tick(sim_world.sim, NOW)
-    config = sim_world.sim.scenario.darkroom
-    # Every job was submitted within the window.
-    scheduler.service.make_plan(production_fleet(), config, window_s=WINDOW_S)(WORKERS, submitted_counts(JOBS))
-    [((s_demand, s_gpus, s_costs, s_caps), s_kwargs)] = simulated_calls
-    [((p_demand, p_gpus, p_costs, p_caps), p_kwargs)] = production_calls
-    assert p_gpus == s_gpus
-    assert (p_costs, p_caps) == (s_costs, s_caps) == (COSTS, {"video": 1})
-    assert p_demand.keys() == s_demand.keys() and p_demand
-    for model, need in p_demand.items():
-        assert need == pytest.approx(s_demand[model], rel=1e-9)
-    assert p_kwargs == s_kwargs and "best_effort" in p_kwargs
-    assert [(g.id, g.primary, g.speed) for g in p_gpus] == [
-        ("fast", "img", 2.0),
-        ("slow", "vid", 0.5),
-        ("small", None, 1.0),
-    ]
-    # state: as for WorkerView.
-    exercised(p_gpus, but=("state",))
+def test_demand_is_the_same(sim_world: Simulated) -> None:
+    """The simulator counts each job it saw arrive in the window; production
+    counts them by shape and lane: the same demand, and the same warm sets."""
+    sim = sim_world.sim
+    simulated = [sim_world.policy.facts.submitted(j, newer=j.queued_at >= NOW - WINDOW_S / 2) for j in sim.arrived]
+    produced = production(workers=WORKERS, submitted_counts=submitted_counts(JOBS))
+    assert Counter(replace(s, count=1) for s in simulated) == Counter(
+        {replace(s, count=1): s.count for s in produced.submitted}
+    )
+    config = sim.scenario.darkroom
+    durations = production_fleet().durations
+    simulated_fleet = FleetSnapshot(NOW, workers=simulated_snapshot(sim_world).workers, submitted=tuple(simulated))
+    assert driver.plan_warm(simulated_fleet, COSTS, durations, config, window_s=WINDOW_S) == driver.plan_warm(
+        produced, COSTS, durations, config, window_s=WINDOW_S
+    )
 
 
 # -- where the two once diverged ------------------------------------------------------
 
 
 def test_a_resumed_job_s_attempt_counts_alike(sim_world: Simulated) -> None:
-    simulated_view = next(v for v in sim_world.policy.running_views(sim_world.sim, NOW) if v.worker_id == "slow")
-    [production_view] = [v for v in running_views(RUNNING, WORKERS, production_fleet()) if v.job_id == D]
-    assert simulated_view.attempt == production_view.attempt == 2
+    [simulated] = [r for r in simulated_snapshot(sim_world).running if r.id == D]
+    [produced] = [r for r in production(running=RUNNING).running if r.id == D]
+    assert simulated.attempt == produced.attempt == 2
 
 
 def batch_running(tmp_path: Path) -> tuple[Simulated, list[RunningJob]]:
@@ -516,23 +502,21 @@ def batch_running(tmp_path: Path) -> tuple[Simulated, list[RunningJob]]:
     return Simulated(sim, policy, {B1: first, B4: second}), running
 
 
-def test_a_running_batch_holds_its_worker_alike(tmp_path: Path) -> None:
-    world, _ = batch_running(tmp_path)
-    held = [HeldGroup("fast", JobStatus.RUNNING, "img", 1024, 1024, 20, 7.5, 2, 2, 1, 6 / 20)]
-    simulated_view = world.policy.worker_view(world.sim, world.sim.gpus["fast"], NOW)
-    [production_view, *_] = worker_views(WORKERS, held, production_fleet())
-    assert production_view.held_work_s == pytest.approx(simulated_view.held_work_s, abs=1e-9) == 3.5
-    assert production_view.held_jobs == simulated_view.held_jobs == 1
-
-
-def test_a_running_batch_s_steps_are_estimated_alike(tmp_path: Path) -> None:
+def test_a_running_batch_holds_its_worker_and_is_estimated_alike(tmp_path: Path) -> None:
     world, running = batch_running(tmp_path)
-    simulated_views = world.policy.running_views(world.sim, NOW)
-    production_views = running_views(running, WORKERS, production_fleet(), world.sim.scenario.darkroom)
-    # The simulator: a step of the batch of 2 (0.25 s), 3.5 s left of it.
-    assert [(v.step_s, v.remaining_s) for v in simulated_views] == [(0.25, 3.5)] * 2
-    for s, p in zip(simulated_views, production_views, strict=True):
-        assert (p.step_s, p.remaining_s) == pytest.approx((s.step_s, s.remaining_s), abs=1e-9)
+    held = [HeldGroup("fast", JobStatus.RUNNING, "img", 1024, 1024, 20, 7.5, 2, 2, 1, 6 / 20)]
+    simulated, produced = simulated_snapshot(world), production(workers=WORKERS, held=held, running=running)
+    [fast, *_] = worker_views(produced, production_fleet())
+    [simulated_fast, *_] = worker_views(simulated, production_fleet())
+    assert (fast.held_work_s, fast.held_jobs) == (pytest.approx(simulated_fast.held_work_s, abs=1e-9), 1)
+    assert fast.held_work_s == pytest.approx(3.5)
+    # A step of the batch of 2 (0.25 s), 3.5 s left of it, for each of its jobs.
+    config = world.sim.scenario.darkroom
+    for views in (
+        running_views(simulated, production_fleet(), config),
+        running_views(produced, production_fleet(), config),
+    ):
+        assert [(v.step_s, v.remaining_s) for v in views] == [pytest.approx((0.25, 3.5))] * 2
 
 
 def test_a_job_retried_after_its_gpu_failed_runs_as_the_same_attempt(sim_world: Simulated) -> None:
@@ -540,17 +524,16 @@ def test_a_job_retried_after_its_gpu_failed_runs_as_the_same_attempt(sim_world: 
     sim = sim_world.sim
     sim._fail("fast", NOW)
     sim.assign(sim_world.jobs[A], "small", NOW)
-    [simulated_view] = [v for v in sim_world.policy.running_views(sim, NOW) if v.worker_id == "small"]
+    [simulated] = [r for r in sim_world.policy.facts.running(sim, NOW) if r.worker_id == "small"]
     retried = RunningJob(A, 2, "small", "paid", 10, "img", 1024, 1024, 20, 1, 0, 0, False, at(11.5))
-    [production_view] = running_views([retried], WORKERS, production_fleet(), sim.scenario.darkroom)
-    assert production_view.remaining_s == pytest.approx(simulated_view.remaining_s, abs=1e-9)
-    assert replace(simulated_view, remaining_s=0.0) == replace(production_view, remaining_s=0.0)
-    assert (production_view.attempt, production_view.remaining_s) == (2, 5.0)
+    [produced] = production(running=[retried]).running
+    assert replace(simulated, progress=Progress()) == replace(produced, progress=Progress())
+    assert simulated.attempt == 2
 
 
 def test_a_job_whose_gpu_failed_avoids_it_in_both(sim_world: Simulated) -> None:
     sim_world.sim._fail("fast", NOW)
     lost = replace(JOBS[A], status=JobStatus.QUEUED, worker_id=None, attempt_log=(AttemptFailure(1, "fast", "lost"),))
-    production_view = job_view(lost, sim_world.sim.scenario.darkroom, COSTS)
-    assert production_view.failed_on == frozenset({"fast"})
-    assert sim_world.policy.job_view(sim_world.jobs[A]).failed_on == production_view.failed_on
+    produced = facts.queued_job(lost)
+    assert produced.failed_on == frozenset({"fast"})
+    assert sim_world.policy.facts.queued_job(sim_world.jobs[A]).failed_on == produced.failed_on

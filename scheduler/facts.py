@@ -1,0 +1,123 @@
+"""A fleet snapshot from the database's records: what production knows of its
+fleet, as ``scheduler.snapshot`` has the simulator know its own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+from scheduler import snapshot
+from services.db import records
+from services.db.states import JobStatus
+
+_HOLDING = {
+    JobStatus.RUNNING: snapshot.Holding.RUNNING,
+    JobStatus.SCHEDULED: snapshot.Holding.WAITING,
+    JobStatus.DECODING: snapshot.Holding.DECODING,
+}
+
+
+def queued_job(job: records.JobSummary | records.JobRecord) -> snapshot.QueuedJob:
+    # A preempted job ages from its suspension (``aged_from``): back in the queue
+    # with its old age, it would outrank at once the job it was suspended for.
+    return snapshot.QueuedJob(
+        id=job.id,
+        model=job.model,
+        width=job.width,
+        height=job.height,
+        steps=job.steps,
+        num_images=job.num_images,
+        guidance_scale=job.guidance_scale,
+        lane=job.lane,
+        priority=job.priority,
+        queued_at=(job.aged_from or job.created_at).timestamp(),
+        failed_on=frozenset(f.worker_id for f in job.attempt_log),
+    )
+
+
+def measured(telemetry: Mapping[str, Any]) -> tuple[tuple[str, int, float], ...]:
+    """(model, bytes, load seconds) of each model a sampler reports measuring."""
+    reported = telemetry.get("models")
+    if not isinstance(reported, dict):
+        return ()
+    return tuple(
+        (name, int(m.get("bytes", 0)), float(m.get("load_s", 0.0)))
+        for name, m in reported.items()
+        if isinstance(m, dict)
+    )
+
+
+def worker(w: records.WorkerRecord) -> snapshot.Worker:
+    return snapshot.Worker(
+        id=w.id,
+        state=w.status,
+        models=frozenset(w.models),
+        warm_models=frozenset(w.warm_models),
+        vram_total_bytes=w.vram_total_bytes,
+        vram_used_bytes=w.vram_used_bytes,
+        speed=w.speed,
+        temperature_c=w.temperature_c,
+        planned_models=frozenset(w.planned_models),
+        primary_model=w.primary_model,
+        measured=measured(w.telemetry),
+    )
+
+
+def held_work(g: records.HeldGroup) -> snapshot.HeldWork:
+    return snapshot.HeldWork(
+        worker_id=g.worker_id,
+        model=g.model,
+        width=g.width,
+        height=g.height,
+        steps=g.steps,
+        guidance_scale=g.guidance_scale,
+        images=g.images,
+        largest=g.largest,
+        holding=_HOLDING[g.status],
+        progress=snapshot.Progress(done=g.done),
+    )
+
+
+def running_job(r: records.RunningJob) -> snapshot.RunningJob:
+    return snapshot.RunningJob(
+        id=r.id,
+        attempt=r.attempt,
+        worker_id=r.worker_id,
+        lane=r.lane,
+        model=r.model,
+        width=r.width,
+        height=r.height,
+        steps=r.steps,
+        num_images=r.num_images,
+        preemptions=r.preemptions,
+        suspend_requested=r.suspend_requested,
+        progress=snapshot.Progress(done=min(r.progress_step / r.steps, 1.0) if r.steps > 0 else 0.0),
+    )
+
+
+def submitted(c: records.SubmittedCount) -> snapshot.Submitted:
+    return snapshot.Submitted(c.model, c.width, c.height, c.steps, c.num_images, c.lane, c.newer, c.count, c.backlog)
+
+
+def fleet_snapshot(
+    now: datetime,
+    *,
+    workers: Iterable[records.WorkerRecord] = (),
+    queued: Iterable[records.JobSummary | records.JobRecord] = (),
+    held: Iterable[records.HeldGroup] = (),
+    running: Iterable[records.RunningJob] = (),
+    submitted_counts: Iterable[records.SubmittedCount] = (),
+    stalled: Iterable[records.JobRecord] = (),
+    dead: Iterable[records.DeadWorker] = (),
+) -> snapshot.FleetSnapshot:
+    return snapshot.FleetSnapshot(
+        now=now.timestamp(),
+        workers=tuple(map(worker, workers)),
+        queued=tuple(map(queued_job, queued)),
+        held=tuple(held_work(g) for g in held if g.status in _HOLDING),
+        running=tuple(map(running_job, running)),
+        submitted=tuple(map(submitted, submitted_counts)),
+        stalled=tuple(stalled),
+        dead=tuple(dead),
+    )

@@ -1,0 +1,253 @@
+"""The scheduler's passes, each the same three moves: read a fleet snapshot from the
+database (``scheduler.facts``), decide with the driver (``scheduler.driver``),
+write what was decided. Replicas take turns through the repository's locks: a
+pass another replica holds returns None."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+
+from scheduler import driver, facts, reports
+from scheduler.costs import costs_from
+from scheduler.estimates import Durations
+from scheduler.learning import durations_from, fold_run_times
+from scheduler.policy import ModelCost
+from scheduler.recovery import Expire, Fail, Recovery, RecoveryConfig, Requeue
+from scheduler.suspend_requests import Preempter
+from scheduler.views import JobViews
+from services.bus.dispatch import Bus, Dispatch
+from services.bus.events import Events, JobEvent
+from services.config.placement import check_names
+from services.config.sections import SchedulerSettings
+from services.db.records import Assignment, JobSummary, WarmPlan
+from services.db.repository import Repository
+from services.db.repository.recovery import RecoveryPass
+from services.db.states import JobStatus
+from services.errors import BusError
+from services.generation import JobShape
+from services.models.registry import ModelRegistry
+from services.telemetry import logs, tracing
+
+log = logging.getLogger(__name__)
+
+# Run times folded into the learned estimates in one pass.
+LEARN_BATCH = 500
+
+
+class Passes:
+    def __init__(
+        self, settings: SchedulerSettings, repo: Repository, bus: Bus, registry: ModelRegistry, *, stale_after_s: float
+    ) -> None:
+        check_names(settings.placement, settings.preemption, {m.capability for m in registry.models.values()})
+        self.settings = settings
+        self.placement = settings.placement
+        self.stale_after_s = stale_after_s
+        self.repo = repo
+        self.bus = bus
+        self.events = Events(bus.nc)
+        self.preempter = Preempter(repo, settings.placement, settings.preemption)
+        self.recovery = RecoveryConfig(
+            max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
+        )
+        self.costs = costs_from(registry)
+        self.job_views = JobViews(self.placement, self.costs)
+        self.durations = Durations()
+        self._durations_read = float("-inf")
+
+    async def learned_durations(self) -> Durations:
+        """The learned durations, reread at most every ``estimates_refresh_s``."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._durations_read >= self.placement.estimates_refresh_s:
+            self.durations = durations_from(*await self.repo.estimates.learned())
+            self._durations_read = loop.time()
+        return self.durations
+
+    async def place(self) -> int:
+        """Places what it can of the queue; returns how many jobs it placed."""
+        durations = await self.learned_durations()
+        now = datetime.now(UTC)
+        async with self.repo.scheduling.placement_pass(
+            limit=self.settings.batch,
+            stale_after_s=self.stale_after_s,
+            max_attempts=self.settings.max_attempts,
+            now=now,
+        ) as read:
+            if read is None or not read.queued:
+                return 0
+            fleet = facts.fleet_snapshot(now, workers=read.workers, queued=read.queued, held=read.held)
+            decision = driver.place(fleet, self.costs, durations, self.placement, job_views=self.job_views)
+            assignments = [
+                Assignment(p.job_id, p.worker_id, reports.routing_json(p))
+                for p in decision.placed
+                if p.worker_id is not None
+            ]
+            scheduled = await read.assign(assignments)
+        # Urgent work left waiting behind preemptible work makes room (its
+        # placement comes in a later pass, once the GPU is free).
+        await self.preempter.after_pass(fleet, decision)
+        if not scheduled:
+            return 0
+        log.debug("placed %d jobs", len(scheduled))
+        # Before the dispatches: a worker's RUNNING must not overtake its SCHEDULED.
+        await self.events.job(*(JobEvent(j.id, j.attempt, JobStatus.SCHEDULED) for j in scheduled))
+        # Published after the commit: a job left unpublished (this process dies
+        # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
+        # under the same message id.
+        await self.publish(scheduled)
+        reports.count_placed(decision.placed, scheduled)
+        tracing.placed(scheduled, {a.job_id: a.routing for a in assignments})
+        return len(scheduled)
+
+    async def publish(self, jobs: Sequence[JobSummary]) -> None:
+        """Publishes the jobs of one pass together, each telling its worker how many
+        of them it gets (so that it waits for those to form a batch, and no more)."""
+        per_worker = collections.Counter(job.worker_id for job in jobs)
+        pass_id = uuid.uuid4().hex[:12]
+        published_at = time.time()
+        dispatches = [
+            (
+                job.worker_id,
+                Dispatch(
+                    job.id,
+                    job.attempt,
+                    published_at,
+                    pass_id,
+                    per_worker[job.worker_id],
+                    JobShape(job.model, job.width, job.height, job.steps, job.guidance_scale, job.num_images),
+                ),
+            )
+            for job in jobs
+            if job.worker_id is not None
+        ]
+        try:
+            await self.bus.publish_dispatches(dispatches)
+        except BusError as exc:
+            log.warning("%d dispatches not published, will retry: %s", len(dispatches), exc)
+
+    async def redispatch(self) -> int:
+        older = datetime.now(UTC) - timedelta(seconds=self.settings.redispatch_after_s)
+        jobs = await self.repo.scheduling.scheduled_not_started(older_than=older)
+        await self.publish(jobs)
+        return len(jobs)
+
+    async def recover(self, *, judge_heartbeats: bool) -> list[Recovery] | None:
+        """Requeues what dead workers held, expires, fails and times out; see
+        ``scheduler.recovery``. ``judge_heartbeats`` False: right after the
+        database was away, when every heartbeat looks stale."""
+        done = await recover_stalled(
+            self.repo, self.recovery, stale_after_s=self.stale_after_s, judge_heartbeats=judge_heartbeats
+        )
+        if done is None:
+            return None
+        for action in done:
+            log.warning("recovered %s", reports.describe(action), extra=logs.job_fields(action.job_id, action.attempt))
+            reports.count_recovered(action)
+        if done:
+            # Requeued, failed or expired: streams read the outcome from the database.
+            await self.events.job(*(JobEvent(a.job_id, a.attempt) for a in done))
+            await self.events.work()
+        return done
+
+    async def learn(self) -> int | None:
+        """Folds the run times workers recorded into the learned estimates."""
+        learned = await learn_run_times(self.repo, self.costs, limit=LEARN_BATCH)
+        if learned:
+            self._durations_read = float("-inf")  # reread at the next pass
+        return learned
+
+    async def plan(self) -> dict[str, WarmPlan] | None:
+        """Each live sampler's warm set, from the demand of the last window."""
+        durations = await self.learned_durations()
+        now = datetime.now(UTC)
+        window = self.settings.demand_window_s
+        async with self.repo.scheduling.planning_pass(
+            since=now - timedelta(seconds=window),
+            newer_since=now - timedelta(seconds=window / 2),
+            stale_after_s=self.stale_after_s,
+        ) as read:
+            if read is None:
+                return None
+            fleet = facts.fleet_snapshot(now, workers=read.workers, submitted_counts=read.demand)
+            warm = driver.plan_warm(fleet, self.costs, durations, self.placement, window_s=window) or {}
+            plans = {wid: WarmPlan(p.primary, tuple(sorted(p.models))) for wid, p in warm.items()}
+            await read.store(plans)
+        if plans:
+            log.debug("warm sets: %s", {w: p.models for w, p in plans.items()})
+        return plans
+
+    async def forget_gone_workers(self) -> list[str]:
+        """Workers silent for ``worker_forget_after_s`` are gone for good: their
+        consumer, what is left on their subject, and their row go."""
+        gone_for = self.settings.worker_forget_after_s
+        forgotten = []
+        for worker_id in await self.repo.workers.forgettable(gone_for_s=gone_for):
+            await self.bus.forget_worker(worker_id)
+            if await self.repo.workers.forget(worker_id, gone_for_s=gone_for):
+                forgotten.append(worker_id)
+        if forgotten:
+            log.info("forgot workers gone for good: %s", ", ".join(forgotten))
+        return forgotten
+
+
+async def recover_stalled(
+    repo: Repository, config: RecoveryConfig, *, stale_after_s: float, judge_heartbeats: bool
+) -> list[Recovery] | None:
+    """One recovery pass: the stalled jobs as a snapshot, the policy's decisions,
+    carried out; None if another replica holds the lock."""
+    async with repo.recovery.recovery_pass(
+        stale_after_s=stale_after_s,
+        judge_heartbeats=judge_heartbeats,
+        max_attempts=config.max_attempts,
+        shortest_timeout_s=config.shortest_timeout_s,
+    ) as found:
+        if found is None:
+            return None
+        fleet = facts.fleet_snapshot(found.now, stalled=found.jobs, dead=found.dead)
+        return await apply(found, driver.recover(fleet, config))
+
+
+async def learn_run_times(repo: Repository, costs: Mapping[str, ModelCost], *, limit: int) -> int | None:
+    """One learning pass: folds up to ``limit`` recorded run times into the stored
+    estimates; returns how many, or None if another replica is learning."""
+    async with repo.estimates.learn_pass(limit=limit) as learning:
+        if learning is None:
+            return None
+        if not learning.facts:
+            return 0
+        shapes, speeds = fold_run_times(costs, learning.shapes, learning.speeds, learning.facts)
+        await learning.store(shapes, speeds, now=datetime.now(UTC))
+        return len(learning.facts)
+
+
+async def apply(found: RecoveryPass, actions: Sequence[Recovery]) -> list[Recovery]:
+    """Carries out the recovery policy's decisions, each only while its job is
+    still where the decision found it; returns those carried out."""
+    by_id = {j.id: j for j in found.jobs}
+    done: list[Recovery] = []
+    requeues: list[Requeue] = []
+    for action in actions:
+        job = by_id.get(action.job_id)
+        if job is None or job.attempt != action.attempt:
+            continue
+        if isinstance(action, Requeue):
+            if job.status == action.status:
+                requeues.append(action)
+        elif isinstance(action, Fail):
+            if job.status == action.status and await found.end(
+                job.id, job.attempt, JobStatus.FAILED, action.reason, action.failure
+            ):
+                done.append(action)
+        elif isinstance(action, Expire):
+            if job.status == JobStatus.QUEUED and await found.end(
+                job.id, job.attempt, JobStatus.EXPIRED, "deadline passed while queued"
+            ):
+                done.append(action)
+    changed = await found.requeue([(a.job_id, a.attempt, a.failure) for a in requeues])
+    done += [a for a in requeues if a.job_id in changed]
+    return sorted(done, key=lambda a: a.job_id)

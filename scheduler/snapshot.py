@@ -1,0 +1,139 @@
+"""The fleet as plain facts at one instant: what the placement pass, the warm-set
+planner and preemption decide from, and nothing else. No estimate lives here:
+the driver (``scheduler.driver``) turns facts into the policy's views with the
+learned durations. Production fills a snapshot from its records
+(``scheduler.facts``), the simulator from its world (``scheduler.simulator.facts``),
+so both decide with the same code from the same kind of picture.
+
+Times are seconds on the caller's clock (``now`` and ``queued_at`` alike)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from services.db.records import DeadWorker, JobRecord
+from services.db.states import WorkerStatus
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job waiting to be placed."""
+
+    id: str
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    guidance_scale: float
+    lane: str
+    priority: int
+    queued_at: float  # its priority ages from here: its submit, or its latest suspension
+    failed_on: frozenset[str] = frozenset()  # workers where an attempt of it failed
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far work under way is: ``done`` of its steps when last seen, ``elapsed_s``
+    ago, with ``pending_s`` of other work (a model load, a checkpoint read) still
+    between it and its next step at that moment. Production sees progress as
+    written (elapsed 0); the simulator knows when a run began."""
+
+    done: float = 0.0
+    elapsed_s: float = 0.0
+    pending_s: float = 0.0
+
+
+class Holding(enum.StrEnum):
+    """What held work is to its worker."""
+
+    RUNNING = "running"  # the batch it samples now
+    WAITING = "waiting"  # jobs waiting to start there, open to more of their key
+    RESUMING = "resuming"  # a job waiting to resume part of the way through, which runs alone
+    DECODING = "decoding"  # sampled: the GPU is free of it, but its model is in use
+
+
+@dataclass(frozen=True)
+class HeldWork:
+    """Jobs of one batch key a worker holds, in one way (``Holding``)."""
+
+    worker_id: str
+    model: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    images: int
+    largest: int  # images of its largest job
+    holding: Holding
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class Worker:
+    """A live sampler."""
+
+    id: str
+    state: WorkerStatus
+    models: frozenset[str]  # it can serve
+    warm_models: frozenset[str]
+    vram_total_bytes: int  # 0: unknown (a CPU), unlimited
+    vram_used_bytes: int
+    speed: float  # declared; the learned speed wins once known
+    temperature_c: float
+    planned_models: frozenset[str]
+    primary_model: str | None = None
+    loading_s: float = 0.0  # until a model it loads for its warm plan is in
+    # (model, bytes, load seconds) of the models it measured as it loaded them.
+    measured: tuple[tuple[str, int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job running on a worker, with its batch's progress."""
+
+    id: str
+    attempt: int
+    worker_id: str
+    lane: str
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    preemptions: int  # times suspended for other work
+    suspend_requested: bool
+    progress: Progress = Progress()
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """Jobs of one shape and lane submitted in one half of the planner's demand
+    window, or still queued from before it (``backlog``)."""
+
+    model: str
+    width: int
+    height: int
+    steps: int
+    num_images: int
+    lane: str
+    newer: bool
+    count: int = 1
+    backlog: bool = False
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """The facts one pass decides from; each pass reads the part it needs (a
+    recovery pass: ``stalled`` and ``dead``)."""
+
+    now: float
+    workers: tuple[Worker, ...] = ()
+    queued: tuple[QueuedJob, ...] = ()
+    held: tuple[HeldWork, ...] = ()
+    running: tuple[RunningJob, ...] = ()
+    submitted: tuple[Submitted, ...] = ()
+    # Jobs that may be stuck where they are, and the workers known dead.
+    stalled: tuple[JobRecord, ...] = ()
+    dead: tuple[DeadWorker, ...] = ()
