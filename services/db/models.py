@@ -1,4 +1,7 @@
-"""The schema, as SQLAlchemy 2 models. Alembic migrations in ``migrations/`` create it."""
+"""The schema, described once, as SQLAlchemy 2 models. The Alembic migrations in
+``migrations/`` build exactly this (``tests/integration/test_schema.py`` compares
+them, and new migrations can be drafted from it with ``alembic revision
+--autogenerate``); the records in ``records.py`` read and write only its columns."""
 
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
             what="the metrics list",
         )
         targets = json.loads((data / "prometheus" / "targets.json").read_text())
-        assert sorted(t["labels"]["child"] for t in targets) == ["gateway", "sampler-0", "scheduler", "decoder-0"]
+        assert sorted(t["labels"]["child"] for t in targets) == ["decoder-0", "gateway", "sampler-0", "scheduler"]
         for target in targets:
             [address] = target["targets"]
             assert f"darkroom:   {target['labels']['child']} -> http://{address}/metrics" in printed

@@ -1,0 +1,67 @@
+"""The schema has one description, the SQLAlchemy models (``services/db/models.py``):
+the migrations must build exactly it, and every record the repository reads or
+writes must name only its columns. A migration that drifts from the models, or a
+record field with no column, fails here rather than in production."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import Column, Integer, MetaData, Table, create_engine
+
+from services.db import records
+from services.db.migrate import sync_url, upgrade
+from services.db.models import Base, JobCheckpointRow, JobImageRow, JobRow, WorkerRow
+from services.ops.embedded import EmbeddedPostgres
+from tests.conftest import fresh_database
+
+pytestmark = pytest.mark.integration
+
+
+def differences(url: str, metadata: MetaData) -> list[object]:
+    engine = create_engine(sync_url(url))
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+            return list(compare_metadata(context, metadata))
+    finally:
+        engine.dispose()
+
+
+def test_the_migrations_build_exactly_the_models(postgres: EmbeddedPostgres) -> None:
+    url = fresh_database(postgres)
+    upgrade(url)
+    assert differences(url, Base.metadata) == []
+    # The comparison sees a difference when there is one.
+    drifted = MetaData()
+    for table in Base.metadata.tables.values():
+        table.to_metadata(drifted)
+    Table("jobs", drifted, Column("not_migrated", Integer), extend_existing=True)
+    assert [d[0] for d in differences(url, drifted)] == ["add_column"]
+
+
+def columns(row: type) -> set[str]:
+    return set(row.__table__.columns.keys())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("record", "row"),
+    [
+        (records.NewJob, JobRow),
+        (records.JobRecord, JobRow),
+        (records.JobSummary, JobRow),
+        (records.ImageRecord, JobImageRow),
+        (records.StoredCheckpoint, JobCheckpointRow),
+    ],
+)
+def test_every_record_field_is_a_column(record: type, row: type) -> None:
+    assert {f.name for f in fields(record)} - columns(row) == set()
+
+
+def test_the_column_lists_read_only_columns() -> None:
+    assert set(records.JOB_FIELDS) <= columns(JobRow)
+    assert set(records.SUMMARY_FIELDS) <= columns(JobRow)
+    assert set(records.WORKER_FIELDS) <= columns(WorkerRow)
