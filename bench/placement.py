@@ -41,11 +41,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler.simulator import scenario as scenarios
-from scheduler.simulator.engine import Policy, Simulation
+from scheduler.simulator import trace as traces
+from scheduler.simulator.engine import Simulation
 from scheduler.simulator.ideal import NAME as IDEAL
 from scheduler.simulator.ideal import IdealPolicy, ideal_scenario
 from scheduler.simulator.policies import POLICIES, SEEDS
 from scheduler.simulator.report import Row, median, seed_table, summarize, sustainable, worst
+from scheduler.simulator.world import Policy
 
 SIMULATOR = scenarios.DEFAULT_SCENARIO.parent
 # The scenarios a plain run benches, the default one last (its figures end the output).
@@ -66,7 +68,7 @@ def _scenario(path: str, seed: int) -> scenarios.Scenario:
 def simulate(path: str, policy: str, seed: int, load: float) -> Row:
     """One run: ``policy`` on the scenario at ``path`` with trace seed ``seed``."""
     sc = _scenario(path, seed)
-    trace = scenarios.trace(sc, load)
+    trace = traces.trace(sc, load)
     world, chosen = sc, None
     if policy == IDEAL:
         world = ideal_scenario(sc)

@@ -1,13 +1,15 @@
-"""Database records to public API messages."""
+"""Records to public API messages: jobs, workers, totals, models."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
-from services.db.records import ImageRecord, JobRecord, SuspendEvent
-from services.db.states import JobStatus
+from services.db.records import ImageRecord, JobRecord, SuspendEvent, Totals, WorkerRecord
+from services.db.states import JobStatus, WorkerStatus
+from services.models.registry import ModelRegistry
 from services.rpc.chunks import split
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.telemetry import stages
@@ -116,3 +118,65 @@ def image_chunks(job_id: str, image: ImageRecord) -> list[pb.JobEvent]:
         )
         for offset, data, last in split(image.data)
     ]
+
+
+def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
+    average_s = w.busy_seconds / w.completed if w.completed else 0.0
+    t = w.telemetry
+    return pb.WorkerStats(
+        worker_id=w.id,
+        kind=w.kind.value,
+        available=w.status == WorkerStatus.READY and w.live,
+        processing=processing,
+        completed=w.completed,
+        average_seconds=average_s,
+        estimated_load_seconds=processing * average_s,
+        errors=w.errors,
+        temperature_c=w.temperature_c,
+        vram_used_bytes=w.vram_used_bytes,
+        vram_total_bytes=w.vram_total_bytes,
+        device=w.device,
+        warm_models=list(w.warm_models),
+        restarts=w.restarts,
+        state=(w.status if w.live or w.status == WorkerStatus.GONE else WorkerStatus.UNRESPONSIVE).value,
+        telemetry_source=str(t.get("source", "none")),
+        telemetry_note=str(t.get("unavailable", "")),
+        utilization_pct=float(t.get("utilization_pct", 0.0)),
+        memory_utilization_pct=float(t.get("memory_utilization_pct", 0.0)),
+        power_w=float(t.get("power_w", 0.0)),
+        power_limit_w=float(t.get("power_limit_w", 0.0)),
+        sm_clock_mhz=int(t.get("sm_clock_mhz", 0)),
+        max_sm_clock_mhz=int(t.get("max_sm_clock_mhz", 0)),
+        throttle_reasons=[str(r) for r in t.get("throttle_reasons", ())],
+        queued_images=int(t.get("queued_images", 0)),
+    )
+
+
+def totals_message(totals: Totals) -> pb.GlobalStats:
+    return pb.GlobalStats(
+        requests=totals.requests,
+        queued=totals.queued,
+        completed=totals.completed,
+        failed=totals.failed,
+        running=totals.running,
+        cancelled=totals.cancelled,
+        expired=totals.expired,
+    )
+
+
+def models_message(registry: ModelRegistry, workers: Sequence[WorkerRecord]) -> pb.ListModelsResponse:
+    """The registry's models, each with the live samplers where it is warm."""
+    return pb.ListModelsResponse(
+        models=[
+            pb.ModelInfo(
+                name=spec.name,
+                family=spec.family,
+                max_width=spec.max_width,
+                max_height=spec.max_height,
+                max_steps=spec.max_steps,
+                default_steps=spec.default_steps,
+                warm_on=[w.id for w in workers if spec.name in w.warm_models],
+            )
+            for spec in (registry.get(n) for n in registry.names())
+        ]
+    )

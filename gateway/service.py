@@ -12,12 +12,11 @@ from datetime import UTC, datetime, timedelta
 import grpc
 
 from gateway.auth import ApiKeyInterceptor
-from gateway.convert import STATUS, image_chunks, job_message, timestamp
+from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
 from gateway.metrics import STREAMS_OPEN, SUBMITS
-from gateway.streams import StreamState
+from gateway.streams import follow
 from gateway.validation import validate_submit
-from scheduler import admission, policy
-from scheduler import facts
+from scheduler import admission, facts, policy
 from scheduler.costs import costs_from
 from scheduler.learning import durations_from
 from scheduler.views import job_view, worker_views
@@ -26,7 +25,7 @@ from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
 from services.config.sections import GatewaySettings, KernelSettings
 from services.db.migrate import upgrade_when_reachable
-from services.db.records import JobRecord, JobState, ShapeCount, WorkerRecord
+from services.db.records import ImageRecord, JobRecord, JobState, ShapeCount
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import BusError, NotFound, ResourceExhausted
@@ -41,12 +40,6 @@ from services.telemetry import logs, tracing
 from services.telemetry.metrics import JOBS_FINISHED, serve_metrics
 
 log = logging.getLogger(__name__)
-
-# A stream that hears nothing of its job for this long reads it from the database:
-# events are hints, and one may have been lost.
-EVENT_SILENCE_S = 2.0
-# Without NATS, StreamJob reads its job this often.
-POLL_S = 0.05
 
 
 class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
@@ -131,6 +124,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             raise NotFound(f"job {job_id} not found")
         return state
 
+    async def _result(self, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
+        result = await self._results(job_id)
+        if result is None:
+            raise NotFound(f"job {job_id} not found")
+        return result
+
     async def _submitted(
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
     ) -> pb.SubmitJobResponse:
@@ -178,49 +177,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
         with logs.about_job(request.job_id):
-            async for event in self._stream(request.job_id):
-                yield event
-
-    async def _stream(self, job_id: str) -> AsyncIterator[pb.JobEvent]:
-        # Following first, reading second: nothing that happens after the read is missed.
-        feed = self.events.follow(job_id)
-        STREAMS_OPEN.inc()
-        try:
-            state = StreamState(job_id)
-            stored = await self._state(job_id)
-            while True:
-                for logged in state.on_log(stored.suspend_log):
-                    yield logged
-                moved = state.on_stored(stored.status, stored.attempt)
-                if moved is not None:
-                    yield moved
-                # Until the job ends: what NATS says, or what the database says after
-                # a silence (an event lost, NATS away).
-                while not state.ended:
-                    event = await feed.next(EVENT_SILENCE_S) if feed is not None else None
-                    if event is None or (event.status is None and not event.progress):
-                        if feed is None:
-                            await asyncio.sleep(POLL_S)
-                        break  # silence, or a change to read: from the database
-                    for out in state.on_event(event):
-                        yield out
-                if state.ended:
-                    break
-                if feed is None:  # NATS may be back: follow from before the next read
-                    feed = self.events.follow(job_id)
-                stored = await self._state(job_id)
-            result = await self._results(job_id)
-            if result is None:
-                raise NotFound(f"job {job_id} not found")
-            job, images = result
-            for image in images:
-                for chunk in image_chunks(job.id, image):
-                    yield chunk
-            yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
-        finally:
-            STREAMS_OPEN.dec()
-            if feed is not None:
-                feed.close()
+            STREAMS_OPEN.inc()
+            try:
+                async for event in follow(request.job_id, self.events, self._state, self._result):
+                    yield event
+            finally:
+                STREAMS_OPEN.dec()
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
@@ -247,20 +209,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
-        return pb.ListModelsResponse(
-            models=[
-                pb.ModelInfo(
-                    name=spec.name,
-                    family=spec.family,
-                    max_width=spec.max_width,
-                    max_height=spec.max_height,
-                    max_steps=spec.max_steps,
-                    default_steps=spec.default_steps,
-                    warm_on=[w.id for w in workers if spec.name in w.warm_models],
-                )
-                for spec in (self.registry.get(n) for n in self.registry.names())
-            ]
-        )
+        return models_message(self.registry, workers)
 
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
@@ -271,48 +220,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         totals = await self.repo.jobs.totals()
         return pb.GetStatsResponse(
             workers=[worker_stats(w, held.get(w.id, 0)) for w in workers if w.status != WorkerStatus.GONE],
-            totals=pb.GlobalStats(
-                requests=totals.requests,
-                queued=totals.queued,
-                completed=totals.completed,
-                failed=totals.failed,
-                running=totals.running,
-                cancelled=totals.cancelled,
-                expired=totals.expired,
-            ),
+            totals=totals_message(totals),
         )
-
-
-def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
-    average_s = w.busy_seconds / w.completed if w.completed else 0.0
-    t = w.telemetry
-    return pb.WorkerStats(
-        worker_id=w.id,
-        kind="decoder" if w.kind == WorkerKind.DECODER else "sampler",
-        available=w.status == WorkerStatus.READY and w.live,
-        processing=processing,
-        completed=w.completed,
-        average_seconds=average_s,
-        estimated_load_seconds=processing * average_s,
-        errors=w.errors,
-        temperature_c=w.temperature_c,
-        vram_used_bytes=w.vram_used_bytes,
-        vram_total_bytes=w.vram_total_bytes,
-        device=w.device,
-        warm_models=list(w.warm_models),
-        restarts=w.restarts,
-        state=w.status.value if w.live or w.status == WorkerStatus.GONE else "unresponsive",
-        telemetry_source=str(t.get("source", "none")),
-        telemetry_note=str(t.get("unavailable", "")),
-        utilization_pct=float(t.get("utilization_pct", 0.0)),
-        memory_utilization_pct=float(t.get("memory_utilization_pct", 0.0)),
-        power_w=float(t.get("power_w", 0.0)),
-        power_limit_w=float(t.get("power_limit_w", 0.0)),
-        sm_clock_mhz=int(t.get("sm_clock_mhz", 0)),
-        max_sm_clock_mhz=int(t.get("max_sm_clock_mhz", 0)),
-        throttle_reasons=[str(r) for r in t.get("throttle_reasons", ())],
-        queued_images=int(t.get("queued_images", 0)),
-    )
 
 
 def create_server(

@@ -1,20 +1,27 @@
-"""What one ``StreamJob`` stream has told its client, and what to tell it next.
-
-Pure: it is fed the job as read from the database and the events heard on NATS
-(in any order, some stale, some lost), and says which status and progress events
-to send, each status once and in the order the job went through them. Suspensions
-and resumptions come from the job's record only (an event about one makes the
-stream read it), each sent once."""
+"""A ``StreamJob`` stream. ``StreamState`` is what one stream has told its client
+and what to tell it next: pure, it is fed the job as read from the database and
+the events heard on NATS (in any order, some stale, some lost), and says which
+status and progress events to send, each status once and in the order the job
+went through them. Suspensions and resumptions come from the job's record only
+(an event about one makes the stream read it), each sent once. ``follow`` feeds
+it: events as they come, the database after a silence, then the result."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
-from gateway.convert import STATUS, suspension
-from services.bus.events import JobEvent, position
-from services.db.records import SUSPENDED, SuspendEvent
+from gateway.convert import STATUS, image_chunks, job_message, suspension
+from services.bus.events import Events, JobEvent, position
+from services.db.records import SUSPENDED, ImageRecord, JobRecord, JobState, SuspendEvent
 from services.db.states import JobStatus
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+# A stream that hears nothing of its job for this long reads it from the database:
+# events are hints, and one may have been lost.
+EVENT_SILENCE_S = 2.0
+# Without NATS, a stream reads its job this often.
+POLL_S = 0.05
 
 
 class StreamState:
@@ -72,3 +79,46 @@ class StreamState:
             self.last_step = event.step
             out.append(pb.JobEvent(job_id=self.job_id, progress=pb.Progress(step=event.step, total=event.total)))
         return out
+
+
+async def follow(
+    job_id: str,
+    events: Events,
+    read_state: Callable[[str], Awaitable[JobState]],
+    read_result: Callable[[str], Awaitable[tuple[JobRecord, list[ImageRecord]]]],
+) -> AsyncIterator[pb.JobEvent]:
+    """The job's events until it ends, then its images in chunks and its final state."""
+    # Following first, reading second: nothing that happens after the read is missed.
+    feed = events.follow(job_id)
+    try:
+        state = StreamState(job_id)
+        stored = await read_state(job_id)
+        while True:
+            for logged in state.on_log(stored.suspend_log):
+                yield logged
+            moved = state.on_stored(stored.status, stored.attempt)
+            if moved is not None:
+                yield moved
+            # Until the job ends: what NATS says, or what the database says after
+            # a silence (an event lost, NATS away).
+            while not state.ended:
+                event = await feed.next(EVENT_SILENCE_S) if feed is not None else None
+                if event is None or (event.status is None and not event.progress):
+                    if feed is None:
+                        await asyncio.sleep(POLL_S)
+                    break  # silence, or a change to read: from the database
+                for out in state.on_event(event):
+                    yield out
+            if state.ended:
+                break
+            if feed is None:  # NATS may be back: follow from before the next read
+                feed = events.follow(job_id)
+            stored = await read_state(job_id)
+        job, images = await read_result(job_id)
+        for image in images:
+            for chunk in image_chunks(job.id, image):
+                yield chunk
+        yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
+    finally:
+        if feed is not None:
+            feed.close()

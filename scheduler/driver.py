@@ -12,11 +12,13 @@ from dataclasses import dataclass, replace
 from scheduler import policy
 from scheduler.costs import measured_costs
 from scheduler.estimates import Durations
+from scheduler.forecast import forecast
+from scheduler.placement import plan
 from scheduler.preemption import Preemption, choose_preemptions
 from scheduler.recovery import Recovery, RecoveryConfig, review
 from scheduler.snapshot import FleetSnapshot
 from scheduler.views import JobViews, gpu_views, running_views, submitted_work, worker_views
-from scheduler.warm_planner import WarmSet, forecast, plan_warm_sets
+from scheduler.warm_planner import WarmSet, plan_warm_sets
 from services.config.placement import PlacementSettings, PreemptionSettings
 from services.db.states import WorkerStatus
 
@@ -47,7 +49,7 @@ def place(
     limit: int | None = None,
 ) -> PassDecision:
     """Places the snapshot's queued jobs (at most ``limit`` of them, first in the
-    policy's order, when given): see ``scheduler.policy.plan``. ``job_views``
+    policy's order, when given): see ``scheduler.placement.plan``. ``job_views``
     keeps the views of jobs seen before."""
     fleet = policy.Fleet(measured_costs(costs, snapshot.workers), durations)
     views = job_views or JobViews(placement, costs)
@@ -55,7 +57,7 @@ def place(
     if limit is not None:
         jobs = policy.order_queue(jobs, placement, now=snapshot.now)[:limit]
     workers = worker_views(snapshot, fleet)
-    placements = policy.plan(jobs, workers, fleet, placement, now=snapshot.now)
+    placements = plan(jobs, workers, fleet, placement, now=snapshot.now)
     lanes = {job.id: job.lane for job in snapshot.queued}
     return PassDecision(placements, {j.id: j for j in jobs}, lanes, workers, fleet, snapshot.now)
 

@@ -1,35 +1,14 @@
-"""Placement policy: pure functions over frozen snapshots, the clock passed in.
-
-A job goes to the worker where it is estimated to *finish* soonest: the work
-already held there, loading its model if it is not warm (and reloading whatever
-must be evicted for it), its own learned duration at that worker's measured speed,
-all scaled up on a hot GPU. Workers that are draining, unhealthy, cannot serve or
-fit the model, or that would break a per-capability cap are not candidates.
-
-Late binding: a worker holds at most ``backlog_limit`` jobs beyond the one it runs.
-When the best worker's backlog is full the job waits centrally, reserving its place
-there, rather than going to a worse worker: it waits for a warm GPU when that ends
-sooner than loading the model on an idle one. Later jobs in the same pass see the
-reservation, so the queue spills onto cold GPUs only when waiting would cost more.
-
-Batching: a worker runs queued jobs of one batch key (model, size, steps,
-guidance) together, up to the model's ``max_batch`` images. A job that can join a
-batch a worker holds but has not started costs that worker only what the batch
-grows by (from the learned durations of each batch size), and takes no place in
-its backlog: so compatible jobs gather on one GPU and batches form across the
-fleet, where the learned durations say a bigger batch costs less per image.
-
-``plan`` is what the scheduler and the simulator call; everything else is here to
-be tested on its own.
-"""
+"""The placement policy's views and arithmetic: what a job, a worker and a model
+cost are to the policy (built from a fleet snapshot by ``scheduler.views``), how
+long work takes on a worker from the learned durations, and the order the queue is
+placed in. Pure: frozen values in, numbers out; ``scheduler.placement`` decides
+with them."""
 
 from __future__ import annotations
 
 import enum
-import itertools
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from scheduler.estimates import Durations, Shape
 from services.config.placement import PlacementSettings
@@ -95,6 +74,10 @@ class WorkerView:
 
     def open_rows(self, key: BatchKey) -> int:
         return dict(self.open_batches).get(key, 0)
+
+    def batches_with(self, key: BatchKey, rows: int) -> tuple[tuple[BatchKey, int], ...]:
+        """Its open batches, ``key``'s now of ``rows`` images."""
+        return tuple(sorted({**dict(self.open_batches), key: rows}.items()))
 
 
 class PlacementKind(enum.StrEnum):
@@ -175,189 +158,6 @@ def joining_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float | N
     return max(growth, 0.0) if growth <= job_seconds(job, worker, fleet) else None
 
 
-def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> int | None:
-    """The cap that keeps ``capability`` off this worker now, if one does: it is
-    reached, other work is queued or running, and the worker holds none of it
-    already. (Only a fleet with nothing else to do lets long work spread: a
-    video started on every GPU in a lull holds them all when images return.)"""
-    cap = config.cap(capability)
-    if cap is None or capability in worker.held_capabilities or fleet.busy.get(capability, 0) < cap:
-        return None
-    others = itertools.chain(fleet.waiting.items(), fleet.busy.items())
-    return cap if any(n > 0 for c, n in others if c != capability) else None
-
-
-def off_share(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> bool:
-    """Whether best-effort ``job`` must keep off ``worker``: where latency classes
-    are configured, best-effort work runs on the GPUs the plan gives its model
-    (the share latency-bound work does not need), and elsewhere only on a GPU
-    with nothing to do that has room for its model beside what is loaded (work
-    conserving, without evicting what latency-bound work will want back). So
-    too before the first plan: a fleet starting on a burst of long videos would
-    otherwise fill every GPU with them."""
-    if job.target_s is not None or not config.has_targets or job.model in worker.planned_models:
-        return False
-    idle = worker.held_jobs == 0 and worker.held_work_s == 0
-    room = not worker.vram_total_bytes or (
-        job.model in worker.warm_models
-        or fleet.costs[job.model].vram_bytes <= worker.vram_total_bytes - worker.vram_used_bytes
-    )
-    if idle and not room and fleet.planned.get(job.model, 0) == 0:
-        # A model the plan gives no GPU (every GPU it fits is latency-bound
-        # work's) would starve: it may have an idle one, evicting what no queued
-        # job wants, until latency-bound work takes the GPU back by preemption.
-        _, evicted = eviction_cost(job.model, worker, fleet, config)
-        room = not any(fleet.wanted.get(m, 0) > 0 for m in evicted)
-    return not (idle and room)
-
-
-def eviction_cost(
-    model: str, worker: WorkerView, fleet: Fleet, config: PlacementSettings, *, urgent: bool = False
-) -> tuple[float, list[str]]:
-    """What loading ``model`` on ``worker`` costs in reloads of what it evicts: the
-    models the planner does not want there go first, then by eviction priority.
-    For ``urgent`` (latency-bound) work, evicting a best-effort model costs
-    nothing: best-effort work has no latency to lose."""
-    costs = fleet.costs
-    need = costs[model].vram_bytes
-    free = worker.vram_total_bytes - worker.vram_used_bytes
-    if not worker.vram_total_bytes or need <= free:
-        return 0.0, []
-    victims = sorted(
-        (m for m in worker.warm_models if m in costs),
-        key=lambda m: (m in worker.planned_models, costs[m].eviction_priority, m),
-    )
-    cost, evicted = 0.0, []
-    for victim in victims:
-        if need <= free:
-            break
-        free += costs[victim].vram_bytes
-        evicted.append(victim)
-        # Evicting a model the planner wants here costs its reload (the worker
-        # loads it back), and so does evicting the fleet's last warm copy of one;
-        # neither counts while a cap keeps that model's work off this worker.
-        planned = victim in worker.planned_models
-        last = fleet.warm.get(victim, 1) <= 1
-        if (
-            (planned or last)
-            and capped_out(costs[victim].capability, worker, fleet, config) is None
-            and not (urgent and costs[victim].capability in config.best_effort)
-        ):
-            cost += costs[victim].load_s
-    return cost, evicted
-
-
-def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
-    cost = fleet.costs[job.model]
-    if worker.state != WorkerStatus.READY:
-        return Candidate(worker.id, False, float("inf"), worker.state.value)
-    if job.model not in worker.models:
-        return Candidate(worker.id, False, float("inf"), "cannot serve the model")
-    warm = job.model in worker.warm_models
-    if not warm and worker.vram_total_bytes and cost.vram_bytes > worker.vram_total_bytes:
-        return Candidate(worker.id, False, float("inf"), "model does not fit in its memory")
-    cap = capped_out(cost.capability, worker, fleet, config)
-    if cap is not None:
-        return Candidate(worker.id, False, float("inf"), f"{cost.capability} cap of {cap} GPUs reached")
-    if (
-        config.cap(cost.capability) is not None
-        and fleet.planned.get(job.model, 0) > 0
-        and job.model not in worker.planned_models
-    ):
-        # Capped work is the long kind: started off-plan in a lull, it would hold
-        # a GPU the planner counts on for other models for minutes.
-        return Candidate(worker.id, False, float("inf"), f"not planned for {job.model}")
-    if off_share(job, worker, fleet, config):
-        return Candidate(worker.id, False, float("inf"), f"best effort, and not planned for {job.model}")
-    # The seed's thermal rule: a hot GPU's wait counts more (2x at 80 C), which
-    # steers work to cooler GPUs before the learned speed shows the throttling.
-    heat = thermal_factor(worker.temperature_c, config)
-    joining = joining_seconds(job, worker, fleet)
-    if joining is not None:
-        rows = worker.open_rows(job.batch_key)
-        note = f"joins a batch of {rows} (+{joining:.2f}s)"
-        # It waits for no slot of the backlog: the batch is already in it.
-        return Candidate(
-            worker.id, True, worker.held_work_s * heat + joining, note, has_room=True, kind=PlacementKind.BATCH
-        )
-    finish = worker.held_work_s * heat + job_seconds(job, worker, fleet)
-    note = "warm"
-    if not warm:
-        urgent = job.target_s is not None
-        reload_s, evicted = eviction_cost(job.model, worker, fleet, config, urgent=urgent)
-        finish += cost.load_s + reload_s
-        note = f"cold (+{cost.load_s:.1f}s load)"
-        if evicted:
-            note += f", evicts {'+'.join(evicted)}"
-        # Near capacity the enemy is thrash: a job may not push out a model this
-        # worker is planned to keep while other queued jobs wait for that model,
-        # unless the model stays warm on at least as many other workers as
-        # there are jobs waiting for it.
-        needed = [
-            m
-            for m in evicted
-            if m in worker.planned_models
-            and 0 < fleet.wanted.get(m, 0) >= fleet.warm.get(m, 0)
-            and not (urgent and fleet.costs[m].capability in config.best_effort)
-        ]
-        if needed:
-            return Candidate(worker.id, False, float("inf"), f"would evict {'+'.join(needed)}, which queued jobs need")
-    if heat > 1.0:
-        note += f", hot {worker.temperature_c:.0f}C: wait x{heat:.1f}"
-    has_room = worker.held_jobs <= config.backlog_limit
-    return Candidate(worker.id, True, finish, note, has_room, PlacementKind.WARM if warm else PlacementKind.COLD)
-
-
-def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: PlacementSettings) -> Placement:
-    if job.model not in fleet.costs:
-        return Placement(job.id, None, f"unknown model {job.model!r}", ())
-    candidates = tuple(score(job, w, fleet, config) for w in workers)
-    if job.failed_on:
-        # A retry goes to another GPU (the one that failed it may be broken),
-        # unless none other can take it.
-        candidates = tuple(
-            replace(c, eligible=False, note="an attempt failed there")
-            if c.eligible
-            and c.worker_id in job.failed_on
-            and any(o.eligible and o.worker_id not in job.failed_on for o in candidates)
-            else c
-            for c in candidates
-        )
-    eligible = [c for c in candidates if c.eligible]
-    if not eligible:
-        reason = (
-            "no live worker serves the model"
-            if not any(job.model in w.models for w in workers)
-            else "no worker can take it now"
-        )
-        return Placement(job.id, None, reason, candidates)
-    best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
-    if not best.has_room:
-        # A start now on a warm worker beats a reservation estimated up to
-        # ``spill_within`` times sooner: the reservation's estimate only grows as
-        # more urgent work arrives and goes ahead of it, and the warm worker with
-        # room is otherwise idle. (A cold one would add a load and its evictions.)
-        warm = {w.id for w in workers if job.model in w.warm_models}
-        roomy = [
-            c
-            for c in eligible
-            if c.has_room and c.worker_id in warm and c.finish_s <= best.finish_s * config.spill_within
-        ]
-        if roomy:
-            best = min(roomy, key=lambda c: (c.finish_s, c.worker_id))
-    if not best.has_room:
-        return Placement(
-            job.id,
-            None,
-            f"waits for {best.worker_id} ({best.finish_s:.2f}s, {best.note}): sooner than any free worker",
-            candidates,
-            reserved_on=best.worker_id,
-        )
-    return Placement(
-        job.id, best.worker_id, f"earliest estimated finish ({best.finish_s:.2f}s, {best.note})", candidates
-    )
-
-
 def effective_priority(job: JobView, config: PlacementSettings, *, now: float) -> float:
     return job.priority + config.aging_per_s * max(0.0, now - job.queued_at)
 
@@ -375,77 +175,3 @@ def queue_key(job: JobView, config: PlacementSettings, *, now: float) -> tuple[i
 def order_queue(jobs: Sequence[JobView], config: PlacementSettings, *, now: float) -> list[JobView]:
     """The order a pass places jobs in: see ``queue_key``."""
     return sorted(jobs, key=lambda j: queue_key(j, config, now=now))
-
-
-def plan(
-    jobs: Sequence[JobView],
-    workers: Sequence[WorkerView],
-    fleet: Fleet,
-    config: PlacementSettings,
-    *,
-    now: float,
-) -> list[Placement]:
-    """Places queued jobs in priority order, each seeing the work (placed or
-    reserved) of the ones before it."""
-    ordered = order_queue([j for j in jobs], config, now=now)
-    waiting = Counter(fleet.costs[j.model].capability for j in ordered if j.model in fleet.costs)
-    wanted = Counter(j.model for j in ordered)
-    busy = Counter(c for w in workers for c in w.held_capabilities)
-    warm = Counter(m for w in workers for m in w.warm_models)
-    planned = dict(Counter(m for w in workers if w.state == WorkerStatus.READY for m in w.planned_models))
-    view = {w.id: w for w in workers}
-    placements = []
-    for job in ordered:
-        wanted[job.model] -= 1
-        pass_fleet = replace(
-            fleet, waiting=dict(waiting), busy=dict(busy), wanted=dict(wanted), warm=dict(warm), planned=planned
-        )
-        placement = place(job, list(view.values()), pass_fleet, config)
-        placements.append(placement)
-        if placement.worker_id is None:
-            wanted[job.model] += 1  # it still waits for its model
-        target = placement.worker_id or placement.reserved_on
-        if target is None:
-            continue
-        cost = fleet.costs[job.model]
-        if placement.worker_id is not None:
-            waiting[cost.capability] -= 1  # a reserving job still waits
-        w = view[target]
-        if cost.capability not in w.held_capabilities:
-            busy[cost.capability] += 1
-        after = _with_job(w, job, pass_fleet, config, placed=placement.worker_id is not None)
-        warm.update(after.warm_models - w.warm_models)
-        warm.subtract(w.warm_models - after.warm_models)
-        view[target] = after
-    return placements
-
-
-def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PlacementSettings, *, placed: bool) -> WorkerView:
-    cost = fleet.costs[job.model]
-    joining = joining_seconds(job, w, fleet) if placed else None
-    if joining is not None:
-        rows = w.open_rows(job.batch_key) + job.num_images
-        return replace(w, held_work_s=w.held_work_s + joining, open_batches=_with_rows(w, job.batch_key, rows))
-    added = job_seconds(job, w, fleet)
-    warm, used = w.warm_models, w.vram_used_bytes
-    if job.model not in warm:
-        reload_s, evicted = eviction_cost(job.model, w, fleet, config, urgent=job.target_s is not None)
-        added += cost.load_s + reload_s
-        warm = (warm - set(evicted)) | {job.model}
-        used = used - sum(fleet.costs[m].vram_bytes for m in evicted) + cost.vram_bytes
-    return replace(
-        w,
-        # A reservation adds work but not a held job: the worker still has room
-        # when it frees, and the reserving job is first in line for it.
-        held_jobs=w.held_jobs + (1 if placed else 0),
-        held_work_s=w.held_work_s + added,
-        held_capabilities=w.held_capabilities | {cost.capability},
-        warm_models=warm,
-        vram_used_bytes=used,
-        # A placed job opens a batch that later ones of its key may join.
-        open_batches=_with_rows(w, job.batch_key, job.num_images) if placed else w.open_batches,
-    )
-
-
-def _with_rows(w: WorkerView, key: BatchKey, rows: int) -> tuple[tuple[BatchKey, int], ...]:
-    return tuple(sorted({**dict(w.open_batches), key: rows}.items()))

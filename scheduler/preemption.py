@@ -167,6 +167,31 @@ def _room(c: Candidate, jobs: tuple[RunningView, ...], wait_s: float, own_s: flo
     return _Room(c, jobs, free, free + own_s)
 
 
+def _rooms(
+    job: JobView,
+    placement: Placement,
+    held: Mapping[str, tuple[RunningView, ...]],
+    taken: set[str],
+    views: Mapping[str, WorkerView],
+    fleet: Fleet | None,
+    config: PreemptionSettings,
+) -> tuple[list[_Room], list[_Room]]:
+    """The workers among ``job``'s eligible candidates, not taken yet, where room
+    is already being made (a suspension asked for), and those that may be freed."""
+    pending: list[_Room] = []
+    free: list[_Room] = []
+    for c in placement.candidates:
+        jobs = held.get(c.worker_id)
+        if not c.eligible or not jobs or c.worker_id in taken:
+            continue
+        room = _room(c, jobs, _wait(job, c, views, fleet), own_seconds(job, views.get(c.worker_id), fleet))
+        if any(j.suspend_requested for j in jobs):
+            pending.append(room)
+        elif all(preemptible(j, config) for j in jobs):
+            free.append(room)
+    return pending, free
+
+
 def choose_preemptions(
     waiting: Sequence[tuple[JobView, str, Placement]],
     running: Sequence[RunningView],
@@ -201,17 +226,7 @@ def choose_preemptions(
         listed = lane in config.preempting_lanes and wait > config.preempt_after_s
         if not (listed or _misses_target(job, placement, config, now=now)):
             continue
-        pending: list[_Room] = []
-        free: list[_Room] = []
-        for c in placement.candidates:
-            jobs = held.get(c.worker_id)
-            if not c.eligible or not jobs or c.worker_id in taken:
-                continue
-            room = _room(c, jobs, _wait(job, c, views, fleet), own_seconds(job, views.get(c.worker_id), fleet))
-            if any(j.suspend_requested for j in jobs):
-                pending.append(room)
-            elif all(preemptible(j, config) for j in jobs):
-                free.append(room)
+        pending, free = _rooms(job, placement, held, taken, views, fleet, config)
         if pending:
             # Room is already being made where it can run: it waits for that.
             taken.add(min(pending, key=lambda r: r.key).candidate.worker_id)

@@ -11,10 +11,10 @@ from dataclasses import replace
 
 from scheduler import policy
 from scheduler.estimates import Shape
+from scheduler.forecast import Submitted as SubmittedWork
 from scheduler.preemption import RunningView
 from scheduler.snapshot import FleetSnapshot, HeldWork, Holding, Progress, QueuedJob, Submitted, Worker
 from scheduler.warm_planner import GpuView
-from scheduler.warm_planner import Submitted as SubmittedWork
 from services.config.placement import PlacementSettings
 
 

@@ -20,9 +20,6 @@ from services.db.states import WorkerStatus
 
 # A move must lower the busiest model's load by this fraction to be worth a load.
 HYSTERESIS = 0.15
-# How much of the latest change in demand the forecast carries forward: damped,
-# as a full step doubles the noise of a half window's count.
-TREND_WEIGHT = 0.5
 
 
 @dataclass(frozen=True)
@@ -40,77 +37,6 @@ class GpuView:
 class WarmSet:
     primary: str | None  # the model this GPU's speed is counted for
     models: frozenset[str]  # everything it should keep loaded, the primary included
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """Work submitted in the demand window, grouped: speed-1.0 seconds of it."""
-
-    model: str
-    seconds: float
-    newer: bool  # submitted in the newer half of the window
-    latency_bound: bool  # it has a latency target
-    # Submitted before the window and still queued: a backlog, planned to be
-    # worked off over the next window on top of the forecast.
-    backlog: bool = False
-
-
-@dataclass(frozen=True)
-class Forecast:
-    """Predicted work per second by model, for each latency class."""
-
-    latency_bound: dict[str, float]
-    best_effort: dict[str, float]
-
-    @property
-    def best_effort_models(self) -> frozenset[str]:
-        """Models with best-effort demand and no latency-bound demand."""
-        return frozenset(m for m in self.best_effort if m not in self.latency_bound)
-
-    def planning(self, headroom: float, capacity: float) -> dict[str, float]:
-        """What the plan sizes GPUs for: latency-bound work with ``headroom`` for
-        bursts (its GPUs run at most 1 / headroom busy on the forecast), then
-        best-effort work as forecast, scaled down to what the fleet's
-        ``capacity`` (speed-1.0 seconds per second) has left, so that best-effort
-        work gets the GPUs latency-bound work does not need and never the others."""
-        bound = {m: headroom * d for m, d in self.latency_bound.items()}
-        wanted = sum(self.best_effort.values())
-        # The headroom is given up before half of what latency-bound work truly
-        # leaves: a forecast over the fleet's capacity must not stop best-effort
-        # work altogether.
-        truly_left = capacity - sum(self.latency_bound.values())
-        spare = max(capacity - sum(bound.values()), truly_left / 2, 0.0)
-        scale = min(1.0, spare / wanted) if wanted > 0 else 1.0
-        models = sorted({*self.latency_bound, *self.best_effort})
-        return {m: bound.get(m, 0.0) + scale * self.best_effort.get(m, 0.0) for m in models}
-
-
-def forecast(submitted: Sequence[Submitted], window_s: float) -> Forecast:
-    """The demand of the next half window. Latency-bound demand follows its trend
-    up (the newer half's rate plus ``TREND_WEIGHT`` of its change over the older
-    half's), so a rising phase or a burst gets GPUs before its queue forms, and
-    never falls below the whole window's mean (releasing GPUs on a dip would cost
-    the next burst's tail). Best-effort demand is the window's mean: it has no
-    latency to protect, and its few long jobs make its trend noise, which would
-    move GPUs (and their loads) back and forth. Work still queued from before
-    the window is added to either, to be worked off over the next window."""
-    half = window_s / 2
-    rates: dict[tuple[bool, str], list[float]] = {}
-    for s in submitted:
-        older_newer_backlog = rates.setdefault((s.latency_bound, s.model), [0.0, 0.0, 0.0])
-        if s.backlog:
-            older_newer_backlog[2] += s.seconds / window_s
-        else:
-            older_newer_backlog[1 if s.newer else 0] += s.seconds / half
-    latency: dict[str, float] = {}
-    best_effort: dict[str, float] = {}
-    for (bound, model), (older, newer, backlog) in sorted(rates.items()):
-        mean = (older + newer) / 2
-        if bound:
-            latency[model] = max(mean, newer + TREND_WEIGHT * (newer - older)) + backlog
-        else:
-            best_effort[model] = mean + backlog
-    return Forecast(latency, best_effort)
 
 
 def _fits(gpu: GpuView, model: str, costs: Mapping[str, ModelCost]) -> bool:
@@ -246,20 +172,43 @@ def plan_warm_sets(
     caps = caps or {}
     usable = [g for g in gpus if g.state == WorkerStatus.READY]
     wanted = [m for m in sorted(demand, key=lambda m: -demand[m]) if demand[m] > 0 and m in costs]
+    primary = _starting_primaries(usable, wanted, costs, caps)
+    _move_primaries(usable, primary, demand, wanted, costs, caps)
+    _swap_pass(usable, primary, {g.id: g.speed for g in usable}, demand, wanted, costs)
+    _cover_capped(usable, primary, wanted, costs, caps)
+    return {g.id: _warm_set(g, primary[g.id], demand, wanted, costs, caps, best_effort) for g in usable}
+
+
+def _starting_primaries(
+    usable: Sequence[GpuView], wanted: Sequence[str], costs: Mapping[str, ModelCost], caps: Mapping[str, int]
+) -> dict[str, str | None]:
+    """Each GPU's primary model to start from: the last plan's, or what is loaded
+    (moves cost loads), with the slowest holders of a capability over its cap freed."""
     primary: dict[str, str | None] = {}
     for g in usable:
-        # Start from the last plan, or from what is loaded: moves cost loads.
-        if g.primary in wanted and _fits(g, g.primary, costs):
+        if g.primary is not None and g.primary in wanted and _fits(g, g.primary, costs):
             primary[g.id] = g.primary
             continue
         current = [m for m in wanted if m in g.warm_models and _fits(g, m, costs)]
         primary[g.id] = current[0] if current else None
-    speed = {g.id: g.speed for g in usable}
     for capability, limit in caps.items():
-        # Over a cap already: the slowest of its GPUs are free to be planned again.
         holders = [g for g in usable if _capability(primary[g.id], costs) == capability]
         for g in sorted(holders, key=lambda g: -g.speed)[limit:]:
             primary[g.id] = None
+    return primary
+
+
+def _move_primaries(
+    usable: Sequence[GpuView],
+    primary: dict[str, str | None],
+    demand: Mapping[str, float],
+    wanted: Sequence[str],
+    costs: Mapping[str, ModelCost],
+    caps: Mapping[str, int],
+) -> None:
+    """Gives, one move at a time, the busiest model that can still be helped the
+    GPU that helps it most, until no move helps."""
+    speed = {g.id: g.speed for g in usable}
 
     def capacity() -> dict[str, float]:
         cap: dict[str, float] = {}
@@ -276,7 +225,6 @@ def plan_warm_sets(
     for _ in range(len(usable) * max(len(wanted), 1)):
         cap = capacity()
         move = None
-        # The busiest model that can still be helped gets the GPU that helps most.
         for model in sorted(wanted, key=lambda m: -_load(m, demand, cap)):
             move = _best_move(model, usable, primary, speed, cap, demand, costs, capped(model))
             if move is not None:
@@ -284,19 +232,26 @@ def plan_warm_sets(
         if move is None:
             break
         primary[move] = model
-    _swap_pass(usable, primary, speed, demand, wanted, costs)
-    _cover_capped(usable, primary, wanted, costs, caps)
-    plans: dict[str, WarmSet] = {}
-    for g in usable:
-        first = primary[g.id]
-        chosen = [first] if first is not None else []
-        used = sum(costs[m].vram_bytes for m in chosen)
-        # Fill the room left, keeping what is already loaded before loading more.
-        for m in sorted(wanted, key=lambda m: (m not in g.warm_models, -demand[m])):
-            if m in chosen or not _fits(g, m, costs) or costs[m].capability in caps or m in best_effort:
-                continue  # capped and best-effort models live only where they are primary
-            if not g.vram_total_bytes or used + costs[m].vram_bytes <= g.vram_total_bytes:
-                chosen.append(m)
-                used += costs[m].vram_bytes
-        plans[g.id] = WarmSet(first, frozenset(chosen))
-    return plans
+
+
+def _warm_set(
+    g: GpuView,
+    first: str | None,
+    demand: Mapping[str, float],
+    wanted: Sequence[str],
+    costs: Mapping[str, ModelCost],
+    caps: Mapping[str, int],
+    best_effort: frozenset[str],
+) -> WarmSet:
+    """The primary, and the room left filled, keeping what is already loaded
+    before loading more; capped and best-effort models live only where they are
+    primary."""
+    chosen = [first] if first is not None else []
+    used = sum(costs[m].vram_bytes for m in chosen)
+    for m in sorted(wanted, key=lambda m: (m not in g.warm_models, -demand[m])):
+        if m in chosen or not _fits(g, m, costs) or costs[m].capability in caps or m in best_effort:
+            continue
+        if not g.vram_total_bytes or used + costs[m].vram_bytes <= g.vram_total_bytes:
+            chosen.append(m)
+            used += costs[m].vram_bytes
+    return WarmSet(first, frozenset(chosen))

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from scheduler import snapshot
-from scheduler.simulator.engine import Gpu, Job, Simulation
+from scheduler.simulator.engine import Simulation
+from scheduler.simulator.world import Gpu, Job
 from services.db.states import WorkerStatus
 
 # Every simulated job has the default guidance: the simulator does not model it.

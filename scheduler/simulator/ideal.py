@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler.simulator.engine import Gpu, Job, Simulation
+from scheduler.simulator.engine import Simulation
 from scheduler.simulator.scenario import Scenario
+from scheduler.simulator.world import Gpu, Job
 
 NAME = "ideal"
 

@@ -14,9 +14,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from scheduler.simulator import scenario as scenarios
-from scheduler.simulator.engine import Result, Simulation
+from scheduler.simulator import trace as traces
+from scheduler.simulator.engine import Simulation
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.report import by_lane
+from scheduler.simulator.world import Result
 from services.config.placement import PreemptionSettings
 
 PREEMPTION_SCENARIO = Path(__file__).with_name("preemption_scenario.toml")
@@ -25,7 +27,7 @@ PREEMPTION_SCENARIO = Path(__file__).with_name("preemption_scenario.toml")
 def run(sc: scenarios.Scenario, load: float, *, preempt: bool) -> Result:
     if not preempt:
         sc = replace(sc, preemption=PreemptionSettings())
-    return Simulation(sc, DarkroomPolicy(sc), scenarios.trace(sc, load), load=load).run()
+    return Simulation(sc, DarkroomPolicy(sc), traces.trace(sc, load), load=load).run()
 
 
 def table(sc: scenarios.Scenario, loads: list[float]) -> list[str]:

@@ -10,9 +10,10 @@ from dataclasses import replace
 
 from scheduler import driver
 from scheduler.estimates import Durations, Shape, observe, with_observation
-from scheduler.simulator.engine import Gpu, Job, Simulation
+from scheduler.simulator.engine import Simulation
 from scheduler.simulator.facts import WorldFacts
 from scheduler.simulator.scenario import GIB, Scenario
+from scheduler.simulator.world import Gpu, Job
 from scheduler.snapshot import FleetSnapshot
 from scheduler.views import JobViews
 

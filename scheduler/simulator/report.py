@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from scheduler.simulator.engine import Result
+from scheduler.simulator.world import Result
 
 
 def percentile(values: Sequence[float], q: float) -> float:

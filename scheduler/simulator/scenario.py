@@ -7,7 +7,6 @@ operator describes their own GPUs and models there and runs
 
 from __future__ import annotations
 
-import random
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -180,21 +179,6 @@ class Scenario:
         return self.idle_temperature_c, 1.0
 
 
-@dataclass(frozen=True)
-class TraceJob:
-    id: int
-    type: JobType
-    arrival_s: float
-    work_s: float  # true seconds at speed 1.0, noise included
-    lane: str
-    priority: int
-    target_s: float | None = None  # its latency target (from its lane and capability); None: best effort
-
-    @property
-    def best_effort(self) -> bool:
-        return self.target_s is None
-
-
 def _build(cls: Any, where: str, table: dict[str, Any], **extra: Any) -> Any:
     known = {f.name for f in fields(cls)} - set(extra)
     unknown = set(table) - known
@@ -206,13 +190,10 @@ def _build(cls: Any, where: str, table: dict[str, Any], **extra: Any) -> Any:
         raise ScenarioError(f"{where}: {exc}") from exc
 
 
-def load(path: str | Path | None = None) -> Scenario:
-    path = Path(path) if path else DEFAULT_SCENARIO
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ScenarioError(f"cannot read scenario {path}: {exc}") from exc
-    sim = data.get("simulation", {})
+def _fleet(
+    data: dict[str, Any], path: Path
+) -> tuple[dict[str, SimModel], tuple[SimGpu, ...], dict[str, JobType], tuple[Phase, ...]]:
+    """The models, GPUs, job types and phases, each naming only what exists."""
     models = {n: _build(SimModel, f"models.{n}", t, name=n) for n, t in data.get("models", {}).items()}
     gpus = tuple(_build(SimGpu, f"gpus[{i}]", t) for i, t in enumerate(data.get("gpus", [])))
     job_types = {n: _build(JobType, f"jobs.{n}", t, name=n) for n, t in data.get("jobs", {}).items()}
@@ -232,6 +213,17 @@ def load(path: str | Path | None = None) -> Scenario:
                 raise ScenarioError(f"gpu {g.id}: unknown model {m!r}")
     if not gpus or not phases or phases[0].start_s != 0:
         raise ScenarioError(f"{path}: needs [[gpus]] and [[phases]], the first starting at 0")
+    return models, gpus, job_types, phases
+
+
+def load(path: str | Path | None = None) -> Scenario:
+    path = Path(path) if path else DEFAULT_SCENARIO
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ScenarioError(f"cannot read scenario {path}: {exc}") from exc
+    sim = data.get("simulation", {})
+    models, gpus, job_types, phases = _fleet(data, path)
     dr = data.get("darkroom", {})
     darkroom = PlacementSettings.from_table({k: v for k, v in dr.items() if k != "preemption"}, "darkroom")
     preemption = PreemptionSettings.from_table(dr.get("preemption", {}), "darkroom.preemption")
@@ -267,35 +259,3 @@ def load(path: str | Path | None = None) -> Scenario:
         checkpoint_s=float(sim.get("checkpoint_s", Scenario.checkpoint_s)),
         resume_s=float(sim.get("resume_s", Scenario.resume_s)),
     )
-
-
-def trace(scenario: Scenario, load: float) -> list[TraceJob]:
-    """Poisson arrivals at ``load`` x capacity on average, bursts included, the job
-    mix following the phases (each phase at ``load`` of its own capacity, so the
-    work offered stays level as the mix shifts). The same scenario and load give
-    the same trace."""
-    rng = random.Random(f"{scenario.seed}:{load}")
-    b = scenario.bursts
-    # Quiet and burst rates keep the mean at the load level.
-    burst_frac = b.length_s / b.every_s if b.every_s else 0.0
-    quiet = load / (1 + burst_frac * (b.factor - 1))
-    paid = next((lane for lane in scenario.darkroom.lanes if lane.priority > 0), None)
-    free = min(scenario.darkroom.lanes, key=lambda lane: lane.priority)
-    jobs: list[TraceJob] = []
-    now = 0.0
-    while True:
-        in_burst = bool(b.every_s) and (now % b.every_s) < b.length_s
-        phase = next(p for p in reversed(scenario.phases) if p.start_s <= now)
-        rate = quiet * (b.factor if in_burst else 1.0) * scenario.phase_capacity(phase)
-        now += rng.expovariate(rate)
-        if now >= scenario.duration_s:
-            return jobs
-        phase = next(p for p in reversed(scenario.phases) if p.start_s <= now)
-        names = list(phase.weights)
-        jt = scenario.job_types[rng.choices(names, weights=[phase.weights[n] for n in names])[0]]
-        noise = rng.lognormvariate(-(scenario.noise_sigma**2) / 2, scenario.noise_sigma)
-        lane = paid if paid is not None and rng.random() < scenario.paid_share else free
-        if jt.lane:  # drawn above all the same: the other jobs' lanes stay as they were
-            lane = next(la for la in scenario.darkroom.lanes if la.name == jt.lane)
-        target = scenario.darkroom.target_s(lane.name, scenario.models[jt.model].capability)
-        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority, target))

@@ -33,6 +33,8 @@ class WorkerStatus(enum.StrEnum):
     DRAINING = "draining"  # finishing what it runs, taking nothing new
     UNHEALTHY = "unhealthy"  # alive but not fit for work; its supervisor restarts it
     GONE = "gone"  # deregistered, or pruned
+    # Never stored: how GetStats reports a worker whose heartbeat is stale.
+    UNRESPONSIVE = "unresponsive"
 
 
 class WorkerKind(enum.StrEnum):

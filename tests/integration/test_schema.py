@@ -6,6 +6,7 @@ record field with no column, fails here rather than in production."""
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -21,7 +22,7 @@ from tests.conftest import fresh_database
 pytestmark = pytest.mark.integration
 
 
-def differences(url: str, metadata: MetaData) -> list[object]:
+def differences(url: str, metadata: MetaData) -> list[Any]:
     engine = create_engine(sync_url(url))
     try:
         with engine.connect() as conn:

@@ -10,7 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from scheduler.estimates import Durations, Learned, Shape
-from scheduler.policy import Fleet, JobView, ModelCost, WorkerView, place, plan
+from scheduler.placement import place, plan
+from scheduler.policy import Fleet, JobView, ModelCost, WorkerView
 from services.config.placement import PlacementSettings
 
 GB = 1024**3

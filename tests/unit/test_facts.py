@@ -44,9 +44,12 @@ from scheduler.estimates import Durations, Learned
 from scheduler.learning import durations_from
 from scheduler.policy import Fleet, ModelCost
 from scheduler.simulator import scenario as scenarios
-from scheduler.simulator.engine import Job, Simulation
+from scheduler.simulator import trace as traces
+from scheduler.simulator.engine import Simulation
 from scheduler.simulator.policies import DarkroomPolicy
-from scheduler.simulator.scenario import GIB, TraceJob
+from scheduler.simulator.scenario import GIB
+from scheduler.simulator.trace import TraceJob
+from scheduler.simulator.world import Job
 from scheduler.snapshot import FleetSnapshot, Progress
 from scheduler.views import job_view, running_views, worker_views
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob, SubmittedCount
@@ -205,7 +208,7 @@ def trace_jobs(sc: scenarios.Scenario) -> dict[str, TraceJob]:
     """The first job of each type in the scenario's trace (its lane, priority and
     latency target as the trace generator gives them), without noise."""
     first: dict[str, TraceJob] = {}
-    for tj in scenarios.trace(sc, 0.5):
+    for tj in traces.trace(sc, 0.5):
         first.setdefault(tj.type.name, replace(tj, work_s=sc.work_s(tj.type)))
     assert set(first) == set(sc.job_types)
     return first

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.simulator import scenario as scenarios
+from scheduler.simulator import trace as traces
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.ideal import IdealPolicy, ideal_scenario
 from scheduler.simulator.policies import DarkroomPolicy
@@ -99,7 +100,7 @@ def tiny(tmp_path: Path) -> scenarios.Scenario:
     return scenarios.load(path)
 
 
-def run_ideal(sc: scenarios.Scenario, trace: list[scenarios.TraceJob]) -> Simulation:
+def run_ideal(sc: scenarios.Scenario, trace: list[traces.TraceJob]) -> Simulation:
     world = ideal_scenario(sc)
     sim = Simulation(world, IdealPolicy(world), trace, load=1.0)
     sim.run()
@@ -113,12 +114,12 @@ def test_the_ideal_scenario_keeps_the_fleet_and_takes_away_every_load(tiny: scen
     assert [(g.id, g.speed, g.vram_gb) for g in ideal.gpus] == [(g.id, g.speed, g.vram_gb) for g in tiny.gpus]
     assert all(g.pinned == ("img", "vid") for g in ideal.gpus)  # both fit both GPUs
     assert (ideal.thermal, ideal.failures) == (tiny.thermal, tiny.failures)
-    assert scenarios.trace(ideal, 0.85) == scenarios.trace(tiny, 0.85)
+    assert traces.trace(ideal, 0.85) == traces.trace(tiny, 0.85)
 
 
 @pytest.mark.parametrize("load", [0.5, 0.85, 1.0])
 def test_it_finishes_every_job_and_never_pays_a_load(tiny: scenarios.Scenario, load: float) -> None:
-    trace = scenarios.trace(tiny, load)
+    trace = traces.trace(tiny, load)
     world = ideal_scenario(tiny)
     result = Simulation(world, IdealPolicy(world), trace, load=load).run()
     assert not result.overloaded
@@ -136,9 +137,9 @@ def test_a_latency_bound_job_finding_every_gpu_on_video_suspends_one(tiny: scena
     next step boundary (11 s), runs there, and the video resumes where it stopped."""
     vid, img = tiny.job_types["vid"], tiny.job_types["img"]
     trace = [
-        scenarios.TraceJob(0, vid, 0.0, 30.0, "free", 0, None),
-        scenarios.TraceJob(1, vid, 0.0, 30.0, "free", 0, None),
-        scenarios.TraceJob(2, img, 10.3, 1.0, "paid", 10, 10.0),
+        traces.TraceJob(0, vid, 0.0, 30.0, "free", 0, None),
+        traces.TraceJob(1, vid, 0.0, 30.0, "free", 0, None),
+        traces.TraceJob(2, img, 10.3, 1.0, "paid", 10, 10.0),
     ]
     sim = run_ideal(tiny, trace)
     jobs = {j.id: j for j in sim.jobs}
@@ -153,7 +154,7 @@ def test_a_latency_bound_job_finding_every_gpu_on_video_suspends_one(tiny: scena
 
 def test_best_effort_work_waits_and_suspends_nothing(tiny: scenarios.Scenario) -> None:
     vid = tiny.job_types["vid"]
-    trace = [scenarios.TraceJob(i, vid, 0.0, 30.0, "free", 0, None) for i in range(3)]
+    trace = [traces.TraceJob(i, vid, 0.0, 30.0, "free", 0, None) for i in range(3)]
     sim = run_ideal(tiny, trace)
     assert sim.suspensions == 0
     # The first two start at once, on both GPUs; the third on the first free one (fast, at 20 s).
@@ -162,7 +163,7 @@ def test_best_effort_work_waits_and_suspends_nothing(tiny: scenarios.Scenario) -
 
 @pytest.mark.parametrize("load", [0.5, 0.85])
 def test_its_image_p99_is_no_worse_than_darkroom_s(tiny: scenarios.Scenario, load: float) -> None:
-    trace = scenarios.trace(tiny, load)
+    trace = traces.trace(tiny, load)
     world = ideal_scenario(tiny)
     ideal = summarize(Simulation(world, IdealPolicy(world), trace, load=load).run())
     darkroom = summarize(Simulation(tiny, DarkroomPolicy(tiny), trace, load=load).run())

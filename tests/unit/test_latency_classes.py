@@ -14,20 +14,11 @@ from typing import Any
 
 import pytest
 
-from scheduler.policy import (
-    Candidate,
-    Fleet,
-    JobView,
-    ModelCost,
-    Placement,
-    WorkerView,
-    eviction_cost,
-    off_share,
-    order_queue,
-    place,
-)
+from scheduler.forecast import Submitted, forecast
+from scheduler.placement import eviction_cost, off_share, place
+from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, WorkerView, order_queue
 from scheduler.preemption import RunningView, choose_preemptions
-from scheduler.warm_planner import GpuView, Submitted, forecast, plan_warm_sets
+from scheduler.warm_planner import GpuView, plan_warm_sets
 from services.config.placement import Lane, PlacementSettings, PreemptionSettings
 
 GB = 1024**3

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from scheduler.estimates import Durations, Learned
+from scheduler.placement import capped_out, eviction_cost, place, plan
 from scheduler.policy import (
     Candidate,
     Fleet,
@@ -19,12 +20,8 @@ from scheduler.policy import (
     ModelCost,
     Placement,
     WorkerView,
-    capped_out,
-    eviction_cost,
     job_seconds,
     order_queue,
-    place,
-    plan,
     thermal_factor,
 )
 from services.config.placement import PlacementSettings

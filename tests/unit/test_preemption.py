@@ -22,7 +22,8 @@ import pytest
 
 from scheduler import facts
 from scheduler.estimates import Durations, Learned
-from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, WorkerView, plan
+from scheduler.placement import plan
+from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, WorkerView
 from scheduler.preemption import Preemption, RunningView, choose_preemptions, estimated_wait
 from scheduler.snapshot import FleetSnapshot
 from scheduler.views import job_view, running_views

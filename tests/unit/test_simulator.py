@@ -12,10 +12,12 @@ import pytest
 from bench import placement
 from scheduler.simulator import lanes
 from scheduler.simulator import scenario as scenarios
-from scheduler.simulator.engine import Job, Simulation
+from scheduler.simulator import trace as traces
+from scheduler.simulator.engine import Simulation
 from scheduler.simulator.lanes import PREEMPTION_SCENARIO
 from scheduler.simulator.policies import POLICIES, DarkroomPolicy
 from scheduler.simulator.report import by_lane
+from scheduler.simulator.world import Job
 from services.config.fields import SettingsError
 
 SMALL = """
@@ -103,7 +105,7 @@ def small(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_finishes_every_job_on_a_gpu_that_fits_it(small: Path, name: str) -> None:
     sc = scenarios.load(small)
-    trace = scenarios.trace(sc, 0.85)
+    trace = traces.trace(sc, 0.85)
     result = Simulation(sc, POLICIES[name](sc), trace, load=0.85).run()
     assert not result.overloaded
     assert sorted(j.id for j in result.jobs) == [t.id for t in trace]
@@ -117,7 +119,7 @@ def test_every_policy_finishes_every_job_on_a_gpu_that_fits_it(small: Path, name
 def test_darkroom_learns_speeds_and_plans_warm_sets_in_the_simulation(small: Path) -> None:
     sc = scenarios.load(small)
     policy = DarkroomPolicy(sc)
-    Simulation(sc, policy, scenarios.trace(sc, 0.85), load=0.85).run()
+    Simulation(sc, policy, traces.trace(sc, 0.85), load=0.85).run()
     speeds = {w: policy.durations.speed(w) for w in ("fast", "slow")}
     assert speeds["fast"] > 2 * speeds["slow"]  # true speeds 1.5 (1.05 while hot) and 0.5
     assert policy.primaries  # the planning loop ran and assigned primaries
@@ -125,9 +127,9 @@ def test_darkroom_learns_speeds_and_plans_warm_sets_in_the_simulation(small: Pat
 
 def test_trace_is_reproducible_and_follows_the_load(small: Path) -> None:
     sc = scenarios.load(small)
-    a, b = scenarios.trace(sc, 0.5), scenarios.trace(sc, 0.5)
+    a, b = traces.trace(sc, 0.5), traces.trace(sc, 0.5)
     assert [(t.arrival_s, t.type.name) for t in a] == [(t.arrival_s, t.type.name) for t in b]
-    assert len(scenarios.trace(sc, 0.85)) > len(a)
+    assert len(traces.trace(sc, 0.85)) > len(a)
 
 
 def test_bad_scenario_names_the_problem(tmp_path: Path) -> None:
@@ -203,7 +205,7 @@ def test_batching_carries_a_load_one_job_at_a_time_cannot(tmp_path: Path) -> Non
     results = {}
     for name, path in (("batched", batched_path), ("alone", alone_path)):
         sc = scenarios.load(path)
-        trace = scenarios.trace(sc, 1.5)
+        trace = traces.trace(sc, 1.5)
         results[name] = Simulation(sc, DarkroomPolicy(sc), trace, load=1.5).run()
     batched, alone = results["batched"], results["alone"]
     assert all(j.finish_s is not None for j in batched.jobs)
@@ -279,8 +281,8 @@ def one_gpu_run(tmp_path: Path, toml: str, policy: str = "darkroom") -> dict[str
     sc = scenarios.load(path)
     lanes = {lane.name: lane.priority for lane in sc.darkroom.lanes}
     trace = [
-        scenarios.TraceJob(0, sc.job_types["vid"], 0.0, 40.0, "batch", lanes["batch"]),
-        scenarios.TraceJob(1, sc.job_types["img"], 10.3, 1.0, "urgent", lanes["urgent"]),
+        traces.TraceJob(0, sc.job_types["vid"], 0.0, 40.0, "batch", lanes["batch"]),
+        traces.TraceJob(1, sc.job_types["img"], 10.3, 1.0, "urgent", lanes["urgent"]),
     ]
     result = Simulation(sc, POLICIES[policy](sc), trace, load=1.0).run()
     return {j.model: j for j in result.jobs}

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from scheduler.forecast import Forecast, Submitted, forecast
 from scheduler.policy import ModelCost
-from scheduler.warm_planner import Forecast, GpuView, Submitted, WarmSet, forecast, plan_warm_sets
+from scheduler.warm_planner import GpuView, WarmSet, plan_warm_sets
 from services.db.states import WorkerStatus
 
 GB = 1024**3

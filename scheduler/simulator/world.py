@@ -1,0 +1,111 @@
+"""The simulated world's things: a job as it goes through the simulator, a GPU
+with what it has loaded, queued and running, a run's result, and what a placement
+policy must answer to be simulated."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from scheduler.simulator.scenario import GIB, SimGpu
+from scheduler.simulator.trace import TraceJob
+
+if TYPE_CHECKING:
+    from scheduler.simulator.engine import Simulation
+
+
+@dataclass
+class Job:
+    trace: TraceJob
+    capability: str
+    queued_at: float
+    start_s: float | None = None
+    finish_s: float | None = None
+    cold: bool = False
+    attempts: int = 0
+    gpu: str | None = None
+    # Suspension: the share of its steps done (kept across suspensions), the share
+    # done when its current run began, and how often it was suspended.
+    done: float = 0.0
+    resumed_from: float = 0.0
+    preemptions: int = 0
+    suspend_requested: bool = False
+    suspended_at: float | None = None  # its latest suspension
+    # GPUs that failed while running it, as production's attempt log records them.
+    failed_on: frozenset[str] = frozenset()
+
+    @property
+    def id(self) -> int:
+        return self.trace.id
+
+    @property
+    def model(self) -> str:
+        return self.trace.type.model
+
+
+@dataclass
+class Gpu:
+    spec: SimGpu
+    vram_total: int
+    up: bool = True
+    loaded: dict[str, float] = field(default_factory=dict)  # model -> last used
+    queue: deque[Job] = field(default_factory=deque)
+    running: Job | None = None
+    riders: list[Job] = field(default_factory=list)  # the rest of the running batch
+    running_since: float = 0.0
+    run_s: float = 0.0  # how long the running batch takes, its load included
+    run_load_s: float = 0.0  # the load part of it
+    run_resume_s: float = 0.0  # the part reading a resumed job's checkpoint back
+    busy_until: float = 0.0
+    preloading: str | None = None
+    planned: frozenset[str] = frozenset()
+    busy_s: float = 0.0
+    generation: int = 0  # bumped on failure: events of a dead incarnation are dropped
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def idle(self) -> bool:
+        return self.up and self.running is None and self.preloading is None
+
+    @property
+    def held(self) -> int:
+        return len(self.queue) + (1 + len(self.riders) if self.running is not None else 0)
+
+    @property
+    def batch(self) -> list[Job]:
+        return [self.running, *self.riders] if self.running is not None else []
+
+    def vram_used(self, costs_gb: dict[str, float]) -> int:
+        return int(sum(costs_gb[m] for m in self.loaded) * GIB)
+
+
+@dataclass
+class Result:
+    policy: str
+    load: float
+    jobs: list[Job]
+    makespan_s: float
+    cold_loads: int
+    preloads: int
+    busy_s: float
+    up_s: float
+    overloaded: bool
+    suspensions: int = 0
+
+
+class Policy(Protocol):
+    name: str
+
+    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+        """Assignments of pending jobs to GPUs; jobs not named stay pending."""
+        ...
+
+    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+        """``batch``: the jobs that ran together, ``run_s`` their time (without a load)."""
+        ...
+
+    def on_tick(self, sim: Simulation, now: float) -> None: ...
