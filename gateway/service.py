@@ -20,16 +20,15 @@ from scheduler import admission, facts, policy
 from scheduler.costs import costs_from
 from scheduler.learning import durations_from
 from scheduler.views import job_view, worker_views
-from services.bus.connection import connect_nats
 from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.migrate import upgrade_when_reachable
 from services.db.records import ImageRecord, JobRecord, JobState, ShapeCount
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
-from services.errors import BusError, NotFound, ResourceExhausted
+from services.errors import NotFound, ResourceExhausted
 from services.models.registry import ModelRegistry
+from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -37,7 +36,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Channels, Server, build_server
 from services.rpc.status import stream_errors, unary_errors
 from services.telemetry import logs, tracing
-from services.telemetry.metrics import JOBS_FINISHED, serve_metrics
+from services.telemetry.metrics import JOBS_FINISHED
 
 log = logging.getLogger(__name__)
 
@@ -251,37 +250,26 @@ def create_server(
     return server, servicer
 
 
-async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio.Event) -> None:
-    serve_metrics(kernel, "gateway")
-    if not await upgrade_when_reachable(kernel.database_url, stop):
-        return
+async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio.Event) -> int:
     registry = ModelRegistry.load(kernel.model_registry or None)
     repo = Repository(kernel.database_url, application_name="darkroom-gateway")
     events = Events()
     server, servicer = create_server(kernel, settings, repo, registry, events)
+    parts: list[Part] = [
+        Metrics(kernel, "gateway"),
+        Migrations(kernel),
+        Closing("database", repo.close),
+        # The gateway serves without NATS (streams then read the database).
+        EventsInBackground(kernel, events, connection_name="darkroom-gateway"),
+        Closing("sampler channels", servicer.close),
+        GrpcServer(server, grace_s=kernel.shutdown_grace_s),
+    ]
 
-    async def connect_events() -> None:
-        # The gateway serves without NATS (streams then read the database); events
-        # start flowing once it answers.
-        with contextlib.suppress(BusError):
-            events.nc = await connect_nats(kernel.nats_servers, name="darkroom-gateway", stop=stop)
-            await events.route()
-
-    connecting = asyncio.create_task(connect_events()) if kernel.nats_servers else None
-    try:
-        await server.grpc.start()
-        await server.set_serving(True)
+    async def work() -> None:
         log.info("gateway listening on %s:%d", settings.host, server.port)
         await stop.wait()
-        await server.set_serving(False)
-        await server.grpc.stop(kernel.shutdown_grace_s)
-    finally:
-        if connecting is not None:
-            connecting.cancel()
-        if events.nc is not None:
-            await events.nc.close()
-        await servicer.close()
-        await repo.close()
+
+    return await host(parts, work, stop)
 
 
 def main() -> None:

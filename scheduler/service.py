@@ -16,13 +16,12 @@ from scheduler.job_gauges import job_gauges_loop
 from scheduler.passes import Passes
 from services.bus.dispatch import Bus
 from services.config.sections import KernelSettings, SchedulerSettings
-from services.db.migrate import upgrade_when_reachable
 from services.db.repository import Repository
 from services.errors import BusError, StoreError
 from services.models.registry import ModelRegistry
+from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
 from services.rpc.server import Server, build_server
-from services.telemetry.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -131,27 +130,24 @@ def create_server(settings: SchedulerSettings) -> Server:
     return build_server([], settings.host, settings.port)
 
 
-async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> None:
-    serve_metrics(kernel, "scheduler")
-    if not await upgrade_when_reachable(kernel.database_url, stop):
-        return
+async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     registry = ModelRegistry.load(kernel.model_registry or None)
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
+    nats = JetStream(kernel, connection_name="darkroom-scheduler")
     server = create_server(settings)
-    bus: Bus | None = None
-    try:
-        bus = await Bus.connect(
-            kernel.nats_servers, name="darkroom-scheduler", replicas=kernel.nats_replicas, stop=stop
-        )
-        await server.grpc.start()
-        await server.set_serving(True)
+    parts: list[Part] = [
+        Metrics(kernel, "scheduler"),
+        Migrations(kernel),
+        Closing("database", repo.close),
+        nats,
+        GrpcServer(server, grace_s=0),
+    ]
+
+    async def work() -> None:
         log.info("scheduler running (health on port %d)", server.port)
-        await Scheduler(settings, repo, bus, registry, stale_after_s=kernel.worker_stale_after_s).run(stop)
-    finally:
-        await server.grpc.stop(0)
-        if bus is not None:
-            await bus.close()
-        await repo.close()
+        await Scheduler(settings, repo, nats.bus, registry, stale_after_s=kernel.worker_stale_after_s).run(stop)
+
+    return await host(parts, work, stop)
 
 
 def main() -> None:
