@@ -6,7 +6,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.db.records import SUMMARY_FIELDS, JobRecord, JobSummary, NewJob, WorkerRecord
+from services.db.records import SUMMARY_FIELDS, JobRecord, JobSummary, NewJob, RunningJob, WorkerRecord
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 
 # In the past: a span that would end before it starts is clamped.
@@ -70,3 +70,24 @@ def worker_record(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: 
         last_heartbeat=now,
     )
     return replace(worker, **changes)
+
+
+def running_job(**changes: Any) -> RunningJob:
+    """A video job running on worker "a", 10 of its 30 steps done, suspended once."""
+    job = RunningJob(
+        id="v",
+        attempt=2,
+        worker_id="a",
+        lane="free",
+        priority=0,
+        model="vid",
+        width=512,
+        height=512,
+        steps=30,
+        num_images=1,
+        progress_step=10,
+        preemptions=1,
+        suspend_requested=False,
+        started_at=T0,
+    )
+    return replace(job, **changes)

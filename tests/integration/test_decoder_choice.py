@@ -10,7 +10,6 @@ import asyncio
 import io
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +33,7 @@ from services.rpc.server import channel
 from tests.conftest import fresh_database
 from tests.helpers import env_of
 from tests.integration.test_decoder_service import flat_vae_registry
+from tests.records import new_job, record
 from vae_worker.service import serve
 
 pytestmark = pytest.mark.integration
@@ -109,35 +109,9 @@ async def decoder_service(
 
 
 def job(job_id: str, *, num_images: int = 1, output_format: str = "png") -> JobRecord:
-    return JobRecord(
-        id=job_id,
-        status=JobStatus.RUNNING,
-        lane="free",
-        priority=0,
-        model="tiny",
-        prompt="p",
-        negative_prompt="",
-        width=64,
-        height=64,
-        steps=2,
-        guidance_scale=7.5,
-        seed=11,
-        num_images=num_images,
-        idempotency_key=None,
-        attempt=1,
-        worker_id="sampler",
-        error="",
-        progress_step=2,
-        progress_total=2,
-        routing=None,
-        cancel_requested=False,
-        created_at=datetime.now(UTC),
-        scheduled_at=None,
-        started_at=None,
-        decoding_at=None,
-        finished_at=None,
-        output_format=output_format,
-    )
+    """A job running on a sampler, about to be decoded."""
+    new = new_job(id=job_id, prompt="p", steps=2, seed=11, num_images=num_images, output_format=output_format)
+    return record(new, status=JobStatus.RUNNING, attempt=1, worker_id="sampler", progress_step=2, progress_total=2)
 
 
 def latents(n: int, seed: int = 0) -> torch.Tensor:

@@ -54,118 +54,40 @@ from scheduler.snapshot import FleetSnapshot, Progress
 from scheduler.views import job_view, running_views, worker_views
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob, SubmittedCount
 from services.db.states import JobStatus
+from tests import fleets
 from tests.records import new_job, summary, worker_record
 
-SCENARIO = """
-[simulation]
-duration_s = 300
-seed = 7
-idle_temperature_c = 65
-demand_window_s = 180
-resume_s = 0.5
 
-[darkroom]
-backlog_limit = 0
-best_effort = ["video", "free"]
-capability_targets = { image = 20 }
-capability_caps = { video = 1 }
-[darkroom.lanes.paid]
-priority = 10
-target_s = 30
-[darkroom.lanes.free]
-priority = 0
+def _job(model: str, size: int, steps: int, lane: str, **more: object) -> dict[str, object]:
+    return {"model": model, "width": size, "height": size, "steps": steps, "lane": lane, **more}
 
-[models.img]
-capability = "image"
-step_s_512 = 0.0625
-load_s = 5
-vram_gb = 10
-max_batch = 4
 
-[models.vid]
-capability = "video"
-step_s_512 = 1.0
-load_s = 8
-vram_gb = 20
-
-[models.up]
-capability = "upscale"
-step_s_512 = 0.125
-load_s = 3
-vram_gb = 6
-
-[jobs.a]
-model = "img"
-width = 1024
-height = 1024
-steps = 20
-lane = "paid"
-
-[jobs.b]
-model = "img"
-width = 1024
-height = 1024
-steps = 20
-lane = "free"
-
-[jobs.b2]
-model = "img"
-width = 1024
-height = 1024
-steps = 20
-batch = 2
-lane = "free"
-
-[jobs.c]
-model = "up"
-width = 512
-height = 512
-steps = 20
-lane = "paid"
-
-[jobs.d]
-model = "vid"
-width = 512
-height = 512
-steps = 30
-lane = "free"
-
-[jobs.e]
-model = "img"
-width = 512
-height = 512
-steps = 20
-lane = "free"
-
-[[phases]]
-start_s = 0
-weights = { a = 1, b = 1, b2 = 1, c = 1, d = 1, e = 1 }
-
-[[gpus]]
-id = "fast"
-speed = 2.0
-vram_gb = 24
-pinned = ["img"]
-
-[[gpus]]
-id = "slow"
-speed = 0.5
-vram_gb = 24
-pinned = ["vid"]
-
-[[gpus]]
-id = "small"
-speed = 1.0
-vram_gb = 12
-pinned = ["img"]
-
-[[thermal]]
-gpu = "small"
-start_s = 0
-end_s = 1e12
-temperature_c = 85
-slowdown = 0.8
-"""
+SCENARIO = fleets.scenario(
+    simulation={"duration_s": 300, "seed": 7, "idle_temperature_c": 65, "demand_window_s": 180, "resume_s": 0.5},
+    darkroom={
+        "backlog_limit": 0,
+        "best_effort": ["video", "free"],
+        "capability_targets": {"image": 20},
+        "capability_caps": {"video": 1},
+        "lanes": {"paid": {"priority": 10, "target_s": 30}, "free": {"priority": 0}},
+    },
+    models={
+        "img": {**fleets.IMAGE, "step_s_512": 0.0625, "max_batch": 4},
+        "vid": fleets.VIDEO,
+        "up": {"capability": "upscale", "step_s_512": 0.125, "load_s": 3, "vram_gb": 6},
+    },
+    jobs={
+        "a": _job("img", 1024, 20, "paid"),
+        "b": _job("img", 1024, 20, "free"),
+        "b2": _job("img", 1024, 20, "free", batch=2),
+        "c": _job("up", 512, 20, "paid"),
+        "d": _job("vid", 512, 30, "free"),
+        "e": _job("img", 512, 20, "free"),
+    },
+    phases=[{"start_s": 0, "weights": {"a": 1, "b": 1, "b2": 1, "c": 1, "d": 1, "e": 1}}],
+    gpus=[fleets.gpu("fast", 2.0, 24, "img"), fleets.gpu("slow", 0.5, 24, "vid"), fleets.gpu("small", 1.0, 12, "img")],
+    thermal=[{"gpu": "small", "start_s": 0, "end_s": 1e12, "temperature_c": 85, "slowdown": 0.8}],
+)
 
 BASE = 1_800_000_000.0
 NOW = BASE + 11.5
@@ -199,9 +121,7 @@ class Simulated:
 
 
 def scenario(tmp_path: Path) -> scenarios.Scenario:
-    path = tmp_path / "adapters.toml"
-    path.write_text(SCENARIO)
-    return scenarios.load(path)
+    return fleets.load(tmp_path, SCENARIO, "facts")
 
 
 def trace_jobs(sc: scenarios.Scenario) -> dict[str, TraceJob]:

@@ -14,90 +14,35 @@ from scheduler.simulator.engine import Simulation
 from scheduler.simulator.ideal import IdealPolicy, ideal_scenario
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.report import summarize
+from tests import fleets
 
 # Two GPUs, images with targets (paid 10 s, free 30 s) and best-effort video.
-TINY = """
-[simulation]
-name = "tiny"
-duration_s = 300
-seed = 3
-loads = [0.5, 0.85]
-scan = [0.4, 0.6, 0.7, 0.85, 1.0]
-p99_limit_s = 45
-
-[darkroom]
-backlog_limit = 0
-best_effort = ["video"]
-capability_caps = { video = 1 }
-[darkroom.lanes.paid]
-priority = 10
-target_s = 10
-[darkroom.lanes.free]
-priority = 0
-target_s = 30
-[darkroom.preemption]
-for_targets = true
-max_preemptions = 2
-
-[models.img]
-capability = "image"
-step_s_512 = 0.05
-load_s = 5
-vram_gb = 10
-
-[models.vid]
-capability = "video"
-step_s_512 = 1.0
-load_s = 8
-vram_gb = 20
-
-[jobs.img]
-model = "img"
-width = 512
-height = 512
-steps = 20
-
-[jobs.vid]
-model = "vid"
-width = 512
-height = 512
-steps = 30
-
-[[phases]]
-start_s = 0
-weights = { img = 90, vid = 10 }
-
-[[gpus]]
-id = "fast"
-speed = 1.5
-vram_gb = 24
-pinned = ["img"]
-
-[[gpus]]
-id = "slow"
-speed = 1.0
-vram_gb = 24
-pinned = ["vid"]
-
-[[thermal]]
-gpu = "fast"
-start_s = 100
-end_s = 200
-temperature_c = 85
-slowdown = 0.7
-
-[[failures]]
-gpu = "slow"
-at_s = 150
-down_s = 30
-"""
+TINY = fleets.scenario(
+    simulation={
+        "name": "tiny",
+        "duration_s": 300,
+        "seed": 3,
+        "loads": [0.5, 0.85],
+        "scan": [0.4, 0.6, 0.7, 0.85, 1.0],
+        "p99_limit_s": 45,
+    },
+    darkroom={
+        "backlog_limit": 0,
+        "best_effort": ["video"],
+        "capability_caps": {"video": 1},
+        "lanes": {"paid": {"priority": 10, "target_s": 10}, "free": {"priority": 0, "target_s": 30}},
+        "preemption": {"for_targets": True, "max_preemptions": 2},
+    },
+    phases=[{"start_s": 0, "weights": {"img": 90, "vid": 10}}],
+    gpus=[fleets.gpu("fast", 1.5, 24, "img"), fleets.gpu("slow", 1.0, 24, "vid")],
+    thermal=[{"gpu": "fast", "start_s": 100, "end_s": 200, "temperature_c": 85, "slowdown": 0.7}],
+    failures=[{"gpu": "slow", "at_s": 150, "down_s": 30}],
+)
 
 
 @pytest.fixture
 def tiny(tmp_path: Path) -> scenarios.Scenario:
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY)
-    return scenarios.load(path)
+    return fleets.load(tmp_path, TINY, "tiny")
 
 
 def run_ideal(sc: scenarios.Scenario, trace: list[traces.TraceJob]) -> Simulation:

@@ -312,26 +312,6 @@ def test_plan_leaves_an_urgent_job_queued_behind_videos_and_the_rule_frees_a_gpu
 # Adapters: database records.
 
 
-def record(**overrides: Any) -> RunningJob:
-    base = RunningJob(
-        id="v",
-        attempt=2,
-        worker_id="a",
-        lane="free",
-        priority=0,
-        model="vid",
-        width=512,
-        height=512,
-        steps=30,
-        num_images=1,
-        progress_step=10,
-        preemptions=1,
-        suspend_requested=False,
-        started_at=datetime(2025, 1, 1, tzinfo=UTC),
-    )
-    return replace(base, **overrides)
-
-
 def fleet_of(jobs: list[RunningJob], workers: list[str]) -> FleetSnapshot:
     """The running ``jobs`` on ready workers of speed 1, as the database has them."""
     now = datetime(2025, 1, 1, 0, 5, tzinfo=UTC)
@@ -340,17 +320,19 @@ def fleet_of(jobs: list[RunningJob], workers: list[str]) -> FleetSnapshot:
 
 def test_running_views_estimate_the_step_and_the_rest_at_the_worker_s_speed() -> None:
     learned = Fleet(COSTS, Durations(speeds={"a": Learned(2.0, 10), "b": Learned(1.0, 10)}))
-    (fast,) = running_views(fleet_of([record()], ["a", "b"]), learned)
+    (fast,) = running_views(fleet_of([records.running_job()], ["a", "b"]), learned)
     # Mean learned speed is held at 1: a runs at 4/3, so 1 s steps take 0.75 s.
     assert replace(fast, remaining_s=0.0) == RunningView("v", 2, "a", "free", "video", "vid", 1, False, 0.75, 0.0)
     assert fast.remaining_s == pytest.approx(15.0)
-    (unlearned,) = running_views(fleet_of([record(progress_step=25, suspend_requested=True)], ["a"]), FLEET)
+    (unlearned,) = running_views(
+        fleet_of([records.running_job(progress_step=25, suspend_requested=True)], ["a"]), FLEET
+    )
     assert (unlearned.step_s, unlearned.suspend_requested) == (1.0, True)
     assert unlearned.remaining_s == pytest.approx(5.0)
 
 
 def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
-    (view,) = running_views(fleet_of([record(model="gone")], ["a"]), FLEET)
+    (view,) = running_views(fleet_of([records.running_job(model="gone")], ["a"]), FLEET)
     assert view.capability == "" and view.step_s == float("inf")
     config = replace(CONFIG, preemptible=frozenset({"free"}))
     assert choose([waits(a=31.0)], [view], config) == []

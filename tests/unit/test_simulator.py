@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,87 +20,21 @@ from scheduler.simulator.policies import POLICIES, DarkroomPolicy
 from scheduler.simulator.report import by_lane
 from scheduler.simulator.world import Job
 from services.config.fields import SettingsError
+from tests import fleets
 
-SMALL = """
-[simulation]
-duration_s = 300
-seed = 3
-loads = [0.5, 0.85]
-scan = [0.5, 0.85]
-
-[darkroom]
-backlog_limit = 0
-capability_caps = { video = 1 }
-[darkroom.lanes.paid]
-priority = 10
-[darkroom.lanes.free]
-priority = 0
-
-[models.img]
-capability = "image"
-step_s_512 = 0.05
-load_s = 5
-vram_gb = 10
-
-[models.vid]
-capability = "video"
-step_s_512 = 1.0
-load_s = 8
-vram_gb = 20
-
-[jobs.img]
-model = "img"
-width = 512
-height = 512
-steps = 20
-
-[jobs.vid]
-model = "vid"
-width = 512
-height = 512
-steps = 30
-
-[[phases]]
-start_s = 0
-weights = { img = 95, vid = 5 }
-
-[[gpus]]
-id = "fast"
-speed = 1.5
-vram_gb = 24
-pinned = ["img"]
-
-[[gpus]]
-id = "slow"
-speed = 0.5
-vram_gb = 24
-pinned = ["vid"]
-
-[[gpus]]
-id = "small"
-speed = 1.0
-vram_gb = 12
-pinned = ["img"]
-
-[[thermal]]
-gpu = "fast"
-start_s = 100
-end_s = 200
-temperature_c = 85
-slowdown = 0.7
-
-[[failures]]
-gpu = "small"
-at_s = 150
-down_s = 30
-"""
+SMALL = fleets.scenario(
+    simulation={"duration_s": 300, "seed": 3, "loads": [0.5, 0.85], "scan": [0.5, 0.85]},
+    darkroom={"backlog_limit": 0, "capability_caps": {"video": 1}, "lanes": fleets.LANES},
+    phases=[{"start_s": 0, "weights": {"img": 95, "vid": 5}}],
+    gpus=[fleets.gpu("fast", 1.5, 24, "img"), fleets.gpu("slow", 0.5, 24, "vid"), fleets.gpu("small", 1.0, 12, "img")],
+    thermal=[{"gpu": "fast", "start_s": 100, "end_s": 200, "temperature_c": 85, "slowdown": 0.7}],
+    failures=[{"gpu": "small", "at_s": 150, "down_s": 30}],
+)
 
 
 @pytest.fixture
 def small(tmp_path: Path) -> Path:
-    path = tmp_path / "small.toml"
-    path.write_text(SMALL)
-    return path
+    return fleets.write(tmp_path / "small.toml", SMALL)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -134,7 +69,7 @@ def test_trace_is_reproducible_and_follows_the_load(small: Path) -> None:
 
 def test_bad_scenario_names_the_problem(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text(SMALL.replace('model = "vid"', 'model = "nope"'))
+    fleets.write(path, fleets.changed(SMALL, jobs={"vid": {"model": "nope"}}))
     with pytest.raises(scenarios.ScenarioError, match=r"jobs\.vid: unknown model 'nope'"):
         scenarios.load(path)
 
@@ -147,51 +82,18 @@ def test_benchmark_ends_with_the_two_target_lines(small: Path, capsys: pytest.Ca
     assert any(line.startswith("| darkroom | 85% |") for line in lines)
 
 
-BATCHY = """
-[simulation]
-duration_s = 240
-seed = 5
-noise_sigma = 0.0
-
-[darkroom]
-backlog_limit = 1
-
-[models.img]
-capability = "image"
-step_s_512 = 0.05
-load_s = 5
-vram_gb = 10
-max_batch = 4
-batch_efficiency = [1.0, 1.3, 1.6, 1.9]
-
-[jobs.img]
-model = "img"
-width = 512
-height = 512
-steps = 20
-
-[[phases]]
-start_s = 0
-weights = { img = 1 }
-
-[[gpus]]
-id = "a"
-speed = 1.0
-vram_gb = 24
-pinned = ["img"]
-
-[[gpus]]
-id = "b"
-speed = 1.0
-vram_gb = 24
-pinned = ["img"]
-"""
+BATCHY = fleets.scenario(
+    simulation={"duration_s": 240, "seed": 5, "noise_sigma": 0.0},
+    darkroom={"backlog_limit": 1},
+    models={"img": {**fleets.IMAGE, "max_batch": 4, "batch_efficiency": [1.0, 1.3, 1.6, 1.9]}},
+    jobs={"img": fleets.JOBS["img"]},
+    phases=[{"start_s": 0, "weights": {"img": 1}}],
+    gpus=[fleets.gpu("a", 1.0, 24, "img"), fleets.gpu("b", 1.0, 24, "img")],
+)
 
 
 def test_batch_efficiency_curve_extends_with_its_last_slope(tmp_path: Path) -> None:
-    path = tmp_path / "batchy.toml"
-    path.write_text(BATCHY)
-    img = scenarios.load(path).models["img"]
+    img = fleets.load(tmp_path, BATCHY).models["img"]
     assert [img.batch_factor(k) for k in (1, 2, 4, 6)] == pytest.approx([1.0, 1.3, 1.9, 2.5])
     assert replace(img, batch_efficiency=()).batch_factor(3) == 3.0  # no curve: linear
 
@@ -200,8 +102,8 @@ def test_batching_carries_a_load_one_job_at_a_time_cannot(tmp_path: Path) -> Non
     """At 1.5x what the fleet runs one job at a time, Darkroom's placement forms
     batches and keeps up; without batching the same trace overloads it."""
     batched_path, alone_path = tmp_path / "batchy.toml", tmp_path / "alone.toml"
-    batched_path.write_text(BATCHY)
-    alone_path.write_text(BATCHY.replace("max_batch = 4", "max_batch = 1"))
+    fleets.write(batched_path, BATCHY)
+    fleets.write(alone_path, fleets.changed(BATCHY, models={"img": {"max_batch": 1}}))
     results = {}
     for name, path in (("batched", batched_path), ("alone", alone_path)):
         sc = scenarios.load(path)
@@ -218,67 +120,23 @@ def test_batching_carries_a_load_one_job_at_a_time_cannot(tmp_path: Path) -> Non
 
 # Preemption: a suspended job keeps its steps, and an urgent lane stops waiting for long work.
 
-ONE_GPU = """
-[simulation]
-duration_s = 60
-seed = 1
-noise_sigma = 0.0
-checkpoint_s = 0.05
-resume_s = 0.5
-
-[darkroom]
-backlog_limit = 0
-[darkroom.lanes.urgent]
-priority = 10
-[darkroom.lanes.batch]
-priority = 0
-[darkroom.preemption]
-preemptible = ["video"]
-preempting_lanes = ["urgent"]
-
-[models.img]
-capability = "image"
-step_s_512 = 0.05
-load_s = 5
-vram_gb = 8
-
-[models.vid]
-capability = "video"
-step_s_512 = 1.0
-load_s = 8
-vram_gb = 12
-
-[jobs.img]
-model = "img"
-width = 512
-height = 512
-steps = 20
-lane = "urgent"
-
-[jobs.vid]
-model = "vid"
-width = 512
-height = 512
-steps = 40
-lane = "batch"
-
-[[phases]]
-start_s = 0
-weights = { img = 1, vid = 1 }
-
-[[gpus]]
-id = "g"
-speed = 1.0
-vram_gb = 24
-pinned = ["img", "vid"]
-"""
+ONE_GPU = fleets.scenario(
+    simulation={"duration_s": 60, "seed": 1, "noise_sigma": 0.0, "checkpoint_s": 0.05, "resume_s": 0.5},
+    darkroom={
+        "backlog_limit": 0,
+        "lanes": {"urgent": {"priority": 10}, "batch": {"priority": 0}},
+        "preemption": {"preemptible": ["video"], "preempting_lanes": ["urgent"]},
+    },
+    models={"img": {**fleets.IMAGE, "vram_gb": 8}, "vid": {**fleets.VIDEO, "vram_gb": 12}},
+    jobs={"img": {**fleets.JOBS["img"], "lane": "urgent"}, "vid": {**fleets.JOBS["vid"], "steps": 40, "lane": "batch"}},
+    phases=[{"start_s": 0, "weights": {"img": 1, "vid": 1}}],
+    gpus=[fleets.gpu("g", 1.0, 24, "img", "vid")],
+)
 
 
-def one_gpu_run(tmp_path: Path, toml: str, policy: str = "darkroom") -> dict[str, Job]:
+def one_gpu_run(tmp_path: Path, data: dict[str, Any], policy: str = "darkroom") -> dict[str, Job]:
     """A 40 s video from 0 s, and a 1 s urgent image arriving at 10.3 s."""
-    path = tmp_path / "one.toml"
-    path.write_text(toml)
-    sc = scenarios.load(path)
+    sc = fleets.load(tmp_path, data, "one")
     lanes = {lane.name: lane.priority for lane in sc.darkroom.lanes}
     trace = [
         traces.TraceJob(0, sc.job_types["vid"], 0.0, 40.0, "batch", lanes["batch"]),
@@ -305,7 +163,7 @@ def test_a_gpu_failing_before_the_suspension_is_done_loses_the_run_not_the_job(t
     # Asked to suspend at 10.3 s, the GPU fails at 10.8 s, before the step boundary:
     # no checkpoint was written, so the video starts over (another attempt) once
     # the GPU is back at 15.8 s, after the urgent image.
-    failing = ONE_GPU + '[[failures]]\ngpu = "g"\nat_s = 10.8\ndown_s = 5.0\n'
+    failing = fleets.changed(ONE_GPU, failures=[{"gpu": "g", "at_s": 10.8, "down_s": 5.0}])
     jobs = one_gpu_run(tmp_path, failing)
     video, image = jobs["vid"], jobs["img"]
     assert image.finish_s == pytest.approx(16.8)
@@ -314,7 +172,7 @@ def test_a_gpu_failing_before_the_suspension_is_done_loses_the_run_not_the_job(t
 
 
 def test_without_preemption_configured_the_urgent_job_waits(tmp_path: Path) -> None:
-    off = ONE_GPU.replace('preempting_lanes = ["urgent"]', "preempting_lanes = []")
+    off = fleets.changed(ONE_GPU, darkroom={"preemption": {"preempting_lanes": []}})
     jobs = one_gpu_run(tmp_path, off)
     assert scenarios.load(tmp_path / "one.toml").preemption.enabled is False
     assert jobs["img"].finish_s == pytest.approx(41.0)
@@ -324,23 +182,23 @@ def test_without_preemption_configured_the_urgent_job_waits(tmp_path: Path) -> N
 
 
 def test_a_job_suspended_max_preemptions_times_runs_to_its_end(tmp_path: Path) -> None:
-    once = ONE_GPU.replace('preempting_lanes = ["urgent"]', 'preempting_lanes = ["urgent"]\nmax_preemptions = 0')
+    once = fleets.changed(ONE_GPU, darkroom={"preemption": {"max_preemptions": 0}})
     assert one_gpu_run(tmp_path, once)["img"].finish_s == pytest.approx(41.0)
 
 
 def test_preemption_scenario_keys_are_checked(tmp_path: Path) -> None:
     path = tmp_path / "bad.toml"
-    path.write_text(ONE_GPU.replace('lane = "urgent"', 'lane = "vip"'))
+    fleets.write(path, fleets.changed(ONE_GPU, jobs={"img": {"lane": "vip"}}))
     with pytest.raises(scenarios.ScenarioError, match=r"jobs\.img: unknown lane 'vip'"):
         scenarios.load(path)
     # The settings' own checks, naming the scenario's keys.
-    path.write_text(ONE_GPU.replace('preempting_lanes = ["urgent"]', 'preempting_lanes = ["vip"]'))
+    fleets.write(path, fleets.changed(ONE_GPU, darkroom={"preemption": {"preempting_lanes": ["vip"]}}))
     with pytest.raises(SettingsError, match=r"darkroom\.preemption\.preempting_lanes names 'vip'"):
         scenarios.load(path)
-    path.write_text(ONE_GPU.replace('preemptible = ["video"]', 'preemptible = ["vidoe"]'))
+    fleets.write(path, fleets.changed(ONE_GPU, darkroom={"preemption": {"preemptible": ["vidoe"]}}))
     with pytest.raises(SettingsError, match=r"darkroom\.preemption\.preemptible names 'vidoe', which is neither"):
         scenarios.load(path)
-    path.write_text(ONE_GPU.replace("[darkroom.preemption]", "[darkroom.preemption]\npreempt_after = 1"))
+    fleets.write(path, fleets.changed(ONE_GPU, darkroom={"preemption": {"preempt_after": 1}}))
     with pytest.raises(SettingsError, match=r"darkroom\.preemption: unknown keys"):
         scenarios.load(path)
 
