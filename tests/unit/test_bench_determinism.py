@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import fleets
 from tests.unit.test_ideal import TINY
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,8 +41,7 @@ def bench(scenario: Path, *, hash_seed: int, processes: int) -> str:
 
 
 def test_the_same_scenario_and_seeds_print_the_same_figures(tmp_path: Path) -> None:
-    scenario = tmp_path / "tiny.toml"
-    scenario.write_text(TINY)
+    scenario = fleets.write(tmp_path / "tiny.toml", TINY)
     one = bench(scenario, hash_seed=1, processes=1)
     two = bench(scenario, hash_seed=2, processes=2)
     assert one.strip() and one == two
