@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from gpu_worker.batch_choice import PassArrivals, next_batch
-from gpu_worker.engine import BatchKey
 from gpu_worker.runner import JobRunner, Outcome, SampledBatch, Started
 from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.errors import BusError, MalformedDispatch
+from services.generation import BatchKey
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class DispatchConsumer:
                 continue
             self._passes.arrived(dispatch.pass_id, dispatch.pass_jobs, now)
             shape = dispatch.shape
-            key = BatchKey(shape.model, shape.width, shape.height, shape.steps, shape.guidance_scale) if shape else None
+            key = shape.key if shape else None
             self._unsettled[msg.reply] = msg
             self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now))
 

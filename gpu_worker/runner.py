@@ -23,10 +23,11 @@ from typing import TypeVar
 
 import torch
 
-from gpu_worker.checkpoint import Checkpoint
-from gpu_worker.checkpoint_saver import CheckpointSaver
+from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
 from gpu_worker.decoders import Decoders, DecodeUnavailable
-from gpu_worker.engine import BadOutput, BatchMember, JobSuspended, SamplerEngine, SampleRequest
+from gpu_worker.denoising import BadOutput, BatchMember, JobSuspended
+from gpu_worker.engine import SamplerEngine
 from gpu_worker.metrics import BATCH_IMAGES, CHECKPOINTS, RESUMED_STEPS, SUSPENSIONS, observe_stages
 from gpu_worker.tracker import JobTracker, JobWatch, StopReason
 from services.backoff import Backoff
@@ -37,6 +38,7 @@ from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus
 from services.errors import InvalidArgument, JobInterrupted, StoreError
+from services.generation import GenerationParams
 from services.models.registry import DEFAULT_TIMEOUT_S
 from services.telemetry import logs, tracing
 from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES
@@ -69,7 +71,7 @@ class Started:
     result: torch.Tensor | BaseException | None = None
     decoding_at: datetime | None = None  # when recorded DECODING
     resume: Checkpoint | None = None  # the checkpoint it starts from
-    saver: CheckpointSaver | None = None  # stores its periodic checkpoints
+    saver: PeriodicCheckpointWriter | None = None  # stores its periodic checkpoints
 
 
 @dataclass(frozen=True)
@@ -508,7 +510,7 @@ class JobRunner:
                 last_write = time.monotonic()
             asyncio.run_coroutine_threadsafe(stepped(step, total, write), loop)
 
-        request = SampleRequest(
+        request = GenerationParams(
             job.model,
             job.prompt,
             job.negative_prompt,
@@ -531,7 +533,7 @@ class JobRunner:
                 now=_now(),
             )
 
-        started.saver = CheckpointSaver(job.id, job.attempt, save, loop)
+        started.saver = PeriodicCheckpointWriter(job.id, job.attempt, save, loop)
         return BatchMember(
             request,
             on_step,
