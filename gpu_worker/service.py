@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import uuid
 
 import grpc
 import torch
@@ -22,8 +21,9 @@ import torch
 from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.decoders import Decoders
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.heartbeat import SamplerHeartbeat
+from gpu_worker.job_store import JobStore
 from gpu_worker.plan_follower import follow_plan
-from gpu_worker.presence import Presence
 from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
@@ -36,6 +36,7 @@ from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.ops.lifecycle import EXIT_UNFIT, run_service
+from services.presence import Presence
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import unary_errors
@@ -142,69 +143,60 @@ async def serve(settings: Settings, stop: asyncio.Event) -> int:
         await server.grpc.start()
         await server.set_serving(True)
         address = f"{settings.worker_host}:{server.port}"
-        telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
         events = Events(bus.nc)
+        telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
+        heartbeat = SamplerHeartbeat(worker_id, address, engine, telemetry, tracker, settings.restarts)
         presence = Presence(
-            settings,
-            repo,
-            worker_id,
-            str(uuid.uuid4()),
-            address,
-            engine,
-            telemetry,
-            tracker,
-            events,
-            on_superseded=stop.set,
+            repo.workers, worker_id, heartbeat, events, interval_s=settings.heartbeat_interval_s, on_superseded=stop.set
         )
         if not await presence.register(stop):
             return 0
-        runner = JobRunner(
-            repo,
-            engine,
-            decoders,
-            tracker,
-            events,
-            worker_id,
-            outcome_retry_s=settings.outcome_retry_s,
-            unfit_after_failures=settings.unhealthy_after_failures,
-        )
-        consumer = DispatchConsumer(
-            bus,
-            worker_id,
-            runner,
-            ConsumerSettings(settings.dispatch_ack_wait_s, settings.dispatch_max_ack_pending),
-            on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
-            batch_wait_s=settings.batch_wait_ms / 1000.0,
-            max_in_hand=settings.dispatch_max_ack_pending,
-        )
+        store = JobStore(repo, events, worker_id, outcome_retry_s=settings.outcome_retry_s)
+        runner = JobRunner(store, engine, decoders, tracker, unfit_after_failures=settings.unhealthy_after_failures)
         log.info("sampler %s on %s listening on %s", worker_id, device, address)
-        finished = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(presence.run(until=finished))
-            tg.create_task(_drain(stop, finished, presence, tracker, settings.shutdown_grace_s))
-            # Registered (as starting) before loading: what an earlier run of this
-            # worker held is back in the queue already, not waiting for the load.
-            for name in settings.preload_models:
-                took = await asyncio.to_thread(engine.warm_up, name)
-                runner.warmed_up(name)
-                log.info("%s warmed up with one generation in %.2fs", name, took)
-            await presence.set_status(WorkerStatus.READY)
-            await consumer.run(stop)
-            finished.set()
-            stop.set()
-        if presence.superseded.is_set():
-            return EXIT_UNFIT
-        if runner.unfit:
-            log.error("%d attempts in a row failed here; reporting unhealthy", runner.failures_in_a_row)
-            await presence.set_status(WorkerStatus.UNHEALTHY)
-        await presence.deregister()
-        return EXIT_UNFIT if runner.unfit else 0
+        return await _work(settings, stop, bus, presence, runner)
     finally:
         await server.grpc.stop(settings.shutdown_grace_s)
         await decoders.close()
         if bus is not None:
             await bus.close()
         await repo.close()
+
+
+async def _work(settings: Settings, stop: asyncio.Event, bus: Bus, presence: Presence, runner: JobRunner) -> int:
+    """Warms up, runs jobs until stopped (a drain) or unfit, and deregisters; the exit code."""
+    engine = runner.engine
+    consumer = DispatchConsumer(
+        bus,
+        presence.worker_id,
+        runner,
+        ConsumerSettings(settings.dispatch_ack_wait_s, settings.dispatch_max_ack_pending),
+        registry=engine.registry,
+        on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
+        batch_wait_s=settings.batch_wait_ms / 1000.0,
+        max_in_hand=settings.dispatch_max_ack_pending,
+    )
+    finished = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(presence.run(until=finished))
+        tg.create_task(_drain(stop, finished, presence, runner.tracker, settings.shutdown_grace_s))
+        # Registered (as starting) before loading: what an earlier run of this
+        # worker held is back in the queue already, not waiting for the load.
+        for name in settings.preload_models:
+            took = await asyncio.to_thread(engine.warm_up, name)
+            runner.warmed_up(name)
+            log.info("%s warmed up with one generation in %.2fs", name, took)
+        await presence.set_status(WorkerStatus.READY)
+        await consumer.run(stop)
+        finished.set()
+        stop.set()
+    if presence.superseded.is_set():
+        return EXIT_UNFIT
+    if runner.unfit:
+        log.error("%d attempts in a row failed here; reporting unhealthy", runner.failures.count)
+        await presence.set_status(WorkerStatus.UNHEALTHY)
+    await presence.deregister()
+    return EXIT_UNFIT if runner.unfit else 0
 
 
 def main() -> None:
