@@ -83,7 +83,7 @@ class JobStore:
             *(JobEvent(job.id, job.attempt) for job in jobs if job.checkpoint_step > 0),
         )
 
-    async def checkpoints(self, jobs: Sequence[JobRecord]) -> dict[str, Checkpoint]:
+    async def load_checkpoints(self, jobs: Sequence[JobRecord]) -> dict[str, Checkpoint]:
         """The checkpoint each job resumes from. One that cannot be read now costs
         its job the steps it saved, not the job."""
         if not jobs:

@@ -105,7 +105,7 @@ class JobRunner:
         except OutcomeNotStored as exc:
             log.warning("%s; leaving them for redelivery", exc, extra=logs.jobs_fields(d.job_id for d in dispatches))
             return {d.job_id: Outcome.NOT_STORED for d in dispatches}
-        resumes = await self.store.checkpoints([job for job in jobs.values() if job.checkpoint_step > 0])
+        resumes = await self.store.load_checkpoints([job for job in jobs.values() if job.checkpoint_step > 0])
         out: dict[str, Started | Outcome] = {}
         for d in dispatches:
             job = jobs.get(d.job_id)
