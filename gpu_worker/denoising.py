@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.model_cache import ModelLoader
 from services.errors import DarkroomError, JobInterrupted
 from services.generation import GenerationParams
-from services.models.loader import Loaded
 from services.models.registry import ModelSpec
 
 if TYPE_CHECKING:
@@ -60,15 +60,9 @@ class BatchMember:
     suspend: Callable[[], bool] = _never
 
 
-class Denoiser(Protocol):
-    """One model family: how its models load, and how a batch runs through one."""
-
-    # False: its models have no weights, take no memory and are never evicted.
-    loads_weights: bool
-
-    def load(self, spec: ModelSpec) -> Loaded:
-        """The model on the device, measured."""
-        ...
+class Denoiser(ModelLoader, Protocol):
+    """One model family: how its models load (``ModelLoader``), and how a batch runs
+    through one."""
 
     def sample(
         self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints

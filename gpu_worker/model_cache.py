@@ -29,10 +29,14 @@ ACTIVATION_HEADROOM = 0.15
 
 
 class ModelLoader(Protocol):
+    """How one model family's models load (``gpu_worker.denoising.Denoiser``)."""
+
     # False: its models have no weights, take no memory and are never evicted.
     loads_weights: bool
 
-    def load(self, spec: ModelSpec) -> Loaded: ...
+    def load(self, spec: ModelSpec) -> Loaded:
+        """The model on the device, measured."""
+        ...
 
 
 @dataclass

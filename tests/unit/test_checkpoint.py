@@ -212,7 +212,7 @@ def test_a_checkpoint_of_another_job_is_refused_and_the_job_runs_from_step_0(
     whole = uninterrupted(models_dir, mine, scheduler)
     for bad in (foreign, corrupt):
         given = Member(mine, resume=bad)
-        with caplog.at_level(logging.WARNING, logger="darkroom.sampler"):
+        with caplog.at_level(logging.WARNING, logger="gpu_worker.checkpoint_capture"):
             [result] = run(engine(models_dir, scheduler), given)
         assert torch.equal(latents(result), whole)
         assert given.steps == list(range(1, STEPS + 1))
