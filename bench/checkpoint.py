@@ -28,14 +28,16 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from gpu_worker.checkpoint import Checkpoint
-from gpu_worker.engine import BatchMember, SamplerEngine, SampleRequest
+from gpu_worker.checkpoint_capture import MemberCheckpoints, MemberRun
+from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.denoising import BatchMember
+from gpu_worker.engine import SamplerEngine
+from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
@@ -45,27 +47,32 @@ BUDGET = 0.03
 
 
 class TimedCaptures:
-    """Wraps the engine's capture to time it; the device's queued work is waited for
-    first, so a GPU's pending step is not billed to the checkpoint."""
+    """Wraps every member's capture to time it; the device's queued work is waited
+    for first, so a GPU's pending step is not billed to the checkpoint."""
 
     def __init__(self, engine: SamplerEngine) -> None:
         self.seconds: list[float] = []
         self.sizes: list[int] = []
-        self._capture = engine._capture
+        self._capture = MemberCheckpoints.capture
         self._cuda = engine.device.type == "cuda"
-        engine._capture = self  # type: ignore[method-assign]
+        timed = self
 
-    def __call__(self, run: Any) -> Checkpoint:
+        def capture(self: MemberCheckpoints, run: MemberRun) -> Checkpoint:
+            return timed(self, run)
+
+        MemberCheckpoints.capture = capture  # type: ignore[method-assign]
+
+    def __call__(self, checkpoints: MemberCheckpoints, run: MemberRun) -> Checkpoint:
         if self._cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        taken = self._capture(run)
+        taken = self._capture(checkpoints, run)
         self.seconds.append(time.perf_counter() - started)
         self.sizes.append(len(taken.data))
         return taken
 
 
-def job_seconds(engine: SamplerEngine, req: SampleRequest, kept: list[Checkpoint] | None) -> float:
+def job_seconds(engine: SamplerEngine, req: GenerationParams, kept: list[Checkpoint] | None) -> float:
     on_checkpoint = kept.append if kept is not None else None
     member = BatchMember(req, lambda step, total: None, threading.Event(), on_checkpoint=on_checkpoint)
     started = time.perf_counter()
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     plain = ModelRegistry({args.model: spec})
     periodic = ModelRegistry({args.model: replace(spec, checkpoint_every_steps=args.every_steps)})
     size = args.size or spec.default_width
-    req = SampleRequest(args.model, PROMPT, "", size, size, args.steps, 7.5, SEED, args.images)
+    req = GenerationParams(args.model, PROMPT, "", size, size, args.steps, 7.5, SEED, args.images)
 
     with tempfile.TemporaryDirectory(prefix="darkroom-bench-") as scratch:
         engine = SamplerEngine(plain, Path(args.models_dir or scratch), torch.device(args.device))

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from nats.aio.msg import Msg
 
 from gpu_worker.batch_choice import PassArrivals, next_batch
-from gpu_worker.engine import BatchKey
-from gpu_worker.runner import JobRunner, Outcome, SampledBatch, Started
+from gpu_worker.outcomes import Outcome, Started
+from gpu_worker.runner import JobRunner, SampledBatch
 from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.errors import BusError, MalformedDispatch
+from services.generation import BatchKey
+from services.models.registry import ModelRegistry
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class DispatchConsumer:
         runner: JobRunner,
         consumer: ConsumerSettings,
         *,
+        registry: ModelRegistry,
         on_idle: Callable[[], Awaitable[None]],
         batch_wait_s: float = 0.0,
         max_in_hand: int = 16,
@@ -70,6 +73,7 @@ class DispatchConsumer:
         self.worker_id = worker_id
         self.runner = runner
         self.consumer = consumer
+        self.registry = registry  # each model's batch size
         self.on_idle = on_idle
         self.batch_wait_s = batch_wait_s
         self.max_in_hand = max_in_hand
@@ -130,7 +134,7 @@ class DispatchConsumer:
 
     def _max_rows(self, key: Hashable) -> int:
         assert isinstance(key, BatchKey)
-        spec = self.runner.engine.registry.models.get(key.model)
+        spec = self.registry.models.get(key.model)
         return spec.max_batch if spec is not None else 1
 
     @staticmethod
@@ -153,7 +157,7 @@ class DispatchConsumer:
                 continue
             self._passes.arrived(dispatch.pass_id, dispatch.pass_jobs, now)
             shape = dispatch.shape
-            key = BatchKey(shape.model, shape.width, shape.height, shape.steps, shape.guidance_scale) if shape else None
+            key = shape.key if shape else None
             self._unsettled[msg.reply] = msg
             self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now))
 

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import uuid
 
 import grpc
 import torch
@@ -22,25 +21,26 @@ import torch
 from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.decoders import Decoders
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.heartbeat import SamplerHeartbeat
+from gpu_worker.job_store import JobStore
 from gpu_worker.plan_follower import follow_plan
-from gpu_worker.presence import Presence
 from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
 from services.config.sections import KernelSettings, SamplerSettings
-from services.db.migrate import upgrade_when_reachable
 from services.db.repository import Repository
 from services.db.states import WorkerStatus
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
+from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
+from services.presence import Presence
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import unary_errors
 from services.telemetry.gpu import Telemetry
-from services.telemetry.metrics import serve_metrics
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,6 @@ async def _drain(
 
 
 async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.Event) -> int:
-    serve_metrics(kernel, "sampler")
-    if not await upgrade_when_reachable(kernel.database_url, stop):
-        return 0
     registry = ModelRegistry.load(kernel.model_registry or None)
     device = pick_device(settings.device)
     engine = SamplerEngine(
@@ -132,83 +129,72 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()
     server = create_server(settings, tracker)
-    local = (
-        VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
-        if settings.local_decode_fallback
-        else None
-    )
+    local = None
+    if settings.local_decode_fallback:
+        local = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     decoders = Decoders(repo, stale_after_s=kernel.worker_stale_after_s, local=local)
-    bus: Bus | None = None
-    try:
-        bus = await Bus.connect(
-            kernel.nats_servers, name=f"darkroom-sampler-{worker_id}", replicas=kernel.nats_replicas, stop=stop
-        )
-        await server.grpc.start()
-        await server.set_serving(True)
-        address = f"{settings.host}:{server.port}"
-        telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
-        events = Events(bus.nc)
-        presence = Presence(
-            kernel,
-            repo,
-            worker_id,
-            str(uuid.uuid4()),
-            address,
-            engine,
-            telemetry,
-            tracker,
-            events,
-            on_superseded=stop.set,
-        )
-        if not await presence.register(stop):
-            return 0
-        runner = JobRunner(
-            repo,
-            engine,
-            decoders,
-            tracker,
-            events,
-            worker_id,
-            outcome_retry_s=settings.outcome_retry_s,
-            unfit_after_failures=settings.unhealthy_after_failures,
-        )
-        consumer = DispatchConsumer(
-            bus,
-            worker_id,
-            runner,
-            ConsumerSettings(settings.dispatch_ack_wait_s, settings.dispatch_max_ack_pending),
-            on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
-            batch_wait_s=settings.batch_wait_ms / 1000.0,
-            max_in_hand=settings.dispatch_max_ack_pending,
-        )
+    events = Events()
+    nats = JetStream(kernel, connection_name=f"darkroom-sampler-{worker_id}", events=events)
+    address = f"{settings.host}:{server.port}"
+    telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
+    heartbeat = SamplerHeartbeat(worker_id, address, engine, telemetry, tracker, kernel.restarts)
+    presence = Presence(
+        repo.workers, worker_id, heartbeat, events, interval_s=kernel.heartbeat_interval_s, on_superseded=stop.set
+    )
+    store = JobStore(repo, events, worker_id, outcome_retry_s=settings.outcome_retry_s)
+    runner = JobRunner(store, engine, decoders, tracker, unfit_after_failures=settings.unhealthy_after_failures)
+    parts: list[Part] = [
+        Metrics(kernel, "sampler"),
+        Migrations(kernel),
+        Closing("database", repo.close),
+        Closing("decoder channels", decoders.close),
+        nats,
+        GrpcServer(server, grace_s=kernel.shutdown_grace_s),
+        Registered(presence),
+    ]
+
+    async def work() -> int:
         log.info("sampler %s on %s listening on %s", worker_id, device, address)
-        finished = asyncio.Event()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(presence.run(until=finished))
-            tg.create_task(_drain(stop, finished, presence, tracker, kernel.shutdown_grace_s))
-            # Registered (as starting) before loading: what an earlier run of this
-            # worker held is back in the queue already, not waiting for the load.
-            for name in settings.preload_models:
-                took = await asyncio.to_thread(engine.warm_up, name)
-                runner.warmed_up(name)
-                log.info("%s warmed up with one generation in %.2fs", name, took)
-            await presence.set_status(WorkerStatus.READY)
-            await consumer.run(stop)
-            finished.set()
-            stop.set()
-        if presence.superseded.is_set():
-            return EXIT_UNFIT
-        if runner.unfit:
-            log.error("%d attempts in a row failed here; reporting unhealthy", runner.failures_in_a_row)
-            await presence.set_status(WorkerStatus.UNHEALTHY)
-        await presence.deregister()
-        return EXIT_UNFIT if runner.unfit else 0
-    finally:
-        await server.grpc.stop(kernel.shutdown_grace_s)
-        await decoders.close()
-        if bus is not None:
-            await bus.close()
-        await repo.close()
+        return await _work(settings, kernel.shutdown_grace_s, stop, nats.bus, presence, runner)
+
+    return await host(parts, work, stop)
+
+
+async def _work(
+    settings: SamplerSettings, grace_s: float, stop: asyncio.Event, bus: Bus, presence: Presence, runner: JobRunner
+) -> int:
+    """Warms up and runs jobs until stopped (a drain) or unfit; the exit code."""
+    engine = runner.engine
+    consumer = DispatchConsumer(
+        bus,
+        presence.worker_id,
+        runner,
+        ConsumerSettings(settings.dispatch_ack_wait_s, settings.dispatch_max_ack_pending),
+        registry=engine.registry,
+        on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
+        batch_wait_s=settings.batch_wait_ms / 1000.0,
+        max_in_hand=settings.dispatch_max_ack_pending,
+    )
+    finished = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(presence.run(until=finished))
+        tg.create_task(_drain(stop, finished, presence, runner.tracker, grace_s))
+        # Registered (as starting) before loading: what an earlier run of this
+        # worker held is back in the queue already, not waiting for the load.
+        for name in settings.preload_models:
+            took = await asyncio.to_thread(engine.warm_up, name)
+            runner.warmed_up(name)
+            log.info("%s warmed up with one generation in %.2fs", name, took)
+        await presence.set_status(WorkerStatus.READY)
+        await consumer.run(stop)
+        finished.set()
+        stop.set()
+    if presence.superseded.is_set():
+        return EXIT_UNFIT
+    if runner.unfit:
+        log.error("%d attempts in a row failed here; reporting unhealthy", runner.failures.count)
+        await presence.set_status(WorkerStatus.UNHEALTHY)
+    return EXIT_UNFIT if runner.unfit else 0
 
 
 def main() -> None:

@@ -7,27 +7,28 @@ samplers pick the decoder that will finish first."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import grpc
 
 from services.bus.dispatch import check_worker_id, host_token
+from services.bus.events import Events
 from services.config.sections import DecoderSettings, KernelSettings
-from services.db.migrate import upgrade_when_reachable
 from services.db.records import WorkerHeartbeat
 from services.db.repository import Repository
-from services.db.states import WorkerKind
-from services.errors import FieldViolation, InvalidArgument, StoreError, WorkerSuperseded
+from services.db.states import WorkerKind, WorkerStatus
+from services.errors import FieldViolation, InvalidArgument
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode
 from services.models.registry import ModelRegistry
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
+from services.ops.host import Closing, GrpcServer, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
+from services.presence import Presence
 from services.rpc.chunks import split
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
@@ -35,7 +36,7 @@ from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
 from services.telemetry import logs, tracing
 from services.telemetry.gpu import Telemetry
-from services.telemetry.metrics import observe_gpu, serve_metrics
+from services.telemetry.metrics import observe_gpu
 from vae_worker.decode_batches import DecodeBatcher
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,37 @@ async def _encoded(
             task.cancel()
 
 
+@dataclass(frozen=True)
+class DecoderHeartbeat:
+    """What a decoder's heartbeat says (``services.presence`` sends it): its GPU's
+    telemetry, its models, and its load, from which samplers pick a decoder."""
+
+    worker_id: str
+    address: str
+    engine: VaeDecoderEngine
+    batcher: DecodeBatcher
+    telemetry: Telemetry
+    restarts: int
+
+    def __call__(self, status: WorkerStatus) -> WorkerHeartbeat:
+        card = self.telemetry.read()
+        observe_gpu(self.worker_id, card)
+        return WorkerHeartbeat(
+            id=self.worker_id,
+            kind=WorkerKind.DECODER,
+            address=self.address,
+            device=card.name if card.source == "nvml" else str(self.engine.device),
+            models=tuple(self.engine.registry.names()),
+            warm_models=tuple(self.engine.warm_models()),
+            vram_total_bytes=card.vram_total_bytes,
+            vram_used_bytes=card.vram_used_bytes,
+            temperature_c=card.temperature_c,
+            status=status,
+            restarts=self.restarts,
+            telemetry={**card.as_dict(), **self.batcher.telemetry()},
+        )
+
+
 def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBatcher:
     return DecodeBatcher(engine, wait_s=settings.batch_wait_ms / 1000.0, max_images=settings.max_batch)
 
@@ -148,65 +180,42 @@ def create_server(settings: DecoderSettings, batcher: DecodeBatcher) -> Server:
 
 
 async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio.Event) -> int:
-    serve_metrics(kernel, "decoder")
-    if not await upgrade_when_reachable(kernel.database_url, stop):
-        return 0
     registry = ModelRegistry.load(kernel.model_registry or None)
     device = pick_device(settings.device)
     engine = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-decoder-{settings.port or os.getpid()}")
-    incarnation = str(uuid.uuid4())
     repo = Repository(kernel.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
     batcher = batcher_for(settings, engine)
     server = create_server(settings, batcher)
     address = f"{settings.host}:{server.port}"
+    telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
+    heartbeat = DecoderHeartbeat(worker_id, address, engine, batcher, telemetry, kernel.restarts)
+    # No jobs of its own: nothing to publish as it registers or deregisters.
+    presence = Presence(
+        repo.workers,
+        worker_id,
+        heartbeat,
+        Events(),
+        interval_s=kernel.heartbeat_interval_s,
+        status=WorkerStatus.READY,
+        on_superseded=stop.set,
+    )
+    parts: list[Part] = [
+        Metrics(kernel, "decoder"),
+        Migrations(kernel),
+        Closing("database", repo.close),
+        GrpcServer(server, grace_s=kernel.shutdown_grace_s),
+        Registered(presence),
+    ]
 
-    gpu = Telemetry((device.index or 0) if device.type == "cuda" else None)
-
-    def reading() -> WorkerHeartbeat:
-        card = gpu.read()
-        observe_gpu(worker_id, card)
-        return WorkerHeartbeat(
-            id=worker_id,
-            kind=WorkerKind.DECODER,
-            address=address,
-            device=card.name if card.source == "nvml" else str(device),
-            models=tuple(registry.names()),
-            warm_models=tuple(engine.warm_models()),
-            vram_total_bytes=card.vram_total_bytes,
-            vram_used_bytes=card.vram_used_bytes,
-            temperature_c=card.temperature_c,
-            restarts=kernel.restarts,
-            telemetry={**card.as_dict(), **batcher.telemetry()},
-        )
-
-    registered = False
-    try:
-        await server.grpc.start()
-        await server.set_serving(True)
+    async def work() -> int:
         log.info("decoder %s on %s listening on %s", worker_id, device, address)
-        while not stop.is_set():
-            try:
-                if registered:
-                    await repo.workers.heartbeat(reading(), incarnation)
-                else:
-                    await repo.workers.register(reading(), incarnation)
-                    registered = True
-            except WorkerSuperseded as exc:
-                log.error("%s; stopping", exc)
-                return EXIT_UNFIT
-            except StoreError as exc:
-                log.warning("heartbeat failed: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), kernel.heartbeat_interval_s)
-        with contextlib.suppress(StoreError):
-            await repo.workers.deregister(worker_id, incarnation)
-        return 0
-    finally:
-        await server.grpc.stop(kernel.shutdown_grace_s)
-        await repo.close()
+        await presence.run(until=stop)
+        return EXIT_UNFIT if presence.superseded.is_set() else 0
+
+    return await host(parts, work, stop)
 
 
 def main() -> None:

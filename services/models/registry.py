@@ -68,7 +68,7 @@ class ModelSpec:
     # "DPMSolverMultistepScheduler", built from the model's own scheduler config;
     # "" keeps the model's own class.
     scheduler: str = ""
-    # A running job writes a checkpoint (gpu_worker/checkpoint.py) every so many
+    # A running job writes a checkpoint (gpu_worker/checkpoint_capture.py) every so many
     # steps, or seconds, whichever comes first; 0 turns either off. By default every
     # 10 s: a crash then costs at most 10 s of a job, and a checkpoint (a few ms,
     # written while the next steps run) costs well under 1 % of them.

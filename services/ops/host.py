@@ -20,6 +20,7 @@ from services.bus.events import Events
 from services.config.sections import KernelSettings
 from services.db.migrate import upgrade_when_reachable
 from services.errors import BusError
+from services.presence import Presence
 from services.rpc.server import Server
 from services.telemetry.metrics import serve_metrics
 
@@ -103,8 +104,9 @@ class JetStream:
 
     name = "nats"
 
-    def __init__(self, kernel: KernelSettings, *, connection_name: str) -> None:
+    def __init__(self, kernel: KernelSettings, *, connection_name: str, events: Events | None = None) -> None:
         self.servers, self.replicas, self.connection_name = kernel.nats_servers, kernel.nats_replicas, connection_name
+        self.events = events  # job events, published over the same connection once it is made
         self._bus: Bus | None = None
 
     @property
@@ -119,6 +121,8 @@ class JetStream:
             if stop.is_set():
                 return False
             raise
+        if self.events is not None:
+            self.events.nc = self._bus.nc
         return True
 
     async def stop(self) -> None:
@@ -170,3 +174,21 @@ class GrpcServer:
     async def stop(self) -> None:
         await self.server.set_serving(False)
         await self.server.grpc.stop(self.grace_s)
+
+
+class Registered:
+    """A worker's place in the registry: registered once the database answers,
+    deregistered at the end (not when a newer process took its id: the row is
+    that one's now)."""
+
+    name = "registration"
+
+    def __init__(self, presence: Presence) -> None:
+        self.presence = presence
+
+    async def start(self, stop: asyncio.Event) -> bool:
+        return await self.presence.register(stop)
+
+    async def stop(self) -> None:
+        if not self.presence.superseded.is_set():
+            await self.presence.deregister()

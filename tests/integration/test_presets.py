@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.engine import SamplerEngine, SampleRequest
+from gpu_worker.engine import SamplerEngine
+from services.generation import GenerationParams
 from services.models.loader import module_bytes
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
@@ -28,7 +29,7 @@ def test_the_sd15_preset_builds_once_and_runs(tmp_path: Path) -> None:
     # on a CPU, and CLIP's position ids (a buffer of 77 int64).
     assert module_bytes(pipe) == (123_060_480 + 859_520_964) * 4 + 77 * 8
     latents = engine.sample(
-        SampleRequest("sd15-random", "a cat", "", 64, 64, 2, 7.5, 1, 1), lambda s, t: None, threading.Event()
+        GenerationParams("sd15-random", "a cat", "", 64, 64, 2, 7.5, 1, 1), lambda s, t: None, threading.Event()
     )
     assert latents.shape == (1, 4, 8, 8)
     [image] = VaeDecoderEngine(registry, tmp_path, torch.device("cpu")).decode_images("sd15-random", latents)

@@ -16,10 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import checkpoint
-from gpu_worker.checkpoint import Checkpoint, CheckpointMismatch, CheckpointPolicy, Snapshot
-from gpu_worker.engine import BatchMember, JobSuspended, SamplerEngine, SampleRequest
+from gpu_worker import checkpoint_format
+from gpu_worker.checkpoint_capture import CheckpointPolicy
+from gpu_worker.checkpoint_format import Checkpoint, CheckpointMismatch, Snapshot
+from gpu_worker.denoising import BatchMember, JobSuspended
+from gpu_worker.engine import SamplerEngine
+from gpu_worker.unet_denoiser import UNetDenoiser
 from services.errors import JobInterrupted, ModelError
+from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 
 STEPS = 6
@@ -46,15 +50,15 @@ def engine(models_dir: Path, scheduler: str = "", every_steps: int = 0, every_s:
     return SamplerEngine(registry(scheduler, every_steps, every_s), models_dir, CPU)
 
 
-def job(seed: int, images: int = 1, prompt: str = "a lighthouse", steps: int = STEPS) -> SampleRequest:
-    return SampleRequest("tiny", prompt, "", 64, 64, steps, 7.5, seed, images)
+def job(seed: int, images: int = 1, prompt: str = "a lighthouse", steps: int = STEPS) -> GenerationParams:
+    return GenerationParams("tiny", prompt, "", 64, 64, steps, 7.5, seed, images)
 
 
 class Member:
     """A batch member that records its steps and checkpoints, and is suspended once
     ``suspend_at`` steps are done (as a suspension arriving during the next would)."""
 
-    def __init__(self, req: SampleRequest, suspend_at: int = 0, resume: Checkpoint | None = None) -> None:
+    def __init__(self, req: GenerationParams, suspend_at: int = 0, resume: Checkpoint | None = None) -> None:
         self.steps: list[int] = []
         self.checkpoints: list[Checkpoint] = []
         self.stopping = threading.Event()
@@ -83,7 +87,7 @@ def suspended(result: torch.Tensor | BaseException) -> Checkpoint:
     return result.checkpoint
 
 
-def uninterrupted(models_dir: Path, req: SampleRequest, scheduler: str = "") -> torch.Tensor:
+def uninterrupted(models_dir: Path, req: GenerationParams, scheduler: str = "") -> torch.Tensor:
     [result] = run(engine(models_dir, scheduler), Member(req))
     return latents(result)
 
@@ -109,8 +113,8 @@ def test_the_scheduler_can_be_chosen_and_changes_the_image(models_dir: Path) -> 
     images = [uninterrupted(models_dir, req, s) for s in ("", "DDIMScheduler", "EulerAncestralDiscreteScheduler")]
     assert not torch.equal(images[0], images[1]) and not torch.equal(images[1], images[2])
     [result] = run(engine(models_dir, "DPMSolverMultistepScheduler"), Member(req, suspend_at=2))
-    fingerprint = checkpoint.fingerprint(req, "DPMSolverMultistepScheduler")
-    assert checkpoint.restore(suspended(result), fingerprint, CPU) is not None  # it names the class it ran
+    fingerprint = checkpoint_format.fingerprint(req, "DPMSolverMultistepScheduler")
+    assert checkpoint_format.restore(suspended(result), fingerprint, CPU) is not None  # it names the class it ran
 
 
 @pytest.mark.parametrize("scheduler", ["DPMSolverMultistepScheduler", "EulerAncestralDiscreteScheduler"])
@@ -142,15 +146,17 @@ def test_fused_batches_share_a_unet_call_only_at_the_same_step(
     [result] = run(eng, Member(a, suspend_at=2))
     ckpt = suspended(result)
     fused = engine(models_dir, scheduler)
-    fused.fuse_batches = True
+    denoiser = fused.denoisers["tiny"]
+    assert isinstance(denoiser, UNetDenoiser)
+    denoiser.fuse_batches = True
     calls: list[list[int]] = []
-    predict = fused._predict
+    predict = denoiser._predict
 
     def spy(pipe: Any, group: list[Any], *args: Any) -> list[torch.Tensor]:
         calls.append([r.step for r in group])
         return predict(pipe, group, *args)
 
-    monkeypatch.setattr(fused, "_predict", spy)
+    monkeypatch.setattr(denoiser, "_predict", spy)
     results = run(fused, Member(a, resume=ckpt), Member(b))
     # Rounds 1-4: the resumed member at steps 2-5, the fresh one at 0-3, apart.
     assert calls == [[2], [0], [3], [1], [4], [2], [5], [3], [4], [5]]
@@ -194,19 +200,19 @@ def test_a_checkpoint_of_another_job_is_refused_and_the_job_runs_from_step_0(
     [result] = run(engine(models_dir, scheduler), Member(theirs, suspend_at=3))
     foreign = suspended(result)
     with pytest.raises(CheckpointMismatch, match="seed"):
-        checkpoint.restore(foreign, checkpoint.fingerprint(mine, scheduler), CPU)
+        checkpoint_format.restore(foreign, checkpoint_format.fingerprint(mine, scheduler), CPU)
     with pytest.raises(CheckpointMismatch, match="scheduler"):
-        checkpoint.restore(foreign, checkpoint.fingerprint(theirs, "DDIMScheduler"), CPU)
+        checkpoint_format.restore(foreign, checkpoint_format.fingerprint(theirs, "DDIMScheduler"), CPU)
     corrupt = replace(foreign, data=foreign.data[: len(foreign.data) // 2])
     with pytest.raises(CheckpointMismatch, match="cannot be read"):
-        checkpoint.restore(corrupt, checkpoint.fingerprint(theirs, scheduler), CPU)
+        checkpoint_format.restore(corrupt, checkpoint_format.fingerprint(theirs, scheduler), CPU)
     with pytest.raises(CheckpointMismatch, match="step"):
-        checkpoint.restore(replace(foreign, step=2), checkpoint.fingerprint(theirs, scheduler), CPU)
+        checkpoint_format.restore(replace(foreign, step=2), checkpoint_format.fingerprint(theirs, scheduler), CPU)
 
     whole = uninterrupted(models_dir, mine, scheduler)
     for bad in (foreign, corrupt):
         given = Member(mine, resume=bad)
-        with caplog.at_level(logging.WARNING, logger="darkroom.sampler"):
+        with caplog.at_level(logging.WARNING, logger="gpu_worker.checkpoint_capture"):
             [result] = run(engine(models_dir, scheduler), given)
         assert torch.equal(latents(result), whole)
         assert given.steps == list(range(1, STEPS + 1))
@@ -219,8 +225,8 @@ def test_a_checkpoint_this_engine_cannot_continue_is_refused(models_dir: Path) -
     req = job(53, images=2)
     [result] = run(engine(models_dir, scheduler), Member(req, suspend_at=2))
     ckpt = suspended(result)
-    fingerprint = checkpoint.fingerprint(req, scheduler)
-    snapshot = checkpoint.restore(ckpt, fingerprint, CPU)
+    fingerprint = checkpoint_format.fingerprint(req, scheduler)
+    snapshot = checkpoint_format.restore(ckpt, fingerprint, CPU)
     assert snapshot is not None
     whole = uninterrupted(models_dir, req, scheduler)
     unfit = [
@@ -231,7 +237,7 @@ def test_a_checkpoint_this_engine_cannot_continue_is_refused(models_dir: Path) -
         replace(snapshot, generators=[snapshot.generators[0], torch.zeros(3, dtype=torch.uint8)]),
     ]
     for bad in unfit:
-        given = Member(req, resume=checkpoint.capture(ckpt.step, ckpt.total, fingerprint, bad))
+        given = Member(req, resume=checkpoint_format.capture(ckpt.step, ckpt.total, fingerprint, bad))
         [result] = run(engine(models_dir, scheduler), given)
         assert torch.equal(latents(result), whole)
         assert given.steps == list(range(1, STEPS + 1))
@@ -252,9 +258,11 @@ class _Trap:
 
 def test_checkpoint_bytes_never_run_code() -> None:
     buffer = io.BytesIO()
-    torch.save({"format": checkpoint.FORMAT, "trap": _Trap()}, buffer)
+    torch.save({"format": checkpoint_format.FORMAT, "trap": _Trap()}, buffer)
     with pytest.raises(CheckpointMismatch, match="cannot be read"):
-        checkpoint.restore(Checkpoint(0, STEPS, buffer.getvalue()), checkpoint.fingerprint(job(1), ""), CPU)
+        checkpoint_format.restore(
+            Checkpoint(0, STEPS, buffer.getvalue()), checkpoint_format.fingerprint(job(1), ""), CPU
+        )
     assert _unpickled == []
 
 
@@ -295,8 +303,8 @@ def test_a_checkpoint_of_the_last_step_leaves_nothing_to_run(models_dir: Path) -
     req = job(63)
     whole = uninterrupted(models_dir, req)
     generator = torch.Generator().manual_seed(req.seed)
-    fingerprint = checkpoint.fingerprint(req, "EulerDiscreteScheduler")
-    done = checkpoint.capture(STEPS, STEPS, fingerprint, Snapshot(whole, [generator.get_state()], {}, (), "cpu"))
+    fingerprint = checkpoint_format.fingerprint(req, "EulerDiscreteScheduler")
+    done = checkpoint_format.capture(STEPS, STEPS, fingerprint, Snapshot(whole, [generator.get_state()], {}, (), "cpu"))
     resumed = Member(req, resume=done)
     [result] = run(engine(models_dir), resumed)
     assert torch.equal(latents(result), whole)
@@ -312,9 +320,9 @@ def test_scheduler_values_of_every_kind_come_back_as_they_were() -> None:
         "device": torch.device("cpu"),
     }
     latents_ = torch.randn(1, 4, 8, 8)
-    fingerprint = checkpoint.fingerprint(job(1), "X")
-    data = checkpoint.capture(2, 6, fingerprint, Snapshot(latents_, [], state, ("gone",), "cpu"))
-    back = checkpoint.restore(data, fingerprint, CPU)
+    fingerprint = checkpoint_format.fingerprint(job(1), "X")
+    data = checkpoint_format.capture(2, 6, fingerprint, Snapshot(latents_, [], state, ("gone",), "cpu"))
+    back = checkpoint_format.restore(data, fingerprint, CPU)
     assert back is not None and back.removed == ("gone",) and torch.equal(back.latents, latents_)
     assert back.scheduler["array"].dtype == np.int64 and np.array_equal(back.scheduler["array"], np.arange(4))
     assert type(back.scheduler["scalar"]) is np.float32 and back.scheduler["scalar"] == np.float32(0.25)
@@ -323,7 +331,7 @@ def test_scheduler_values_of_every_kind_come_back_as_they_were() -> None:
     assert inner["k"].dtype == torch.float16 and torch.equal(inner["k"], torch.ones(2, dtype=torch.float16))
     assert (back.scheduler["dtype"], back.scheduler["device"]) == (torch.bfloat16, CPU)
     with pytest.raises(TypeError, match="cannot checkpoint"):
-        checkpoint.capture(2, 6, fingerprint, Snapshot(latents_, [], {"lock": threading.Lock()}, (), "cpu"))
+        checkpoint_format.capture(2, 6, fingerprint, Snapshot(latents_, [], {"lock": threading.Lock()}, (), "cpu"))
 
 
 def test_only_what_differs_from_a_fresh_scheduler_is_kept() -> None:
@@ -334,11 +342,11 @@ def test_only_what_differs_from_a_fresh_scheduler_is_kept() -> None:
     fresh.set_timesteps(STEPS)
     live = solver()
     live.set_timesteps(STEPS)
-    assert checkpoint.scheduler_state(live, fresh) == ({}, ())
+    assert checkpoint_format.scheduler_state(live, fresh) == ({}, ())
     sample = torch.randn(1, 4, 8, 8)
     live.step(torch.randn(1, 4, 8, 8), live.timesteps[0], sample)
     live.sigmas[0] += 1  # changed in place: kept too
-    changed, removed = checkpoint.scheduler_state(live, fresh)
+    changed, removed = checkpoint_format.scheduler_state(live, fresh)
     assert {"model_outputs", "lower_order_nums", "_step_index", "sigmas"} <= set(changed)
     assert "betas" not in changed and "alphas_cumprod" not in changed and removed == ()
 

@@ -10,21 +10,25 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
-from gpu_worker.engine import BadOutput, BatchMember, SamplerEngine, SampleRequest, check_output
+from gpu_worker.denoising import BadOutput, BatchMember, check_output
+from gpu_worker.engine import SamplerEngine
 from gpu_worker.prompts import Conditioning, PromptCache
 from services.errors import JobInterrupted, ModelError
+from services.generation import GenerationParams
 from services.models.loader import module_bytes
 from services.models.registry import ModelRegistry, ModelSpec
 
 
-def request(prompt: str, seed: int, images: int = 1, negative: str = "", model: str = "tiny") -> SampleRequest:
-    return SampleRequest(model, prompt, negative, 64, 64, 6, 7.5, seed, images)
+def request(prompt: str, seed: int, images: int = 1, negative: str = "", model: str = "tiny") -> GenerationParams:
+    return GenerationParams(model, prompt, negative, 64, 64, 6, 7.5, seed, images)
 
 
 JOBS = [request("a cat", 1), request("a dog", 2, images=2), request("a cat", 3, negative="blurry")]
 
 
-def member(req: SampleRequest, stopping: threading.Event | None = None, steps: list[int] | None = None) -> BatchMember:
+def member(
+    req: GenerationParams, stopping: threading.Event | None = None, steps: list[int] | None = None
+) -> BatchMember:
     return BatchMember(
         req, lambda step, total: steps.append(step) if steps is not None else None, stopping or threading.Event()
     )
@@ -35,7 +39,7 @@ def engine(models_dir: Path) -> SamplerEngine:
     return SamplerEngine(ModelRegistry.load(), models_dir, torch.device("cpu"))
 
 
-def solo(engine: SamplerEngine, req: SampleRequest) -> torch.Tensor:
+def solo(engine: SamplerEngine, req: GenerationParams) -> torch.Tensor:
     return engine.sample(req, lambda step, total: None, threading.Event())
 
 
@@ -100,7 +104,7 @@ def test_progress_reaches_every_member_at_every_step(engine: SamplerEngine) -> N
 
 
 def test_a_batch_holds_one_shape(engine: SamplerEngine) -> None:
-    other = SampleRequest("tiny", "x", "", 64, 64, 7, 7.5, 1, 1)
+    other = GenerationParams("tiny", "x", "", 64, 64, 7, 7.5, 1, 1)
     with pytest.raises(ValueError, match="one shape"):
         engine.sample_batch([member(JOBS[0]), member(other)])
 
@@ -194,7 +198,7 @@ def test_the_registry_picks_the_attention_implementation(models_dir: Path) -> No
 def test_a_member_whose_inputs_fail_fails_alone(engine: SamplerEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     encode = Conditioning.encode
 
-    def fragile(pipe: object, family: str, req: SampleRequest, device: torch.device, cfg: bool) -> Conditioning:
+    def fragile(pipe: object, family: str, req: GenerationParams, device: torch.device, cfg: bool) -> Conditioning:
         if req.prompt == "breaks":
             raise ValueError("this prompt cannot be encoded")
         return encode(pipe, family, req, device, cfg)

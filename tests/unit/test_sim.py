@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker import checkpoint
-from gpu_worker.checkpoint import Checkpoint, CheckpointMismatch
-from gpu_worker.engine import BatchMember, JobSuspended, SamplerEngine, SampleRequest
+from gpu_worker import checkpoint_format
+from gpu_worker.checkpoint_format import Checkpoint, CheckpointMismatch
+from gpu_worker.denoising import BatchMember, JobSuspended
+from gpu_worker.engine import SamplerEngine
 from services.errors import ModelError
+from services.generation import GenerationParams
 from services.models import sim
 from services.models.registry import ModelRegistry
 
@@ -94,7 +96,7 @@ def _append(seen: list[tuple[int, int, int]]) -> Callable[[int, int, int], None]
 
 
 def test_a_suspended_sim_job_resumes_at_its_step_to_the_same_latents(tmp_path: Path) -> None:
-    request = SampleRequest("sim", "p", "", 64, 64, 5, 7.5, 3, 2)
+    request = GenerationParams("sim", "p", "", 64, 64, 5, 7.5, 3, 2)
     stopping = threading.Event()
     steps: list[int] = []
 
@@ -108,7 +110,7 @@ def test_a_suspended_sim_job_resumes_at_its_step_to_the_same_latents(tmp_path: P
     first = SamplerEngine(registry, tmp_path, torch.device("cpu"))
     leaving, staying = first.sample_batch([BatchMember(request, on_step, stopping, suspend=lambda: True), other])
     assert isinstance(leaving, JobSuspended) and (leaving.checkpoint.step, leaving.checkpoint.total) == (2, 5)
-    assert isinstance(staying, torch.Tensor) and torch.equal(staying, sim.latents(other.request))
+    assert isinstance(staying, torch.Tensor) and torch.equal(staying, sim.latents(other.params))
     assert steps == [1, 2]
 
     steps.clear()
@@ -121,11 +123,13 @@ def test_a_suspended_sim_job_resumes_at_its_step_to_the_same_latents(tmp_path: P
 def test_a_sim_job_checkpoints_by_the_registry_s_policy(tmp_path: Path) -> None:
     registry = ModelRegistry({"sim": replace(spec(), checkpoint_every_steps=2)})
     taken: list[Checkpoint] = []
-    request = SampleRequest("sim", "p", "", 64, 64, 5, 7.5, 3, 1)
+    request = GenerationParams("sim", "p", "", 64, 64, 5, 7.5, 3, 1)
     member = BatchMember(request, lambda step, total: None, threading.Event(), on_checkpoint=taken.append)
     SamplerEngine(registry, tmp_path, torch.device("cpu")).sample_batch([member])
     assert [c.step for c in taken] == [2, 4]
-    fingerprint = checkpoint.fingerprint(request, "")
-    assert checkpoint.restore(taken[0], fingerprint, torch.device("cpu")) is None  # the step is all it holds
+    fingerprint = checkpoint_format.fingerprint(request, "")
+    assert checkpoint_format.restore(taken[0], fingerprint, torch.device("cpu")) is None  # the step is all it holds
     with pytest.raises(CheckpointMismatch):
-        checkpoint.restore(taken[0], checkpoint.fingerprint(replace(request, seed=4), ""), torch.device("cpu"))
+        checkpoint_format.restore(
+            taken[0], checkpoint_format.fingerprint(replace(request, seed=4), ""), torch.device("cpu")
+        )

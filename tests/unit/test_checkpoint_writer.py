@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpu_worker.checkpoint import Checkpoint
-from gpu_worker.checkpoint_saver import CheckpointSaver
+from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
 from services.errors import StoreUnavailable
 
 
@@ -24,7 +24,7 @@ async def test_a_slow_write_skips_to_the_latest_checkpoint() -> None:
         return True
 
     loop = asyncio.get_running_loop()
-    saver = CheckpointSaver("job", 1, save, loop)
+    saver = PeriodicCheckpointWriter("job", 1, save, loop)
     saver.offer(Checkpoint(1, 10, b"1"))
     await asyncio.sleep(0)  # the first write begins and waits
     for step in (2, 3, 4):

@@ -27,9 +27,12 @@ flag saying whether they lived on the accelerator, and go back there on restore.
 The data also holds a format version, the request's fingerprint (model, size, steps,
 guidance, seed, images, noise-scheduler class) and the diffusers version that wrote
 the scheduler's state; a checkpoint that does not match, or cannot be read, raises
-``CheckpointMismatch``, and the engine then runs the job from step 0: slower, never
-another image. A checkpoint with no state (``step`` 0, or any step of the ``sim``
-family, whose latents come from the seeds) holds the fingerprint and step only."""
+``CheckpointMismatch``, and the job then runs from step 0: slower, never another
+image. A checkpoint with no state (``step`` 0, or any step of the ``sim`` family,
+whose latents come from the seeds) holds the fingerprint and step only.
+
+When checkpoints are taken and how a running member's state goes in and out of
+them is ``gpu_worker.checkpoint_capture``."""
 
 from __future__ import annotations
 
@@ -38,12 +41,13 @@ import importlib.metadata
 import io
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from services.errors import DarkroomError
+from services.generation import GenerationParams
 
 # Bump on any change to the layout below: older checkpoints are then refused (and
 # their jobs run from step 0), never misread.
@@ -57,7 +61,7 @@ _PRIMITIVES = (type(None), bool, int, float, str)
 class Checkpoint:
     step: int  # denoising steps done (0..total)
     total: int  # the job's steps
-    data: bytes  # the serialised state; opaque to everything but the engine
+    data: bytes  # the serialised state; opaque to everything but gpu_worker.checkpoint_capture
 
 
 class CheckpointMismatch(DarkroomError):
@@ -65,52 +69,7 @@ class CheckpointMismatch(DarkroomError):
     seed, images, noise scheduler class, format version) or cannot be read."""
 
 
-@dataclass(frozen=True)
-class CheckpointPolicy:
-    """When a running job writes a checkpoint: every so many steps, every so many
-    seconds, whichever comes first; both 0 (the default) is never."""
-
-    every_steps: int = 0  # 0: not by steps
-    every_s: float = 0.0  # 0: not by time
-
-    def __post_init__(self) -> None:
-        if self.every_steps < 0 or not self.every_s >= 0:
-            raise ValueError(f"a checkpoint policy needs every_steps, every_s >= 0, not {self}")
-
-    def due(self, steps_since: int, seconds_since: float) -> bool:
-        """Whether a checkpoint is due, ``steps_since`` steps and ``seconds_since``
-        seconds after the last one (or the job's start or resume)."""
-        by_steps = self.every_steps > 0 and steps_since >= self.every_steps
-        by_time = self.every_s > 0 and seconds_since >= self.every_s
-        return by_steps or by_time
-
-
-class Job(Protocol):
-    """The fields of a request a checkpoint must match (engine.SampleRequest)."""
-
-    @property
-    def model(self) -> str: ...
-
-    @property
-    def width(self) -> int: ...
-
-    @property
-    def height(self) -> int: ...
-
-    @property
-    def steps(self) -> int: ...
-
-    @property
-    def guidance_scale(self) -> float: ...
-
-    @property
-    def seed(self) -> int: ...
-
-    @property
-    def num_images(self) -> int: ...
-
-
-def fingerprint(job: Job, scheduler: str) -> dict[str, Any]:
+def fingerprint(job: GenerationParams, scheduler: str) -> dict[str, Any]:
     """What makes a checkpoint this job's: any difference gives another image.
     The prompts are not in it: the runner resumes a job by its id, and keeping
     them out keeps prompts out of the checkpoint bytes."""

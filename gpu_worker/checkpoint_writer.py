@@ -11,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from gpu_worker.checkpoint import Checkpoint
+from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.metrics import CHECKPOINTS
 from services.errors import StoreError
 from services.telemetry import logs
@@ -19,7 +19,7 @@ from services.telemetry import logs
 log = logging.getLogger(__name__)
 
 
-class CheckpointSaver:
+class PeriodicCheckpointWriter:
     def __init__(
         self,
         job_id: str,

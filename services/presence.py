@@ -1,84 +1,70 @@
-"""The worker's place in the registry: it registers once per start under a new
-incarnation, heartbeats its state and telemetry, and deregisters when it stops."""
+"""A worker's place in the registry, the same for samplers and decoders: it registers
+once per start under a new incarnation (waiting for the database while it is away),
+heartbeats on an interval, says at once when its status changes, notices when a
+newer process has taken its id (``WorkerSuperseded``: this one must stop), and
+deregisters when it stops. What a heartbeat says is the kind's own: a function
+builds it for the status the worker is in.
+
+Jobs that went back to the queue as it registered (an earlier run held them) or
+deregistered (it held them) are published, so that their streams read them and
+schedulers place them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from gpu_worker.engine import SamplerEngine
-from gpu_worker.metrics import WORKER_INFLIGHT
-from gpu_worker.tracker import JobTracker
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
-from services.config.sections import KernelSettings
-from services.db.records import WarmPlan, WorkerHeartbeat
-from services.db.repository import Repository
-from services.db.states import WorkerKind, WorkerStatus
+from services.db.records import Registration, WarmPlan, WorkerHeartbeat
+from services.db.states import WorkerStatus
 from services.errors import StoreError, WorkerSuperseded
 from services.telemetry import logs
-from services.telemetry.gpu import Telemetry
-from services.telemetry.metrics import observe_gpu
 
 log = logging.getLogger(__name__)
+
+
+class WorkerRegistry(Protocol):
+    """The repository's ``workers`` area, as far as presence needs it."""
+
+    async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration: ...
+
+    async def heartbeat(self, hb: WorkerHeartbeat, incarnation: str) -> WarmPlan: ...
+
+    async def deregister(self, worker_id: str, incarnation: str) -> list[str]: ...
+
+
+def _never_mind() -> None:
+    pass
 
 
 class Presence:
     def __init__(
         self,
-        settings: KernelSettings,
-        repo: Repository,
+        workers: WorkerRegistry,
         worker_id: str,
-        incarnation: str,
-        address: str,
-        engine: SamplerEngine,
-        telemetry: Telemetry,
-        tracker: JobTracker,
+        heartbeat: Callable[[WorkerStatus], WorkerHeartbeat],
         events: Events,
         *,
-        on_superseded: Callable[[], None],
+        interval_s: float,
+        status: WorkerStatus = WorkerStatus.STARTING,
+        on_superseded: Callable[[], None] = _never_mind,
     ) -> None:
-        self.settings = settings
-        self.repo = repo
+        self.workers = workers
         self.worker_id = worker_id
-        self.incarnation = incarnation
-        self.address = address
-        self.engine = engine
-        self.telemetry = telemetry
-        self.tracker = tracker
+        self.heartbeat = heartbeat
         self.events = events
-        self.status = WorkerStatus.STARTING
-        self.plan = WarmPlan(None, ())
+        self.interval_s = interval_s
+        self.incarnation = str(uuid.uuid4())
+        self.status = status
+        self.plan = WarmPlan(None, ())  # what the scheduler wants warm here (samplers)
         # Set when a newer process took this worker's id: this one must stop.
         self.superseded = asyncio.Event()
         self._on_superseded = on_superseded
-
-    def reading(self) -> WorkerHeartbeat:
-        reading = self.telemetry.read()
-        inflight = len(self.tracker.running())
-        observe_gpu(self.worker_id, reading)
-        WORKER_INFLIGHT.labels(worker=self.worker_id).set(inflight)
-        return WorkerHeartbeat(
-            id=self.worker_id,
-            kind=WorkerKind.SAMPLER,
-            address=self.address,
-            device=reading.name if reading.source == "nvml" else str(self.engine.device),
-            models=tuple(self.engine.registry.names()),
-            warm_models=tuple(self.engine.warm_models()),
-            vram_total_bytes=reading.vram_total_bytes,
-            vram_used_bytes=reading.vram_used_bytes,
-            temperature_c=reading.temperature_c,
-            status=self.status,
-            restarts=self.settings.restarts,
-            telemetry={
-                **reading.as_dict(),
-                "inflight": inflight,
-                # Measured, for the scheduler's costs: bytes and load seconds per model.
-                "models": self.engine.footprints(),
-            },
-        )
 
     async def register(self, stop: asyncio.Event) -> bool:
         """Registers this incarnation, waiting for the database if it is away.
@@ -86,7 +72,7 @@ class Presence:
         backoff = Backoff()
         while not stop.is_set():
             try:
-                registration = await self.repo.workers.register(self.reading(), self.incarnation)
+                registration = await self.workers.register(self.heartbeat(self.status), self.incarnation)
             except StoreError as exc:
                 log.warning("cannot register, retrying in %.1fs: %s", backoff.next_s, exc)
                 await backoff.wait(stop)
@@ -106,7 +92,7 @@ class Presence:
 
     async def beat(self) -> None:
         try:
-            self.plan = await self.repo.workers.heartbeat(self.reading(), self.incarnation)
+            self.plan = await self.workers.heartbeat(self.heartbeat(self.status), self.incarnation)
         except WorkerSuperseded as exc:
             log.error("%s; stopping", exc)
             self.superseded.set()
@@ -115,21 +101,22 @@ class Presence:
             log.warning("heartbeat failed: %s", exc)
 
     async def set_status(self, status: WorkerStatus) -> None:
-        """Changes the reported state and says so at once."""
+        """Changes the reported status and says so at once."""
         if status != self.status:
             self.status = status
             log.info("%s is %s", self.worker_id, status.value)
             await self.beat()
 
     async def run(self, until: asyncio.Event) -> None:
+        """Heartbeats every ``interval_s`` until ``until`` is set or the worker is superseded."""
         while not until.is_set() and not self.superseded.is_set():
             await self.beat()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(until.wait(), self.settings.heartbeat_interval_s)
+                await asyncio.wait_for(until.wait(), self.interval_s)
 
     async def deregister(self) -> None:
         try:
-            handed_back = await self.repo.workers.deregister(self.worker_id, self.incarnation)
+            handed_back = await self.workers.deregister(self.worker_id, self.incarnation)
         except StoreError as exc:
             # Its jobs are requeued once its heartbeat goes stale.
             log.warning("cannot deregister: %s", exc)

@@ -1,0 +1,84 @@
+"""A batch of jobs in a denoising loop, the same for every model family: its members,
+what each one comes out with, and the ``Denoiser`` a family implements
+(``gpu_worker.unet_denoiser`` for the diffusers families, ``gpu_worker.sim_denoiser``
+for sim). Denoisers run in a worker thread, never on the event loop."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.model_cache import ModelLoader
+from services.errors import DarkroomError, JobInterrupted
+from services.generation import GenerationParams
+from services.models.registry import ModelSpec
+
+if TYPE_CHECKING:
+    from gpu_worker.checkpoint_capture import MemberCheckpoints
+
+# What a member comes out with: its latents (num_images, C, H/8, W/8) on the CPU, or
+# what ended it.
+MemberResult = torch.Tensor | BaseException
+
+
+class BadOutput(DarkroomError):
+    """The sampler produced NaN, inf or a degenerate (near-constant) result."""
+
+
+class JobSuspended(JobInterrupted):
+    """A member stopped at a step boundary whose ``checkpoint`` resumes it there."""
+
+    def __init__(self, job: str, checkpoint: Checkpoint) -> None:
+        super().__init__(job)
+        self.job = job
+        self.checkpoint = checkpoint
+
+    def __str__(self) -> str:
+        return f"{self.job} suspended at step {self.checkpoint.step}/{self.checkpoint.total}"
+
+
+def _never() -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class BatchMember:
+    params: GenerationParams
+    on_step: Callable[[int, int], None]  # (step done, total), from the sampling thread
+    stopping: threading.Event  # set from any thread: leave the batch at the next step
+    resume: Checkpoint | None = None  # start from this checkpoint's step
+    # Periodic checkpoints (the model's policy), from the sampling thread: the batch
+    # waits for it, so it should hand the bytes off, not store them.
+    on_checkpoint: Callable[[Checkpoint], None] | None = None
+    # Asked, from the sampling thread, once ``stopping`` is seen: True leaves with
+    # JobSuspended and a checkpoint, False with JobInterrupted.
+    suspend: Callable[[], bool] = _never
+
+
+class Denoiser(ModelLoader, Protocol):
+    """One model family: how its models load (``ModelLoader``), and how a batch runs
+    through one."""
+
+    def sample(
+        self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+    ) -> list[MemberResult]:
+        """Runs the members (one batch key) together; per member, its latents or what
+        ended it: JobSuspended or JobInterrupted once its ``stopping`` was set,
+        BadOutput, or the error of its own inputs. An error of the batch as a whole
+        (the model, the device) is raised."""
+        ...
+
+
+def check_output(latents: torch.Tensor, min_std: float) -> None:
+    """Raises BadOutput for latents no image should come from."""
+    if not bool(torch.isfinite(latents).all()):
+        raise BadOutput("the sampler produced NaN or infinite latents")
+    for i, image in enumerate(latents):
+        std = float(image.float().std())
+        if std < min_std:
+            raise BadOutput(f"image {i} is degenerate: latent standard deviation {std:.2e} < {min_std:.0e}")

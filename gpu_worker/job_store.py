@@ -1,0 +1,231 @@
+"""A running job's writes to the database, each fenced by its attempt (a stale attempt
+changes nothing), and the job events that say they landed.
+
+An outcome (images and SUCCEEDED, a failed attempt, a cancel, a hand-back, a
+suspension) is what matters: it is retried with backoff while the database is away,
+for up to ``outcome_retry_s``, then given up with ``OutcomeNotStored`` (the runner
+leaves the dispatch for redelivery). Results that finish together are stored in one
+transaction (a group commit). Progress, DECODING and periodic checkpoints are not
+retried: the next one, or the outcome, says more."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import TypeVar
+
+from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.failures import Failure
+from gpu_worker.metrics import CHECKPOINTS, SUSPENSIONS
+from services.backoff import Backoff
+from services.bus.dispatch import Dispatch
+from services.bus.events import Events, JobEvent
+from services.coalesce import Coalescer
+from services.db.records import JobRecord
+from services.db.repository import Repository, Result, Standing, StartRequest
+from services.db.states import JobStatus
+from services.errors import StoreError
+from services.telemetry import logs
+from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class OutcomeNotStored(Exception):
+    pass
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _published(dispatch: Dispatch) -> datetime | None:
+    return datetime.fromtimestamp(dispatch.published_at, UTC) if dispatch.published_at else None
+
+
+class JobStore:
+    def __init__(self, repo: Repository, events: Events, worker_id: str, *, outcome_retry_s: float) -> None:
+        self.repo = repo
+        self.events = events
+        self.worker_id = worker_id
+        self.outcome_retry_s = outcome_retry_s
+        self._results = Coalescer(self._finish_many)
+
+    async def _retried(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        deadline = time.monotonic() + self.outcome_retry_s
+        backoff = Backoff(max_s=2.0)
+        while True:
+            try:
+                return await call()
+            except StoreError as exc:
+                if time.monotonic() + backoff.next_s > deadline:
+                    raise OutcomeNotStored(f"cannot store {what}: {exc}") from exc
+                log.warning("cannot store %s, retrying in %.1fs: %s", what, backoff.next_s, exc)
+                await backoff.wait()
+
+    async def start(self, dispatches: Sequence[Dispatch]) -> dict[str, JobRecord]:
+        """Marks the attempts RUNNING here, in one statement; the jobs that are, by id
+        (one cancelled, requeued or of a stale attempt is left out)."""
+        requests = [StartRequest(d.job_id, d.attempt, _published(d)) for d in dispatches]
+        return await self._retried(
+            f"the start of {len(requests)} jobs",
+            lambda: self.repo.attempts.start_many(requests, self.worker_id, now=_now()),
+        )
+
+    async def running(self, jobs: Sequence[JobRecord]) -> None:
+        await self.events.job(
+            *(JobEvent(job.id, job.attempt, JobStatus.RUNNING) for job in jobs),
+            # Its resumption joined its record: streams read it from there.
+            *(JobEvent(job.id, job.attempt) for job in jobs if job.checkpoint_step > 0),
+        )
+
+    async def load_checkpoints(self, jobs: Sequence[JobRecord]) -> dict[str, Checkpoint]:
+        """The checkpoint each job resumes from. One that cannot be read now costs
+        its job the steps it saved, not the job."""
+        if not jobs:
+            return {}
+        try:
+            stored = await self.repo.checkpoints.load(jobs)
+        except StoreError as exc:
+            log.warning(
+                "cannot read the checkpoints of %d jobs; they start from step 0: %s",
+                len(jobs),
+                exc,
+                extra=logs.jobs_fields(j.id for j in jobs),
+            )
+            return {}
+        for job in jobs:
+            if job.id not in stored:
+                log.warning(
+                    "job %s: its checkpoint at step %d is not stored; starting from step 0",
+                    job.id,
+                    job.checkpoint_step,
+                    extra=logs.job_fields(job.id, job.attempt),
+                )
+        return {job_id: Checkpoint(c.step, c.total, c.data) for job_id, c in stored.items()}
+
+    async def progress(self, job: JobRecord, step: int, total: int) -> Standing | None:
+        """Records the job's progress; what the attempt learns back, None if the
+        database is away."""
+        try:
+            return await self.repo.attempts.progress(job.id, job.attempt, self.worker_id, step, total)
+        except StoreError as exc:
+            log.debug("progress of %s not recorded: %s", job.id, exc, extra=logs.job_fields(job.id, job.attempt))
+            return None
+
+    async def save_checkpoint(self, job: JobRecord, checkpoint: Checkpoint) -> bool:
+        """A periodic checkpoint; False if the attempt is not current, or a later one is stored."""
+        return await self.repo.checkpoints.save(
+            job.id,
+            job.attempt,
+            self.worker_id,
+            step=checkpoint.step,
+            total=checkpoint.total,
+            data=checkpoint.data,
+            now=_now(),
+        )
+
+    async def decoding(self, jobs: Sequence[JobRecord], now: datetime) -> set[str]:
+        """Records the sampled jobs DECODING; the ids that are (none while the
+        database is away: their outcomes will be recorded)."""
+        try:
+            marked = await self.repo.attempts.decoding([(j.id, j.attempt) for j in jobs], self.worker_id, now=now)
+        except StoreError as exc:
+            log.warning(
+                "cannot record %d jobs decoding (their outcomes will be): %s",
+                len(jobs),
+                exc,
+                extra=logs.jobs_fields(j.id for j in jobs),
+            )
+            return set()
+        await self.events.job(*(JobEvent(j.id, j.attempt, JobStatus.DECODING) for j in jobs if j.id in marked))
+        return marked
+
+    async def succeed(self, result: Result) -> bool:
+        """Stores the images and SUCCEEDED; False if the attempt was no longer current."""
+        return await self._retried(f"the result of {result.job_id}", lambda: self._results(result))
+
+    async def _finish_many(self, results: list[Result]) -> list[bool]:
+        """Results that finished together, stored in one transaction; each one's
+        SUCCEEDED published, and the schedulers told that this worker has room."""
+        stored = await self.repo.attempts.finish_many(results, self.worker_id)
+        JOBS_FINISHED.labels(outcome="succeeded").inc(len(stored))
+        await self.events.job(
+            *(JobEvent(r.job_id, r.attempt, JobStatus.SUCCEEDED) for r in results if r.job_id in stored)
+        )
+        await self.events.work()
+        return [r.job_id in stored for r in results]
+
+    async def fail(self, job: JobRecord, failure: Failure) -> None:
+        status = await self._retried(
+            f"the failure of {job.id}",
+            lambda: self.repo.attempts.fail(
+                job.id, job.attempt, self.worker_id, failure.error, retryable=failure.retryable, now=_now()
+            ),
+        )
+        if status is not None:
+            ATTEMPTS_FAILED.labels(cause=failure.cause).inc()
+            if status == JobStatus.QUEUED:
+                REQUEUES.labels(cause=failure.cause).inc()
+            else:
+                JOBS_FINISHED.labels(outcome=status.value.lower()).inc()
+        await self._ended(job, status)
+
+    async def cancel(self, job: JobRecord) -> None:
+        cancelled = await self._retried(
+            f"the cancel of {job.id}",
+            lambda: self.repo.attempts.cancel(job.id, job.attempt, self.worker_id, now=_now()),
+        )
+        if cancelled:
+            JOBS_FINISHED.labels(outcome="cancelled").inc()
+        await self._ended(job, JobStatus.CANCELLED if cancelled else None)
+
+    async def hand_back(self, job: JobRecord) -> None:
+        handed = await self._retried(
+            f"the hand-back of {job.id}",
+            lambda: self.repo.attempts.hand_back(job.id, job.attempt, self.worker_id, now=_now()),
+        )
+        if handed:
+            REQUEUES.labels(cause="handed back").inc()
+        await self._ended(job, JobStatus.QUEUED if handed else None)
+
+    async def suspend(self, job: JobRecord, checkpoint: Checkpoint | None, *, reason: str, preempted: bool) -> None:
+        """Stores the job's checkpoint (None: it keeps the stored one) and puts it back
+        in the queue, no attempt counted."""
+        step = checkpoint.step if checkpoint is not None else 0
+        total = checkpoint.total if checkpoint is not None else job.steps
+        data = checkpoint.data if checkpoint is not None else None
+        status = await self._retried(
+            f"the suspension of {job.id}",
+            lambda: self.repo.checkpoints.suspend(
+                job.id,
+                job.attempt,
+                self.worker_id,
+                step=step,
+                total=total,
+                data=data,
+                reason=reason,
+                preempted=preempted,
+                now=_now(),
+            ),
+        )
+        log.info("job %s suspended at step %d/%d (%s): %s", job.id, step, total, reason, status)
+        if status == JobStatus.QUEUED:
+            SUSPENSIONS.labels(cause="preempted" if preempted else "drain").inc()
+            if step > 0:
+                CHECKPOINTS.labels(kind="suspension").inc()
+        elif status == JobStatus.CANCELLED:
+            JOBS_FINISHED.labels(outcome="cancelled").inc()
+        if status is not None:
+            await self.events.job(JobEvent(job.id, job.attempt))  # its suspension joined its record
+        await self._ended(job, status)
+
+    async def _ended(self, job: JobRecord, status: JobStatus | None) -> None:
+        """Publishes where the job went (if this attempt was still its current one)."""
+        if status is not None:
+            await self.events.job(JobEvent(job.id, job.attempt, status))
+        await self.events.work()

@@ -1,0 +1,150 @@
+"""The models a sampler holds in memory: loaded on demand, measured (bytes and load
+seconds, for the scheduler's costs), and evicted by ``gpu_worker.residency``'s rule
+when a new one needs the room, within a memory budget; pinned models go last.
+
+Loads run in a worker thread, one at a time; ``footprints`` and ``warm_models`` are
+read from the event loop and never wait for a load."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from gpu_worker.metrics import MODEL_LOAD_SECONDS
+from gpu_worker.residency import DoesNotFit, Resident, victims
+from services.errors import ModelError
+from services.models.loader import Loaded
+from services.models.registry import ModelRegistry, ModelSpec
+
+log = logging.getLogger(__name__)
+
+# On a GPU, memory kept free beyond the models, for activations.
+ACTIVATION_HEADROOM = 0.15
+
+
+class ModelLoader(Protocol):
+    """How one model family's models load (``gpu_worker.denoising.Denoiser``)."""
+
+    # False: its models have no weights, take no memory and are never evicted.
+    loads_weights: bool
+
+    def load(self, spec: ModelSpec) -> Loaded:
+        """The model on the device, measured."""
+        ...
+
+
+@dataclass
+class _Held:
+    model: Any
+    bytes: int
+    load_s: float
+    last_used: float
+    pinned: bool
+
+
+class ModelCache:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        loader_for: Callable[[ModelSpec], ModelLoader],
+        device: torch.device,
+        *,
+        memory_budget_bytes: int = 0,
+        pinned: Sequence[str] = (),
+        on_drop: Callable[[str], None] = lambda name: None,
+    ) -> None:
+        self.registry = registry
+        self.loader_for = loader_for
+        self.device = device
+        # 0: the GPU's own memory (less headroom), unlimited on a CPU.
+        self.memory_budget_bytes = memory_budget_bytes
+        self.pinned = frozenset(pinned)
+        self.on_drop = on_drop  # what else goes with a dropped model (its prompts' conditioning)
+        self._held: dict[str, _Held] = {}
+        self._measured: dict[str, int] = {}  # bytes of each model loaded here, even if evicted since
+        self._lock = threading.RLock()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._held
+
+    def warm_models(self) -> list[str]:
+        return sorted(self._held)
+
+    def footprints(self) -> dict[str, dict[str, float]]:
+        """Measured bytes and load seconds of each loaded model, for the scheduler."""
+        held = list(self._held.items())  # one step under the GIL, whatever a loading thread does
+        return {name: {"bytes": h.bytes, "load_s": round(h.load_s, 3)} for name, h in held}
+
+    def get(self, name: str) -> Any:
+        """The model, loaded first if it is not held (evicting others to make room)."""
+        with self._lock:
+            held = self._held.get(name)
+            if held is not None:
+                held.last_used = time.monotonic()
+                return held.model
+            spec = self.registry.get(name)
+            loader = self.loader_for(spec)
+            if not loader.loads_weights:
+                loaded = loader.load(spec)
+                self._held[name] = _Held(loaded.value, 0, 0.0, time.monotonic(), name in self.pinned)
+                return loaded.value
+            # Its measured size once it has been loaded here; the registry's before.
+            self._make_room(name, self._measured.get(name, spec.vram_bytes))
+            loaded = loader.load(spec)
+            self._held[name] = _Held(loaded.value, loaded.bytes, loaded.seconds, time.monotonic(), name in self.pinned)
+            MODEL_LOAD_SECONDS.labels(model=name).observe(loaded.seconds)
+            self._measured[name] = loaded.bytes
+            # Bigger than the registry said: others make room now, not at the next load.
+            self._make_room(name, 0)
+            log.info("loaded %s on %s in %.2fs (%.0f MiB)", name, self.device, loaded.seconds, loaded.bytes / 2**20)
+            return loaded.value
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            self._drop(name)
+
+    def _free_bytes(self) -> int | None:
+        """Bytes a new model may take now, or None for no limit."""
+        used = sum(h.bytes for h in self._held.values())
+        limits = []
+        if self.memory_budget_bytes:
+            limits.append(self.memory_budget_bytes - used)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            limits.append(free - int(total * ACTIVATION_HEADROOM))
+        return min(limits) if limits else None
+
+    def _make_room(self, name: str, need: int) -> None:
+        """Evicts other models until ``need`` more bytes fit."""
+        free = self._free_bytes()
+        if free is None:
+            return
+        residents = [
+            Resident(other, h.bytes, self.registry.get(other).eviction_priority, h.last_used, h.pinned)
+            for other, h in self._held.items()
+            if other != name
+        ]
+        try:
+            chosen = victims(need, free, residents)
+        except DoesNotFit as exc:
+            raise ModelError(f"model {name!r} does not fit in this worker's memory: {exc}") from None
+        for victim in chosen:
+            log.info("evicting %s to make room for %s", victim, name)
+            self._drop(victim)
+
+    def _drop(self, name: str) -> None:
+        held = self._held.pop(name, None)
+        if held is None:
+            return
+        self.on_drop(name)
+        del held
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("dropped %s", name)

@@ -1,0 +1,43 @@
+"""The sim family (``services.models.sim``): a batch that only sleeps the modelled
+time of each step, then returns latents drawn from each job's seeds. Its step is a
+member's whole state, so its checkpoints hold the step alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpu_worker.checkpoint_capture import MemberCheckpoints, MemberRun
+from gpu_worker.denoising import BatchMember, MemberResult
+from services.models import sim
+from services.models.loader import Loaded
+from services.models.registry import ModelSpec
+
+
+class SimDenoiser:
+    loads_weights = False
+
+    def load(self, spec: ModelSpec) -> Loaded:
+        return Loaded(spec, 0, 0.0)  # nothing to load: a sim model only sleeps
+
+    def sample(
+        self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+    ) -> list[MemberResult]:
+        key = members[0].params.key
+        runs = [MemberRun.fresh(m, spec.scheduler, key.steps) for m in members]
+        for run in runs:
+            if run.member.resume is not None:
+                checkpoints.resume(run, run.member.resume)
+        checkpoints.mark(runs)
+
+        def on_step(i: int, step: int, total: int) -> None:
+            runs[i].step = step
+            members[i].on_step(step, total)
+            checkpoints.stepped(runs[i])
+
+        stopping = [m.stopping for m in members]
+        finished = sim.sleep_steps(spec, key.width, key.height, key.steps, stopping, on_step, [r.step for r in runs])
+        return [
+            sim.latents(r.member.params) if done else checkpoints.stopped(r)
+            for r, done in zip(runs, finished, strict=True)
+        ]

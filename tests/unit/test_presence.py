@@ -1,0 +1,110 @@
+"""Worker presence (services/presence.py) over a fake registry: it registers once the
+database is back and publishes the jobs an earlier run held, heartbeats on its
+interval with the status it is in, says a change of status at once, stops when a
+newer process took its id, and deregisters publishing the jobs it handed back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.db.records import WarmPlan, WorkerHeartbeat
+from services.db.states import WorkerKind, WorkerStatus
+from services.errors import StoreUnavailable, WorkerSuperseded
+from services.presence import Presence
+from tests.fakes import FakeWorkers, RecordedEvents
+
+
+def heartbeat(status: WorkerStatus) -> WorkerHeartbeat:
+    return WorkerHeartbeat("w1", WorkerKind.DECODER, "127.0.0.1:1", "cpu", ("tiny",), (), status=status)
+
+
+class Harness:
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.workers = FakeWorkers()
+        self.events = RecordedEvents()
+        self.superseded_calls = 0
+        self.presence = Presence(
+            self.workers, "w1", heartbeat, self.events, interval_s=interval_s, on_superseded=self._superseded
+        )
+
+    def _superseded(self) -> None:
+        self.superseded_calls += 1
+
+    def statuses(self) -> list[WorkerStatus]:
+        return [hb.status for hb, _ in self.workers.beats]
+
+
+async def test_it_registers_once_the_database_is_back_and_publishes_the_requeued_jobs() -> None:
+    h = Harness()
+    h.workers.register_outage.calls = 2
+    h.workers.requeued = ("j1", "j2")
+    h.workers.plan = WarmPlan("tiny", ("tiny",))
+    assert await asyncio.wait_for(h.presence.register(asyncio.Event()), 10.0)
+    assert h.workers.register_outage.tried == 3
+    [(hb, incarnation)] = h.workers.registered
+    assert hb.status == WorkerStatus.STARTING and incarnation == h.presence.incarnation
+    assert h.presence.plan == WarmPlan("tiny", ("tiny",))
+    assert [(e.job_id, e.attempt, e.status) for e in h.events.published] == [("j1", 0, None), ("j2", 0, None)]
+    assert h.events.work_calls == 1
+
+
+async def test_registering_gives_up_when_stopped() -> None:
+    h = Harness()
+    h.workers.register_outage.calls = -1
+    stop = asyncio.Event()
+    registering = asyncio.create_task(h.presence.register(stop))
+    stop.set()
+    assert await asyncio.wait_for(registering, 5.0) is False
+    assert h.workers.registered == []
+
+
+async def test_each_start_is_a_new_incarnation() -> None:
+    assert Harness().presence.incarnation != Harness().presence.incarnation
+
+
+async def test_it_heartbeats_on_its_interval_until_told_to_stop() -> None:
+    h = Harness(interval_s=0.01)
+    h.workers.plan = WarmPlan(None, ("tiny",))
+    until = asyncio.Event()
+    running = asyncio.create_task(h.presence.run(until))
+    for _ in range(3):
+        await asyncio.wait_for(h.workers.beaten.wait(), 5.0)
+        h.workers.beaten.clear()
+    until.set()
+    await asyncio.wait_for(running, 5.0)
+    assert len(h.workers.beats) >= 3
+    assert {incarnation for _, incarnation in h.workers.beats} == {h.presence.incarnation}
+    assert h.presence.plan == WarmPlan(None, ("tiny",))
+
+
+async def test_a_status_change_is_said_at_once() -> None:
+    h = Harness()
+    await h.presence.set_status(WorkerStatus.READY)
+    await h.presence.set_status(WorkerStatus.READY)  # no change: nothing to say
+    await h.presence.set_status(WorkerStatus.DRAINING)
+    assert h.statuses() == [WorkerStatus.READY, WorkerStatus.DRAINING]
+
+
+async def test_a_heartbeat_that_fails_is_tried_again_at_the_next_one() -> None:
+    h = Harness()
+    h.workers.heartbeat_errors.append(StoreUnavailable("away"))
+    await h.presence.beat()
+    await h.presence.beat()
+    assert len(h.workers.beats) == 2 and not h.presence.superseded.is_set()
+
+
+async def test_a_superseded_worker_stops_heartbeating_and_says_so() -> None:
+    h = Harness(interval_s=0.01)
+    h.workers.heartbeat_errors.append(WorkerSuperseded("w1 was taken over by another incarnation"))
+    await asyncio.wait_for(h.presence.run(asyncio.Event()), 5.0)  # returns without being told
+    assert h.presence.superseded.is_set() and h.superseded_calls == 1
+    assert len(h.workers.beats) == 1
+
+
+async def test_deregistering_publishes_the_jobs_handed_back() -> None:
+    h = Harness()
+    h.workers.handed_back = ["j3"]
+    await h.presence.deregister()
+    assert h.workers.deregistered == [("w1", h.presence.incarnation)]
+    assert [(e.job_id, e.status) for e in h.events.published] == [("j3", None)]
+    assert h.events.work_calls == 1

@@ -1,0 +1,232 @@
+"""The sampler's JobRunner over in-memory fakes of the database, the engine and the
+decoders: outcomes are retried while the database is away and left for redelivery
+when it stays away; a batch that fails as a whole reruns one by one; cancelled,
+preempted and failed members store what they came to; failures in a row that are not
+the jobs' own make the worker unfit; a progress write's answer stops the job."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import pytest
+import torch
+
+from gpu_worker import progress
+from gpu_worker.checkpoint_format import Checkpoint
+from gpu_worker.decoders import Decoders, DecodeUnavailable
+from gpu_worker.denoising import BadOutput, BatchMember, JobSuspended, MemberResult
+from gpu_worker.engine import SamplerEngine
+from gpu_worker.job_store import JobStore
+from gpu_worker.outcomes import Outcome, Started
+from gpu_worker.runner import JobRunner
+from gpu_worker.tracker import JobTracker, StopReason
+from services.bus.dispatch import Dispatch
+from services.db.records import ImageRecord, JobRecord
+from services.db.repository import Repository, Standing
+from services.db.states import JobStatus
+from services.errors import FieldViolation, InvalidArgument, JobInterrupted
+from services.models.registry import ModelRegistry
+from tests.fakes import FakeRepository, RecordedEvents
+from tests.records import new_job, record
+
+LATENTS = torch.ones(1, 4, 8, 8)
+SUSPENDED_AT = Checkpoint(3, 4, b"state at step 3")
+
+
+def sampled_alike(member: BatchMember) -> MemberResult:
+    """What the real engine leaves a member with: its latents, or, once stopped, a
+    suspension (when asked for one) or an interruption."""
+    if member.stopping.is_set():
+        return JobSuspended("tiny", SUSPENDED_AT) if member.suspend() else JobInterrupted("tiny")
+    return LATENTS
+
+
+class ScriptedEngine:
+    """``sample_batch`` runs ``each`` on every member; ``whole`` may raise for the batch."""
+
+    def __init__(
+        self,
+        each: Callable[[BatchMember], MemberResult] = sampled_alike,
+        whole: Callable[[Sequence[BatchMember]], None] = lambda members: None,
+    ) -> None:
+        self.registry = ModelRegistry.load()
+        self.each = each
+        self.whole = whole
+        self.batches: list[list[str]] = []  # the prompts of each call
+
+    def sample_batch(self, members: Sequence[BatchMember]) -> list[MemberResult]:
+        self.batches.append([m.params.prompt for m in members])
+        self.whole(members)
+        return [self.each(m) for m in members]
+
+
+class FakeDecoders:
+    def __init__(self, failure: Callable[[JobRecord], BaseException | None] = lambda job: None) -> None:
+        self.failure = failure
+        self.decoded: list[str] = []
+
+    async def decode_many(
+        self, jobs: Sequence[tuple[JobRecord, torch.Tensor]]
+    ) -> dict[str, list[ImageRecord] | BaseException]:
+        self.decoded.extend(job.id for job, _ in jobs)
+        return {job.id: self.failure(job) or [ImageRecord(0, b"png", "image/png", 64, 64, job.seed)] for job, _ in jobs}
+
+
+class Harness:
+    def __init__(
+        self,
+        engine: ScriptedEngine | None = None,
+        decoders: FakeDecoders | None = None,
+        *,
+        outcome_retry_s: float = 5.0,
+        unfit_after: int = 3,
+    ) -> None:
+        self.repo = FakeRepository()
+        self.events = RecordedEvents()
+        self.engine = engine or ScriptedEngine()
+        self.decoders = decoders or FakeDecoders()
+        store = JobStore(cast(Repository, self.repo), self.events, "w1", outcome_retry_s=outcome_retry_s)
+        self.runner = JobRunner(
+            store,
+            cast(SamplerEngine, self.engine),
+            cast(Decoders, self.decoders),
+            JobTracker(),
+            unfit_after_failures=unfit_after,
+        )
+
+    def submit(self, job_id: str, prompt: str = "a fox") -> None:
+        job = record(new_job(id=job_id, prompt=prompt), status=JobStatus.SCHEDULED, attempt=1, worker_id="w1")
+        self.repo.attempts.jobs[job_id] = job
+
+    async def start(self, *job_ids: str) -> dict[str, Started]:
+        started = await self.runner.start([Dispatch(job_id, 1) for job_id in job_ids])
+        assert all(isinstance(s, Started) for s in started.values()), started
+        return cast(dict[str, Started], started)
+
+    async def run(self, *job_ids: str, before: Callable[[dict[str, Started]], None] = lambda s: None) -> list[Outcome]:
+        """Starts, samples and finishes the jobs as one batch."""
+        started = await self.start(*job_ids)
+        before(started)
+        batch = list(started.values())
+        return await self.runner.finish(batch, await self.runner.sample(batch))
+
+
+async def test_an_outcome_is_retried_while_the_database_is_away() -> None:
+    h = Harness()
+    h.submit("a")
+    h.repo.attempts.outage.calls = 2
+    assert await h.run("a") == [Outcome.STORED]
+    assert h.repo.attempts.outage.tried == 3
+    assert [r.job_id for r in h.repo.attempts.finished[0]] == ["a"]
+    assert h.events.statuses("a") == [JobStatus.RUNNING, JobStatus.DECODING, JobStatus.SUCCEEDED]
+
+
+async def test_an_outcome_the_database_never_takes_is_left_for_redelivery() -> None:
+    h = Harness(outcome_retry_s=0.3)
+    h.submit("a")
+    h.repo.attempts.outage.calls = -1  # away for good
+    assert await h.run("a") == [Outcome.NOT_STORED]
+    assert h.repo.attempts.outage.tried >= 2 and h.repo.attempts.finished == []
+    assert JobStatus.SUCCEEDED not in h.events.statuses("a")
+    assert h.runner.tracker.running() == []  # its watch is closed all the same
+
+
+async def test_a_dispatch_not_this_workers_is_acked_without_running() -> None:
+    h = Harness()
+    h.submit("mine")
+    h.submit("stale")
+    h.repo.attempts.stale.add("stale")
+    started = await h.runner.start([Dispatch("mine", 1), Dispatch("stale", 1)])
+    assert started["stale"] is Outcome.STORED
+    assert isinstance(started["mine"], Started)
+    assert h.events.statuses("stale") == []
+
+
+async def test_a_batch_that_fails_whole_reruns_one_by_one_and_the_bad_job_fails_alone() -> None:
+    def poisoned(members: Sequence[BatchMember]) -> None:
+        if any(m.params.prompt == "poison" for m in members):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+
+    h = Harness(ScriptedEngine(whole=poisoned))
+    for job_id, prompt in (("a", "a fox"), ("p", "poison"), ("b", "a hen")):
+        h.submit(job_id, prompt)
+    assert await h.run("a", "p", "b") == [Outcome.STORED] * 3
+    assert h.engine.batches == [["a fox", "poison", "a hen"], ["a fox"], ["poison"], ["a hen"]]
+    assert h.repo.attempts.failed == [("p", "RuntimeError: CUDA error: device-side assert triggered", True)]
+    assert sorted(r.job_id for r in h.repo.attempts.finished[0]) == ["a", "b"]
+
+
+async def test_a_cancelled_member_stores_cancelled_and_the_rest_finish() -> None:
+    h = Harness()
+    h.submit("c")
+    h.submit("d")
+    outcomes = await h.run("c", "d", before=lambda started: started["c"].watch.stop(StopReason.CANCELLED))
+    assert outcomes == [Outcome.STORED, Outcome.STORED]
+    assert h.repo.attempts.cancelled == ["c"]
+    assert h.events.statuses("c") == [JobStatus.RUNNING, JobStatus.CANCELLED]
+    assert h.decoders.decoded == ["d"]  # a cancelled job's work is not decoded
+    assert h.events.statuses("d")[-1] == JobStatus.SUCCEEDED
+
+
+async def test_a_preempted_member_stores_its_checkpoint_and_goes_back_to_the_queue() -> None:
+    h = Harness()
+    h.submit("p")
+    outcomes = await h.run("p", before=lambda started: started["p"].watch.stop(StopReason.PREEMPTED, "for job-x"))
+    assert outcomes == [Outcome.STORED]
+    [suspension] = h.repo.checkpoints.suspended
+    assert {k: suspension[k] for k in ("job_id", "step", "total", "data", "reason", "preempted")} == {
+        "job_id": "p",
+        "step": 3,
+        "total": 4,
+        "data": b"state at step 3",
+        "reason": "for job-x",
+        "preempted": True,
+    }
+    assert h.events.statuses("p") == [JobStatus.RUNNING, None, JobStatus.QUEUED]
+    assert h.repo.attempts.failed == [] and h.decoders.decoded == []
+
+
+async def test_failures_in_a_row_make_the_runner_unfit_and_a_decoder_outage_does_not() -> None:
+    away = FakeDecoders(lambda job: DecodeUnavailable("no decoder could decode it"))
+    h = Harness(decoders=away, unfit_after=2)
+    for job_id in ("d1", "d2", "d3"):
+        h.submit(job_id)
+    await h.run("d1", "d2", "d3")
+    assert [(job_id, retryable) for job_id, _, retryable in h.repo.attempts.failed] == [
+        (j, True) for j in "d1 d2 d3".split()
+    ]
+    assert not h.runner.unfit
+
+    verdicts: dict[str, MemberResult] = {"nan": BadOutput("NaN latents"), "fine": LATENTS}
+    verdicts["invalid"] = InvalidArgument([FieldViolation("prompt", "cannot be encoded")])
+    h = Harness(ScriptedEngine(each=lambda m: verdicts[m.params.prompt]), unfit_after=2)
+    for job_id, prompt in (("j1", "nan"), ("j2", "fine"), ("j3", "nan"), ("j4", "invalid"), ("j5", "nan")):
+        h.submit(job_id, prompt)
+    for job_id in ("j1", "j2", "j3", "j4"):
+        await h.run(job_id)  # j2's stored result ends the streak; j4's failure is its own
+    assert not h.runner.unfit and h.runner.failures.count == 1
+    assert [(job_id, retryable) for job_id, _, retryable in h.repo.attempts.failed][-1] == ("j4", False)
+    await h.run("j5")
+    assert h.runner.unfit
+
+
+async def test_a_progress_write_that_learns_of_a_cancel_stops_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(progress, "PROGRESS_WRITE_EVERY_S", 0.0)
+    noticed = threading.Event()
+
+    def stepping(member: BatchMember) -> MemberResult:
+        member.on_step(1, 4)  # from the sampling thread, as the engine reports a step
+        if member.stopping.wait(timeout=10):
+            noticed.set()
+        return sampled_alike(member)
+
+    h = Harness(ScriptedEngine(each=stepping))
+    h.submit("c")
+    h.repo.attempts.standing = Standing.CANCEL_REQUESTED
+    assert await h.run("c") == [Outcome.STORED]
+    assert noticed.is_set(), "the cancel never reached the sampling thread"
+    assert h.repo.attempts.progress_calls == [("c", 1, 4)]
+    assert any(e.progress and (e.step, e.total) == (1, 4) for e in h.events.published)
+    assert h.repo.attempts.cancelled == ["c"]
