@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from services.models.registry import ModelRegistry, resolve_source
+from services.models.registry import ModelFamily, ModelRegistry, resolve_source
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def bare_loop(case: Case, batches: tuple[int, ...], device: torch.device, rounds
     spec = ModelRegistry.load().get(case.model)
     source, kwargs = resolve_source(spec, models)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    extra = {"safety_checker": None, "requires_safety_checker": False} if spec.family != "sdxl" else {}
+    extra = {"safety_checker": None, "requires_safety_checker": False} if spec.family != ModelFamily.SDXL else {}
     pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=dtype, **kwargs, **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
     results = {}

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from services.config.sections import KernelSettings
 from services.db.records import JobRecord, NewJob
 from services.db.states import JobStatus
+from services.generation import GenerationParams
 from services.telemetry import tracing
 
 
@@ -44,7 +45,9 @@ class Member:
 
 
 def a_job() -> tuple[NewJob, JobRecord]:
-    new = tracing.with_trace(NewJob("0" * 36, "free", 0, "tiny", "p", "", 512, 512, 20, 7.5, 1, 1, None))
+    new = tracing.with_trace(
+        NewJob("0" * 36, "free", 0, GenerationParams("tiny", "p", "", 512, 512, 20, 7.5, 1, 1), None)
+    )
     now = datetime.now(UTC)
     fields = {k: v for k, v in new.__dict__.items() if k in JobRecord.__dataclass_fields__}
     job = JobRecord(

@@ -1,15 +1,20 @@
-"""Records to public API messages: jobs, workers, totals, models."""
+"""Between Darkroom's types and the public API's messages, each way written once:
+a request's generation parameters in, jobs, workers, totals and models out."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
-from services.db.records import ImageRecord, JobRecord, SuspendEvent, Totals, WorkerRecord
+from services.db.counts import Totals
+from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus, WorkerStatus
-from services.models.registry import ModelRegistry
+from services.db.worker_records import WorkerRecord
+from services.generation import GenerationParams
+from services.models.registry import ModelRegistry, ModelSpec
 from services.rpc.chunks import split
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.telemetry import stages
@@ -29,19 +34,35 @@ def timestamp(when: datetime | None) -> timestamp_pb2.Timestamp | None:
     return timestamp_pb2.Timestamp(seconds=delta.days * 86400 + delta.seconds, nanos=delta.microseconds * 1000)
 
 
+def generation_params(req: pb.SubmitJobRequest, spec: ModelSpec | None, *, default_guidance: float) -> GenerationParams:
+    """What ``req`` asks the model to make, the model's defaults where it says nothing."""
+    return GenerationParams(
+        model=spec.name if spec is not None else req.model,
+        prompt=req.prompt,
+        negative_prompt=req.negative_prompt,
+        width=req.width or (spec.default_width if spec else 0),
+        height=req.height or (spec.default_height if spec else 0),
+        steps=req.steps or (spec.default_steps if spec else 0),
+        guidance_scale=float(req.guidance_scale) if req.HasField("guidance_scale") else default_guidance,
+        # Fixed at submit so that a retried attempt reproduces the same image.
+        seed=req.seed if req.HasField("seed") else secrets.randbits(63),
+        num_images=req.num_images or 1,
+    )
+
+
 def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.Job:
     routing = job.routing or {}
     return pb.Job(
         job_id=job.id,
         status=STATUS[job.status],
-        model=job.model,
-        prompt=job.prompt,
-        width=job.width,
-        height=job.height,
-        steps=job.steps,
-        num_images=job.num_images,
+        model=job.params.model,
+        prompt=job.params.prompt,
+        width=job.params.width,
+        height=job.params.height,
+        steps=job.params.steps,
+        num_images=job.params.num_images,
         lane=job.lane,
-        progress=pb.Progress(step=job.progress_step, total=job.progress_total or job.steps),
+        progress=pb.Progress(step=job.progress_step, total=job.progress_total or job.params.steps),
         timings=pb.StageTimings(
             created_time=timestamp(job.created_at),
             scheduled_time=timestamp(job.scheduled_at),

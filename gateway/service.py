@@ -23,7 +23,8 @@ from scheduler.views import job_view, worker_views
 from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.records import ImageRecord, JobRecord, JobState, ShapeCount
+from services.db.counts import ShapeCount
+from services.db.records import ImageRecord, JobRecord, JobState
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import NotFound, ResourceExhausted
@@ -84,14 +85,14 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             placement=self.config,
             now=now,
         )
-        cost = self.costs.get(new.model)
+        cost = self.costs.get(new.params.model)
         view = policy.JobView(
             new.id,
-            new.model,
-            new.width,
-            new.height,
-            new.steps,
-            new.num_images,
+            new.params.model,
+            new.params.width,
+            new.params.height,
+            new.params.steps,
+            new.params.num_images,
             new.priority,
             target_s=self.config.target_s(new.lane, cost.capability if cost is not None else ""),
         )

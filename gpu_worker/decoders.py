@@ -14,9 +14,10 @@ from collections.abc import Sequence
 import grpc
 import torch
 
-from services.db.records import ImageRecord, JobRecord, WorkerRecord
+from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
+from services.db.worker_records import WorkerRecord
 from services.errors import DarkroomError, StoreError
 from services.models.encoding import encode, mime_type_of
 from services.models.vae import VaeDecoderEngine
@@ -70,7 +71,7 @@ def decode_request(jobs: Sequence[tuple[JobRecord, torch.Tensor]], traceparents:
     """One request for the jobs' latents (one model, one latent shape), in order."""
     array = torch.cat([latents for _, latents in jobs]).detach().to("cpu", torch.float32).contiguous().numpy()
     return vae_decoder_pb2.DecodeRequest(
-        model=jobs[0][0].model,
+        model=jobs[0][0].params.model,
         latents=array.astype("<f4").tobytes(),
         shape=list(array.shape),
         dtype="float32",
@@ -87,7 +88,7 @@ def decode_request(jobs: Sequence[tuple[JobRecord, torch.Tensor]], traceparents:
 
 
 def _megapixels(jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> float:
-    return sum(job.num_images * job.width * job.height for job, _ in jobs) / 1e6
+    return sum(job.params.num_images * job.params.width * job.params.height for job, _ in jobs) / 1e6
 
 
 class Decoders:
@@ -213,8 +214,8 @@ class Decoders:
             got = sorted(i for j, i in meta if j == n)
             if n in refused:
                 out[job.id] = DecoderFailed(f"decoder {decoder.id}: {refused[n]}")
-            elif got != list(range(job.num_images)):
-                out[job.id] = DecoderFailed(f"decoder {decoder.id} returned images {got} of {job.num_images}")
+            elif got != list(range(job.params.num_images)):
+                out[job.id] = DecoderFailed(f"decoder {decoder.id} returned images {got} of {job.params.num_images}")
             else:
                 out[job.id] = [
                     ImageRecord(
@@ -223,9 +224,9 @@ class Decoders:
                         mime_type=meta[(n, i)].mime_type,
                         width=meta[(n, i)].width,
                         height=meta[(n, i)].height,
-                        seed=(job.seed + i) % 2**63,
+                        seed=(job.params.seed + i) % 2**63,
                     )
-                    for i in range(job.num_images)
+                    for i in range(job.params.num_images)
                 ]
         return out
 
@@ -233,9 +234,11 @@ class Decoders:
         assert self.local is not None
         mime_type = mime_type_of(job.output_format)
         images = []
-        for i, pixels in enumerate(self.local.decode(job.model, latents.detach().to("cpu", torch.float32))):
+        for i, pixels in enumerate(self.local.decode(job.params.model, latents.detach().to("cpu", torch.float32))):
             height, width = pixels.shape[:2]
-            images.append(ImageRecord(i, encode(pixels, mime_type), mime_type, width, height, (job.seed + i) % 2**63))
+            images.append(
+                ImageRecord(i, encode(pixels, mime_type), mime_type, width, height, (job.params.seed + i) % 2**63)
+            )
         return images
 
     async def close(self) -> None:

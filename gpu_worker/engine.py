@@ -22,7 +22,7 @@ from gpu_worker.prompts import PromptCache
 from gpu_worker.sim_denoiser import SimDenoiser
 from gpu_worker.unet_denoiser import UNetDenoiser
 from services.generation import GenerationParams
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
 
 WARM_UP_STEPS = 2
 
@@ -42,8 +42,13 @@ class SamplerEngine:
         self.device = device
         self.prompts = PromptCache(prompt_cache_bytes)
         unet = UNetDenoiser(models_dir, device, self.prompts)
-        # One denoiser per model family (the registry's FAMILIES).
-        self.denoisers: dict[str, Denoiser] = {"sd15": unet, "sdxl": unet, "tiny": unet, "sim": SimDenoiser()}
+        # One denoiser per model family.
+        self.denoisers: dict[ModelFamily, Denoiser] = {
+            ModelFamily.SD15: unet,
+            ModelFamily.SDXL: unet,
+            ModelFamily.TINY: unet,
+            ModelFamily.SIM: SimDenoiser(),
+        }
         self.models = ModelCache(
             registry,
             self.denoiser_for,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.metrics import WORKER_INFLIGHT
 from gpu_worker.tracker import JobTracker
-from services.db.records import WorkerHeartbeat
 from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerHeartbeat
 from services.telemetry.gpu import Telemetry
 from services.telemetry.metrics import observe_gpu
 

@@ -197,7 +197,7 @@ class JobStore:
         """Stores the job's checkpoint (None: it keeps the stored one) and puts it back
         in the queue, no attempt counted."""
         step = checkpoint.step if checkpoint is not None else 0
-        total = checkpoint.total if checkpoint is not None else job.steps
+        total = checkpoint.total if checkpoint is not None else job.params.steps
         data = checkpoint.data if checkpoint is not None else None
         status = await self._retried(
             f"the suspension of {job.id}",

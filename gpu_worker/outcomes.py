@@ -90,7 +90,7 @@ class OutcomeRecorder:
         self.failures.succeeded()
         if stored:
             times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, started.decoding_at)
-            observe_stages(job.model, (*times, result.decoded_at, datetime.now(UTC)))
+            observe_stages(job.params.model, (*times, result.decoded_at, datetime.now(UTC)))
         tracing.stored(job, worker_id=self.store.worker_id, decoded_at=result.decoded_at, stored=stored)
         log.info("job %s done (stored=%s)", job.id, stored)
 
@@ -115,7 +115,7 @@ class OutcomeRecorder:
         if reason == StopReason.CANCELLED:
             await self.store.cancel(job)
         elif reason == StopReason.TIMED_OUT:
-            await self.store.fail(job, timed_out(job.model, started.timeout_s))
+            await self.store.fail(job, timed_out(job.params.model, started.timeout_s))
         elif reason == StopReason.HANDED_BACK:
             await self.store.hand_back(job)
         # SUPERSEDED: the job is another attempt's now; nothing of ours to record.

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 
 from gpu_worker.engine import SamplerEngine
-from services.db.records import WarmPlan
+from services.db.worker_records import WarmPlan
 from services.errors import DarkroomError
 
 log = logging.getLogger(__name__)

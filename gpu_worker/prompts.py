@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from services.models.registry import ModelFamily
+
 
 @dataclass(frozen=True)
 class Conditioning:
@@ -28,9 +30,9 @@ class Conditioning:
         return cls()
 
     @classmethod
-    def encode(cls, pipe: Any, family: str, req: Any, device: torch.device, cfg: bool) -> Conditioning:
+    def encode(cls, pipe: Any, family: ModelFamily, req: Any, device: torch.device, cfg: bool) -> Conditioning:
         negative = req.negative_prompt or None
-        if family == "sdxl":
+        if family == ModelFamily.SDXL:
             embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
                 prompt=req.prompt,
                 device=device,

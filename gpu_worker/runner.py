@@ -35,7 +35,6 @@ from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
 from services.db.repository import Result
-from services.generation import GenerationParams
 from services.models.registry import DEFAULT_TIMEOUT_S
 from services.telemetry import logs, tracing
 
@@ -49,20 +48,6 @@ class SampledBatch:
     learnable: bool  # its model was warm: the time says how long such batches take
     # Recording its jobs DECODING, under way while they decode: their outcomes wait for it.
     recorded: asyncio.Future[None] | None = None
-
-
-def generation_params(job: JobRecord) -> GenerationParams:
-    return GenerationParams(
-        job.model,
-        job.prompt,
-        job.negative_prompt,
-        job.width,
-        job.height,
-        job.steps,
-        job.guidance_scale,
-        job.seed,
-        job.num_images,
-    )
 
 
 class JobRunner:
@@ -121,7 +106,7 @@ class JobRunner:
 
     def _watched(self, job: JobRecord, resume: Checkpoint | None) -> Started:
         watch = self.tracker.open(job.id, job.attempt)
-        spec = self.engine.registry.models.get(job.model)
+        spec = self.engine.registry.models.get(job.params.model)
         timeout_s = spec.timeout_s if spec is not None else DEFAULT_TIMEOUT_S
         timer = asyncio.get_running_loop().call_later(timeout_s, watch.stop, StopReason.TIMED_OUT)
         return Started(job, watch, timer, timeout_s, resume=resume)
@@ -132,7 +117,7 @@ class JobRunner:
         """Runs the batch's denoising loops together and leaves each member's latents
         (or what ended it) on it; the members with latents are then recorded
         DECODING, together, while the batch goes on to decode."""
-        model = batch[0].job.model
+        model = batch[0].job.params.model
         was_warm = model in self._warmed_up
         loop = asyncio.get_running_loop()
         members = [self._member(started, loop) for started in batch]
@@ -142,7 +127,7 @@ class JobRunner:
         for started, result in zip(batch, results, strict=True):
             started.result = result
             started.watch.sampled = True
-        rows = sum(s.job.num_images for s in batch)
+        rows = sum(s.job.params.num_images for s in batch)
         BATCH_IMAGES.labels(model=model).observe(rows)
         tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
         sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
@@ -182,7 +167,7 @@ class JobRunner:
         save = functools.partial(self.store.save_checkpoint, job)
         started.writer = PeriodicCheckpointWriter(job.id, job.attempt, save, loop)
         return BatchMember(
-            generation_params(job),
+            job.params,
             progress.on_step,
             watch.stopping,
             resume=started.resume,

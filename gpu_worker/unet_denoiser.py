@@ -28,13 +28,13 @@ from gpu_worker.prompts import Conditioning, PromptCache
 from services.generation import BatchKey, GenerationParams
 from services.models import loader
 from services.models.loader import Loaded
-from services.models.registry import ModelSpec, scheduler_class
+from services.models.registry import ModelFamily, ModelSpec, scheduler_class
 
 # The VAE lives in its own service: the sampler never loads it. SD 1.5's pipelines
 # would load a safety checker too; the sampler has no use for one.
-_PIPELINE_PARTS: dict[str, dict[str, Any]] = {
-    "sd15": {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
-    "tiny": {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
+_PIPELINE_PARTS: dict[ModelFamily, dict[str, Any]] = {
+    ModelFamily.SD15: {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
+    ModelFamily.TINY: {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
 }
 
 

@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from scheduler import snapshot
-from services.db import records
+from services.db import counts, records, worker_records
 from services.db.states import JobStatus
 
 _HOLDING = {
@@ -23,12 +23,12 @@ def queued_job(job: records.JobSummary | records.JobRecord) -> snapshot.QueuedJo
     # with its old age, it would outrank at once the job it was suspended for.
     return snapshot.QueuedJob(
         id=job.id,
-        model=job.model,
-        width=job.width,
-        height=job.height,
-        steps=job.steps,
-        num_images=job.num_images,
-        guidance_scale=job.guidance_scale,
+        model=job.shape.model,
+        width=job.shape.width,
+        height=job.shape.height,
+        steps=job.shape.steps,
+        num_images=job.shape.num_images,
+        guidance_scale=job.shape.guidance_scale,
         lane=job.lane,
         priority=job.priority,
         queued_at=(job.aged_from or job.created_at).timestamp(),
@@ -48,7 +48,7 @@ def measured(telemetry: Mapping[str, Any]) -> tuple[tuple[str, int, float], ...]
     )
 
 
-def worker(w: records.WorkerRecord) -> snapshot.Worker:
+def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
     return snapshot.Worker(
         id=w.id,
         state=w.status,
@@ -96,20 +96,20 @@ def running_job(r: records.RunningJob) -> snapshot.RunningJob:
     )
 
 
-def submitted(c: records.SubmittedCount) -> snapshot.Submitted:
+def submitted(c: counts.SubmittedCount) -> snapshot.Submitted:
     return snapshot.Submitted(c.model, c.width, c.height, c.steps, c.num_images, c.lane, c.newer, c.count, c.backlog)
 
 
 def fleet_snapshot(
     now: datetime,
     *,
-    workers: Iterable[records.WorkerRecord] = (),
+    workers: Iterable[worker_records.WorkerRecord] = (),
     queued: Iterable[records.JobSummary | records.JobRecord] = (),
     held: Iterable[records.HeldGroup] = (),
     running: Iterable[records.RunningJob] = (),
-    submitted_counts: Iterable[records.SubmittedCount] = (),
+    submitted_counts: Iterable[counts.SubmittedCount] = (),
     stalled: Iterable[records.JobRecord] = (),
-    dead: Iterable[records.DeadWorker] = (),
+    dead: Iterable[worker_records.DeadWorker] = (),
 ) -> snapshot.FleetSnapshot:
     return snapshot.FleetSnapshot(
         now=now.timestamp(),

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 
 from scheduler.metrics import JOBS, QUEUE_DEPTH, QUEUE_OLDEST
-from services.db.records import LaneCount
+from services.db.counts import LaneCount
 from services.db.repository import Repository
 from services.db.states import JobStatus
 from services.errors import StoreError

@@ -25,12 +25,12 @@ from services.bus.dispatch import Bus, Dispatch
 from services.bus.events import Events, JobEvent
 from services.config.placement import check_names
 from services.config.sections import SchedulerSettings
-from services.db.records import Assignment, JobSummary, WarmPlan
+from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
 from services.db.repository.recovery import RecoveryPass
 from services.db.states import JobStatus
+from services.db.worker_records import WarmPlan
 from services.errors import BusError
-from services.generation import JobShape
 from services.models.registry import ModelRegistry
 from services.telemetry import logs, tracing
 
@@ -119,7 +119,7 @@ class Passes:
                     published_at,
                     pass_id,
                     per_worker[job.worker_id],
-                    JobShape(job.model, job.width, job.height, job.steps, job.guidance_scale, job.num_images),
+                    job.shape,
                 ),
             )
             for job in jobs

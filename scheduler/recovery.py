@@ -103,7 +103,7 @@ def review(snapshot: FleetSnapshot, config: RecoveryConfig) -> list[Recovery]:
                 failure = AttemptFailure(job.attempt, worker, why_dead.get(worker, "unknown worker"))
                 actions.append(_fail_attempt(job, failure, config, "worker lost"))
         elif job.status in STARTED and job.started_at is not None:
-            limit = config.timeout_s(job.model)
+            limit = config.timeout_s(job.params.model)
             if now - job.started_at >= timedelta(seconds=limit + TIMEOUT_GRACE_S):
                 failure = AttemptFailure(job.attempt, job.worker_id or "", f"ran past the {limit:.0f}s timeout")
                 actions.append(_fail_attempt(job, failure, config, "timed out"))

@@ -12,8 +12,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from services.db.records import DeadWorker, JobRecord
+from services.db.records import JobRecord
 from services.db.states import WorkerStatus
+from services.db.worker_records import DeadWorker
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import Protocol
 
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
-from services.db.records import Registration, WarmPlan, WorkerHeartbeat
 from services.db.states import WorkerStatus
+from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
 from services.errors import StoreError, WorkerSuperseded
 from services.telemetry import logs
 

@@ -12,9 +12,10 @@ from datetime import datetime
 from typing import Any
 
 from services.bus.events import Events, JobEvent
-from services.db.records import JobRecord, Registration, StoredCheckpoint, WarmPlan, WorkerHeartbeat
+from services.db.records import JobRecord, StoredCheckpoint
 from services.db.repository import Result, Standing, StartRequest
 from services.db.states import JobStatus
+from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
 from services.errors import StoreUnavailable
 
 

@@ -2,27 +2,44 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.db.records import SUMMARY_FIELDS, JobRecord, JobSummary, NewJob, RunningJob, WorkerRecord
+from services.db.records import JobRecord, JobSummary, NewJob, RunningJob, flat
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerRecord
+from services.generation import GenerationParams
 
 # In the past: a span that would end before it starts is clamped.
 T0 = datetime.now(UTC) - timedelta(minutes=5)
 
 
+PARAMS = GenerationParams("tiny", "a fox", "", 64, 64, 4, 7.5, 7, 1)
+_GENERATION = {f.name for f in fields(GenerationParams)}
+
+
+def _split(changes: dict[str, Any], params: GenerationParams) -> tuple[GenerationParams, dict[str, Any]]:
+    """Changes to the generation parameters (given flat: ``model=``, ``steps=``) applied
+    to ``params``, and the rest."""
+    own = {k: v for k, v in changes.items() if k in _GENERATION}
+    return replace(params, **own), {k: v for k, v in changes.items() if k not in _GENERATION}
+
+
 def new_job(**changes: Any) -> NewJob:
-    job = NewJob("job-1", "free", 0, "tiny", "a fox", "", 64, 64, 4, 7.5, 7, 1, None)
-    return replace(job, **changes)
+    params, rest = _split(changes, PARAMS)
+    return replace(NewJob("job-1", "free", 0, params, None), **rest)
 
 
 def record(new: NewJob | None = None, **changes: Any) -> JobRecord:
-    """The job as stored once ``new`` was submitted, with ``changes``."""
-    fields = {k: v for k, v in (new or new_job()).__dict__.items() if k in JobRecord.__dataclass_fields__}
+    """The job as stored once ``new`` was submitted, with ``changes`` (generation
+    parameters among them given flat)."""
+    new = new or new_job()
+    params, rest = _split(changes, new.params)
+    submitted = {k: v for k, v in new.__dict__.items() if k in JobRecord.__dataclass_fields__ and k != "params"}
     job = JobRecord(
-        **fields,
+        **submitted,
+        params=params,
         status=JobStatus.QUEUED,
         attempt=0,
         worker_id=None,
@@ -37,13 +54,13 @@ def record(new: NewJob | None = None, **changes: Any) -> JobRecord:
         decoding_at=None,
         finished_at=None,
     )
-    return replace(job, **changes)
+    return replace(job, **rest)
 
 
 def summary(new: NewJob | None = None, **changes: Any) -> JobSummary:
     """The job as the scheduler reads it (a ``JobSummary``), with ``changes``."""
     job = record(new, **changes)
-    return JobSummary(**{name: getattr(job, name) for name in SUMMARY_FIELDS})
+    return JobSummary.of(flat(job))
 
 
 def worker_record(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: Any) -> WorkerRecord:

@@ -18,9 +18,9 @@ import grpc
 from services.bus.dispatch import check_worker_id, host_token
 from services.bus.events import Events
 from services.config.sections import DecoderSettings, KernelSettings
-from services.db.records import WorkerHeartbeat
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerHeartbeat
 from services.errors import FieldViolation, InvalidArgument
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode

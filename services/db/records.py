@@ -3,12 +3,50 @@ queries that make them, so that policy code can use them without SQL."""
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.db.states import JobStatus
+from services.generation import GenerationParams, JobShape
+
+# Records hold these types whole; the table holds their fields as columns.
+_NESTED: tuple[type, ...] = (GenerationParams, JobShape)
+
+
+def columns(cls: type) -> tuple[str, ...]:
+    """The columns ``cls`` is read from: its fields, a nested type's by its own."""
+    names: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        kind = hints[f.name]
+        names += [g.name for g in fields(kind)] if kind in _NESTED else [f.name]
+    return tuple(names)
+
+
+def flat(record: Any) -> dict[str, Any]:
+    """``record``'s values by column (the inverse of ``_values``)."""
+    out: dict[str, Any] = {}
+    for f in fields(record):
+        value = getattr(record, f.name)
+        out.update(
+            {g.name: getattr(value, g.name) for g in fields(value)} if type(value) in _NESTED else {f.name: value}
+        )
+    return out
+
+
+def _values(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        kind = hints[f.name]
+        if kind in _NESTED:
+            values[f.name] = kind(**{g.name: row[g.name] for g in fields(kind)})
+        elif f.name in row:
+            values[f.name] = row[f.name]
+    return values
 
 
 @dataclass(frozen=True)
@@ -16,15 +54,7 @@ class NewJob:
     id: str
     lane: str
     priority: int
-    model: str
-    prompt: str
-    negative_prompt: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    seed: int
-    num_images: int
+    params: GenerationParams
     idempotency_key: str | None
     deadline: datetime | None = None
     output_format: str = "png"
@@ -98,15 +128,7 @@ class JobRecord:
     status: JobStatus
     lane: str
     priority: int
-    model: str
-    prompt: str
-    negative_prompt: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    seed: int
-    num_images: int
+    params: GenerationParams
     idempotency_key: str | None
     attempt: int
     worker_id: str | None
@@ -139,11 +161,15 @@ class JobRecord:
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:
         """From a row of ``jobs`` (every column of JOB_COLUMNS)."""
-        values = {name: row[name] for name in JOB_FIELDS}
+        values = _values(cls, row)
         values["status"] = JobStatus(row["status"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         values["suspend_log"] = tuple(SuspendEvent.of(entry) for entry in row["suspend_log"] or ())
         return cls(**values)
+
+    @property
+    def shape(self) -> JobShape:
+        return self.params.shape
 
     @property
     def suspensions(self) -> tuple[SuspendEvent, ...]:
@@ -163,12 +189,7 @@ class JobSummary:
     status: JobStatus
     lane: str
     priority: int
-    model: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    num_images: int
+    shape: JobShape
     attempt: int
     worker_id: str | None
     progress_step: int
@@ -182,7 +203,7 @@ class JobSummary:
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobSummary:
         """From a row of ``jobs`` (every column of SUMMARY_COLUMNS)."""
-        values = {name: row[name] for name in SUMMARY_FIELDS}
+        values = _values(cls, row)
         values["status"] = JobStatus(row["status"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         return cls(**values)
@@ -236,67 +257,11 @@ class ImageRecord:
     seed: int
 
 
-@dataclass(frozen=True)
-class WorkerRecord:
-    id: str
-    kind: WorkerKind
-    address: str
-    device: str
-    status: WorkerStatus
-    models: tuple[str, ...]
-    warm_models: tuple[str, ...]
-    vram_total_bytes: int
-    vram_used_bytes: int
-    temperature_c: float
-    speed: float
-    completed: int
-    errors: int
-    busy_seconds: float
-    telemetry: dict[str, Any]
-    started_at: datetime
-    last_heartbeat: datetime
-    planned_models: tuple[str, ...] = ()
-    primary_model: str | None = None
-    restarts: int = 0
-    # Whether its last heartbeat is recent, judged by the database's clock.
-    live: bool = True
-
-    @classmethod
-    def of(cls, row: Mapping[str, Any], *, live: bool = True) -> WorkerRecord:
-        """From a row of ``workers`` (every column of WORKER_COLUMNS)."""
-        values = {name: row[name] for name in WORKER_FIELDS}
-        values["kind"] = WorkerKind(row["kind"])
-        values["status"] = WorkerStatus(row["status"])
-        values["models"] = tuple(row["models"])
-        values["warm_models"] = tuple(row["warm_models"])
-        values["planned_models"] = tuple(row["planned_models"] or ())
-        return cls(**values, live=live)
-
-
-JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
-SUMMARY_FIELDS = tuple(f.name for f in fields(JobSummary))
-WORKER_FIELDS = tuple(f.name for f in fields(WorkerRecord) if f.name != "live")
-# The columns a JobRecord or WorkerRecord is read from, for SELECT and RETURNING lists.
+JOB_FIELDS = columns(JobRecord)
+SUMMARY_FIELDS = columns(JobSummary)
+# The columns a JobRecord or JobSummary is read from, for SELECT and RETURNING lists.
 JOB_COLUMNS = ", ".join(JOB_FIELDS)
 SUMMARY_COLUMNS = ", ".join(SUMMARY_FIELDS)
-WORKER_COLUMNS = ", ".join(WORKER_FIELDS)
-
-
-@dataclass(frozen=True)
-class WorkerHeartbeat:
-    id: str
-    kind: WorkerKind
-    address: str
-    device: str
-    models: tuple[str, ...]
-    warm_models: tuple[str, ...]
-    vram_total_bytes: int = 0
-    vram_used_bytes: int = 0
-    temperature_c: float = 0.0
-    speed: float = 1.0
-    status: WorkerStatus = WorkerStatus.READY
-    restarts: int = 0
-    telemetry: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -306,78 +271,6 @@ class Assignment:
     job_id: str
     worker_id: str
     routing: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Totals:
-    requests: int
-    queued: int
-    running: int
-    completed: int
-    failed: int
-    cancelled: int
-    expired: int = 0
-
-
-@dataclass(frozen=True)
-class LaneCount:
-    """How many jobs are in one state in one lane, and when the oldest was submitted."""
-
-    status: JobStatus
-    lane: str
-    count: int
-    oldest: datetime
-
-
-@dataclass(frozen=True)
-class ShapeCount:
-    """How many jobs of one shape: for demand and for the work queued ahead."""
-
-    model: str
-    width: int
-    height: int
-    steps: int
-    num_images: int
-    count: int
-
-
-@dataclass(frozen=True)
-class SubmittedCount:
-    """How many jobs of one shape and lane were submitted in one half of the
-    warm-set planner's demand window (or before it, and are still queued)."""
-
-    model: str
-    width: int
-    height: int
-    steps: int
-    num_images: int
-    lane: str
-    newer: bool  # in the newer half of the window
-    count: int
-    backlog: bool = False  # submitted before the window and still queued
-
-
-@dataclass(frozen=True)
-class WarmPlan:
-    primary: str | None
-    models: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What a worker learns when it starts: its warm plan, and the jobs an earlier
-    incarnation of it held that went back to the queue."""
-
-    plan: WarmPlan
-    requeued: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class DeadWorker:
-    """A worker whose jobs must go back to the queue, and why."""
-
-    id: str
-    reason: str
 
 
 # A learned estimate as stored: (mean, count).

@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from services.models.registry import ModelFamily
+
 PRESET_MARKER = "darkroom_preset.json"
 CLIP_VOCAB = 49408
 
@@ -89,11 +91,11 @@ VAE = dict(
 SCHEDULER = dict(
     beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", num_train_timesteps=1000, steps_offset=1
 )
-PRESETS = {"sd15": "Stable Diffusion 1.5", "sdxl": "Stable Diffusion XL base 1.0"}
+PRESETS = {ModelFamily.SD15: "Stable Diffusion 1.5", ModelFamily.SDXL: "Stable Diffusion XL base 1.0"}
 
 
-def build_preset(kind: str, path: Path, *, seed: int = 0) -> Path:
-    """Builds the ``kind`` ("sd15" or "sdxl") architecture with random weights and
+def build_preset(kind: ModelFamily, path: Path, *, seed: int = 0) -> Path:
+    """Builds the ``kind`` (SD 1.5 or SDXL) architecture with random weights and
     saves it as a float16 diffusers directory at ``path``, one component at a time
     (an SDXL UNet alone is 10 GB in float32)."""
     import tempfile
@@ -116,7 +118,7 @@ def build_preset(kind: str, path: Path, *, seed: int = 0) -> Path:
         tokenizer = _clip_tokenizer(Path(tmp))
     tokenizer.save_pretrained(path / "tokenizer")
     save("text_encoder", CLIPTextModel(_clip_config(tokenizer, **SD15_TEXT)))
-    if kind == "sdxl":
+    if kind == ModelFamily.SDXL:
         tokenizer.save_pretrained(path / "tokenizer_2")
         save("text_encoder_2", CLIPTextModelWithProjection(_clip_config(tokenizer, **SDXL_TEXT_2)))
         save("unet", UNet2DConditionModel(**SDXL_UNET))
@@ -158,7 +160,7 @@ def _diffusers_version() -> str:
     return str(diffusers.__version__)
 
 
-def parameter_counts(kind: str) -> dict[str, int]:
+def parameter_counts(kind: ModelFamily) -> dict[str, int]:
     """Parameters of each network of the ``kind`` architecture, built on the meta
     device (no memory): what the presets must match."""
     import tempfile
@@ -170,12 +172,12 @@ def parameter_counts(kind: str) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = _clip_tokenizer(Path(tmp))
     with torch.device("meta"):
-        unet = UNet2DConditionModel(**(SDXL_UNET if kind == "sdxl" else SD15_UNET))
+        unet = UNet2DConditionModel(**(SDXL_UNET if kind == ModelFamily.SDXL else SD15_UNET))
         networks: dict[str, Any] = {
             "unet": unet,
             "text_encoder": CLIPTextModel(_clip_config(tokenizer, **SD15_TEXT)),
             "vae": AutoencoderKL(**VAE),
         }
-        if kind == "sdxl":
+        if kind == ModelFamily.SDXL:
             networks["text_encoder_2"] = CLIPTextModelWithProjection(_clip_config(tokenizer, **SDXL_TEXT_2))
     return {name: sum(p.numel() for p in net.parameters()) for name, net in networks.items()}

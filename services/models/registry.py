@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 import shutil
 import tempfile
@@ -14,16 +15,31 @@ from typing import Any
 from services.errors import ModelError
 
 DEFAULT_REGISTRY = Path(__file__).with_name("default_registry.toml")
+
+
+class ModelFamily(enum.StrEnum):
+    """What kind of model it is: how it loads and denoises."""
+
+    SD15 = "sd15"
+    SDXL = "sdxl"
+    TINY = "tiny"  # SD-shaped, built locally with random weights
+    SIM = "sim"  # no weights: it only takes its modelled time
+
+
 # Per family: one 512x512 step on a reference GPU (ms), and a load (s). Learned
 # durations replace the first after a few jobs.
-FAMILY_DEFAULTS = {"sd15": (25.0, 5.0), "sdxl": (60.0, 10.0), "tiny": (30.0, 0.5), "sim": (25.0, 1.0)}
-FAMILIES = frozenset(FAMILY_DEFAULTS)
+FAMILY_DEFAULTS = {
+    ModelFamily.SD15: (25.0, 5.0),
+    ModelFamily.SDXL: (60.0, 10.0),
+    ModelFamily.TINY: (30.0, 0.5),
+    ModelFamily.SIM: (25.0, 1.0),
+}
 ATTENTION = frozenset({"", "sdpa", "eager"})
 BUILTIN_TINY = "builtin:tiny"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
 # Random-weight copies of the real architectures, built on first use (services/models/presets.py).
-BUILTIN_PRESETS = {"builtin:sd15-random": "sd15", "builtin:sdxl-random": "sdxl"}
+BUILTIN_PRESETS = {"builtin:sd15-random": ModelFamily.SD15, "builtin:sdxl-random": ModelFamily.SDXL}
 # A job running longer than this is stopped, unless its model says otherwise.
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -32,7 +48,7 @@ DEFAULT_TIMEOUT_S = 600.0
 class ModelSpec:
     name: str
     source: str
-    family: str
+    family: ModelFamily
     dtype: str = "float16"
     vram_mb: int = 4096
     eviction_priority: int = 0
@@ -105,10 +121,11 @@ class ModelRegistry:
             unknown = set(table) - known
             if unknown:
                 raise ModelError(f"model {name!r} in {path}: unknown keys {sorted(unknown)}")
-            spec = ModelSpec(name=name, **table)
-            if spec.family not in FAMILIES:
-                raise ModelError(f"model {name!r}: family {spec.family!r} is not one of {sorted(FAMILIES)}")
-            if (spec.family == "sim") != (spec.source == BUILTIN_SIM):
+            families = [f.value for f in ModelFamily]
+            if table.get("family") not in families:
+                raise ModelError(f"model {name!r}: family {table.get('family')!r} is not one of {families}")
+            spec = ModelSpec(name=name, **{**table, "family": ModelFamily(table["family"])})
+            if (spec.family == ModelFamily.SIM) != (spec.source == BUILTIN_SIM):
                 raise ModelError(f"model {name!r}: the sim family, and only it, has source {BUILTIN_SIM!r}")
             if spec.attention not in ATTENTION:
                 raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
@@ -182,7 +199,7 @@ def ensure_tiny_model(path: Path) -> Path:
     return _ensure_built(path, TINY_MARKER, build_tiny_model)
 
 
-def ensure_preset(kind: str, path: Path) -> Path:
+def ensure_preset(kind: ModelFamily, path: Path) -> Path:
     """Builds the random-weight ``kind`` architecture at ``path`` once."""
     from services.models.presets import PRESET_MARKER, build_preset
 

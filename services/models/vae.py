@@ -17,7 +17,7 @@ import torch
 from services.config.sections import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader, sim
-from services.models.registry import ModelRegistry
+from services.models.registry import ModelFamily, ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class VaeDecoderEngine:
             if name in self._vaes:
                 return self._vaes[name]
             spec = self.registry.get(name)
-            if spec.family == "sim":
+            if spec.family == ModelFamily.SIM:
                 vae = self._vaes[name] = SimVae()
                 return vae
             from diffusers import AutoencoderKL

@@ -136,11 +136,11 @@ def submitted(new: NewJob, job: JobRecord, deduplicated: bool, *, start: datetim
         attributes = {
             "rpc.system": "grpc",
             "darkroom.job.id": job.id,
-            "darkroom.job.model": job.model,
+            "darkroom.job.params.model": job.params.model,
             "darkroom.job.lane": job.lane,
-            "darkroom.job.pixels": job.width * job.height,
-            "darkroom.job.steps": job.steps,
-            "darkroom.job.images": job.num_images,
+            "darkroom.job.pixels": job.params.width * job.params.height,
+            "darkroom.job.params.steps": job.params.steps,
+            "darkroom.job.images": job.params.num_images,
             "darkroom.deduplicated": deduplicated,
         }
         links = [Link(SpanContext(*earlier, is_remote=True, trace_flags=_SAMPLED))] if earlier else []
@@ -208,9 +208,9 @@ def sampled(batch: Sequence[Sampled], *, seconds: float, rows: int, worker_id: s
                 _emit(on, "wait", (ids[0], _new_span_id()), parent, _ns(since), began, attributes, SpanKind.CONSUMER)
             sampling = {
                 **attributes,
-                "darkroom.job.model": job.model,
-                "darkroom.job.pixels": job.width * job.height,
-                "darkroom.job.steps": job.steps,
+                "darkroom.job.params.model": job.params.model,
+                "darkroom.job.pixels": job.params.width * job.params.height,
+                "darkroom.job.params.steps": job.params.steps,
                 "darkroom.batch.jobs": len(batch),
                 "darkroom.batch.images": rows,
             }

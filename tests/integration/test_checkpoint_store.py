@@ -13,9 +13,10 @@ import psycopg
 import pytest
 
 from services.db.migrate import upgrade
-from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary, WorkerHeartbeat
+from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus, WorkerKind
+from services.db.worker_records import WorkerHeartbeat
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
 from tests.records import new_job

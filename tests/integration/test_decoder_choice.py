@@ -21,9 +21,10 @@ from PIL import Image
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from services.config.sections import DecoderSettings, KernelSettings
 from services.db.migrate import upgrade
-from services.db.records import JobRecord, WorkerHeartbeat, WorkerRecord
+from services.db.records import JobRecord
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind
+from services.db.worker_records import WorkerHeartbeat, WorkerRecord
 from services.models.encoding import encode
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine

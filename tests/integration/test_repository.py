@@ -15,10 +15,11 @@ import pytest
 from scheduler.passes import learn_run_times, recover_stalled
 from scheduler.recovery import RecoveryConfig
 from services.db.migrate import upgrade
-from services.db.records import Assignment, ImageRecord, JobSummary, WorkerHeartbeat
+from services.db.records import Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Standing
 from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerHeartbeat
 from services.errors import WorkerSuperseded
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database

@@ -24,7 +24,7 @@ from gpu_worker.engine import SamplerEngine
 from gpu_worker.unet_denoiser import UNetDenoiser
 from services.errors import JobInterrupted, ModelError
 from services.generation import GenerationParams
-from services.models.registry import ModelRegistry
+from services.models.registry import ModelFamily, ModelRegistry
 
 STEPS = 6
 CPU = torch.device("cpu")
@@ -146,7 +146,7 @@ def test_fused_batches_share_a_unet_call_only_at_the_same_step(
     [result] = run(eng, Member(a, suspend_at=2))
     ckpt = suspended(result)
     fused = engine(models_dir, scheduler)
-    denoiser = fused.denoisers["tiny"]
+    denoiser = fused.denoisers[ModelFamily.TINY]
     assert isinstance(denoiser, UNetDenoiser)
     denoiser.fuse_batches = True
     calls: list[list[int]] = []

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.decoders import estimated_finish_s, fastest_first
-from services.db.records import WorkerRecord
 from services.db.states import WorkerKind
+from services.db.worker_records import WorkerRecord
 from tests.records import worker_record
 
 

@@ -52,7 +52,8 @@ from scheduler.simulator.trace import TraceJob
 from scheduler.simulator.world import Job
 from scheduler.snapshot import FleetSnapshot, Progress
 from scheduler.views import job_view, running_views, worker_views
-from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob, SubmittedCount
+from services.db.counts import SubmittedCount
+from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob
 from services.db.states import JobStatus
 from tests import fleets
 from tests.records import new_job, summary, worker_record
@@ -372,7 +373,7 @@ def submitted_counts(jobs: Mapping[str, JobSummary]) -> list[SubmittedCount]:
     counts: dict[tuple[str, int, int, int, int, str, bool], int] = {}
     for j in jobs.values():
         newer = j.created_at.timestamp() >= NOW - WINDOW_S / 2
-        key = (j.model, j.width, j.height, j.steps, j.num_images, j.lane, newer)
+        key = (j.shape.model, j.shape.width, j.shape.height, j.shape.steps, j.shape.num_images, j.lane, newer)
         counts[key] = counts.get(key, 0) + 1
     return [SubmittedCount(*key, count=n) for key, n in sorted(counts.items())]
 

@@ -25,7 +25,7 @@ from gpu_worker import metrics as sampler_metrics
 from scheduler import metrics as scheduler_metrics
 from scheduler.job_gauges import job_gauges_loop, show
 from services.config.sections import KernelSettings, Settings
-from services.db.records import LaneCount
+from services.db.counts import LaneCount
 from services.db.states import JobStatus
 from services.errors import StoreUnavailable
 from services.ops.stack import MetricsPorts, child, metrics_target

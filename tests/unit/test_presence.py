@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.db.records import WarmPlan, WorkerHeartbeat
 from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WarmPlan, WorkerHeartbeat
 from services.errors import StoreUnavailable, WorkerSuperseded
 from services.presence import Presence
 from tests.fakes import FakeWorkers, RecordedEvents

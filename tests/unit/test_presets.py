@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from services.models.presets import parameter_counts
-from services.models.registry import BUILTIN_PRESETS, ModelRegistry
+from services.models.registry import BUILTIN_PRESETS, ModelFamily, ModelRegistry
 
 # The published models' counts (diffusers' and transformers' own classes).
 REAL = {
-    "sd15": {"unet": 859_520_964, "text_encoder": 123_060_480, "vae": 83_653_863},
-    "sdxl": {
+    ModelFamily.SD15: {"unet": 859_520_964, "text_encoder": 123_060_480, "vae": 83_653_863},
+    ModelFamily.SDXL: {
         "unet": 2_567_463_684,
         "text_encoder": 123_060_480,
         "text_encoder_2": 694_659_840,
@@ -20,7 +20,7 @@ REAL = {
 
 
 @pytest.mark.parametrize("kind", sorted(REAL))
-def test_a_preset_has_the_real_parameter_counts(kind: str) -> None:
+def test_a_preset_has_the_real_parameter_counts(kind: ModelFamily) -> None:
     assert parameter_counts(kind) == REAL[kind]
 
 

@@ -8,8 +8,9 @@ from datetime import UTC, datetime, timedelta
 from scheduler.recovery import TIMEOUT_GRACE_S, Expire, Fail, Recovery, RecoveryConfig, Requeue
 from scheduler.recovery import review as review_snapshot
 from scheduler.snapshot import FleetSnapshot
-from services.db.records import AttemptFailure, DeadWorker, JobRecord
+from services.db.records import AttemptFailure, JobRecord
 from services.db.states import JobStatus
+from services.db.worker_records import DeadWorker
 from tests.records import new_job, record
 
 NOW = datetime(2026, 11, 22, 12, 0, tzinfo=UTC)

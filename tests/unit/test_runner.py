@@ -71,7 +71,10 @@ class FakeDecoders:
         self, jobs: Sequence[tuple[JobRecord, torch.Tensor]]
     ) -> dict[str, list[ImageRecord] | BaseException]:
         self.decoded.extend(job.id for job, _ in jobs)
-        return {job.id: self.failure(job) or [ImageRecord(0, b"png", "image/png", 64, 64, job.seed)] for job, _ in jobs}
+        return {
+            job.id: self.failure(job) or [ImageRecord(0, b"png", "image/png", 64, 64, job.params.seed)]
+            for job, _ in jobs
+        }
 
 
 class Harness:

@@ -16,7 +16,7 @@ from gpu_worker.prompts import Conditioning, PromptCache
 from services.errors import JobInterrupted, ModelError
 from services.generation import GenerationParams
 from services.models.loader import module_bytes
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
 
 
 def request(prompt: str, seed: int, images: int = 1, negative: str = "", model: str = "tiny") -> GenerationParams:
@@ -198,7 +198,9 @@ def test_the_registry_picks_the_attention_implementation(models_dir: Path) -> No
 def test_a_member_whose_inputs_fail_fails_alone(engine: SamplerEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     encode = Conditioning.encode
 
-    def fragile(pipe: object, family: str, req: GenerationParams, device: torch.device, cfg: bool) -> Conditioning:
+    def fragile(
+        pipe: object, family: ModelFamily, req: GenerationParams, device: torch.device, cfg: bool
+    ) -> Conditioning:
         if req.prompt == "breaks":
             raise ValueError("this prompt cannot be encoded")
         return encode(pipe, family, req, device, cfg)

@@ -16,10 +16,14 @@ NOW = datetime(2026, 1, 1, tzinfo=UTC)
 def test_defaults_come_from_the_model() -> None:
     job = validate_submit(pb.SubmitJobRequest(model="tiny", prompt="x"), REGISTRY, max_prompt_chars=100, now=NOW)
     spec = REGISTRY.get("tiny")
-    assert (job.width, job.height, job.steps) == (spec.default_width, spec.default_height, spec.default_steps)
-    assert job.num_images == 1 and job.guidance_scale == 7.5
+    assert (job.params.width, job.params.height, job.params.steps) == (
+        spec.default_width,
+        spec.default_height,
+        spec.default_steps,
+    )
+    assert job.params.num_images == 1 and job.params.guidance_scale == 7.5
     assert job.lane == "free" and job.idempotency_key is None
-    assert 0 <= job.seed < 2**63
+    assert 0 <= job.params.seed < 2**63
 
 
 def test_explicit_values_are_kept() -> None:
@@ -36,8 +40,14 @@ def test_explicit_values_are_kept() -> None:
         idempotency_key="k",
     )
     job = validate_submit(req, REGISTRY, max_prompt_chars=100, now=NOW)
-    assert (job.width, job.height, job.steps, job.seed, job.guidance_scale) == (64, 128, 3, 0, 0.0)
-    assert job.num_images == 2 and job.priority > 0 and job.idempotency_key == "k"
+    assert (job.params.width, job.params.height, job.params.steps, job.params.seed, job.params.guidance_scale) == (
+        64,
+        128,
+        3,
+        0,
+        0.0,
+    )
+    assert job.params.num_images == 2 and job.priority > 0 and job.idempotency_key == "k"
 
 
 def test_prompt_limit_is_the_configured_one() -> None:

@@ -8,18 +8,8 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import (
-    JOB_COLUMNS,
-    JOB_FIELDS,
-    ImageRecord,
-    JobRecord,
-    JobState,
-    LaneCount,
-    NewJob,
-    ShapeCount,
-    SuspendEvent,
-    Totals,
-)
+from services.db.counts import LaneCount, ShapeCount, Totals
+from services.db.records import JOB_COLUMNS, JOB_FIELDS, ImageRecord, JobRecord, JobState, NewJob, SuspendEvent, flat
 from services.db.repository.database import Database, fetch_all
 from services.db.repository.requeue import qualified
 from services.db.states import HELD, JobStatus
@@ -85,7 +75,8 @@ class Jobs:
         in order, the stored job and whether an earlier submit with its idempotency
         key had made it."""
         jobs = [job for job, _ in submits]
-        params: dict[str, object] = {name: [getattr(j, name) for j in jobs] for name in _INSERTED_FIELDS}
+        rows = [flat(j) for j in jobs]
+        params: dict[str, object] = {name: [r[name] for r in rows] for name in _INSERTED_FIELDS}
         params["created_at"] = [at for _, at in submits]
         async with self.db.connection() as conn:
             # One statement, committed on its own. A submit whose key another has

@@ -13,11 +13,12 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import JOB_COLUMNS, AttemptFailure, DeadWorker, JobRecord
+from services.db.records import JOB_COLUMNS, AttemptFailure, JobRecord
 from services.db.repository.database import SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import end, requeue
 from services.db.repository.workers import FRESH
 from services.db.states import HELD, STARTED, JobStatus, WorkerStatus
+from services.db.worker_records import DeadWorker
 
 _STALLED = f"""
 SELECT {JOB_COLUMNS} FROM jobs

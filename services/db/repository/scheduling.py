@@ -13,20 +13,13 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from services.db.records import (
-    SUMMARY_COLUMNS,
-    SUMMARY_FIELDS,
-    Assignment,
-    HeldGroup,
-    JobSummary,
-    SubmittedCount,
-    WarmPlan,
-    WorkerRecord,
-)
+from services.db.counts import SubmittedCount
+from services.db.records import SUMMARY_COLUMNS, SUMMARY_FIELDS, Assignment, HeldGroup, JobSummary
 from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import qualified
 from services.db.repository.workers import LIVE_WORKERS, live_workers, live_workers_params
 from services.db.states import HELD, JobStatus, WorkerKind
+from services.db.worker_records import WarmPlan, WorkerRecord
 
 _HELD = [st.value for st in HELD]
 # The oldest ``limit`` placeable jobs of every lane, found without reading the rest

@@ -10,17 +10,11 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from services.db.records import (
-    WORKER_COLUMNS,
-    AttemptFailure,
-    Registration,
-    WarmPlan,
-    WorkerHeartbeat,
-    WorkerRecord,
-)
+from services.db.records import AttemptFailure
 from services.db.repository.database import Database, fetch_all, fetch_one
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, STARTED, WorkerKind, WorkerStatus
+from services.db.worker_records import WORKER_COLUMNS, Registration, WarmPlan, WorkerHeartbeat, WorkerRecord
 from services.errors import WorkerSuperseded
 
 _HELD = [st.value for st in HELD]

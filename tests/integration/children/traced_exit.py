@@ -12,13 +12,14 @@ from typing import Any
 
 from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.records import NewJob
+from services.generation import GenerationParams
 from services.ops.lifecycle import run_service
 from services.telemetry import tracing
 
 
 async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     job_id = os.environ["TRACED_JOB_ID"]
-    new = tracing.with_trace(NewJob(job_id, "free", 0, "tiny", "p", "", 64, 64, 1, 7.5, 1, 1, None))
+    new = tracing.with_trace(NewJob(job_id, "free", 0, GenerationParams("tiny", "p", "", 64, 64, 1, 7.5, 1, 1), None))
     job: Any = SimpleNamespace(id=job_id, attempt=1, trace_context=new.trace_context)
     with tracing.decode_call([job], "vae-0"):
         pass
