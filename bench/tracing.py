@@ -26,11 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from gateway import spans as gateway_spans
+from gpu_worker import spans as sampler_spans
+from scheduler import spans as scheduler_spans
 from services.config.sections import KernelSettings
 from services.db.records import JobRecord, NewJob
 from services.db.states import JobStatus
 from services.generation import GenerationParams
 from services.telemetry import tracing
+from vae_worker import spans as decoder_spans
 
 
 class Discard(SpanExporter):
@@ -45,7 +49,7 @@ class Member:
 
 
 def a_job() -> tuple[NewJob, JobRecord]:
-    new = tracing.with_trace(
+    new = gateway_spans.with_trace(
         NewJob("0" * 36, "free", 0, GenerationParams("tiny", "p", "", 512, 512, 20, 7.5, 1, 1), None)
     )
     now = datetime.now(UTC)
@@ -78,19 +82,19 @@ def hooks() -> dict[str, Callable[[], object]]:
     now = datetime.now(UTC)
 
     def decode_call() -> None:
-        with tracing.decode_call([job], "host-vae0"):
+        with sampler_spans.decode_call([job], "host-vae0"):
             pass
 
     return {
-        "gateway with_trace": lambda: tracing.with_trace(new),
-        "gateway submitted": lambda: tracing.submitted(new, job, False, start=now),
-        "scheduler placed (1 job)": lambda: tracing.placed(
+        "gateway with_trace": lambda: gateway_spans.with_trace(new),
+        "gateway submitted": lambda: gateway_spans.submitted(new, job, False, start=now),
+        "scheduler placed (1 job)": lambda: scheduler_spans.placed(
             [job], {job.id: {"reason": "earliest finish", "candidates": [{}]}}
         ),
-        "sampler sampled (1 job)": lambda: tracing.sampled(members, seconds=0.4, rows=1, worker_id="host-gpu0"),
+        "sampler sampled (1 job)": lambda: sampler_spans.sampled(members, seconds=0.4, rows=1, worker_id="host-gpu0"),
         "sampler decode_call": decode_call,
-        "sampler stored": lambda: tracing.stored(job, worker_id="host-gpu0", decoded_at=now, stored=True),
-        "decoder decoded (1 job)": lambda: tracing.decoded(traceparent, job.id, start_ns=time.time_ns()),
+        "sampler stored": lambda: sampler_spans.stored(job, worker_id="host-gpu0", decoded_at=now, stored=True),
+        "decoder decoded (1 job)": lambda: decoder_spans.decoded(traceparent, job.id, start_ns=time.time_ns()),
     }
 
 

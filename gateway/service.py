@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 
+from gateway import spans
 from gateway.auth import ApiKeyInterceptor
 from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
 from gateway.metrics import STREAMS_OPEN, SUBMITS
@@ -36,7 +37,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Channels, Server, build_server
 from services.rpc.status import stream_errors, unary_errors
-from services.telemetry import logs, tracing
+from services.telemetry import logs
 from services.telemetry.metrics import JOBS_FINISHED
 
 log = logging.getLogger(__name__)
@@ -109,9 +110,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 f"{refusal.limit_s:.0f}s limit; retry later",
                 retry_after_s=refusal.wait_s,
             )
-        new = tracing.with_trace(new)
+        new = spans.with_trace(new)
         job, deduplicated = await self._create((new, now))
-        tracing.submitted(new, job, deduplicated, start=now)
+        spans.submitted(new, job, deduplicated, start=now)
         SUBMITS.labels(lane=new.lane, result="deduplicated" if deduplicated else "accepted").inc()
         if deduplicated:
             return await self._submitted(job, True, now)

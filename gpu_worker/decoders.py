@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
+from gpu_worker import spans
 from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
@@ -23,7 +24,7 @@ from services.models.encoding import encode, mime_type_of
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Channels
-from services.telemetry import logs, tracing
+from services.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class Decoders:
         meta: dict[tuple[int, int], vae_decoder_pb2.DecodeChunk] = {}
         refused: dict[int, str] = {}
         try:
-            with tracing.decode_call([job for job, _ in jobs], decoder.id) as traceparents:
+            with spans.decode_call([job for job, _ in jobs], decoder.id) as traceparents:
                 async for chunk in stub.Decode(decode_request(jobs, traceparents), timeout=DECODE_TIMEOUT_S):
                     if chunk.error:
                         refused[chunk.job] = chunk.error

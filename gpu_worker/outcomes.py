@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
+from gpu_worker import spans
 from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
 from gpu_worker.denoising import JobSuspended, MemberResult
@@ -24,7 +25,7 @@ from gpu_worker.tracker import JobWatch, StopReason
 from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Result
 from services.errors import JobInterrupted
-from services.telemetry import logs, tracing
+from services.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class OutcomeRecorder:
         if stored:
             times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, started.decoding_at)
             observe_stages(job.params.model, (*times, result.decoded_at, datetime.now(UTC)))
-        tracing.stored(job, worker_id=self.store.worker_id, decoded_at=result.decoded_at, stored=stored)
+        spans.stored(job, worker_id=self.store.worker_id, decoded_at=result.decoded_at, stored=stored)
         log.info("job %s done (stored=%s)", job.id, stored)
 
     async def _failed(self, job: JobRecord, failure: Failure) -> None:

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 
 import torch
 
+from gpu_worker import spans
 from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
 from gpu_worker.decoders import Decoders
@@ -36,7 +37,7 @@ from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
 from services.db.repository import Result
 from services.models.registry import DEFAULT_TIMEOUT_S
-from services.telemetry import logs, tracing
+from services.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class JobRunner:
             started.watch.sampled = True
         rows = sum(s.job.params.num_images for s in batch)
         BATCH_IMAGES.labels(model=model).observe(rows)
-        tracing.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
+        spans.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
         sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
         recorded = None
         if sampled:

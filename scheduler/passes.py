@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
-from scheduler import driver, facts, reports
+from scheduler import driver, facts, reports, spans
 from scheduler.costs import costs_from
 from scheduler.estimates import Durations
 from scheduler.learning import durations_from, fold_run_times
@@ -32,7 +32,7 @@ from services.db.states import JobStatus
 from services.db.worker_records import WarmPlan
 from services.errors import BusError
 from services.models.registry import ModelRegistry
-from services.telemetry import logs, tracing
+from services.telemetry import logs
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Passes:
         # under the same message id.
         await self.publish(scheduled)
         reports.count_placed(decision.placed, scheduled)
-        tracing.placed(scheduled, {a.job_id: a.routing for a in assignments})
+        spans.placed(scheduled, {a.job_id: a.routing for a in assignments})
         return len(scheduled)
 
     async def publish(self, jobs: Sequence[JobSummary]) -> None:

@@ -34,9 +34,10 @@ from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_p
 from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
 from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
-from services.telemetry import logs, tracing
+from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
 from services.telemetry.metrics import observe_gpu
+from vae_worker import spans
 from vae_worker.decode_batches import DecodeBatcher
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
             fault = next((f"image {i}: {image.fault}" for i, image in enumerate(own) if image.fault), "")
             if fault:
                 log.warning("job %s: %s", job.job_id or "?", fault, extra=logs.job_fields(job.job_id))
-                tracing.decoded(job.traceparent, job.job_id, start_ns=started_ns, error=fault)
+                spans.decoded(job.traceparent, job.job_id, start_ns=started_ns, error=fault)
                 yield vae_decoder_pb2.DecodeChunk(job=index, last=True, error=fault)
             else:
                 sliced.append((index, job, own))
@@ -86,7 +87,7 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
                     mime_type=mime_type,
                 )
             if image_index == job.images - 1:
-                tracing.decoded(job.traceparent, job.job_id, start_ns=started_ns)
+                spans.decoded(job.traceparent, job.job_id, start_ns=started_ns)
 
 
 def check_jobs(jobs: Sequence[DecodeJob], images: int) -> list[tuple[DecodeJob, str]]:

@@ -15,11 +15,15 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from gateway import spans as gateway_spans
+from gpu_worker import spans as sampler_spans
+from scheduler import spans as scheduler_spans
 from services.config.sections import KernelSettings
 from services.db.records import JobRecord
 from services.db.states import JobStatus
 from services.telemetry import tracing
 from tests.records import T0, new_job, record
+from vae_worker import spans as decoder_spans
 
 
 @dataclass
@@ -69,25 +73,25 @@ def test_without_an_endpoint_no_exporter_is_made_and_every_call_does_nothing(mon
     tracing.start("gateway", KernelSettings(otlp_endpoint=""))
     assert not tracing.exporting()
     job = new_job()
-    assert tracing.with_trace(job) is job
+    assert gateway_spans.with_trace(job) is job
     nothing: Any = Untouchable()
-    tracing.submitted(nothing, nothing, False, start=nothing)
-    tracing.placed(nothing, {})
-    tracing.sampled(nothing, seconds=1.0, rows=1, worker_id="w")
-    tracing.stored(nothing, worker_id="w", decoded_at=nothing, stored=True)
-    with tracing.decode_call([record(job)], "d") as traceparents:
+    gateway_spans.submitted(nothing, nothing, False, start=nothing)
+    scheduler_spans.placed(nothing, {})
+    sampler_spans.sampled(nothing, seconds=1.0, rows=1, worker_id="w")
+    sampler_spans.stored(nothing, worker_id="w", decoded_at=nothing, stored=True)
+    with sampler_spans.decode_call([record(job)], "d") as traceparents:
         assert traceparents == [None]
-    tracing.decoded("00-" + "1" * 32 + "-" + "2" * 16 + "-01", "job-1", start_ns=0)
+    decoder_spans.decoded("00-" + "1" * 32 + "-" + "2" * 16 + "-01", "job-1", start_ns=0)
     tracing.stop()
 
 
 def test_a_job_s_spans_share_its_trace_and_nest(exported: InMemorySpanExporter) -> None:
-    new = tracing.with_trace(new_job())
+    new = gateway_spans.with_trace(new_job())
     assert new.trace_context is not None
     _, trace_hex, root_hex, flags = new.trace_context.split("-")
     assert flags == "01"
     stored = record(new)
-    tracing.submitted(new, stored, False, start=T0)
+    gateway_spans.submitted(new, stored, False, start=T0)
     placed = replace(
         stored,
         status=JobStatus.SCHEDULED,
@@ -96,15 +100,15 @@ def test_a_job_s_spans_share_its_trace_and_nest(exported: InMemorySpanExporter) 
         scheduled_at=T0 + timedelta(seconds=1),
         routing={"reason": "earliest finish", "candidates": [{}, {}]},
     )
-    tracing.placed([placed], {placed.id: placed.routing or {}})
+    scheduler_spans.placed([placed], {placed.id: placed.routing or {}})
     running = replace(placed, dispatched_at=T0 + timedelta(seconds=2), started_at=T0 + timedelta(seconds=3))
-    tracing.sampled([Member(running, object())], seconds=0.5, rows=1, worker_id="w1")
-    with tracing.decode_call([running], "vae-0") as traceparents:
+    sampler_spans.sampled([Member(running, object())], seconds=0.5, rows=1, worker_id="w1")
+    with sampler_spans.decode_call([running], "vae-0") as traceparents:
         [context] = traceparents
         assert context is not None and context.split("-")[1] == trace_hex
         # The decoder's side, from the context that came with the job in the request.
-        tracing.decoded(context, "job-1", start_ns=time.time_ns())
-    tracing.stored(running, worker_id="w1", decoded_at=datetime.now(UTC), stored=True)
+        decoder_spans.decoded(context, "job-1", start_ns=time.time_ns())
+    sampler_spans.stored(running, worker_id="w1", decoded_at=datetime.now(UTC), stored=True)
     tracing.stop()  # flushes
 
     spans = {s.name: s for s in exported.get_finished_spans()}
@@ -129,8 +133,8 @@ def test_a_job_s_spans_share_its_trace_and_nest(exported: InMemorySpanExporter) 
     assert attrs(schedule)["darkroom.placement.candidates"] == 2
     assert attrs(spans["sample"])["darkroom.batch.images"] == 1
     # Times come from the job's stages, to the microsecond.
-    assert root.start_time == tracing._ns(T0) == schedule.start_time
-    assert spans["wait"].start_time == tracing._ns(T0 + timedelta(seconds=2))
+    assert root.start_time == tracing.ns(T0) == schedule.start_time
+    assert spans["wait"].start_time == tracing.ns(T0 + timedelta(seconds=2))
     assert spans["wait"].end_time == spans["sample"].start_time
     start, end = times(spans["sample"])
     assert end - start == 500_000_000
@@ -140,10 +144,10 @@ def test_a_job_s_spans_share_its_trace_and_nest(exported: InMemorySpanExporter) 
 
 
 def test_failures_mark_their_span(exported: InMemorySpanExporter) -> None:
-    new = tracing.with_trace(new_job())
+    new = gateway_spans.with_trace(new_job())
     job = replace(record(new), attempt=2, scheduled_at=T0, started_at=T0)
-    tracing.sampled([Member(job, RuntimeError("CUDA error"))], seconds=0.1, rows=1, worker_id="w1")
-    with pytest.raises(ValueError), tracing.decode_call([job], "vae-0"):
+    sampler_spans.sampled([Member(job, RuntimeError("CUDA error"))], seconds=0.1, rows=1, worker_id="w1")
+    with pytest.raises(ValueError), sampler_spans.decode_call([job], "vae-0"):
         raise ValueError("gone")
     tracing.stop()
     spans = {s.name: s for s in exported.get_finished_spans()}
@@ -154,26 +158,26 @@ def test_failures_mark_their_span(exported: InMemorySpanExporter) -> None:
 
 
 def test_a_retry_s_schedule_span_is_its_own(exported: InMemorySpanExporter) -> None:
-    new = tracing.with_trace(new_job())
+    new = gateway_spans.with_trace(new_job())
     first = replace(record(new), attempt=1, scheduled_at=T0 + timedelta(seconds=1))
     second = replace(first, attempt=2, scheduled_at=T0 + timedelta(seconds=9))
-    tracing.placed([first, second], {})
+    scheduler_spans.placed([first, second], {})
     tracing.stop()
     a, b = exported.get_finished_spans()
     assert a.context.span_id != b.context.span_id
-    assert a.start_time == tracing._ns(T0) and b.start_time == tracing._ns(T0 + timedelta(seconds=9))
+    assert a.start_time == tracing.ns(T0) and b.start_time == tracing.ns(T0 + timedelta(seconds=9))
 
 
 def test_untraced_jobs_are_skipped_and_the_ratio_samples(exported: InMemorySpanExporter) -> None:
     untraced = record(new_job(), attempt=1, scheduled_at=T0)
-    tracing.placed([untraced], {})
-    tracing.sampled([Member(untraced, None)], seconds=0.1, rows=1, worker_id="w1")
-    with tracing.decode_call([untraced], "vae-0") as traceparents:
+    scheduler_spans.placed([untraced], {})
+    sampler_spans.sampled([Member(untraced, None)], seconds=0.1, rows=1, worker_id="w1")
+    with sampler_spans.decode_call([untraced], "vae-0") as traceparents:
         assert traceparents == [None]
     never = InMemorySpanExporter()
     tracing.start("gateway", KernelSettings(trace_sample_ratio=0.0), exporter=never)
     job = new_job()
-    assert all(tracing.with_trace(job) is job for _ in range(100))
+    assert all(gateway_spans.with_trace(job) is job for _ in range(100))
     tracing.stop()
     assert exported.get_finished_spans() == () and never.get_finished_spans() == ()
 
@@ -182,8 +186,8 @@ def test_stop_exports_what_is_queued(monkeypatch) -> None:
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "600000")  # never by the clock
     exporter = InMemorySpanExporter()
     tracing.start("scheduler", KernelSettings(), exporter=exporter)
-    new = tracing.with_trace(new_job())
-    tracing.placed([replace(record(new), attempt=1, scheduled_at=T0)], {})
+    new = gateway_spans.with_trace(new_job())
+    scheduler_spans.placed([replace(record(new), attempt=1, scheduled_at=T0)], {})
     assert exporter.get_finished_spans() == ()
     tracing.stop()
     [span] = exporter.get_finished_spans()
@@ -192,12 +196,12 @@ def test_stop_exports_what_is_queued(monkeypatch) -> None:
 
 def test_an_error_in_a_hook_loses_its_span_not_the_job(exported: InMemorySpanExporter, caplog) -> None:
     caplog.set_level(logging.DEBUG, logger="darkroom.tracing")  # only the first is a warning
-    new = tracing.with_trace(new_job())
+    new = gateway_spans.with_trace(new_job())
     naive = datetime(2020, 1, 1)  # cannot be compared with the aware epoch: the hook fails inside
     good = replace(record(new), attempt=1, scheduled_at=T0)
-    tracing.placed([replace(good, created_at=naive), good], {})
-    tracing.stored(good, worker_id="w1", decoded_at=naive, stored=True)
+    scheduler_spans.placed([replace(good, created_at=naive), good], {})
+    sampler_spans.stored(good, worker_id="w1", decoded_at=naive, stored=True)
     tracing.stop()
     [span] = exported.get_finished_spans()
-    assert span.name == "schedule" and span.start_time == tracing._ns(T0)
+    assert span.name == "schedule" and span.start_time == tracing.ns(T0)
     assert "a span was dropped" in caplog.text

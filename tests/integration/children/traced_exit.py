@@ -10,18 +10,20 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from gateway import spans as gateway_spans
+from gpu_worker import spans as sampler_spans
 from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.records import NewJob
 from services.generation import GenerationParams
 from services.ops.lifecycle import run_service
-from services.telemetry import tracing
 
 
 async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     job_id = os.environ["TRACED_JOB_ID"]
-    new = tracing.with_trace(NewJob(job_id, "free", 0, GenerationParams("tiny", "p", "", 64, 64, 1, 7.5, 1, 1), None))
+    params = GenerationParams("tiny", "p", "", 64, 64, 1, 7.5, 1, 1)
+    new = gateway_spans.with_trace(NewJob(job_id, "free", 0, params, None))
     job: Any = SimpleNamespace(id=job_id, attempt=1, trace_context=new.trace_context)
-    with tracing.decode_call([job], "vae-0"):
+    with sampler_spans.decode_call([job], "vae-0"):
         pass
     await asyncio.to_thread(Path(os.environ["TRACED_READY"]).touch)
     await stop.wait()
