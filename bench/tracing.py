@@ -82,7 +82,7 @@ def hooks() -> dict[str, Callable[[], object]]:
     now = datetime.now(UTC)
 
     def decode_call() -> None:
-        with sampler_spans.decode_call([job], "host-vae0"):
+        with sampler_spans.decode_call([job], "host-decoder0"):
             pass
 
     return {

@@ -10,6 +10,7 @@ from typing import Any
 from scheduler import snapshot
 from services.db import counts, records, worker_records
 from services.db.states import JobStatus
+from services.generation import BatchKey, JobShape
 
 _HOLDING = {
     JobStatus.RUNNING: snapshot.Holding.RUNNING,
@@ -23,12 +24,7 @@ def queued_job(job: records.JobSummary | records.JobRecord) -> snapshot.QueuedJo
     # with its old age, it would outrank at once the job it was suspended for.
     return snapshot.QueuedJob(
         id=job.id,
-        model=job.shape.model,
-        width=job.shape.width,
-        height=job.shape.height,
-        steps=job.shape.steps,
-        num_images=job.shape.num_images,
-        guidance_scale=job.shape.guidance_scale,
+        shape=job.shape,
         lane=job.lane,
         priority=job.priority,
         queued_at=(job.aged_from or job.created_at).timestamp(),
@@ -67,11 +63,7 @@ def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
 def held_work(g: records.HeldGroup) -> snapshot.HeldWork:
     return snapshot.HeldWork(
         worker_id=g.worker_id,
-        model=g.model,
-        width=g.width,
-        height=g.height,
-        steps=g.steps,
-        guidance_scale=g.guidance_scale,
+        key=BatchKey(g.model, g.width, g.height, g.steps, g.guidance_scale),
         images=g.images,
         largest=g.largest,
         holding=_HOLDING[g.status],
@@ -85,11 +77,7 @@ def running_job(r: records.RunningJob) -> snapshot.RunningJob:
         attempt=r.attempt,
         worker_id=r.worker_id,
         lane=r.lane,
-        model=r.model,
-        width=r.width,
-        height=r.height,
-        steps=r.steps,
-        num_images=r.num_images,
+        shape=JobShape(r.model, r.width, r.height, r.steps, r.guidance_scale, r.num_images),
         preemptions=r.preemptions,
         suspend_requested=r.suspend_requested,
         progress=snapshot.Progress(done=min(r.progress_step / r.steps, 1.0) if r.steps > 0 else 0.0),

@@ -9,10 +9,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from scheduler.estimates import Durations, Shape
 from services.config.placement import PlacementSettings
 from services.db.states import WorkerStatus
+from services.generation import BatchKey
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,9 @@ class JobView:
     def shape(self) -> Shape:
         return Shape(self.model, self.width * self.height, self.steps, self.num_images)
 
-    @property
+    @cached_property  # placement asks for it once for each worker a job is scored on
     def batch_key(self) -> BatchKey:
-        return (self.model, self.width, self.height, self.steps, self.guidance_scale)
-
-
-# Jobs of one key may run as one batch: (model, width, height, steps, guidance).
-BatchKey = tuple[str, int, int, int, float]
+        return BatchKey(self.model, self.width, self.height, self.steps, self.guidance_scale)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from services.db.records import JobRecord
 from services.db.states import WorkerStatus
 from services.db.worker_records import DeadWorker
+from services.generation import BatchKey, JobShape
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,7 @@ class QueuedJob:
     """A job waiting to be placed."""
 
     id: str
-    model: str
-    width: int
-    height: int
-    steps: int
-    num_images: int
-    guidance_scale: float
+    shape: JobShape
     lane: str
     priority: int
     queued_at: float  # its priority ages from here: its submit, or its latest suspension
@@ -60,11 +56,7 @@ class HeldWork:
     """Jobs of one batch key a worker holds, in one way (``Holding``)."""
 
     worker_id: str
-    model: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
+    key: BatchKey
     images: int
     largest: int  # images of its largest job
     holding: Holding
@@ -98,11 +90,7 @@ class RunningJob:
     attempt: int
     worker_id: str
     lane: str
-    model: str
-    width: int
-    height: int
-    steps: int
-    num_images: int
+    shape: JobShape
     preemptions: int  # times suspended for other work
     suspend_requested: bool
     progress: Progress = Progress()

@@ -16,20 +16,22 @@ from scheduler.preemption import RunningView
 from scheduler.snapshot import FleetSnapshot, HeldWork, Holding, Progress, QueuedJob, Submitted, Worker
 from scheduler.warm_planner import GpuView
 from services.config.placement import PlacementSettings
+from services.generation import BatchKey
 
 
 def job_view(job: QueuedJob, placement: PlacementSettings, costs: Mapping[str, policy.ModelCost]) -> policy.JobView:
-    cost = costs.get(job.model)
+    shape = job.shape
+    cost = costs.get(shape.model)
     return policy.JobView(
         job.id,
-        job.model,
-        job.width,
-        job.height,
-        job.steps,
-        job.num_images,
+        shape.model,
+        shape.width,
+        shape.height,
+        shape.steps,
+        shape.num_images,
         job.priority,
         job.queued_at,
-        guidance_scale=job.guidance_scale,
+        guidance_scale=shape.guidance_scale,
         failed_on=job.failed_on,
         target_s=placement.target_s(job.lane, cost.capability if cost is not None else ""),
     )
@@ -60,9 +62,8 @@ def remaining_s(seconds: float, progress: Progress) -> float:
 
 def _batch_view(held: HeldWork) -> policy.JobView:
     """Held work as one job of its batch key (its largest)."""
-    return policy.JobView(
-        "", held.model, held.width, held.height, held.steps, held.largest, guidance_scale=held.guidance_scale
-    )
+    k = held.key
+    return policy.JobView("", k.model, k.width, k.height, k.steps, held.largest, guidance_scale=k.guidance_scale)
 
 
 def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -> policy.WorkerView:
@@ -94,9 +95,9 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
             slots += 1
         elif h.holding == Holding.WAITING:
             waiting.append(h)
-        if h.model not in warm:
-            work += fleet.costs[h.model].load_s
-            warm.add(h.model)
+        if h.key.model not in warm:
+            work += fleet.costs[h.key.model].load_s
+            warm.add(h.key.model)
     for h in waiting:
         batches, seconds = policy.queued_batches(_batch_view(h), h.images, view, fleet)
         work += seconds
@@ -105,15 +106,15 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         view,
         held_jobs=slots,
         held_work_s=work,
-        held_capabilities=frozenset(fleet.costs[h.model].capability for h in held),
-        open_batches=tuple(sorted((_batch_view(h).batch_key, h.images) for h in waiting)),
+        held_capabilities=frozenset(fleet.costs[h.key.model].capability for h in held),
+        open_batches=tuple(sorted((h.key, h.images) for h in waiting)),
     )
 
 
 def worker_views(snapshot: FleetSnapshot, fleet: policy.Fleet) -> list[policy.WorkerView]:
     by_worker: dict[str, list[HeldWork]] = {}
     for h in snapshot.held:
-        if h.model in fleet.costs:
+        if h.key.model in fleet.costs:
             by_worker.setdefault(h.worker_id, []).append(h)
     return [worker_view(w, by_worker.get(w.id, []), fleet) for w in snapshot.workers]
 
@@ -127,22 +128,23 @@ def running_views(
     never chosen to make room."""
     speeds = {w.id: w.speed for w in snapshot.workers}
     placement = placement or PlacementSettings()
-    rows: dict[tuple[str, str, int, int, int], int] = {}
+    rows: dict[tuple[str, BatchKey], int] = {}
     for job in snapshot.running:
-        key = (job.worker_id, job.model, job.width, job.height, job.steps)
-        rows[key] = rows.get(key, 0) + job.num_images
+        key = (job.worker_id, job.shape.key)
+        rows[key] = rows.get(key, 0) + job.shape.num_images
     views = []
     for job in snapshot.running:
-        cost = fleet.costs.get(job.model)
+        shape = job.shape
+        cost = fleet.costs.get(shape.model)
         step_s = left_s = math.inf
-        if cost is not None and job.steps > 0:
-            batch = rows[(job.worker_id, job.model, job.width, job.height, job.steps)]
-            shape = policy.JobView(job.id, job.model, job.width, job.height, job.steps, batch)
+        if cost is not None and shape.steps > 0:
+            batch = rows[(job.worker_id, shape.key)]
+            view = policy.JobView(job.id, shape.model, shape.width, shape.height, shape.steps, batch)
             worker = policy.WorkerView(
                 job.worker_id, frozenset(), frozenset(), 0, 0, speed=speeds.get(job.worker_id, 1.0)
             )
-            seconds = policy.job_seconds(shape, worker, fleet)
-            step_s, left_s = seconds / job.steps, remaining_s(seconds, job.progress)
+            seconds = policy.job_seconds(view, worker, fleet)
+            step_s, left_s = seconds / shape.steps, remaining_s(seconds, job.progress)
         capability = cost.capability if cost is not None else ""
         views.append(
             RunningView(
@@ -151,7 +153,7 @@ def running_views(
                 worker_id=job.worker_id,
                 lane=job.lane,
                 capability=capability,
-                model=job.model,
+                model=shape.model,
                 preemptions=job.preemptions,
                 suspend_requested=job.suspend_requested,
                 step_s=step_s,

@@ -101,6 +101,7 @@ def running_job(**changes: Any) -> RunningJob:
         width=512,
         height=512,
         steps=30,
+        guidance_scale=7.5,
         num_images=1,
         progress_step=10,
         preemptions=1,

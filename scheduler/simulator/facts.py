@@ -9,6 +9,7 @@ from scheduler import snapshot
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.world import Gpu, Job
 from services.db.states import WorkerStatus
+from services.generation import BatchKey, JobShape
 
 # Every simulated job has the default guidance: the simulator does not model it.
 GUIDANCE = 7.5
@@ -31,12 +32,7 @@ class WorldFacts:
             aged_from = job.suspended_at if job.preemptions and job.suspended_at is not None else job.queued_at
             fact = snapshot.QueuedJob(
                 str(job.id),
-                t.model,
-                t.width,
-                t.height,
-                t.steps,
-                t.batch,
-                GUIDANCE,
+                JobShape(t.model, t.width, t.height, t.steps, GUIDANCE, t.batch),
                 job.trace.lane,
                 job.trace.priority,
                 aged_from,
@@ -103,9 +99,8 @@ class WorldFacts:
     def _work(gpu: Gpu, jobs: list[Job], holding: snapshot.Holding, progress: snapshot.Progress) -> snapshot.HeldWork:
         t = jobs[0].trace.type
         images = [j.trace.type.batch for j in jobs]
-        return snapshot.HeldWork(
-            gpu.id, t.model, t.width, t.height, t.steps, GUIDANCE, sum(images), max(images), holding, progress
-        )
+        key = BatchKey(t.model, t.width, t.height, t.steps, GUIDANCE)
+        return snapshot.HeldWork(gpu.id, key, sum(images), max(images), holding, progress)
 
     def running(self, sim: Simulation, now: float) -> list[snapshot.RunningJob]:
         running = []
@@ -121,11 +116,7 @@ class WorldFacts:
                         job.attempts,
                         gpu.id,
                         job.trace.lane,
-                        t.model,
-                        t.width,
-                        t.height,
-                        t.steps,
-                        t.batch,
+                        JobShape(t.model, t.width, t.height, t.steps, GUIDANCE, t.batch),
                         job.preemptions,
                         job.suspend_requested,
                         progress,

@@ -222,6 +222,7 @@ class RunningJob:
     width: int
     height: int
     steps: int
+    guidance_scale: float
     num_images: int
     progress_step: int  # steps done, counted from the job's first step (a resumed job starts past 0)
     preemptions: int  # times it has been suspended for other work

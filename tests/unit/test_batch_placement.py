@@ -13,12 +13,13 @@ from scheduler.estimates import Durations, Learned, Shape
 from scheduler.placement import place, plan
 from scheduler.policy import Fleet, JobView, ModelCost, WorkerView
 from services.config.placement import PlacementSettings
+from services.generation import BatchKey
 
 GB = 1024**3
 SD = ModelCost("image", step_s_512=0.05, load_s=8.0, vram_bytes=4 * GB, max_batch=4)
 PIXELS = 512 * 512
 BATCHED = Durations(shapes={Shape("sd", PIXELS, 20, k).key: Learned(1 + 0.2 * (k - 1), 10) for k in range(1, 5)})
-KEY = ("sd", 512, 512, 20, 7.5)
+KEY = BatchKey("sd", 512, 512, 20, 7.5)
 CONFIG = PlacementSettings(backlog_limit=1)
 
 
@@ -144,8 +145,8 @@ def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
     assert view.held_jobs == 3  # batches: the running one and two waiting
     assert abs(view.held_work_s - (0.6 + 1.4 + 1.5)) < 1e-9
     assert view.open_batches == (
-        (("sd", 512, 512, 20, 7.5), 3),
-        (("sd", 512, 512, 30, 7.5), 1),
+        (BatchKey("sd", 512, 512, 20, 7.5), 3),
+        (BatchKey("sd", 512, 512, 30, 7.5), 1),
     )
     assert view.held_capabilities == frozenset({"image"})
 

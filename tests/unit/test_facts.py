@@ -249,8 +249,8 @@ HELD = [
     HeldGroup("slow", JobStatus.RUNNING, "vid", 512, 512, 30, 7.5, jobs=1, images=1, largest=1, done=18 / 30),
 ]
 RUNNING = [
-    RunningJob(A, 1, "fast", "paid", 10, "img", 1024, 1024, 20, 1, 12, 0, False, at(10.0)),
-    RunningJob(D, 2, "slow", "free", 0, "vid", 512, 512, 30, 1, 18, 1, True, at(5.0)),
+    RunningJob(A, 1, "fast", "paid", 10, "img", 1024, 1024, 20, 7.5, 1, 12, 0, False, at(10.0)),
+    RunningJob(D, 2, "slow", "free", 0, "vid", 512, 512, 30, 7.5, 1, 18, 1, True, at(5.0)),
 ]
 ALL = ("img", "vid", "up")
 WORKERS = [
@@ -420,7 +420,7 @@ def batch_running(tmp_path: Path) -> tuple[Simulated, list[RunningJob]]:
     sim.assign(second, "fast", BASE + 10.0)
     assert sim.gpus["fast"].batch == [first, second]
     running = [
-        RunningJob(str(j.id), 1, "fast", "free", 0, "img", 1024, 1024, 20, 1, 6, 0, False, at(10.0))
+        RunningJob(str(j.id), 1, "fast", "free", 0, "img", 1024, 1024, 20, 7.5, 1, 6, 0, False, at(10.0))
         for j in (first, second)
     ]
     return Simulated(sim, policy, {B1: first, B4: second}), running
@@ -449,7 +449,7 @@ def test_a_job_retried_after_its_gpu_failed_runs_as_the_same_attempt(sim_world: 
     sim._fail("fast", NOW)
     sim.assign(sim_world.jobs[A], "small", NOW)
     [simulated] = [r for r in sim_world.policy.facts.running(sim, NOW) if r.worker_id == "small"]
-    retried = RunningJob(A, 2, "small", "paid", 10, "img", 1024, 1024, 20, 1, 0, 0, False, at(11.5))
+    retried = RunningJob(A, 2, "small", "paid", 10, "img", 1024, 1024, 20, 7.5, 1, 0, 0, False, at(11.5))
     [produced] = production(running=[retried]).running
     assert replace(simulated, progress=Progress()) == replace(produced, progress=Progress())
     assert simulated.attempt == 2

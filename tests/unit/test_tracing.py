@@ -103,7 +103,7 @@ def test_a_job_s_spans_share_its_trace_and_nest(exported: InMemorySpanExporter) 
     scheduler_spans.placed([placed], {placed.id: placed.routing or {}})
     running = replace(placed, dispatched_at=T0 + timedelta(seconds=2), started_at=T0 + timedelta(seconds=3))
     sampler_spans.sampled([Member(running, object())], seconds=0.5, rows=1, worker_id="w1")
-    with sampler_spans.decode_call([running], "vae-0") as traceparents:
+    with sampler_spans.decode_call([running], "decoder-0") as traceparents:
         [context] = traceparents
         assert context is not None and context.split("-")[1] == trace_hex
         # The decoder's side, from the context that came with the job in the request.
@@ -147,7 +147,7 @@ def test_failures_mark_their_span(exported: InMemorySpanExporter) -> None:
     new = gateway_spans.with_trace(new_job())
     job = replace(record(new), attempt=2, scheduled_at=T0, started_at=T0)
     sampler_spans.sampled([Member(job, RuntimeError("CUDA error"))], seconds=0.1, rows=1, worker_id="w1")
-    with pytest.raises(ValueError), sampler_spans.decode_call([job], "vae-0"):
+    with pytest.raises(ValueError), sampler_spans.decode_call([job], "decoder-0"):
         raise ValueError("gone")
     tracing.stop()
     spans = {s.name: s for s in exported.get_finished_spans()}
@@ -172,7 +172,7 @@ def test_untraced_jobs_are_skipped_and_the_ratio_samples(exported: InMemorySpanE
     untraced = record(new_job(), attempt=1, scheduled_at=T0)
     scheduler_spans.placed([untraced], {})
     sampler_spans.sampled([Member(untraced, None)], seconds=0.1, rows=1, worker_id="w1")
-    with sampler_spans.decode_call([untraced], "vae-0") as traceparents:
+    with sampler_spans.decode_call([untraced], "decoder-0") as traceparents:
         assert traceparents == [None]
     never = InMemorySpanExporter()
     tracing.start("gateway", KernelSettings(trace_sample_ratio=0.0), exporter=never)

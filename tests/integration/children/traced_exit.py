@@ -23,7 +23,7 @@ async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: async
     params = GenerationParams("tiny", "p", "", 64, 64, 1, 7.5, 1, 1)
     new = gateway_spans.with_trace(NewJob(job_id, "free", 0, params, None))
     job: Any = SimpleNamespace(id=job_id, attempt=1, trace_context=new.trace_context)
-    with sampler_spans.decode_call([job], "vae-0"):
+    with sampler_spans.decode_call([job], "decoder-0"):
         pass
     await asyncio.to_thread(Path(os.environ["TRACED_READY"]).touch)
     await stop.wait()
