@@ -14,7 +14,9 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import Protocol, TypeVar
+
+from prometheus_client import Counter
 
 from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.failures import Failure
@@ -45,6 +47,12 @@ def _now() -> datetime:
 
 def _published(dispatch: Dispatch) -> datetime | None:
     return datetime.fromtimestamp(dispatch.published_at, UTC) if dispatch.published_at else None
+
+
+class _FencedEnd(Protocol):
+    """A write that ends an attempt if it is still the job's current one."""
+
+    def __call__(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> Awaitable[bool]: ...
 
 
 class JobStore:
@@ -176,22 +184,28 @@ class JobStore:
         await self._ended(job, status)
 
     async def cancel(self, job: JobRecord) -> None:
-        cancelled = await self._retried(
-            f"the cancel of {job.id}",
-            lambda: self.repo.attempts.cancel(job.id, job.attempt, self.worker_id, now=_now()),
-        )
-        if cancelled:
-            JOBS_FINISHED.labels(outcome="cancelled").inc()
-        await self._ended(job, JobStatus.CANCELLED if cancelled else None)
+        write = self.repo.attempts.cancel
+        await self._end_as(job, JobStatus.CANCELLED, "the cancel", write, JOBS_FINISHED.labels(outcome="cancelled"))
 
     async def hand_back(self, job: JobRecord) -> None:
-        handed = await self._retried(
-            f"the hand-back of {job.id}",
-            lambda: self.repo.attempts.hand_back(job.id, job.attempt, self.worker_id, now=_now()),
+        write = self.repo.attempts.hand_back
+        await self._end_as(job, JobStatus.QUEUED, "the hand-back", write, REQUEUES.labels(cause="handed back"))
+
+    async def _end_as(
+        self,
+        job: JobRecord,
+        status: JobStatus,
+        what: str,
+        write: _FencedEnd,
+        counted: Counter,
+    ) -> None:
+        """Ends the attempt in ``status`` by ``write``, fenced by the attempt."""
+        done = await self._retried(
+            f"{what} of {job.id}", lambda: write(job.id, job.attempt, self.worker_id, now=_now())
         )
-        if handed:
-            REQUEUES.labels(cause="handed back").inc()
-        await self._ended(job, JobStatus.QUEUED if handed else None)
+        if done:
+            counted.inc()
+        await self._ended(job, status if done else None)
 
     async def suspend(self, job: JobRecord, checkpoint: Checkpoint | None, *, reason: str, preempted: bool) -> None:
         """Stores the job's checkpoint (None: it keeps the stored one) and puts it back

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
 from gpu_worker.job_store import JobStore
 from gpu_worker.metrics import RESUMED_STEPS
@@ -27,33 +28,24 @@ _STOPS = {
 }
 
 
+@dataclass(eq=False)
 class StepProgress:
-    def __init__(
-        self,
-        job: JobRecord,
-        watch: JobWatch,
-        store: JobStore,
-        events: Events,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        resumed_from: int = 0,
-    ) -> None:
-        self.job = job
-        self.watch = watch
-        self.store = store
-        self.events = events
-        self.loop = loop
-        self._last_write = time.monotonic()
-        self._resumed_from = resumed_from  # the checkpoint's step, until the first step says if it was taken
+    job: JobRecord
+    watch: JobWatch
+    store: JobStore
+    events: Events
+    loop: asyncio.AbstractEventLoop
+    resumed_from: int = 0  # the checkpoint's step, until the first step says if it was taken
+    _last_write: float = field(default_factory=time.monotonic, init=False)
 
     def on_step(self, step: int, total: int) -> None:
         """From the sampling thread, after each step."""
-        if self._resumed_from:
+        if self.resumed_from:
             # Its first step says whether the engine took the checkpoint (or,
             # finding it unusable, started over).
-            if step == self._resumed_from + 1:
-                RESUMED_STEPS.inc(self._resumed_from)
-            self._resumed_from = 0
+            if step == self.resumed_from + 1:
+                RESUMED_STEPS.inc(self.resumed_from)
+            self.resumed_from = 0
         # The last step's progress is written with the DECODING that follows it.
         write = step < total and time.monotonic() - self._last_write >= PROGRESS_WRITE_EVERY_S
         if write:

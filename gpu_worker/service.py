@@ -21,7 +21,7 @@ import torch
 from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.decoders import Decoders
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.heartbeat import SamplerHeartbeat
+from gpu_worker.heartbeat import SamplerLoad
 from gpu_worker.job_store import JobStore
 from gpu_worker.plan_follower import follow_plan
 from gpu_worker.runner import JobRunner
@@ -30,13 +30,13 @@ from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_t
 from services.bus.events import Events
 from services.config.sections import KernelSettings, SamplerSettings
 from services.db.repository import Repository
-from services.db.states import WorkerStatus
+from services.db.states import WorkerKind, WorkerStatus
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
-from services.presence import Presence
+from services.presence import Heartbeat, Presence
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import unary_errors
@@ -137,7 +137,8 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     nats = JetStream(kernel, connection_name=f"darkroom-sampler-{worker_id}", events=events)
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
-    heartbeat = SamplerHeartbeat(worker_id, address, engine, telemetry, tracker, kernel.restarts)
+    load = SamplerLoad(worker_id, engine, tracker)
+    heartbeat = Heartbeat(WorkerKind.SAMPLER, worker_id, address, engine, telemetry, kernel.restarts, load)
     presence = Presence(
         repo.workers, worker_id, heartbeat, events, interval_s=kernel.heartbeat_interval_s, on_superseded=stop.set
     )

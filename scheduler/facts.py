@@ -10,7 +10,6 @@ from typing import Any
 from scheduler import snapshot
 from services.db import counts, records, worker_records
 from services.db.states import JobStatus
-from services.generation import BatchKey, JobShape
 
 _HOLDING = {
     JobStatus.RUNNING: snapshot.Holding.RUNNING,
@@ -63,7 +62,7 @@ def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
 def held_work(g: records.HeldGroup) -> snapshot.HeldWork:
     return snapshot.HeldWork(
         worker_id=g.worker_id,
-        key=BatchKey(g.model, g.width, g.height, g.steps, g.guidance_scale),
+        key=g.key,
         images=g.images,
         largest=g.largest,
         holding=_HOLDING[g.status],
@@ -71,21 +70,17 @@ def held_work(g: records.HeldGroup) -> snapshot.HeldWork:
     )
 
 
-def running_job(r: records.RunningJob) -> snapshot.RunningJob:
+def running_job(r: records.RunningJobRecord) -> snapshot.RunningJob:
     return snapshot.RunningJob(
         id=r.id,
         attempt=r.attempt,
         worker_id=r.worker_id,
         lane=r.lane,
-        shape=JobShape(r.model, r.width, r.height, r.steps, r.guidance_scale, r.num_images),
+        shape=r.shape,
         preemptions=r.preemptions,
         suspend_requested=r.suspend_requested,
-        progress=snapshot.Progress(done=min(r.progress_step / r.steps, 1.0) if r.steps > 0 else 0.0),
+        progress=snapshot.Progress(done=min(r.progress_step / r.shape.steps, 1.0) if r.shape.steps > 0 else 0.0),
     )
-
-
-def submitted(c: counts.SubmittedCount) -> snapshot.Submitted:
-    return snapshot.Submitted(c.model, c.width, c.height, c.steps, c.num_images, c.lane, c.newer, c.count, c.backlog)
 
 
 def fleet_snapshot(
@@ -94,7 +89,7 @@ def fleet_snapshot(
     workers: Iterable[worker_records.WorkerRecord] = (),
     queued: Iterable[records.JobSummary | records.JobRecord] = (),
     held: Iterable[records.HeldGroup] = (),
-    running: Iterable[records.RunningJob] = (),
+    running: Iterable[records.RunningJobRecord] = (),
     submitted_counts: Iterable[counts.SubmittedCount] = (),
     stalled: Iterable[records.JobRecord] = (),
     dead: Iterable[worker_records.DeadWorker] = (),
@@ -105,7 +100,7 @@ def fleet_snapshot(
         queued=tuple(map(queued_job, queued)),
         held=tuple(held_work(g) for g in held if g.status in _HOLDING),
         running=tuple(map(running_job, running)),
-        submitted=tuple(map(submitted, submitted_counts)),
+        submitted=tuple(submitted_counts),
         stalled=tuple(stalled),
         dead=tuple(dead),
     )

@@ -62,7 +62,7 @@ from services.config.placement import PreemptionSettings
 
 @dataclass(frozen=True)
 class RunningView:
-    """One running job (built from ``services.db.records.RunningJob``)."""
+    """One running job (built from ``services.db.records.RunningJobRecord``)."""
 
     job_id: str
     attempt: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from services.db.counts import SubmittedCount
 from services.db.records import JobRecord
 from services.db.states import WorkerStatus
 from services.db.worker_records import DeadWorker
@@ -97,22 +98,6 @@ class RunningJob:
 
 
 @dataclass(frozen=True)
-class Submitted:
-    """Jobs of one shape and lane submitted in one half of the planner's demand
-    window, or still queued from before it (``backlog``)."""
-
-    model: str
-    width: int
-    height: int
-    steps: int
-    num_images: int
-    lane: str
-    newer: bool
-    count: int = 1
-    backlog: bool = False
-
-
-@dataclass(frozen=True)
 class FleetSnapshot:
     """The facts one pass decides from; each pass reads the part it needs (a
     recovery pass: ``stalled`` and ``dead``)."""
@@ -122,7 +107,7 @@ class FleetSnapshot:
     queued: tuple[QueuedJob, ...] = ()
     held: tuple[HeldWork, ...] = ()
     running: tuple[RunningJob, ...] = ()
-    submitted: tuple[Submitted, ...] = ()
+    submitted: tuple[SubmittedCount, ...] = ()
     # Jobs that may be stuck where they are, and the workers known dead.
     stalled: tuple[JobRecord, ...] = ()
     dead: tuple[DeadWorker, ...] = ()

@@ -13,9 +13,10 @@ from scheduler import policy
 from scheduler.estimates import Shape
 from scheduler.forecast import Submitted as SubmittedWork
 from scheduler.preemption import RunningView
-from scheduler.snapshot import FleetSnapshot, HeldWork, Holding, Progress, QueuedJob, Submitted, Worker
+from scheduler.snapshot import FleetSnapshot, HeldWork, Holding, Progress, QueuedJob, Worker
 from scheduler.warm_planner import GpuView
 from services.config.placement import PlacementSettings
+from services.db.counts import SubmittedCount
 from services.generation import BatchKey
 
 
@@ -179,7 +180,7 @@ def gpu_views(snapshot: FleetSnapshot, fleet: policy.Fleet) -> list[GpuView]:
     ]
 
 
-def submitted_work(s: Submitted, fleet: policy.Fleet, placement: PlacementSettings) -> SubmittedWork:
+def submitted_work(s: SubmittedCount, fleet: policy.Fleet, placement: PlacementSettings) -> SubmittedWork:
     """Jobs submitted of one shape and lane as the forecast takes them: their
     speed-1.0 seconds, and their latency class."""
     cost = fleet.costs[s.model]

@@ -15,17 +15,67 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
-from services.db.states import WorkerStatus
+from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
 from services.errors import StoreError, WorkerSuperseded
+from services.models.registry import ModelRegistry
 from services.telemetry import logs
+from services.telemetry.gpu import Telemetry
+from services.telemetry.metrics import observe_gpu
 
 log = logging.getLogger(__name__)
+
+
+class ModelHolder(Protocol):
+    """A worker's engine, as its heartbeat reads it."""
+
+    @property
+    def device(self) -> object: ...
+
+    @property
+    def registry(self) -> ModelRegistry: ...
+
+    def warm_models(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a worker of ``kind`` says in each heartbeat: its card (named as NVML
+    names it, else by its engine's torch device), the models it can run and those
+    it holds, and the card's telemetry with the kind's own (``own``, read at each
+    beat)."""
+
+    kind: WorkerKind
+    worker_id: str
+    address: str
+    engine: ModelHolder
+    card: Telemetry
+    restarts: int
+    own: Callable[[], Mapping[str, Any]] = dict
+
+    def __call__(self, status: WorkerStatus) -> WorkerHeartbeat:
+        reading = self.card.read()
+        observe_gpu(self.worker_id, reading)
+        return WorkerHeartbeat(
+            id=self.worker_id,
+            kind=self.kind,
+            address=self.address,
+            device=reading.name if reading.source == "nvml" else str(self.engine.device),
+            models=tuple(self.engine.registry.names()),
+            warm_models=tuple(self.engine.warm_models()),
+            vram_total_bytes=reading.vram_total_bytes,
+            vram_used_bytes=reading.vram_used_bytes,
+            temperature_c=reading.temperature_c,
+            status=status,
+            restarts=self.restarts,
+            telemetry={**reading.as_dict(), **self.own()},
+        )
 
 
 class WorkerRegistry(Protocol):
@@ -42,29 +92,19 @@ def _never_mind() -> None:
     pass
 
 
+@dataclass(eq=False)
 class Presence:
-    def __init__(
-        self,
-        workers: WorkerRegistry,
-        worker_id: str,
-        heartbeat: Callable[[WorkerStatus], WorkerHeartbeat],
-        events: Events,
-        *,
-        interval_s: float,
-        status: WorkerStatus = WorkerStatus.STARTING,
-        on_superseded: Callable[[], None] = _never_mind,
-    ) -> None:
-        self.workers = workers
-        self.worker_id = worker_id
-        self.heartbeat = heartbeat
-        self.events = events
-        self.interval_s = interval_s
-        self.incarnation = str(uuid.uuid4())
-        self.status = status
-        self.plan = WarmPlan(None, ())  # what the scheduler wants warm here (samplers)
-        # Set when a newer process took this worker's id: this one must stop.
-        self.superseded = asyncio.Event()
-        self._on_superseded = on_superseded
+    workers: WorkerRegistry
+    worker_id: str
+    heartbeat: Callable[[WorkerStatus], WorkerHeartbeat]
+    events: Events
+    interval_s: float
+    status: WorkerStatus = WorkerStatus.STARTING
+    on_superseded: Callable[[], None] = _never_mind
+    incarnation: str = field(default_factory=lambda: str(uuid.uuid4()), init=False)
+    plan: WarmPlan = field(default=WarmPlan(None, ()), init=False)  # what the scheduler wants warm here (samplers)
+    # Set when a newer process took this worker's id: this one must stop.
+    superseded: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
     async def register(self, stop: asyncio.Event) -> bool:
         """Registers this incarnation, waiting for the database if it is away.
@@ -96,7 +136,7 @@ class Presence:
         except WorkerSuperseded as exc:
             log.error("%s; stopping", exc)
             self.superseded.set()
-            self._on_superseded()
+            self.on_superseded()
         except StoreError as exc:
             log.warning("heartbeat failed: %s", exc)
 

@@ -6,10 +6,10 @@ from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.db.records import JobRecord, JobSummary, NewJob, RunningJob, flat
+from services.db.records import JobRecord, JobSummary, NewJob, RunningJobRecord, flat
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerRecord
-from services.generation import GenerationParams
+from services.generation import GenerationParams, JobShape
 
 # In the past: a span that would end before it starts is clamped.
 T0 = datetime.now(UTC) - timedelta(minutes=5)
@@ -89,20 +89,15 @@ def worker_record(worker_id: str, models: tuple[str, ...] = ("sd",), **changes: 
     return replace(worker, **changes)
 
 
-def running_job(**changes: Any) -> RunningJob:
+def running_job(**changes: Any) -> RunningJobRecord:
     """A video job running on worker "a", 10 of its 30 steps done, suspended once."""
-    job = RunningJob(
+    job = RunningJobRecord(
         id="v",
         attempt=2,
         worker_id="a",
         lane="free",
         priority=0,
-        model="vid",
-        width=512,
-        height=512,
-        steps=30,
-        guidance_scale=7.5,
-        num_images=1,
+        shape=JobShape("vid", 512, 512, 30, 7.5, 1),
         progress_step=10,
         preemptions=1,
         suspend_requested=False,

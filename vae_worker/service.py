@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import grpc
 
@@ -20,7 +19,6 @@ from services.bus.events import Events
 from services.config.sections import DecoderSettings, KernelSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
-from services.db.worker_records import WorkerHeartbeat
 from services.errors import FieldViolation, InvalidArgument
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode
@@ -28,7 +26,7 @@ from services.models.registry import ModelRegistry
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
 from services.ops.host import Closing, GrpcServer, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
-from services.presence import Presence
+from services.presence import Heartbeat, Presence
 from services.rpc.chunks import split
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
@@ -36,7 +34,6 @@ from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors
 from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
-from services.telemetry.metrics import observe_gpu
 from vae_worker import spans
 from vae_worker.decode_batches import DecodeBatcher
 
@@ -130,37 +127,6 @@ async def _encoded(
             task.cancel()
 
 
-@dataclass(frozen=True)
-class DecoderHeartbeat:
-    """What a decoder's heartbeat says (``services.presence`` sends it): its GPU's
-    telemetry, its models, and its load, from which samplers pick a decoder."""
-
-    worker_id: str
-    address: str
-    engine: VaeDecoderEngine
-    batcher: DecodeBatcher
-    telemetry: Telemetry
-    restarts: int
-
-    def __call__(self, status: WorkerStatus) -> WorkerHeartbeat:
-        card = self.telemetry.read()
-        observe_gpu(self.worker_id, card)
-        return WorkerHeartbeat(
-            id=self.worker_id,
-            kind=WorkerKind.DECODER,
-            address=self.address,
-            device=card.name if card.source == "nvml" else str(self.engine.device),
-            models=tuple(self.engine.registry.names()),
-            warm_models=tuple(self.engine.warm_models()),
-            vram_total_bytes=card.vram_total_bytes,
-            vram_used_bytes=card.vram_used_bytes,
-            temperature_c=card.temperature_c,
-            status=status,
-            restarts=self.restarts,
-            telemetry={**card.as_dict(), **self.batcher.telemetry()},
-        )
-
-
 def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBatcher:
     return DecodeBatcher(engine, wait_s=settings.batch_wait_ms / 1000.0, max_images=settings.max_batch)
 
@@ -192,7 +158,7 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
     server = create_server(settings, batcher)
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
-    heartbeat = DecoderHeartbeat(worker_id, address, engine, batcher, telemetry, kernel.restarts)
+    heartbeat = Heartbeat(WorkerKind.DECODER, worker_id, address, engine, telemetry, kernel.restarts, batcher.telemetry)
     # No jobs of its own: nothing to publish as it registers or deregisters.
     presence = Presence(
         repo.workers,

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from scheduler import snapshot
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.world import Gpu, Job
+from services.db.counts import SubmittedCount
 from services.db.states import WorkerStatus
 from services.generation import BatchKey, JobShape
 
@@ -137,6 +138,6 @@ class WorldFacts:
         )
 
     @staticmethod
-    def submitted(job: Job, *, newer: bool = False, backlog: bool = False) -> snapshot.Submitted:
+    def submitted(job: Job, *, newer: bool = False, backlog: bool = False) -> SubmittedCount:
         t = job.trace.type
-        return snapshot.Submitted(t.model, t.width, t.height, t.steps, t.batch, job.trace.lane, newer, 1, backlog)
+        return SubmittedCount(t.model, t.width, t.height, t.steps, t.batch, job.trace.lane, newer, 1, backlog)

@@ -10,10 +10,10 @@ from datetime import datetime
 from typing import Any
 
 from services.db.states import JobStatus
-from services.generation import GenerationParams, JobShape
+from services.generation import BatchKey, GenerationParams, JobShape
 
 # Records hold these types whole; the table holds their fields as columns.
-_NESTED: tuple[type, ...] = (GenerationParams, JobShape)
+_NESTED: tuple[type, ...] = (GenerationParams, JobShape, BatchKey)
 
 
 def columns(cls: type) -> tuple[str, ...]:
@@ -210,7 +210,7 @@ class JobSummary:
 
 
 @dataclass(frozen=True)
-class RunningJob:
+class RunningJobRecord:
     """A job running on a worker, as preemption sees it."""
 
     id: str
@@ -218,16 +218,15 @@ class RunningJob:
     worker_id: str
     lane: str
     priority: int
-    model: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
-    num_images: int
+    shape: JobShape
     progress_step: int  # steps done, counted from the job's first step (a resumed job starts past 0)
     preemptions: int  # times it has been suspended for other work
     suspend_requested: bool  # a suspension is asked for and not yet done
     started_at: datetime | None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> RunningJobRecord:
+        return cls(**_values(cls, row))
 
 
 @dataclass(frozen=True)
@@ -237,11 +236,7 @@ class HeldGroup:
 
     worker_id: str
     status: JobStatus
-    model: str
-    width: int
-    height: int
-    steps: int
-    guidance_scale: float
+    key: BatchKey
     jobs: int
     images: int  # of all its jobs
     largest: int  # images of its largest job

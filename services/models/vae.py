@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +72,15 @@ class DecodedImage:
     fault: str = ""
 
 
+@dataclass(eq=False)
 class VaeDecoderEngine:
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        models_dir: Path,
-        device: torch.device,
-        *,
-        tile_above_pixels: int = DEFAULT_TILE_ABOVE_PIXELS,
-        min_pixel_std: float = DEFAULT_MIN_PIXEL_STD,
-    ) -> None:
-        self.registry = registry
-        self.models_dir = models_dir
-        self.device = device
-        self.tile_above_pixels = tile_above_pixels
-        self.min_pixel_std = min_pixel_std
-        self._vaes: dict[str, Any] = {}
-        self._lock = threading.Lock()
+    registry: ModelRegistry
+    models_dir: Path
+    device: torch.device
+    tile_above_pixels: int = DEFAULT_TILE_ABOVE_PIXELS
+    min_pixel_std: float = DEFAULT_MIN_PIXEL_STD
+    _vaes: dict[str, Any] = field(default_factory=dict, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
 
     @classmethod
     def from_settings(

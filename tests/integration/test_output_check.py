@@ -5,6 +5,7 @@ restarts it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,8 +35,7 @@ def poisoned_registry(models_dir: Path, where: Path) -> Path:
     tiny = ModelRegistry.load().get("tiny")
     lines = [f'[models.tiny]\nsource = "{broken}"']
     for key in ("family", "dtype", "max_width", "max_height", "default_width", "default_height"):
-        value = getattr(tiny, key)
-        lines.append(f"{key} = {value!r}".replace("'", '"'))
+        lines.append(f"{key} = {json.dumps(getattr(tiny, key))}")
     registry = where / "broken.toml"
     registry.write_text("\n".join(lines) + "\n")
     return registry

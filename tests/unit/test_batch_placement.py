@@ -132,7 +132,7 @@ def test_the_work_a_worker_holds_is_counted_from_groups_of_its_jobs() -> None:
     record = worker_record("a")
 
     def group(status: JobStatus, steps: int, images: int, done: float = 0.0) -> HeldGroup:
-        return HeldGroup("a", status, "sd", 512, 512, steps, 7.5, images, images, 1, done)
+        return HeldGroup("a", status, BatchKey("sd", 512, 512, steps, 7.5), images, images, 1, done)
 
     groups = [
         group(JobStatus.RUNNING, 20, 2, done=0.5),  # a batch of 2 half done: 1.2 s of which 0.6 s left

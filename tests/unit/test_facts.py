@@ -53,8 +53,9 @@ from scheduler.simulator.world import Job
 from scheduler.snapshot import FleetSnapshot, Progress
 from scheduler.views import job_view, running_views, worker_views
 from services.db.counts import SubmittedCount
-from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJob
+from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJobRecord
 from services.db.states import JobStatus
+from services.generation import BatchKey, JobShape
 from tests import fleets
 from tests.records import new_job, summary, worker_record
 
@@ -242,15 +243,17 @@ JOBS = {
     E: summary(new_job(id=E, lane="free", model="img", width=512, height=512, steps=20), created_at=at(11.0)),
 }
 # What ``_HELD_GROUPS`` (services/db/repository/scheduling.py) reads of those jobs.
+IMG = BatchKey("img", 1024, 1024, 20, 7.5)
+IMG_SHAPE = JobShape("img", 1024, 1024, 20, 7.5, 1)
 HELD = [
-    HeldGroup("fast", JobStatus.RUNNING, "img", 1024, 1024, 20, 7.5, jobs=1, images=1, largest=1, done=12 / 20),
-    HeldGroup("fast", JobStatus.SCHEDULED, "img", 1024, 1024, 20, 7.5, jobs=3, images=5, largest=2, done=0.0),
-    HeldGroup("fast", JobStatus.SCHEDULED, "up", 512, 512, 20, 7.5, jobs=1, images=1, largest=1, done=0.0),
-    HeldGroup("slow", JobStatus.RUNNING, "vid", 512, 512, 30, 7.5, jobs=1, images=1, largest=1, done=18 / 30),
+    HeldGroup("fast", JobStatus.RUNNING, IMG, jobs=1, images=1, largest=1, done=12 / 20),
+    HeldGroup("fast", JobStatus.SCHEDULED, IMG, jobs=3, images=5, largest=2, done=0.0),
+    HeldGroup("fast", JobStatus.SCHEDULED, BatchKey("up", 512, 512, 20, 7.5), jobs=1, images=1, largest=1, done=0.0),
+    HeldGroup("slow", JobStatus.RUNNING, BatchKey("vid", 512, 512, 30, 7.5), jobs=1, images=1, largest=1, done=18 / 30),
 ]
 RUNNING = [
-    RunningJob(A, 1, "fast", "paid", 10, "img", 1024, 1024, 20, 7.5, 1, 12, 0, False, at(10.0)),
-    RunningJob(D, 2, "slow", "free", 0, "vid", 512, 512, 30, 7.5, 1, 18, 1, True, at(5.0)),
+    RunningJobRecord(A, 1, "fast", "paid", 10, IMG_SHAPE, 12, 0, False, at(10.0)),
+    RunningJobRecord(D, 2, "slow", "free", 0, JobShape("vid", 512, 512, 30, 7.5, 1), 18, 1, True, at(5.0)),
 ]
 ALL = ("img", "vid", "up")
 WORKERS = [
@@ -404,7 +407,7 @@ def test_a_resumed_job_s_attempt_counts_alike(sim_world: Simulated) -> None:
     assert simulated.attempt == produced.attempt == 2
 
 
-def batch_running(tmp_path: Path) -> tuple[Simulated, list[RunningJob]]:
+def batch_running(tmp_path: Path) -> tuple[Simulated, list[RunningJobRecord]]:
     """B1 and another one-image job of its key started together on fast at 10.0,
     each 12 steps of 20 done at NOW (a batch of 2 takes 5 s at speed 2: steps of 0.25 s;
     NOW is 1.5 s in: 6 steps). Nothing else runs."""
@@ -420,15 +423,14 @@ def batch_running(tmp_path: Path) -> tuple[Simulated, list[RunningJob]]:
     sim.assign(second, "fast", BASE + 10.0)
     assert sim.gpus["fast"].batch == [first, second]
     running = [
-        RunningJob(str(j.id), 1, "fast", "free", 0, "img", 1024, 1024, 20, 7.5, 1, 6, 0, False, at(10.0))
-        for j in (first, second)
+        RunningJobRecord(str(j.id), 1, "fast", "free", 0, IMG_SHAPE, 6, 0, False, at(10.0)) for j in (first, second)
     ]
     return Simulated(sim, policy, {B1: first, B4: second}), running
 
 
 def test_a_running_batch_holds_its_worker_and_is_estimated_alike(tmp_path: Path) -> None:
     world, running = batch_running(tmp_path)
-    held = [HeldGroup("fast", JobStatus.RUNNING, "img", 1024, 1024, 20, 7.5, 2, 2, 1, 6 / 20)]
+    held = [HeldGroup("fast", JobStatus.RUNNING, BatchKey("img", 1024, 1024, 20, 7.5), 2, 2, 1, 6 / 20)]
     simulated, produced = simulated_snapshot(world), production(workers=WORKERS, held=held, running=running)
     [fast, *_] = worker_views(produced, production_fleet())
     [simulated_fast, *_] = worker_views(simulated, production_fleet())
@@ -449,7 +451,7 @@ def test_a_job_retried_after_its_gpu_failed_runs_as_the_same_attempt(sim_world: 
     sim._fail("fast", NOW)
     sim.assign(sim_world.jobs[A], "small", NOW)
     [simulated] = [r for r in sim_world.policy.facts.running(sim, NOW) if r.worker_id == "small"]
-    retried = RunningJob(A, 2, "small", "paid", 10, "img", 1024, 1024, 20, 7.5, 1, 0, 0, False, at(11.5))
+    retried = RunningJobRecord(A, 2, "small", "paid", 10, IMG_SHAPE, 0, 0, False, at(11.5))
     [produced] = production(running=[retried]).running
     assert replace(simulated, progress=Progress()) == replace(produced, progress=Progress())
     assert simulated.attempt == 2

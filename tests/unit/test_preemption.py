@@ -28,7 +28,8 @@ from scheduler.preemption import Preemption, RunningView, choose_preemptions, es
 from scheduler.snapshot import FleetSnapshot
 from scheduler.views import job_view, running_views
 from services.config.placement import PlacementSettings, PreemptionSettings
-from services.db.records import RunningJob
+from services.db.records import RunningJobRecord
+from services.generation import JobShape
 from tests import records
 
 GB = 1024**3
@@ -312,7 +313,7 @@ def test_plan_leaves_an_urgent_job_queued_behind_videos_and_the_rule_frees_a_gpu
 # Adapters: database records.
 
 
-def fleet_of(jobs: list[RunningJob], workers: list[str]) -> FleetSnapshot:
+def fleet_of(jobs: list[RunningJobRecord], workers: list[str]) -> FleetSnapshot:
     """The running ``jobs`` on ready workers of speed 1, as the database has them."""
     now = datetime(2025, 1, 1, 0, 5, tzinfo=UTC)
     return facts.fleet_snapshot(now, workers=[records.worker_record(w) for w in workers], running=jobs)
@@ -332,7 +333,7 @@ def test_running_views_estimate_the_step_and_the_rest_at_the_worker_s_speed() ->
 
 
 def test_a_running_job_of_an_unknown_model_is_never_chosen() -> None:
-    (view,) = running_views(fleet_of([records.running_job(model="gone")], ["a"]), FLEET)
+    (view,) = running_views(fleet_of([records.running_job(shape=JobShape("gone", 512, 512, 30, 7.5, 1))], ["a"]), FLEET)
     assert view.capability == "" and view.step_s == float("inf")
     config = replace(CONFIG, preemptible=frozenset({"free"}))
     assert choose([waits(a=31.0)], [view], config) == []

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from services.db.records import JOB_FIELDS, AttemptFailure, ImageRecord, JobRecord
-from services.db.repository.database import Database
+from services.db.repository.database import Area
 from services.db.repository.requeue import end, requeue
 from services.db.states import HELD, STARTED, JobStatus
 
@@ -58,10 +58,7 @@ class Result:
     batch_rows: int | None = None
 
 
-class Attempts:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Attempts(Area):
     async def start(
         self, job_id: str, attempt: int, worker_id: str, *, now: datetime, dispatched_at: datetime | None = None
     ) -> JobRecord | None:

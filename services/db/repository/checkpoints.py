@@ -22,8 +22,8 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.records import SUSPENDED, JobRecord, RunningJob, StoredCheckpoint
-from services.db.repository.database import Database, fetch_all
+from services.db.records import SUSPENDED, JobRecord, RunningJobRecord, StoredCheckpoint
+from services.db.repository.database import Area, fetch_all
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, TERMINAL, JobStatus
 
@@ -54,10 +54,7 @@ ORDER BY id
 """
 
 
-class Checkpoints:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Checkpoints(Area):
     async def save(
         self, job_id: str, attempt: int, worker_id: str, *, step: int, total: int, data: bytes, now: datetime
     ) -> bool:
@@ -166,9 +163,9 @@ class Checkpoints:
             ([st.value for st in TERMINAL],),
         )
 
-    async def running(self) -> list[RunningJob]:
+    async def running(self) -> list[RunningJobRecord]:
         """Every job that is sampling on a worker: what preemption chooses from."""
-        return [RunningJob(**row) for row in await self.db.all(_RUNNING)]
+        return [RunningJobRecord.of(row) for row in await self.db.all(_RUNNING)]
 
 
 async def _save(

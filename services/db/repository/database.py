@@ -179,6 +179,14 @@ class Database:
         await self._discard_idle()
 
 
+class Area:
+    """One area of the repository (jobs, attempts, workers, ...): its queries over
+    the shared database."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+
 def _translated(exc: BaseException) -> BaseException:
     error = translate(exc)
     return error if error is not None else exc

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import datetime
 
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
 from services.db.records import Estimate, RunTime
-from services.db.repository.database import Database, fetch_all, try_lock
+from services.db.repository.database import Area, fetch_all, try_lock
 
 # Held by the replica folding run times in, so that no two lose each other's update.
 LEARNING_LOCK = 0x44524B4C
@@ -30,10 +31,7 @@ SET mean = excluded.mean, count = excluded.count, updated_at = excluded.updated_
 """
 
 
-class Estimates:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Estimates(Area):
     async def learned(self) -> tuple[dict[str, Estimate], dict[str, Estimate]]:
         """Every learned (shape durations, worker speeds)."""
         async with self.db.connection() as conn:
@@ -65,22 +63,15 @@ class Estimates:
             yield Learning(conn, shapes, speeds, facts, [j["id"] for j in jobs])
 
 
+@dataclass(eq=False)
 class Learning:
     """One learning pass: the run times to learn from, and what is stored so far."""
 
-    def __init__(
-        self,
-        conn: AsyncConnection[DictRow],
-        shapes: dict[str, Estimate],
-        speeds: dict[str, Estimate],
-        facts: list[RunTime],
-        job_ids: list[str],
-    ) -> None:
-        self._conn = conn
-        self.shapes = shapes
-        self.speeds = speeds
-        self.facts = facts
-        self._job_ids = job_ids
+    _conn: AsyncConnection[DictRow]
+    shapes: dict[str, Estimate]
+    speeds: dict[str, Estimate]
+    facts: list[RunTime]
+    _job_ids: list[str]
 
     async def store(self, shapes: dict[str, Estimate], speeds: dict[str, Estimate], *, now: datetime) -> None:
         """Stores the estimates that changed and marks the run times learned."""

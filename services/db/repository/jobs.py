@@ -10,7 +10,7 @@ from psycopg.rows import DictRow
 
 from services.db.counts import LaneCount, ShapeCount, Totals
 from services.db.records import JOB_COLUMNS, JOB_FIELDS, ImageRecord, JobRecord, JobState, NewJob, SuspendEvent, flat
-from services.db.repository.database import Database, fetch_all
+from services.db.repository.database import Area, fetch_all
 from services.db.repository.requeue import qualified
 from services.db.states import HELD, JobStatus
 from services.errors import NotFound
@@ -60,10 +60,7 @@ _CANCELLABLE_AT_ONCE = (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value)
 _HELD = [st.value for st in HELD]
 
 
-class Jobs:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Jobs(Area):
     async def create(self, job: NewJob, *, now: datetime) -> tuple[JobRecord, bool]:
         """Inserts a QUEUED job; returns it and whether an earlier submit with the
         same idempotency key already made it (then nothing new is stored)."""

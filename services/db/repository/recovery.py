@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
 from services.db.records import JOB_COLUMNS, AttemptFailure, JobRecord
-from services.db.repository.database import SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
+from services.db.repository.database import SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import end, requeue
 from services.db.repository.workers import FRESH
 from services.db.states import HELD, STARTED, JobStatus, WorkerStatus
@@ -31,10 +32,7 @@ FOR UPDATE SKIP LOCKED
 """
 
 
-class Recoveries:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Recoveries(Area):
     @contextlib.asynccontextmanager
     async def recovery_pass(
         self, *, stale_after_s: float, judge_heartbeats: bool, max_attempts: int, shortest_timeout_s: float
@@ -71,16 +69,14 @@ class Recoveries:
             yield RecoveryPass(conn, jobs, dead, clock["now"])
 
 
+@dataclass(eq=False)
 class RecoveryPass:
     """What a recovery pass found, and its writes, each fenced by attempt."""
 
-    def __init__(
-        self, conn: AsyncConnection[DictRow], jobs: list[JobRecord], dead: list[DeadWorker], now: datetime
-    ) -> None:
-        self._conn = conn
-        self.jobs = jobs
-        self.dead = dead
-        self.now = now
+    _conn: AsyncConnection[DictRow]
+    jobs: list[JobRecord]
+    dead: list[DeadWorker]
+    now: datetime
 
     async def requeue(self, jobs: Sequence[tuple[str, int, AttemptFailure | None]]) -> set[str]:
         """Puts (job id, attempt, failure or None) back in the queue; returns the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -15,11 +15,12 @@ from psycopg.types.json import Jsonb
 
 from services.db.counts import SubmittedCount
 from services.db.records import SUMMARY_COLUMNS, SUMMARY_FIELDS, Assignment, HeldGroup, JobSummary
-from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Database, fetch_all, fetch_one, try_lock
+from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import qualified
 from services.db.repository.workers import LIVE_WORKERS, live_workers, live_workers_params
 from services.db.states import HELD, JobStatus, WorkerKind
 from services.db.worker_records import WarmPlan, WorkerRecord
+from services.generation import BatchKey
 
 _HELD = [st.value for st in HELD]
 # The oldest ``limit`` placeable jobs of every lane, found without reading the rest
@@ -82,10 +83,7 @@ def _times(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     return row
 
 
-class Scheduling:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Scheduling(Area):
     @contextlib.asynccontextmanager
     async def placement_pass(
         self, *, limit: int, stale_after_s: float, max_attempts: int, now: datetime
@@ -152,22 +150,15 @@ class Scheduling:
             yield PlanningPass(conn, workers, await submitted_counts(conn, since, newer_since))
 
 
+@dataclass(eq=False)
 class PlacementPass:
     """What a placement pass read, and its one write."""
 
-    def __init__(
-        self,
-        conn: AsyncConnection[DictRow],
-        now: datetime,
-        queued: list[JobSummary],
-        workers: list[WorkerRecord],
-        held: list[HeldGroup],
-    ) -> None:
-        self._conn = conn
-        self.now = now
-        self.queued = queued
-        self.workers = workers
-        self.held = held
+    _conn: AsyncConnection[DictRow]
+    now: datetime
+    queued: list[JobSummary]
+    workers: list[WorkerRecord]
+    held: list[HeldGroup]
 
     async def assign(self, assignments: Sequence[Assignment]) -> list[JobSummary]:
         """Marks the jobs SCHEDULED on their workers (attempt raised) and returns
@@ -188,11 +179,13 @@ class PlacementPass:
         return sorted((JobSummary.of(r) for r in placed), key=lambda j: order[j.id])
 
 
+@dataclass(eq=False)
 class PlanningPass:
-    def __init__(self, conn: AsyncConnection[DictRow], workers: list[WorkerRecord], demand: list[SubmittedCount]):
-        self._conn = conn
-        self.workers = workers
-        self.demand = demand
+    """What a warm-set planning pass read, and its one write."""
+
+    _conn: AsyncConnection[DictRow]
+    workers: list[WorkerRecord]
+    demand: list[SubmittedCount]
 
     async def store(self, plans: Mapping[str, WarmPlan]) -> None:
         for worker_id, warm in sorted(plans.items()):
@@ -242,11 +235,7 @@ def held_group(r: Mapping[str, Any]) -> HeldGroup:
     return HeldGroup(
         r["worker_id"],
         JobStatus(r["status"]),
-        r["model"],
-        r["width"],
-        r["height"],
-        r["steps"],
-        r["guidance_scale"],
+        BatchKey(r["model"], r["width"], r["height"], r["steps"], r["guidance_scale"]),
         r["jobs"],
         int(r["images"]),
         r["largest"],

@@ -11,7 +11,7 @@ from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from services.db.records import AttemptFailure
-from services.db.repository.database import Database, fetch_all, fetch_one
+from services.db.repository.database import Area, fetch_all, fetch_one
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, STARTED, WorkerKind, WorkerStatus
 from services.db.worker_records import WORKER_COLUMNS, Registration, WarmPlan, WorkerHeartbeat, WorkerRecord
@@ -65,10 +65,7 @@ def _plan(row: DictRow) -> WarmPlan:
     return WarmPlan(row["primary_model"], tuple(row["planned_models"] or ()))
 
 
-class Workers:
-    def __init__(self, db: Database) -> None:
-        self.db = db
-
+class Workers(Area):
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration:
         """A worker process starts: records it under a new incarnation. The jobs an
         earlier incarnation of the same worker held go back to the queue at once
