@@ -3,6 +3,7 @@ queries that make them, so that policy code can use them without SQL."""
 
 from __future__ import annotations
 
+import functools
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -16,36 +17,47 @@ from services.generation import BatchKey, GenerationParams, JobShape
 _NESTED: tuple[type, ...] = (GenerationParams, JobShape, BatchKey)
 
 
+@functools.cache
+def _layout(cls: type) -> tuple[tuple[str, type | None, tuple[str, ...]], ...]:
+    # Per field: its name, the nested type it holds whole (or None), and that type's
+    # fields. Cached: resolving the annotations costs more than reading a row.
+    hints = typing.get_type_hints(cls)
+    layout = []
+    for f in fields(cls):
+        kind = hints[f.name]
+        nested = kind in _NESTED
+        layout.append((f.name, kind if nested else None, tuple(g.name for g in fields(kind)) if nested else ()))
+    return tuple(layout)
+
+
 def columns(cls: type) -> tuple[str, ...]:
     """The columns ``cls`` is read from: its fields, a nested type's by its own."""
     names: list[str] = []
-    hints = typing.get_type_hints(cls)
-    for f in fields(cls):
-        kind = hints[f.name]
-        names += [g.name for g in fields(kind)] if kind in _NESTED else [f.name]
+    for name, kind, inner in _layout(cls):
+        names += inner if kind else [name]
     return tuple(names)
 
 
 def flat(record: Any) -> dict[str, Any]:
     """``record``'s values by column (the inverse of ``_values``)."""
     out: dict[str, Any] = {}
-    for f in fields(record):
-        value = getattr(record, f.name)
-        out.update(
-            {g.name: getattr(value, g.name) for g in fields(value)} if type(value) in _NESTED else {f.name: value}
-        )
+    cls: type = type(record)
+    for name, kind, inner in _layout(cls):
+        value = getattr(record, name)
+        if kind:
+            out.update({column: getattr(value, column) for column in inner})
+        else:
+            out[name] = value
     return out
 
 
 def _values(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in fields(cls):
-        kind = hints[f.name]
-        if kind in _NESTED:
-            values[f.name] = kind(**{g.name: row[g.name] for g in fields(kind)})
-        elif f.name in row:
-            values[f.name] = row[f.name]
+    for name, kind, inner in _layout(cls):
+        if kind:
+            values[name] = kind(**{column: row[column] for column in inner})
+        elif name in row:
+            values[name] = row[name]
     return values
 
 
