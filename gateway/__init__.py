@@ -1,3 +1,4 @@
-"""The public gRPC front door (``service``): ``validation`` checks a submit,
-``convert`` turns requests and records into messages, ``streams`` follows a job
-for ``StreamJob``, ``auth`` checks API keys; ``metrics`` and ``spans`` report."""
+"""The public gRPC front door (``service``): ``auth`` finds the caller's tenant from
+its API key, ``validation`` checks a submit, ``convert`` turns requests and records
+into messages, ``pages`` pages ``ListJobs``, ``streams`` follows a job for
+``StreamJob``; ``metrics`` and ``spans`` report."""

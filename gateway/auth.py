@@ -1,56 +1,120 @@
-"""API keys: ``authorization: Bearer <key>`` metadata on every public call."""
+"""Who is calling: ``authorization: Bearer <key>`` metadata on every public call,
+matched to a tenant's key in PostgreSQL or to a key of ``DARKROOM_API_KEYS`` (the
+default tenant's). With neither tenants nor such keys the gateway is open, for
+local use: every caller is the default tenant.
+
+What a key's id finds is kept for ``RECHECK_S`` and then read again, so a key
+revoked, or a tenant changed, is seen by every gateway within a second without a
+read per call."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import grpc
 
+from gateway.metrics import REFUSALS
+from services import api_keys
+from services.db.repository.tenants import Tenants
+from services.db.tenant_records import DEFAULT_TENANT, TenantTerms
 from services.errors import Unauthenticated
-from services.rpc.status import to_status
 
-PUBLIC_PREFIX = "/darkroom.v1."
-STREAMING_METHODS = frozenset({"/darkroom.v1.ImageGeneration/StreamJob"})
+log = logging.getLogger(__name__)
 
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, keys: Iterable[str]) -> None:
-        self._accepted = frozenset(f"Bearer {k}" for k in keys)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        method = details.method or ""
-        if not method.startswith(PUBLIC_PREFIX):
-            return await continuation(details)  # health checks and reflection stay open
-        metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") in self._accepted:
-            return await continuation(details)
-        message = "missing or unknown API key: send `authorization: Bearer <key>`"
-        if method in STREAMING_METHODS:
-            return grpc.unary_stream_rpc_method_handler(_deny_stream(message))
-        return grpc.unary_unary_rpc_method_handler(_deny(message))
+T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
+RECHECK_S = 0.5
+# Past this many remembered key ids, forgotten ones are dropped first.
+_MAX_REMEMBERED = 100_000
+_ASK_FOR_KEY = "missing or unknown API key: send `authorization: Bearer <key>`"
 
 
-def _deny(message: str) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]]:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await _abort(context, message)
+@dataclass(frozen=True)
+class Caller:
+    tenant: str
+    key_id: str  # "" on an open gateway; "env" for a key of DARKROOM_API_KEYS
+    admin: bool
+    # The tenant's terms; None where it has no record (an open gateway, or the
+    # default tenant never created): any lane, no limits.
+    terms: TenantTerms | None
+    peer: str = ""
 
-    return handler
+    def refused(self, reason: str, method: str, error: E, **about: object) -> E:
+        """``error``, once the refusal is logged and counted."""
+        REFUSALS.labels(reason=reason).inc()
+        log.warning(
+            "refused %s: %s",
+            method,
+            error,
+            extra={"tenant": self.tenant, "key_id": self.key_id, "peer": self.peer, "method": method, **about},
+        )
+        return error
 
 
-def _deny_stream(message: str) -> Callable[..., Any]:
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await _abort(context, message)
-        yield  # pragma: no cover - makes this an async generator
+class _Recent(Generic[T]):
+    """Values by name, each read again once it is RECHECK_S old."""
 
-    return handler
+    def __init__(self, read: Callable[[str], Awaitable[T]], clock: Callable[[], float]) -> None:
+        self._read = read
+        self._clock = clock
+        self._values: dict[str, tuple[float, T]] = {}
+
+    async def get(self, name: str) -> T:
+        now = self._clock()
+        found = self._values.get(name)
+        if found is not None and found[0] > now:
+            return found[1]
+        value = await self._read(name)
+        if len(self._values) >= _MAX_REMEMBERED:
+            self._values = {k: v for k, v in self._values.items() if v[0] > now}
+        self._values[name] = (now + RECHECK_S, value)
+        return value
 
 
-async def _abort(context: grpc.aio.ServicerContext, message: str) -> None:
-    from grpc_status import rpc_status
+class Gatekeeper:
+    def __init__(
+        self, tenants: Tenants, env_keys: Iterable[str], *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._env_keys = frozenset(env_keys)
+        self._holders = _Recent(tenants.holder, clock)
+        self._tenants = _Recent(tenants.find, clock)
+        self._any_tenant = _Recent(lambda _: tenants.any(), clock)
+        self._was_open: bool | None = None
 
-    await context.abort_with_status(rpc_status.to_status(to_status(Unauthenticated(message))))
+    async def caller(self, context: grpc.aio.ServicerContext, method: str) -> Caller:
+        """The caller of this call, or Unauthenticated (logged and counted)."""
+        metadata = dict(context.invocation_metadata() or ())
+        presented = str(metadata.get("authorization", ""))
+        key = presented.removeprefix("Bearer ") if presented.startswith("Bearer ") else ""
+        peer = context.peer()
+        if key and key in self._env_keys:
+            default = await self._tenants.get(DEFAULT_TENANT)
+            return Caller(DEFAULT_TENANT, "env", True, default.terms if default else None, peer)
+        if not self._env_keys and await self._open():
+            return Caller(DEFAULT_TENANT, "", True, None, peer)
+        key_id = api_keys.key_id_of(key)
+        holder = await self._holders.get(key_id) if key_id else None
+        if holder is None or not api_keys.matches(key, holder.digest):
+            stranger = Caller("", key_id or "", False, None, peer)
+            raise stranger.refused("missing" if not key else "unknown", method, Unauthenticated(_ASK_FOR_KEY))
+        if holder.key.revoked_at is not None:
+            stranger = Caller(holder.tenant.name, holder.key.id, False, None, peer)
+            raise stranger.refused("revoked", method, Unauthenticated(_ASK_FOR_KEY))
+        return Caller(holder.tenant.name, holder.key.id, holder.key.admin, holder.tenant.terms, peer)
+
+    async def _open(self) -> bool:
+        is_open = not await self._any_tenant.get("")
+        if is_open != self._was_open:
+            if is_open:
+                log.warning(
+                    "no tenants are defined and DARKROOM_API_KEYS is empty: the API is open to anyone who can "
+                    "reach it (local use); `darkroom tenants create` and `darkroom keys create` close it"
+                )
+            elif self._was_open is not None:
+                log.info("tenants are defined: every call now needs an API key")
+            self._was_open = is_open
+        return is_open

@@ -13,3 +13,9 @@ SUBMITS = Counter(
     ["lane", "result"],
 )
 STREAMS_OPEN = Gauge("darkroom_streams_open", "StreamJob streams this gateway is serving now.")
+REFUSALS = Counter(
+    "darkroom_auth_refusals",
+    "Calls refused by the gateway, by reason: missing, unknown or revoked key, cross_tenant (another tenant's job), "
+    "lane (a lane above the tenant's).",
+    ["reason"],
+)

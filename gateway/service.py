@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
+from typing import TypeVar
 
 import grpc
 
-from gateway import spans
-from gateway.auth import ApiKeyInterceptor
+from gateway import pages, spans
+from gateway.auth import Caller, Gatekeeper
 from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
 from gateway.metrics import STREAMS_OPEN, SUBMITS
 from gateway.streams import follow
@@ -25,10 +26,10 @@ from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer, SingleFlight
 from services.config.sections import GatewaySettings, KernelSettings
 from services.db.counts import ShapeCount
-from services.db.records import ImageRecord, JobRecord, JobState
+from services.db.records import ImageRecord, JobCursor, JobRecord, JobState
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
-from services.errors import NotFound, ResourceExhausted
+from services.errors import NotFound, PermissionDenied, ResourceExhausted
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
@@ -41,6 +42,7 @@ from services.telemetry import logs
 from services.telemetry.metrics import JOBS_FINISHED
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
@@ -60,6 +62,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.events = events
         self.costs = costs_from(registry)
         self.config = settings.placement
+        self.gate = Gatekeeper(repo.tenants, settings.api_keys)
         self._channels = Channels()
         self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
         self._fleet_read = 0.0
@@ -78,14 +81,20 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        caller = await self.gate.caller(context, "SubmitJob")
         now = datetime.now(UTC)
-        new = validate_submit(
-            request,
-            self.registry,
-            max_prompt_chars=self.settings.max_prompt_chars,
-            placement=self.config,
-            now=now,
-        )
+        try:
+            new = validate_submit(
+                request,
+                self.registry,
+                max_prompt_chars=self.settings.max_prompt_chars,
+                placement=self.config,
+                now=now,
+                tenant=caller.tenant,
+                tenant_lane=caller.terms.lane if caller.terms else None,
+            )
+        except PermissionDenied as exc:
+            raise caller.refused("lane", "SubmitJob", exc) from None
         cost = self.costs.get(new.params.model)
         view = policy.JobView(
             new.id,
@@ -100,7 +109,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         eta = await self._estimate(view, now)
         refusal = admission.admit(new.lane, eta, self.config)
         if refusal is not None:
-            earlier = await self.repo.jobs.find_by_idempotency_key(new.idempotency_key or "")
+            earlier = await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key or "")
             if earlier is not None:  # accepted before: the same answer, never a refusal
                 SUBMITS.labels(lane=new.lane, result="deduplicated").inc()
                 return await self._submitted(earlier, True, now)
@@ -119,17 +128,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
 
-    async def _state(self, job_id: str) -> JobState:
-        state = await self._states(job_id)
-        if state is None:
-            raise NotFound(f"job {job_id} not found")
-        return state
+    async def _state(self, caller: Caller, method: str, job_id: str) -> JobState:
+        return _owned(caller, method, job_id, await self._states(job_id), lambda state: state.tenant)
 
-    async def _result(self, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
-        result = await self._results(job_id)
-        if result is None:
-            raise NotFound(f"job {job_id} not found")
-        return result
+    async def _result(self, caller: Caller, method: str, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
+        return _owned(caller, method, job_id, await self._results(job_id), lambda result: result[0].tenant)
 
     async def _submitted(
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
@@ -169,29 +172,35 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        caller = await self.gate.caller(context, "GetJob")
         with logs.about_job(request.job_id):
-            job, images = await self.repo.jobs.get_with_images(request.job_id)
-            return job_message(job, images)
+            [found] = await self.repo.jobs.many_with_images([request.job_id])
+            return job_message(*_owned(caller, "GetJob", request.job_id, found, lambda result: result[0].tenant))
 
     @stream_errors
     async def StreamJob(
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
+        caller = await self.gate.caller(context, "StreamJob")
+        read_state = functools.partial(self._state, caller, "StreamJob")
+        read_result = functools.partial(self._result, caller, "StreamJob")
         with logs.about_job(request.job_id):
             STREAMS_OPEN.inc()
             try:
-                async for event in follow(request.job_id, self.events, self._state, self._result):
+                async for event in follow(request.job_id, self.events, read_state, read_result):
                     yield event
             finally:
                 STREAMS_OPEN.dec()
 
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
+        caller = await self.gate.caller(context, "CancelJob")
         with logs.about_job(request.job_id):
-            return await self._cancel(request.job_id)
+            await self._state(caller, "CancelJob", request.job_id)
+            return await self._cancel(caller, request.job_id)
 
-    async def _cancel(self, job_id: str) -> pb.CancelJobResponse:
-        job, ended_now = await self.repo.jobs.request_cancel(job_id, now=datetime.now(UTC))
+    async def _cancel(self, caller: Caller, job_id: str) -> pb.CancelJobResponse:
+        job, ended_now = await self.repo.jobs.request_cancel(job_id, tenant=caller.tenant, now=datetime.now(UTC))
         if ended_now:
             JOBS_FINISHED.labels(outcome="cancelled").inc()
             await self.events.job(JobEvent(job.id, job.attempt, job.status))
@@ -206,14 +215,39 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         return pb.CancelJobResponse(job_id=job.id, status=STATUS[job.status])
 
     @unary_errors
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        caller = await self.gate.caller(context, "ListJobs")
+        asked = pages.page_request(request)
+        # One more than the page: whether there is a page after it.
+        jobs = await self.repo.jobs.page(
+            caller.tenant, statuses=asked.statuses, after=asked.after, limit=asked.size + 1
+        )
+        response = pb.ListJobsResponse(jobs=[job_message(job) for job in jobs[: asked.size]])
+        if len(jobs) > asked.size:
+            last = jobs[asked.size - 1]
+            response.next_page_token = pages.encode(JobCursor(last.created_at, last.id))
+        return response
+
+    @unary_errors
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        await self.gate.caller(context, "ListModels")
         workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
         return models_message(self.registry, workers)
 
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        caller = await self.gate.caller(context, "GetStats")
+        active = await self.repo.jobs.active(caller.tenant)
+        usage = pb.TenantUsage(
+            tenant=caller.tenant,
+            lane=caller.terms.lane if caller.terms else "",
+            queued=active.queued,
+            running=active.running,
+        )
+        if not caller.admin:
+            return pb.GetStatsResponse(usage=usage)
         stale_s = self.stale_after_s
         workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=stale_s)
         workers += await self.repo.workers.all(WorkerKind.DECODER, stale_after_s=stale_s)
@@ -222,7 +256,19 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         return pb.GetStatsResponse(
             workers=[worker_stats(w, held.get(w.id, 0)) for w in workers if w.status != WorkerStatus.GONE],
             totals=totals_message(totals),
+            usage=usage,
         )
+
+
+def _owned(caller: Caller, method: str, job_id: str, found: T | None, owner: Callable[[T], str]) -> T:
+    """What was found of the job if it is the caller's. Another tenant's job is not
+    found, exactly as one that does not exist (and the attempt is logged)."""
+    if found is not None and owner(found) == caller.tenant:
+        return found
+    missing = NotFound(f"job {job_id} not found")
+    if found is None:
+        raise missing
+    raise caller.refused("cross_tenant", method, missing, job_id=job_id)
 
 
 def create_server(
@@ -237,7 +283,6 @@ def create_server(
     servicer = ImageGenerationServicer(
         settings, repo, registry, events or Events(), stale_after_s=kernel.worker_stale_after_s
     )
-    interceptors = [ApiKeyInterceptor(settings.api_keys)] if settings.api_keys else []
     server = build_server(
         [
             (
@@ -247,7 +292,6 @@ def create_server(
         ],
         settings.host,
         settings.port,
-        interceptors,
     )
     return server, servicer
 

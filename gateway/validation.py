@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 from gateway.convert import generation_params
 from services.config.placement import PlacementSettings
 from services.db.records import NewJob
-from services.errors import FieldViolation, InvalidArgument
+from services.db.tenant_records import DEFAULT_TENANT
+from services.errors import FieldViolation, InvalidArgument, PermissionDenied
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -35,13 +36,16 @@ def validate_submit(
     max_prompt_chars: int,
     placement: PlacementSettings = DEFAULT_PLACEMENT,
     now: datetime,
+    tenant: str = DEFAULT_TENANT,
+    tenant_lane: str | None = None,
 ) -> NewJob:
     """The job ``req`` asks for, or InvalidArgument naming every field that is wrong.
-    Lanes are ``placement``'s; an empty ``lane`` means the lowest."""
+    Lanes are ``placement``'s; an empty ``lane`` means the tenant's, or without
+    one the lowest. A lane above the tenant's is PermissionDenied."""
     spec = registry.models.get(req.model)
     params = generation_params(req, spec, default_guidance=DEFAULT_GUIDANCE)
     lanes = {lane.name: lane.priority for lane in placement.lanes}
-    lane = req.lane or placement.default_lane.name
+    lane = req.lane or tenant_lane or placement.default_lane.name
     output_format = OUTPUT_FORMATS.get(req.output_format)
     deadline = req.deadline.ToDatetime(tzinfo=UTC) if req.HasField("deadline") else None
     bad = [
@@ -53,6 +57,8 @@ def validate_submit(
         bad.append(FieldViolation("deadline", f"{deadline.isoformat()} has already passed"))
     if bad:
         raise InvalidArgument(bad)
+    if tenant_lane is not None and lanes[lane] > lanes.get(tenant_lane, min(lanes.values())):
+        raise PermissionDenied(f"lane {lane!r} is above the lane of tenant {tenant!r}, {tenant_lane!r}")
     assert output_format is not None
     return NewJob(
         id=str(uuid.uuid4()),
@@ -62,6 +68,7 @@ def validate_submit(
         idempotency_key=req.idempotency_key or None,
         deadline=deadline,
         output_format=output_format,
+        tenant=tenant,
     )
 
 

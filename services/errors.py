@@ -30,8 +30,16 @@ class NotFound(RequestError):
     pass
 
 
+class AlreadyExists(RequestError):
+    pass
+
+
 class Unauthenticated(RequestError):
     pass
+
+
+class PermissionDenied(RequestError):
+    """The caller is known, and may not do this."""
 
 
 class ResourceExhausted(RequestError):

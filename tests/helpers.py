@@ -85,9 +85,14 @@ def wait_for(fetch: Callable[[], T], done: Callable[[T], bool], *, timeout: floa
         time.sleep(0.05)
 
 
-def wait_terminal(client: image_generation_pb2_grpc.ImageGenerationStub, job_id: str, timeout: float = 120) -> pb.Job:
+def wait_terminal(
+    client: image_generation_pb2_grpc.ImageGenerationStub,
+    job_id: str,
+    timeout: float = 120,
+    metadata: list[tuple[str, str]] | None = None,
+) -> pb.Job:
     return wait_for(
-        lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
+        lambda: client.GetJob(pb.GetJobRequest(job_id=job_id), metadata=metadata),
         lambda j: j.status in TERMINAL,
         timeout=timeout,
         what=f"job {job_id} to end",

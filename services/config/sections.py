@@ -101,7 +101,11 @@ class GatewaySettings(Section):
 
     host: str = setting("127.0.0.1", "Where the gateway listens.", env="GATEWAY_HOST")
     port: int = setting(50051, "The gateway's port; 0 picks a free one.", env="GATEWAY_PORT", at_least=0)
-    api_keys: tuple[str, ...] = setting((), "Keys a caller must present (Bearer); empty disables authentication.")
+    api_keys: tuple[str, ...] = setting(
+        (),
+        "Keys of the default tenant, admin (Bearer), beside tenants' own keys; with none and no tenant defined, "
+        "the API is open.",
+    )
     max_prompt_chars: int = setting(2000, "The longest prompt (and negative prompt) accepted.", at_least=1)
     placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
 

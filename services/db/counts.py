@@ -20,6 +20,14 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class ActiveCount:
+    """One tenant's jobs not yet ended: waiting, and held by workers."""
+
+    queued: int
+    running: int
+
+
+@dataclass(frozen=True)
 class LaneCount:
     """How many jobs are in one state in one lane, and when the oldest was submitted."""
 

@@ -99,6 +99,9 @@ class JobRow(Base):
     # Its priority ages from here rather than from its creation: a job suspended
     # for other work waits anew, or it would outrank at once the job it made room for.
     aged_from: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The tenant whose key submitted it ("default" when no tenants are defined, or
+    # for the keys of DARKROOM_API_KEYS). Not a foreign key: "default" needs no row.
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False, server_default=text("'default'"))
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
@@ -109,12 +112,57 @@ class JobRow(Base):
         ),
         Index("ix_jobs_to_learn", "finished_at", postgresql_where=text("run_seconds IS NOT NULL AND NOT learned")),
         Index(
-            "ux_jobs_idempotency_key",
+            "ux_jobs_tenant_idempotency_key",
+            "tenant",
             "idempotency_key",
             unique=True,
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
+        Index("ix_jobs_tenant_created", "tenant", "created_at", "id"),
+        Index(
+            "ix_jobs_tenant_active",
+            "tenant",
+            postgresql_where=text("status IN ('QUEUED','SCHEDULED','RUNNING','DECODING')"),
+        ),
     )
+
+
+class TenantRow(Base):
+    """Who may submit, in which lane, and how much."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # Its jobs run in this lane; a request may ask for a lower one, never a higher.
+    lane: Mapped[str] = mapped_column(String(32), nullable=False)
+    # GPU-seconds it may still spend (times the model's price); NULL: no limit.
+    credits: Mapped[float | None] = mapped_column(Float)
+    # Credits given back each day; NULL: none.
+    daily_credits: Mapped[float | None] = mapped_column(Float)
+    # At most this many of its jobs queued or running at once; NULL: no limit.
+    max_jobs: Mapped[int | None] = mapped_column(Integer)
+    # Submits per second, shared by every gateway; NULL: no limit.
+    rate_per_s: Mapped[float | None] = mapped_column(Float)
+    # Its share of its lane's GPUs against the other tenants there.
+    weight: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class ApiKeyRow(Base):
+    """A tenant's key, stored only as a digest: the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), ForeignKey("tenants.name", ondelete="CASCADE"), nullable=False)
+    digest: Mapped[str] = mapped_column(String(64), nullable=False)  # SHA-256 of the whole key, hex
+    # May read the whole fleet's detail (GetStats).
+    admin: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index("ix_api_keys_tenant", "tenant"),)
 
 
 class JobImageRow(Base):

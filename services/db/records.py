@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from services.db.states import JobStatus
+from services.db.tenant_records import DEFAULT_TENANT
 from services.generation import BatchKey, GenerationParams, JobShape
 
 # Records hold these types whole; the table holds their fields as columns.
@@ -71,6 +72,7 @@ class NewJob:
     deadline: datetime | None = None
     output_format: str = "png"
     trace_context: str | None = None
+    tenant: str = DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,15 @@ class JobState:
     status: JobStatus
     attempt: int
     suspend_log: tuple[SuspendEvent, ...] = ()
+    tenant: str = DEFAULT_TENANT
+
+
+@dataclass(frozen=True)
+class JobCursor:
+    """Where a page of a tenant's jobs ended: its last job's creation and id."""
+
+    created_at: datetime
+    id: str
 
 
 @dataclass(frozen=True)
@@ -169,6 +180,7 @@ class JobRecord:
     suspend_requested: bool = False
     suspend_log: tuple[SuspendEvent, ...] = ()
     aged_from: datetime | None = None
+    tenant: str = DEFAULT_TENANT
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:

@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     migrate = sub.add_parser("migrate", help="apply database migrations to DARKROOM_DATABASE_URL")
     migrate.set_defaults(func=cmd_migrate)
 
+    from services.ops import tenants_cli
+
+    tenants_cli.add_commands(sub, lambda args: tenants_cli.run(args, _settings(args)))
+
     tiny = sub.add_parser("build-tiny-model", help="build the tiny random-weight model into a directory")
     tiny.add_argument("path")
     tiny.set_defaults(func=cmd_build_tiny_model)

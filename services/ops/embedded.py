@@ -171,6 +171,17 @@ class EmbeddedPostgres(ManagedProcess):
         self._wait_ready(timeout)
         self._ensure_database()
 
+    def running_port(self) -> int | None:
+        """The port of a server already running on this data directory (another
+        process's, such as ``darkroom up``'s), or None."""
+        if not self._pid_alive():
+            return None
+        try:
+            # postmaster.pid: pid, data directory, start time, port, ...
+            return int((self.pgdata / "postmaster.pid").read_text().splitlines()[3])
+        except (ValueError, IndexError, OSError):
+            return None
+
     def _pid_alive(self) -> bool:
         pid_file = self.pgdata / "postmaster.pid"
         if not pid_file.exists():

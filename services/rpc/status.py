@@ -15,10 +15,12 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from services.errors import (
+    AlreadyExists,
     DarkroomError,
     DegenerateOutput,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     StoreUnavailable,
     Unauthenticated,
@@ -41,8 +43,12 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         status.details.add().Pack(detail)
     elif isinstance(exc, NotFound):
         status = status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc))
+    elif isinstance(exc, AlreadyExists):
+        status = status_pb2.Status(code=code_pb2.ALREADY_EXISTS, message=str(exc))
     elif isinstance(exc, Unauthenticated):
         status = status_pb2.Status(code=code_pb2.UNAUTHENTICATED, message=str(exc))
+    elif isinstance(exc, PermissionDenied):
+        status = status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=str(exc))
     elif isinstance(exc, ResourceExhausted):
         status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc))
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(exc.retry_after_s)))

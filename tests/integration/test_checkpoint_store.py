@@ -16,6 +16,7 @@ from services.db.migrate import upgrade
 from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus, WorkerKind
+from services.db.tenant_records import DEFAULT_TENANT
 from services.db.worker_records import WorkerHeartbeat
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
@@ -170,7 +171,7 @@ async def test_the_checkpoints_of_ended_jobs_are_pruned_and_only_those(repo: Rep
     await repo.checkpoints.suspend(
         cancelled, cancelled_attempt, W1, step=4, total=20, data=b"s4", reason="drain", preempted=False, now=now()
     )
-    await repo.jobs.request_cancel(cancelled, now=now())
+    await repo.jobs.request_cancel(cancelled, tenant=DEFAULT_TENANT, now=now())
     alive, alive_attempt = await running(repo, W2)
     assert await save(repo, alive, alive_attempt, W2, 4)
 

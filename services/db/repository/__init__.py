@@ -11,6 +11,7 @@ from services.db.repository.estimates import Estimates
 from services.db.repository.jobs import Jobs
 from services.db.repository.recovery import Recoveries
 from services.db.repository.scheduling import Scheduling
+from services.db.repository.tenants import Tenants
 from services.db.repository.workers import Workers
 
 __all__ = [
@@ -29,7 +30,7 @@ class Repository:
     holding a job, fenced by attempt; ``workers``: the registry; ``scheduling``:
     the scheduler's passes; ``recovery``: stalled, expired and exhausted jobs;
     ``estimates``: learned durations; ``checkpoints``: denoising checkpoints and
-    suspensions."""
+    suspensions; ``tenants``: tenants and their API keys."""
 
     def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
         self.db = Database(database_url, pool_size=pool_size, application_name=application_name)
@@ -40,6 +41,7 @@ class Repository:
         self.recovery = Recoveries(self.db)
         self.estimates = Estimates(self.db)
         self.checkpoints = Checkpoints(self.db)
+        self.tenants = Tenants(self.db)
 
     async def close(self) -> None:
         await self.db.close()

@@ -8,8 +8,18 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
-from services.db.counts import LaneCount, ShapeCount, Totals
-from services.db.records import JOB_COLUMNS, JOB_FIELDS, ImageRecord, JobRecord, JobState, NewJob, SuspendEvent, flat
+from services.db.counts import ActiveCount, LaneCount, ShapeCount, Totals
+from services.db.records import (
+    JOB_COLUMNS,
+    JOB_FIELDS,
+    ImageRecord,
+    JobCursor,
+    JobRecord,
+    JobState,
+    NewJob,
+    SuspendEvent,
+    flat,
+)
 from services.db.repository.database import Area, fetch_all
 from services.db.repository.requeue import qualified
 from services.db.states import HELD, JobStatus
@@ -19,17 +29,18 @@ from services.errors import NotFound
 _INSERT = f"""
 INSERT INTO jobs (id, status, lane, priority, model, prompt, negative_prompt, width, height, steps,
                   guidance_scale, seed, num_images, output_format, idempotency_key, deadline,
-                  trace_context, created_at)
+                  trace_context, tenant, created_at)
 SELECT id, 'QUEUED', lane, priority, model, prompt, negative_prompt, width, height, steps,
-       guidance_scale, seed, num_images, output_format, idempotency_key, deadline, trace_context, created_at
+       guidance_scale, seed, num_images, output_format, idempotency_key, deadline, trace_context, tenant,
+       created_at
 FROM unnest(%(id)s::varchar[], %(lane)s::varchar[], %(priority)s::int[], %(model)s::varchar[],
             %(prompt)s::text[], %(negative_prompt)s::text[], %(width)s::int[], %(height)s::int[],
             %(steps)s::int[], %(guidance_scale)s::float8[], %(seed)s::bigint[], %(num_images)s::int[],
             %(output_format)s::varchar[], %(idempotency_key)s::varchar[], %(deadline)s::timestamptz[],
-            %(trace_context)s::varchar[], %(created_at)s::timestamptz[])
+            %(trace_context)s::varchar[], %(tenant)s::varchar[], %(created_at)s::timestamptz[])
      AS n(id, lane, priority, model, prompt, negative_prompt, width, height, steps, guidance_scale, seed,
-          num_images, output_format, idempotency_key, deadline, trace_context, created_at)
-ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+          num_images, output_format, idempotency_key, deadline, trace_context, tenant, created_at)
+ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING {JOB_COLUMNS}
 """
 _INSERTED_FIELDS = (
@@ -49,6 +60,7 @@ _INSERTED_FIELDS = (
     "idempotency_key",
     "deadline",
     "trace_context",
+    "tenant",
 )
 _WITH_IMAGES = f"""
 SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,
@@ -79,19 +91,25 @@ class Jobs(Area):
             # One statement, committed on its own. A submit whose key another has
             # inserted meanwhile waits for that one's commit, then finds its job.
             inserted = {row["id"]: JobRecord.of(row) for row in await fetch_all(conn, _INSERT, params)}
-            keys = [j.idempotency_key for j in jobs if j.id not in inserted and j.idempotency_key]
-            earlier: dict[str, JobRecord] = {}
+            keys = {(j.tenant, j.idempotency_key) for j in jobs if j.id not in inserted and j.idempotency_key}
+            earlier: dict[tuple[str, str | None], JobRecord] = {}
             if keys:
+                tenants, idempotency_keys = zip(*keys, strict=True)
                 rows = await fetch_all(
-                    conn, f"SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = ANY(%s)", (list(set(keys)),)
+                    conn,
+                    f"""
+                    SELECT {JOB_COLUMNS} FROM jobs
+                    WHERE (tenant, idempotency_key) IN (SELECT * FROM unnest(%s::varchar[], %s::varchar[]))
+                    """,
+                    (list(tenants), list(idempotency_keys)),
                 )
-                earlier = {row["idempotency_key"]: JobRecord.of(row) for row in rows}
+                earlier = {(row["tenant"], row["idempotency_key"]): JobRecord.of(row) for row in rows}
         results = []
         for j in jobs:
             if j.id in inserted:
                 results.append((inserted[j.id], False))
-            elif j.idempotency_key in earlier:
-                results.append((earlier[j.idempotency_key], True))
+            elif (j.tenant, j.idempotency_key) in earlier:
+                results.append((earlier[(j.tenant, j.idempotency_key)], True))
             else:  # pragma: no cover - a conflict is only ever on the idempotency key
                 raise NotFound(f"job {j.id} was not stored")
         return results
@@ -142,35 +160,40 @@ class Jobs(Area):
         """``state`` of each job, in order, in one statement; None for a job that
         does not exist."""
         rows = await self.db.all(
-            "SELECT id, status, attempt, suspend_log FROM jobs WHERE id = ANY(%s)", (list(job_ids),)
+            "SELECT id, status, attempt, suspend_log, tenant FROM jobs WHERE id = ANY(%s)", (list(job_ids),)
         )
         by_id = {
             r["id"]: JobState(
-                JobStatus(r["status"]), r["attempt"], tuple(SuspendEvent.of(e) for e in r["suspend_log"] or ())
+                JobStatus(r["status"]),
+                r["attempt"],
+                tuple(SuspendEvent.of(e) for e in r["suspend_log"] or ()),
+                r["tenant"],
             )
             for r in rows
         }
         return [by_id.get(job_id) for job_id in job_ids]
 
-    async def find_by_idempotency_key(self, key: str) -> JobRecord | None:
-        row = await self.db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = %s", (key,))
+    async def find_by_idempotency_key(self, tenant: str, key: str) -> JobRecord | None:
+        row = await self.db.one(
+            f"SELECT {JOB_COLUMNS} FROM jobs WHERE tenant = %s AND idempotency_key = %s", (tenant, key)
+        )
         return JobRecord.of(row) if row is not None else None
 
-    async def request_cancel(self, job_id: str, *, now: datetime) -> tuple[JobRecord, bool]:
+    async def request_cancel(self, job_id: str, *, tenant: str, now: datetime) -> tuple[JobRecord, bool]:
         """Cancels a job that has not started at once; flags a started one, whose
         worker then stops it at the next step and records CANCELLED. Returns the
-        job, and whether this call ended it."""
+        job, and whether this call ended it. Another tenant's job is not found."""
         row = await self.db.one(
             f"""
-            WITH before AS (SELECT status FROM jobs WHERE id = %(id)s FOR UPDATE)
+            WITH before AS (SELECT status FROM jobs WHERE id = %(id)s AND tenant = %(tenant)s FOR UPDATE)
             UPDATE jobs SET
                 status = CASE WHEN status = ANY(%(at_once)s) THEN 'CANCELLED' ELSE status END,
                 finished_at = CASE WHEN status = ANY(%(at_once)s) THEN %(now)s ELSE finished_at END,
                 cancel_requested = cancel_requested OR status = ANY(%(held)s) OR status = 'QUEUED'
-            WHERE id = %(id)s
+            WHERE id = %(id)s AND tenant = %(tenant)s
             RETURNING {JOB_COLUMNS}, (SELECT status FROM before) = ANY(%(at_once)s) AS ended_now
             """,
-            {"id": job_id, "now": now, "at_once": list(_CANCELLABLE_AT_ONCE), "held": _HELD},
+            {"id": job_id, "tenant": tenant, "now": now, "at_once": list(_CANCELLABLE_AT_ONCE), "held": _HELD},
         )
         if row is None:
             raise NotFound(f"job {job_id} not found")
@@ -180,6 +203,44 @@ class Jobs(Area):
         """The queued jobs that would run before a new one of this priority, by shape."""
         async with self.db.connection() as conn:
             return await shape_counts(conn, "status = 'QUEUED' AND priority >= %(priority)s", {"priority": priority})
+
+    async def page(
+        self, tenant: str, *, statuses: Sequence[JobStatus], after: JobCursor | None, limit: int
+    ) -> list[JobRecord]:
+        """A tenant's jobs, newest first, in any of ``statuses`` (any status if
+        empty), from just past ``after``: the last job of the page before."""
+        where = ["tenant = %(tenant)s"]
+        if statuses:
+            where.append("status = ANY(%(statuses)s)")
+        if after is not None:
+            where.append("(created_at, id) < (%(created_at)s, %(id)s)")
+        rows = await self.db.all(
+            f"""
+            SELECT {JOB_COLUMNS} FROM jobs WHERE {" AND ".join(where)}
+            ORDER BY created_at DESC, id DESC LIMIT %(limit)s
+            """,
+            {
+                "tenant": tenant,
+                "statuses": [s.value for s in statuses],
+                "created_at": after.created_at if after else None,
+                "id": after.id if after else None,
+                "limit": limit,
+            },
+        )
+        return [JobRecord.of(r) for r in rows]
+
+    async def active(self, tenant: str) -> ActiveCount:
+        """A tenant's jobs queued, and held by workers, now."""
+        rows = await self.db.all(
+            """
+            SELECT status = 'QUEUED' AS queued, count(*) AS n FROM jobs
+            WHERE tenant = %s AND status IN ('QUEUED', 'SCHEDULED', 'RUNNING', 'DECODING')
+            GROUP BY 1
+            """,
+            (tenant,),
+        )
+        counts = {r["queued"]: r["n"] for r in rows}
+        return ActiveCount(queued=counts.get(True, 0), running=counts.get(False, 0))
 
     async def totals(self) -> Totals:
         rows = await self.db.all("SELECT status, count(*) AS n FROM jobs GROUP BY status")

@@ -310,6 +310,24 @@ class CancelJobResponse(_message.Message):
     status: JobStatus
     def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ...) -> None: ...
 
+class ListJobsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token", "statuses")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    statuses: _containers.RepeatedScalarFieldContainer[JobStatus]
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., statuses: _Optional[_Iterable[_Union[JobStatus, str]]] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -414,10 +432,24 @@ class GlobalStats(_message.Message):
     expired: int
     def __init__(self, requests: _Optional[int] = ..., queued: _Optional[int] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ..., running: _Optional[int] = ..., cancelled: _Optional[int] = ..., expired: _Optional[int] = ...) -> None: ...
 
+class TenantUsage(_message.Message):
+    __slots__ = ("tenant", "lane", "queued", "running")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    lane: str
+    queued: int
+    running: int
+    def __init__(self, tenant: _Optional[str] = ..., lane: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("workers", "totals")
+    __slots__ = ("workers", "totals", "usage")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     totals: GlobalStats
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., totals: _Optional[_Union[GlobalStats, _Mapping]] = ...) -> None: ...
+    usage: TenantUsage
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., totals: _Optional[_Union[GlobalStats, _Mapping]] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ...) -> None: ...

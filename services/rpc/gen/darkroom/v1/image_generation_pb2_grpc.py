@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class ImageGenerationStub:
     """The public API of Darkroom. Credentials travel as `authorization: Bearer <key>`
-    metadata when the gateway has API keys configured.
+    metadata, unless the gateway is open (no tenants and no DARKROOM_API_KEYS). A
+    caller sees only its own tenant's jobs: another's answer NOT_FOUND.
     """
 
     def __init__(self, channel):
@@ -56,6 +57,11 @@ class ImageGenerationStub:
                 request_serializer=darkroom_dot_v1_dot_image__generation__pb2.CancelJobRequest.SerializeToString,
                 response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.CancelJobResponse.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/darkroom.v1.ImageGeneration/ListJobs',
+                request_serializer=darkroom_dot_v1_dot_image__generation__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ListJobsResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/darkroom.v1.ImageGeneration/ListModels',
                 request_serializer=darkroom_dot_v1_dot_image__generation__pb2.ListModelsRequest.SerializeToString,
@@ -70,7 +76,8 @@ class ImageGenerationStub:
 
 class ImageGenerationServicer:
     """The public API of Darkroom. Credentials travel as `authorization: Bearer <key>`
-    metadata when the gateway has API keys configured.
+    metadata, unless the gateway is open (no tenants and no DARKROOM_API_KEYS). A
+    caller sees only its own tenant's jobs: another's answer NOT_FOUND.
     """
 
     def SubmitJob(self, request, context):
@@ -101,6 +108,13 @@ class ImageGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """The caller's own jobs, newest first, a page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -108,7 +122,8 @@ class ImageGenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The caller's usage; the fleet's workers and totals too for an admin key.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -136,6 +151,11 @@ def add_ImageGenerationServicer_to_server(servicer, server):
                     request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.CancelJobRequest.FromString,
                     response_serializer=darkroom_dot_v1_dot_image__generation__pb2.CancelJobResponse.SerializeToString,
             ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ListJobsRequest.FromString,
+                    response_serializer=darkroom_dot_v1_dot_image__generation__pb2.ListJobsResponse.SerializeToString,
+            ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
                     request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ListModelsRequest.FromString,
@@ -156,7 +176,8 @@ def add_ImageGenerationServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ImageGeneration:
     """The public API of Darkroom. Credentials travel as `authorization: Bearer <key>`
-    metadata when the gateway has API keys configured.
+    metadata, unless the gateway is open (no tenants and no DARKROOM_API_KEYS). A
+    caller sees only its own tenant's jobs: another's answer NOT_FOUND.
     """
 
     @staticmethod
@@ -257,6 +278,33 @@ class ImageGeneration:
             '/darkroom.v1.ImageGeneration/CancelJob',
             darkroom_dot_v1_dot_image__generation__pb2.CancelJobRequest.SerializeToString,
             darkroom_dot_v1_dot_image__generation__pb2.CancelJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.v1.ImageGeneration/ListJobs',
+            darkroom_dot_v1_dot_image__generation__pb2.ListJobsRequest.SerializeToString,
+            darkroom_dot_v1_dot_image__generation__pb2.ListJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,64 @@
+"""What the repository takes and returns of tenants and their keys."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+# The tenant of every job when no tenants are defined, and of the keys of
+# DARKROOM_API_KEYS; it needs no row (one made under this name sets its terms).
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class TenantTerms:
+    """What a tenant may do: its lane and limits (None: no limit)."""
+
+    lane: str
+    credits: float | None = None
+    daily_credits: float | None = None
+    max_jobs: int | None = None
+    rate_per_s: float | None = None
+    weight: float = 1.0
+
+
+TERMS = tuple(f.name for f in fields(TenantTerms))
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    name: str
+    terms: TenantTerms
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> TenantRecord:
+        return cls(row["name"], TenantTerms(**{t: row[t] for t in TERMS}), row["created_at"], row["updated_at"])
+
+
+@dataclass(frozen=True)
+class KeyRecord:
+    """A key as listed: never the key itself, which only its owner holds."""
+
+    id: str
+    tenant: str
+    admin: bool
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> KeyRecord:
+        return cls(row["id"], row["tenant"], row["admin"], row["created_at"], row["revoked_at"])
+
+
+@dataclass(frozen=True)
+class KeyHolder:
+    """What a presented key's id finds: the key's digest to match it against, and
+    its tenant as it stands."""
+
+    key: KeyRecord
+    digest: str
+    tenant: TenantRecord

@@ -1,0 +1,189 @@
+"""Tenants and keys made with the `darkroom` command, used through the running
+stack's gateway: a job belongs to the tenant whose key submitted it, another
+tenant reads, streams and cancels it as a job that does not exist, a tenant's
+lane bounds the lanes it may ask for, idempotency keys are per tenant, ListJobs
+pages through the caller's own jobs, GetStats shows the fleet to admin keys only,
+and a revoked key is refused within a second."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from services.ops.stack import LocalStack
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from tests.helpers import stub, wait_for, wait_terminal
+
+pytestmark = pytest.mark.integration
+
+
+def darkroom(stack: LocalStack, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DARKROOM_DATABASE_URL": stack.settings.kernel.database_url}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.ops.cli", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+def as_key(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def job(**fields: Any) -> pb.SubmitJobRequest:
+    return pb.SubmitJobRequest(model="tiny", prompt="a tenant's cat", width=64, height=64, steps=2, **fields)
+
+
+def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code()
+
+
+def details_of(call) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+@pytest.fixture(scope="module")
+def keys(stack: LocalStack) -> Iterator[dict[str, str]]:
+    """Tenants ``cats`` (free lane) and ``dogs`` (paid lane), a key for each and an
+    admin key for dogs, made with the CLI once the open gateway has taken a job."""
+    client = stub(stack)
+    # No tenants yet: the gateway is open, for local use, as before.
+    assert client.SubmitJob(job()).job_id
+    darkroom(stack, "tenants", "create", "cats", "--lane", "free", "--max-jobs", "50")
+    darkroom(stack, "tenants", "create", "dogs", "--lane", "paid")
+    made = {
+        name: darkroom(stack, "keys", "create", tenant, *extra).stdout.strip().splitlines()[-1]
+        for name, tenant, extra in (("cats", "cats", ()), ("dogs", "dogs", ()), ("dogs-admin", "dogs", ("--admin",)))
+    }
+    yield made
+
+
+def test_keys_are_shown_once_and_stored_as_digests(stack: LocalStack, keys: dict[str, str]) -> None:
+    listed = darkroom(stack, "keys", "list", "dogs").stdout
+    key_ids = [line.split()[1].rstrip(":") for line in listed.splitlines()]
+    assert len(key_ids) == 2 and "admin" in listed
+    for key in keys.values():
+        assert key.startswith("drk_") and key not in listed
+    assert all(keys["dogs"] not in line for line in darkroom(stack, "tenants", "show", "dogs").stdout.splitlines())
+    refused = darkroom(stack, "tenants", "create", "birds", "--lane", "gold", check=False)
+    assert refused.returncode == 2 and "unknown lane 'gold'" in refused.stderr
+    assert "birds" not in darkroom(stack, "tenants", "list").stdout
+
+
+def test_a_closed_gateway_wants_a_key(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    # Tenants exist now: the gateway closes within a second of their creation.
+    wait_for(
+        lambda: code_of(lambda: client.ListModels(pb.ListModelsRequest())),
+        lambda code: code == grpc.StatusCode.UNAUTHENTICATED,
+        timeout=5,
+        what="the gateway to close",
+    )
+    for metadata in (None, as_key("drk_0000_made-up"), as_key(keys["cats"] + "x"), [("authorization", keys["cats"])]):
+        assert code_of(lambda m=metadata: client.SubmitJob(job(), metadata=m)) == grpc.StatusCode.UNAUTHENTICATED
+    assert client.SubmitJob(job(), metadata=as_key(keys["cats"])).job_id
+
+
+def test_another_tenants_job_is_not_found(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    cats, dogs = as_key(keys["cats"]), as_key(keys["dogs"])
+    mine = client.SubmitJob(job(), metadata=cats).job_id
+    missing = "00000000-0000-0000-0000-000000000000"
+    for job_id in (mine, missing):
+        expected = (grpc.StatusCode.NOT_FOUND, f"job {job_id} not found")
+        assert details_of(lambda j=job_id: client.GetJob(pb.GetJobRequest(job_id=j), metadata=dogs)) == expected
+        assert (
+            details_of(lambda j=job_id: list(client.StreamJob(pb.StreamJobRequest(job_id=j), metadata=dogs)))
+            == expected
+        )
+        assert details_of(lambda j=job_id: client.CancelJob(pb.CancelJobRequest(job_id=j), metadata=dogs)) == expected
+    # Untouched by the other tenant's cancel: it runs to the end for its owner.
+    assert wait_terminal(client, mine, metadata=cats).status == pb.JOB_STATUS_SUCCEEDED
+
+
+def test_the_tenants_lane_bounds_the_request(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    cats, dogs = as_key(keys["cats"]), as_key(keys["dogs"])
+    code, details = details_of(lambda: client.SubmitJob(job(lane="paid"), metadata=cats))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "'paid'" in details
+    own = client.GetJob(pb.GetJobRequest(job_id=client.SubmitJob(job(), metadata=dogs).job_id), metadata=dogs)
+    lower = client.SubmitJob(job(lane="free"), metadata=dogs).job_id
+    assert own.lane == "paid"
+    assert client.GetJob(pb.GetJobRequest(job_id=lower), metadata=dogs).lane == "free"
+
+
+def test_idempotency_keys_are_per_tenant(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    cats, dogs = as_key(keys["cats"]), as_key(keys["dogs"])
+    first = client.SubmitJob(job(idempotency_key="same"), metadata=cats)
+    other = client.SubmitJob(job(idempotency_key="same"), metadata=dogs)
+    again = client.SubmitJob(job(idempotency_key="same"), metadata=cats)
+    assert other.job_id != first.job_id and not other.deduplicated
+    assert again.job_id == first.job_id and again.deduplicated
+
+
+def test_list_jobs_pages_through_the_callers_own(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    admin = as_key(keys["dogs-admin"])  # a tenant of its own jobs only, admin or not
+    dogs = {client.SubmitJob(job(), metadata=admin).job_id for _ in range(5)}
+    seen: list[pb.Job] = []
+    token = ""
+    while True:
+        page = client.ListJobs(pb.ListJobsRequest(page_size=2, page_token=token), metadata=admin)
+        assert len(page.jobs) <= 2
+        seen += page.jobs
+        token = page.next_page_token
+        if not token:
+            break
+    created = [(j.timings.created_time.ToDatetime(), j.job_id) for j in seen]
+    assert created == sorted(created, reverse=True)
+    assert dogs <= {j.job_id for j in seen}
+    cats = {j.job_id for j in client.ListJobs(pb.ListJobsRequest(page_size=200), metadata=as_key(keys["cats"])).jobs}
+    assert cats and not cats & {j.job_id for j in seen}
+    done = wait_terminal(client, sorted(dogs)[0], metadata=admin)
+    succeeded = client.ListJobs(pb.ListJobsRequest(statuses=[done.status], page_size=200), metadata=admin).jobs
+    assert done.job_id in {j.job_id for j in succeeded}
+    assert {j.status for j in succeeded} == {done.status}
+    code = code_of(lambda: client.ListJobs(pb.ListJobsRequest(page_token="not a token"), metadata=admin))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_stats_show_the_fleet_to_admin_keys_only(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    tenant = client.GetStats(pb.GetStatsRequest(), metadata=as_key(keys["cats"]))
+    admin = client.GetStats(pb.GetStatsRequest(), metadata=as_key(keys["dogs-admin"]))
+    assert (tenant.usage.tenant, tenant.usage.lane) == ("cats", "free")
+    assert not tenant.workers and not tenant.HasField("totals")
+    assert admin.usage.tenant == "dogs" and admin.workers and admin.totals.requests > 0
+
+
+def test_a_revoked_key_is_refused_within_a_second(stack: LocalStack, keys: dict[str, str]) -> None:
+    client = stub(stack)
+    doomed = darkroom(stack, "keys", "create", "cats").stdout.strip().splitlines()[-1]
+    key_id = doomed.split("_")[1]
+    assert client.GetStats(pb.GetStatsRequest(), metadata=as_key(doomed)).usage.tenant == "cats"
+    darkroom(stack, "keys", "revoke", key_id)
+    revoked_at = time.monotonic()
+
+    def refused() -> bool:
+        try:
+            client.GetStats(pb.GetStatsRequest(), metadata=as_key(doomed), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAUTHENTICATED
+        return False
+
+    wait_for(refused, bool, timeout=5, what="the revoked key to be refused")
+    assert time.monotonic() - revoked_at < 1.0
+    assert client.GetStats(pb.GetStatsRequest(), metadata=as_key(keys["cats"])).usage.tenant == "cats"

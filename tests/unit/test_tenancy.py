@@ -1,0 +1,165 @@
+"""Tenancy's pure parts: API keys made and matched, ListJobs page tokens, the lane a
+tenant may ask for, and the gatekeeper's decisions (over an in-memory table of
+tenants: its own reads are the subject here, not PostgreSQL's)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import pytest
+
+from gateway import pages
+from gateway.auth import RECHECK_S, Gatekeeper
+from gateway.validation import validate_submit
+from services import api_keys
+from services.db.records import JobCursor
+from services.db.states import JobStatus
+from services.db.tenant_records import DEFAULT_TENANT, KeyHolder, KeyRecord, TenantRecord, TenantTerms
+from services.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from services.models.registry import ModelRegistry
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+NOW = datetime(2026, 11, 24, tzinfo=UTC)
+
+
+def test_a_key_names_its_id_and_matches_only_its_digest() -> None:
+    issued = api_keys.new_key()
+    assert api_keys.key_id_of(issued.key) == issued.id
+    assert api_keys.matches(issued.key, issued.digest)
+    assert not api_keys.matches(issued.key + "x", issued.digest)
+    assert issued.key not in issued.digest and len(issued.digest) == 64
+    assert api_keys.new_key().key != issued.key
+    for malformed in ("", "s3cret", "drk_", "drk_abc", "drk__secret", "drk_abc_"):
+        assert api_keys.key_id_of(malformed) is None
+
+
+def test_a_page_token_names_where_the_page_ended() -> None:
+    cursor = JobCursor(datetime(2026, 11, 24, 3, 4, 5, 123456, tzinfo=UTC), "job-9")
+    asked = pages.page_request(pb.ListJobsRequest(page_token=pages.encode(cursor), statuses=[pb.JOB_STATUS_QUEUED]))
+    assert asked == pages.PageRequest(pages.DEFAULT_PAGE_SIZE, cursor, (JobStatus.QUEUED,))
+    assert pages.page_request(pb.ListJobsRequest(page_size=10_000)).size == pages.MAX_PAGE_SIZE
+    with pytest.raises(InvalidArgument) as err:
+        pages.page_request(pb.ListJobsRequest(page_token="not a token", statuses=[pb.JOB_STATUS_UNSPECIFIED]))
+    assert [v.field for v in err.value.violations] == ["page_token", "statuses"]
+
+
+@pytest.mark.parametrize(
+    ("tenant_lane", "asked", "lane"),
+    [("free", "", "free"), ("paid", "", "paid"), ("paid", "free", "free"), (None, "paid", "paid")],
+)
+def test_a_tenant_gets_its_lane_or_a_lower_one(tenant_lane: str | None, asked: str, lane: str) -> None:
+    req = pb.SubmitJobRequest(model="tiny", prompt="x", lane=asked)
+    job = validate_submit(
+        req, ModelRegistry.load(), max_prompt_chars=100, now=NOW, tenant="cats", tenant_lane=tenant_lane
+    )
+    assert (job.lane, job.tenant) == (lane, "cats")
+
+
+def test_a_lane_above_the_tenants_is_refused_by_name() -> None:
+    req = pb.SubmitJobRequest(model="tiny", prompt="x", lane="paid")
+    with pytest.raises(PermissionDenied, match="'paid'"):
+        validate_submit(req, ModelRegistry.load(), max_prompt_chars=100, now=NOW, tenant="cats", tenant_lane="free")
+
+
+# -- the gatekeeper ------------------------------------------------------------------
+
+
+@dataclass
+class Table:
+    """Tenants and keys as the gatekeeper reads them, counting its reads."""
+
+    tenants: dict[str, TenantRecord] = field(default_factory=dict)
+    holders: dict[str, KeyHolder] = field(default_factory=dict)
+    reads: int = 0
+
+    async def holder(self, key_id: str) -> KeyHolder | None:
+        self.reads += 1
+        return self.holders.get(key_id)
+
+    async def find(self, name: str) -> TenantRecord | None:
+        self.reads += 1
+        return self.tenants.get(name)
+
+    async def any(self) -> bool:
+        self.reads += 1
+        return bool(self.tenants)
+
+    def add(self, name: str, lane: str, *, admin: bool = False) -> str:
+        tenant = self.tenants[name] = TenantRecord(name, TenantTerms(lane), NOW, NOW)
+        issued = api_keys.new_key()
+        self.holders[issued.id] = KeyHolder(KeyRecord(issued.id, name, admin, NOW), issued.digest, tenant)
+        return issued.key
+
+
+class Context:
+    def __init__(self, key: str | None) -> None:
+        self.metadata = (("authorization", f"Bearer {key}"),) if key is not None else ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.7:5555"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def call(gate: Gatekeeper, key: str | None):  # type: ignore[no-untyped-def]
+    return asyncio.run(gate.caller(Context(key), "GetJob"))  # type: ignore[arg-type]
+
+
+def test_without_tenants_or_keys_everyone_is_the_default_tenant() -> None:
+    gate = Gatekeeper(Table(), (), clock=Clock())  # type: ignore[arg-type]
+    for key in (None, "anything"):
+        caller = call(gate, key)
+        assert (caller.tenant, caller.admin, caller.terms) == (DEFAULT_TENANT, True, None)
+
+
+def test_keys_of_the_environment_are_the_default_tenants_and_close_the_gateway() -> None:
+    table = Table()
+    gate = Gatekeeper(table, ["s3cret"], clock=Clock())  # type: ignore[arg-type]
+    assert call(gate, "s3cret").tenant == DEFAULT_TENANT
+    with pytest.raises(Unauthenticated):
+        call(gate, None)
+    table.add(DEFAULT_TENANT, "paid")  # made with the CLI: its terms apply to those keys
+    gate = Gatekeeper(table, ["s3cret"], clock=Clock())  # type: ignore[arg-type]
+    assert call(gate, "s3cret").terms == TenantTerms("paid")
+
+
+def test_a_tenants_key_is_its_tenant_and_a_wrong_one_is_refused() -> None:
+    table = Table()
+    cats = table.add("cats", "free")
+    dogs = table.add("dogs", "paid", admin=True)
+    gate = Gatekeeper(table, (), clock=Clock())  # type: ignore[arg-type]
+    assert (call(gate, cats).tenant, call(gate, cats).admin) == ("cats", False)
+    assert (call(gate, dogs).tenant, call(gate, dogs).admin) == ("dogs", True)
+    for wrong in (None, "", cats + "x", cats.replace("drk_", "drk_0"), "drk_ffff_secret"):
+        with pytest.raises(Unauthenticated, match="Bearer"):
+            call(gate, wrong)
+
+
+def test_a_revocation_is_seen_once_the_key_is_read_again() -> None:
+    table = Table()
+    cats = table.add("cats", "free")
+    clock = Clock()
+    gate = Gatekeeper(table, (), clock=clock)  # type: ignore[arg-type]
+    assert call(gate, cats).tenant == "cats"
+    reads = table.reads
+    for _ in range(100):  # remembered: no read per call
+        call(gate, cats)
+    assert table.reads == reads
+    key_id = api_keys.key_id_of(cats)
+    assert key_id is not None
+    held = table.holders[key_id]
+    table.holders[key_id] = KeyHolder(KeyRecord(key_id, "cats", False, NOW, revoked_at=NOW), held.digest, held.tenant)
+    clock.now += RECHECK_S
+    with pytest.raises(Unauthenticated):
+        call(gate, cats)
