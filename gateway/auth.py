@@ -21,7 +21,7 @@ from gateway.metrics import REFUSALS
 from services import api_keys
 from services.db.repository.tenants import Tenants
 from services.db.tenant_records import DEFAULT_TENANT, TenantTerms
-from services.errors import Unauthenticated
+from services.errors import NotFound, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,16 @@ class Caller:
     # default tenant never created): any lane, no limits.
     terms: TenantTerms | None
     peer: str = ""
+
+    def own(self, method: str, job_id: str, found: T | None, owner: Callable[[T], str]) -> T:
+        """What was found of the job if it is this caller's. Another tenant's job is
+        not found, exactly as one that does not exist (and the attempt is logged)."""
+        if found is not None and owner(found) == self.tenant:
+            return found
+        missing = NotFound(f"job {job_id} not found")
+        if found is None:
+            raise missing
+        raise self.refused("cross_tenant", method, missing, job_id=job_id)
 
     def refused(self, reason: str, method: str, error: E, **about: object) -> E:
         """``error``, once the refusal is logged and counted."""

@@ -16,6 +16,6 @@ STREAMS_OPEN = Gauge("darkroom_streams_open", "StreamJob streams this gateway is
 REFUSALS = Counter(
     "darkroom_auth_refusals",
     "Calls refused by the gateway, by reason: missing, unknown or revoked key, cross_tenant (another tenant's job), "
-    "lane (a lane above the tenant's).",
+    "lane (a lane above the tenant's), max_jobs or rate (a tenant's limit).",
     ["reason"],
 )

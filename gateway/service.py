@@ -6,30 +6,29 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from typing import TypeVar
 
 import grpc
 
 from gateway import pages, spans
 from gateway.auth import Caller, Gatekeeper
 from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
-from gateway.metrics import STREAMS_OPEN, SUBMITS
+from gateway.estimates import Estimator
+from gateway.metrics import REFUSALS, STREAMS_OPEN, SUBMITS
 from gateway.streams import follow
 from gateway.validation import validate_submit
-from scheduler import admission, facts, policy
+from scheduler import admission, facts
 from scheduler.costs import costs_from
-from scheduler.learning import durations_from
-from scheduler.views import job_view, worker_views
+from scheduler.views import job_view
+from services import quotas
 from services.bus.events import Events, JobEvent
-from services.coalesce import Coalescer, SingleFlight
+from services.coalesce import Coalescer
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.counts import ShapeCount
-from services.db.records import ImageRecord, JobCursor, JobRecord, JobState
+from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
-from services.errors import NotFound, PermissionDenied, ResourceExhausted
+from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
@@ -42,7 +41,6 @@ from services.telemetry import logs
 from services.telemetry.metrics import JOBS_FINISHED
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
@@ -64,12 +62,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.config = settings.placement
         self.gate = Gatekeeper(repo.tenants, settings.api_keys)
         self._channels = Channels()
-        self._fleet_view: tuple[policy.Fleet, list[policy.WorkerView]] | None = None
-        self._fleet_read = 0.0
+        self.estimator = Estimator(repo, self.costs, self.config, stale_after_s=stale_after_s)
         # Concurrent submits share one INSERT, and one read of the queue ahead;
         # concurrent streams share their reads of the jobs they follow.
         self._create = Coalescer(self.repo.jobs.create_many)
-        self._queued_ahead: dict[int, SingleFlight[list[ShapeCount]]] = {}
+        self._create_limited = Coalescer(self.repo.admission.create_within_limits)
         self._states = Coalescer(self.repo.jobs.states)
         self._results = Coalescer(self.repo.jobs.many_with_images)
 
@@ -95,18 +92,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             )
         except PermissionDenied as exc:
             raise caller.refused("lane", "SubmitJob", exc) from None
-        cost = self.costs.get(new.params.model)
-        view = policy.JobView(
-            new.id,
-            new.params.model,
-            new.params.width,
-            new.params.height,
-            new.params.steps,
-            new.params.num_images,
-            new.priority,
-            target_s=self.config.target_s(new.lane, cost.capability if cost is not None else ""),
-        )
-        eta = await self._estimate(view, now)
+        eta = await self.estimator.estimate(self.estimator.job_view(new), now)
         refusal = admission.admit(new.lane, eta, self.config)
         if refusal is not None:
             earlier = await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key or "")
@@ -120,7 +106,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 retry_after_s=refusal.wait_s,
             )
         new = spans.with_trace(new)
-        job, deduplicated = await self._create((new, now))
+        job, deduplicated = await self._store(caller, new, now, eta)
         spans.submitted(new, job, deduplicated, start=now)
         SUBMITS.labels(lane=new.lane, result="deduplicated" if deduplicated else "accepted").inc()
         if deduplicated:
@@ -128,17 +114,39 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
 
+    async def _store(
+        self, caller: Caller, new: NewJob, now: datetime, eta: admission.Estimate | None
+    ) -> tuple[JobRecord, bool]:
+        """The job stored, and whether an earlier submit made it; ResourceExhausted
+        if its tenant's limits keep it out."""
+        terms = caller.terms
+        if terms is None or (terms.max_jobs is None and terms.rate_per_s is None):
+            return await self._create((new, now))
+        outcome = await self._create_limited((new, now))
+        if not isinstance(outcome, quotas.Refusal):
+            return outcome
+        SUBMITS.labels(lane=new.lane, result="refused").inc()
+        # A place frees when one of its jobs ends: about one job's run from now.
+        retry_s = outcome.retry_after_s if outcome.retry_after_s is not None else max(1.0, eta.run_s if eta else 1.0)
+        # Counted, not logged: a client at its limit would fill the log.
+        REFUSALS.labels(reason=outcome.limit).inc()
+        raise ResourceExhausted(
+            f"{outcome.description}; retry in {retry_s:.1f}s",
+            retry_after_s=retry_s,
+            quota=QuotaViolation(f"tenant:{outcome.tenant}", f"{outcome.limit}: {outcome.description}"),
+        )
+
     async def _state(self, caller: Caller, method: str, job_id: str) -> JobState:
-        return _owned(caller, method, job_id, await self._states(job_id), lambda state: state.tenant)
+        return caller.own(method, job_id, await self._states(job_id), lambda state: state.tenant)
 
     async def _result(self, caller: Caller, method: str, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
-        return _owned(caller, method, job_id, await self._results(job_id), lambda result: result[0].tenant)
+        return caller.own(method, job_id, await self._results(job_id), lambda result: result[0].tenant)
 
     async def _submitted(
         self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
     ) -> pb.SubmitJobResponse:
         if eta is None and job.status == JobStatus.QUEUED:
-            eta = await self._estimate(job_view(facts.queued_job(job), self.config, self.costs), now)
+            eta = await self.estimator.estimate(job_view(facts.queued_job(job), self.config, self.costs), now)
         response = pb.SubmitJobResponse(job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated)
         if eta is not None:
             start = now + timedelta(seconds=eta.wait_s)
@@ -146,36 +154,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             response.estimated_finish_time.CopyFrom(timestamp(start + timedelta(seconds=eta.run_s)))
         return response
 
-    async def _fleet(self, now: datetime) -> tuple[policy.Fleet, list[policy.WorkerView]]:
-        """The scheduler's view of the fleet, reread at most every estimates_refresh_s."""
-        loop = asyncio.get_running_loop()
-        if self._fleet_view is None or loop.time() - self._fleet_read >= self.config.estimates_refresh_s:
-            fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
-            workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
-            held = await self.repo.scheduling.held_groups()
-            self._fleet_view = (fleet, worker_views(facts.fleet_snapshot(now, workers=workers, held=held), fleet))
-            self._fleet_read = loop.time()
-        return self._fleet_view
-
-    async def _estimate(self, job: policy.JobView, now: datetime) -> admission.Estimate | None:
-        """When the job would start and how long it would run, from the work held
-        by the workers and the work queued ahead of it (read fresh, or by a read
-        that was under way when the submit arrived)."""
-        fleet, workers = await self._fleet(now)
-        read = self._queued_ahead.get(job.priority)
-        if read is None:
-            read = self._queued_ahead[job.priority] = SingleFlight(
-                functools.partial(self.repo.jobs.queued_ahead_shapes, job.priority)
-            )
-        ahead = [(policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count) for a in await read()]
-        return admission.estimate(job, ahead, workers, fleet)
-
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         caller = await self.gate.caller(context, "GetJob")
         with logs.about_job(request.job_id):
             [found] = await self.repo.jobs.many_with_images([request.job_id])
-            return job_message(*_owned(caller, "GetJob", request.job_id, found, lambda result: result[0].tenant))
+            return job_message(*caller.own("GetJob", request.job_id, found, lambda result: result[0].tenant))
 
     @stream_errors
     async def StreamJob(
@@ -258,17 +242,6 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             totals=totals_message(totals),
             usage=usage,
         )
-
-
-def _owned(caller: Caller, method: str, job_id: str, found: T | None, owner: Callable[[T], str]) -> T:
-    """What was found of the job if it is the caller's. Another tenant's job is not
-    found, exactly as one that does not exist (and the attempt is logged)."""
-    if found is not None and owner(found) == caller.tenant:
-        return found
-    missing = NotFound(f"job {job_id} not found")
-    if found is None:
-        raise missing
-    raise caller.refused("cross_tenant", method, missing, job_id=job_id)
 
 
 def create_server(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -37,6 +38,9 @@ class JobSuspended(JobInterrupted):
         super().__init__(job)
         self.job = job
         self.checkpoint = checkpoint
+        # The suspension's time is when the GPU stopped, which is before its
+        # write lands (and perhaps before the GPU's next job starts).
+        self.at = datetime.now(UTC)
 
     def __str__(self) -> str:
         return f"{self.job} suspended at step {self.checkpoint.step}/{self.checkpoint.total}"

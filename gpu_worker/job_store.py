@@ -207,9 +207,11 @@ class JobStore:
             counted.inc()
         await self._ended(job, status if done else None)
 
-    async def suspend(self, job: JobRecord, checkpoint: Checkpoint | None, *, reason: str, preempted: bool) -> None:
+    async def suspend(
+        self, job: JobRecord, checkpoint: Checkpoint | None, *, reason: str, preempted: bool, at: datetime
+    ) -> None:
         """Stores the job's checkpoint (None: it keeps the stored one) and puts it back
-        in the queue, no attempt counted."""
+        in the queue, no attempt counted, as of ``at``, when its sampling stopped."""
         step = checkpoint.step if checkpoint is not None else 0
         total = checkpoint.total if checkpoint is not None else job.params.steps
         data = checkpoint.data if checkpoint is not None else None
@@ -224,7 +226,7 @@ class JobStore:
                 data=data,
                 reason=reason,
                 preempted=preempted,
-                now=_now(),
+                now=at,
             ),
         )
         log.info("job %s suspended at step %d/%d (%s): %s", job.id, step, total, reason, status)

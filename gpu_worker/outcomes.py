@@ -76,10 +76,10 @@ class OutcomeRecorder:
         except OutcomeNotStored:
             raise
         except JobSuspended as exc:
-            await self._suspended(started, exc.checkpoint)
+            await self._suspended(started, exc.checkpoint, exc.at)
         except JobInterrupted:
             if watch.suspending:
-                await self._suspended(started, None)  # stopped with nothing of its own to save
+                await self._suspended(started, None, datetime.now(UTC))  # stopped with nothing of its own to save
             else:
                 await self._interrupted(started)
         except Exception as exc:
@@ -100,7 +100,7 @@ class OutcomeRecorder:
         log.warning("job %s attempt %d failed: %s", job.id, job.attempt, failure.error, exc_info=failure.traceback)
         await self.store.fail(job, failure)
 
-    async def _suspended(self, started: Started, checkpoint: Checkpoint | None) -> None:
+    async def _suspended(self, started: Started, checkpoint: Checkpoint | None, at: datetime) -> None:
         """Back to the queue with its checkpoint, no attempt counted: the next
         attempt, on any GPU, starts where this one stopped."""
         watch = started.watch
@@ -108,7 +108,7 @@ class OutcomeRecorder:
         if started.writer is not None:
             await started.writer.settled()  # a periodic write landing later would be refused anyway
         reason = watch.detail or ("preempted" if preempted else "drain")
-        await self.store.suspend(started.job, checkpoint, reason=reason, preempted=preempted)
+        await self.store.suspend(started.job, checkpoint, reason=reason, preempted=preempted, at=at)
 
     async def _interrupted(self, started: Started) -> None:
         job, reason = started.job, started.watch.stop_reason

@@ -42,9 +42,16 @@ class PermissionDenied(RequestError):
     """The caller is known, and may not do this."""
 
 
+@dataclass(frozen=True)
+class QuotaViolation:
+    subject: str  # whose limit: "tenant:<name>"
+    description: str  # which limit, and where the caller stands against it
+
+
 class ResourceExhausted(RequestError):
-    def __init__(self, message: str, retry_after_s: float):
+    def __init__(self, message: str, retry_after_s: float, quota: QuotaViolation | None = None):
         self.retry_after_s = retry_after_s
+        self.quota = quota
         super().__init__(message)
 
 

@@ -6,7 +6,8 @@ from dataclasses import fields, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from services.db.records import JobRecord, JobSummary, NewJob, RunningJobRecord, flat
+from services.db.columns import flat
+from services.db.records import JobRecord, JobSummary, NewJob, RunningJobRecord
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerRecord
 from services.generation import GenerationParams, JobShape

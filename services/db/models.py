@@ -145,6 +145,9 @@ class TenantRow(Base):
     rate_per_s: Mapped[float | None] = mapped_column(Float)
     # Its share of its lane's GPUs against the other tenants there.
     weight: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
+    # Its rate's token bucket: the submits it held at rate_at (NULL: never drawn on, full).
+    rate_tokens: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    rate_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 

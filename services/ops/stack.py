@@ -15,7 +15,8 @@ from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.sections import Settings
 from services.ops import SERVICE_MODULES
-from services.ops.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from services.ops.embedded import EmbeddedPostgres, free_port
+from services.ops.embedded_nats import EmbeddedNats
 from services.ops.supervisor import Child, RestartPolicy, Supervisor
 from services.telemetry.metrics import Target, targets_path, write_targets
 

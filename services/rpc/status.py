@@ -51,6 +51,11 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         status = status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=str(exc))
     elif isinstance(exc, ResourceExhausted):
         status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc))
+        if exc.quota is not None:
+            violation = error_details_pb2.QuotaFailure.Violation(
+                subject=exc.quota.subject, description=exc.quota.description
+            )
+            status.details.add().Pack(error_details_pb2.QuotaFailure(violations=[violation]))
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(exc.retry_after_s)))
     elif isinstance(exc, StoreUnavailable):
         status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message="storage unavailable, retry shortly")

@@ -45,13 +45,20 @@ TERMINAL = {pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELL
 
 
 def fault_stack(
-    data_dir: Path, models_dir: Path, *, database_url: str = "", samplers: int = 1, decoders: int = 1, **overrides: Any
+    data_dir: Path,
+    models_dir: Path,
+    *,
+    database_url: str = "",
+    samplers: int = 1,
+    decoders: int = 1,
+    durable: bool = False,
+    **overrides: Any,
 ) -> LocalStack:
     data_dir.mkdir(parents=True, exist_ok=True)
     (data_dir / "models").symlink_to(models_dir, target_is_directory=True)
     base = env_of(data_dir=data_dir, database_url=database_url, gateway_port=0, **{**FAST, **overrides})
     settings = Settings.from_env(base)
-    return LocalStack(settings, cpu_workers=samplers, decoders=decoders, durable=False)
+    return LocalStack(settings, cpu_workers=samplers, decoders=decoders, durable=durable)
 
 
 @dataclass

@@ -15,7 +15,8 @@ import grpc
 import psycopg
 import pytest
 
-from services.ops.embedded import EmbeddedNatsCluster, EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.embedded_nats import EmbeddedNatsCluster
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database
@@ -33,7 +34,11 @@ def make(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> Iterat
 
     def build(*, own_postgres: bool = False, **overrides) -> LocalStack:
         url = "" if own_postgres else fresh_database(postgres)
-        stack = fault_stack(tmp_path / f"stack{len(stacks)}", models_dir, database_url=url, **overrides)
+        # A stack's own server is there to be killed: its commits must be
+        # synchronous, as in production, or a crash loses acknowledged submits.
+        stack = fault_stack(
+            tmp_path / f"stack{len(stacks)}", models_dir, database_url=url, durable=own_postgres, **overrides
+        )
         stacks.append(stack)
         stack.start()
         return stack

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
-from services.ops.embedded import EmbeddedNats
+from services.ops.embedded_nats import EmbeddedNats
 
 pytestmark = pytest.mark.integration
 

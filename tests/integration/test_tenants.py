@@ -39,7 +39,9 @@ def as_key(key: str) -> list[tuple[str, str]]:
 
 
 def job(**fields: Any) -> pb.SubmitJobRequest:
-    return pb.SubmitJobRequest(model="tiny", prompt="a tenant's cat", width=64, height=64, steps=2, **fields)
+    return pb.SubmitJobRequest(
+        **{"model": "tiny", "prompt": "a tenant's cat", "width": 64, "height": 64, "steps": 2, **fields}
+    )
 
 
 def code_of(call) -> grpc.StatusCode:  # type: ignore[no-untyped-def]
@@ -187,3 +189,26 @@ def test_a_revoked_key_is_refused_within_a_second(stack: LocalStack, keys: dict[
     wait_for(refused, bool, timeout=5, what="the revoked key to be refused")
     assert time.monotonic() - revoked_at < 1.0
     assert client.GetStats(pb.GetStatsRequest(), metadata=as_key(keys["cats"])).usage.tenant == "cats"
+
+
+def test_a_tenant_over_its_rate_is_told_which_limit_and_when(stack: LocalStack, keys: dict[str, str]) -> None:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    darkroom(stack, "tenants", "create", "birds", "--lane", "free", "--rate", "0.01")
+    birds = as_key(darkroom(stack, "keys", "create", "birds").stdout.strip().splitlines()[-1])
+    client = stub(stack)
+    assert client.SubmitJob(job(), metadata=birds).job_id  # the bucket holds one
+    with pytest.raises(grpc.RpcError) as err:
+        client.SubmitJob(job(prompt="one too many"), metadata=birds)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(err.value)
+    assert status is not None
+    details = {d.type_url.rsplit("/", 1)[-1]: d for d in status.details}
+    quota, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
+    details["google.rpc.QuotaFailure"].Unpack(quota)
+    details["google.rpc.RetryInfo"].Unpack(retry)
+    assert quota.violations[0].subject == "tenant:birds" and "rate" in quota.violations[0].description
+    assert 90 <= retry.retry_delay.seconds <= 100
+    listed = client.ListJobs(pb.ListJobsRequest(), metadata=birds).jobs
+    assert [j.prompt for j in listed] == ["a tenant's cat"]  # nothing of the refused one stored

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from gateway import pages
 from gateway.auth import RECHECK_S, Gatekeeper
 from gateway.validation import validate_submit
-from services import api_keys
+from services import api_keys, quotas
 from services.db.records import JobCursor
 from services.db.states import JobStatus
 from services.db.tenant_records import DEFAULT_TENANT, KeyHolder, KeyRecord, TenantRecord, TenantTerms
@@ -163,3 +164,38 @@ def test_a_revocation_is_seen_once_the_key_is_read_again() -> None:
     clock.now += RECHECK_S
     with pytest.raises(Unauthenticated):
         call(gate, cats)
+
+
+# -- limits ------------------------------------------------------------------------
+
+
+def load(**fields: Any) -> quotas.TenantLoad:
+    values: dict[str, Any] = {
+        "name": "cats",
+        "max_jobs": None,
+        "active": 0,
+        "rate_per_s": None,
+        "tokens": 0.0,
+        "tokens_at": None,
+    }
+    return quotas.TenantLoad(**{**values, **fields})
+
+
+def test_max_jobs_lets_in_up_to_the_cap_and_counts_what_it_lets_in() -> None:
+    decisions, after = quotas.admit({"cats": load(max_jobs=3, active=1)}, ["cats"] * 4 + ["dogs"], NOW)
+    assert [d.limit if d else None for d in decisions] == [None, None, quotas.MAX_JOBS, quotas.MAX_JOBS, None]
+    assert after["cats"].active == 3 and decisions[2] is not None and decisions[2].retry_after_s is None
+
+
+def test_the_rate_bucket_holds_a_second_of_submits_and_refills() -> None:
+    decisions, after = quotas.admit({"cats": load(rate_per_s=2.0)}, ["cats"] * 3, NOW)
+    assert [d is None for d in decisions] == [True, True, False]
+    refusal = decisions[2]
+    assert refusal is not None and refusal.limit == quotas.RATE and refusal.retry_after_s == pytest.approx(0.5)
+    later = NOW + timedelta(seconds=0.5)
+    decisions, after = quotas.admit(after, ["cats"] * 2, later)
+    assert [d is None for d in decisions] == [True, False]
+    slow = load(rate_per_s=0.1)  # a bucket of at least one submit
+    decisions, _ = quotas.admit({"cats": slow}, ["cats"] * 2, NOW)
+    assert decisions[0] is None and decisions[1] is not None
+    assert decisions[1].retry_after_s == pytest.approx(10.0)

@@ -4,6 +4,7 @@ once, in ``database``."""
 
 from __future__ import annotations
 
+from services.db.repository.admission import Admission
 from services.db.repository.attempts import Attempts, Result, Standing, StartRequest
 from services.db.repository.checkpoints import Checkpoints
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
@@ -30,7 +31,8 @@ class Repository:
     holding a job, fenced by attempt; ``workers``: the registry; ``scheduling``:
     the scheduler's passes; ``recovery``: stalled, expired and exhausted jobs;
     ``estimates``: learned durations; ``checkpoints``: denoising checkpoints and
-    suspensions; ``tenants``: tenants and their API keys."""
+    suspensions; ``tenants``: tenants and their API keys; ``admission``: submits
+    within their tenants' limits."""
 
     def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
         self.db = Database(database_url, pool_size=pool_size, application_name=application_name)
@@ -42,6 +44,7 @@ class Repository:
         self.estimates = Estimates(self.db)
         self.checkpoints = Checkpoints(self.db)
         self.tenants = Tenants(self.db)
+        self.admission = Admission(self.db)
 
     async def close(self) -> None:
         await self.db.close()

@@ -8,6 +8,7 @@ from datetime import datetime
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
+from services.db.columns import flat
 from services.db.counts import ActiveCount, LaneCount, ShapeCount, Totals
 from services.db.records import (
     JOB_COLUMNS,
@@ -18,7 +19,6 @@ from services.db.records import (
     JobState,
     NewJob,
     SuspendEvent,
-    flat,
 )
 from services.db.repository.database import Area, fetch_all
 from services.db.repository.requeue import qualified
@@ -83,36 +83,12 @@ class Jobs(Area):
         """Inserts QUEUED jobs, each submitted at its time, in one statement; per job,
         in order, the stored job and whether an earlier submit with its idempotency
         key had made it."""
-        jobs = [job for job, _ in submits]
-        rows = [flat(j) for j in jobs]
-        params: dict[str, object] = {name: [r[name] for r in rows] for name in _INSERTED_FIELDS}
-        params["created_at"] = [at for _, at in submits]
         async with self.db.connection() as conn:
             # One statement, committed on its own. A submit whose key another has
             # inserted meanwhile waits for that one's commit, then finds its job.
-            inserted = {row["id"]: JobRecord.of(row) for row in await fetch_all(conn, _INSERT, params)}
-            keys = {(j.tenant, j.idempotency_key) for j in jobs if j.id not in inserted and j.idempotency_key}
-            earlier: dict[tuple[str, str | None], JobRecord] = {}
-            if keys:
-                tenants, idempotency_keys = zip(*keys, strict=True)
-                rows = await fetch_all(
-                    conn,
-                    f"""
-                    SELECT {JOB_COLUMNS} FROM jobs
-                    WHERE (tenant, idempotency_key) IN (SELECT * FROM unnest(%s::varchar[], %s::varchar[]))
-                    """,
-                    (list(tenants), list(idempotency_keys)),
-                )
-                earlier = {(row["tenant"], row["idempotency_key"]): JobRecord.of(row) for row in rows}
-        results = []
-        for j in jobs:
-            if j.id in inserted:
-                results.append((inserted[j.id], False))
-            elif (j.tenant, j.idempotency_key) in earlier:
-                results.append((earlier[(j.tenant, j.idempotency_key)], True))
-            else:  # pragma: no cover - a conflict is only ever on the idempotency key
-                raise NotFound(f"job {j.id} was not stored")
-        return results
+            inserted = await insert(conn, submits)
+            earlier = await find_earlier(conn, [job for job, _ in submits if job.id not in inserted])
+        return [stored(job, inserted, earlier) for job, _ in submits]
 
     async def get(self, job_id: str) -> JobRecord:
         row = await self.db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s", (job_id,))
@@ -281,3 +257,45 @@ async def shape_counts(conn: AsyncConnection[DictRow], where: str, params: dict[
         params,
     )
     return [ShapeCount(r["model"], r["width"], r["height"], r["steps"], r["num_images"], r["n"]) for r in rows]
+
+
+IdempotencyKey = tuple[str, str | None]  # (tenant, key)
+
+
+async def insert(conn: AsyncConnection[DictRow], submits: Sequence[tuple[NewJob, datetime]]) -> dict[str, JobRecord]:
+    """Inserts the jobs QUEUED, each submitted at its time; those inserted, by id (a
+    job whose idempotency key its tenant has used already is not)."""
+    if not submits:
+        return {}
+    rows = [flat(job) for job, _ in submits]
+    params: dict[str, object] = {name: [r[name] for r in rows] for name in _INSERTED_FIELDS}
+    params["created_at"] = [at for _, at in submits]
+    return {row["id"]: JobRecord.of(row) for row in await fetch_all(conn, _INSERT, params)}
+
+
+async def find_earlier(conn: AsyncConnection[DictRow], jobs: Sequence[NewJob]) -> dict[IdempotencyKey, JobRecord]:
+    """The stored jobs made by earlier submits with these jobs' idempotency keys."""
+    keys = {(j.tenant, j.idempotency_key) for j in jobs if j.idempotency_key}
+    if not keys:
+        return {}
+    tenants, idempotency_keys = zip(*keys, strict=True)
+    rows = await fetch_all(
+        conn,
+        f"""
+        SELECT {JOB_COLUMNS} FROM jobs
+        WHERE (tenant, idempotency_key) IN (SELECT * FROM unnest(%s::varchar[], %s::varchar[]))
+        """,
+        (list(tenants), list(idempotency_keys)),
+    )
+    return {(row["tenant"], row["idempotency_key"]): JobRecord.of(row) for row in rows}
+
+
+def stored(
+    job: NewJob, inserted: dict[str, JobRecord], earlier: dict[IdempotencyKey, JobRecord]
+) -> tuple[JobRecord, bool]:
+    """The job as stored for ``job``'s submit, and whether an earlier submit made it."""
+    if job.id in inserted:
+        return inserted[job.id], False
+    if (job.tenant, job.idempotency_key) in earlier:
+        return earlier[(job.tenant, job.idempotency_key)], True
+    raise NotFound(f"job {job.id} was not stored")  # pragma: no cover - a conflict is only ever on the key

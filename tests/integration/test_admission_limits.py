@@ -1,0 +1,89 @@
+"""A tenant's limits hold under concurrency, on a real PostgreSQL: 50 submits at
+once, through two repositories (two gateway replicas' pools), against room for 10
+jobs let exactly 10 in and store nothing of the rest; a repeated idempotency key
+is never refused and never counted twice; a rate is one bucket for all replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import pytest
+
+from services import quotas
+from services.db.migrate import upgrade
+from services.db.repository import Repository
+from services.db.tenant_records import TenantTerms
+from services.ops.embedded import EmbeddedPostgres
+from tests.conftest import fresh_database
+from tests.records import new_job
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository, Repository]]:
+    url = fresh_database(postgres)
+    upgrade(url)
+    first, second = Repository(url, pool_size=10), Repository(url, pool_size=10)
+    try:
+        yield first, second
+    finally:
+        await first.close()
+        await second.close()
+
+
+def submit(tenant: str, key: str | None = None):  # type: ignore[no-untyped-def]
+    return (replace(new_job(), id=str(uuid.uuid4()), tenant=tenant, idempotency_key=key), datetime.now(UTC))
+
+
+async def stored_jobs(repo: Repository, tenant: str) -> int:
+    row = await repo.db.one("SELECT count(*) AS n FROM jobs WHERE tenant = %s", (tenant,))
+    assert row is not None
+    return int(row["n"])
+
+
+async def test_fifty_concurrent_submits_against_room_for_ten(replicas: tuple[Repository, Repository]) -> None:
+    a, b = replicas
+    await a.tenants.create("cats", TenantTerms("free", max_jobs=10), now=datetime.now(UTC))
+    outcomes = await asyncio.gather(
+        *((a if i % 2 else b).admission.create_within_limits([submit("cats")]) for i in range(50))
+    )
+    results = [outcome for [outcome] in outcomes]
+    refused = [r for r in results if isinstance(r, quotas.Refusal)]
+    assert len(results) - len(refused) == 10
+    assert {r.limit for r in refused} == {quotas.MAX_JOBS}
+    assert await stored_jobs(a, "cats") == 10
+    # Another tenant, and one without limits, are not held back by it.
+    await a.tenants.create("dogs", TenantTerms("free", max_jobs=1), now=datetime.now(UTC))
+    [dog] = await b.admission.create_within_limits([submit("dogs")])
+    assert not isinstance(dog, quotas.Refusal)
+
+
+async def test_a_repeated_key_is_neither_refused_nor_counted_twice(replicas: tuple[Repository, Repository]) -> None:
+    a, _ = replicas
+    await a.tenants.create("cats", TenantTerms("free", max_jobs=1), now=datetime.now(UTC))
+    first, again = await a.admission.create_within_limits([submit("cats", "k"), submit("cats", "k")])
+    assert not isinstance(first, quotas.Refusal) and not isinstance(again, quotas.Refusal)
+    assert again[0].id == first[0].id and (first[1], again[1]) == (False, True)
+    [later] = await a.admission.create_within_limits([submit("cats", "k")])
+    assert not isinstance(later, quotas.Refusal) and later == (first[0], True)
+    [other] = await a.admission.create_within_limits([submit("cats", "other")])
+    assert isinstance(other, quotas.Refusal)
+    assert await stored_jobs(a, "cats") == 1
+
+
+async def test_a_rate_is_one_bucket_for_every_replica(replicas: tuple[Repository, Repository]) -> None:
+    a, b = replicas
+    # Slow enough that the bucket (one submit) does not refill while the test runs.
+    await a.tenants.create("cats", TenantTerms("free", rate_per_s=0.25), now=datetime.now(UTC))
+    outcomes = await asyncio.gather(
+        *((a if i % 2 else b).admission.create_within_limits([submit("cats")]) for i in range(12))
+    )
+    refused = [r for [r] in outcomes if isinstance(r, quotas.Refusal)]
+    assert len(refused) == 12 - 1 and {r.limit for r in refused} == {quotas.RATE}
+    assert all(r.retry_after_s is not None and 3.0 < r.retry_after_s <= 4.0 for r in refused)
+    assert await stored_jobs(a, "cats") == 1
