@@ -100,6 +100,9 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         checkpoint_step=job.checkpoint_step,
         suspensions=[suspension(e) for e in job.suspensions],
         resumptions=[suspension(e) for e in job.resumptions],
+        gpu_seconds=job.gpu_seconds,
+        credits_reserved=job.credits_reserved,
+        credits_charged=job.credits_charged,
     )
 
 

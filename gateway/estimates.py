@@ -61,6 +61,13 @@ class Estimator:
         ahead = [(policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count) for a in await read()]
         return admission.estimate(job, ahead, workers, fleet)
 
+    async def gpu_seconds(self, job: policy.JobView, now: datetime) -> float:
+        """How long the job would sample on a GPU of speed 1, from what the fleet
+        has learned of its shape: what reserving its credits goes by."""
+        fleet, _ = await self.fleet(now)
+        cost = self.costs.get(job.model)
+        return fleet.durations.shape_seconds(job.shape, cost.step_s_512) if cost is not None else 0.0
+
     def job_view(self, new: NewJob) -> policy.JobView:
         """The policy's view of a job just submitted."""
         cost = self.costs.get(new.params.model)

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import grpc
@@ -17,6 +18,7 @@ from gateway.convert import STATUS, job_message, models_message, timestamp, tota
 from gateway.estimates import Estimator
 from gateway.metrics import REFUSALS, STREAMS_OPEN, SUBMITS
 from gateway.streams import follow
+from gateway.usage import tenant_usage
 from gateway.validation import validate_submit
 from scheduler import admission, facts
 from scheduler.costs import costs_from
@@ -92,7 +94,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             )
         except PermissionDenied as exc:
             raise caller.refused("lane", "SubmitJob", exc) from None
-        eta = await self.estimator.estimate(self.estimator.job_view(new), now)
+        view = self.estimator.job_view(new)
+        eta = await self.estimator.estimate(view, now)
         refusal = admission.admit(new.lane, eta, self.config)
         if refusal is not None:
             earlier = await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key or "")
@@ -105,7 +108,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
                 f"{refusal.limit_s:.0f}s limit; retry later",
                 retry_after_s=refusal.wait_s,
             )
-        new = spans.with_trace(new)
+        reserve = await self.estimator.gpu_seconds(view, now) * new.price
+        new = spans.with_trace(replace(new, credits_reserved=reserve))
         job, deduplicated = await self._store(caller, new, now, eta)
         spans.submitted(new, job, deduplicated, start=now)
         SUBMITS.labels(lane=new.lane, result="deduplicated" if deduplicated else "accepted").inc()
@@ -120,18 +124,21 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         """The job stored, and whether an earlier submit made it; ResourceExhausted
         if its tenant's limits keep it out."""
         terms = caller.terms
-        if terms is None or (terms.max_jobs is None and terms.rate_per_s is None):
+        if terms is None or (terms.max_jobs is None and terms.rate_per_s is None and terms.credits is None):
             return await self._create((new, now))
         outcome = await self._create_limited((new, now))
         if not isinstance(outcome, quotas.Refusal):
             return outcome
         SUBMITS.labels(lane=new.lane, result="refused").inc()
-        # A place frees when one of its jobs ends: about one job's run from now.
-        retry_s = outcome.retry_after_s if outcome.retry_after_s is not None else max(1.0, eta.run_s if eta else 1.0)
         # Counted, not logged: a client at its limit would fill the log.
         REFUSALS.labels(reason=outcome.limit).inc()
+        retry_s = outcome.retry_after_s
+        if retry_s is None and outcome.limit == quotas.MAX_JOBS:
+            # A place frees when one of its jobs ends: about one job's run from now.
+            retry_s = max(1.0, eta.run_s if eta else 1.0)
+        when = f"retry in {retry_s:.1f}s" if retry_s is not None else "its daily credits do not cover it"
         raise ResourceExhausted(
-            f"{outcome.description}; retry in {retry_s:.1f}s",
+            f"{outcome.description}; {when}",
             retry_after_s=retry_s,
             quota=QuotaViolation(f"tenant:{outcome.tenant}", f"{outcome.limit}: {outcome.description}"),
         )
@@ -223,13 +230,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     @unary_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
         caller = await self.gate.caller(context, "GetStats")
-        active = await self.repo.jobs.active(caller.tenant)
-        usage = pb.TenantUsage(
-            tenant=caller.tenant,
-            lane=caller.terms.lane if caller.terms else "",
-            queued=active.queued,
-            running=active.running,
-        )
+        usage = await tenant_usage(self.repo, caller, datetime.now(UTC))
         if not caller.admin:
             return pb.GetStatsResponse(usage=usage)
         stale_s = self.stale_after_s

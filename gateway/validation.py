@@ -69,6 +69,7 @@ def validate_submit(
         deadline=deadline,
         output_format=output_format,
         tenant=tenant,
+        price=registry.get(params.model).price,
     )
 
 

@@ -168,11 +168,19 @@ class JobStore:
         await self.events.work()
         return [r.job_id in stored for r in results]
 
-    async def fail(self, job: JobRecord, failure: Failure) -> None:
+    async def fail(self, job: JobRecord, failure: Failure, *, gpu_seconds: float = 0.0) -> None:
+        """Records the attempt's failure; ``gpu_seconds``, what it sampled, is charged
+        only if the failure is the job's own."""
         status = await self._retried(
             f"the failure of {job.id}",
             lambda: self.repo.attempts.fail(
-                job.id, job.attempt, self.worker_id, failure.error, retryable=failure.retryable, now=_now()
+                job.id,
+                job.attempt,
+                self.worker_id,
+                failure.error,
+                retryable=failure.retryable,
+                now=_now(),
+                gpu_seconds=gpu_seconds,
             ),
         )
         if status is not None:
@@ -183,8 +191,10 @@ class JobStore:
                 JOBS_FINISHED.labels(outcome=status.value.lower()).inc()
         await self._ended(job, status)
 
-    async def cancel(self, job: JobRecord) -> None:
-        write = self.repo.attempts.cancel
+    async def cancel(self, job: JobRecord, *, gpu_seconds: float = 0.0) -> None:
+        def write(job_id: str, attempt: int, worker_id: str, *, now: datetime) -> Awaitable[bool]:
+            return self.repo.attempts.cancel(job_id, attempt, worker_id, now=now, gpu_seconds=gpu_seconds)
+
         await self._end_as(job, JobStatus.CANCELLED, "the cancel", write, JOBS_FINISHED.labels(outcome="cancelled"))
 
     async def hand_back(self, job: JobRecord) -> None:
@@ -208,7 +218,14 @@ class JobStore:
         await self._ended(job, status if done else None)
 
     async def suspend(
-        self, job: JobRecord, checkpoint: Checkpoint | None, *, reason: str, preempted: bool, at: datetime
+        self,
+        job: JobRecord,
+        checkpoint: Checkpoint | None,
+        *,
+        reason: str,
+        preempted: bool,
+        at: datetime,
+        gpu_seconds: float = 0.0,
     ) -> None:
         """Stores the job's checkpoint (None: it keeps the stored one) and puts it back
         in the queue, no attempt counted, as of ``at``, when its sampling stopped."""
@@ -227,6 +244,7 @@ class JobStore:
                 reason=reason,
                 preempted=preempted,
                 now=at,
+                gpu_seconds=gpu_seconds,
             ),
         )
         log.info("job %s suspended at step %d/%d (%s): %s", job.id, step, total, reason, status)

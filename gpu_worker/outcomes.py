@@ -71,19 +71,24 @@ class OutcomeRecorder:
 
     async def _record(self, started: Started, decoded: Decoded, result: Result) -> None:
         job, watch = started.job, started.watch
+        # Its share of its batch's sampling time: what its tenant is charged for
+        # this attempt, unless it failed through no fault of its own.
+        charged = result.busy_s
         try:
             await self._succeeded(started, replace(result, images=_images(started, decoded)))
         except OutcomeNotStored:
             raise
         except JobSuspended as exc:
-            await self._suspended(started, exc.checkpoint, exc.at)
+            await self._suspended(started, exc.checkpoint, exc.at, charged)
         except JobInterrupted:
             if watch.suspending:
-                await self._suspended(started, None, datetime.now(UTC))  # stopped with nothing of its own to save
+                await self._suspended(
+                    started, None, datetime.now(UTC), charged
+                )  # stopped with nothing of its own to save
             else:
-                await self._interrupted(started)
+                await self._interrupted(started, charged)
         except Exception as exc:
-            await self._failed(job, classify(exc))
+            await self._failed(job, classify(exc), charged)
 
     async def _succeeded(self, started: Started, result: Result) -> None:
         job = started.job
@@ -95,12 +100,14 @@ class OutcomeRecorder:
         spans.stored(job, worker_id=self.store.worker_id, decoded_at=result.decoded_at, stored=stored)
         log.info("job %s done (stored=%s)", job.id, stored)
 
-    async def _failed(self, job: JobRecord, failure: Failure) -> None:
+    async def _failed(self, job: JobRecord, failure: Failure, gpu_seconds: float) -> None:
         self.failures.failed(failure)
         log.warning("job %s attempt %d failed: %s", job.id, job.attempt, failure.error, exc_info=failure.traceback)
-        await self.store.fail(job, failure)
+        await self.store.fail(job, failure, gpu_seconds=gpu_seconds)
 
-    async def _suspended(self, started: Started, checkpoint: Checkpoint | None, at: datetime) -> None:
+    async def _suspended(
+        self, started: Started, checkpoint: Checkpoint | None, at: datetime, gpu_seconds: float
+    ) -> None:
         """Back to the queue with its checkpoint, no attempt counted: the next
         attempt, on any GPU, starts where this one stopped."""
         watch = started.watch
@@ -108,13 +115,15 @@ class OutcomeRecorder:
         if started.writer is not None:
             await started.writer.settled()  # a periodic write landing later would be refused anyway
         reason = watch.detail or ("preempted" if preempted else "drain")
-        await self.store.suspend(started.job, checkpoint, reason=reason, preempted=preempted, at=at)
+        await self.store.suspend(
+            started.job, checkpoint, reason=reason, preempted=preempted, at=at, gpu_seconds=gpu_seconds
+        )
 
-    async def _interrupted(self, started: Started) -> None:
+    async def _interrupted(self, started: Started, gpu_seconds: float) -> None:
         job, reason = started.job, started.watch.stop_reason
         log.info("job %s attempt %d stopped: %s", job.id, job.attempt, reason.value if reason else "?")
         if reason == StopReason.CANCELLED:
-            await self.store.cancel(job)
+            await self.store.cancel(job, gpu_seconds=gpu_seconds)
         elif reason == StopReason.TIMED_OUT:
             await self.store.fail(job, timed_out(job.params.model, started.timeout_s))
         elif reason == StopReason.HANDED_BACK:

@@ -203,7 +203,8 @@ class JobRunner:
                 started.job.attempt,
                 (),
                 decoded_at,
-                busy_s=sampled.seconds / len(batch),
+                # Shared by images: a job of two images in a batch of four used half of it.
+                busy_s=sampled.seconds * started.job.params.num_images / sampled.rows,
                 run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
                 batch_rows=sampled.rows,
             )

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from datetime import UTC, datetime
 
 from scheduler.job_gauges import job_gauges_loop
 from scheduler.passes import Passes
@@ -91,6 +92,7 @@ class Scheduler:
                 await self.passes.recover(judge_heartbeats=self._may_judge_heartbeats())
                 self._db_answered(True)
                 await self.passes.learn()
+                await self.repo.credits.settle(now=datetime.now(UTC), limit=2000)
                 if loop.time() - self._last_prune >= prune_every:
                     self._last_prune = loop.time()
                     await self.passes.forget_gone_workers()

@@ -49,7 +49,8 @@ class QuotaViolation:
 
 
 class ResourceExhausted(RequestError):
-    def __init__(self, message: str, retry_after_s: float, quota: QuotaViolation | None = None):
+    def __init__(self, message: str, retry_after_s: float | None, quota: QuotaViolation | None = None):
+        """``retry_after_s`` None: no telling when (no RetryInfo is sent)."""
         self.retry_after_s = retry_after_s
         self.quota = quota
         super().__init__(message)

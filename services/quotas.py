@@ -4,16 +4,36 @@ figures in turn), with the clock passed in.
 
 ``max_jobs`` caps the tenant's jobs queued or running; ``rate_per_s`` is a token
 bucket holding at most one second of submits (at least one), shared by every
-gateway because its state lives on the tenant's row."""
+gateway because its state lives on the tenant's row. ``credits`` is a balance of
+GPU-seconds times the model's price: a submit takes its estimated cost from it
+(refused if the balance is short), and the job's settlement gives back what it
+did not use, or takes what it used beyond. Daily credits top the balance up to
+their amount once per UTC day (never beyond: a free tier does not hoard)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import date, datetime, timedelta
 
 MAX_JOBS = "max_jobs"
 RATE = "rate"
+CREDITS = "credits"
+
+
+def refilled(
+    credits: float | None, daily: float | None, day: date | None, today: date
+) -> tuple[float | None, date | None]:
+    """The balance and its refill day once ``today``'s daily credits are given."""
+    if credits is None or daily is None or day == today:
+        return credits, day
+    return max(credits, daily), today
+
+
+def next_refill_s(now: datetime) -> float:
+    """Seconds until the next UTC day begins."""
+    midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), tzinfo=now.tzinfo)
+    return (midnight - now).total_seconds()
 
 
 @dataclass(frozen=True)
@@ -26,6 +46,9 @@ class TenantLoad:
     rate_per_s: float | None
     tokens: float  # submits its bucket held at ``tokens_at``
     tokens_at: datetime | None  # None: never drawn on (a full bucket)
+    credits: float | None = None  # None: no limit
+    daily_credits: float | None = None
+    credits_day: date | None = None  # the UTC day its daily credits were last given
 
     @property
     def burst(self) -> float:
@@ -41,19 +64,22 @@ class TenantLoad:
 @dataclass(frozen=True)
 class Refusal:
     tenant: str
-    limit: str  # MAX_JOBS or RATE
+    limit: str  # MAX_JOBS, RATE or CREDITS
     description: str
-    retry_after_s: float | None  # None: when one of its jobs ends, which only an estimate can say
+    # None: for MAX_JOBS, when one of its jobs ends, which only an estimate can
+    # say; for CREDITS, never by itself (no daily credits cover the job).
+    retry_after_s: float | None
 
 
 def admit(
-    loads: dict[str, TenantLoad], tenants: Sequence[str], now: datetime
+    loads: dict[str, TenantLoad], submits: Sequence[tuple[str, float]], now: datetime
 ) -> tuple[list[Refusal | None], dict[str, TenantLoad]]:
-    """For submits by ``tenants``, in order: None for one let in, or why not; and the
-    tenants' loads after them. A tenant without a load has no limits."""
-    after = dict(loads)
+    """For submits, each by a tenant at an estimated cost in credits, in order: None
+    for one let in, or why not; and the tenants' loads after them (the costs of
+    those let in taken from their credits). A tenant without a load has no limits."""
+    after = {name: _refilled(load, now.date()) for name, load in loads.items()}
     decisions: list[Refusal | None] = []
-    for name in tenants:
+    for name, cost in submits:
         load = after.get(name)
         if load is None:
             decisions.append(None)
@@ -70,6 +96,23 @@ def admit(
                 decisions.append(Refusal(name, RATE, f"tenant {name!r} submits {load.rate_per_s:g}/s at most", wait))
                 continue
             tokens -= 1.0
-        after[name] = replace(load, active=load.active + 1, tokens=tokens, tokens_at=now)
+        if load.credits is not None and load.credits < cost:
+            decisions.append(_short(load, cost, now))
+            continue
+        credits = load.credits - cost if load.credits is not None else None
+        after[name] = replace(load, active=load.active + 1, tokens=tokens, tokens_at=now, credits=credits)
         decisions.append(None)
     return decisions, after
+
+
+def _refilled(load: TenantLoad, today: date) -> TenantLoad:
+    credits, day = refilled(load.credits, load.daily_credits, load.credits_day, today)
+    return replace(load, credits=credits, credits_day=day)
+
+
+def _short(load: TenantLoad, cost: float, now: datetime) -> Refusal:
+    have = max(0.0, load.credits or 0.0)
+    description = f"tenant {load.name!r} has {have:.1f} credits left and the job needs about {cost:.1f}"
+    if load.daily_credits is not None and load.daily_credits >= cost:
+        return Refusal(load.name, CREDITS, description, next_refill_s(now))
+    return Refusal(load.name, CREDITS, description, None)

@@ -62,6 +62,7 @@ class FakeAttempts:
     finished: list[list[Result]] = field(default_factory=list)
     failed: list[tuple[str, str, bool]] = field(default_factory=list)  # job, error, retryable
     cancelled: list[str] = field(default_factory=list)
+    charged: dict[str, float] = field(default_factory=dict)  # what fail and cancel were told it sampled
     handed_back: list[str] = field(default_factory=list)
     progress_calls: list[tuple[str, int, int]] = field(default_factory=list)
 
@@ -87,14 +88,26 @@ class FakeAttempts:
         return {r.job_id for r in results}
 
     async def fail(
-        self, job_id: str, attempt: int, worker_id: str, error: str, *, retryable: bool, now: datetime
+        self,
+        job_id: str,
+        attempt: int,
+        worker_id: str,
+        error: str,
+        *,
+        retryable: bool,
+        now: datetime,
+        gpu_seconds: float = 0.0,
     ) -> JobStatus | None:
         self.outage.check()
         self.failed.append((job_id, error, retryable))
+        self.charged[job_id] = gpu_seconds
         return JobStatus.QUEUED if retryable else JobStatus.FAILED
 
-    async def cancel(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
+    async def cancel(
+        self, job_id: str, attempt: int, worker_id: str, *, now: datetime, gpu_seconds: float = 0.0
+    ) -> bool:
         self.cancelled.append(job_id)
+        self.charged[job_id] = gpu_seconds
         return True
 
     async def hand_back(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:

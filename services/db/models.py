@@ -5,12 +5,13 @@ them, and new migrations can be drafted from it with ``alembic revision
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    Date,
     DateTime,
     Float,
     ForeignKey,
@@ -102,6 +103,16 @@ class JobRow(Base):
     # The tenant whose key submitted it ("default" when no tenants are defined, or
     # for the keys of DARKROOM_API_KEYS). Not a foreign key: "default" needs no row.
     tenant: Mapped[str] = mapped_column(String(64), nullable=False, server_default=text("'default'"))
+    # Credits per GPU-second of its model when it was submitted (the registry's price).
+    price: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
+    # Credits taken from its tenant at submit, from the estimate; settled when it ends.
+    credits_reserved: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    # Its share of the sampling time of the batches it ran in, over the attempts
+    # charged (not those that failed through no fault of its own).
+    gpu_seconds: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    # gpu_seconds times price, once settled: what its tenant paid.
+    credits_charged: Mapped[float | None] = mapped_column(Float)
+    settled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
@@ -123,6 +134,11 @@ class JobRow(Base):
             "ix_jobs_tenant_active",
             "tenant",
             postgresql_where=text("status IN ('QUEUED','SCHEDULED','RUNNING','DECODING')"),
+        ),
+        Index(
+            "ix_jobs_unsettled",
+            "finished_at",
+            postgresql_where=text("settled_at IS NULL AND status IN ('SUCCEEDED','FAILED','CANCELLED','EXPIRED')"),
         ),
     )
 
@@ -148,8 +164,23 @@ class TenantRow(Base):
     # Its rate's token bucket: the submits it held at rate_at (NULL: never drawn on, full).
     rate_tokens: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     rate_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The UTC day its daily credits were last given (NULL: never).
+    credits_day: Mapped[date | None] = mapped_column(Date)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class TenantUsageRow(Base):
+    """What a tenant's jobs cost on a UTC day, as they were settled. Not a foreign
+    key: the default tenant needs no row."""
+
+    __tablename__ = "tenant_usage"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    day: Mapped[date] = mapped_column(Date, primary_key=True)
+    jobs: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
+    gpu_seconds: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    credits: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
 
 
 class ApiKeyRow(Base):

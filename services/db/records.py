@@ -25,6 +25,8 @@ class NewJob:
     output_format: str = "png"
     trace_context: str | None = None
     tenant: str = DEFAULT_TENANT
+    price: float = 1.0  # credits per GPU-second of its model
+    credits_reserved: float = 0.0  # what its estimate costs: taken from a tenant with credits
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,10 @@ class JobRecord:
     suspend_log: tuple[SuspendEvent, ...] = ()
     aged_from: datetime | None = None
     tenant: str = DEFAULT_TENANT
+    price: float = 1.0
+    credits_reserved: float = 0.0
+    gpu_seconds: float = 0.0  # charged so far: its share of its batches' sampling time
+    credits_charged: float | None = None  # once settled
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 # The tenant of every job when no tenants are defined, and of the keys of
@@ -33,10 +33,12 @@ class TenantRecord:
     terms: TenantTerms
     created_at: datetime
     updated_at: datetime
+    credits_day: date | None = None  # the UTC day its daily credits were last given
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> TenantRecord:
-        return cls(row["name"], TenantTerms(**{t: row[t] for t in TERMS}), row["created_at"], row["updated_at"])
+        terms = TenantTerms(**{t: row[t] for t in TERMS})
+        return cls(row["name"], terms, row["created_at"], row["updated_at"], row["credits_day"])
 
 
 @dataclass(frozen=True)

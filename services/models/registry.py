@@ -90,6 +90,8 @@ class ModelSpec:
     # written while the next steps run) costs well under 1 % of them.
     checkpoint_every_steps: int = 0
     checkpoint_every_s: float = 10.0
+    # Credits a tenant pays per GPU-second of its sampling.
+    price: float = 1.0
 
     @property
     def vram_bytes(self) -> int:
@@ -131,6 +133,8 @@ class ModelRegistry:
                 raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
             if spec.max_batch < 1:
                 raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
+            if not spec.price >= 0:
+                raise ModelError(f"model {name!r}: price must be at least 0, not {spec.price}")
             _check_checkpointing(spec)
             if spec.scheduler:
                 scheduler_class(spec)

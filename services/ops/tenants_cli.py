@@ -11,10 +11,10 @@ import math
 import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
+from services import quotas
 from services.config.sections import KernelSettings, Settings
 from services.db.repository import Repository
 from services.db.tenant_records import KeyRecord, TenantRecord, TenantTerms
@@ -171,8 +171,7 @@ async def _update_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
     }
     if "lane" in given:
         _check_lane(given["lane"], settings)
-    tenant = await repo.tenants.get(args.name)
-    _print_tenant(await repo.tenants.update(args.name, replace(tenant.terms, **given), now=datetime.now(UTC)))
+    _print_tenant(await repo.tenants.update(args.name, given, now=datetime.now(UTC)))
     return 0
 
 
@@ -216,12 +215,14 @@ async def _revoke_key(args: argparse.Namespace, settings: Settings, repo: Reposi
 
 def _print_tenant(tenant: TenantRecord) -> None:
     t = tenant.terms
+    # The balance as the next submit sees it, today's daily credits given.
+    credits, _ = quotas.refilled(t.credits, t.daily_credits, tenant.credits_day, datetime.now(UTC).date())
 
     def limit(value: float | None) -> str:
         return "none" if value is None else f"{value:g}"
 
     print(
-        f"tenant {tenant.name}: lane {t.lane}, credits {limit(t.credits)}, daily credits {limit(t.daily_credits)}, "
+        f"tenant {tenant.name}: lane {t.lane}, credits {limit(credits)}, daily credits {limit(t.daily_credits)}, "
         f"max jobs {limit(t.max_jobs)}, rate {limit(t.rate_per_s)}{'/s' if t.rate_per_s else ''}, weight {t.weight:g}"
     )
 

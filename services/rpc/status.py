@@ -56,7 +56,8 @@ def to_status(exc: BaseException) -> status_pb2.Status:
                 subject=exc.quota.subject, description=exc.quota.description
             )
             status.details.add().Pack(error_details_pb2.QuotaFailure(violations=[violation]))
-        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(exc.retry_after_s)))
+        if exc.retry_after_s is not None:
+            status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(exc.retry_after_s)))
     elif isinstance(exc, StoreUnavailable):
         status = status_pb2.Status(code=code_pb2.UNAVAILABLE, message="storage unavailable, retry shortly")
         status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=_duration(1.0)))

@@ -1,7 +1,9 @@
 """A tenant's limits hold under concurrency, on a real PostgreSQL: 50 submits at
 once, through two repositories (two gateway replicas' pools), against room for 10
-jobs let exactly 10 in and store nothing of the rest; a repeated idempotency key
-is never refused and never counted twice; a rate is one bucket for all replicas."""
+jobs, or credits for 10, let exactly 10 in and store nothing of the rest; a
+repeated idempotency key is never refused and never counted twice; a rate is one
+bucket for all replicas; an ended job is settled once, charged for what it
+sampled but for attempts that failed through no fault of its own."""
 
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository
         await second.close()
 
 
-def submit(tenant: str, key: str | None = None):  # type: ignore[no-untyped-def]
-    return (replace(new_job(), id=str(uuid.uuid4()), tenant=tenant, idempotency_key=key), datetime.now(UTC))
+def submit(tenant: str, key: str | None = None, *, cost: float = 0.0, price: float = 1.0):  # type: ignore[no-untyped-def]
+    job = replace(new_job(), id=str(uuid.uuid4()), tenant=tenant, idempotency_key=key)
+    return (replace(job, credits_reserved=cost, price=price), datetime.now(UTC))
 
 
 async def stored_jobs(repo: Repository, tenant: str) -> int:
@@ -87,3 +90,57 @@ async def test_a_rate_is_one_bucket_for_every_replica(replicas: tuple[Repository
     assert len(refused) == 12 - 1 and {r.limit for r in refused} == {quotas.RATE}
     assert all(r.retry_after_s is not None and 3.0 < r.retry_after_s <= 4.0 for r in refused)
     assert await stored_jobs(a, "cats") == 1
+
+
+async def test_fifty_concurrent_submits_against_credits_for_ten(replicas: tuple[Repository, Repository]) -> None:
+    a, b = replicas
+    await a.tenants.create("cats", TenantTerms("free", credits=10.0), now=datetime.now(UTC))
+    outcomes = await asyncio.gather(
+        *((a if i % 2 else b).admission.create_within_limits([submit("cats", cost=1.0)]) for i in range(50))
+    )
+    refused = [r for [r] in outcomes if isinstance(r, quotas.Refusal)]
+    assert len(refused) == 40 and {r.limit for r in refused} == {quotas.CREDITS}
+    assert await stored_jobs(a, "cats") == 10
+    assert (await a.tenants.get("cats")).terms.credits == pytest.approx(0.0)
+
+
+async def running(repo: Repository, job_id: str) -> int:
+    """Puts the job's next attempt RUNNING on worker w1, as a dispatch would; the attempt."""
+    row = await repo.db.one(
+        "UPDATE jobs SET status = 'RUNNING', worker_id = 'w1', attempt = attempt + 1 WHERE id = %s RETURNING attempt",
+        (job_id,),
+    )
+    assert row is not None
+    return int(row["attempt"])
+
+
+async def test_an_ended_job_is_settled_once_for_what_it_sampled(replicas: tuple[Repository, Repository]) -> None:
+    a, b = replicas
+    now = datetime.now(UTC)
+    await a.tenants.create("cats", TenantTerms("free", credits=10.0), now=now)
+    costly, plain, short = await a.admission.create_within_limits(
+        [submit("cats", cost=4.0, price=2.0), submit("cats", cost=4.0), submit("cats", cost=4.0)]
+    )
+    assert isinstance(short, quotas.Refusal) and short.limit == quotas.CREDITS
+    assert not isinstance(costly, quotas.Refusal) and not isinstance(plain, quotas.Refusal)
+    costly_id, plain_id = costly[0].id, plain[0].id
+    # The GPU died under it: requeued, and not charged for what it sampled.
+    attempt = await running(a, costly_id)
+    await a.attempts.fail(costly_id, attempt, "w1", "CUDA error", retryable=True, now=now, gpu_seconds=1.5)
+    attempt = await running(a, costly_id)
+    assert await a.attempts.finish(costly_id, attempt, "w1", [], now=now, busy_s=2.5)
+    # Its own fault: charged.
+    attempt = await running(a, plain_id)
+    await a.attempts.fail(plain_id, attempt, "w1", "bad output", retryable=False, now=now, gpu_seconds=1.0)
+    assert (await a.tenants.get("cats")).terms.credits == pytest.approx(2.0)  # reserved until settled
+
+    settled = await asyncio.gather(a.credits.settle(now=now), b.credits.settle(now=now))
+    assert sorted(settled) == [0, 2]  # each job by one replica
+    assert await a.credits.settle(now=now) == 0
+    costly_job, plain_job = await a.jobs.get(costly_id), await a.jobs.get(plain_id)
+    assert (costly_job.gpu_seconds, costly_job.credits_charged) == (pytest.approx(2.5), pytest.approx(5.0))
+    assert (plain_job.gpu_seconds, plain_job.credits_charged) == (pytest.approx(1.0), pytest.approx(1.0))
+    # 2 left, then 4 - 5 back for the one, 4 - 1 for the other.
+    assert (await a.tenants.get("cats")).terms.credits == pytest.approx(4.0)
+    usage = await a.credits.usage("cats", now.date())
+    assert (usage.jobs, usage.gpu_seconds, usage.credits) == (2, pytest.approx(3.5), pytest.approx(6.0))

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import grpc
@@ -212,3 +213,47 @@ def test_a_tenant_over_its_rate_is_told_which_limit_and_when(stack: LocalStack, 
     assert 90 <= retry.retry_delay.seconds <= 100
     listed = client.ListJobs(pb.ListJobsRequest(), metadata=birds).jobs
     assert [j.prompt for j in listed] == ["a tenant's cat"]  # nothing of the refused one stored
+
+
+def test_credits_are_reserved_at_submit_settled_at_the_end_and_refused_when_short(
+    stack: LocalStack, keys: dict[str, str]
+) -> None:
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    darkroom(stack, "tenants", "create", "owls", "--lane", "free", "--credits", "1000", "--daily-credits", "1000")
+    owls = as_key(darkroom(stack, "keys", "create", "owls").stdout.strip().splitlines()[-1])
+    client = stub(stack)
+    job_id = client.SubmitJob(job(prompt="an owl"), metadata=owls).job_id
+    assert wait_terminal(client, job_id, timeout=120, metadata=owls).status == pb.JOB_STATUS_SUCCEEDED
+    settled = wait_for(
+        lambda: client.GetJob(pb.GetJobRequest(job_id=job_id), metadata=owls),
+        lambda j: j.HasField("credits_charged"),
+        timeout=30,
+        what="the job's settlement",
+    )
+    assert settled.credits_reserved > 0 and settled.gpu_seconds > 0
+    assert settled.credits_charged == pytest.approx(settled.gpu_seconds)  # tiny's price is 1
+    usage = client.GetStats(pb.GetStatsRequest(), metadata=owls).usage
+    assert usage.credits == pytest.approx(1000 - settled.credits_charged)
+    assert usage.daily_credits == 1000
+    assert usage.gpu_seconds_today == pytest.approx(settled.gpu_seconds)
+    assert usage.credits_today == pytest.approx(settled.credits_charged)
+
+    # Out of credits, with today's daily credits given already: refused until
+    # the next UTC day, and nothing stored.
+    darkroom(stack, "tenants", "update", "owls", "--credits", "0")
+    with pytest.raises(grpc.RpcError) as err:
+        client.SubmitJob(job(prompt="a hungry owl"), metadata=owls)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(err.value)
+    assert status is not None
+    details = {d.type_url.rsplit("/", 1)[-1]: d for d in status.details}
+    quota, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
+    details["google.rpc.QuotaFailure"].Unpack(quota)
+    details["google.rpc.RetryInfo"].Unpack(retry)
+    assert quota.violations[0].subject == "tenant:owls" and "credits" in quota.violations[0].description
+    now = datetime.now(UTC)
+    midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), tzinfo=UTC)
+    assert abs(retry.retry_delay.seconds - (midnight - now).total_seconds()) < 10
+    assert [j.prompt for j in client.ListJobs(pb.ListJobsRequest(), metadata=owls).jobs] == ["an owl"]

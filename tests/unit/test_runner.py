@@ -99,8 +99,9 @@ class Harness:
             unfit_after_failures=unfit_after,
         )
 
-    def submit(self, job_id: str, prompt: str = "a fox") -> None:
-        job = record(new_job(id=job_id, prompt=prompt), status=JobStatus.SCHEDULED, attempt=1, worker_id="w1")
+    def submit(self, job_id: str, prompt: str = "a fox", images: int = 1) -> None:
+        new = new_job(id=job_id, prompt=prompt, num_images=images)
+        job = record(new, status=JobStatus.SCHEDULED, attempt=1, worker_id="w1")
         self.repo.attempts.jobs[job_id] = job
 
     async def start(self, *job_ids: str) -> dict[str, Started]:
@@ -171,6 +172,24 @@ async def test_a_cancelled_member_stores_cancelled_and_the_rest_finish() -> None
     assert h.events.statuses("c") == [JobStatus.RUNNING, JobStatus.CANCELLED]
     assert h.decoders.decoded == ["d"]  # a cancelled job's work is not decoded
     assert h.events.statuses("d")[-1] == JobStatus.SUCCEEDED
+
+
+async def test_each_member_is_charged_its_images_share_of_its_batch_s_sampling_time() -> None:
+    h = Harness()
+    h.submit("one")
+    h.submit("three", images=3)
+    h.submit("gone")
+    started = await h.start("one", "three", "gone")
+    started["gone"].watch.stop(StopReason.CANCELLED)
+    batch = list(started.values())
+    sampled = await h.runner.sample(batch)
+    await h.runner.finish(batch, sampled)
+    [finished] = h.repo.attempts.finished
+    shares = {r.job_id: r.busy_s for r in finished}
+    assert shares["one"] > 0 and shares["three"] == pytest.approx(3 * shares["one"])
+    # A member cancelled part of the way is charged for its place in the batch too.
+    assert h.repo.attempts.charged["gone"] == pytest.approx(shares["one"])
+    assert sum(shares.values()) + h.repo.attempts.charged["gone"] == pytest.approx(sampled.seconds)
 
 
 async def test_a_preempted_member_stores_its_checkpoint_and_goes_back_to_the_queue() -> None:

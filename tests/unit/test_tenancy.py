@@ -181,21 +181,58 @@ def load(**fields: Any) -> quotas.TenantLoad:
     return quotas.TenantLoad(**{**values, **fields})
 
 
+def by(tenant: str, cost: float = 1.0) -> list[tuple[str, float]]:
+    return [(tenant, cost)]
+
+
 def test_max_jobs_lets_in_up_to_the_cap_and_counts_what_it_lets_in() -> None:
-    decisions, after = quotas.admit({"cats": load(max_jobs=3, active=1)}, ["cats"] * 4 + ["dogs"], NOW)
+    decisions, after = quotas.admit({"cats": load(max_jobs=3, active=1)}, by("cats") * 4 + by("dogs"), NOW)
     assert [d.limit if d else None for d in decisions] == [None, None, quotas.MAX_JOBS, quotas.MAX_JOBS, None]
     assert after["cats"].active == 3 and decisions[2] is not None and decisions[2].retry_after_s is None
 
 
 def test_the_rate_bucket_holds_a_second_of_submits_and_refills() -> None:
-    decisions, after = quotas.admit({"cats": load(rate_per_s=2.0)}, ["cats"] * 3, NOW)
+    decisions, after = quotas.admit({"cats": load(rate_per_s=2.0)}, by("cats") * 3, NOW)
     assert [d is None for d in decisions] == [True, True, False]
     refusal = decisions[2]
     assert refusal is not None and refusal.limit == quotas.RATE and refusal.retry_after_s == pytest.approx(0.5)
     later = NOW + timedelta(seconds=0.5)
-    decisions, after = quotas.admit(after, ["cats"] * 2, later)
+    decisions, after = quotas.admit(after, by("cats") * 2, later)
     assert [d is None for d in decisions] == [True, False]
     slow = load(rate_per_s=0.1)  # a bucket of at least one submit
-    decisions, _ = quotas.admit({"cats": slow}, ["cats"] * 2, NOW)
+    decisions, _ = quotas.admit({"cats": slow}, by("cats") * 2, NOW)
     assert decisions[0] is None and decisions[1] is not None
     assert decisions[1].retry_after_s == pytest.approx(10.0)
+
+
+def test_credits_take_each_job_s_estimate_and_refuse_what_they_cannot_cover() -> None:
+    decisions, after = quotas.admit({"cats": load(credits=10.0)}, by("cats", 4.0) * 3 + by("cats", 2.0), NOW)
+    assert [d is None for d in decisions] == [True, True, False, True]
+    assert after["cats"].credits == pytest.approx(0.0) and after["cats"].active == 3
+    refusal = decisions[2]
+    assert refusal is not None and refusal.limit == quotas.CREDITS and refusal.retry_after_s is None
+    assert "2.0 credits left" in refusal.description and "about 4.0" in refusal.description
+
+
+def test_daily_credits_top_the_balance_up_once_a_day_and_never_beyond() -> None:
+    yesterday = NOW.date() - timedelta(days=1)
+    short = load(credits=1.0, daily_credits=5.0, credits_day=yesterday)
+    decisions, after = quotas.admit({"cats": short}, by("cats", 3.0) * 2, NOW)
+    assert [d is None for d in decisions] == [True, False]
+    assert after["cats"].credits == pytest.approx(2.0) and after["cats"].credits_day == NOW.date()
+    refusal = decisions[1]
+    # The next refill covers it: at the next UTC midnight.
+    midnight = datetime.combine(NOW.date() + timedelta(days=1), datetime.min.time(), tzinfo=UTC)
+    assert refusal is not None and refusal.retry_after_s == pytest.approx((midnight - NOW).total_seconds())
+    # Given once a day: the same day does not refill again.
+    assert quotas.refilled(2.0, 5.0, NOW.date(), NOW.date()) == (2.0, NOW.date())
+    # A balance above the daily amount keeps what it has.
+    assert quotas.refilled(8.0, 5.0, yesterday, NOW.date()) == (8.0, NOW.date())
+    # No limit stays no limit.
+    assert quotas.refilled(None, 5.0, yesterday, NOW.date()) == (None, yesterday)
+
+
+def test_a_refused_submit_spends_neither_credits_nor_a_rate_token() -> None:
+    decisions, after = quotas.admit({"cats": load(credits=1.0, rate_per_s=5.0)}, by("cats", 2.0), NOW)
+    assert decisions[0] is not None and decisions[0].limit == quotas.CREDITS
+    assert after["cats"].credits == 1.0 and after["cats"].tokens_at is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from services.db.repository.admission import Admission
 from services.db.repository.attempts import Attempts, Result, Standing, StartRequest
 from services.db.repository.checkpoints import Checkpoints
+from services.db.repository.credits import Credits, DayUsage
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
 from services.db.repository.estimates import Estimates
 from services.db.repository.jobs import Jobs
@@ -19,6 +20,7 @@ __all__ = [
     "IDLE_IN_TRANSACTION_MS",
     "PLANNER_LOCK",
     "SCHEDULER_LOCK",
+    "DayUsage",
     "Repository",
     "Result",
     "Standing",
@@ -32,7 +34,7 @@ class Repository:
     the scheduler's passes; ``recovery``: stalled, expired and exhausted jobs;
     ``estimates``: learned durations; ``checkpoints``: denoising checkpoints and
     suspensions; ``tenants``: tenants and their API keys; ``admission``: submits
-    within their tenants' limits."""
+    within their tenants' limits; ``credits``: settling what ended jobs cost."""
 
     def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
         self.db = Database(database_url, pool_size=pool_size, application_name=application_name)
@@ -45,6 +47,7 @@ class Repository:
         self.checkpoints = Checkpoints(self.db)
         self.tenants = Tenants(self.db)
         self.admission = Admission(self.db)
+        self.credits = Credits(self.db)
 
     async def close(self) -> None:
         await self.db.close()

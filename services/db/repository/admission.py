@@ -1,6 +1,7 @@
 """Submits by tenants with limits: in one transaction that locks each tenant's row,
 so that every gateway replica decides on the same figures in turn and 50
-concurrent submits against room for 10 let exactly 10 in."""
+concurrent submits against room (or credits) for 10 let exactly 10 in. A job let
+in has its ``credits_reserved`` taken from its tenant's credits there."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from services.db.repository.database import Area, fetch_all
 from services.db.repository.jobs import IdempotencyKey, find_earlier, insert, stored
 
 _LOCK_TENANTS = """
-SELECT name, max_jobs, rate_per_s, rate_tokens, rate_at FROM tenants
+SELECT name, max_jobs, rate_per_s, rate_tokens, rate_at, credits, daily_credits, credits_day FROM tenants
 WHERE name = ANY(%s) ORDER BY name FOR UPDATE
 """
 _ACTIVE = """
@@ -51,11 +52,19 @@ class Admission(Area):
                 new.append((job, at))
             loads = {
                 r["name"]: quotas.TenantLoad(
-                    r["name"], r["max_jobs"], active.get(r["name"], 0), r["rate_per_s"], r["rate_tokens"], r["rate_at"]
+                    r["name"],
+                    r["max_jobs"],
+                    active.get(r["name"], 0),
+                    r["rate_per_s"],
+                    r["rate_tokens"],
+                    r["rate_at"],
+                    r["credits"],
+                    r["daily_credits"],
+                    r["credits_day"],
                 )
                 for r in tenants
             }
-            decisions, after = quotas.admit(loads, [job.tenant for job, _ in new], now)
+            decisions, after = quotas.admit(loads, [(job.tenant, job.credits_reserved) for job, _ in new], now)
             refused = {job.id: refusal for (job, _), refusal in zip(new, decisions, strict=True) if refusal}
             inserted = await insert(conn, [(job, at) for job, at in new if job.id not in refused])
             # A repeat within the batch finds the job the first of its key made.
@@ -63,8 +72,11 @@ class Admission(Area):
             for load in after.values():
                 if load != loads[load.name]:
                     await conn.execute(
-                        "UPDATE tenants SET rate_tokens = %s, rate_at = %s WHERE name = %s",
-                        (load.tokens, load.tokens_at, load.name),
+                        """
+                        UPDATE tenants SET rate_tokens = %s, rate_at = %s, credits = %s, credits_day = %s
+                        WHERE name = %s
+                        """,
+                        (load.tokens, load.tokens_at, load.credits, load.credits_day, load.name),
                     )
         # A repeat of a refused submit is refused with it.
         for job in jobs:

@@ -15,7 +15,7 @@ from datetime import datetime
 
 from services.db.records import JOB_FIELDS, AttemptFailure, ImageRecord, JobRecord
 from services.db.repository.database import Area
-from services.db.repository.requeue import end, requeue
+from services.db.repository.requeue import charge, end, requeue
 from services.db.states import HELD, STARTED, JobStatus
 
 _HELD = [st.value for st in HELD]
@@ -51,7 +51,7 @@ class Result:
     attempt: int
     images: Sequence[ImageRecord]
     decoded_at: datetime
-    busy_s: float
+    busy_s: float  # its share of its batch's sampling time: the GPU-seconds it is charged
     # How long its batch ran, when that is worth learning from (kept on one member
     # of a batch), and the images in that batch.
     run_seconds: float | None = None
@@ -179,7 +179,7 @@ class Attempts(Area):
             WITH stored AS (
                 UPDATE jobs AS j SET
                     status = 'SUCCEEDED', error = '', finished_at = clock_timestamp(), decoded_at = r.decoded_at,
-                    run_seconds = r.run_seconds, batch_rows = r.batch_rows
+                    run_seconds = r.run_seconds, batch_rows = r.batch_rows, gpu_seconds = j.gpu_seconds + r.busy_s
                 FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(decoded)s::timestamptz[],
                             %(run_seconds)s::float8[], %(batch_rows)s::int[], %(busy)s::float8[])
                      AS r(id, attempt, decoded_at, run_seconds, batch_rows, busy_s)
@@ -220,9 +220,12 @@ class Attempts(Area):
         )
         return {row["id"] for row in rows}
 
-    async def cancel(self, job_id: str, attempt: int, worker_id: str, *, now: datetime) -> bool:
-        async with self.db.connection() as conn:
-            return await end(
+    async def cancel(
+        self, job_id: str, attempt: int, worker_id: str, *, now: datetime, gpu_seconds: float = 0.0
+    ) -> bool:
+        """Ends this attempt CANCELLED, charged the ``gpu_seconds`` it sampled."""
+        async with self.db.tx() as conn:
+            ended = await end(
                 conn,
                 job_id,
                 attempt,
@@ -232,14 +235,26 @@ class Attempts(Area):
                 guard=_CURRENT,
                 params={"worker": worker_id, "statuses": _STARTED},
             )
+            if ended:
+                await charge(conn, job_id, gpu_seconds)
+            return ended
 
     async def fail(
-        self, job_id: str, attempt: int, worker_id: str, error: str, *, retryable: bool, now: datetime
+        self,
+        job_id: str,
+        attempt: int,
+        worker_id: str,
+        error: str,
+        *,
+        retryable: bool,
+        now: datetime,
+        gpu_seconds: float = 0.0,
     ) -> JobStatus | None:
         """Records this attempt's failure. A retryable one (the GPU, the decoder, a
         timeout) sends the job back to the queue with the failure counted: the
-        scheduler fails it once it has used its attempts. One that is the job's own
-        fault fails it now. Returns the job's new status, None if not current."""
+        scheduler fails it once it has used its attempts; its tenant is not charged
+        for it. One that is the job's own fault fails it now, charged the
+        ``gpu_seconds`` it sampled. Returns the job's new status, None if not current."""
         fenced = {"worker": worker_id, "statuses": _STARTED}
         async with self.db.tx() as conn:
             if retryable:
@@ -251,6 +266,8 @@ class Attempts(Area):
                     conn, job_id, attempt, JobStatus.FAILED, error, now=now, guard=_CURRENT, params=fenced
                 )
                 status = JobStatus.FAILED if ended else None
+                if ended:
+                    await charge(conn, job_id, gpu_seconds)
             if status is not None:
                 await conn.execute("UPDATE workers SET errors = errors + 1 WHERE id = %s", (worker_id,))
             return status

@@ -99,9 +99,11 @@ class Checkpoints(Area):
         reason: str,
         preempted: bool,
         now: datetime,
+        gpu_seconds: float = 0.0,
     ) -> JobStatus | None:
         """Stores the checkpoint (``data`` None: the job's stored one stays) and puts
-        the job back in the queue, no attempt counted, in one transaction; returns
+        the job back in the queue, no attempt counted but the ``gpu_seconds`` it
+        sampled charged (its next attempt goes on from them), in one transaction; returns
         its new status (QUEUED, or CANCELLED if its cancel was requested), or None
         if the attempt is no longer current here."""
         async with self.db.tx() as conn:
@@ -129,10 +131,17 @@ class Checkpoints(Area):
                     """
                     UPDATE jobs SET suspend_log = suspend_log || jsonb_build_array(%(entry)s::jsonb),
                                     preemptions = preemptions + %(preempted)s::int,
+                                    gpu_seconds = gpu_seconds + %(gpu_seconds)s,
                                     aged_from = CASE WHEN %(preempted)s THEN %(now)s ELSE aged_from END
                     WHERE id = %(id)s
                     """,
-                    {"id": job_id, "entry": json.dumps(entry), "preempted": preempted, "now": now},
+                    {
+                        "id": job_id,
+                        "entry": json.dumps(entry),
+                        "preempted": preempted,
+                        "now": now,
+                        "gpu_seconds": gpu_seconds,
+                    },
                 )
             return status
 

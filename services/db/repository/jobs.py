@@ -29,17 +29,19 @@ from services.errors import NotFound
 _INSERT = f"""
 INSERT INTO jobs (id, status, lane, priority, model, prompt, negative_prompt, width, height, steps,
                   guidance_scale, seed, num_images, output_format, idempotency_key, deadline,
-                  trace_context, tenant, created_at)
+                  trace_context, tenant, price, credits_reserved, created_at)
 SELECT id, 'QUEUED', lane, priority, model, prompt, negative_prompt, width, height, steps,
        guidance_scale, seed, num_images, output_format, idempotency_key, deadline, trace_context, tenant,
-       created_at
+       price, credits_reserved, created_at
 FROM unnest(%(id)s::varchar[], %(lane)s::varchar[], %(priority)s::int[], %(model)s::varchar[],
             %(prompt)s::text[], %(negative_prompt)s::text[], %(width)s::int[], %(height)s::int[],
             %(steps)s::int[], %(guidance_scale)s::float8[], %(seed)s::bigint[], %(num_images)s::int[],
             %(output_format)s::varchar[], %(idempotency_key)s::varchar[], %(deadline)s::timestamptz[],
-            %(trace_context)s::varchar[], %(tenant)s::varchar[], %(created_at)s::timestamptz[])
+            %(trace_context)s::varchar[], %(tenant)s::varchar[], %(price)s::float8[],
+            %(credits_reserved)s::float8[], %(created_at)s::timestamptz[])
      AS n(id, lane, priority, model, prompt, negative_prompt, width, height, steps, guidance_scale, seed,
-          num_images, output_format, idempotency_key, deadline, trace_context, tenant, created_at)
+          num_images, output_format, idempotency_key, deadline, trace_context, tenant, price, credits_reserved,
+          created_at)
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING {JOB_COLUMNS}
 """
@@ -61,6 +63,8 @@ _INSERTED_FIELDS = (
     "deadline",
     "trace_context",
     "tenant",
+    "price",
+    "credits_reserved",
 )
 _WITH_IMAGES = f"""
 SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,

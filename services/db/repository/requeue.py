@@ -114,6 +114,12 @@ async def end(
     return bool(rows)
 
 
+async def charge(conn: AsyncConnection[DictRow], job_id: str, gpu_seconds: float) -> None:
+    """Adds an attempt's sampling time to what the job is charged."""
+    if gpu_seconds > 0:
+        await conn.execute("UPDATE jobs SET gpu_seconds = gpu_seconds + %s WHERE id = %s", (gpu_seconds, job_id))
+
+
 def qualified(fields: Sequence[str], alias: str) -> str:
     """``alias.a, alias.b, ...``: a column list for a statement that joins."""
     return ", ".join(f"{alias}.{name}" for name in fields)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 
 from services.api_keys import IssuedKey
@@ -9,7 +10,8 @@ from services.db.repository.database import Area
 from services.db.tenant_records import TERMS, KeyHolder, KeyRecord, TenantRecord, TenantTerms
 from services.errors import AlreadyExists, NotFound
 
-_TENANT_COLUMNS = ", ".join(("name", *TERMS, "created_at", "updated_at"))
+_WRITTEN = ", ".join(("name", *TERMS, "created_at", "updated_at"))
+_TENANT_COLUMNS = f"{_WRITTEN}, credits_day"
 _KEY_COLUMNS = "id, tenant, admin, created_at, revoked_at"
 
 
@@ -17,7 +19,7 @@ class Tenants(Area):
     async def create(self, name: str, terms: TenantTerms, *, now: datetime) -> TenantRecord:
         row = await self.db.one(
             f"""
-            INSERT INTO tenants ({_TENANT_COLUMNS})
+            INSERT INTO tenants ({_WRITTEN})
             VALUES (%(name)s, {", ".join(f"%({t})s" for t in TERMS)}, %(now)s, %(now)s)
             ON CONFLICT (name) DO NOTHING
             RETURNING {_TENANT_COLUMNS}
@@ -28,13 +30,19 @@ class Tenants(Area):
             raise AlreadyExists(f"tenant {name!r} already exists")
         return TenantRecord.of(row)
 
-    async def update(self, name: str, terms: TenantTerms, *, now: datetime) -> TenantRecord:
+    async def update(self, name: str, changes: Mapping[str, object], *, now: datetime) -> TenantRecord:
+        """Sets the terms named in ``changes`` (the others, and credits moved by jobs
+        since the caller read them, stay as they are)."""
+        unknown = set(changes) - set(TERMS)
+        if unknown:
+            raise ValueError(f"not a tenant's term: {sorted(unknown)}")
+        sets = "".join(f"{t} = %({t})s, " for t in changes)
         row = await self.db.one(
             f"""
-            UPDATE tenants SET {", ".join(f"{t} = %({t})s" for t in TERMS)}, updated_at = %(now)s
+            UPDATE tenants SET {sets}updated_at = %(now)s
             WHERE name = %(name)s RETURNING {_TENANT_COLUMNS}
             """,
-            {"name": name, "now": now, **{t: getattr(terms, t) for t in TERMS}},
+            {"name": name, "now": now, **changes},
         )
         if row is None:
             raise NotFound(f"no tenant {name!r}")

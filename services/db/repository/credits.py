@@ -1,0 +1,83 @@
+"""Settling what ended jobs cost: each tenant is given back what its jobs reserved
+and did not use (or charged what they used beyond), and its usage of the day
+counted; once per job, by whichever scheduler replica gets to it first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime
+
+from services.db.repository.database import Area, fetch_all
+
+_ENDED = """
+SELECT id, tenant, credits_reserved, gpu_seconds, gpu_seconds * price AS charged,
+       (coalesce(finished_at, %(now)s) AT TIME ZONE 'UTC')::date AS day
+FROM jobs
+WHERE settled_at IS NULL AND status IN ('SUCCEEDED', 'FAILED', 'CANCELLED', 'EXPIRED')
+ORDER BY finished_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+"""
+_USAGE = """
+INSERT INTO tenant_usage (tenant, day, jobs, gpu_seconds, credits)
+SELECT tenant, day, count(*), sum(gpu_seconds), sum(charged)
+FROM unnest(%s::varchar[], %s::date[], %s::float8[], %s::float8[]) AS u(tenant, day, gpu_seconds, charged)
+GROUP BY tenant, day
+ON CONFLICT (tenant, day) DO UPDATE SET
+    jobs = tenant_usage.jobs + excluded.jobs,
+    gpu_seconds = tenant_usage.gpu_seconds + excluded.gpu_seconds,
+    credits = tenant_usage.credits + excluded.credits
+"""
+
+
+@dataclass(frozen=True)
+class DayUsage:
+    jobs: int = 0
+    gpu_seconds: float = 0.0
+    credits: float = 0.0
+
+
+class Credits(Area):
+    async def settle(self, *, now: datetime, limit: int = 500) -> int:
+        """Settles up to ``limit`` ended jobs, oldest first; how many it did."""
+        async with self.db.tx() as conn:
+            ended = await fetch_all(conn, _ENDED, {"now": now, "limit": limit})
+            if not ended:
+                return 0
+            back: dict[str, float] = {}
+            for row in ended:
+                back[row["tenant"]] = back.get(row["tenant"], 0.0) + row["credits_reserved"] - row["charged"]
+            # Tenants locked in name order, as admission locks them: no deadlock.
+            await conn.execute("SELECT 1 FROM tenants WHERE name = ANY(%s) ORDER BY name FOR UPDATE", (sorted(back),))
+            await conn.execute(
+                """
+                UPDATE tenants t SET credits = t.credits + b.back
+                FROM unnest(%s::varchar[], %s::float8[]) AS b(name, back)
+                WHERE t.name = b.name AND t.credits IS NOT NULL
+                """,
+                (list(back), list(back.values())),
+            )
+            await conn.execute(
+                """
+                UPDATE jobs j SET settled_at = %s, credits_charged = s.charged
+                FROM unnest(%s::varchar[], %s::float8[]) AS s(id, charged) WHERE j.id = s.id
+                """,
+                (now, [r["id"] for r in ended], [r["charged"] for r in ended]),
+            )
+            await conn.execute(
+                _USAGE,
+                (
+                    [r["tenant"] for r in ended],
+                    [r["day"] for r in ended],
+                    [r["gpu_seconds"] for r in ended],
+                    [r["charged"] for r in ended],
+                ),
+            )
+            return len(ended)
+
+    async def usage(self, tenant: str, day: date) -> DayUsage:
+        """What the tenant's jobs settled on ``day`` (UTC) cost."""
+        row = await self.db.one(
+            "SELECT jobs, gpu_seconds, credits FROM tenant_usage WHERE tenant = %s AND day = %s", (tenant, day)
+        )
+        return DayUsage(row["jobs"], row["gpu_seconds"], row["credits"]) if row else DayUsage()
