@@ -17,7 +17,7 @@ from typing import Generic, TypeVar
 
 import grpc
 
-from gateway.metrics import REFUSALS
+from gateway.metrics import count_refusal
 from services import api_keys
 from services.db.repository.tenants import Tenants
 from services.db.tenant_records import DEFAULT_TENANT, TenantTerms
@@ -55,7 +55,7 @@ class Caller:
 
     def refused(self, reason: str, method: str, error: E, **about: object) -> E:
         """``error``, once the refusal is logged and counted."""
-        REFUSALS.labels(reason=reason).inc()
+        count_refusal(reason, self.tenant)
         log.warning(
             "refused %s: %s",
             method,

@@ -16,7 +16,7 @@ from gateway import pages, spans
 from gateway.auth import Caller, Gatekeeper
 from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
 from gateway.estimates import Estimator
-from gateway.metrics import REFUSALS, STREAMS_OPEN, SUBMITS
+from gateway.metrics import STREAMS_OPEN, count_refusal, count_submit
 from gateway.streams import follow
 from gateway.usage import tenant_usage
 from gateway.validation import validate_submit
@@ -100,9 +100,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if refusal is not None:
             earlier = await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key or "")
             if earlier is not None:  # accepted before: the same answer, never a refusal
-                SUBMITS.labels(lane=new.lane, result="deduplicated").inc()
+                count_submit(new.lane, caller.tenant, "deduplicated")
                 return await self._submitted(earlier, True, now)
-            SUBMITS.labels(lane=new.lane, result="refused").inc()
+            count_submit(new.lane, caller.tenant, "refused")
             raise ResourceExhausted(
                 f"lane {refusal.lane!r} is full: the estimated wait of {refusal.wait_s:.0f}s passes its "
                 f"{refusal.limit_s:.0f}s limit; retry later",
@@ -112,7 +112,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         new = spans.with_trace(replace(new, credits_reserved=reserve))
         job, deduplicated = await self._store(caller, new, now, eta)
         spans.submitted(new, job, deduplicated, start=now)
-        SUBMITS.labels(lane=new.lane, result="deduplicated" if deduplicated else "accepted").inc()
+        count_submit(new.lane, caller.tenant, "deduplicated" if deduplicated else "accepted")
         if deduplicated:
             return await self._submitted(job, True, now)
         await self.events.work()
@@ -129,9 +129,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         outcome = await self._create_limited((new, now))
         if not isinstance(outcome, quotas.Refusal):
             return outcome
-        SUBMITS.labels(lane=new.lane, result="refused").inc()
+        count_submit(new.lane, caller.tenant, "refused")
         # Counted, not logged: a client at its limit would fill the log.
-        REFUSALS.labels(reason=outcome.limit).inc()
+        count_refusal(outcome.limit, outcome.tenant)
         retry_s = outcome.retry_after_s
         if retry_s is None and outcome.limit == quotas.MAX_JOBS:
             # A place frees when one of its jobs ends: about one job's run from now.

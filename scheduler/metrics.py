@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from services.db.repository import Settled
 from services.telemetry.metrics import WAIT_BUCKETS
+from services.telemetry.tenant_metrics import TENANT_CREDITS, TENANT_GPU_SECONDS, TENANT_LABELS
 
 JOBS = Gauge(
     "darkroom_jobs",
@@ -34,3 +36,11 @@ PREEMPTIONS = Counter(
     "darkroom_preemptions",
     "Running jobs the scheduler asked to suspend to make room for waiting ones.",
 )
+
+
+def count_settled(settled: Settled) -> None:
+    """Per-tenant usage, as a settlement charged it."""
+    for tenant, seconds in settled.gpu_seconds.items():
+        TENANT_GPU_SECONDS.labels(tenant=TENANT_LABELS(tenant)).inc(seconds)
+    for tenant, credits in settled.credits.items():
+        TENANT_CREDITS.labels(tenant=TENANT_LABELS(tenant)).inc(credits)

@@ -14,6 +14,7 @@ import os
 from datetime import UTC, datetime
 
 from scheduler.job_gauges import job_gauges_loop
+from scheduler.metrics import count_settled
 from scheduler.passes import Passes
 from services.bus.dispatch import Bus
 from services.config.sections import KernelSettings, SchedulerSettings
@@ -92,7 +93,7 @@ class Scheduler:
                 await self.passes.recover(judge_heartbeats=self._may_judge_heartbeats())
                 self._db_answered(True)
                 await self.passes.learn()
-                await self.repo.credits.settle(now=datetime.now(UTC), limit=2000)
+                count_settled(await self.repo.credits.settle(now=datetime.now(UTC), limit=2000))
                 if loop.time() - self._last_prune >= prune_every:
                     self._last_prune = loop.time()
                     await self.passes.forget_gone_workers()

@@ -19,6 +19,10 @@ JOBS = {
     "vid": {"model": "vid", "width": 512, "height": 512, "steps": 30},
 }
 LANES = {"paid": {"priority": 10}, "free": {"priority": 0}}
+# Under what a test's own [darkroom] table says: no latency classes, and preemption
+# only by the lists a test gives (the shipped defaults, DARKROOM_BEST_EFFORT=video
+# and DARKROOM_PREEMPT_FOR_TARGETS=true, are the default scenario's business).
+BY_PRIORITY = {"best_effort": [], "preemption": {"for_targets": False}}
 
 
 def gpu(gpu_id: str, speed: float, vram_gb: float, *pinned: str) -> dict[str, Any]:
@@ -27,8 +31,8 @@ def gpu(gpu_id: str, speed: float, vram_gb: float, *pinned: str) -> dict[str, An
 
 def scenario(**tables: Any) -> dict[str, Any]:
     """A scenario of the image and video models and job types, unless ``tables``
-    give others; every other table as given."""
-    return {"models": MODELS, "jobs": JOBS, **tables}
+    give others; its [darkroom] table over BY_PRIORITY; every other table as given."""
+    return {"models": MODELS, "jobs": JOBS, **tables, "darkroom": changed(BY_PRIORITY, **tables.get("darkroom", {}))}
 
 
 def _value(v: Any) -> str:

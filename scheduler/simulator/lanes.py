@@ -26,7 +26,7 @@ PREEMPTION_SCENARIO = Path(__file__).with_name("preemption_scenario.toml")
 
 def run(sc: scenarios.Scenario, load: float, *, preempt: bool) -> Result:
     if not preempt:
-        sc = replace(sc, preemption=PreemptionSettings())
+        sc = replace(sc, preemption=PreemptionSettings(for_targets=False))
     return Simulation(sc, DarkroomPolicy(sc), traces.trace(sc, load), load=load).run()
 
 

@@ -142,8 +142,8 @@ class Scenario:
     failures: tuple[Failure, ...]
     darkroom: PlacementSettings
     seeds: SeedSettings = field(default_factory=SeedSettings)
-    # Darkroom's preemption (off unless the scenario configures it), and what a
-    # suspension costs a GPU: writing the checkpoint, and reading it back to resume.
+    # Darkroom's preemption (a scenario file's table over the production defaults),
+    # and what a suspension costs a GPU: writing the checkpoint, and reading it back.
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     checkpoint_s: float = 0.05
     resume_s: float = 0.5

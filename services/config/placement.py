@@ -106,12 +106,16 @@ TARGETS = _pairs("target_s", _positive)
 CAPS = _pairs("gpus", int)
 
 
+# Shipped as best effort whether or not a model of the fleet serves it yet.
+DEFAULT_BEST_EFFORT = frozenset({"video"})
+
+
 @dataclass(frozen=True)
 class PlacementSettings(Section):
     """How the scheduler places jobs (and the gateway estimates their wait)."""
 
     lanes: tuple[Lane, ...] = setting(
-        (Lane("paid", 10, 120.0), Lane("free", 0, 300.0)),
+        (Lane("paid", 10, 120.0, 10.0), Lane("free", 0, 300.0, 30.0)),
         "Priority lanes. Higher priority goes first; a submit whose estimated wait passes its lane's max_wait_s "
         "is refused with RESOURCE_EXHAUSTED and a RetryInfo; an empty lane means the lowest one. A lane with a "
         "target_s (p99 seconds, submit to done) is latency-bound: its work goes before best-effort work, "
@@ -119,7 +123,7 @@ class PlacementSettings(Section):
         codec=LANES,
     )
     best_effort: frozenset[str] = setting(
-        frozenset(),
+        DEFAULT_BEST_EFFORT,
         "Capabilities or lanes whose work is best effort whatever its lane's target (video, batch work): it takes "
         "the GPUs latency-bound work does not need.",
     )
@@ -206,7 +210,8 @@ class PlacementSettings(Section):
 @dataclass(frozen=True)
 class PreemptionSettings(Section):
     """Which running jobs may be suspended at a step (checkpointed, back to the queue,
-    no attempt counted) for which waiting ones. Off unless configured."""
+    no attempt counted) for which waiting ones: by default, best-effort work for a
+    job that would miss its latency target."""
 
     preemptible: frozenset[str] = setting(
         frozenset(), "Lanes or capabilities whose running jobs may be suspended for waiting jobs of preempting_lanes."
@@ -217,7 +222,7 @@ class PreemptionSettings(Section):
         2.0, "A waiting job preempts only when it would otherwise wait longer than this.", at_least=0.0
     )
     for_targets: bool = setting(
-        False,
+        True,
         "Latency classes decide too: a job with a latency target it would miss may suspend best-effort work.",
         env="PREEMPT_FOR_TARGETS",
     )
@@ -246,7 +251,8 @@ def check_names(
     """What placement and preemption name must exist: preempting lanes are lanes; a
     preemptible entry is no preempting lane (its jobs are never preempted, so the
     entry could only mislead); and, when the models' ``capabilities`` are known,
-    best-effort and preemptible entries are lanes or capabilities."""
+    best-effort and preemptible entries are lanes or capabilities (or a default's
+    capability, which no model may serve yet)."""
     lanes = [lane.name for lane in placement.lanes]
     for name in sorted(preemption.preempting_lanes):
         if name not in lanes:
@@ -261,7 +267,7 @@ def check_names(
         )
     if capabilities is None:
         return
-    known = {*lanes, *capabilities}
+    known = {*lanes, *capabilities, *DEFAULT_BEST_EFFORT}
     checked: Iterable[tuple[type, str, frozenset[str]]] = (
         (PlacementSettings, "best_effort", placement.best_effort),
         (PreemptionSettings, "preemptible", preemption.preemptible),

@@ -60,6 +60,12 @@ class KernelSettings(Section):
         choices=LOG_FORMATS,
     )
     metrics_host: str = setting("127.0.0.1", "Where /metrics listens; 0.0.0.0 lets another host scrape.")
+    tenant_metrics_max: int = setting(
+        100,
+        "Tenants a process labels per-tenant metrics with by name (the first it sees); the rest share the label "
+        '"other", so that series do not grow with the number of tenants.',
+        at_least=1,
+    )
     metrics_port: int = setting(
         0,
         "Prometheus /metrics port; 0 serves none. Under `darkroom up` and `darkroom supervise`: the first of "

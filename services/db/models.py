@@ -15,6 +15,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Identity,
     Index,
     Integer,
     LargeBinary,
@@ -197,6 +198,24 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (Index("ix_api_keys_tenant", "tenant"),)
+
+
+class AdminActionRow(Base):
+    """An admin action (a tenant created or changed, a key made or revoked): who, when."""
+
+    __tablename__ = "admin_actions"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # Who did it: the operating-system user and host the `darkroom` command ran as.
+    actor: Mapped[str] = mapped_column(String(200), nullable=False)
+    action: Mapped[str] = mapped_column(String(32), nullable=False)  # e.g. "keys revoke"
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False)
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    # The terms set, or the key's role; never a key.
+    detail: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+
+    __table_args__ = (Index("ix_admin_actions_tenant_at", "tenant", "at"),)
 
 
 class JobImageRow(Base):

@@ -64,3 +64,15 @@ class KeyHolder:
     key: KeyRecord
     digest: str
     tenant: TenantRecord
+
+
+@dataclass(frozen=True)
+class AdminAction:
+    """A change to a tenant or its keys, as ``admin_actions`` records it."""
+
+    at: datetime
+    actor: str  # the user and host the command ran as
+    action: str  # e.g. "keys revoke"
+    tenant: str
+    key_id: str | None
+    detail: str  # the terms set, or a key's role; never a key

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from services.config.fields import Section, SettingsError
 from services.config.sections import KernelSettings
 from services.telemetry import logs, tracing
+from services.telemetry.tenant_metrics import TENANT_LABELS
 
 # serve() returns it when the process is not fit to go on (a worker whose attempts
 # keep failing, one whose id another process took): its supervisor restarts it.
@@ -68,6 +69,7 @@ def run_service(name: str, serve: Serve[S], section: type[S]) -> None:
         logger.error("%s", exc)
         sys.exit(EXIT_BAD_SETTINGS)
     logs.configure(settings.log_level, service=name, fmt=settings.log_format)
+    TENANT_LABELS.limit = settings.tenant_metrics_max
     # `kill -USR1 <pid>` prints every thread's stack: how to see what a stuck service waits on.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     liveness = Path(settings.liveness_file) if settings.liveness_file else None

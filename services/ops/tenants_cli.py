@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -152,7 +153,7 @@ async def _create_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
         raise ValueError(f"tenant name {args.name!r}: use 1 to 64 letters, digits, '.', '_' or '-'")
     _check_lane(args.lane, settings)
     terms = TenantTerms(args.lane, args.credits, args.daily_credits, args.max_jobs, args.rate, args.weight)
-    _print_tenant(await repo.tenants.create(args.name, terms, now=datetime.now(UTC)))
+    _print_tenant(await repo.tenants.create(args.name, terms, actor=_actor(), now=datetime.now(UTC)))
     return 0
 
 
@@ -171,7 +172,7 @@ async def _update_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
     }
     if "lane" in given:
         _check_lane(given["lane"], settings)
-    _print_tenant(await repo.tenants.update(args.name, given, now=datetime.now(UTC)))
+    _print_tenant(await repo.tenants.update(args.name, given, actor=_actor(), now=datetime.now(UTC)))
     return 0
 
 
@@ -188,6 +189,10 @@ async def _show_tenant(args: argparse.Namespace, settings: Settings, repo: Repos
     _print_tenant(await repo.tenants.get(args.name))
     for key in await repo.tenants.keys(args.name):
         _print_key(key)
+    for action in await repo.tenants.actions(args.name):
+        which = f" key {action.key_id}" if action.key_id else ""
+        detail = f": {action.detail}" if action.detail else ""
+        print(f"{action.at.isoformat(timespec='seconds')} {action.actor}: {action.action}{which}{detail}")
     return 0
 
 
@@ -195,7 +200,7 @@ async def _create_key(args: argparse.Namespace, settings: Settings, repo: Reposi
     from services.api_keys import new_key
 
     issued = new_key()
-    key = await repo.tenants.add_key(args.tenant, issued, admin=args.admin, now=datetime.now(UTC))
+    key = await repo.tenants.add_key(args.tenant, issued, admin=args.admin, actor=_actor(), now=datetime.now(UTC))
     _print_key(key)
     print("darkroom: the key follows; it is shown this once and stored only as a digest")
     print(issued.key, flush=True)
@@ -209,8 +214,20 @@ async def _list_keys(args: argparse.Namespace, settings: Settings, repo: Reposit
 
 
 async def _revoke_key(args: argparse.Namespace, settings: Settings, repo: Repository) -> int:
-    _print_key(await repo.tenants.revoke(args.key_id, now=datetime.now(UTC)))
+    _print_key(await repo.tenants.revoke(args.key_id, actor=_actor(), now=datetime.now(UTC)))
     return 0
+
+
+def _actor() -> str:
+    """Who runs this command, for the record of admin actions: user and host."""
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
 
 
 def _print_tenant(tenant: TenantRecord) -> None:

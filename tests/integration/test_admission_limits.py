@@ -12,6 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -43,6 +44,14 @@ def submit(tenant: str, key: str | None = None, *, cost: float = 0.0, price: flo
     return (replace(job, credits_reserved=cost, price=price), datetime.now(UTC))
 
 
+async def refusals(replicas: tuple[Repository, Repository], n: int, **submitted: Any) -> list[quotas.Refusal]:
+    """``n`` submits of one job each at once, alternately through either replica: the refused."""
+    outcomes = await asyncio.gather(
+        *(replicas[i % 2].admission.create_within_limits([submit("cats", **submitted)]) for i in range(n))
+    )
+    return [r for [r] in outcomes if isinstance(r, quotas.Refusal)]
+
+
 async def stored_jobs(repo: Repository, tenant: str) -> int:
     row = await repo.db.one("SELECT count(*) AS n FROM jobs WHERE tenant = %s", (tenant,))
     assert row is not None
@@ -51,24 +60,19 @@ async def stored_jobs(repo: Repository, tenant: str) -> int:
 
 async def test_fifty_concurrent_submits_against_room_for_ten(replicas: tuple[Repository, Repository]) -> None:
     a, b = replicas
-    await a.tenants.create("cats", TenantTerms("free", max_jobs=10), now=datetime.now(UTC))
-    outcomes = await asyncio.gather(
-        *((a if i % 2 else b).admission.create_within_limits([submit("cats")]) for i in range(50))
-    )
-    results = [outcome for [outcome] in outcomes]
-    refused = [r for r in results if isinstance(r, quotas.Refusal)]
-    assert len(results) - len(refused) == 10
-    assert {r.limit for r in refused} == {quotas.MAX_JOBS}
+    await a.tenants.create("cats", TenantTerms("free", max_jobs=10), actor="test", now=datetime.now(UTC))
+    refused = await refusals(replicas, 50)
+    assert len(refused) == 40 and {r.limit for r in refused} == {quotas.MAX_JOBS}
     assert await stored_jobs(a, "cats") == 10
     # Another tenant, and one without limits, are not held back by it.
-    await a.tenants.create("dogs", TenantTerms("free", max_jobs=1), now=datetime.now(UTC))
+    await a.tenants.create("dogs", TenantTerms("free", max_jobs=1), actor="test", now=datetime.now(UTC))
     [dog] = await b.admission.create_within_limits([submit("dogs")])
     assert not isinstance(dog, quotas.Refusal)
 
 
 async def test_a_repeated_key_is_neither_refused_nor_counted_twice(replicas: tuple[Repository, Repository]) -> None:
     a, _ = replicas
-    await a.tenants.create("cats", TenantTerms("free", max_jobs=1), now=datetime.now(UTC))
+    await a.tenants.create("cats", TenantTerms("free", max_jobs=1), actor="test", now=datetime.now(UTC))
     first, again = await a.admission.create_within_limits([submit("cats", "k"), submit("cats", "k")])
     assert not isinstance(first, quotas.Refusal) and not isinstance(again, quotas.Refusal)
     assert again[0].id == first[0].id and (first[1], again[1]) == (False, True)
@@ -80,25 +84,19 @@ async def test_a_repeated_key_is_neither_refused_nor_counted_twice(replicas: tup
 
 
 async def test_a_rate_is_one_bucket_for_every_replica(replicas: tuple[Repository, Repository]) -> None:
-    a, b = replicas
+    a = replicas[0]
     # Slow enough that the bucket (one submit) does not refill while the test runs.
-    await a.tenants.create("cats", TenantTerms("free", rate_per_s=0.25), now=datetime.now(UTC))
-    outcomes = await asyncio.gather(
-        *((a if i % 2 else b).admission.create_within_limits([submit("cats")]) for i in range(12))
-    )
-    refused = [r for [r] in outcomes if isinstance(r, quotas.Refusal)]
+    await a.tenants.create("cats", TenantTerms("free", rate_per_s=0.25), actor="test", now=datetime.now(UTC))
+    refused = await refusals(replicas, 12)
     assert len(refused) == 12 - 1 and {r.limit for r in refused} == {quotas.RATE}
     assert all(r.retry_after_s is not None and 3.0 < r.retry_after_s <= 4.0 for r in refused)
     assert await stored_jobs(a, "cats") == 1
 
 
 async def test_fifty_concurrent_submits_against_credits_for_ten(replicas: tuple[Repository, Repository]) -> None:
-    a, b = replicas
-    await a.tenants.create("cats", TenantTerms("free", credits=10.0), now=datetime.now(UTC))
-    outcomes = await asyncio.gather(
-        *((a if i % 2 else b).admission.create_within_limits([submit("cats", cost=1.0)]) for i in range(50))
-    )
-    refused = [r for [r] in outcomes if isinstance(r, quotas.Refusal)]
+    a = replicas[0]
+    await a.tenants.create("cats", TenantTerms("free", credits=10.0), actor="test", now=datetime.now(UTC))
+    refused = await refusals(replicas, 50, cost=1.0)
     assert len(refused) == 40 and {r.limit for r in refused} == {quotas.CREDITS}
     assert await stored_jobs(a, "cats") == 10
     assert (await a.tenants.get("cats")).terms.credits == pytest.approx(0.0)
@@ -117,7 +115,7 @@ async def running(repo: Repository, job_id: str) -> int:
 async def test_an_ended_job_is_settled_once_for_what_it_sampled(replicas: tuple[Repository, Repository]) -> None:
     a, b = replicas
     now = datetime.now(UTC)
-    await a.tenants.create("cats", TenantTerms("free", credits=10.0), now=now)
+    await a.tenants.create("cats", TenantTerms("free", credits=10.0), actor="test", now=now)
     costly, plain, short = await a.admission.create_within_limits(
         [submit("cats", cost=4.0, price=2.0), submit("cats", cost=4.0), submit("cats", cost=4.0)]
     )
@@ -135,8 +133,10 @@ async def test_an_ended_job_is_settled_once_for_what_it_sampled(replicas: tuple[
     assert (await a.tenants.get("cats")).terms.credits == pytest.approx(2.0)  # reserved until settled
 
     settled = await asyncio.gather(a.credits.settle(now=now), b.credits.settle(now=now))
-    assert sorted(settled) == [0, 2]  # each job by one replica
-    assert await a.credits.settle(now=now) == 0
+    [both] = [s for s in settled if s.jobs]  # each job by one replica
+    assert both.jobs == 2 and sum(s.jobs for s in settled) == 2
+    assert both.gpu_seconds == {"cats": pytest.approx(3.5)} and both.credits == {"cats": pytest.approx(6.0)}
+    assert (await a.credits.settle(now=now)).jobs == 0
     costly_job, plain_job = await a.jobs.get(costly_id), await a.jobs.get(plain_id)
     assert (costly_job.gpu_seconds, costly_job.credits_charged) == (pytest.approx(2.5), pytest.approx(5.0))
     assert (plain_job.gpu_seconds, plain_job.credits_charged) == (pytest.approx(1.0), pytest.approx(1.0))

@@ -20,7 +20,7 @@ import pytest
 
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import metrics_text, stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +55,23 @@ def details_of(call) -> tuple[grpc.StatusCode, str]:  # type: ignore[no-untyped-
     with pytest.raises(grpc.RpcError) as err:
         call()
     return err.value.code(), err.value.details()
+
+
+def quota_refusal(call) -> tuple[Any, Any]:  # type: ignore[no-untyped-def]
+    """The QuotaFailure and RetryInfo of a call refused with RESOURCE_EXHAUSTED."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(err.value)
+    assert status is not None
+    details = {d.type_url.rsplit("/", 1)[-1]: d for d in status.details}
+    quota, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
+    details["google.rpc.QuotaFailure"].Unpack(quota)
+    details["google.rpc.RetryInfo"].Unpack(retry)
+    return quota, retry
 
 
 @pytest.fixture(scope="module")
@@ -193,22 +210,11 @@ def test_a_revoked_key_is_refused_within_a_second(stack: LocalStack, keys: dict[
 
 
 def test_a_tenant_over_its_rate_is_told_which_limit_and_when(stack: LocalStack, keys: dict[str, str]) -> None:
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
     darkroom(stack, "tenants", "create", "birds", "--lane", "free", "--rate", "0.01")
     birds = as_key(darkroom(stack, "keys", "create", "birds").stdout.strip().splitlines()[-1])
     client = stub(stack)
     assert client.SubmitJob(job(), metadata=birds).job_id  # the bucket holds one
-    with pytest.raises(grpc.RpcError) as err:
-        client.SubmitJob(job(prompt="one too many"), metadata=birds)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    status = rpc_status.from_call(err.value)
-    assert status is not None
-    details = {d.type_url.rsplit("/", 1)[-1]: d for d in status.details}
-    quota, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
-    details["google.rpc.QuotaFailure"].Unpack(quota)
-    details["google.rpc.RetryInfo"].Unpack(retry)
+    quota, retry = quota_refusal(lambda: client.SubmitJob(job(prompt="one too many"), metadata=birds))
     assert quota.violations[0].subject == "tenant:birds" and "rate" in quota.violations[0].description
     assert 90 <= retry.retry_delay.seconds <= 100
     listed = client.ListJobs(pb.ListJobsRequest(), metadata=birds).jobs
@@ -218,9 +224,6 @@ def test_a_tenant_over_its_rate_is_told_which_limit_and_when(stack: LocalStack, 
 def test_credits_are_reserved_at_submit_settled_at_the_end_and_refused_when_short(
     stack: LocalStack, keys: dict[str, str]
 ) -> None:
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
     darkroom(stack, "tenants", "create", "owls", "--lane", "free", "--credits", "1000", "--daily-credits", "1000")
     owls = as_key(darkroom(stack, "keys", "create", "owls").stdout.strip().splitlines()[-1])
     client = stub(stack)
@@ -243,17 +246,50 @@ def test_credits_are_reserved_at_submit_settled_at_the_end_and_refused_when_shor
     # Out of credits, with today's daily credits given already: refused until
     # the next UTC day, and nothing stored.
     darkroom(stack, "tenants", "update", "owls", "--credits", "0")
-    with pytest.raises(grpc.RpcError) as err:
-        client.SubmitJob(job(prompt="a hungry owl"), metadata=owls)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    status = rpc_status.from_call(err.value)
-    assert status is not None
-    details = {d.type_url.rsplit("/", 1)[-1]: d for d in status.details}
-    quota, retry = error_details_pb2.QuotaFailure(), error_details_pb2.RetryInfo()
-    details["google.rpc.QuotaFailure"].Unpack(quota)
-    details["google.rpc.RetryInfo"].Unpack(retry)
+    quota, retry = quota_refusal(lambda: client.SubmitJob(job(prompt="a hungry owl"), metadata=owls))
     assert quota.violations[0].subject == "tenant:owls" and "credits" in quota.violations[0].description
     now = datetime.now(UTC)
     midnight = datetime.combine(now.date() + timedelta(days=1), datetime.min.time(), tzinfo=UTC)
     assert abs(retry.retry_delay.seconds - (midnight - now).total_seconds()) < 10
     assert [j.prompt for j in client.ListJobs(pb.ListJobsRequest(), metadata=owls).jobs] == ["an owl"]
+
+    # Per tenant in the metrics: its submits at the gateway, its usage where settled.
+    gateway = metric_samples(stack, "gateway")
+    assert gateway[("darkroom_tenant_submits_total", (("result", "accepted"), ("tenant", "owls")))] == 1
+    assert gateway[("darkroom_tenant_submits_total", (("result", "refused"), ("tenant", "owls")))] == 1
+    assert gateway[("darkroom_tenant_refusals_total", (("reason", "credits"), ("tenant", "owls")))] == 1
+    scheduler = metric_samples(stack, "scheduler")
+    gpu_seconds = scheduler[("darkroom_tenant_gpu_seconds_total", (("tenant", "owls"),))]
+    assert gpu_seconds == pytest.approx(settled.gpu_seconds)
+
+
+def metric_samples(stack: LocalStack, service: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = stack.services[service].env["DARKROOM_METRICS_PORT"]
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics_text(f"127.0.0.1:{port}"))
+        for s in family.samples
+    }
+
+
+def test_admin_actions_are_recorded_with_who_did_what(stack: LocalStack, keys: dict[str, str]) -> None:
+    fresh = darkroom(stack, "keys", "create", "cats", "--admin").stdout.strip().splitlines()[-1]
+    key_id = fresh.split("_")[1]
+    darkroom(stack, "keys", "revoke", key_id)
+    darkroom(stack, "tenants", "update", "cats", "--rate", "100")
+    shown = darkroom(stack, "tenants", "show", "cats").stdout
+    actions = [line.split(" ", 1)[1] for line in shown.splitlines() if not line.startswith(("tenant ", "key "))]
+    actor = actions[0].split(":", 1)[0]
+    assert "@" in actor and all(line.startswith(f"{actor}: ") for line in actions)
+    # Newest first: the update, the revocation, the admin key, ..., the tenant made.
+    assert [line.split(": ", 1)[1] for line in actions[:3]] == [
+        "tenants update: rate_per_s=100.0",
+        f"keys revoke key {key_id}",
+        f"keys create key {key_id}: role=admin",
+    ]
+    assert actions[-1] == f"{actor}: tenants create: lane=free, credits=None, daily_credits=None, max_jobs=50, " + (
+        "rate_per_s=None, weight=1.0"
+    )
+    assert fresh not in shown and keys["cats"] not in shown

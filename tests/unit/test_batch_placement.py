@@ -12,7 +12,7 @@ from typing import Any
 from scheduler.estimates import Durations, Learned, Shape
 from scheduler.placement import place, plan
 from scheduler.policy import Fleet, JobView, ModelCost, WorkerView
-from services.config.placement import PlacementSettings
+from services.config.placement import Lane, PlacementSettings
 from services.generation import BatchKey
 
 GB = 1024**3
@@ -20,7 +20,7 @@ SD = ModelCost("image", step_s_512=0.05, load_s=8.0, vram_bytes=4 * GB, max_batc
 PIXELS = 512 * 512
 BATCHED = Durations(shapes={Shape("sd", PIXELS, 20, k).key: Learned(1 + 0.2 * (k - 1), 10) for k in range(1, 5)})
 KEY = BatchKey("sd", 512, 512, 20, 7.5)
-CONFIG = PlacementSettings(backlog_limit=1)
+CONFIG = PlacementSettings(lanes=(Lane("paid", 10, 120.0), Lane("free", 0, 300.0)), backlog_limit=1)
 
 
 def job(jid: str, **overrides: Any) -> JobView:

@@ -27,6 +27,7 @@ COSTS = {
     "xl": ModelCost("image", step_s_512=0.1, load_s=12.0, vram_bytes=12 * GB),
     "vid": ModelCost("video", step_s_512=0.5, load_s=30.0, vram_bytes=16 * GB),
 }
+PRIORITY_ONLY = PlacementSettings(lanes=(Lane("paid", 10, 120.0), Lane("free", 0, 300.0)), best_effort=frozenset())
 CLASSES = PlacementSettings(
     lanes=(Lane("paid", 10, target_s=10.0), Lane("free", 0, target_s=30.0), Lane("batch", 0)),
     best_effort=frozenset({"video"}),
@@ -64,7 +65,7 @@ def test_a_job_s_target_is_its_lane_s_unless_its_capability_says_otherwise() -> 
     # Best effort wins over any lane's target, and a lane without one is best effort.
     assert CLASSES.target_s("paid", "video") is None
     assert CLASSES.target_s("batch", "image") is None
-    assert CLASSES.has_targets and not PlacementSettings().has_targets
+    assert CLASSES.has_targets and PlacementSettings().has_targets and not PRIORITY_ONLY.has_targets
 
 
 # -- queue order --------------------------------------------------------------------
@@ -125,7 +126,7 @@ def test_a_best_effort_model_the_plan_gives_no_gpu_may_evict_on_an_idle_one() ->
 def test_without_targets_best_effort_runs_anywhere() -> None:
     video = job("v", "vid")
     busy = worker("img", warm=("sd",), planned=("sd",), held_jobs=1, held_work_s=1.0)
-    assert not off_share(video, busy, Fleet(COSTS, planned={"vid": 1}), PlacementSettings())
+    assert not off_share(video, busy, Fleet(COSTS, planned={"vid": 1}), PRIORITY_ONLY)
 
 
 def test_before_the_first_plan_best_effort_takes_only_idle_gpus_with_room() -> None:

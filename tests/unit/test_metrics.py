@@ -29,7 +29,7 @@ from services.db.counts import LaneCount
 from services.db.states import JobStatus
 from services.errors import StoreUnavailable
 from services.ops.stack import MetricsPorts, child, metrics_target
-from services.telemetry import metrics
+from services.telemetry import metrics, tenant_metrics
 from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
 from services.telemetry.metrics import Target, observe_gpu, serve_metrics, write_targets
 from tests.helpers import env_of
@@ -44,7 +44,7 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_s
 
 
 # Where metrics are defined: the shared ones, then each service's own.
-METRIC_MODULES = (metrics, gateway_metrics, scheduler_metrics, sampler_metrics, decoder_metrics)
+METRIC_MODULES = (metrics, tenant_metrics, gateway_metrics, scheduler_metrics, sampler_metrics, decoder_metrics)
 
 
 def defined() -> list[MetricWrapperBase]:
@@ -282,3 +282,8 @@ def test_a_service_serves_its_metrics_and_survives_a_taken_port(caplog: pytest.L
     assert 'darkroom_build_info{service="gateway"' in text
     assert "process_resident_memory_bytes" in text  # the default collectors stay
     assert "_created" not in text
+
+
+def test_tenant_labels_name_the_first_tenants_and_fold_the_rest_into_other() -> None:
+    labels = tenant_metrics.TenantLabels(2)
+    assert [labels(t) for t in ("cats", "dogs", "owls", "cats", "owls")] == ["cats", "dogs", "other", "cats", "other"]

@@ -24,7 +24,7 @@ from scheduler.policy import (
     order_queue,
     thermal_factor,
 )
-from services.config.placement import PlacementSettings
+from services.config.placement import Lane, PlacementSettings
 from services.db.states import WorkerStatus
 
 GB = 1024**3
@@ -34,8 +34,9 @@ COSTS = {
     "big": ModelCost("image", step_s_512=0.1, load_s=20.0, vram_bytes=30 * GB),
     "vid": ModelCost("video", step_s_512=0.5, load_s=30.0, vram_bytes=12 * GB),  # 10 s per job
 }
-CONFIG = PlacementSettings()
-VIDEO_CAP = PlacementSettings(capability_caps=(("video", 1),))
+# Lanes by priority alone (no latency targets), the policy's cost model on its own.
+CONFIG = PlacementSettings(lanes=(Lane("paid", 10, 120.0), Lane("free", 0, 300.0)), best_effort=frozenset())
+VIDEO_CAP = replace(CONFIG, capability_caps=(("video", 1),))
 
 
 def job(jid: str = "j", model: str = "sd", **overrides: Any) -> JobView:

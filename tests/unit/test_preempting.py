@@ -8,7 +8,7 @@ from scheduler import policy
 from scheduler.driver import PassDecision, waiting_for_room
 from services.config.placement import PreemptionSettings
 
-CONFIG = PreemptionSettings(preemptible=frozenset({"free"}), preempting_lanes=frozenset({"paid"}))
+CONFIG = PreemptionSettings(preemptible=frozenset({"free"}), preempting_lanes=frozenset({"paid"}), for_targets=False)
 
 
 def decision(placements: list[policy.Placement], lanes: dict[str, str]) -> PassDecision:

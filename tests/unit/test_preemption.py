@@ -27,7 +27,7 @@ from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, Wo
 from scheduler.preemption import Preemption, RunningView, choose_preemptions, estimated_wait
 from scheduler.snapshot import FleetSnapshot
 from scheduler.views import job_view, running_views
-from services.config.placement import PlacementSettings, PreemptionSettings
+from services.config.placement import Lane, PlacementSettings, PreemptionSettings
 from services.db.records import RunningJobRecord
 from services.generation import JobShape
 from tests import records
@@ -38,7 +38,7 @@ COSTS = {
     "vid": ModelCost("video", step_s_512=1.0, load_s=12.0, vram_bytes=12 * GB),
 }
 FLEET = Fleet(COSTS)
-CONFIG = PreemptionSettings(preemptible=frozenset({"video"}), preempting_lanes=frozenset({"paid"}))
+CONFIG = PreemptionSettings(preemptible=frozenset({"video"}), preempting_lanes=frozenset({"paid"}), for_targets=False)
 
 
 def job(jid: str = "urgent", model: str = "sd", **overrides: Any) -> JobView:
@@ -108,7 +108,7 @@ def test_an_urgent_job_behind_long_videos_suspends_one() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        PreemptionSettings(),
+        PreemptionSettings(for_targets=False),
         replace(CONFIG, preemptible=frozenset()),
         replace(CONFIG, preempting_lanes=frozenset()),
         replace(CONFIG, max_preemptions=0),
@@ -302,7 +302,9 @@ def test_plan_leaves_an_urgent_job_queued_behind_videos_and_the_rule_frees_a_gpu
         for w in ("a", "b")
     ]
     urgent = job(queued_at=99.0)
-    placements = plan([urgent], busy, FLEET, PlacementSettings(backlog_limit=0), now=100.0)
+    placements = plan(
+        [urgent], busy, FLEET, PlacementSettings(lanes=(Lane("paid", 10), Lane("free", 0)), backlog_limit=0), now=100.0
+    )
     assert placements[0].worker_id is None and placements[0].reserved_on == "a"
     jobs = [running("v-b", "b", remaining_s=25.0, step_s=0.5), running("v-a", "a", remaining_s=25.0)]
     chosen = choose_preemptions([(urgent, "paid", placements[0])], jobs, CONFIG, now=100.0, workers=busy, fleet=FLEET)

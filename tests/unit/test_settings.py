@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,8 @@ def test_names_must_exist_in_both_sources() -> None:
         check_names(PlacementSettings(), both)
     with pytest.raises(SettingsError, match="DARKROOM_PREEMPTIBLE names 'vidoe'"):
         check_names(PlacementSettings(), PreemptionSettings(preemptible=frozenset({"vidoe"})), {"image", "video"})
+    # The shipped defaults hold on a fleet that serves no video yet.
+    check_names(PlacementSettings(), PreemptionSettings(), {"image"})
 
 
 def test_preemption_from_its_variables() -> None:
@@ -151,8 +154,10 @@ def test_preemption_from_its_variables() -> None:
         {"DARKROOM_PREEMPTIBLE": "video,free", "DARKROOM_PREEMPTING_LANES": "paid", "DARKROOM_MAX_PREEMPTIONS": "3"}
     ).preemption
     assert s == PreemptionSettings(frozenset({"video", "free"}), frozenset({"paid"}), 3, 2.0)
-    assert s.enabled and not PreemptionSettings().enabled
-    assert SchedulerSettings.from_env({"DARKROOM_PREEMPT_FOR_TARGETS": "1"}).preemption.for_targets
+    assert s.enabled and not PreemptionSettings(for_targets=False).enabled
+    # On by default: best-effort work yields to a job that would miss its target.
+    assert PreemptionSettings().enabled and SchedulerSettings.from_env({}).preemption.for_targets
+    assert not SchedulerSettings.from_env({"DARKROOM_PREEMPT_FOR_TARGETS": "0"}).preemption.for_targets
 
 
 def test_a_field_of_no_known_type_is_refused_at_definition() -> None:
@@ -187,3 +192,19 @@ def test_every_setting_is_documented_in_one_place() -> None:
 
 def test_the_committed_reference_is_current() -> None:
     assert docs.PAGE.read_text() == docs.render(), "run python -m services.config.docs"
+
+
+def test_the_default_scenario_measures_the_policy_a_stack_ships_with() -> None:
+    """docs/benchmarks.md's default-scenario figures are what `darkroom up` gets
+    untouched: the same lanes and targets, best effort, preemption and weights."""
+    from scheduler.simulator import scenario
+
+    simulated, shipped = scenario.load(), SchedulerSettings.from_env({})
+    assert [(lane.name, lane.priority, lane.target_s) for lane in simulated.darkroom.lanes] == [
+        (lane.name, lane.priority, lane.target_s) for lane in shipped.placement.lanes
+    ]
+    # The simulator has no dispatch latency (so no backlog keeps a GPU fed) and
+    # refuses no submit (so no lane's max_wait_s); the rest is the same.
+    same = replace(simulated.darkroom, lanes=shipped.placement.lanes, backlog_limit=shipped.placement.backlog_limit)
+    assert same == shipped.placement
+    assert simulated.preemption == shipped.preemption

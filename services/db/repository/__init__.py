@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.db.repository.admission import Admission
 from services.db.repository.attempts import Attempts, Result, Standing, StartRequest
 from services.db.repository.checkpoints import Checkpoints
-from services.db.repository.credits import Credits, DayUsage
+from services.db.repository.credits import Credits, DayUsage, Settled
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
 from services.db.repository.estimates import Estimates
 from services.db.repository.jobs import Jobs
@@ -23,6 +23,7 @@ __all__ = [
     "DayUsage",
     "Repository",
     "Result",
+    "Settled",
     "Standing",
     "StartRequest",
 ]

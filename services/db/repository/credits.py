@@ -4,7 +4,7 @@ counted; once per job, by whichever scheduler replica gets to it first."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date, datetime
 
 from services.db.repository.database import Area, fetch_all
@@ -31,6 +31,15 @@ ON CONFLICT (tenant, day) DO UPDATE SET
 
 
 @dataclass(frozen=True)
+class Settled:
+    """What one settlement charged, per tenant: GPU-seconds and credits."""
+
+    jobs: int = 0
+    gpu_seconds: dict[str, float] = field(default_factory=dict)
+    credits: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class DayUsage:
     jobs: int = 0
     gpu_seconds: float = 0.0
@@ -38,15 +47,19 @@ class DayUsage:
 
 
 class Credits(Area):
-    async def settle(self, *, now: datetime, limit: int = 500) -> int:
-        """Settles up to ``limit`` ended jobs, oldest first; how many it did."""
+    async def settle(self, *, now: datetime, limit: int = 500) -> Settled:
+        """Settles up to ``limit`` ended jobs, oldest first."""
         async with self.db.tx() as conn:
             ended = await fetch_all(conn, _ENDED, {"now": now, "limit": limit})
             if not ended:
-                return 0
+                return Settled()
             back: dict[str, float] = {}
+            settled = Settled(len(ended))
             for row in ended:
-                back[row["tenant"]] = back.get(row["tenant"], 0.0) + row["credits_reserved"] - row["charged"]
+                tenant = row["tenant"]
+                back[tenant] = back.get(tenant, 0.0) + row["credits_reserved"] - row["charged"]
+                settled.gpu_seconds[tenant] = settled.gpu_seconds.get(tenant, 0.0) + row["gpu_seconds"]
+                settled.credits[tenant] = settled.credits.get(tenant, 0.0) + row["charged"]
             # Tenants locked in name order, as admission locks them: no deadlock.
             await conn.execute("SELECT 1 FROM tenants WHERE name = ANY(%s) ORDER BY name FOR UPDATE", (sorted(back),))
             await conn.execute(
@@ -73,7 +86,7 @@ class Credits(Area):
                     [r["charged"] for r in ended],
                 ),
             )
-            return len(ended)
+            return settled
 
     async def usage(self, tenant: str, day: date) -> DayUsage:
         """What the tenant's jobs settled on ``day`` (UTC) cost."""
