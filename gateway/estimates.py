@@ -65,8 +65,7 @@ class Estimator:
         """How long the job would sample on a GPU of speed 1, from what the fleet
         has learned of its shape: what reserving its credits goes by."""
         fleet, _ = await self.fleet(now)
-        cost = self.costs.get(job.model)
-        return fleet.durations.shape_seconds(job.shape, cost.step_s_512) if cost is not None else 0.0
+        return policy.gpu_seconds(job, fleet)
 
     def job_view(self, new: NewJob) -> policy.JobView:
         """The policy's view of a job just submitted."""

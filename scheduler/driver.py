@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from scheduler import policy
 from scheduler.costs import measured_costs
 from scheduler.estimates import Durations
+from scheduler.fair_share import fair_turns
 from scheduler.forecast import forecast
 from scheduler.placement import plan
 from scheduler.preemption import Preemption, choose_preemptions
@@ -54,6 +55,14 @@ def place(
     fleet = policy.Fleet(measured_costs(costs, snapshot.workers), durations)
     views = job_views or JobViews(placement, costs)
     jobs = [views(job) for job in snapshot.queued]
+    if placement.fair_share:
+        jobs = fair_turns(
+            jobs,
+            snapshot.tenants,
+            lambda j: policy.gpu_seconds(j, fleet),
+            now=snapshot.now,
+            half_life_s=placement.fair_share_half_life_s,
+        )
     if limit is not None:
         jobs = policy.order_queue(jobs, placement, now=snapshot.now)[:limit]
     workers = worker_views(snapshot, fleet)

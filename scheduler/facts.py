@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from scheduler import snapshot
-from services.db import counts, records, worker_records
+from services.db import counts, records, tenant_records, worker_records
 from services.db.states import JobStatus
 
 _HOLDING = {
@@ -28,6 +28,7 @@ def queued_job(job: records.JobSummary | records.JobRecord) -> snapshot.QueuedJo
         priority=job.priority,
         queued_at=(job.aged_from or job.created_at).timestamp(),
         failed_on=frozenset(f.worker_id for f in job.attempt_log),
+        tenant=job.tenant,
     )
 
 
@@ -83,6 +84,11 @@ def running_job(r: records.RunningJobRecord) -> snapshot.RunningJob:
     )
 
 
+def tenant(share: tenant_records.TenantShare) -> snapshot.TenantUsage:
+    at = share.used_at.timestamp() if share.used_at is not None else 0.0
+    return snapshot.TenantUsage(share.tenant, share.weight, share.used_s, at)
+
+
 def fleet_snapshot(
     now: datetime,
     *,
@@ -93,6 +99,7 @@ def fleet_snapshot(
     submitted_counts: Iterable[counts.SubmittedCount] = (),
     stalled: Iterable[records.JobRecord] = (),
     dead: Iterable[worker_records.DeadWorker] = (),
+    tenants: Iterable[snapshot.TenantUsage] = (),
 ) -> snapshot.FleetSnapshot:
     return snapshot.FleetSnapshot(
         now=now.timestamp(),
@@ -103,4 +110,5 @@ def fleet_snapshot(
         submitted=tuple(submitted_counts),
         stalled=tuple(stalled),
         dead=tuple(dead),
+        tenants=tuple(tenants),
     )

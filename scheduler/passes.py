@@ -29,6 +29,7 @@ from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
 from services.db.repository.recovery import RecoveryPass
 from services.db.states import JobStatus
+from services.db.tenant_records import TenantShare
 from services.db.worker_records import WarmPlan
 from services.errors import BusError
 from services.models.registry import ModelRegistry
@@ -58,13 +59,17 @@ class Passes:
         self.costs = costs_from(registry)
         self.job_views = JobViews(self.placement, self.costs)
         self.durations = Durations()
+        self.shares: list[TenantShare] = []
         self._durations_read = float("-inf")
 
     async def learned_durations(self) -> Durations:
-        """The learned durations, reread at most every ``estimates_refresh_s``."""
+        """The learned durations (and the tenants' fair shares), reread at most
+        every ``estimates_refresh_s``."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._durations_read >= self.placement.estimates_refresh_s:
             self.durations = durations_from(*await self.repo.estimates.learned())
+            if self.placement.fair_share:
+                self.shares = await self.repo.credits.shares()
             self._durations_read = loop.time()
         return self.durations
 
@@ -80,7 +85,9 @@ class Passes:
         ) as read:
             if read is None or not read.queued:
                 return 0
-            fleet = facts.fleet_snapshot(now, workers=read.workers, queued=read.queued, held=read.held)
+            fleet = facts.fleet_snapshot(
+                now, workers=read.workers, queued=read.queued, held=read.held, tenants=map(facts.tenant, self.shares)
+            )
             decision = driver.place(fleet, self.costs, durations, self.placement, job_views=self.job_views)
             assignments = [
                 Assignment(p.job_id, p.worker_id, reports.routing_json(p))

@@ -43,6 +43,8 @@ class JobView:
     # Its latency target (``PlacementSettings.target_s`` of its lane and capability);
     # None: best effort.
     target_s: float | None = None
+    lane: str = ""
+    tenant: str = ""
 
     @property
     def shape(self) -> Shape:
@@ -126,6 +128,12 @@ def thermal_factor(temperature_c: float, config: PlacementSettings) -> float:
 def job_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float:
     cost = fleet.costs[job.model]
     return fleet.durations.seconds(job.shape, cost.step_s_512, worker.id, worker.speed)
+
+
+def gpu_seconds(job: JobView, fleet: Fleet) -> float:
+    """What ``job`` costs a GPU of speed 1, as learned (0 for a model without a cost)."""
+    cost = fleet.costs.get(job.model)
+    return fleet.durations.shape_seconds(job.shape, cost.step_s_512) if cost is not None else 0.0
 
 
 def batch_seconds(job: JobView, rows: int, worker: WorkerView, fleet: Fleet) -> float:

@@ -93,7 +93,8 @@ class Scheduler:
                 await self.passes.recover(judge_heartbeats=self._may_judge_heartbeats())
                 self._db_answered(True)
                 await self.passes.learn()
-                count_settled(await self.repo.credits.settle(now=datetime.now(UTC), limit=2000))
+                half_life = self.settings.placement.fair_share_half_life_s
+                count_settled(await self.repo.credits.settle(now=datetime.now(UTC), half_life_s=half_life, limit=2000))
                 if loop.time() - self._last_prune >= prune_every:
                     self._last_prune = loop.time()
                     await self.passes.forget_gone_workers()

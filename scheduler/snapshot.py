@@ -29,6 +29,7 @@ class QueuedJob:
     priority: int
     queued_at: float  # its priority ages from here: its submit, or its latest suspension
     failed_on: frozenset[str] = frozenset()  # workers where an attempt of it failed
+    tenant: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,17 @@ class RunningJob:
 
 
 @dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's share of the GPUs: its weight, and the GPU-seconds its jobs used,
+    decayed to ``at`` (``scheduler.fair_share`` decays them on to any later time)."""
+
+    tenant: str
+    weight: float = 1.0
+    used_s: float = 0.0
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class FleetSnapshot:
     """The facts one pass decides from; each pass reads the part it needs (a
     recovery pass: ``stalled`` and ``dead``)."""
@@ -108,6 +120,7 @@ class FleetSnapshot:
     held: tuple[HeldWork, ...] = ()
     running: tuple[RunningJob, ...] = ()
     submitted: tuple[SubmittedCount, ...] = ()
+    tenants: tuple[TenantUsage, ...] = ()  # tenants with a weight or a recent use; others weigh 1, used 0
     # Jobs that may be stuck where they are, and the workers known dead.
     stalled: tuple[JobRecord, ...] = ()
     dead: tuple[DeadWorker, ...] = ()

@@ -35,6 +35,8 @@ def job_view(job: QueuedJob, placement: PlacementSettings, costs: Mapping[str, p
         guidance_scale=shape.guidance_scale,
         failed_on=job.failed_on,
         target_s=placement.target_s(job.lane, cost.capability if cost is not None else ""),
+        lane=job.lane,
+        tenant=job.tenant,
     )
 
 

@@ -166,6 +166,16 @@ class PlacementSettings(Section):
         "estimated to finish more than this many times sooner there.",
         at_least=1.0,
     )
+    fair_share: bool = setting(
+        True,
+        "Within a lane, tenants take turns by weight and recent GPU-seconds: a tenant that used less, for its "
+        "weight, goes first (the lane keeps its turns; work-conserving).",
+    )
+    fair_share_half_life_s: float = setting(
+        600.0,
+        "How fast a tenant's GPU-seconds are forgotten for fair sharing: they count half after this long.",
+        at_least=1.0,
+    )
     estimates_refresh_s: float = setting(
         2.0,
         "How often the scheduler and the gateway reread learned durations and speeds (production only).",

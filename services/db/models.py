@@ -117,7 +117,9 @@ class JobRow(Base):
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
-        Index("ix_jobs_queued_by_lane", "lane", "created_at", postgresql_where=text("status = 'QUEUED'")),
+        Index(
+            "ix_jobs_queued_by_lane_tenant", "lane", "tenant", "created_at", postgresql_where=text("status = 'QUEUED'")
+        ),
         Index("ix_jobs_created_at", "created_at"),
         Index(
             "ix_jobs_worker_active", "worker_id", postgresql_where=text("status IN ('SCHEDULED','RUNNING','DECODING')")
@@ -182,6 +184,17 @@ class TenantUsageRow(Base):
     jobs: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     gpu_seconds: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     credits: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+
+
+class TenantShareRow(Base):
+    """A tenant's GPU-seconds for fair sharing, decayed as of ``used_at``: the
+    scheduler's settlement adds to it (``scheduler.fair_share`` decays it)."""
+
+    __tablename__ = "tenant_shares"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    used_s: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 
 
 class ApiKeyRow(Base):

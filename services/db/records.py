@@ -181,6 +181,7 @@ class JobSummary:
     attempt_log: tuple[AttemptFailure, ...]
     trace_context: str | None = None
     aged_from: datetime | None = None  # its priority ages from here (None: from its creation)
+    tenant: str = DEFAULT_TENANT
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobSummary:

@@ -76,3 +76,18 @@ class AdminAction:
     tenant: str
     key_id: str | None
     detail: str  # the terms set, or a key's role; never a key
+
+
+@dataclass(frozen=True)
+class TenantShare:
+    """A tenant's weight, and its GPU-seconds decayed as of ``used_at`` (None:
+    nothing used yet)."""
+
+    tenant: str
+    weight: float = 1.0
+    used_s: float = 0.0
+    used_at: datetime | None = None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> TenantShare:
+        return cls(row["tenant"], row["weight"], row["used_s"], row["used_at"])

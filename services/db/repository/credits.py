@@ -1,6 +1,7 @@
 """Settling what ended jobs cost: each tenant is given back what its jobs reserved
 and did not use (or charged what they used beyond), and its usage of the day
-counted; once per job, by whichever scheduler replica gets to it first."""
+counted, and its GPU-seconds added to its fair share; once per job, by whichever
+scheduler replica gets to it first."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import date, datetime
 
 from services.db.repository.database import Area, fetch_all
+from services.db.tenant_records import TenantShare
 
 _ENDED = """
 SELECT id, tenant, credits_reserved, gpu_seconds, gpu_seconds * price AS charged,
@@ -29,6 +31,23 @@ ON CONFLICT (tenant, day) DO UPDATE SET
     credits = tenant_usage.credits + excluded.credits
 """
 
+# What was used counts half per half-life (``scheduler.fair_share.decayed``, here
+# in SQL so that two replicas settling at once add up under the row's lock).
+_SHARES = """
+INSERT INTO tenant_shares AS s (tenant, used_s, used_at)
+SELECT tenant, used_s, %(now)s FROM unnest(%(tenants)s::varchar[], %(used)s::float8[]) AS u(tenant, used_s)
+ON CONFLICT (tenant) DO UPDATE SET
+    used_s = s.used_s * power(0.5, greatest(extract(epoch FROM excluded.used_at - s.used_at), 0) / %(half_life_s)s)
+             + excluded.used_s,
+    used_at = greatest(s.used_at, excluded.used_at)
+"""
+_READ_SHARES = """
+SELECT coalesce(t.name, s.tenant) AS tenant, coalesce(t.weight, 1) AS weight,
+       coalesce(s.used_s, 0) AS used_s, s.used_at
+FROM tenants t FULL JOIN tenant_shares s ON s.tenant = t.name
+ORDER BY 1
+"""
+
 
 @dataclass(frozen=True)
 class Settled:
@@ -47,8 +66,9 @@ class DayUsage:
 
 
 class Credits(Area):
-    async def settle(self, *, now: datetime, limit: int = 500) -> Settled:
-        """Settles up to ``limit`` ended jobs, oldest first."""
+    async def settle(self, *, now: datetime, half_life_s: float, limit: int = 500) -> Settled:
+        """Settles up to ``limit`` ended jobs, oldest first; their tenants' fair
+        shares forget what they used with ``half_life_s``."""
         async with self.db.tx() as conn:
             ended = await fetch_all(conn, _ENDED, {"now": now, "limit": limit})
             if not ended:
@@ -86,7 +106,15 @@ class Credits(Area):
                     [r["charged"] for r in ended],
                 ),
             )
+            used = {t: s for t, s in settled.gpu_seconds.items() if s > 0}
+            if used:
+                shares = {"now": now, "tenants": list(used), "used": list(used.values()), "half_life_s": half_life_s}
+                await conn.execute(_SHARES, shares)
             return settled
+
+    async def shares(self) -> list[TenantShare]:
+        """Every tenant's weight and the GPU-seconds it used, as last settled."""
+        return [TenantShare.of(r) for r in await self.db.all(_READ_SHARES)]
 
     async def usage(self, tenant: str, day: date) -> DayUsage:
         """What the tenant's jobs settled on ``day`` (UTC) cost."""

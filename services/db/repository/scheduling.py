@@ -23,25 +23,32 @@ from services.db.worker_records import WarmPlan, WorkerRecord
 from services.generation import BatchKey
 
 _HELD = [st.value for st in HELD]
-# The oldest ``limit`` placeable jobs of every lane, found without reading the rest
-# of the queue: a loose index scan over the lanes that have queued jobs, then each
-# lane's oldest from ix_jobs_queued_by_lane. The policy orders them (lanes and
-# aging) and takes what it can place; jobs past their deadline or out of attempts
-# are left to recovery.
+# Up to ``limit`` placeable jobs of every lane, found without reading the rest of
+# the queue, and fair to tenants: a loose index scan over the (lane, tenant) pairs
+# that have queued jobs, each pair's oldest from ix_jobs_queued_by_lane_tenant,
+# then per lane every tenant's oldest before anyone's second (a heavy tenant's
+# backlog must not hide a light tenant's job from the pass). The policy orders
+# them (lanes, aging, fair shares) and takes what it can place; jobs past their
+# deadline or out of attempts are left to recovery.
 _QUEUE_WINDOW = f"""
-WITH RECURSIVE lanes(lane) AS (
-    (SELECT lane FROM jobs WHERE status = 'QUEUED' ORDER BY lane LIMIT 1)
+WITH RECURSIVE queues(lane, tenant) AS (
+    (SELECT lane, tenant FROM jobs WHERE status = 'QUEUED' ORDER BY lane, tenant LIMIT 1)
     UNION ALL
-    SELECT (SELECT j.lane FROM jobs j WHERE j.status = 'QUEUED' AND j.lane > lanes.lane ORDER BY j.lane LIMIT 1)
-    FROM lanes WHERE lanes.lane IS NOT NULL
+    SELECT next.lane, next.tenant FROM queues, LATERAL (
+        SELECT j.lane, j.tenant FROM jobs j
+        WHERE j.status = 'QUEUED' AND (j.lane, j.tenant) > (queues.lane, queues.tenant)
+        ORDER BY j.lane, j.tenant LIMIT 1
+    ) next
+), queue_window AS (
+    SELECT q.*, row_number() OVER (PARTITION BY q.lane ORDER BY q.turn, q.created_at, q.id) AS place
+    FROM queues, LATERAL (
+        SELECT {SUMMARY_COLUMNS}, row_number() OVER (ORDER BY created_at, id) AS turn FROM jobs
+        WHERE status = 'QUEUED' AND lane = queues.lane AND tenant = queues.tenant
+          AND failures < %(max_attempts)s AND (deadline IS NULL OR deadline > %(now)s)
+        ORDER BY created_at LIMIT %(limit)s
+    ) q
 )
-SELECT q.* FROM lanes, LATERAL (
-    SELECT {SUMMARY_COLUMNS} FROM jobs
-    WHERE status = 'QUEUED' AND lane = lanes.lane
-      AND failures < %(max_attempts)s AND (deadline IS NULL OR deadline > %(now)s)
-    ORDER BY created_at LIMIT %(limit)s
-) q
-WHERE lanes.lane IS NOT NULL
+SELECT {SUMMARY_COLUMNS} FROM queue_window WHERE place <= %(limit)s
 """
 _SCHEDULE = f"""
 UPDATE jobs AS j SET
