@@ -38,6 +38,7 @@ class WorldFacts:
                 job.trace.priority,
                 aged_from,
                 job.failed_on,
+                job.trace.tenant,
             )
             self._queued[key] = fact
         return fact

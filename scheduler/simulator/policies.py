@@ -10,11 +10,12 @@ from dataclasses import replace
 
 from scheduler import driver
 from scheduler.estimates import Durations, Shape, observe, with_observation
+from scheduler.fair_share import charged
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.facts import WorldFacts
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.simulator.world import Gpu, Job
-from scheduler.snapshot import FleetSnapshot
+from scheduler.snapshot import FleetSnapshot, TenantUsage
 from scheduler.views import JobViews
 
 
@@ -39,12 +40,16 @@ class DarkroomPolicy:
         self.job_views = JobViews(self.config, self.costs)
         self.plan_changes = 0
         self.primaries: dict[str, str | None] = {}
+        # Each tenant's GPU-seconds, as production's settlement adds them up.
+        self.usage: dict[str, TenantUsage] = {}
 
     def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
         preempting = self.preemption.enabled
         if not self.batching and not preempting and not any(g.held <= self.config.backlog_limit for g in sim.live()):
             return []  # no worker has room: the pass could only explain, not place
         fleet = self.facts.fleet_snapshot(sim, now, self.primaries)
+        if self.usage:
+            fleet = replace(fleet, tenants=tuple(self.usage.values()))
         decision = driver.place(
             fleet, self.costs, self.durations, self.config, job_views=self.job_views, limit=self.batch
         )
@@ -58,6 +63,13 @@ class DarkroomPolicy:
         return [(by_id[p.job_id], p.worker_id) for p in decision.placed if p.worker_id is not None]
 
     def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+        images = sum(j.trace.type.batch for j in batch)
+        for job in batch:  # each its images' share of the batch's time, as the samplers charge
+            if job.trace.tenant:
+                usage = self.usage.get(job.trace.tenant) or TenantUsage(job.trace.tenant, at=now)
+                seconds = run_s * job.trace.type.batch / images
+                half_life = self.config.fair_share_half_life_s
+                self.usage[job.trace.tenant] = charged(usage, seconds, now=now, half_life_s=half_life)
         if any(j.resumed_from for j in batch):
             return  # a resumed run is part of a job (and a checkpoint read): nothing to learn from
         # Learned as the scheduler learns from workers: once per batch, under its images.

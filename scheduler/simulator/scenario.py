@@ -113,6 +113,22 @@ class Bursts:
 
 
 @dataclass(frozen=True)
+class Tenants:
+    """Who sends the jobs (the fair-share scenario): with ``light`` tenants, the
+    quiet arrivals are theirs, spread evenly, and the bursts' extra arrivals are
+    one heavy tenant's. 0: every job is one tenant's."""
+
+    light: int = 0
+
+    def __post_init__(self) -> None:
+        if self.light < 0:
+            raise ValueError(f"tenants.light must be at least 0, not {self.light}")
+
+
+HEAVY = "heavy"
+
+
+@dataclass(frozen=True)
 class SeedSettings:
     concurrency: int = 1  # seed 000: jobs a worker takes at once
     busy_video_workers: int = 3  # seed 000: video fan-out while jobs queue
@@ -147,6 +163,7 @@ class Scenario:
     preemption: PreemptionSettings = field(default_factory=PreemptionSettings)
     checkpoint_s: float = 0.05
     resume_s: float = 0.5
+    tenants: Tenants = field(default_factory=Tenants)
 
     def work_s(self, jt: JobType) -> float:
         """True seconds of a job of this type on a speed-1.0 GPU."""
@@ -186,7 +203,7 @@ def _build(cls: Any, where: str, table: dict[str, Any], **extra: Any) -> Any:
         raise ScenarioError(f"{where}: unknown keys {sorted(unknown)}")
     try:
         return cls(**extra, **{k: tuple(v) if isinstance(v, list) else v for k, v in table.items()})
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ScenarioError(f"{where}: {exc}") from exc
 
 
@@ -251,6 +268,7 @@ def load(path: str | Path | None = None) -> Scenario:
         job_types=job_types,
         phases=phases,
         bursts=_build(Bursts, "bursts", data.get("bursts", {})),
+        tenants=_build(Tenants, "tenants", data.get("tenants", {})),
         thermal=tuple(_build(Thermal, f"thermal[{i}]", t) for i, t in enumerate(data.get("thermal", []))),
         failures=tuple(_build(Failure, f"failures[{i}]", t) for i, t in enumerate(data.get("failures", []))),
         darkroom=darkroom,

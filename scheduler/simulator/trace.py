@@ -4,9 +4,9 @@ phases included, each job with its true work and its lane."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from scheduler.simulator.scenario import JobType, Scenario
+from scheduler.simulator.scenario import HEAVY, JobType, Scenario
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class TraceJob:
     lane: str
     priority: int
     target_s: float | None = None  # its latency target (from its lane and capability); None: best effort
+    tenant: str = ""
 
     @property
     def best_effort(self) -> bool:
@@ -53,4 +54,15 @@ def trace(scenario: Scenario, load: float) -> list[TraceJob]:
         if jt.lane:  # drawn above all the same: the other jobs' lanes stay as they were
             lane = next(la for la in scenario.darkroom.lanes if la.name == jt.lane)
         target = scenario.darkroom.target_s(lane.name, scenario.models[jt.model].capability)
-        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority, target))
+        tenant = ""
+        if scenario.tenants.light:  # drawn last: a trace without tenants stays as it was
+            extra = in_burst and rng.random() < (b.factor - 1) / b.factor
+            tenant = HEAVY if extra else f"light-{rng.randrange(scenario.tenants.light)}"
+        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority, target, tenant))
+
+
+def without(jobs: list[TraceJob], tenant: str) -> list[TraceJob]:
+    """The trace as it would be had ``tenant`` sent nothing: the others' jobs, as
+    they were."""
+    kept = [j for j in jobs if j.tenant != tenant]
+    return [replace(j, id=i) for i, j in enumerate(kept)]
