@@ -40,7 +40,9 @@ class DarkroomPolicy:
         self.job_views = JobViews(self.config, self.costs)
         self.plan_changes = 0
         self.primaries: dict[str, str | None] = {}
-        # Each tenant's GPU-seconds, as production's settlement adds them up.
+        # Each tenant's GPU-seconds, as production's settlement adds them up
+        # (where the scenario has tenants: otherwise every job is one tenant's).
+        self.tenants = scenario.tenants.light > 0
         self.usage: dict[str, TenantUsage] = {}
 
     def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
@@ -63,12 +65,12 @@ class DarkroomPolicy:
         return [(by_id[p.job_id], p.worker_id) for p in decision.placed if p.worker_id is not None]
 
     def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
-        images = sum(j.trace.type.batch for j in batch)
-        for job in batch:  # each its images' share of the batch's time, as the samplers charge
-            if job.trace.tenant:
+        if self.tenants:
+            images = sum(j.trace.type.batch for j in batch)
+            half_life = self.config.fair_share_half_life_s
+            for job in batch:  # each its images' share of the batch's time, as the samplers charge
                 usage = self.usage.get(job.trace.tenant) or TenantUsage(job.trace.tenant, at=now)
                 seconds = run_s * job.trace.type.batch / images
-                half_life = self.config.fair_share_half_life_s
                 self.usage[job.trace.tenant] = charged(usage, seconds, now=now, half_life_s=half_life)
         if any(j.resumed_from for j in batch):
             return  # a resumed run is part of a job (and a checkpoint read): nothing to learn from

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, replace
 
 from scheduler.simulator.scenario import HEAVY, JobType, Scenario
+from services.db.tenant_records import DEFAULT_TENANT
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,7 @@ class TraceJob:
     lane: str
     priority: int
     target_s: float | None = None  # its latency target (from its lane and capability); None: best effort
-    tenant: str = ""
+    tenant: str = DEFAULT_TENANT
 
     @property
     def best_effort(self) -> bool:
@@ -54,7 +55,7 @@ def trace(scenario: Scenario, load: float) -> list[TraceJob]:
         if jt.lane:  # drawn above all the same: the other jobs' lanes stay as they were
             lane = next(la for la in scenario.darkroom.lanes if la.name == jt.lane)
         target = scenario.darkroom.target_s(lane.name, scenario.models[jt.model].capability)
-        tenant = ""
+        tenant = DEFAULT_TENANT
         if scenario.tenants.light:  # drawn last: a trace without tenants stays as it was
             extra = in_burst and rng.random() < (b.factor - 1) / b.factor
             tenant = HEAVY if extra else f"light-{rng.randrange(scenario.tenants.light)}"

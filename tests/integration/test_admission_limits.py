@@ -132,7 +132,7 @@ async def test_an_ended_job_is_settled_once_for_what_it_sampled(replicas: tuple[
     await a.attempts.fail(plain_id, attempt, "w1", "bad output", retryable=False, now=now, gpu_seconds=1.0)
     assert (await a.tenants.get("cats")).terms.credits == pytest.approx(2.0)  # reserved until settled
 
-    settled = await asyncio.gather(a.credits.settle(now=now, half_life_s=600.0), b.credits.settle(now=now, half_life_s=600.0))
+    settled = await asyncio.gather(*(r.credits.settle(now=now, half_life_s=600.0) for r in (a, b)))
     [both] = [s for s in settled if s.jobs]  # each job by one replica
     assert both.jobs == 2 and sum(s.jobs for s in settled) == 2
     assert both.gpu_seconds == {"cats": pytest.approx(3.5)} and both.credits == {"cats": pytest.approx(6.0)}
