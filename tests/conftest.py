@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +9,8 @@ import psycopg
 import pytest
 
 from services.config.sections import Settings
+from services.db.migrate import upgrade
+from services.db.repository import Repository
 from services.models.registry import ensure_tiny_model
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
@@ -39,6 +41,19 @@ def fresh_database(pg: EmbeddedPostgres) -> str:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')
     return f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{name}"
+
+
+@pytest.fixture
+async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository, Repository]]:
+    """Two repositories (two replicas' pools) on a fresh, migrated database."""
+    url = fresh_database(postgres)
+    upgrade(url)
+    first, second = Repository(url, pool_size=10), Repository(url, pool_size=10)
+    try:
+        yield first, second
+    finally:
+        await first.close()
+        await second.close()
 
 
 def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, *, samplers: int = 1, **values: Any) -> LocalStack:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -17,26 +16,11 @@ from typing import Any
 import pytest
 
 from services import quotas
-from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
-from services.ops.embedded import EmbeddedPostgres
-from tests.conftest import fresh_database
 from tests.records import new_job
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository, Repository]]:
-    url = fresh_database(postgres)
-    upgrade(url)
-    first, second = Repository(url, pool_size=10), Repository(url, pool_size=10)
-    try:
-        yield first, second
-    finally:
-        await first.close()
-        await second.close()
 
 
 def submit(tenant: str, key: str | None = None, *, cost: float = 0.0, price: float = 1.0):  # type: ignore[no-untyped-def]

@@ -5,33 +5,17 @@ pass reads every tenant's oldest jobs, however long another tenant's backlog."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.tenant_records import DEFAULT_TENANT, TenantTerms
-from services.ops.embedded import EmbeddedPostgres
-from tests.conftest import fresh_database
 from tests.records import new_job
 
 pytestmark = pytest.mark.integration
 
 HALF_LIFE_S = 600.0
-
-
-@pytest.fixture
-async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository, Repository]]:
-    url = fresh_database(postgres)
-    upgrade(url)
-    first, second = Repository(url, pool_size=4), Repository(url, pool_size=4)
-    try:
-        yield first, second
-    finally:
-        await first.close()
-        await second.close()
 
 
 async def sampled(repo: Repository, job_id: str, tenant: str, busy_s: float, now: datetime) -> None:

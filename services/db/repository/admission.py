@@ -11,7 +11,7 @@ from datetime import datetime
 from services import quotas
 from services.db.records import JobRecord, NewJob
 from services.db.repository.database import Area, fetch_all
-from services.db.repository.jobs import IdempotencyKey, find_earlier, insert, stored
+from services.db.repository.job_inserts import IdempotencyKey, find_earlier, insert, stored
 
 _LOCK_TENANTS = """
 SELECT name, max_jobs, rate_per_s, rate_tokens, rate_at, credits, daily_credits, credits_day FROM tenants
