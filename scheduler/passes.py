@@ -19,6 +19,7 @@ from scheduler.estimates import Durations
 from scheduler.learning import durations_from, fold_run_times
 from scheduler.policy import ModelCost
 from scheduler.recovery import Expire, Fail, Recovery, RecoveryConfig, Requeue
+from scheduler.snapshot import TenantUsage
 from scheduler.suspend_requests import Preempter
 from scheduler.views import JobViews
 from services.bus.dispatch import Bus, Dispatch
@@ -29,7 +30,6 @@ from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
 from services.db.repository.recovery import RecoveryPass
 from services.db.states import JobStatus
-from services.db.tenant_records import TenantShare
 from services.db.worker_records import WarmPlan
 from services.errors import BusError
 from services.models.registry import ModelRegistry
@@ -59,7 +59,7 @@ class Passes:
         self.costs = costs_from(registry)
         self.job_views = JobViews(self.placement, self.costs)
         self.durations = Durations()
-        self.shares: list[TenantShare] = []
+        self.tenants: tuple[TenantUsage, ...] = ()  # their fair shares, as last read
         self._durations_read = float("-inf")
 
     async def learned_durations(self) -> Durations:
@@ -69,7 +69,7 @@ class Passes:
         if loop.time() - self._durations_read >= self.placement.estimates_refresh_s:
             self.durations = durations_from(*await self.repo.estimates.learned())
             if self.placement.fair_share:
-                self.shares = await self.repo.credits.shares()
+                self.tenants = tuple(map(facts.tenant, await self.repo.credits.shares()))
             self._durations_read = loop.time()
         return self.durations
 
@@ -86,7 +86,7 @@ class Passes:
             if read is None or not read.queued:
                 return 0
             fleet = facts.fleet_snapshot(
-                now, workers=read.workers, queued=read.queued, held=read.held, tenants=map(facts.tenant, self.shares)
+                now, workers=read.workers, queued=read.queued, held=read.held, tenants=self.tenants
             )
             decision = driver.place(fleet, self.costs, durations, self.placement, job_views=self.job_views)
             assignments = [
