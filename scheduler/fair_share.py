@@ -53,12 +53,13 @@ def fair_turns(
     classes: dict[tuple[str, float | None], list[JobView]] = {}
     for job in jobs:
         classes.setdefault((job.lane, job.target_s), []).append(job)
-    if all(len({j.tenant for j in c}) < 2 for c in classes.values()):
+    shared = {key for key, queue in classes.items() if len({j.tenant for j in queue}) > 1}
+    if not shared:
         return list(jobs)
     usage = {u.tenant: u for u in tenants}
     turned: list[JobView] = []
-    for queue in classes.values():
-        if len({j.tenant for j in queue}) < 2:
+    for key, queue in classes.items():
+        if key not in shared:
             turned.extend(queue)
             continue
         turns = sorted(queue, key=lambda j: (j.queued_at, j.id))

@@ -35,9 +35,8 @@ def fair_run(scenario: Scenario, load: float, run: Run) -> FairRow:
     if run is Run.UNFAIR:
         scenario = replace(scenario, darkroom=replace(scenario.darkroom, fair_share=False))
     result = Simulation(scenario, DarkroomPolicy(scenario), jobs, load=load).run()
-    done = [j for j in result.jobs if j.finish_s is not None]
-    light = [j.finish_s - j.trace.arrival_s for j in done if j.trace.tenant != HEAVY and j.finish_s is not None]
-    heavy = sum(1 for j in done if j.trace.tenant == HEAVY)
+    light = [j.finish_s - j.trace.arrival_s for j in result.jobs if j.finish_s is not None and j.trace.tenant != HEAVY]
+    heavy = sum(1 for j in result.jobs if j.finish_s is not None and j.trace.tenant == HEAVY)
     return FairRow(
         percentile(light, 99),
         heavy / result.makespan_s if result.makespan_s else 0.0,
