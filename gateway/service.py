@@ -31,6 +31,7 @@ from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, New
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
+from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
@@ -54,6 +55,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         events: Events,
         *,
         stale_after_s: float,
+        mesh: MeshIdentity | None = None,
     ) -> None:
         self.settings = settings
         self.stale_after_s = stale_after_s
@@ -63,7 +65,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.costs = costs_from(registry)
         self.config = settings.placement
         self.gate = Gatekeeper(repo.tenants, settings.api_keys)
-        self._channels = Channels()
+        self._channels = Channels(mesh)
         self.estimator = Estimator(repo, self.costs, self.config, stale_after_s=stale_after_s)
         # Concurrent submits share one INSERT, and one read of the queue ahead;
         # concurrent streams share their reads of the jobs they follow.
@@ -255,7 +257,12 @@ def create_server(
     """The public gRPC server (not started); port 0 picks a free port. Without
     ``events`` (NATS), streams read their jobs from the database."""
     servicer = ImageGenerationServicer(
-        settings, repo, registry, events or Events(), stale_after_s=kernel.worker_stale_after_s
+        settings,
+        repo,
+        registry,
+        events or Events(),
+        stale_after_s=kernel.worker_stale_after_s,
+        mesh=MeshIdentity.of(kernel.mesh_dir, "gateway"),
     )
     server = build_server(
         [

@@ -20,6 +20,7 @@ from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
 from services.errors import DarkroomError, StoreError
+from services.mesh.rpc import MeshIdentity
 from services.models.encoding import encode, mime_type_of
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
@@ -100,13 +101,14 @@ class Decoders:
         stale_after_s: float,
         local: VaeDecoderEngine | None = None,
         patience_s: float = DECODE_PATIENCE_S,
+        mesh: MeshIdentity | None = None,
     ) -> None:
         self.repo = repo
         self.stale_after_s = stale_after_s
         self.local = local
         self.patience_s = patience_s
         self._rotation = itertools.count()
-        self._channels = Channels()
+        self._channels = Channels(mesh)
         self._known: list[WorkerRecord] = []
         self._known_at = float("-inf")
         # Megapixels this sampler has sent each decoder and not had back.

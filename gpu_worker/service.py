@@ -31,6 +31,7 @@ from services.bus.events import Events
 from services.config.sections import KernelSettings, SamplerSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
+from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
@@ -81,13 +82,20 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
         return sampler_pb2.SamplerSuspendResponse(was_running=True)
 
 
-def create_server(settings: SamplerSettings, tracker: JobTracker) -> Server:
+# Who may call a sampler, where the mesh is sealed: the scheduler suspends, the
+# gateway cancels.
+SAMPLER_CALLERS = {"darkroom.internal.v1.Sampler": frozenset({"scheduler", "gateway"})}
+
+
+def create_server(settings: SamplerSettings, tracker: JobTracker, mesh: MeshIdentity | None = None) -> Server:
     """The Sampler gRPC server (not started); port 0 picks a free port."""
     servicer = SamplerServicer(tracker)
     return build_server(
         [(lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s), "darkroom.internal.v1.Sampler")],
         settings.host,
         settings.port,
+        mesh=mesh,
+        roles=SAMPLER_CALLERS,
     )
 
 
@@ -128,11 +136,12 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()
-    server = create_server(settings, tracker)
+    mesh = MeshIdentity.of(kernel.mesh_dir, "sampler")
+    server = create_server(settings, tracker, mesh)
     local = None
     if settings.local_decode_fallback:
         local = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
-    decoders = Decoders(repo, stale_after_s=kernel.worker_stale_after_s, local=local)
+    decoders = Decoders(repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh)
     events = Events()
     nats = JetStream(kernel, connection_name=f"darkroom-sampler-{worker_id}", events=events)
     address = f"{settings.host}:{server.port}"

@@ -32,6 +32,7 @@ from services.db.repository.recovery import RecoveryPass
 from services.db.states import JobStatus
 from services.db.worker_records import WarmPlan
 from services.errors import BusError
+from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.telemetry import logs
 
@@ -43,7 +44,14 @@ LEARN_BATCH = 500
 
 class Passes:
     def __init__(
-        self, settings: SchedulerSettings, repo: Repository, bus: Bus, registry: ModelRegistry, *, stale_after_s: float
+        self,
+        settings: SchedulerSettings,
+        repo: Repository,
+        bus: Bus,
+        registry: ModelRegistry,
+        *,
+        stale_after_s: float,
+        mesh: MeshIdentity | None = None,
     ) -> None:
         check_names(settings.placement, settings.preemption, {m.capability for m in registry.models.values()})
         self.settings = settings
@@ -52,7 +60,7 @@ class Passes:
         self.repo = repo
         self.bus = bus
         self.events = Events(bus.nc)
-        self.preempter = Preempter(repo, settings.placement, settings.preemption)
+        self.preempter = Preempter(repo, settings.placement, settings.preemption, mesh)
         self.recovery = RecoveryConfig(
             max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}
         )

@@ -20,6 +20,7 @@ from services.bus.dispatch import Bus
 from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.repository import Repository
 from services.errors import BusError, StoreError
+from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
@@ -30,12 +31,19 @@ log = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(
-        self, settings: SchedulerSettings, repo: Repository, bus: Bus, registry: ModelRegistry, *, stale_after_s: float
+        self,
+        settings: SchedulerSettings,
+        repo: Repository,
+        bus: Bus,
+        registry: ModelRegistry,
+        *,
+        stale_after_s: float,
+        mesh: MeshIdentity | None = None,
     ) -> None:
         self.settings = settings
         self.stale_after_s = stale_after_s
         self.repo = repo
-        self.passes = Passes(settings, repo, bus, registry, stale_after_s=stale_after_s)
+        self.passes = Passes(settings, repo, bus, registry, stale_after_s=stale_after_s, mesh=mesh)
         # Set when NATS says there may be work to place.
         self._wake = asyncio.Event()
         # Since when the database has answered this replica without a failure.
@@ -129,16 +137,17 @@ class Scheduler:
         await self.passes.preempter.close()
 
 
-def create_server(settings: SchedulerSettings) -> Server:
+def create_server(settings: SchedulerSettings, mesh: MeshIdentity | None = None) -> Server:
     """Health checking only: the scheduler's work reaches it through Postgres."""
-    return build_server([], settings.host, settings.port)
+    return build_server([], settings.host, settings.port, mesh=mesh)
 
 
 async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     registry = ModelRegistry.load(kernel.model_registry or None)
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
     nats = JetStream(kernel, connection_name="darkroom-scheduler")
-    server = create_server(settings)
+    mesh = MeshIdentity.of(kernel.mesh_dir, "scheduler")
+    server = create_server(settings, mesh)
     parts: list[Part] = [
         Metrics(kernel, "scheduler"),
         Migrations(kernel),
@@ -149,7 +158,8 @@ async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: async
 
     async def work() -> None:
         log.info("scheduler running (health on port %d)", server.port)
-        await Scheduler(settings, repo, nats.bus, registry, stale_after_s=kernel.worker_stale_after_s).run(stop)
+        scheduler = Scheduler(settings, repo, nats.bus, registry, stale_after_s=kernel.worker_stale_after_s, mesh=mesh)
+        await scheduler.run(stop)
 
     return await host(parts, work, stop)
 

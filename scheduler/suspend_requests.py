@@ -20,6 +20,7 @@ from scheduler.preemption import Preemption
 from scheduler.snapshot import FleetSnapshot
 from services.config.placement import PlacementSettings, PreemptionSettings
 from services.db.repository import Repository
+from services.mesh.rpc import MeshIdentity
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Channels
 
@@ -29,11 +30,17 @@ SUSPEND_CALL_TIMEOUT_S = 2.0
 
 
 class Preempter:
-    def __init__(self, repo: Repository, placement: PlacementSettings, preemption: PreemptionSettings) -> None:
+    def __init__(
+        self,
+        repo: Repository,
+        placement: PlacementSettings,
+        preemption: PreemptionSettings,
+        mesh: MeshIdentity | None = None,
+    ) -> None:
         self.repo = repo
         self.placement = placement
         self.preemption = preemption
-        self._channels = Channels()
+        self._channels = Channels(mesh)
 
     async def after_pass(self, fleet: FleetSnapshot, decision: PassDecision) -> list[Preemption]:
         """Asks for the suspensions the rule chooses after the pass that ``fleet``

@@ -11,6 +11,7 @@ import pytest
 from services.config.sections import Settings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
+from services.db.repository.database import libpq_url
 from services.models.registry import ensure_tiny_model
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
@@ -37,10 +38,10 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fresh_database(pg: EmbeddedPostgres) -> str:
     """A new, empty database on the shared server: each stack gets its own."""
     name = f"t{next(_db_names)}"
-    with psycopg.connect(f"postgresql://postgres@127.0.0.1:{pg.port}/postgres", autocommit=True) as conn:
+    with psycopg.connect(libpq_url(pg.url_of("postgres")), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
         conn.execute(f'CREATE DATABASE "{name}"')
-    return f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/{name}"
+    return pg.url_of(name)
 
 
 @pytest.fixture

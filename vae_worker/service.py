@@ -20,6 +20,7 @@ from services.config.sections import DecoderSettings, KernelSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import FieldViolation, InvalidArgument
+from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode
 from services.models.registry import ModelRegistry
@@ -131,7 +132,11 @@ def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBa
     return DecodeBatcher(engine, wait_s=settings.batch_wait_ms / 1000.0, max_images=settings.max_batch)
 
 
-def create_server(settings: DecoderSettings, batcher: DecodeBatcher) -> Server:
+# Who may call a decoder, where the mesh is sealed.
+DECODER_CALLERS = {"darkroom.internal.v1.VaeDecoder": frozenset({"sampler"})}
+
+
+def create_server(settings: DecoderSettings, batcher: DecodeBatcher, mesh: MeshIdentity | None = None) -> Server:
     """The VaeDecoder gRPC server (not started); port 0 picks a free port."""
     servicer = VaeDecoderServicer(batcher)
     return build_server(
@@ -143,6 +148,8 @@ def create_server(settings: DecoderSettings, batcher: DecodeBatcher) -> Server:
         ],
         settings.host,
         settings.port,
+        mesh=mesh,
+        roles=DECODER_CALLERS,
     )
 
 
@@ -155,7 +162,7 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-decoder-{settings.port or os.getpid()}")
     repo = Repository(kernel.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
     batcher = batcher_for(settings, engine)
-    server = create_server(settings, batcher)
+    server = create_server(settings, batcher, MeshIdentity.of(kernel.mesh_dir, "decoder"))
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
     heartbeat = Heartbeat(WorkerKind.DECODER, worker_id, address, engine, telemetry, kernel.restarts, batcher.telemetry)

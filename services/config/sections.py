@@ -41,6 +41,14 @@ class KernelSettings(Section):
     nats_replicas: int = setting(
         1, "Copies JetStream keeps of the dispatch stream: 3 on a three-node cluster.", at_least=1
     )
+    mesh_dir: str = setting(
+        "",
+        "The sealed mesh's secrets: the fleet CA's ca.pem and this service's ROLE.pem and ROLE.key (as `darkroom "
+        "certs issue` writes them), and its NATS password; every internal gRPC hop is then mutual TLS with a role "
+        "check, and NATS is reached over TLS as this service's own user. Empty: the internal gRPC hops are "
+        "plaintext and NATS is reached without credentials (a fleet whose network is trusted). `darkroom up` "
+        "sets it to DATA_DIR/secrets.",
+    )
     model_registry: str = setting("", "The model registry, a TOML file; empty: the one shipped with Darkroom.")
     heartbeat_interval_s: float = setting(1.0, "How often samplers and decoders heartbeat.", at_least=0.05)
     worker_stale_after_s: float = setting(

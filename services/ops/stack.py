@@ -10,10 +10,12 @@ import os
 import socket
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.sections import Settings
+from services.mesh.secrets import ensure_certificates
 from services.ops import SERVICE_MODULES
 from services.ops.embedded import EmbeddedPostgres, free_port
 from services.ops.embedded_nats import EmbeddedNats
@@ -191,8 +193,12 @@ class LocalStack:
     def start_backends(self) -> None:
         data = self.settings.kernel.data_dir
         data.mkdir(parents=True, exist_ok=True)
+        if not self.settings.kernel.mesh_dir:
+            # Sealed by default: the CA, a certificate per role, and passwords, made once.
+            ensure_certificates(data / "secrets")
+            self.settings = self.settings.with_env({"DARKROOM_MESH_DIR": str(data / "secrets")})
         if not self.settings.kernel.database_url:
-            self.postgres = EmbeddedPostgres(data, durable=self.durable)
+            self.postgres = EmbeddedPostgres(data, durable=self.durable, mesh_dir=Path(self.settings.kernel.mesh_dir))
             self.postgres.start()
             self.settings = self.settings.with_env({"DARKROOM_DATABASE_URL": self.postgres.url})
         if not self.settings.kernel.nats_url:

@@ -1,14 +1,16 @@
 """gRPC server plumbing shared by every service: health checking and reflection on,
-every call counted for Prometheus."""
+every call counted for Prometheus, mutual TLS and the role check where the mesh is
+sealed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.mesh.rpc import ChannelCredentialsCache, MeshIdentity, RoleGuard
 from services.rpc.counting import CountingInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -40,18 +42,30 @@ def build_server(
     host: str,
     port: int,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    *,
+    mesh: MeshIdentity | None = None,
+    roles: Mapping[str, frozenset[str]] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> Server:
     """``registrations``: (adds the servicer to a server, full service name).
     Every call is counted, outermost: a call that another interceptor refuses
-    is counted too."""
-    server = grpc.aio.server(interceptors=[CountingInterceptor(), *interceptors], options=CHANNEL_OPTIONS)
+    is counted too. With ``mesh``, the port takes only callers with a certificate
+    of the fleet's CA, and ``roles`` (service or method name: the roles that may
+    call it) says who may call what; without, it is plaintext (an open mesh), or
+    TLS with ``credentials`` (the public gateway's)."""
+    guards: list[grpc.aio.ServerInterceptor] = []
+    if mesh is not None:
+        guards.append(RoleGuard(roles or {}, service=mesh.role))
+        credentials = mesh.server_credentials()
+    server = grpc.aio.server(interceptors=[CountingInterceptor(), *guards, *interceptors], options=CHANNEL_OPTIONS)
     for register, _ in registrations:
         register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [name for _, name in registrations]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     result = Server(server, bound, health_servicer)
@@ -59,24 +73,35 @@ def build_server(
     return result
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+def channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
 
 
 class Channels:
     """One channel per address, opened at first use and kept: for a process that
-    calls many peers (samplers, decoders) again and again."""
+    calls many peers (samplers, decoders) again and again. With ``mesh``, each
+    presents this process's certificate, and they are all reopened once it is
+    renewed."""
 
-    def __init__(self) -> None:
+    def __init__(self, mesh: MeshIdentity | None = None) -> None:
         self._open: dict[str, grpc.aio.Channel] = {}
+        self._credentials = ChannelCredentialsCache(mesh) if mesh is not None else None
+        self._retired: list[grpc.aio.Channel] = []
 
     def to(self, address: str) -> grpc.aio.Channel:
+        if self._credentials is not None and self._credentials.renewed():
+            # Calls under way finish on the old channels; they are closed with the rest.
+            self._retired.extend(self._open.values())
+            self._open = {}
         ch = self._open.get(address)
         if ch is None:
-            ch = self._open[address] = channel(address)
+            creds = self._credentials.credentials if self._credentials is not None else None
+            ch = self._open[address] = channel(address, creds)
         return ch
 
     async def close(self) -> None:
-        open_, self._open = self._open, {}
-        for ch in open_.values():
+        open_, self._open, retired, self._retired = self._open, {}, self._retired, []
+        for ch in [*open_.values(), *retired]:
             await ch.close()

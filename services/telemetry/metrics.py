@@ -78,6 +78,13 @@ RPC_DURATION = Histogram(
     ["method"],
     buckets=LATENCY_BUCKETS,
 )
+MESH_REFUSALS = Counter(
+    "darkroom_mesh_refusals",
+    "Internal calls refused by this server for the caller's certificate, by service and reason (role: a "
+    "certificate of a role that may not call the method). Handshakes without a certificate of the fleet's CA "
+    "end in TLS, before any method, and are in gRPC's own log.",
+    ["service", "reason"],
+)
 
 # --- the life of a job ----------------------------------------------------------
 
