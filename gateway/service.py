@@ -31,6 +31,7 @@ from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, New
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
+from services.mesh.nats_auth import NatsCredentials
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
@@ -287,7 +288,12 @@ async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio
         Migrations(kernel),
         Closing("database", repo.close),
         # The gateway serves without NATS (streams then read the database).
-        EventsInBackground(kernel, events, connection_name="darkroom-gateway"),
+        EventsInBackground(
+            kernel,
+            events,
+            connection_name="darkroom-gateway",
+            credentials=NatsCredentials.of(kernel.mesh_dir, "gateway", "gateway"),
+        ),
         Closing("sampler channels", servicer.close),
         GrpcServer(server, grace_s=kernel.shutdown_grace_s),
     ]

@@ -31,6 +31,7 @@ from services.bus.events import Events
 from services.config.sections import KernelSettings, SamplerSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
+from services.mesh.nats_auth import NatsCredentials, sampler_user
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
@@ -143,7 +144,13 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         local = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     decoders = Decoders(repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh)
     events = Events()
-    nats = JetStream(kernel, connection_name=f"darkroom-sampler-{worker_id}", events=events)
+    nats = JetStream(
+        kernel,
+        connection_name=f"darkroom-sampler-{worker_id}",
+        events=events,
+        credentials=NatsCredentials.of(kernel.mesh_dir, "sampler", sampler_user(worker_id)),
+        manages_stream=False,
+    )
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
     load = SamplerLoad(worker_id, engine, tracker)

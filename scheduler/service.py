@@ -20,6 +20,7 @@ from services.bus.dispatch import Bus
 from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.repository import Repository
 from services.errors import BusError, StoreError
+from services.mesh.nats_auth import NatsCredentials
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, host
@@ -145,7 +146,11 @@ def create_server(settings: SchedulerSettings, mesh: MeshIdentity | None = None)
 async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     registry = ModelRegistry.load(kernel.model_registry or None)
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
-    nats = JetStream(kernel, connection_name="darkroom-scheduler")
+    nats = JetStream(
+        kernel,
+        connection_name="darkroom-scheduler",
+        credentials=NatsCredentials.of(kernel.mesh_dir, "scheduler", "scheduler"),
+    )
     mesh = MeshIdentity.of(kernel.mesh_dir, "scheduler")
     server = create_server(settings, mesh)
     parts: list[Part] = [

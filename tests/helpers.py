@@ -7,11 +7,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import grpc
+import nats
 import psycopg
 from PIL import Image
 
+from services.bus.connection import connect_nats
 from services.config.fields import ENV_PREFIX
-from services.config.sections import Settings
+from services.config.sections import KernelSettings, Settings
+from services.mesh.nats_auth import NatsCredentials
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
@@ -118,3 +121,10 @@ def metrics_text(address: str) -> str:
     """What a process serves Prometheus at ``address`` (host:port)."""
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as reply:
         return str(reply.read().decode())
+
+
+async def nats_as_operator(kernel: KernelSettings) -> nats.NATS:
+    """A connection to the stack's NATS with the operator's credentials (the mesh
+    is sealed): what a person's tools use to look at the dispatch stream."""
+    credentials = NatsCredentials.of(kernel.mesh_dir, "operator", "operator")
+    return await connect_nats(kernel.nats_servers, name="darkroom-test-operator", credentials=credentials)

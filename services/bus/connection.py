@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING, Any
 
 import nats
 from nats.errors import Error as NatsError
 
 from services.backoff import Backoff
 from services.errors import BusError
+
+if TYPE_CHECKING:
+    from services.mesh.nats_auth import NatsCredentials
 
 log = logging.getLogger(__name__)
 
@@ -19,11 +23,25 @@ BUS_ERRORS = (NatsError, OSError, TimeoutError)
 
 
 async def connect_nats(
-    servers: list[str], *, name: str, stop: asyncio.Event | None = None, retry_max_s: float = 5.0
+    servers: list[str],
+    *,
+    name: str,
+    credentials: NatsCredentials | None = None,
+    stop: asyncio.Event | None = None,
+    retry_max_s: float = 5.0,
 ) -> nats.NATS:
     """A connection to NATS that reconnects on its own, forever, once made; retries
-    the first connect with backoff until NATS answers (or ``stop`` is set)."""
+    the first connect with backoff until NATS answers (or ``stop`` is set). With
+    ``credentials`` (a sealed mesh): over TLS, as that user, with its own inbox."""
     backoff = Backoff(max_s=retry_max_s)
+    sealed: dict[str, Any] = {}
+    if credentials is not None:
+        sealed = {
+            "user": credentials.user,
+            "password": credentials.password,
+            "tls": credentials.tls,
+            "inbox_prefix": credentials.inbox_prefix,
+        }
     while True:
         try:
             return await nats.connect(
@@ -34,6 +52,7 @@ async def connect_nats(
                 connect_timeout=2,
                 drain_timeout=5,
                 error_cb=_log_error,
+                **sealed,
                 disconnected_cb=_log_disconnected,
                 reconnected_cb=_log_reconnected,
             )

@@ -13,6 +13,7 @@ import re
 import socket
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import nats
 from nats.aio.msg import Msg
@@ -26,6 +27,9 @@ from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS, connect_nats
 from services.errors import BusError, MalformedDispatch
 from services.generation import JobShape
+
+if TYPE_CHECKING:
+    from services.mesh.nats_auth import NatsCredentials
 
 log = logging.getLogger(__name__)
 
@@ -128,18 +132,23 @@ class Bus:
         *,
         name: str,
         replicas: int = 1,
+        credentials: NatsCredentials | None = None,
+        manages_stream: bool = True,
         stop: asyncio.Event | None = None,
         retry_max_s: float = 5.0,
     ) -> Bus:
         """Connects, retrying with backoff until NATS answers (or ``stop`` is set),
         so that a service started before nats-server, or during its restart, waits
-        for it rather than exits."""
+        for it rather than exits. The stream is made (or brought to this
+        configuration) by those that ``manages_stream``: the schedulers; a sampler
+        may not touch it."""
         backoff = Backoff(max_s=retry_max_s)
         while True:
-            nc = await connect_nats(servers, name=name, stop=stop, retry_max_s=retry_max_s)
+            nc = await connect_nats(servers, name=name, credentials=credentials, stop=stop, retry_max_s=retry_max_s)
             try:
                 bus = cls(nc, nc.jetstream(timeout=5), replicas=replicas)
-                await bus.ensure_stream()
+                if manages_stream:
+                    await bus.ensure_stream()
                 return bus
             except BusError as exc:
                 await nc.close()

@@ -24,8 +24,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 # Who may hold a certificate of the fleet's CA. The gateway, scheduler, sampler and
-# decoder are Darkroom's services; nats and postgres are the stores' servers.
-ROLES = ("gateway", "scheduler", "sampler", "decoder", "nats", "postgres")
+# decoder are Darkroom's services; nats and postgres are the stores' servers; the
+# operator is a person's tools (reading the dispatch stream, health checks).
+ROLES = ("gateway", "scheduler", "sampler", "decoder", "nats", "postgres", "operator")
 CA_NAME = "Darkroom fleet CA"
 CA_DAYS = 3650
 CERT_DAYS = 397  # what browsers accept for a server certificate; renew with `darkroom certs issue`

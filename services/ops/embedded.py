@@ -254,15 +254,18 @@ class EmbeddedPostgres(ManagedProcess):
                 tail = (self.pgdata / "server.log").read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"postgres exited with {self.proc.returncode}:\n{tail}")
             try:
-                with psycopg.connect(**self._socket(), connect_timeout=2):
+                with psycopg.connect(self._socket(), connect_timeout=2):
                     return
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
 
-    def _socket(self) -> dict[str, object]:
-        return {"host": str(self.socket_dir), "port": self.port, "user": DATABASE_USER, "dbname": "postgres"}
+    def _socket(self) -> str:
+        """The server's own socket, without the password: for while it starts."""
+        from psycopg.conninfo import make_conninfo
+
+        return make_conninfo(host=str(self.socket_dir), port=self.port, user=DATABASE_USER, dbname="postgres")
 
     def _write_hba(self, rules: str, user: str | None) -> None:
         path = self.pgdata / "pg_hba.conf"
@@ -283,7 +286,7 @@ class EmbeddedPostgres(ManagedProcess):
         import psycopg
         from psycopg import sql
 
-        with psycopg.connect(**self._socket(), autocommit=True) as conn:
+        with psycopg.connect(self._socket(), autocommit=True) as conn:
             secret = database_password(self.mesh_dir)
             conn.execute(
                 sql.SQL("ALTER ROLE {} PASSWORD {}").format(sql.Identifier(DATABASE_USER), sql.Literal(secret))

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
+from services.mesh.nats_auth import server_config
+from services.mesh.pki import write_private
 from services.ops.embedded import ManagedProcess, free_port, wait_for_port
+
+# The users of a sealed stack's NATS before its samplers are known.
+CONTROL_USERS = ("scheduler", "gateway", "operator")
 
 
 def nats_server_binary() -> str:
@@ -22,7 +29,8 @@ def nats_server_binary() -> str:
 
 class EmbeddedNats(ManagedProcess):
     """A nats-server with JetStream (file storage) on 127.0.0.1; with ``routes``, a
-    node of a cluster."""
+    node of a cluster. With ``mesh_dir``, sealed: TLS, certificates of the fleet's
+    CA, and ``users`` (``set_users`` changes them while it runs)."""
 
     def __init__(
         self,
@@ -32,9 +40,14 @@ class EmbeddedNats(ManagedProcess):
         name: str = "",
         cluster_port: int | None = None,
         routes: tuple[int, ...] = (),
+        mesh_dir: Path | None = None,
+        users: Iterable[str] = CONTROL_USERS,
     ) -> None:
         super().__init__()
         self.name = name
+        self.mesh_dir = mesh_dir
+        self.users = list(users)
+        self.config_path = Path(data_dir) / (f"nats-server-{name}.conf" if name else "nats-server.conf")
         self.store_dir = Path(data_dir) / (f"jetstream-{name}" if name else "jetstream")
         self.log_path = Path(data_dir) / (f"nats-server-{name}.log" if name else "nats-server.log")
         self.port = port or free_port()
@@ -45,20 +58,31 @@ class EmbeddedNats(ManagedProcess):
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    def _write_config(self) -> None:
+        config = server_config(
+            port=self.port,
+            store_dir=self.store_dir,
+            mesh_dir=self.mesh_dir,
+            users=self.users,
+            name=self.name,
+            cluster_port=self.cluster_port,
+            routes=self.routes,
+        )
+        write_private(self.config_path, config.encode())  # it holds the users' passwords
+
+    def set_users(self, users: Iterable[str]) -> None:
+        """Changes who may connect, without a restart (a reload: connections of
+        users that remain are kept)."""
+        self.users = list(users)
+        self._write_config()
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGHUP)
+
     def start(self, timeout: float = 30.0) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        args = [nats_server_binary(), "-js", "-sd", str(self.store_dir), "-a", "127.0.0.1", "-p", str(self.port)]
-        if self.cluster_port is not None:
-            args += [
-                "-n",
-                self.name,
-                "--cluster_name",
-                "darkroom",
-                "--cluster",
-                f"nats://127.0.0.1:{self.cluster_port}",
-                "--routes",
-                ",".join(f"nats://127.0.0.1:{p}" for p in self.routes),
-            ]
+        self._write_config()
+        args = [nats_server_binary(), "-c", str(self.config_path)]
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
         log.close()
@@ -69,14 +93,19 @@ class EmbeddedNatsCluster:
     """Three (or more) nats-server nodes with JetStream, routed to one another: for
     streams with replicas, and for losing a node."""
 
-    def __init__(self, data_dir: Path, size: int = 3) -> None:
+    def __init__(
+        self, data_dir: Path, size: int = 3, *, mesh_dir: Path | None = None, users: Iterable[str] = CONTROL_USERS
+    ) -> None:
         cluster_ports = [free_port() for _ in range(size)]
+        users = list(users)
         self.nodes = [
             EmbeddedNats(
                 data_dir,
                 name=f"n{i}",
                 cluster_port=cluster_ports[i],
                 routes=tuple(p for j, p in enumerate(cluster_ports) if j != i),
+                mesh_dir=mesh_dir,
+                users=users,
             )
             for i in range(size)
         ]

@@ -20,6 +20,7 @@ from services.bus.events import Events
 from services.config.sections import KernelSettings
 from services.db.migrate import upgrade_when_reachable
 from services.errors import BusError
+from services.mesh.nats_auth import NatsCredentials
 from services.presence import Presence
 from services.rpc.server import Server
 from services.telemetry.metrics import serve_metrics
@@ -104,9 +105,18 @@ class JetStream:
 
     name = "nats"
 
-    def __init__(self, kernel: KernelSettings, *, connection_name: str, events: Events | None = None) -> None:
+    def __init__(
+        self,
+        kernel: KernelSettings,
+        *,
+        connection_name: str,
+        events: Events | None = None,
+        credentials: NatsCredentials | None = None,
+        manages_stream: bool = True,
+    ) -> None:
         self.servers, self.replicas, self.connection_name = kernel.nats_servers, kernel.nats_replicas, connection_name
         self.events = events  # job events, published over the same connection once it is made
+        self.credentials, self.manages_stream = credentials, manages_stream
         self._bus: Bus | None = None
 
     @property
@@ -116,7 +126,14 @@ class JetStream:
 
     async def start(self, stop: asyncio.Event) -> bool:
         try:
-            self._bus = await Bus.connect(self.servers, name=self.connection_name, replicas=self.replicas, stop=stop)
+            self._bus = await Bus.connect(
+                self.servers,
+                name=self.connection_name,
+                replicas=self.replicas,
+                credentials=self.credentials,
+                manages_stream=self.manages_stream,
+                stop=stop,
+            )
         except BusError:
             if stop.is_set():
                 return False
@@ -136,14 +153,24 @@ class EventsInBackground:
 
     name = "job events"
 
-    def __init__(self, kernel: KernelSettings, events: Events, *, connection_name: str) -> None:
+    def __init__(
+        self,
+        kernel: KernelSettings,
+        events: Events,
+        *,
+        connection_name: str,
+        credentials: NatsCredentials | None = None,
+    ) -> None:
         self.servers, self.events, self.connection_name = kernel.nats_servers, events, connection_name
+        self.credentials = credentials
         self._connecting: asyncio.Task[None] | None = None
 
     async def start(self, stop: asyncio.Event) -> bool:
         async def connect() -> None:
             with contextlib.suppress(BusError):
-                self.events.nc = await connect_nats(self.servers, name=self.connection_name, stop=stop)
+                self.events.nc = await connect_nats(
+                    self.servers, name=self.connection_name, credentials=self.credentials, stop=stop
+                )
                 await self.events.route()
 
         if self.servers:

@@ -15,6 +15,7 @@ from pathlib import Path
 from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.sections import Settings
+from services.mesh.nats_auth import sampler_user
 from services.mesh.secrets import ensure_certificates
 from services.ops import SERVICE_MODULES
 from services.ops.embedded import EmbeddedPostgres, free_port
@@ -202,7 +203,7 @@ class LocalStack:
             self.postgres.start()
             self.settings = self.settings.with_env({"DARKROOM_DATABASE_URL": self.postgres.url})
         if not self.settings.kernel.nats_url:
-            self.nats = EmbeddedNats(data)
+            self.nats = EmbeddedNats(data, mesh_dir=Path(self.settings.kernel.mesh_dir))
             self.nats.start()
             self.settings = self.settings.with_env({"DARKROOM_NATS_URL": self.nats.url})
         from services.db.migrate import upgrade
@@ -216,7 +217,10 @@ class LocalStack:
         """Starts one more supervised process of ``service``, with ``env`` changing
         its settings (see ``child``) and a metrics port of its own."""
         env = {"DARKROOM_METRICS_PORT": str(self.metrics_ports.next()), **(env or {})}
-        added = self.supervisor.add(child(self.settings, name, service, env))
+        added = child(self.settings, name, service, env)
+        if service == "sampler":
+            self._let_into_nats([added])
+        self.supervisor.add(added)
         write_targets(targets_path(self.settings.kernel.data_dir), self.metrics_targets())
         return added
 
@@ -238,12 +242,22 @@ class LocalStack:
         host = host_children(
             self.settings, decoders=self.decoders, cpu_samplers=self.cpu_workers, ports=self.metrics_ports
         )
+        self._let_into_nats(host)
         for c in host:
             self.supervisor.add(c)
         self.add("scheduler", "scheduler", {"DARKROOM_METRICS_PORT": str(scheduler_metrics)})
         self.add("gateway", "gateway", {"DARKROOM_METRICS_PORT": str(gateway_metrics)})
         self.supervisor.start()
         self.wait_ready(timeout)
+
+    def _let_into_nats(self, children: Iterable[Child]) -> None:
+        """Gives each sampler among ``children`` its own NATS user, on the embedded
+        server (an operator's NATS lists its users itself: docs/security.md)."""
+        if self.nats is None or self.nats.mesh_dir is None:
+            return
+        ids = [c.env["DARKROOM_WORKER_ID"] for c in children if c.service == "sampler"]
+        if ids:
+            self.nats.set_users([*self.nats.users, *map(sampler_user, ids)])
 
     def sampler_ids(self) -> list[str]:
         return sorted(c.env["DARKROOM_WORKER_ID"] for n, c in self.services.items() if n.startswith("sampler"))

@@ -15,8 +15,11 @@ import grpc
 import psycopg
 import pytest
 
+from services.bus.dispatch import host_token
+from services.mesh.nats_auth import sampler_user
+from services.mesh.secrets import ensure_certificates
 from services.ops.embedded import EmbeddedPostgres
-from services.ops.embedded_nats import EmbeddedNatsCluster
+from services.ops.embedded_nats import CONTROL_USERS, EmbeddedNatsCluster
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database
@@ -207,10 +210,14 @@ def test_postgres_restarted_under_load_submits_included(make) -> None:
 
 
 def test_nats_cluster_loses_a_node(make, tmp_path: Path) -> None:
-    cluster = EmbeddedNatsCluster(tmp_path / "nats")
+    # The operator's NATS, sealed with the fleet's CA, lists the stack's sampler.
+    secrets = tmp_path / "secrets"
+    ensure_certificates(secrets)
+    users = [*CONTROL_USERS, sampler_user(f"{host_token()}-cpu0")]
+    cluster = EmbeddedNatsCluster(tmp_path / "nats", mesh_dir=secrets, users=users)
     cluster.start()
     try:
-        stack = make(nats_url=cluster.url, nats_replicas=3)
+        stack = make(nats_url=cluster.url, nats_replicas=3, mesh_dir=secrets)
         load = Load(stack)
         ids = load.submit(12)
         running_job(load, ids, min_step=5)

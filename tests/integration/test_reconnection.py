@@ -7,7 +7,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import nats
 import psycopg
 import pytest
 
@@ -15,7 +14,7 @@ from services.bus.dispatch import DISPATCH_STREAM
 from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import nats_as_operator, stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +72,7 @@ def test_worker_gone_for_good_is_forgotten_and_can_come_back(
         wait_for(row_exists, lambda exists: not exists, timeout=30, what="the worker's row to be forgotten")
 
         async def consumers() -> set[str]:
-            nc = await nats.connect(stack.settings.kernel.nats_url)
+            nc = await nats_as_operator(stack.settings.kernel)
             try:
                 return {c.name for c in await nc.jetstream().consumers_info(DISPATCH_STREAM)}
             finally:

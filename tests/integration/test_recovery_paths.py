@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import nats
 import psycopg
 import pytest
 
@@ -19,7 +18,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import nats_as_operator, stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
@@ -114,14 +113,14 @@ def test_malformed_dispatch_is_terminated_and_the_worker_carries_on(stack: Local
     [worker_id] = stack.sampler_ids()
 
     async def publish_garbage() -> None:
-        nc = await nats.connect(stack.settings.kernel.nats_url)
+        nc = await nats_as_operator(stack.settings.kernel)
         try:
             await nc.jetstream().publish(dispatch_subject(worker_id), b"{not json", stream=DISPATCH_STREAM)
         finally:
             await nc.close()
 
     async def messages_left() -> int:
-        nc = await nats.connect(stack.settings.kernel.nats_url)
+        nc = await nats_as_operator(stack.settings.kernel)
         try:
             return (await nc.jetstream().stream_info(DISPATCH_STREAM)).state.messages
         finally:

@@ -30,12 +30,13 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.bus.dispatch import DISPATCH_STREAM
+from services.config.sections import KernelSettings
 from services.db.repository import IDLE_IN_TRANSACTION_MS, SCHEDULER_LOCK
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.ops.supervisor import Child
 from tests.conftest import make_stack
-from tests.helpers import env_of, wait_for
+from tests.helpers import env_of, nats_as_operator, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +72,7 @@ class Audit:
     """Every message on the dispatch stream, read by a durable consumer of its own
     (the fake workers have no processes, so nothing else consumes the stream)."""
 
-    url: str
+    kernel: KernelSettings
     messages: list[tuple[str, dict]] = field(default_factory=list)
 
     def read(self) -> set[str]:
@@ -79,7 +80,7 @@ class Audit:
         return {body["job_id"] for _, body in self.messages}
 
     async def _fetch(self) -> list[tuple[str, dict]]:
-        nc = await nats.connect(self.url)
+        nc = await nats_as_operator(self.kernel)
         try:
             sub = await nc.jetstream().pull_subscribe(
                 "darkroom.dispatch.>",
@@ -267,7 +268,7 @@ def assert_dispatched_once(conn: psycopg.Connection, audit: Audit) -> int:
 
 def test_frozen_replica_lock_is_released_and_other_replica_takes_over(tmp_path, postgres, models_dir) -> None:
     stack = new_stack(tmp_path, postgres, models_dir)
-    audit = Audit(stack.settings.kernel.nats_url)
+    audit = Audit(stack.settings.kernel)
     try:
         with psycopg.connect(pg_url(stack), autocommit=True) as db, frozen_processes() as stopped:
             seed_workers(db)
@@ -341,7 +342,7 @@ def test_frozen_replica_lock_is_released_and_other_replica_takes_over(tmp_path, 
 
 def test_killed_replica_other_takes_over(tmp_path, postgres, models_dir) -> None:
     stack = new_stack(tmp_path, postgres, models_dir)
-    audit = Audit(stack.settings.kernel.nats_url)
+    audit = Audit(stack.settings.kernel)
     url = pg_url(stack)
     feeding = threading.Event()
     feeder_errors: list[BaseException] = []

@@ -14,9 +14,10 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.bus.dispatch import DISPATCH_STREAM
+from services.config.sections import KernelSettings
 from services.ops.stack import LocalStack
 from tests.conftest import make_stack
-from tests.helpers import env_of, metrics_text, wait_for
+from tests.helpers import env_of, metrics_text, nats_as_operator, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,8 +57,8 @@ def placements(metrics_port: int) -> float:
     return sum(s.value for s in counted if s.name == "darkroom_placements_total")
 
 
-async def read_dispatches(url: str) -> list[tuple[str, dict]]:
-    nc = await nats.connect(url)
+async def read_dispatches(kernel: KernelSettings) -> list[tuple[str, dict]]:
+    nc = await nats_as_operator(kernel)
     js = nc.jetstream()
     sub = await js.pull_subscribe(
         "darkroom.dispatch.>",
@@ -111,7 +112,7 @@ def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, mode
             timeout=10,
             what="the placements to be counted",
         )
-        dispatches = asyncio.run(read_dispatches(stack.settings.kernel.nats_url))
+        dispatches = asyncio.run(read_dispatches(stack.settings.kernel))
         with psycopg.connect(db_url) as conn:
             rows: dict[str, str] = dict(
                 conn.execute("SELECT id, worker_id FROM jobs WHERE status = 'SCHEDULED' AND attempt = 1").fetchall()

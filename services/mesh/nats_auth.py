@@ -1,0 +1,134 @@
+"""NATS in the sealed mesh: TLS with a certificate of the fleet's CA both ways,
+and a user per service with the subjects it may use. A sampler's user is its
+own (``sampler-WORKER_ID``): it may consume only its own dispatch subject, read
+replies only on its own inbox, and publish only job events, and never the
+dispatch stream, another worker's consumer or the stream's messages.
+
+Job events (``darkroom.job.*``) are hints a stream re-reads the database for, so
+a sampler may publish any job's: what a job's state is lives in PostgreSQL,
+fenced by attempt."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.bus.dispatch import DISPATCH_PREFIX, DISPATCH_STREAM, check_worker_id, consumer_name
+from services.bus.events import JOB_PREFIX, WORK_SUBJECT
+from services.mesh.pki import CertPaths
+from services.mesh.secrets import nats_password_path, password, read_nats_password
+
+SAMPLER_USER_PREFIX = "sampler-"
+
+
+def sampler_user(worker_id: str) -> str:
+    return f"{SAMPLER_USER_PREFIX}{check_worker_id(worker_id)}"
+
+
+def inbox_prefix(user: str) -> str:
+    """Where a user's replies come: its own, so that no one else may read them."""
+    return f"_INBOX.{user}"
+
+
+def permissions(user: str) -> dict[str, dict[str, list[str]]]:
+    """What ``user`` may publish and subscribe to (allow lists: the rest is denied).
+    The operator's tools may do anything (inspect the stream, audit dispatches)."""
+    if user == "operator":
+        return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    if user == "scheduler":
+        return {
+            "publish": {"allow": [f"{DISPATCH_PREFIX}.>", f"{JOB_PREFIX}.*", WORK_SUBJECT, "$JS.API.>"]},
+            "subscribe": {"allow": [WORK_SUBJECT, f"{inbox_prefix(user)}.>"]},
+        }
+    if user == "gateway":
+        return {
+            "publish": {"allow": [f"{JOB_PREFIX}.*", WORK_SUBJECT]},
+            "subscribe": {"allow": [f"{JOB_PREFIX}.*", f"{inbox_prefix(user)}.>"]},
+        }
+    if user.startswith(SAMPLER_USER_PREFIX):
+        worker_id = check_worker_id(user.removeprefix(SAMPLER_USER_PREFIX))
+        consumer = consumer_name(worker_id)
+        api = f"$JS.API.CONSUMER.%s.{DISPATCH_STREAM}.{consumer}"
+        return {
+            "publish": {
+                "allow": [
+                    f"{JOB_PREFIX}.*",
+                    WORK_SUBJECT,
+                    f"{api % 'CREATE'}.{DISPATCH_PREFIX}.{worker_id}",
+                    api % "INFO",
+                    api % "MSG.NEXT",
+                    f"$JS.ACK.{DISPATCH_STREAM}.{consumer}.>",
+                ]
+            },
+            "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
+        }
+    raise ValueError(f"NATS user {user!r}: scheduler, gateway, operator or sampler-WORKER_ID")
+
+
+def server_config(
+    *,
+    port: int,
+    store_dir: Path,
+    mesh_dir: Path | None,
+    users: Iterable[str],
+    name: str = "",
+    cluster_port: int | None = None,
+    routes: Iterable[int] = (),
+) -> str:
+    """nats-server's configuration (its format takes JSON values). With
+    ``mesh_dir``: TLS required of clients and routes, a certificate of the fleet's
+    CA required of each, and ``users`` with their passwords (made where missing)
+    and permissions; without, open, as a mesh that is not sealed."""
+    lines = [
+        f'listen: "127.0.0.1:{port}"',
+        "jetstream: " + json.dumps({"store_dir": str(store_dir)}),
+    ]
+    if name:
+        lines.append(f"server_name: {json.dumps(name)}")
+    tls: dict[str, object] = {}
+    if mesh_dir is not None:
+        paths = CertPaths.of(mesh_dir, "nats")
+        tls = {"cert_file": str(paths.cert), "key_file": str(paths.key), "ca_file": str(paths.ca), "verify": True}
+        accounts = [
+            {"user": user, "password": password(nats_password_path(mesh_dir, user)), "permissions": permissions(user)}
+            for user in dict.fromkeys(users)
+        ]
+        lines.append("tls: " + json.dumps(tls))
+        lines.append("authorization: " + json.dumps({"users": accounts}))
+    if cluster_port is not None:
+        cluster: dict[str, object] = {
+            "name": "darkroom",
+            "listen": f"127.0.0.1:{cluster_port}",
+            "routes": [f"nats-route://127.0.0.1:{p}" for p in routes],
+        }
+        if tls:
+            cluster["tls"] = tls  # routes too: a node presents the nats certificate to its peers
+        lines.append("cluster: " + json.dumps(cluster))
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class NatsCredentials:
+    """How one service connects: its user, password, TLS context and inbox."""
+
+    user: str
+    password: str
+    tls: ssl.SSLContext
+
+    @property
+    def inbox_prefix(self) -> str:
+        return inbox_prefix(self.user)
+
+    @classmethod
+    def of(cls, mesh_dir: str | Path, role: str, user: str) -> NatsCredentials | None:
+        """``user``'s credentials, presenting ``role``'s certificate; None where the
+        mesh is open."""
+        if not str(mesh_dir):
+            return None
+        paths = CertPaths.of(Path(mesh_dir), role)
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(paths.ca))
+        context.load_cert_chain(str(paths.cert), str(paths.key))
+        return cls(user, read_nats_password(Path(mesh_dir), user), context)

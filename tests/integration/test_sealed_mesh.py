@@ -1,0 +1,255 @@
+"""The sealed mesh, tried from outside through the real processes of a stack as
+`darkroom up` runs it: callers without a certificate of the fleet's CA, or with
+one of the wrong role, at a sampler and at a decoder; NATS without credentials,
+and a sampler's credentials reaching for another sampler's dispatches or the
+stream itself; PostgreSQL without its password."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from pathlib import Path
+
+import grpc
+import nats
+import psycopg
+import pytest
+from nats.js.api import ConsumerConfig
+from nats.js.errors import NotFoundError
+
+from services.bus.dispatch import DISPATCH_STREAM, consumer_name, dispatch_subject
+from services.mesh.nats_auth import NatsCredentials, inbox_prefix, sampler_user
+from services.mesh.pki import CertificateAuthority, CertPaths
+from services.mesh.secrets import nats_password_path, password
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
+from tests.helpers import nats_as_operator
+
+pytestmark = pytest.mark.integration
+
+DENIED_WITHIN_S = 1.0
+
+
+def worker_address(stack: LocalStack, kind: str) -> str:
+    with psycopg.connect(stack.pg_url) as conn:
+        row = conn.execute("SELECT address FROM workers WHERE kind = %s AND status = 'ready'", (kind,)).fetchone()
+    assert row is not None, f"no ready {kind}"
+    return str(row[0])
+
+
+def mesh_dir(stack: LocalStack) -> Path:
+    return Path(stack.settings.kernel.mesh_dir)
+
+
+def as_role(stack: LocalStack, role: str, directory: Path | None = None) -> grpc.ChannelCredentials:
+    ca, cert, key = CertPaths.of(directory or mesh_dir(stack), role).read()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def suspend(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    request = sampler_pb2.SamplerSuspendRequest(job_id="no-such-job", attempt=1, reason="test")
+    with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as ch:
+        try:
+            sampler_pb2_grpc.SamplerStub(ch).SuspendJob(request, timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[attr-defined, no-any-return]
+    return grpc.StatusCode.OK
+
+
+def decode(address: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:
+    with grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address) as ch:
+        try:
+            list(vae_decoder_pb2_grpc.VaeDecoderStub(ch).Decode(vae_decoder_pb2.DecodeRequest(), timeout=5))
+        except grpc.RpcError as exc:
+            return exc.code()  # type: ignore[attr-defined, no-any-return]
+    return grpc.StatusCode.OK
+
+
+def test_a_sampler_takes_suspends_only_from_the_scheduler_and_the_gateway(stack: LocalStack) -> None:
+    address = worker_address(stack, "sampler")
+    assert suspend(address, as_role(stack, "scheduler")) == grpc.StatusCode.OK
+    assert suspend(address, as_role(stack, "gateway")) == grpc.StatusCode.OK
+    assert suspend(address, as_role(stack, "decoder")) == grpc.StatusCode.PERMISSION_DENIED
+    assert suspend(address, as_role(stack, "sampler")) == grpc.StatusCode.PERMISSION_DENIED
+    # No certificate: the handshake fails before any method.
+    assert suspend(address, None) == grpc.StatusCode.UNAVAILABLE
+    ca, _, _ = CertPaths.of(mesh_dir(stack), "scheduler").read()
+    assert suspend(address, grpc.ssl_channel_credentials(root_certificates=ca)) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_sampler_refuses_a_certificate_of_another_ca(stack: LocalStack, tmp_path: Path) -> None:
+    stranger = CertificateAuthority.create()
+    stranger.issue_into(tmp_path, "scheduler", ["127.0.0.1"])
+    theirs = CertPaths.of(tmp_path, "scheduler")
+    # The stranger trusts the fleet's server, but the server does not trust the stranger.
+    ca = CertPaths.of(mesh_dir(stack), "scheduler").ca.read_bytes()
+    credentials = grpc.ssl_channel_credentials(ca, theirs.key.read_bytes(), theirs.cert.read_bytes())
+    assert suspend(worker_address(stack, "sampler"), credentials) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_decoder_decodes_only_for_samplers(stack: LocalStack) -> None:
+    address = worker_address(stack, "decoder")
+    # Past the role check, an empty request is the decoder's to refuse.
+    assert decode(address, as_role(stack, "sampler")) == grpc.StatusCode.INVALID_ARGUMENT
+    for role in ("scheduler", "gateway", "decoder"):
+        assert decode(address, as_role(stack, role)) == grpc.StatusCode.PERMISSION_DENIED, role
+    assert decode(address, None) == grpc.StatusCode.UNAVAILABLE
+
+
+async def connect(stack: LocalStack, **options: object) -> nats.NATS:
+    return await nats.connect(
+        stack.settings.kernel.nats_servers,
+        allow_reconnect=False,
+        connect_timeout=2,
+        max_reconnect_attempts=0,
+        **options,
+    )
+
+
+def sampler_credentials(stack: LocalStack, worker_id: str) -> NatsCredentials:
+    credentials = NatsCredentials.of(stack.settings.kernel.mesh_dir, "sampler", sampler_user(worker_id))
+    assert credentials is not None
+    return credentials
+
+
+async def test_nats_takes_no_one_without_credentials(stack: LocalStack) -> None:
+    with pytest.raises((nats.errors.Error, OSError, ssl.SSLError)):
+        await connect(stack)  # plaintext
+    operator = sampler_credentials(stack, stack.sampler_ids()[0]).tls
+    with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+        await connect(stack, tls=operator)  # the fleet's certificate, but no user
+    with pytest.raises(nats.errors.Error, match=r"[Aa]uthorization"):
+        await connect(stack, tls=operator, user="scheduler", password="guessed")
+    # A user's password without a certificate of the fleet's CA: the TLS handshake fails.
+    context = ssl.create_default_context(cafile=str(CertPaths.of(mesh_dir(stack), "nats").ca))
+    user = "scheduler"
+    secret = password(nats_password_path(mesh_dir(stack), user))
+    with pytest.raises((nats.errors.Error, OSError, ssl.SSLError)):
+        await connect(stack, tls=context, user=user, password=secret)
+
+
+@pytest.fixture(scope="module")
+def intruder(stack: LocalStack) -> str:
+    """A sampler NATS knows, with credentials of its own, that is not the stack's."""
+    assert stack.nats is not None
+    stack.nats.set_users([*stack.nats.users, sampler_user("intruder")])
+    return "intruder"
+
+
+async def as_sampler(stack: LocalStack, worker_id: str) -> nats.NATS:
+    credentials = sampler_credentials(stack, worker_id)
+    for _ in range(50):  # the reload that added the user takes a moment
+        try:
+            return await connect(
+                stack,
+                tls=credentials.tls,
+                user=credentials.user,
+                password=credentials.password,
+                inbox_prefix=credentials.inbox_prefix,
+            )
+        except nats.errors.Error:
+            await asyncio.sleep(0.1)
+    raise AssertionError("the intruder's user was never let in")
+
+
+async def test_a_sampler_consumes_only_its_own_subject(stack: LocalStack, intruder: str) -> None:
+    [victim] = stack.sampler_ids()
+    nc = await as_sampler(stack, intruder)
+    operator = await nats_as_operator(stack.settings.kernel)
+    try:
+        js = nc.jetstream(timeout=DENIED_WITHIN_S)
+        # Its own consumer, on its own subject: allowed.
+        own = ConsumerConfig(
+            name=consumer_name(intruder),
+            durable_name=consumer_name(intruder),
+            filter_subject=dispatch_subject(intruder),
+        )
+        await js.add_consumer(DISPATCH_STREAM, own)
+        # Another sampler's consumer, or one of its own on another's subject: refused.
+        for name, subject in ((consumer_name(victim), dispatch_subject(victim)), (consumer_name(intruder), ">")):
+            theirs = ConsumerConfig(name=name, durable_name=name, filter_subject=subject)
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.add_consumer(DISPATCH_STREAM, theirs)
+        info = await operator.jetstream().consumer_info(DISPATCH_STREAM, consumer_name(intruder))
+        assert info.config.filter_subject == dispatch_subject(intruder)
+        # Pulling from the victim's consumer, reading the stream's messages, or
+        # subscribing to its subject or another's inbox: refused.
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(
+                f"$JS.API.CONSUMER.MSG.NEXT.{DISPATCH_STREAM}.{consumer_name(victim)}",
+                b'{"batch": 1, "no_wait": true}',
+                timeout=DENIED_WITHIN_S,
+            )
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.get_msg(DISPATCH_STREAM, seq=1)
+        errors: list[Exception] = []
+
+        async def refused(exc: Exception) -> None:
+            errors.append(exc)
+
+        spy = await nats.connect(
+            stack.settings.kernel.nats_servers,
+            tls=sampler_credentials(stack, intruder).tls,
+            user=sampler_user(intruder),
+            password=sampler_credentials(stack, intruder).password,
+            inbox_prefix=inbox_prefix(sampler_user(intruder)),
+            error_cb=refused,
+            allow_reconnect=False,
+        )
+        try:
+            await spy.subscribe(dispatch_subject(victim))
+            await spy.subscribe(f"{inbox_prefix(sampler_user(victim))}.>")
+            await spy.flush()
+            # The server answers each refused subscription with an error of its own.
+            for _ in range(50):
+                if len(errors) >= 2:
+                    break
+                await asyncio.sleep(0.1)
+            assert sorted(str(e).lower() for e in errors) == [
+                f'nats: permissions violation for subscription to "{inbox_prefix(sampler_user(victim))}.>"'.lower(),
+                f'nats: permissions violation for subscription to "{dispatch_subject(victim)}"'.lower(),
+            ]
+        finally:
+            await spy.close()
+    finally:
+        await nc.close()
+        await operator.jetstream().delete_consumer(DISPATCH_STREAM, consumer_name(intruder))
+        await operator.close()
+
+
+async def test_a_sampler_cannot_dispatch_or_touch_the_stream(stack: LocalStack, intruder: str) -> None:
+    [victim] = stack.sampler_ids()
+    nc = await as_sampler(stack, intruder)
+    operator = await nats_as_operator(stack.settings.kernel)
+    try:
+        before = (await operator.jetstream().stream_info(DISPATCH_STREAM)).state.messages
+        js = nc.jetstream(timeout=DENIED_WITHIN_S)
+        for subject in (dispatch_subject(victim), dispatch_subject(intruder)):
+            with pytest.raises(nats.errors.TimeoutError):
+                await js.publish(subject, b'{"job_id": "forged", "attempt": 1}', stream=DISPATCH_STREAM)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.delete_stream(DISPATCH_STREAM)
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.purge_stream(DISPATCH_STREAM)
+        info = await operator.jetstream().stream_info(DISPATCH_STREAM)
+        assert info.state.messages == before
+        with pytest.raises(NotFoundError):
+            await operator.jetstream().consumer_info(DISPATCH_STREAM, "never-made")
+    finally:
+        await nc.close()
+        await operator.close()
+
+
+def test_postgres_takes_no_one_without_its_password(postgres: EmbeddedPostgres) -> None:
+    socket = {"host": str(postgres.socket_dir), "port": postgres.port, "user": "postgres", "dbname": "postgres"}
+    with pytest.raises(psycopg.OperationalError, match=r"no password supplied|password authentication failed"):
+        psycopg.connect(**socket, connect_timeout=2)  # type: ignore[arg-type]
+    with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+        psycopg.connect(**socket, password="guessed", connect_timeout=2)  # type: ignore[arg-type]
+    # No TCP port at all: the server listens on its socket only.
+    with pytest.raises(psycopg.OperationalError, match=r"refused|could not connect"):
+        psycopg.connect(host="127.0.0.1", port=postgres.port, user="postgres", password="x", connect_timeout=2)
+    # With the password (the services' URL): in.
+    with psycopg.connect(postgres.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+        assert conn.execute("SELECT current_user").fetchone() == ("postgres",)
