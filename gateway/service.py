@@ -9,6 +9,7 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import grpc
 
@@ -32,7 +33,7 @@ from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
 from services.mesh.nats_auth import NatsCredentials
-from services.mesh.rpc import MeshIdentity
+from services.mesh.rpc import MeshIdentity, public_server_credentials
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
@@ -274,6 +275,9 @@ def create_server(
         ],
         settings.host,
         settings.port,
+        credentials=public_server_credentials(Path(settings.tls_cert), Path(settings.tls_key))
+        if settings.tls_cert
+        else None,
     )
     return server, servicer
 

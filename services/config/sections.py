@@ -115,6 +115,13 @@ class GatewaySettings(Section):
 
     host: str = setting("127.0.0.1", "Where the gateway listens.", env="GATEWAY_HOST")
     port: int = setting(50051, "The gateway's port; 0 picks a free one.", env="GATEWAY_PORT", at_least=0)
+    tls_cert: str = setting(
+        "",
+        "A PEM certificate (chain) for the public port: clients then reach it over TLS. Empty: plaintext. "
+        "Renewed files are served from the next handshake on.",
+        env="GATEWAY_TLS_CERT",
+    )
+    tls_key: str = setting("", "The PEM key of GATEWAY_TLS_CERT.", env="GATEWAY_TLS_KEY")
     api_keys: tuple[str, ...] = setting(
         (),
         "Keys of the default tenant, admin (Bearer), beside tenants' own keys; with none and no tenant defined, "
@@ -122,6 +129,10 @@ class GatewaySettings(Section):
     )
     max_prompt_chars: int = setting(2000, "The longest prompt (and negative prompt) accepted.", at_least=1)
     placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
+
+    def check(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SettingsError("DARKROOM_GATEWAY_TLS_CERT and DARKROOM_GATEWAY_TLS_KEY: set both, or neither")
 
 
 @dataclass(frozen=True)

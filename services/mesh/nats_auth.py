@@ -22,6 +22,8 @@ from services.mesh.pki import CertPaths
 from services.mesh.secrets import nats_password_path, password, read_nats_password
 
 SAMPLER_USER_PREFIX = "sampler-"
+# The users a sealed NATS has before its samplers are known.
+CONTROL_USERS = ("scheduler", "gateway", "operator")
 
 
 def sampler_user(worker_id: str) -> str:

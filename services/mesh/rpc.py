@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from services.mesh.pki import CertPaths, check_role
+from services.mesh.pki import CertPaths, PkiError, check_role
 from services.telemetry.metrics import MESH_REFUSALS
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,36 @@ class MeshIdentity:
     def channel_credentials(self) -> grpc.ChannelCredentials:
         ca, cert, key = self.paths.read()
         return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+def public_server_credentials(cert_path: Path, key_path: Path) -> grpc.ServerCredentials:
+    """TLS for the public gateway: its own certificate (any CA's), no client
+    certificate asked for (API keys say who calls); renewed files are served from
+    the next handshake on."""
+
+    def read() -> tuple[tuple[float, float], Any]:
+        try:
+            mtimes = (cert_path.stat().st_mtime, key_path.stat().st_mtime)
+            pair = [(key_path.read_bytes(), cert_path.read_bytes())]
+        except OSError as exc:
+            raise PkiError(f"cannot read the gateway's TLS certificate or key: {exc}") from exc
+        return mtimes, grpc.ssl_server_certificate_configuration(pair)
+
+    loaded, first = read()
+    current = [loaded]
+
+    def renewed() -> Any:
+        try:
+            mtimes = (cert_path.stat().st_mtime, key_path.stat().st_mtime)
+            if mtimes == current[0]:
+                return None
+            current[0], fresh = read()
+        except Exception as exc:
+            log.warning("the gateway's renewed certificate not loaded: %s", exc)
+            return None
+        return fresh
+
+    return grpc.dynamic_ssl_server_credentials(first, renewed, require_client_authentication=False)
 
 
 def peer_role(context: grpc.aio.ServicerContext) -> str:

@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tenants_cli.add_commands(sub, lambda args: tenants_cli.run(args, _settings(args)))
 
+    from services.ops import certs_cli
+
+    certs_cli.add_commands(sub, lambda args: certs_cli.run(args, _settings(args)))
+
     tiny = sub.add_parser("build-tiny-model", help="build the tiny random-weight model into a directory")
     tiny.add_argument("path")
     tiny.set_defaults(func=cmd_build_tiny_model)

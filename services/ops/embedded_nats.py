@@ -9,12 +9,9 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from services.mesh.nats_auth import server_config
+from services.mesh.nats_auth import CONTROL_USERS, server_config
 from services.mesh.pki import write_private
 from services.ops.embedded import ManagedProcess, free_port, wait_for_port
-
-# The users of a sealed stack's NATS before its samplers are known.
-CONTROL_USERS = ("scheduler", "gateway", "operator")
 
 
 def nats_server_binary() -> str:

@@ -16,10 +16,10 @@ import psycopg
 import pytest
 
 from services.bus.dispatch import host_token
-from services.mesh.nats_auth import sampler_user
+from services.mesh.nats_auth import CONTROL_USERS, sampler_user
 from services.mesh.secrets import ensure_certificates
 from services.ops.embedded import EmbeddedPostgres
-from services.ops.embedded_nats import CONTROL_USERS, EmbeddedNatsCluster
+from services.ops.embedded_nats import EmbeddedNatsCluster
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database
