@@ -35,7 +35,14 @@ async def connect_nats(
     ``credentials`` (a sealed mesh): over TLS, as that user, with its own inbox."""
     backoff = Backoff(max_s=retry_max_s)
     sealed: dict[str, Any] = {}
+    disconnected = _log_disconnected
     if credentials is not None:
+
+        async def disconnected() -> None:
+            await _log_disconnected()
+            if credentials.reload_if_renewed():
+                log.info("NATS: reconnecting with a renewed certificate")
+
         sealed = {
             "user": credentials.user,
             "password": credentials.password,
@@ -53,7 +60,7 @@ async def connect_nats(
                 drain_timeout=5,
                 error_cb=_log_error,
                 **sealed,
-                disconnected_cb=_log_disconnected,
+                disconnected_cb=disconnected,
                 reconnected_cb=_log_reconnected,
             )
         except BUS_ERRORS as exc:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import ssl
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.bus.dispatch import DISPATCH_PREFIX, DISPATCH_STREAM, check_worker_id, consumer_name
@@ -114,11 +114,28 @@ def server_config(
 
 @dataclass(frozen=True)
 class NatsCredentials:
-    """How one service connects: its user, password, TLS context and inbox."""
+    """How one service connects: its user, password, TLS context and inbox. The
+    context takes a renewed certificate when ``reload_if_renewed`` is called (at
+    each disconnection): the next connection presents it."""
 
     user: str
     password: str
     tls: ssl.SSLContext
+    paths: CertPaths | None = None
+    _loaded: list[tuple[float, float, float]] = field(default_factory=list, compare=False)
+
+    def reload_if_renewed(self) -> bool:
+        if self.paths is None:
+            return False
+        mtimes = self.paths.mtimes()
+        if self._loaded and self._loaded[0] == mtimes:
+            return False
+        try:
+            self.tls.load_cert_chain(str(self.paths.cert), str(self.paths.key))
+        except (OSError, ssl.SSLError):
+            return False  # half-written: the next disconnection tries again
+        self._loaded[:] = [mtimes]
+        return True
 
     @property
     def inbox_prefix(self) -> str:
@@ -133,4 +150,4 @@ class NatsCredentials:
         paths = CertPaths.of(Path(mesh_dir), role)
         context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(paths.ca))
         context.load_cert_chain(str(paths.cert), str(paths.key))
-        return cls(user, read_nats_password(Path(mesh_dir), user), context)
+        return cls(user, read_nats_password(Path(mesh_dir), user), context, paths, [paths.mtimes()])

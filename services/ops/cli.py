@@ -41,7 +41,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
         _print_metrics(stack.metrics_targets(), data_dir)
         if args.demo_prompt is not None:
-            return _generate_into(stack.gateway_address, args.demo_prompt, args)
+            return _generate_into(stack.gateway_address, args.demo_prompt, args, stack.gateway_roots())
         stopped.wait()
         print("darkroom: stopping", flush=True)
         return 0
@@ -76,13 +76,13 @@ def _request(prompt: str, args: argparse.Namespace):
     return request
 
 
-def _generate_into(address: str, prompt: str, args: argparse.Namespace) -> int:
+def _generate_into(address: str, prompt: str, args: argparse.Namespace, tls_roots: bytes | None = None) -> int:
     import grpc
 
     from services.rpc.client import JobFailed, generate
 
     try:
-        job, images = generate(address, _request(prompt, args), api_key=args.api_key)
+        job, images = generate(address, _request(prompt, args), api_key=args.api_key, tls_roots=tls_roots)
     except JobFailed as exc:
         print(f"darkroom: {exc}", file=sys.stderr)
         return 1
@@ -132,7 +132,16 @@ def cmd_supervise(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    return _generate_into(args.gateway, args.prompt, args)
+    roots = None
+    if args.tls_ca:
+        try:
+            roots = Path(args.tls_ca).expanduser().read_bytes()
+        except OSError as exc:
+            print(f"darkroom: --tls-ca {args.tls_ca}: {exc.strerror}", file=sys.stderr)
+            return 2
+    elif args.tls:
+        roots = b""
+    return _generate_into(args.gateway, args.prompt, args, roots)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -204,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate an image through a running gateway")
     gen.add_argument("prompt")
     gen.add_argument("--gateway", default="127.0.0.1:50051")
+    gen.add_argument("--tls", action="store_true", help="reach the gateway over TLS (the system's CAs)")
+    gen.add_argument("--tls-ca", help="reach the gateway over TLS, trusting this CA certificate (PEM)")
     _generation_options(gen)
     gen.set_defaults(func=cmd_generate)
 

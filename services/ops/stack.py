@@ -186,6 +186,23 @@ class LocalStack:
     def gateway_address(self) -> str:
         return f"{self.settings.gateway.host}:{self.settings.gateway.port}"
 
+    def gateway_roots(self) -> bytes | None:
+        """What a client of this stack's gateway trusts: None, plaintext; else the
+        gateway's own certificate (self-signed), the fleet's CA (a certificate of
+        `darkroom certs issue gateway`) and the system's CAs."""
+        gateway = self.settings.gateway
+        if not gateway.tls_cert:
+            return None
+        import ssl
+
+        candidates = [Path(gateway.tls_cert)]
+        if self.settings.kernel.mesh_dir:
+            candidates.append(Path(self.settings.kernel.mesh_dir) / "ca.pem")
+        system = ssl.get_default_verify_paths().cafile
+        if system:
+            candidates.append(Path(system))
+        return b"".join(p.read_bytes() for p in candidates if p.is_file())
+
     @property
     def pg_url(self) -> str:
         """The database URL for psycopg (no SQLAlchemy driver suffix)."""
@@ -269,11 +286,14 @@ class LocalStack:
         import psycopg
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from services.rpc.client import gateway_channel
+
         want = len(self.sampler_ids()) if samplers is None else samplers
+        roots = self.gateway_roots()
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with grpc.insecure_channel(self.gateway_address) as ch:
+                with gateway_channel(self.gateway_address, roots) as ch:
                     reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 with psycopg.connect(self.pg_url, connect_timeout=2) as conn:
                     row = conn.execute(

@@ -173,15 +173,26 @@ def progress_bar(step: int, total: int) -> None:
         sys.stderr.write("\n")
 
 
+def gateway_channel(address: str, tls_roots: bytes | None = None) -> grpc.Channel:
+    """A channel to a gateway: plaintext (None), or TLS trusting ``tls_roots`` (b"":
+    the system's certificates)."""
+    if tls_roots is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_roots or None))
+
+
 def generate(
     address: str,
     request: pb.SubmitJobRequest,
     *,
     api_key: str = "",
+    tls_roots: bytes | None = None,
     on_progress: Callable[[int, int], None] | None = progress_bar,
 ) -> tuple[pb.Job, list[GeneratedImage]]:
+    """``tls_roots``: reach the gateway over TLS, trusting these certificates (b"":
+    the system's)."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    with grpc.insecure_channel(address) as ch:
+    with gateway_channel(address, tls_roots) as ch:
         stub = image_generation_pb2_grpc.ImageGenerationStub(ch)
         submitted = submit(stub, request, metadata=metadata)
         job, images = follow(stub, submitted.job_id, metadata=metadata, on_progress=on_progress)

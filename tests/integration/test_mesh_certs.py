@@ -21,12 +21,14 @@ from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.mesh.pki import CertificateAuthority, CertPaths, certificate_role
 from services.mesh.rpc import MeshIdentity
+from services.mesh.secrets import ensure_certificates
 from services.models.registry import ModelRegistry
 from services.ops.embedded import EmbeddedPostgres
+from services.rpc.client import generate
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import build_server
-from tests.conftest import fresh_database
+from tests.conftest import fresh_database, make_stack
 
 pytestmark = pytest.mark.integration
 
@@ -122,3 +124,28 @@ async def test_the_gateway_serves_tls_when_given_a_certificate(tmp_path: Path, p
 def test_the_gateway_wants_both_its_certificate_and_its_key() -> None:
     with pytest.raises(SettingsError, match="DARKROOM_GATEWAY_TLS_KEY"):
         Settings.from_env({"DARKROOM_GATEWAY_TLS_CERT": "/etc/darkroom/gateway.pem"})
+
+
+def test_a_stack_with_a_tls_gateway_generates_over_tls(
+    tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
+) -> None:
+    secrets = tmp_path / "stack" / "secrets"
+    ensure_certificates(secrets)  # the stack's own CA, as `darkroom up` would make it
+    CertificateAuthority.load(secrets).issue_into(secrets, "gateway", ["127.0.0.1"])
+    stack = make_stack(
+        tmp_path / "stack",
+        postgres,
+        models_dir,
+        gateway_tls_cert=str(secrets / "gateway.pem"),
+        gateway_tls_key=str(secrets / "gateway.key"),
+    )
+    try:
+        stack.start()  # ready: its health check went over TLS
+        request = pb.SubmitJobRequest(model="tiny", prompt="over tls", width=64, height=64, steps=2)
+        job, images = generate(stack.gateway_address, request, tls_roots=stack.gateway_roots(), on_progress=None)
+        assert job.status == pb.JOB_STATUS_SUCCEEDED and len(images) == 1
+        with grpc.insecure_channel(stack.gateway_address) as ch, pytest.raises(grpc.RpcError) as plaintext:
+            image_generation_pb2_grpc.ImageGenerationStub(ch).SubmitJob(request, timeout=5)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    finally:
+        stack.stop()
