@@ -13,6 +13,7 @@ import re
 import sys
 from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from services import quotas
@@ -130,10 +131,11 @@ def _database(args: argparse.Namespace, kernel: KernelSettings) -> Iterator[str]
     if kernel.database_url and not args.data_dir:
         yield kernel.database_url
         return
-    pg = EmbeddedPostgres(kernel.data_dir)
+    mesh_dir = Path(kernel.mesh_dir) if kernel.mesh_dir else None  # where `darkroom up` keeps the password
+    pg = EmbeddedPostgres(kernel.data_dir, mesh_dir=mesh_dir)
     port = pg.running_port()
     if port is not None:
-        yield EmbeddedPostgres(kernel.data_dir, port).url
+        yield EmbeddedPostgres(kernel.data_dir, port, mesh_dir=mesh_dir).url
         return
     pg.start()
     try:
