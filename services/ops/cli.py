@@ -101,7 +101,7 @@ def _generate_into(address: str, prompt: str, args: argparse.Namespace, tls_root
 def cmd_supervise(args: argparse.Namespace) -> int:
     """A GPU host: one sampler per visible GPU and the decoders asked for, kept
     running until SIGINT/SIGTERM."""
-    from services.ops.stack import host_children, metrics_targets, restart_policy, stop_order
+    from services.ops.children import host_children, metrics_targets, restart_policy, stop_order
     from services.ops.supervisor import Supervisor
     from services.telemetry import logs
     from services.telemetry.metrics import targets_path, write_targets

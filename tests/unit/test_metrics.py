@@ -28,7 +28,7 @@ from services.config.sections import KernelSettings, Settings
 from services.db.counts import LaneCount
 from services.db.states import JobStatus
 from services.errors import StoreUnavailable
-from services.ops.stack import MetricsPorts, child, metrics_target
+from services.ops.children import MetricsPorts, child, metrics_target
 from services.telemetry import metrics, tenant_metrics
 from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
 from services.telemetry.metrics import Target, observe_gpu, serve_metrics, write_targets

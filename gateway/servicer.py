@@ -1,0 +1,244 @@
+"""The public API's servicer: ``darkroom.v1.ImageGeneration``, each call's work."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import grpc
+
+from gateway import pages, spans
+from gateway.auth import Caller, Gatekeeper
+from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
+from gateway.estimates import Estimator
+from gateway.metrics import STREAMS_OPEN, count_refusal, count_submit
+from gateway.streams import follow
+from gateway.usage import tenant_usage
+from gateway.validation import validate_submit
+from scheduler import admission, facts
+from scheduler.costs import costs_from
+from scheduler.views import job_view
+from services import quotas
+from services.bus.events import Events, JobEvent
+from services.coalesce import Coalescer
+from services.config.sections import GatewaySettings
+from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
+from services.db.repository import Repository
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
+from services.mesh.rpc import MeshIdentity
+from services.models.registry import ModelRegistry
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from services.rpc.server import Channels
+from services.rpc.status import stream_errors, unary_errors
+from services.telemetry import logs
+from services.telemetry.metrics import JOBS_FINISHED
+
+log = logging.getLogger(__name__)
+
+
+class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        repo: Repository,
+        registry: ModelRegistry,
+        events: Events,
+        *,
+        stale_after_s: float,
+        mesh: MeshIdentity | None = None,
+    ) -> None:
+        self.settings = settings
+        self.stale_after_s = stale_after_s
+        self.repo = repo
+        self.registry = registry
+        self.events = events
+        self.costs = costs_from(registry)
+        self.config = settings.placement
+        self.gate = Gatekeeper(repo.tenants, settings.api_keys)
+        self._channels = Channels(mesh)
+        self.estimator = Estimator(repo, self.costs, self.config, stale_after_s=stale_after_s)
+        # Concurrent submits share one INSERT, and one read of the queue ahead;
+        # concurrent streams share their reads of the jobs they follow.
+        self._create = Coalescer(self.repo.jobs.create_many)
+        self._create_limited = Coalescer(self.repo.admission.create_within_limits)
+        self._states = Coalescer(self.repo.jobs.states)
+        self._results = Coalescer(self.repo.jobs.many_with_images)
+
+    def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
+        return sampler_pb2_grpc.SamplerStub(self._channels.to(address))
+
+    async def close(self) -> None:
+        await self._channels.close()
+
+    @unary_errors
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        caller = await self.gate.caller(context, "SubmitJob")
+        now = datetime.now(UTC)
+        try:
+            new = validate_submit(
+                request,
+                self.registry,
+                max_prompt_chars=self.settings.max_prompt_chars,
+                placement=self.config,
+                now=now,
+                tenant=caller.tenant,
+                tenant_lane=caller.terms.lane if caller.terms else None,
+            )
+        except PermissionDenied as exc:
+            raise caller.refused("lane", "SubmitJob", exc) from None
+        view = self.estimator.job_view(new)
+        eta = await self.estimator.estimate(view, now)
+        refusal = admission.admit(new.lane, eta, self.config)
+        if refusal is not None:
+            earlier = await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key or "")
+            if earlier is not None:  # accepted before: the same answer, never a refusal
+                count_submit(new.lane, caller.tenant, "deduplicated")
+                return await self._submitted(earlier, True, now)
+            count_submit(new.lane, caller.tenant, "refused")
+            raise ResourceExhausted(
+                f"lane {refusal.lane!r} is full: the estimated wait of {refusal.wait_s:.0f}s passes its "
+                f"{refusal.limit_s:.0f}s limit; retry later",
+                retry_after_s=refusal.wait_s,
+            )
+        reserve = await self.estimator.gpu_seconds(view, now) * new.price
+        new = spans.with_trace(replace(new, credits_reserved=reserve))
+        job, deduplicated = await self._store(caller, new, now, eta)
+        spans.submitted(new, job, deduplicated, start=now)
+        count_submit(new.lane, caller.tenant, "deduplicated" if deduplicated else "accepted")
+        if deduplicated:
+            return await self._submitted(job, True, now)
+        await self.events.work()
+        return await self._submitted(job, False, now, eta)
+
+    async def _store(
+        self, caller: Caller, new: NewJob, now: datetime, eta: admission.Estimate | None
+    ) -> tuple[JobRecord, bool]:
+        """The job stored, and whether an earlier submit made it; ResourceExhausted
+        if its tenant's limits keep it out."""
+        terms = caller.terms
+        if terms is None or (terms.max_jobs is None and terms.rate_per_s is None and terms.credits is None):
+            return await self._create((new, now))
+        outcome = await self._create_limited((new, now))
+        if not isinstance(outcome, quotas.Refusal):
+            return outcome
+        count_submit(new.lane, caller.tenant, "refused")
+        # Counted, not logged: a client at its limit would fill the log.
+        count_refusal(outcome.limit, outcome.tenant)
+        retry_s = outcome.retry_after_s
+        if retry_s is None and outcome.limit == quotas.MAX_JOBS:
+            # A place frees when one of its jobs ends: about one job's run from now.
+            retry_s = max(1.0, eta.run_s if eta else 1.0)
+        when = f"retry in {retry_s:.1f}s" if retry_s is not None else "its daily credits do not cover it"
+        raise ResourceExhausted(
+            f"{outcome.description}; {when}",
+            retry_after_s=retry_s,
+            quota=QuotaViolation(f"tenant:{outcome.tenant}", f"{outcome.limit}: {outcome.description}"),
+        )
+
+    async def _state(self, caller: Caller, method: str, job_id: str) -> JobState:
+        return caller.own(method, job_id, await self._states(job_id), lambda state: state.tenant)
+
+    async def _result(self, caller: Caller, method: str, job_id: str) -> tuple[JobRecord, list[ImageRecord]]:
+        return caller.own(method, job_id, await self._results(job_id), lambda result: result[0].tenant)
+
+    async def _submitted(
+        self, job: JobRecord, deduplicated: bool, now: datetime, eta: admission.Estimate | None = None
+    ) -> pb.SubmitJobResponse:
+        if eta is None and job.status == JobStatus.QUEUED:
+            eta = await self.estimator.estimate(job_view(facts.queued_job(job), self.config, self.costs), now)
+        response = pb.SubmitJobResponse(job_id=job.id, status=STATUS[job.status], deduplicated=deduplicated)
+        if eta is not None:
+            start = now + timedelta(seconds=eta.wait_s)
+            response.estimated_start_time.CopyFrom(timestamp(start))
+            response.estimated_finish_time.CopyFrom(timestamp(start + timedelta(seconds=eta.run_s)))
+        return response
+
+    @unary_errors
+    async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
+        caller = await self.gate.caller(context, "GetJob")
+        with logs.about_job(request.job_id):
+            [found] = await self.repo.jobs.many_with_images([request.job_id])
+            return job_message(*caller.own("GetJob", request.job_id, found, lambda result: result[0].tenant))
+
+    @stream_errors
+    async def StreamJob(
+        self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.JobEvent]:
+        caller = await self.gate.caller(context, "StreamJob")
+        read_state = functools.partial(self._state, caller, "StreamJob")
+        read_result = functools.partial(self._result, caller, "StreamJob")
+        with logs.about_job(request.job_id):
+            STREAMS_OPEN.inc()
+            try:
+                async for event in follow(request.job_id, self.events, read_state, read_result):
+                    yield event
+            finally:
+                STREAMS_OPEN.dec()
+
+    @unary_errors
+    async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
+        caller = await self.gate.caller(context, "CancelJob")
+        with logs.about_job(request.job_id):
+            await self._state(caller, "CancelJob", request.job_id)
+            return await self._cancel(caller, request.job_id)
+
+    async def _cancel(self, caller: Caller, job_id: str) -> pb.CancelJobResponse:
+        job, ended_now = await self.repo.jobs.request_cancel(job_id, tenant=caller.tenant, now=datetime.now(UTC))
+        if ended_now:
+            JOBS_FINISHED.labels(outcome="cancelled").inc()
+            await self.events.job(JobEvent(job.id, job.attempt, job.status))
+        if job.status in (JobStatus.RUNNING, JobStatus.DECODING) and job.worker_id:
+            worker = await self.repo.workers.get(job.worker_id)
+            if worker is not None:
+                # The fast path; the worker also sees the flag in the database.
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self._sampler(worker.address).CancelJob(
+                        sampler_pb2.SamplerCancelRequest(job_id=job.id), timeout=5
+                    )
+        return pb.CancelJobResponse(job_id=job.id, status=STATUS[job.status])
+
+    @unary_errors
+    async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        caller = await self.gate.caller(context, "ListJobs")
+        asked = pages.page_request(request)
+        # One more than the page: whether there is a page after it.
+        jobs = await self.repo.jobs.page(
+            caller.tenant, statuses=asked.statuses, after=asked.after, limit=asked.size + 1
+        )
+        response = pb.ListJobsResponse(jobs=[job_message(job) for job in jobs[: asked.size]])
+        if len(jobs) > asked.size:
+            last = jobs[asked.size - 1]
+            response.next_page_token = pages.encode(JobCursor(last.created_at, last.id))
+        return response
+
+    @unary_errors
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        await self.gate.caller(context, "ListModels")
+        workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
+        return models_message(self.registry, workers)
+
+    @unary_errors
+    async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.GetStatsResponse:
+        caller = await self.gate.caller(context, "GetStats")
+        usage = await tenant_usage(self.repo, caller, datetime.now(UTC))
+        if not caller.admin:
+            return pb.GetStatsResponse(usage=usage)
+        stale_s = self.stale_after_s
+        workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=stale_s)
+        workers += await self.repo.workers.all(WorkerKind.DECODER, stale_after_s=stale_s)
+        held = await self.repo.scheduling.held_per_worker()
+        totals = await self.repo.jobs.totals()
+        return pb.GetStatsResponse(
+            workers=[worker_stats(w, held.get(w.id, 0)) for w in workers if w.status != WorkerStatus.GONE],
+            totals=totals_message(totals),
+            usage=usage,
+        )

@@ -1,0 +1,159 @@
+"""A host's supervised processes: which children a host runs (its samplers and
+decoders), with what settings, metrics ports and restart policy, and in which order
+they stop. ``darkroom up`` (``LocalStack``) and ``darkroom supervise`` share them."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Mapping
+
+from services.bus.dispatch import host_token
+from services.config.fields import ENV_PREFIX
+from services.config.sections import Settings
+from services.ops import SERVICE_MODULES
+from services.ops.embedded import free_port
+from services.ops.supervisor import Child, RestartPolicy
+from services.telemetry.metrics import Target
+
+# Stopping front to back: stop taking work first, let samplers finish (or hand
+# back) theirs, and keep the decoders up until they have.
+STOP_ORDER_RANK = {"gateway": 0, "scheduler": 1, "sampler": 2, "decoder": 3}
+
+
+def visible_gpus() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+
+
+def restart_policy(settings: Settings) -> RestartPolicy:
+    supervisor = settings.supervisor
+    return RestartPolicy(
+        backoff_s=supervisor.restart_backoff_s,
+        backoff_max_s=supervisor.restart_backoff_max_s,
+        hang_after_s=supervisor.hang_after_s,
+        kill_grace_s=min(settings.kernel.shutdown_grace_s, 5.0),
+    )
+
+
+def child(settings: Settings, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
+    """A supervised process of ``service`` (a key of SERVICE_MODULES) with these
+    settings, changed by the ``DARKROOM_*`` variables of ``env`` (checked here,
+    so that a bad one stops the caller), and the rest of ``env`` beside them."""
+    env = env or {}
+    own = settings.with_env({k: v for k, v in env.items() if k.startswith(ENV_PREFIX)})
+    others = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
+    data = settings.kernel.data_dir
+    return Child(
+        name,
+        SERVICE_MODULES[service],
+        {**os.environ, **own.to_env(), **others},
+        data / "logs" / f"{name}.log",
+        data / "run" / f"{name}.alive",
+        service=service,
+    )
+
+
+class MetricsPorts:
+    """Each supervised child's metrics port, kept across its restarts: consecutive
+    from ``first`` (ports an operator can name), or free ones when it is 0."""
+
+    def __init__(self, first: int) -> None:
+        self.first = first
+        self.given: list[int] = []
+
+    def next(self) -> int:
+        if self.first:
+            port = self.first + len(self.given)
+        else:
+            port = free_port()
+            while port in self.given:  # free now, but maybe just handed to a child that has not bound it
+                port = free_port()
+        self.given.append(port)
+        return port
+
+
+def host_children(
+    settings: Settings, *, decoders: int, cpu_samplers: int = 1, ports: MetricsPorts | None = None
+) -> list[Child]:
+    """A GPU host's processes: ``decoders`` VAE workers and one sampler per visible
+    GPU (``CUDA_VISIBLE_DEVICES`` set for each), or CPU samplers when there is
+    none. Worker ids come from the host and the GPU, so a restarted sampler takes
+    back its own subject. Metrics ports go to the samplers first, by GPU, then to
+    the decoders: a sampler's port does not move when the decoders change."""
+    ports = ports or MetricsPorts(settings.kernel.metrics_port)
+    host = host_token()
+    samplers = []
+    gpus = visible_gpus()
+    threads: dict[str, str] = {}
+    if gpus:
+        for i in range(gpus):
+            samplers.append(
+                child(
+                    settings,
+                    f"sampler-{i}",
+                    "sampler",
+                    {
+                        "CUDA_VISIBLE_DEVICES": str(i),
+                        "DARKROOM_DEVICE": "cuda:0",
+                        "DARKROOM_WORKER_ID": f"{host}-gpu{i}",
+                        "DARKROOM_METRICS_PORT": str(ports.next()),
+                    },
+                )
+            )
+    else:
+        # Without a GPU, samplers and decoders compute on the CPU: each gets its
+        # share of the cores. torch's threads, every process's on every core at
+        # once, spin and wait on each other and make each step many times slower.
+        share = max(1, (os.cpu_count() or 1) // max(cpu_samplers + decoders, 1))
+        threads = {"OMP_NUM_THREADS": str(share)}
+        for i in range(cpu_samplers):
+            samplers.append(
+                child(
+                    settings,
+                    f"sampler-{i}",
+                    "sampler",
+                    {
+                        **threads,
+                        "DARKROOM_DEVICE": "cpu",
+                        "DARKROOM_WORKER_ID": f"{host}-cpu{i}",
+                        "DARKROOM_METRICS_PORT": str(ports.next()),
+                    },
+                )
+            )
+    vaes = [
+        child(
+            settings,
+            f"decoder-{i}",
+            "decoder",
+            {**threads, "DARKROOM_WORKER_ID": f"{host}-decoder{i}", "DARKROOM_METRICS_PORT": str(ports.next())},
+        )
+        for i in range(decoders)
+    ]
+    # Decoders start first: a sampler that is ready has somewhere to decode.
+    return vaes + samplers
+
+
+def metrics_target(c: Child) -> Target | None:
+    """Where Prometheus scrapes the child (None: it serves no metrics)."""
+    port = int(c.env.get(f"{ENV_PREFIX}METRICS_PORT") or 0)
+    if not port:
+        return None
+    host = c.env.get(f"{ENV_PREFIX}METRICS_HOST") or "127.0.0.1"
+    if host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()  # listening everywhere: named as other hosts know it
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return Target(c.name, c.service, host_token(), address)
+
+
+def metrics_targets(children: Iterable[Child]) -> list[Target]:
+    return [t for t in map(metrics_target, children) if t is not None]
+
+
+def stop_order(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda n: STOP_ORDER_RANK.get(n.split("-")[0], 2))
