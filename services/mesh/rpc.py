@@ -51,29 +51,12 @@ class MeshIdentity:
         """Requires a client certificate from the fleet's CA; the files are read
         again at the next handshake after they change."""
         paths = self.paths
-        loaded = [paths.mtimes()]
-        lock = threading.Lock()
 
         def configuration() -> Any:
             ca, cert, key = paths.read()
             return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
-        def renewed() -> Any:
-            # Called by gRPC's own threads at each handshake: None keeps the current one.
-            with lock:
-                now = paths.mtimes()
-                if now == loaded[0]:
-                    return None
-                try:
-                    fresh = configuration()
-                except Exception as exc:  # a half-written renewal: keep serving with the old one
-                    log.warning("renewed certificates for %s not loaded: %s", self.role, exc)
-                    return None
-                loaded[0] = now
-                log.info("serving with renewed certificates for %s", self.role)
-                return fresh
-
-        return grpc.dynamic_ssl_server_credentials(configuration(), renewed, require_client_authentication=True)
+        return _reloading(paths.mtimes, configuration, what=f"the {self.role}'s certificate", client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         ca, cert, key = self.paths.read()
@@ -85,29 +68,48 @@ def public_server_credentials(cert_path: Path, key_path: Path) -> grpc.ServerCre
     certificate asked for (API keys say who calls); renewed files are served from
     the next handshake on."""
 
-    def read() -> tuple[tuple[float, float], Any]:
+    def mtimes() -> tuple[float, ...]:
         try:
-            mtimes = (cert_path.stat().st_mtime, key_path.stat().st_mtime)
+            return (cert_path.stat().st_mtime, key_path.stat().st_mtime)
+        except OSError:
+            return (0.0, 0.0)
+
+    def configuration() -> Any:
+        try:
             pair = [(key_path.read_bytes(), cert_path.read_bytes())]
         except OSError as exc:
             raise PkiError(f"cannot read the gateway's TLS certificate or key: {exc}") from exc
-        return mtimes, grpc.ssl_server_certificate_configuration(pair)
+        return grpc.ssl_server_certificate_configuration(pair)
 
-    loaded, first = read()
-    current = [loaded]
+    return _reloading(mtimes, configuration, what="the gateway's certificate", client_auth=False)
+
+
+def _reloading(
+    mtimes: Callable[[], tuple[float, ...]], configuration: Callable[[], Any], *, what: str, client_auth: bool
+) -> grpc.ServerCredentials:
+    """Server credentials that read ``configuration`` again at the first handshake
+    after the files' ``mtimes`` change; a renewal that cannot be read (half
+    written) leaves the current one in place, and is tried again at the next."""
+    loaded = [mtimes()]
+    first = configuration()
+    lock = threading.Lock()
 
     def renewed() -> Any:
-        try:
-            mtimes = (cert_path.stat().st_mtime, key_path.stat().st_mtime)
-            if mtimes == current[0]:
+        # Called by gRPC's own threads at each handshake: None keeps the current one.
+        with lock:
+            now = mtimes()
+            if now == loaded[0]:
                 return None
-            current[0], fresh = read()
-        except Exception as exc:
-            log.warning("the gateway's renewed certificate not loaded: %s", exc)
-            return None
-        return fresh
+            try:
+                fresh = configuration()
+            except Exception as exc:
+                log.warning("%s, renewed, not loaded: %s", what, exc)
+                return None
+            loaded[0] = now
+            log.info("serving with %s, renewed", what)
+            return fresh
 
-    return grpc.dynamic_ssl_server_credentials(first, renewed, require_client_authentication=False)
+    return grpc.dynamic_ssl_server_credentials(first, renewed, require_client_authentication=client_auth)
 
 
 def peer_role(context: grpc.aio.ServicerContext) -> str:
