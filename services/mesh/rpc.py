@@ -9,10 +9,11 @@ and a client's channels are reopened once the files have changed."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import grpc
 
 from services.mesh.pki import CertPaths, PkiError, check_role
+from services.rpc.handlers import rewrapped
 from services.telemetry.metrics import MESH_REFUSALS
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ class RoleGuard(grpc.aio.ServerInterceptor):
     (its full name, ``package.Service``), or for the method itself
     (``/package.Service/Method``); a service it does not name (health checking,
     reflection) is open to every certificate of the fleet, which TLS has already
-    checked. A refusal is ``PERMISSION_DENIED``, logged and counted."""
+    checked. A refusal is ``PERMISSION_DENIED``, logged and counted. (The internal
+    services' methods take one request: unary, or a stream of responses.)"""
 
     def __init__(self, allowed: Mapping[str, frozenset[str]], *, service: str) -> None:
         self.allowed = dict(allowed)
@@ -144,26 +147,24 @@ class RoleGuard(grpc.aio.ServerInterceptor):
         if handler is None or roles is None:
             return handler
         method = details.method
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+
+        def guarded(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            if inspect.isasyncgenfunction(behavior):
+
+                async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                    await self._check(roles, method, context)
+                    async for response in behavior(request, context):
+                        yield response
+
+                return streaming
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await self._check(roles, method, context)
-                return await inner(request, context)
+                return await behavior(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+            return unary
 
-            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                await self._check(roles, method, context)
-                async for response in inner_stream(request, context):
-                    yield response
-
-            return grpc.unary_stream_rpc_method_handler(
-                streaming, handler.request_deserializer, handler.response_serializer
-            )
-        raise TypeError(f"{method}: RoleGuard guards unary and server-streaming methods only")
+        return rewrapped(handler, guarded)
 
     async def _check(self, roles: frozenset[str], method: str, context: grpc.aio.ServicerContext) -> None:
         role = peer_role(context)

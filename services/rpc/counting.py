@@ -18,16 +18,10 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pool
 
+from services.rpc.handlers import rewrapped
 from services.telemetry.metrics import RPC_DURATION, RPC_REQUESTS
 
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-# A handler's behaviour, by its kind, and how to make a handler of that kind.
-_HANDLER_KINDS: dict[str, Any] = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -99,12 +93,4 @@ class CountingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:  # grpc answers UNIMPLEMENTED
             return handler
         method = method_label(details.method or "")
-        for kind, make in _HANDLER_KINDS.items():
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return make(
-                    _counted(method, behavior),
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
+        return rewrapped(handler, lambda behavior: _counted(method, behavior))
