@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.every_steps < args.steps:
         parser.error("--every-steps must be within 1..steps-1")
 
-    registry = ModelRegistry.load(args.registry)
+    registry = ModelRegistry.load(args.registry, presets=None)
     spec = replace(registry.get(args.model), scheduler=args.scheduler)
     plain = ModelRegistry({args.model: spec})
     periodic = ModelRegistry({args.model: replace(spec, checkpoint_every_steps=args.every_steps)})

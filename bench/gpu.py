@@ -75,7 +75,7 @@ def bare_loop(case: Case, batches: tuple[int, ...], device: torch.device, rounds
 
     from gpu_worker.decoders import decode_request
 
-    spec = ModelRegistry.load().get(case.model)
+    spec = ModelRegistry.load(presets=None).get(case.model)
     source, kwargs = resolve_source(spec, models)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     extra = {"safety_checker": None, "requires_safety_checker": False} if spec.family != ModelFamily.SDXL else {}

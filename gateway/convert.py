@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
+from gateway.inputs import InputImage, fit_within
 from services.db.counts import Totals
 from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus, WorkerStatus
@@ -20,7 +21,15 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.telemetry import stages
 
 STATUS = {s: pb.JobStatus.Value(f"JOB_STATUS_{s.value}") for s in JobStatus}
-OUTPUT_FORMAT = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
+OUTPUT_FORMAT = {
+    "png": pb.OUTPUT_FORMAT_PNG,
+    "jpeg": pb.OUTPUT_FORMAT_JPEG,
+    "webp": pb.OUTPUT_FORMAT_WEBP,
+    "mp4": pb.OUTPUT_FORMAT_MP4,
+}
+DEFAULT_GUIDANCE = 7.5
+# An upscale model's output is this many times its input, on each side.
+UPSCALE = 4
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -34,19 +43,41 @@ def timestamp(when: datetime | None) -> timestamp_pb2.Timestamp | None:
     return timestamp_pb2.Timestamp(seconds=delta.days * 86400 + delta.seconds, nanos=delta.microseconds * 1000)
 
 
-def generation_params(req: pb.SubmitJobRequest, spec: ModelSpec | None, *, default_guidance: float) -> GenerationParams:
-    """What ``req`` asks the model to make, the model's defaults where it says nothing."""
+def generation_params(
+    req: pb.SubmitJobRequest,
+    spec: ModelSpec | None,
+    image: InputImage | None = None,
+    mask: InputImage | None = None,
+) -> GenerationParams:
+    """What ``req`` asks the model to make, the model's defaults where it says
+    nothing: an edit's size is its input image's (fitted to the model), an
+    upscale's four times its input's."""
+    width, height = (spec.default_width, spec.default_height) if spec else (0, 0)
+    if image is not None and spec is not None:
+        if spec.upscales:
+            width, height = image.width * UPSCALE, image.height * UPSCALE
+        else:
+            width, height = fit_within(image.width, image.height, spec.max_width, spec.max_height, spec.size_step)
+    video = spec is not None and spec.makes_video
+    edit_strength = 1.0 if mask is not None or image is None or (spec is not None and spec.upscales) else 0.8
     return GenerationParams(
         model=spec.name if spec is not None else req.model,
         prompt=req.prompt,
         negative_prompt=req.negative_prompt,
-        width=req.width or (spec.default_width if spec else 0),
-        height=req.height or (spec.default_height if spec else 0),
+        width=req.width or width,
+        height=req.height or height,
         steps=req.steps or (spec.default_steps if spec else 0),
-        guidance_scale=float(req.guidance_scale) if req.HasField("guidance_scale") else default_guidance,
+        guidance_scale=float(req.guidance_scale)
+        if req.HasField("guidance_scale")
+        else (spec.default_guidance if spec else DEFAULT_GUIDANCE),
         # Fixed at submit so that a retried attempt reproduces the same image.
         seed=req.seed if req.HasField("seed") else secrets.randbits(63),
         num_images=req.num_images or 1,
+        frames=req.frames or (spec.default_frames if video and spec else 1),
+        fps=float(req.fps) or (spec.default_fps if video and spec else 0.0),
+        strength=float(req.strength) if req.HasField("strength") else edit_strength,
+        image_digest=image.digest if image is not None else "",
+        mask_digest=mask.digest if mask is not None else "",
     )
 
 
@@ -87,7 +118,15 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
             ],
         ),
         images=[
-            pb.Image(data=i.data, mime_type=i.mime_type, width=i.width, height=i.height, seed=i.seed)
+            pb.Image(
+                data=i.data,
+                mime_type=i.mime_type,
+                width=i.width,
+                height=i.height,
+                seed=i.seed,
+                frames=job.params.frames,
+                fps=job.params.fps,
+            )
             for i in images or []
         ],
         deadline=timestamp(job.deadline),
@@ -103,6 +142,11 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         gpu_seconds=job.gpu_seconds,
         credits_reserved=job.credits_reserved,
         credits_charged=job.credits_charged,
+        frames=job.params.frames,
+        fps=job.params.fps,
+        strength=job.params.strength,
+        task=job.task.value,
+        waiting_for=routing.get("waiting_for", "") if job.status == JobStatus.QUEUED else "",
     )
 
 
@@ -125,10 +169,10 @@ def stage_durations(job: JobRecord) -> dict[str, float]:
     return stages.durations((*times, stored))
 
 
-def image_chunks(job_id: str, image: ImageRecord) -> list[pb.JobEvent]:
+def image_chunks(job: JobRecord, image: ImageRecord) -> list[pb.JobEvent]:
     return [
         pb.JobEvent(
-            job_id=job_id,
+            job_id=job.id,
             image_chunk=pb.ImageChunk(
                 index=image.index,
                 offset=offset,
@@ -138,6 +182,8 @@ def image_chunks(job_id: str, image: ImageRecord) -> list[pb.JobEvent]:
                 width=image.width,
                 height=image.height,
                 seed=image.seed,
+                frames=job.params.frames,
+                fps=job.params.fps,
             ),
         )
         for offset, data, last in split(image.data)
@@ -173,6 +219,7 @@ def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
         max_sm_clock_mhz=int(t.get("max_sm_clock_mhz", 0)),
         throttle_reasons=[str(r) for r in t.get("throttle_reasons", ())],
         queued_images=int(t.get("queued_images", 0)),
+        capabilities=list(w.capabilities),
     )
 
 
@@ -189,7 +236,9 @@ def totals_message(totals: Totals) -> pb.GlobalStats:
 
 
 def models_message(registry: ModelRegistry, workers: Sequence[WorkerRecord]) -> pb.ListModelsResponse:
-    """The registry's models, each with the live samplers where it is warm."""
+    """The registry's models, each capability's default first, each with the live
+    samplers that serve it and those where it is warm."""
+    defaults = {registry.default_for(c) for c in registry.capabilities()}
     return pb.ListModelsResponse(
         models=[
             pb.ModelInfo(
@@ -200,7 +249,19 @@ def models_message(registry: ModelRegistry, workers: Sequence[WorkerRecord]) -> 
                 max_steps=spec.max_steps,
                 default_steps=spec.default_steps,
                 warm_on=[w.id for w in workers if spec.name in w.warm_models],
+                capability=spec.capability,
+                is_default=spec in defaults,
+                size_step=spec.size_step,
+                default_width=spec.default_width,
+                default_height=spec.default_height,
+                max_images=spec.max_images,
+                max_frames=spec.max_frames,
+                default_frames=spec.default_frames,
+                frames_step=spec.frames_step,
+                default_fps=spec.default_fps,
+                edits=spec.edits,
+                served_by=[w.id for w in workers if spec.name in w.models],
             )
-            for spec in (registry.get(n) for n in registry.names())
+            for spec in registry.listing()
         ]
     )

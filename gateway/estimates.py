@@ -58,7 +58,10 @@ class Estimator:
             read = self._queued_ahead[job.priority] = SingleFlight(
                 functools.partial(self.repo.jobs.queued_ahead_shapes, job.priority)
             )
-        ahead = [(policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images), a.count) for a in await read()]
+        ahead = [
+            (policy.JobView("", a.model, a.width, a.height, a.steps, a.num_images, frames=a.frames), a.count)
+            for a in await read()
+        ]
         return admission.estimate(job, ahead, workers, fleet)
 
     async def gpu_seconds(self, job: policy.JobView, now: datetime) -> float:
@@ -80,4 +83,5 @@ class Estimator:
             p.num_images,
             new.priority,
             target_s=self.config.target_s(new.lane, cost.capability if cost is not None else ""),
+            frames=p.frames,
         )

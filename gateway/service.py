@@ -56,7 +56,7 @@ def create_server(
 
 
 async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio.Event) -> int:
-    registry = ModelRegistry.load(kernel.model_registry or None)
+    registry = kernel.registry()
     repo = Repository(kernel.database_url, application_name="darkroom-gateway")
     events = Events()
     server, servicer = create_server(kernel, settings, repo, registry, events)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -81,16 +82,20 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         caller = await self.gate.caller(context, "SubmitJob")
         now = datetime.now(UTC)
+        validate = functools.partial(
+            validate_submit,
+            request,
+            self.registry,
+            max_prompt_chars=self.settings.max_prompt_chars,
+            max_input_bytes=int(self.settings.max_input_mb * 2**20),
+            placement=self.config,
+            now=now,
+            tenant=caller.tenant,
+            tenant_lane=caller.terms.lane if caller.terms else None,
+        )
         try:
-            new = validate_submit(
-                request,
-                self.registry,
-                max_prompt_chars=self.settings.max_prompt_chars,
-                placement=self.config,
-                now=now,
-                tenant=caller.tenant,
-                tenant_lane=caller.terms.lane if caller.terms else None,
-            )
+            # An input image is decoded to be checked: off the event loop.
+            new = await asyncio.to_thread(validate) if request.image or request.mask else validate()
         except PermissionDenied as exc:
             raise caller.refused("lane", "SubmitJob", exc) from None
         view = self.estimator.job_view(new)

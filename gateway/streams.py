@@ -116,7 +116,7 @@ async def follow(
             stored = await read_state(job_id)
         job, images = await read_result(job_id)
         for image in images:
-            for chunk in image_chunks(job.id, image):
+            for chunk in image_chunks(job, image):
                 yield chunk
         yield pb.JobEvent(job_id=job.id, terminal=job_message(job))
     finally:

@@ -1,32 +1,38 @@
 """Checks a ``SubmitJobRequest`` against the model registry. Pure: every violation
-is collected and named by field, before anything is stored."""
+is collected and named by field, before anything is stored. A request with an
+input image decodes it (``gateway.inputs``): a caller on an event loop runs this
+in a thread."""
 
 from __future__ import annotations
 
+import math
 import uuid
 from datetime import UTC, datetime
 
-from gateway.convert import generation_params
+from gateway.convert import UPSCALE, generation_params
+from gateway.inputs import InputImage, read_input
 from services.config.placement import PlacementSettings
 from services.db.records import NewJob
 from services.db.tenant_records import DEFAULT_TENANT
 from services.errors import FieldViolation, InvalidArgument, PermissionDenied
-from services.generation import GenerationParams
-from services.models.registry import ModelRegistry, ModelSpec
+from services.generation import GenerationParams, JobInputs
+from services.models.registry import MAX_FPS, ModelRegistry, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 MAX_GUIDANCE = 50.0
-DEFAULT_GUIDANCE = 7.5
 MAX_IDEMPOTENCY_KEY = 256
 MAX_SEED = 2**63 - 1
 DEFAULT_PLACEMENT = PlacementSettings()
-# The output formats a job may ask for, by the name stored on the job.
+DEFAULT_MAX_INPUT_BYTES = 16 * 2**20
+# The output formats a job may ask for, by the name stored on the job: an image's,
+# and a video's.
 OUTPUT_FORMATS = {
     pb.OUTPUT_FORMAT_UNSPECIFIED: "png",
     pb.OUTPUT_FORMAT_PNG: "png",
     pb.OUTPUT_FORMAT_JPEG: "jpeg",
     pb.OUTPUT_FORMAT_WEBP: "webp",
 }
+VIDEO_FORMATS = {pb.OUTPUT_FORMAT_UNSPECIFIED: "mp4", pb.OUTPUT_FORMAT_MP4: "mp4", pb.OUTPUT_FORMAT_WEBP: "webp"}
 
 
 def validate_submit(
@@ -34,6 +40,7 @@ def validate_submit(
     registry: ModelRegistry,
     *,
     max_prompt_chars: int,
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES,
     placement: PlacementSettings = DEFAULT_PLACEMENT,
     now: datetime,
     tenant: str = DEFAULT_TENANT,
@@ -43,14 +50,16 @@ def validate_submit(
     Lanes are ``placement``'s; an empty ``lane`` means the tenant's, or without
     one the lowest. A lane above the tenant's is PermissionDenied."""
     spec = registry.models.get(req.model)
-    params = generation_params(req, spec, default_guidance=DEFAULT_GUIDANCE)
+    image, mask, bad_inputs = _inputs(req, max_input_bytes)
+    params = generation_params(req, spec, image, mask)
     lanes = {lane.name: lane.priority for lane in placement.lanes}
     lane = req.lane or tenant_lane or placement.default_lane.name
-    output_format = OUTPUT_FORMATS.get(req.output_format)
+    output_format = (VIDEO_FORMATS if spec is not None and spec.makes_video else OUTPUT_FORMATS).get(req.output_format)
     deadline = req.deadline.ToDatetime(tzinfo=UTC) if req.HasField("deadline") else None
     bad = [
         *_model_and_prompts(req, registry, max_prompt_chars),
-        *(_sizes(params, spec) if spec is not None else []),
+        *bad_inputs,
+        *(_sizes(params, spec) + _media(req, params, spec, image, mask) if spec is not None else []),
         *_the_rest(req, params, lanes, lane, output_format),
     ]
     if deadline is not None and deadline <= now:
@@ -70,7 +79,36 @@ def validate_submit(
         output_format=output_format,
         tenant=tenant,
         price=registry.get(params.model).price,
+        task=params.task(registry.get(params.model).upscales),
+        inputs=JobInputs(image.data, mask.data if mask else None) if image is not None else None,
     )
+
+
+def _inputs(
+    req: pb.SubmitJobRequest, max_bytes: int
+) -> tuple[InputImage | None, InputImage | None, list[FieldViolation]]:
+    bad = []
+    read = {}
+    for name in ("image", "mask"):
+        data = getattr(req, name)
+        if not data:
+            continue
+        found = read_input(name, data, max_bytes=max_bytes)
+        if isinstance(found, FieldViolation):
+            bad.append(found)
+        else:
+            read[name] = found
+    if req.mask and not req.image:
+        bad.append(FieldViolation("mask", "needs an input image to inpaint (image)"))
+    image, mask = read.get("image"), read.get("mask")
+    if image is not None and mask is not None and (mask.width, mask.height) != (image.width, image.height):
+        bad.append(
+            FieldViolation(
+                "mask",
+                f"is {mask.width}x{mask.height}; it must be the input image's size, {image.width}x{image.height}",
+            )
+        )
+    return image, mask, bad
 
 
 def _model_and_prompts(req: pb.SubmitJobRequest, registry: ModelRegistry, max_chars: int) -> list[FieldViolation]:
@@ -91,15 +129,79 @@ def _model_and_prompts(req: pb.SubmitJobRequest, registry: ModelRegistry, max_ch
 def _sizes(params: GenerationParams, spec: ModelSpec) -> list[FieldViolation]:
     """Size, steps and images within the model's limits."""
     bad = []
+    step = spec.size_step
     for name, value, limit in (("width", params.width, spec.max_width), ("height", params.height, spec.max_height)):
-        if value % 8:
-            bad.append(FieldViolation(name, f"{value} is not a multiple of 8"))
+        if value % step:
+            bad.append(FieldViolation(name, f"{value} is not a multiple of {step} ({spec.name})"))
         elif not spec.min_size <= value <= limit:
             bad.append(FieldViolation(name, f"{value} is outside {spec.min_size}..{limit} for {spec.name}"))
     if not 1 <= params.steps <= spec.max_steps:
         bad.append(FieldViolation("steps", f"{params.steps} is outside 1..{spec.max_steps} for {spec.name}"))
     if not 1 <= params.num_images <= spec.max_images:
         bad.append(FieldViolation("num_images", f"{params.num_images} is outside 1..{spec.max_images}"))
+    return bad
+
+
+def _media(
+    req: pb.SubmitJobRequest,
+    params: GenerationParams,
+    spec: ModelSpec,
+    image: InputImage | None,
+    mask: InputImage | None,
+) -> list[FieldViolation]:
+    """Frames and fps for a video model; an input image, a mask and a strength
+    where the model takes them."""
+    bad = _frames(req, params, spec)
+    if spec.upscales:
+        bad += _upscale(req, spec, image)
+    elif req.image and not spec.edits:
+        bad.append(FieldViolation("image", f"{spec.name} makes {spec.capability} from text; it takes no input image"))
+    if req.mask and not spec.edits:
+        bad.append(FieldViolation("mask", f"{spec.name} does not inpaint"))
+    if req.HasField("strength"):
+        if not req.image or spec.upscales:
+            bad.append(FieldViolation("strength", "applies to edits of an input image (image) only"))
+        elif not 0.0 < params.strength <= 1.0:  # also rejects NaN
+            bad.append(FieldViolation("strength", f"{req.strength} is outside (0, 1]"))
+    return bad
+
+
+def _frames(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec) -> list[FieldViolation]:
+    if not spec.makes_video:
+        bad = []
+        if req.frames > 1:
+            bad.append(FieldViolation("frames", f"{spec.name} makes images; frames are for a video model"))
+        if req.fps:
+            bad.append(FieldViolation("fps", f"{spec.name} makes images; fps is for a video model"))
+        return bad
+    bad = []
+    step = spec.frames_step
+    if not 1 <= params.frames <= spec.max_frames or (params.frames - 1) % step:
+        below = params.frames - (params.frames - 1) % step
+        near = " or ".join(str(f) for f in (below, below + step) if 1 <= f <= spec.max_frames)
+        bad.append(
+            FieldViolation(
+                "frames",
+                f"{params.frames} does not fit {spec.name}: frames are 1 plus a multiple of {step} (its VAE's "
+                f"temporal compression), at most {spec.max_frames}" + (f"; try {near}" if near else ""),
+            )
+        )
+    if not (math.isfinite(params.fps) and 1.0 <= params.fps <= MAX_FPS):
+        bad.append(FieldViolation("fps", f"{req.fps} is outside 1..{MAX_FPS:g}"))
+    return bad
+
+
+def _upscale(req: pb.SubmitJobRequest, spec: ModelSpec, image: InputImage | None) -> list[FieldViolation]:
+    if not req.image:
+        return [FieldViolation("image", f"is required: {spec.name} enlarges an input image four times")]
+    if image is None:
+        return []  # its own violation is already named
+    bad = []
+    for name, asked, side in (("width", req.width, image.width), ("height", req.height, image.height)):
+        if side % 8:
+            bad.append(FieldViolation("image", f"is {side} px in {name}; an upscale's input is a multiple of 8"))
+        if asked and asked != side * UPSCALE:
+            bad.append(FieldViolation(name, f"{asked}: an upscale's output is four times its input, {side * UPSCALE}"))
     return bad
 
 
@@ -116,6 +218,13 @@ def _the_rest(
     if lane not in lanes:
         bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(sorted(lanes))}"))
     if output_format is None:
-        known = ", ".join(pb.OutputFormat.Name(v) for v in OUTPUT_FORMATS if v != pb.OUTPUT_FORMAT_UNSPECIFIED)
-        bad.append(FieldViolation("output_format", f"unknown value {req.output_format}; known: {known}"))
+        known = VIDEO_FORMATS if params.is_video else OUTPUT_FORMATS
+        names = ", ".join(pb.OutputFormat.Name(v) for v in known if v != pb.OUTPUT_FORMAT_UNSPECIFIED)
+        asked = _format_name(req.output_format)
+        what = "a video" if params.is_video else "an image"
+        bad.append(FieldViolation("output_format", f"{asked} is not a format for {what}; known: {names}"))
     return bad
+
+
+def _format_name(value: int) -> str:
+    return pb.OutputFormat.Name(value) if value in pb.OutputFormat.values() else str(value)

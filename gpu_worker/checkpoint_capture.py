@@ -14,7 +14,7 @@ import enum
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import torch
@@ -62,6 +62,9 @@ class LoopState:
     # A fresh scheduler set to the job's steps: what a checkpoint need not hold.
     # Built at the first capture: building one costs about as much as the rest.
     baseline: Any = None
+    # What else its remaining steps read (an edit's input latents, mask, first
+    # noise), by name: kept in its checkpoints.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,6 +147,7 @@ class MemberCheckpoints:
             raise CheckpointMismatch(f"the checkpoint's generator state does not fit: {exc}") from None
         checkpoint_format.apply_scheduler_state(state.scheduler, snapshot.scheduler, snapshot.removed)
         state.latents = snapshot.latents
+        state.extras = dict(snapshot.extras)
         run.step, run.start = given.step, given
         return Resumption.LATENTS
 
@@ -171,7 +175,7 @@ class MemberCheckpoints:
             state.baseline.set_timesteps(run.member.params.steps, device=self.device)
         changed, removed = checkpoint_format.scheduler_state(state.scheduler, state.baseline)
         generators = [g.get_state() for g in state.generators]
-        snapshot = Snapshot(state.latents, generators, changed, removed, self.device.type)
+        snapshot = Snapshot(state.latents, generators, changed, removed, self.device.type, dict(state.extras))
         return checkpoint_format.capture(run.step, run.total, run.fingerprint, snapshot)
 
     def stopped(self, run: MemberRun) -> JobInterrupted:

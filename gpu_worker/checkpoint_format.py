@@ -5,6 +5,8 @@ What the remaining steps need, and nothing else, is kept (a ``Snapshot``):
 
 - the latents, in their exact dtype;
 - each image's ``torch.Generator`` state, for the stochastic schedulers' noise;
+- what else the remaining steps read, by name: an edit's input latents, its mask
+  and the noise it started from (``extras``);
 - the noise scheduler's state, taken generically from its ``__dict__`` (its config
   aside): only the attributes that differ from a fresh scheduler set to the job's
   steps. The schedule tables (betas, sigmas, timesteps...) are a function of the
@@ -24,8 +26,9 @@ back (a tuple is not a list) are written as tagged tuples; every container is ta
 so a bare tuple in the data is always a tag. Tensors are written from the CPU with a
 flag saying whether they lived on the accelerator, and go back there on restore.
 
-The data also holds a format version, the request's fingerprint (model, size, steps,
-guidance, seed, images, noise-scheduler class) and the diffusers version that wrote
+The data also holds a format version, the request's fingerprint (model, size, frames,
+steps, guidance, seed, images, strength, the input image's and mask's digests,
+noise-scheduler class) and the diffusers version that wrote
 the scheduler's state; a checkpoint that does not match, or cannot be read, raises
 ``CheckpointMismatch``, and the job then runs from step 0: slower, never another
 image. A checkpoint with no state (``step`` 0, or any step of the ``sim`` family,
@@ -40,7 +43,7 @@ import functools
 import importlib.metadata
 import io
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -51,7 +54,7 @@ from services.generation import GenerationParams
 
 # Bump on any change to the layout below: older checkpoints are then refused (and
 # their jobs run from step 0), never misread.
-FORMAT = 1
+FORMAT = 2
 # The scheduler's config, which rebuilding it restores; not state.
 _CONFIG_ATTRIBUTES = frozenset({"_internal_dict"})
 _PRIMITIVES = (type(None), bool, int, float, str)
@@ -81,6 +84,10 @@ def fingerprint(job: GenerationParams, scheduler: str) -> dict[str, Any]:
         "guidance_scale": float(job.guidance_scale),
         "seed": job.seed,
         "num_images": job.num_images,
+        "frames": job.frames,
+        "strength": float(job.strength),
+        "image": job.image_digest,
+        "mask": job.mask_digest,
         "scheduler": scheduler,
     }
 
@@ -94,6 +101,8 @@ class Snapshot:
     scheduler: dict[str, Any]  # the attributes that differ from a fresh scheduler's
     removed: tuple[str, ...]  # attributes a fresh scheduler has and this one no longer does
     device_type: str  # generator states are per kind of device: "cpu", "cuda"
+    # What else the remaining steps read, by name (an edit's input latents, mask, first noise).
+    extras: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 # -- the noise scheduler's state ---------------------------------------------------
@@ -226,6 +235,7 @@ def capture(step: int, total: int, fingerprint: Mapping[str, Any], snapshot: Sna
             "generators": [_pack(g) for g in snapshot.generators],
             "scheduler": _pack(dict(snapshot.scheduler)),
             "removed": list(snapshot.removed),
+            "extras": _pack(dict(snapshot.extras)),
         }
     payload = {"format": FORMAT, "fingerprint": dict(fingerprint), "step": step, "total": total, "state": state}
     buffer = io.BytesIO()
@@ -279,4 +289,9 @@ def _read(
     removed = tuple(state["removed"])
     if not all(isinstance(name, str) for name in [*scheduler, *removed]):
         raise CheckpointMismatch("the checkpoint's scheduler attributes are malformed")
-    return Snapshot(latents, generators, scheduler, removed, str(state["device_type"]))
+    extras = _unpack(state["extras"], device)
+    if not isinstance(extras, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in extras.items()
+    ):
+        raise CheckpointMismatch("the checkpoint's extra tensors are malformed")
+    return Snapshot(latents, generators, scheduler, removed, str(state["device_type"]), extras)

@@ -1,7 +1,9 @@
-"""Turning a batch's latents into images, in each job's output format: in one call to
-the decoder service that will finish them first (``VaeDecoder.Decode``), on another
-one when that fails or disappears mid-stream (only the jobs it did not finish go),
-and on this sampler itself as a last resort when ``local_decode_fallback`` allows."""
+"""Turning a batch's latents into images (or videos), in each job's output format: in
+one call to the decoder service that will finish them first (``VaeDecoder.Decode``),
+on another one when that fails or disappears mid-stream (only the jobs it did not
+finish go), and on this sampler itself as a last resort when
+``local_decode_fallback`` allows. An edit's input image goes the other way, into
+latents, the same way (``VaeDecoder.Encode``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 from collections.abc import Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from gpu_worker import spans
@@ -21,7 +24,7 @@ from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
 from services.errors import DarkroomError, StoreError
 from services.mesh.rpc import MeshIdentity
-from services.models.encoding import encode, mime_type_of
+from services.models.encoding import encode_output, mime_type_of
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Channels
@@ -83,6 +86,7 @@ def decode_request(jobs: Sequence[tuple[JobRecord, torch.Tensor]], traceparents:
                 images=int(latents.shape[0]),
                 mime_type=mime_type_of(job.output_format),
                 traceparent=traceparent or "",
+                fps=job.params.fps,
             )
             for (job, latents), traceparent in zip(jobs, traceparents, strict=True)
         ],
@@ -90,7 +94,7 @@ def decode_request(jobs: Sequence[tuple[JobRecord, torch.Tensor]], traceparents:
 
 
 def _megapixels(jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> float:
-    return sum(job.params.num_images * job.params.width * job.params.height for job, _ in jobs) / 1e6
+    return sum(job.params.num_images * job.shape.pixels for job, _ in jobs) / 1e6
 
 
 class Decoders:
@@ -238,11 +242,38 @@ class Decoders:
         mime_type = mime_type_of(job.output_format)
         images = []
         for i, pixels in enumerate(self.local.decode(job.params.model, latents.detach().to("cpu", torch.float32))):
-            height, width = pixels.shape[:2]
-            images.append(
-                ImageRecord(i, encode(pixels, mime_type), mime_type, width, height, (job.params.seed + i) % 2**63)
-            )
+            height, width = pixels.shape[-3:-1]
+            data = encode_output(pixels, mime_type, job.params.fps)
+            images.append(ImageRecord(i, data, mime_type, width, height, (job.params.seed + i) % 2**63))
         return images
+
+    async def encode(self, job: JobRecord, image: bytes) -> torch.Tensor:
+        """An edit's input image as its model's latents (1, C, H/8, W/8), from a
+        decoder service (or this sampler, where ``local_decode_fallback`` allows);
+        DecodeUnavailable if none could within the patience."""
+        p = job.params
+        request = vae_decoder_pb2.EncodeRequest(
+            model=p.model, image=image, width=p.width, height=p.height, job_id=job.id
+        )
+        deadline = time.monotonic() + self.patience_s
+        failures: list[str] = []
+        while True:
+            for decoder in await self._candidates():
+                stub = vae_decoder_pb2_grpc.VaeDecoderStub(self._channels.to(decoder.address))
+                try:
+                    response = await stub.Encode(request, timeout=DECODE_TIMEOUT_S)
+                except grpc.aio.AioRpcError as exc:
+                    failures.append(f"decoder {decoder.id}: {exc.code().name} {exc.details()}")
+                    continue
+                array = np.frombuffer(response.latents, dtype="<f4").reshape(list(response.shape))
+                return torch.from_numpy(array.copy())
+            self._known_at = float("-inf")
+            if self.local is not None:
+                return await asyncio.to_thread(self.local.encode_image, p.model, image, p.width, p.height)
+            if time.monotonic() >= deadline:
+                tried = "; ".join(failures[-3:]) or "no decoder is registered"
+                raise DecodeUnavailable(f"no decoder could encode its input image in {self.patience_s:.0f}s ({tried})")
+            await asyncio.sleep(ROUND_PAUSE_S)
 
     async def close(self) -> None:
         await self._channels.close()

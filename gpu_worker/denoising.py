@@ -1,7 +1,8 @@
 """A batch of jobs in a denoising loop, the same for every model family: its members,
 what each one comes out with, and the ``Denoiser`` a family implements
-(``gpu_worker.unet_denoiser`` for the diffusers families, ``gpu_worker.sim_denoiser``
-for sim). Denoisers run in a worker thread, never on the event loop."""
+(``gpu_worker.diffusers_denoiser``'s loop for the diffusers families,
+``gpu_worker.sim_denoiser`` for sim). Denoisers run in a worker thread, never on the
+event loop."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from services.models.registry import ModelSpec
 if TYPE_CHECKING:
     from gpu_worker.checkpoint_capture import MemberCheckpoints
 
-# What a member comes out with: its latents (num_images, C, H/8, W/8) on the CPU, or
-# what ended it.
+# What a member comes out with: its latents (num_images, C, H/8, W/8), or a video
+# model's (num_videos, C, latent frames, H/8, W/8), on the CPU; or what ended it.
 MemberResult = torch.Tensor | BaseException
 
 
@@ -51,6 +52,16 @@ def _never() -> bool:
 
 
 @dataclass(frozen=True)
+class MemberInputs:
+    """What a job's input image is to its model, made before its batch runs
+    (``gpu_worker.edit_inputs``): an edit's latents and mask, an upscale's pixels."""
+
+    image_latents: torch.Tensor | None = None  # (1, C, H/8, W/8): an edit's input, encoded by its VAE
+    mask: torch.Tensor | None = None  # (1, 1, H/8, W/8): inpainting, 1 where the model paints
+    image: torch.Tensor | None = None  # (1, 3, h, w) in [-1, 1]: an upscale's input
+
+
+@dataclass(frozen=True)
 class BatchMember:
     params: GenerationParams
     on_step: Callable[[int, int], None]  # (step done, total), from the sampling thread
@@ -62,6 +73,7 @@ class BatchMember:
     # Asked, from the sampling thread, once ``stopping`` is seen: True leaves with
     # JobSuspended and a checkpoint, False with JobInterrupted.
     suspend: Callable[[], bool] = _never
+    inputs: MemberInputs | None = None  # an edit's or upscale's input image, as its model takes it
 
 
 class Denoiser(ModelLoader, Protocol):

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpu_worker.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
-from gpu_worker.denoising import BatchMember, Denoiser, MemberResult
+from gpu_worker.denoising import BatchMember, Denoiser, MemberInputs, MemberResult
 from gpu_worker.metrics import COLD_LOADS
 from gpu_worker.model_cache import ModelCache
 from gpu_worker.prompts import PromptCache
 from gpu_worker.sim_denoiser import SimDenoiser
 from gpu_worker.unet_denoiser import UNetDenoiser
+from gpu_worker.upscale_denoiser import UpscaleDenoiser
+from gpu_worker.wan_denoiser import WanDenoiser
 from services.generation import GenerationParams
 from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
 
@@ -37,9 +39,12 @@ class SamplerEngine:
         memory_budget_bytes: int = 0,
         prompt_cache_bytes: int = 64 * 2**20,
         pinned: Sequence[str] = (),
+        capabilities: Collection[str] = (),
     ) -> None:
         self.registry = registry
         self.device = device
+        # The kinds of work an operator lets it serve (DARKROOM_CAPABILITIES); empty: all.
+        self.capabilities = frozenset(capabilities)
         self.prompts = PromptCache(prompt_cache_bytes)
         unet = UNetDenoiser(models_dir, device, self.prompts)
         # One denoiser per model family.
@@ -47,6 +52,8 @@ class SamplerEngine:
             ModelFamily.SD15: unet,
             ModelFamily.SDXL: unet,
             ModelFamily.TINY: unet,
+            ModelFamily.WAN: WanDenoiser(models_dir, device, self.prompts),
+            ModelFamily.SD_X4_UPSCALER: UpscaleDenoiser(models_dir, device, self.prompts),
             ModelFamily.SIM: SimDenoiser(),
         }
         self.models = ModelCache(
@@ -70,6 +77,18 @@ class SamplerEngine:
     def warm_models(self) -> list[str]:
         return self.models.warm_models()
 
+    def served_models(self) -> list[str]:
+        """The registry's models it serves: of the capabilities it is let serve, and
+        small enough for its memory."""
+        capacity = self.models.capacity_bytes()
+        specs = [self.registry.get(name) for name in self.registry.names()]
+        return [
+            spec.name
+            for spec in specs
+            if (not self.capabilities or spec.capability in self.capabilities)
+            and (capacity is None or spec.vram_bytes <= capacity)
+        ]
+
     def footprints(self) -> dict[str, dict[str, float]]:
         return self.models.footprints()
 
@@ -78,27 +97,44 @@ class SamplerEngine:
         kernels compiled and caches filled. Returns the generation's seconds."""
         spec = self.registry.get(name)
         params = GenerationParams(
-            name, "warm-up", "", spec.default_width, spec.default_height, WARM_UP_STEPS, 7.5, 0, 1
+            name,
+            "warm-up",
+            "",
+            spec.default_width,
+            spec.default_height,
+            WARM_UP_STEPS,
+            spec.default_guidance,
+            0,
+            1,
+            frames=spec.default_frames,
+            fps=spec.default_fps,
         )
+        inputs = None
+        if spec.upscales:  # a grey input a quarter of the output's size
+            inputs = MemberInputs(image=torch.zeros(1, 3, params.height // 4, params.width // 4))
         started = time.perf_counter()
-        self.sample(params, lambda step, total: None, threading.Event())
+        self.sample(params, lambda step, total: None, threading.Event(), inputs)
         return time.perf_counter() - started
 
     def sample(
-        self, params: GenerationParams, on_step: Callable[[int, int], None], stopping: threading.Event
+        self,
+        params: GenerationParams,
+        on_step: Callable[[int, int], None],
+        stopping: threading.Event,
+        inputs: MemberInputs | None = None,
     ) -> torch.Tensor:
         """One job alone: its latents; raises what ended it."""
-        [result] = self.sample_batch([BatchMember(params, on_step, stopping)])
+        [result] = self.sample_batch([BatchMember(params, on_step, stopping, inputs=inputs)])
         if isinstance(result, BaseException):
             raise result
         return result
 
     def sample_batch(self, members: Sequence[BatchMember]) -> list[MemberResult]:
         """Runs the members' denoising loops together. Returns, per member, its
-        latents (num_images, C, H/8, W/8) on the CPU, or what ended it: JobSuspended
-        or JobInterrupted once its ``stopping`` was set, BadOutput, or the error of
-        its own inputs. An error of the batch as a whole (the model, the device) is
-        raised."""
+        latents (num_images, C, H/8, W/8; a video's with its latent frames after C)
+        on the CPU, or what ended it: JobSuspended or JobInterrupted once its
+        ``stopping`` was set, BadOutput, or the error of its own inputs. An error
+        of the batch as a whole (the model, the device) is raised."""
         keys = {m.params.key for m in members}
         if len(keys) != 1:
             raise ValueError(f"a batch holds jobs of one shape, not {len(keys)}")

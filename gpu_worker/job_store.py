@@ -29,6 +29,7 @@ from services.db.records import JobRecord
 from services.db.repository import Repository, Result, Standing, StartRequest
 from services.db.states import JobStatus
 from services.errors import StoreError
+from services.generation import JobInputs
 from services.telemetry import logs
 from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES
 
@@ -89,6 +90,12 @@ class JobStore:
             *(JobEvent(job.id, job.attempt, JobStatus.RUNNING) for job in jobs),
             # Its resumption joined its record: streams read it from there.
             *(JobEvent(job.id, job.attempt) for job in jobs if job.checkpoint_step > 0),
+        )
+
+    async def inputs(self, jobs: Sequence[JobRecord]) -> dict[str, JobInputs]:
+        """The input images (and masks) of these jobs, by id."""
+        return await self._retried(
+            f"the input images of {len(jobs)} jobs", lambda: self.repo.jobs.inputs([job.id for job in jobs])
         )
 
     async def load_checkpoints(self, jobs: Sequence[JobRecord]) -> dict[str, Checkpoint]:

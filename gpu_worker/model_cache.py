@@ -109,6 +109,14 @@ class ModelCache:
         with self._lock:
             self._drop(name)
 
+    def capacity_bytes(self) -> int | None:
+        """What its models may take together, or None for no limit."""
+        limits = [self.memory_budget_bytes] if self.memory_budget_bytes else []
+        if self.device.type == "cuda":
+            _, total = torch.cuda.mem_get_info(self.device)
+            limits.append(int(total * (1 - ACTIVATION_HEADROOM)))
+        return min(limits) if limits else None
+
     def _free_bytes(self) -> int | None:
         """Bytes a new model may take now, or None for no limit."""
         used = sum(h.bytes for h in self._held.values())

@@ -25,7 +25,8 @@ from gpu_worker import spans
 from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
 from gpu_worker.decoders import Decoders
-from gpu_worker.denoising import BatchMember, MemberResult
+from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult
+from gpu_worker.edit_inputs import EditInputs
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.failures import FailureStreak
 from gpu_worker.job_store import JobStore, OutcomeNotStored
@@ -68,6 +69,7 @@ class JobRunner:
         self.worker_id = store.worker_id
         self.failures = FailureStreak(unfit_after_failures)
         self.outcomes = OutcomeRecorder(store, self.failures)
+        self.edit_inputs = EditInputs(store, decoders)
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
 
     @property
@@ -121,12 +123,16 @@ class JobRunner:
         model = batch[0].job.params.model
         was_warm = model in self._warmed_up
         loop = asyncio.get_running_loop()
-        members = [self._member(started, loop) for started in batch]
+        inputs = await self._inputs(batch)
+        # A job whose input could not be made fails (or waits) alone; the rest run.
+        runnable = [s for s in batch if not isinstance(inputs.get(s.job.id), BaseException)]
+        members = [self._member(s, loop, inputs.get(s.job.id)) for s in runnable]
         began = time.perf_counter()
-        results = await self._sample(batch, members)
+        results = dict(zip((s.job.id for s in runnable), await self._sample(runnable, members), strict=True))
         seconds = time.perf_counter() - began
-        for started, result in zip(batch, results, strict=True):
-            started.result = result
+        for started in batch:
+            own = inputs.get(started.job.id)
+            started.result = own if isinstance(own, BaseException) else results[started.job.id]
             started.watch.sampled = True
         rows = sum(s.job.params.num_images for s in batch)
         BATCH_IMAGES.labels(model=model).observe(rows)
@@ -138,12 +144,21 @@ class JobRunner:
             recorded = asyncio.ensure_future(self._decoding(sampled))
         # A batch that loaded or warmed up its model says little about how long
         # batches take; nor does one that resumed a job part of the way through.
-        whole = all(s.resume is None for s in batch)
+        whole = all(s.resume is None and s.job.params.first_step() == 0 for s in batch)
         return SampledBatch(seconds, rows, learnable=was_warm and whole, recorded=recorded)
+
+    async def _inputs(self, batch: Sequence[Started]) -> dict[str, MemberInputs | BaseException]:
+        """Each edit's and upscale's input, as its model takes it, or what kept it from it."""
+        try:
+            return await self.edit_inputs.prepare([s.job for s in batch])
+        except Exception as exc:  # the database stayed away: the outcome says so
+            return {s.job.id: exc for s in batch if s.job.params.image_digest}
 
     async def _sample(self, batch: Sequence[Started], members: list[BatchMember]) -> list[MemberResult]:
         """The members' results. If the batch as a whole fails, its members run again
         one by one, so that a job that broke it fails alone."""
+        if not members:
+            return []
         try:
             return await asyncio.to_thread(self.engine.sample_batch, members)
         except Exception as exc:
@@ -160,7 +175,9 @@ class JobRunner:
             results.append(result)
         return results
 
-    def _member(self, started: Started, loop: asyncio.AbstractEventLoop) -> BatchMember:
+    def _member(
+        self, started: Started, loop: asyncio.AbstractEventLoop, inputs: MemberInputs | BaseException | None
+    ) -> BatchMember:
         """The job as a batch member: its steps reported, its periodic checkpoints stored."""
         job, watch = started.job, started.watch
         resumed_from = started.resume.step if started.resume is not None else 0
@@ -174,6 +191,7 @@ class JobRunner:
             resume=started.resume,
             on_checkpoint=started.writer.offer,
             suspend=lambda: watch.suspending,
+            inputs=inputs if isinstance(inputs, MemberInputs) else None,
         )
 
     async def _decoding(self, sampled: Sequence[Started]) -> None:

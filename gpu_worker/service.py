@@ -28,6 +28,7 @@ from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
+from services.config.fields import SettingsError, name_of
 from services.config.sections import KernelSettings, SamplerSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
@@ -123,8 +124,19 @@ async def _drain(
     tracker.stop_all(StopReason.HANDED_BACK)
 
 
+def check_capabilities(settings: SamplerSettings, registry: ModelRegistry) -> None:
+    """DARKROOM_CAPABILITIES names only capabilities some model has."""
+    known = registry.capabilities()
+    for name in settings.capabilities:
+        if name not in known:
+            raise SettingsError(
+                f"{name_of(SamplerSettings, 'capabilities')} names {name!r}, which no model of the registry has "
+                f"(known: {', '.join(sorted(known))})"
+            )
+
+
 async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.Event) -> int:
-    registry = ModelRegistry.load(kernel.model_registry or None)
+    registry = kernel.registry()
     device = pick_device(settings.device)
     engine = SamplerEngine(
         registry,
@@ -133,7 +145,9 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         memory_budget_bytes=settings.memory_budget_mb * 2**20,
         prompt_cache_bytes=settings.prompt_cache_mb * 2**20,
         pinned=settings.preload_models,
+        capabilities=settings.capabilities,
     )
+    check_capabilities(settings, registry)
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
     tracker = JobTracker()

@@ -57,6 +57,7 @@ def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
         planned_models=frozenset(w.planned_models),
         primary_model=w.primary_model,
         measured=measured(w.telemetry),
+        capabilities=frozenset(w.capabilities),
     )
 
 

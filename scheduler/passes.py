@@ -17,7 +17,7 @@ from scheduler import driver, facts, reports, spans
 from scheduler.costs import costs_from
 from scheduler.estimates import Durations
 from scheduler.learning import durations_from, fold_run_times
-from scheduler.policy import ModelCost
+from scheduler.policy import ModelCost, Placement
 from scheduler.recovery import Expire, Fail, Recovery, RecoveryConfig, Requeue
 from scheduler.snapshot import TenantUsage
 from scheduler.suspend_requests import Preempter
@@ -69,6 +69,7 @@ class Passes:
         self.durations = Durations()
         self.tenants: tuple[TenantUsage, ...] = ()  # their fair shares, as last read
         self._durations_read = float("-inf")
+        self._waiting: dict[str, str] = {}  # job -> the capability it was last recorded waiting for
 
     async def learned_durations(self) -> Durations:
         """The learned durations (and the tenants' fair shares), reread at most
@@ -106,6 +107,7 @@ class Passes:
         # Urgent work left waiting behind preemptible work makes room (its
         # placement comes in a later pass, once the GPU is free).
         await self.preempter.after_pass(fleet, decision)
+        await self.note_waiting(decision.placed)
         if not scheduled:
             return 0
         log.debug("placed %d jobs", len(scheduled))
@@ -118,6 +120,18 @@ class Passes:
         reports.count_placed(decision.placed, scheduled)
         spans.placed(scheduled, {a.job_id: a.routing for a in assignments})
         return len(scheduled)
+
+    async def note_waiting(self, placements: Sequence[Placement]) -> None:
+        """Records on each job that no live sampler can serve what it waits for
+        (once: a pass sees the same jobs again)."""
+        waiting = {p.job_id: p.waiting_for for p in placements if p.waiting_for}
+        new = {job: capability for job, capability in waiting.items() if self._waiting.get(job) != capability}
+        if not new:
+            return
+        await self.repo.scheduling.note_waiting(new)
+        if len(self._waiting) > 100_000:
+            self._waiting.clear()  # bounded: a job seen again is recorded again, harmlessly
+        self._waiting.update(new)
 
     async def publish(self, jobs: Sequence[JobSummary]) -> None:
         """Publishes the jobs of one pass together, each telling its worker how many

@@ -120,6 +120,8 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSetti
     cost = fleet.costs[job.model]
     if worker.state != WorkerStatus.READY:
         return Candidate(worker.id, False, float("inf"), worker.state.value)
+    if not worker.serves(cost.capability):
+        return Candidate(worker.id, False, float("inf"), f"does not serve {cost.capability}")
     if job.model not in worker.models:
         return Candidate(worker.id, False, float("inf"), "cannot serve the model")
     warm = job.model in worker.warm_models
@@ -194,11 +196,13 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pla
         )
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
-        reason = (
-            "no live worker serves the model"
-            if not any(job.model in w.models for w in workers)
-            else "no worker can take it now"
-        )
+        capability = fleet.costs[job.model].capability
+        if not any(w.serves(capability) for w in workers):
+            return Placement(job.id, None, f"no live sampler serves {capability}", candidates, waiting_for=capability)
+        if not any(job.model in w.models for w in workers):
+            reason = "no live worker serves the model"
+        else:
+            reason = "no worker can take it now"
         return Placement(job.id, None, reason, candidates)
     best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
     if not best.has_room:

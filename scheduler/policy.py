@@ -45,14 +45,19 @@ class JobView:
     target_s: float | None = None
     lane: str = ""
     tenant: str = ""
+    frames: int = 1  # of each output: a video's, 1 for an image
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height * self.frames
 
     @property
     def shape(self) -> Shape:
-        return Shape(self.model, self.width * self.height, self.steps, self.num_images)
+        return Shape(self.model, self.pixels, self.steps, self.num_images)
 
     @cached_property  # placement asks for it once for each worker a job is scored on
     def batch_key(self) -> BatchKey:
-        return BatchKey(self.model, self.width, self.height, self.steps, self.guidance_scale)
+        return BatchKey(self.model, self.width, self.height, self.steps, self.guidance_scale, self.frames)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,11 @@ class WorkerView:
     planned_models: frozenset[str] = frozenset()  # the warm set the planner wants here
     # Images of jobs it holds but has not started, per batch key: batches still open.
     open_batches: tuple[tuple[BatchKey, int], ...] = ()
+    # The kinds of work it serves ("image", "video", "upscale"); None: its models'.
+    capabilities: frozenset[str] | None = None
+
+    def serves(self, capability: str) -> bool:
+        return self.capabilities is None or capability in self.capabilities
 
     def open_rows(self, key: BatchKey) -> int:
         return dict(self.open_batches).get(key, 0)
@@ -105,6 +115,7 @@ class Placement:
     reason: str
     candidates: tuple[Candidate, ...]
     reserved_on: str | None = None  # the worker it waits for, when it waits for one
+    waiting_for: str = ""  # the capability no live sampler serves, when that is why it waits
 
 
 @dataclass(frozen=True)
@@ -139,7 +150,7 @@ def gpu_seconds(job: JobView, fleet: Fleet) -> float:
 def batch_seconds(job: JobView, rows: int, worker: WorkerView, fleet: Fleet) -> float:
     """How long a batch of ``rows`` images of ``job``'s key takes on ``worker``."""
     cost = fleet.costs[job.model]
-    shape = Shape(job.model, job.width * job.height, job.steps, rows)
+    shape = Shape(job.model, job.pixels, job.steps, rows)
     return fleet.durations.seconds(shape, cost.step_s_512, worker.id, worker.speed)
 
 

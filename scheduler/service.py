@@ -144,7 +144,7 @@ def create_server(settings: SchedulerSettings, mesh: MeshIdentity | None = None)
 
 
 async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
-    registry = ModelRegistry.load(kernel.model_registry or None)
+    registry = kernel.registry()
     repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
     nats = JetStream(
         kernel,

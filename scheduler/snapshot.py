@@ -82,6 +82,8 @@ class Worker:
     loading_s: float = 0.0  # until a model it loads for its warm plan is in
     # (model, bytes, load seconds) of the models it measured as it loaded them.
     measured: tuple[tuple[str, int, float], ...] = ()
+    # The kinds of work it serves; None: its models'.
+    capabilities: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)

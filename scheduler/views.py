@@ -37,6 +37,7 @@ def job_view(job: QueuedJob, placement: PlacementSettings, costs: Mapping[str, p
         target_s=placement.target_s(job.lane, cost.capability if cost is not None else ""),
         lane=job.lane,
         tenant=job.tenant,
+        frames=shape.frames,
     )
 
 
@@ -66,7 +67,9 @@ def remaining_s(seconds: float, progress: Progress) -> float:
 def _batch_view(held: HeldWork) -> policy.JobView:
     """Held work as one job of its batch key (its largest)."""
     k = held.key
-    return policy.JobView("", k.model, k.width, k.height, k.steps, held.largest, guidance_scale=k.guidance_scale)
+    return policy.JobView(
+        "", k.model, k.width, k.height, k.steps, held.largest, guidance_scale=k.guidance_scale, frames=k.frames
+    )
 
 
 def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -> policy.WorkerView:
@@ -84,6 +87,7 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         temperature_c=worker.temperature_c,
         state=worker.state,
         planned_models=worker.planned_models,
+        capabilities=worker.capabilities,
     )
     work, slots = worker.loading_s, 0
     for h in held:
@@ -187,7 +191,7 @@ def submitted_work(s: SubmittedCount, fleet: policy.Fleet, placement: PlacementS
     speed-1.0 seconds, and their latency class."""
     cost = fleet.costs[s.model]
     seconds = s.count * fleet.durations.shape_seconds(
-        Shape(s.model, s.width * s.height, s.steps, s.num_images), cost.step_s_512
+        Shape(s.model, s.width * s.height * s.frames, s.steps, s.num_images), cost.step_s_512
     )
     bound = placement.plans_as_latency_bound(placement.target_s(s.lane, cost.capability))
     return SubmittedWork(s.model, seconds, s.newer, bound, s.backlog)

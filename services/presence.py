@@ -43,6 +43,10 @@ class ModelHolder(Protocol):
 
     def warm_models(self) -> list[str]: ...
 
+    def served_models(self) -> list[str]:
+        """The registry's models it can run here."""
+        ...
+
 
 @dataclass(frozen=True)
 class Heartbeat:
@@ -62,12 +66,14 @@ class Heartbeat:
     def __call__(self, status: WorkerStatus) -> WorkerHeartbeat:
         reading = self.card.read()
         observe_gpu(self.worker_id, reading)
+        served = self.engine.served_models()
         return WorkerHeartbeat(
             id=self.worker_id,
             kind=self.kind,
             address=self.address,
             device=reading.name if reading.source == "nvml" else str(self.engine.device),
-            models=tuple(self.engine.registry.names()),
+            models=tuple(served),
+            capabilities=tuple(sorted({self.engine.registry.get(m).capability for m in served})),
             warm_models=tuple(self.engine.warm_models()),
             vram_total_bytes=reading.vram_total_bytes,
             vram_used_bytes=reading.vram_used_bytes,

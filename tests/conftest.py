@@ -12,12 +12,14 @@ from services.config.sections import Settings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.repository.database import libpq_url
-from services.models.registry import ensure_tiny_model
+from services.models.builtins import BUILTINS, ensure_builtin
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from tests.helpers import env_of
 
 _db_names = itertools.count()
+# The default registry's miniatures, built once per session.
+MINIATURE_MODELS = {"tiny": "builtin:tiny", "tiny-wan": "builtin:tiny-wan", "tiny-upscaler": "builtin:tiny-upscaler"}
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +33,8 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostg
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models = tmp_path_factory.mktemp("models")
-    ensure_tiny_model(models / "tiny")
+    for name, source in MINIATURE_MODELS.items():
+        ensure_builtin(BUILTINS[source], models / name)
     return models
 
 

@@ -1,6 +1,6 @@
 """Gathers concurrent decode requests into batches, and keeps the decoder's load.
 
-Requests for the same model and latent shape (channels, height, width) that arrive
+Requests for the same model and latent shape (channels, [frames,] height, width) that arrive
 within ``wait_s`` of a batch's first run as one VAE call of at most ``max_images``
 images (a larger request runs alone). One batch runs at a time; a batch whose wait
 is over keeps taking requests until its turn comes, so batches grow with load."""
@@ -19,6 +19,7 @@ from vae_worker.metrics import DECODE_BATCH_IMAGES, DECODE_SECONDS, DECODER_QUEU
 
 # Pixels per latent along each side, for the work a waiting request holds (SD's VAEs).
 LATENT_SCALE = 8
+VIDEO_FRAMES_PER_LATENT = 4
 # Weight of the newest batch in the measured speed.
 SPEED_SMOOTHING = 0.3
 
@@ -26,9 +27,7 @@ SPEED_SMOOTHING = 0.3
 @dataclass(frozen=True)
 class BatchKey:
     model: str
-    channels: int
-    height: int
-    width: int
+    latent_shape: tuple[int, ...]  # (channels, height, width), a video's (channels, frames, height, width)
 
 
 @dataclass
@@ -77,7 +76,7 @@ class DecodeBatcher:
         """``latents`` (batch, channels, height, width) decoded, one image each, in
         whichever batch they join."""
         self.engine.check_model(model)  # an unknown model fails alone, not the batch it would join
-        key = BatchKey(model, *(int(d) for d in latents.shape[1:]))
+        key = BatchKey(model, tuple(int(d) for d in latents.shape[1:]))
         request = _Request(latents, asyncio.get_running_loop().create_future())
         # Decoded, failed or given up by its caller: the load falls either way.
         request.done.add_done_callback(lambda _: self._show_load())
@@ -187,11 +186,13 @@ class DecodeBatcher:
         self.images += len(images)
         self.tiled_images += sum(1 for i in images if i.tiled)
         self.largest_batch = max(self.largest_batch, len(images))
-        megapixels = sum(i.pixels.shape[0] * i.pixels.shape[1] for i in images) / 1e6
+        megapixels = sum(i.pixels[..., 0].size for i in images) / 1e6  # a video's frames' too
         self.seconds_per_megapixel = _smoothed(self.seconds_per_megapixel, seconds / megapixels)
         self.seconds_per_image = _smoothed(self.seconds_per_image, seconds / len(images))
 
 
 def _megapixels(latents: torch.Tensor) -> float:
-    n, _, h, w = latents.shape
-    return int(n) * int(h) * int(w) * LATENT_SCALE**2 / 1e6
+    n, h, w = latents.shape[0], latents.shape[-2], latents.shape[-1]
+    # A video's latent frame is four frames (its first, one): Wan's VAE.
+    frames = (int(latents.shape[2]) - 1) * VIDEO_FRAMES_PER_LATENT + 1 if latents.dim() == 5 else 1
+    return int(n) * frames * int(h) * int(w) * LATENT_SCALE**2 / 1e6

@@ -1,6 +1,7 @@
 """The VAE decoder service: ``VaeDecoder.Decode`` turns the latents of a sampler's
-batch of jobs into PNG, JPEG or WebP images and streams each back in chunks as soon
-as it is encoded. Concurrent requests are decoded in batches too
+batch of jobs into PNG, JPEG or WebP images (a video model's into MP4 or animated
+WebP videos) and streams each back in chunks as soon as it is encoded;
+``VaeDecoder.Encode`` turns an edit's input image into latents. Concurrent requests are decoded in batches too
 (``vae_worker.decode_batches``); the heartbeat carries the decoder's load, from which
 samplers pick the decoder that will finish first."""
 
@@ -22,9 +23,9 @@ from services.db.states import WorkerKind, WorkerStatus
 from services.errors import FieldViolation, InvalidArgument
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
-from services.models.encoding import check_mime_type, encode
-from services.models.registry import ModelRegistry
+from services.models.encoding import check_mime_type, encode_output
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
+from services.models.video_encoding import check_video
 from services.ops.host import Closing, GrpcServer, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
 from services.presence import Heartbeat, Presence
@@ -32,7 +33,7 @@ from services.rpc.chunks import split
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
 from services.rpc.server import Server, build_server
-from services.rpc.status import stream_errors
+from services.rpc.status import stream_errors, unary_errors
 from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
 from vae_worker import spans
@@ -56,7 +57,8 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
     ) -> AsyncIterator[vae_decoder_pb2.DecodeChunk]:
         started_ns = time.time_ns()
         latents = latents_from_bytes(request.latents, list(request.shape), request.dtype or "float32")
-        jobs = check_jobs(request.jobs, int(latents.shape[0]))
+        video = latents.dim() == 5
+        jobs = check_jobs(request.jobs, int(latents.shape[0]), video=video)
         images = await self.batcher.decode(request.model, latents)
         # Each job's images, or why it has none: one bad image fails its job alone.
         sliced: list[tuple[int, DecodeJob, list[DecodedImage]]] = []
@@ -64,7 +66,8 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
         for index, (job, _) in enumerate(jobs):
             own = images[start : start + job.images]
             start += job.images
-            fault = next((f"image {i}: {image.fault}" for i, image in enumerate(own) if image.fault), "")
+            what = "video" if video else "image"
+            fault = next((f"{what} {i}: {image.fault}" for i, image in enumerate(own) if image.fault), "")
             if fault:
                 log.warning("job %s: %s", job.job_id or "?", fault, extra=logs.job_fields(job.job_id))
                 spans.decoded(job.traceparent, job.job_id, start_ns=started_ns, error=fault)
@@ -72,7 +75,8 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
             else:
                 sliced.append((index, job, own))
         async for index, job, image_index, image, mime_type, data in _encoded(sliced, dict(enumerate(jobs))):
-            height, width = image.pixels.shape[:2]
+            height, width = image.pixels.shape[-3:-1]
+            frames = image.pixels.shape[0] if video else 1
             for offset, part, last in split(data):
                 yield vae_decoder_pb2.DecodeChunk(
                     job=index,
@@ -83,21 +87,54 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
                     width=width,
                     height=height,
                     mime_type=mime_type,
+                    frames=frames,
                 )
             if image_index == job.images - 1:
                 spans.decoded(job.traceparent, job.job_id, start_ns=started_ns)
 
+    @unary_errors
+    async def Encode(
+        self, request: vae_decoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext
+    ) -> vae_decoder_pb2.EncodeResponse:
+        check_encode(request)
+        engine = self.batcher.engine
+        with logs.about_job(request.job_id):
+            latents = await asyncio.to_thread(
+                engine.encode_image, request.model, request.image, request.width, request.height
+            )
+        array = latents.contiguous().numpy()
+        return vae_decoder_pb2.EncodeResponse(latents=array.astype("<f4").tobytes(), shape=list(array.shape))
 
-def check_jobs(jobs: Sequence[DecodeJob], images: int) -> list[tuple[DecodeJob, str]]:
+
+# The largest input an Encode takes, on each side.
+MAX_ENCODE_SIDE = 4096
+
+
+def check_encode(request: vae_decoder_pb2.EncodeRequest) -> None:
+    bad = []
+    if not request.image:
+        bad.append(FieldViolation("image", "is required"))
+    for name in ("width", "height"):
+        side = getattr(request, name)
+        if not 8 <= side <= MAX_ENCODE_SIDE or side % 8:
+            bad.append(FieldViolation(name, f"{side} is not a multiple of 8 within 8..{MAX_ENCODE_SIDE}"))
+    if bad:
+        raise InvalidArgument(bad)
+
+
+def check_jobs(jobs: Sequence[DecodeJob], images: int, *, video: bool = False) -> list[tuple[DecodeJob, str]]:
     """Each job with the MIME type it is encoded in; InvalidArgument when the jobs do
-    not account for the latents' images exactly."""
+    not account for the latents' images (or videos) exactly."""
     if not jobs:
         raise InvalidArgument([FieldViolation("jobs", "name at least one job")])
     if any(job.images < 1 for job in jobs) or sum(job.images for job in jobs) != images:
         raise InvalidArgument(
             [FieldViolation("jobs", f"their images ({[j.images for j in jobs]}) must add up to the {images} latents")]
         )
-    return [(job, check_mime_type(job.mime_type)) for job in jobs]
+    if video:
+        for job in jobs:
+            check_video(check_mime_type(job.mime_type, video=True), 2, 2, job.fps)
+    return [(job, check_mime_type(job.mime_type, video=video)) for job in jobs]
 
 
 async def _encoded(
@@ -107,16 +144,18 @@ async def _encoded(
     ones together in one thread, large ones each in its own (PIL compresses outside
     the GIL), in the order they finish."""
     todo = [(index, job, i, image, jobs[index][1]) for index, job, own in sliced for i, image in enumerate(own)]
-    pixels = sum(image.pixels.shape[0] * image.pixels.shape[1] for *_, image, _ in todo)
+    pixels = sum(image.pixels[..., 0].size for *_, image, _ in todo)  # a video's frames' too
     if pixels < ENCODE_TOGETHER_BELOW_PIXELS:
-        datas = await asyncio.to_thread(lambda: [encode(image.pixels, mime) for *_, image, mime in todo])
+        datas = await asyncio.to_thread(
+            lambda: [encode_output(image.pixels, mime, job.fps) for _, job, _, image, mime in todo]
+        )
         for item, data in zip(todo, datas, strict=True):
             yield (*item, data)
         return
 
     async def one(n: int) -> tuple[int, bytes]:
-        *_, image, mime_type = todo[n]
-        return n, await asyncio.to_thread(encode, image.pixels, mime_type)
+        _, job, _, image, mime_type = todo[n]
+        return n, await asyncio.to_thread(encode_output, image.pixels, mime_type, job.fps)
 
     encodings = [asyncio.ensure_future(one(n)) for n in range(len(todo))]
     try:
@@ -154,7 +193,7 @@ def create_server(settings: DecoderSettings, batcher: DecodeBatcher, mesh: MeshI
 
 
 async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio.Event) -> int:
-    registry = ModelRegistry.load(kernel.model_registry or None)
+    registry = kernel.registry()
     device = pick_device(settings.device)
     engine = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     for name in settings.preload_models:

@@ -76,7 +76,15 @@ class Simulation:
         return [g for g in self.gpus.values() if g.up]
 
     def fits(self, gpu: Gpu, model: str) -> bool:
-        return self.vram_gb[model] * GIB <= gpu.vram_total
+        """Whether ``gpu`` can run ``model`` at all, for every policy: as a
+        production sampler advertises, the model is small enough for it and of a
+        capability it is let serve."""
+        serves = gpu.spec.serves
+        capability = self.scenario.models[model].capability
+        return self.vram_gb[model] * GIB <= gpu.vram_total and (not serves or capability in serves)
+
+    def served(self, gpu: Gpu) -> frozenset[str]:
+        return frozenset(m for m in self.scenario.models if self.fits(gpu, m))
 
     def _make_room(self, gpu: Gpu, model: str) -> None:
         need = self.vram_gb[model]

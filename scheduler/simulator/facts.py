@@ -45,10 +45,12 @@ class WorldFacts:
 
     @staticmethod
     def worker(sim: Simulation, gpu: Gpu, now: float, primary: str | None) -> snapshot.Worker:
+        served = sim.served(gpu)
         return snapshot.Worker(
             id=gpu.id,
             state=WorkerStatus.READY,
-            models=frozenset(m for m in sim.scenario.models if sim.fits(gpu, m)),
+            models=served,
+            capabilities=frozenset(sim.scenario.models[m].capability for m in served),
             warm_models=frozenset(gpu.loaded),
             vram_total_bytes=gpu.vram_total,
             vram_used_bytes=gpu.vram_used(sim.vram_gb),

@@ -70,6 +70,8 @@ class SimGpu:
     vram_gb: float
     pinned: tuple[str, ...] = ()  # loaded at boot (and what seed 000 pins)
     capabilities: tuple[str, ...] = ()  # seed 000's capability tags: models it may take
+    # The kinds of work its sampler is let serve, as DARKROOM_CAPABILITIES says; empty: all.
+    serves: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,10 +226,14 @@ def _fleet(
         for t in phase.weights:
             if t not in job_types:
                 raise ScenarioError(f"phase at {phase.start_s}s: unknown job type {t!r}")
+    kinds = {m.capability for m in models.values()}
     for g in gpus:
         for m in (*g.pinned, *g.capabilities):
             if m not in models:
                 raise ScenarioError(f"gpu {g.id}: unknown model {m!r}")
+        for kind in g.serves:
+            if kind not in kinds:
+                raise ScenarioError(f"gpu {g.id}: serves {kind!r}, which no model has ({', '.join(sorted(kinds))})")
     if not gpus or not phases or phases[0].start_s != 0:
         raise ScenarioError(f"{path}: needs [[gpus]] and [[phases]], the first starting at 0")
     return models, gpus, job_types, phases

@@ -9,9 +9,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.config.fields import Codec, Section, SettingsError, setting
 from services.config.placement import PlacementSettings, PreemptionSettings
+
+if TYPE_CHECKING:
+    from services.models.registry import ModelRegistry
 
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -50,6 +54,12 @@ class KernelSettings(Section):
         "sets it to DATA_DIR/secrets.",
     )
     model_registry: str = setting("", "The model registry, a TOML file; empty: the one shipped with Darkroom.")
+    presets: tuple[str, ...] = setting(
+        (),
+        "The registry's on-request models to serve as well: the full-size random-weight presets (sd15-random, "
+        "sdxl-random, wan-random, upscaler-random), for benchmarks; they are built on first use (minutes, "
+        "gigabytes). Empty: none.",
+    )
     heartbeat_interval_s: float = setting(1.0, "How often samplers and decoders heartbeat.", at_least=0.05)
     worker_stale_after_s: float = setting(
         10.0,
@@ -108,6 +118,12 @@ class KernelSettings(Section):
     def nats_servers(self) -> list[str]:
         return [url.strip() for url in self.nats_url.split(",") if url.strip()]
 
+    def registry(self) -> ModelRegistry:
+        """The models this fleet serves: the registry's, with the presets asked for."""
+        from services.models.registry import ModelRegistry
+
+        return ModelRegistry.load(self.model_registry or None, presets=self.presets)
+
 
 @dataclass(frozen=True)
 class GatewaySettings(Section):
@@ -128,6 +144,13 @@ class GatewaySettings(Section):
         "the API is open.",
     )
     max_prompt_chars: int = setting(2000, "The longest prompt (and negative prompt) accepted.", at_least=1)
+    max_input_mb: float = setting(
+        16.0,
+        "The largest input image (or mask) an edit or upscale may send, in MiB; larger ones are refused before "
+        "anything is stored.",
+        at_least=0.01,
+        at_most=48.0,
+    )
     placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
 
     def check(self) -> None:
@@ -212,6 +235,11 @@ class SamplerSettings(Section):
         0,
         "Memory its models may take (MiB); 0: the GPU's own, less 15 % for activations, unlimited on a CPU.",
         at_least=0,
+    )
+    capabilities: tuple[str, ...] = setting(
+        (),
+        "The kinds of work it serves, of its models' capabilities (image, video, upscale): e.g. `image` keeps "
+        "video off a small card. Empty: every capability of the models that fit its memory.",
     )
     batch_wait_ms: float = setting(
         0.0,

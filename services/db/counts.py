@@ -47,6 +47,7 @@ class ShapeCount:
     steps: int
     num_images: int
     count: int
+    frames: int = 1  # of each output (a video's)
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,4 @@ class SubmittedCount:
     newer: bool  # in the newer half of the window
     count: int
     backlog: bool = False  # submitted before the window and still queued
+    frames: int = 1  # of each output (a video's)

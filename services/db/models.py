@@ -47,7 +47,18 @@ class JobRow(Base):
     guidance_scale: Mapped[float] = mapped_column(Float, nullable=False)
     seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
     num_images: Mapped[int] = mapped_column(Integer, nullable=False)
-    # "png", "jpeg" or "webp": how the decoder encodes the images.
+    # A video's frames (1: an image) and frames per second (0: an image).
+    frames: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("1"))
+    fps: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
+    # An edit's share of the denoising (1: all of it, as without an input image).
+    strength: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
+    # What it makes: a services.generation.Task.
+    task: Mapped[str] = mapped_column(String(16), nullable=False, server_default=text("'text_to_image'"))
+    # SHA-256 (hex) of its input image and mask in ``job_inputs``; '': none.
+    image_digest: Mapped[str] = mapped_column(String(64), nullable=False, server_default=text("''"))
+    mask_digest: Mapped[str] = mapped_column(String(64), nullable=False, server_default=text("''"))
+    # "png", "jpeg" or "webp" (an image's or an animated WebP), or "mp4" (a video's):
+    # how the decoder encodes the outputs.
     output_format: Mapped[str] = mapped_column(String(8), nullable=False, server_default=text("'png'"))
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
     # Raised each time the job is dispatched: the fencing token. A worker's writes
@@ -243,6 +254,16 @@ class JobImageRow(Base):
     seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
 
 
+class JobInputRow(Base):
+    """A job's input image and inpainting mask, as submitted (edits and upscales)."""
+
+    __tablename__ = "job_inputs"
+
+    job_id: Mapped[str] = mapped_column(String(36), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    image: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    mask: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
 class JobCheckpointRow(Base):
     """A job's latest denoising state, written by the attempt ``jobs.checkpoint_attempt`` names."""
 
@@ -269,6 +290,8 @@ class WorkerRow(Base):
     # How many times its supervisor has restarted it.
     restarts: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     models: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
+    # What kinds of work it serves ("image", "video", "upscale"): its models' capabilities.
+    capabilities: Mapped[list[str]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
     warm_models: Mapped[list[str]] = mapped_column(JSONB, nullable=False)
     vram_total_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))
     vram_used_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default=text("0"))

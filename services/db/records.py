@@ -11,7 +11,7 @@ from typing import Any
 from services.db.columns import columns, values_of
 from services.db.states import JobStatus
 from services.db.tenant_records import DEFAULT_TENANT
-from services.generation import BatchKey, GenerationParams, JobShape
+from services.generation import BatchKey, GenerationParams, JobInputs, JobShape, Task
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,8 @@ class NewJob:
     tenant: str = DEFAULT_TENANT
     price: float = 1.0  # credits per GPU-second of its model
     credits_reserved: float = 0.0  # what its estimate costs: taken from a tenant with credits
+    task: Task = Task.TEXT_TO_IMAGE
+    inputs: JobInputs | None = None  # an edit's or upscale's input image (and mask)
 
 
 @dataclass(frozen=True)
@@ -139,12 +141,14 @@ class JobRecord:
     credits_reserved: float = 0.0
     gpu_seconds: float = 0.0  # charged so far: its share of its batches' sampling time
     credits_charged: float | None = None  # once settled
+    task: Task = Task.TEXT_TO_IMAGE
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:
         """From a row of ``jobs`` (every column of JOB_COLUMNS)."""
         values = values_of(cls, row)
         values["status"] = JobStatus(row["status"])
+        values["task"] = Task(row["task"])
         values["attempt_log"] = tuple(AttemptFailure(**entry) for entry in row["attempt_log"] or ())
         values["suspend_log"] = tuple(SuspendEvent.of(entry) for entry in row["suspend_log"] or ())
         return cls(**values)

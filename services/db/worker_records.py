@@ -33,6 +33,8 @@ class WorkerRecord:
     planned_models: tuple[str, ...] = ()
     primary_model: str | None = None
     restarts: int = 0
+    # The kinds of work it serves ("image", "video", "upscale"): its models' capabilities.
+    capabilities: tuple[str, ...] = ()
     # Whether its last heartbeat is recent, judged by the database's clock.
     live: bool = True
 
@@ -45,6 +47,7 @@ class WorkerRecord:
         values["models"] = tuple(row["models"])
         values["warm_models"] = tuple(row["warm_models"])
         values["planned_models"] = tuple(row["planned_models"] or ())
+        values["capabilities"] = tuple(row["capabilities"] or ())
         return cls(**values, live=live)
 
 
@@ -63,6 +66,7 @@ class WorkerHeartbeat:
     status: WorkerStatus = WorkerStatus.READY
     restarts: int = 0
     telemetry: dict[str, Any] = field(default_factory=dict)
+    capabilities: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

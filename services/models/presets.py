@@ -154,6 +154,14 @@ def build_preset(kind: ModelFamily, path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+def build_sd15_preset(path: Path) -> Path:
+    return build_preset(ModelFamily.SD15, path)
+
+
+def build_sdxl_preset(path: Path) -> Path:
+    return build_preset(ModelFamily.SDXL, path)
+
+
 def _diffusers_version() -> str:
     import diffusers
 

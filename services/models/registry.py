@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import enum
-import os
-import shutil
-import tempfile
 import tomllib
-from collections.abc import Callable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from services.errors import ModelError
+from services.models.builtins import BUILTINS, ensure_builtin
 
 DEFAULT_REGISTRY = Path(__file__).with_name("default_registry.toml")
 
@@ -24,22 +22,28 @@ class ModelFamily(enum.StrEnum):
     SDXL = "sdxl"
     TINY = "tiny"  # SD-shaped, built locally with random weights
     SIM = "sim"  # no weights: it only takes its modelled time
+    WAN = "wan"  # Wan 2.1 text to video
+    SD_X4_UPSCALER = "sd_x4_upscaler"  # Stable Diffusion's x4 upscaler: an image in, 4x its size out
 
 
-# Per family: one 512x512 step on a reference GPU (ms), and a load (s). Learned
+# Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
+# and the capability its models have unless the registry says otherwise. Learned
 # durations replace the first after a few jobs.
 FAMILY_DEFAULTS = {
-    ModelFamily.SD15: (25.0, 5.0),
-    ModelFamily.SDXL: (60.0, 10.0),
-    ModelFamily.TINY: (30.0, 0.5),
-    ModelFamily.SIM: (25.0, 1.0),
+    ModelFamily.SD15: (25.0, 5.0, "image"),
+    ModelFamily.SDXL: (60.0, 10.0, "image"),
+    ModelFamily.TINY: (30.0, 0.5, "image"),
+    ModelFamily.SIM: (25.0, 1.0, "image"),
+    ModelFamily.WAN: (40.0, 15.0, "video"),
+    ModelFamily.SD_X4_UPSCALER: (40.0, 5.0, "upscale"),
 }
+# The families whose models also edit images (image to image, inpainting).
+EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
 ATTENTION = frozenset({"", "sdpa", "eager"})
-BUILTIN_TINY = "builtin:tiny"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
-# Random-weight copies of the real architectures, built on first use (services/models/presets.py).
-BUILTIN_PRESETS = {"builtin:sd15-random": ModelFamily.SD15, "builtin:sdxl-random": ModelFamily.SDXL}
+# Frames per second a video may ask for.
+MAX_FPS = 120.0
 # A job running longer than this is stopped, unless its model says otherwise.
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -92,6 +96,20 @@ class ModelSpec:
     checkpoint_every_s: float = 10.0
     # Credits a tenant pays per GPU-second of its sampling.
     price: float = 1.0
+    # The model a client gets for its capability when it names none (listed first).
+    default: bool = False
+    # Served only when DARKROOM_PRESETS names it (the full-size random-weight presets).
+    on_request: bool = False
+    # Widths and heights are multiples of this (8 for SD's VAE; 16 for Wan's patches).
+    size_step: int = 8
+    # Video models: frames of a video (frames - 1 a multiple of frames_step, the
+    # VAE's temporal compression), and frames per second of the file.
+    max_frames: int = 1
+    default_frames: int = 1
+    frames_step: int = 1
+    default_fps: float = 0.0
+    # The guidance scale of a request that gives none.
+    default_guidance: float = 7.5
 
     @property
     def vram_bytes(self) -> int:
@@ -105,42 +123,42 @@ class ModelSpec:
     def load_seconds(self) -> float:
         return self.load_s or FAMILY_DEFAULTS[self.family][1]
 
+    @property
+    def makes_video(self) -> bool:
+        return self.family == ModelFamily.WAN
+
+    @property
+    def upscales(self) -> bool:
+        return self.family == ModelFamily.SD_X4_UPSCALER
+
+    @property
+    def edits(self) -> bool:
+        return self.family in EDITING_FAMILIES
+
 
 class ModelRegistry:
     def __init__(self, models: dict[str, ModelSpec]) -> None:
         self.models = models
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> ModelRegistry:
+    def load(cls, path: str | Path | None = None, *, presets: Collection[str] | None = ()) -> ModelRegistry:
+        """The registry at ``path`` (the shipped one by default), with those of its
+        on-request models that ``presets`` names (None: all of them)."""
         path = Path(path) if path else DEFAULT_REGISTRY
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ModelError(f"cannot read model registry {path}: {exc}") from exc
-        known = {f.name for f in fields(ModelSpec)} - {"name"}
-        models: dict[str, ModelSpec] = {}
-        for name, table in data.get("models", {}).items():
-            unknown = set(table) - known
+        models = {name: _spec(name, table, path) for name, table in data.get("models", {}).items()}
+        if presets is not None:
+            on_request = sorted(n for n, m in models.items() if m.on_request)
+            unknown = sorted(set(presets) - set(on_request))
             if unknown:
-                raise ModelError(f"model {name!r} in {path}: unknown keys {sorted(unknown)}")
-            families = [f.value for f in ModelFamily]
-            if table.get("family") not in families:
-                raise ModelError(f"model {name!r}: family {table.get('family')!r} is not one of {families}")
-            spec = ModelSpec(name=name, **{**table, "family": ModelFamily(table["family"])})
-            if (spec.family == ModelFamily.SIM) != (spec.source == BUILTIN_SIM):
-                raise ModelError(f"model {name!r}: the sim family, and only it, has source {BUILTIN_SIM!r}")
-            if spec.attention not in ATTENTION:
-                raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
-            if spec.max_batch < 1:
-                raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
-            if not spec.price >= 0:
-                raise ModelError(f"model {name!r}: price must be at least 0, not {spec.price}")
-            _check_checkpointing(spec)
-            if spec.scheduler:
-                scheduler_class(spec)
-            models[name] = spec
+                raise ModelError(f"presets {unknown} are not on-request models of {path} (those are {on_request})")
+            models = {name: spec for name, spec in models.items() if not spec.on_request or name in presets}
         if not models:
             raise ModelError(f"model registry {path} names no models")
+        _check_defaults(models.values(), path)
         return cls(models)
 
     def get(self, name: str) -> ModelSpec:
@@ -154,6 +172,78 @@ class ModelRegistry:
 
     def names(self) -> list[str]:
         return sorted(self.models)
+
+    def capabilities(self) -> set[str]:
+        return {spec.capability for spec in self.models.values()}
+
+    def default_for(self, capability: str) -> ModelSpec | None:
+        """The model a client gets for ``capability`` when it names none: the one
+        marked default, else the only one."""
+        specs = [s for s in self.models.values() if s.capability == capability]
+        marked = [s for s in specs if s.default]
+        return marked[0] if marked else (specs[0] if len(specs) == 1 else None)
+
+    def listing(self) -> list[ModelSpec]:
+        """Every model as clients see them: by capability (image first), each
+        capability's default first, then by name."""
+        defaults = {c: self.default_for(c) for c in self.capabilities()}
+        return sorted(
+            self.models.values(),
+            key=lambda s: (s.capability != "image", s.capability, defaults[s.capability] is not s, s.name),
+        )
+
+
+def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
+    known = {f.name for f in fields(ModelSpec)} - {"name"}
+    unknown = set(table) - known
+    if unknown:
+        raise ModelError(f"model {name!r} in {path}: unknown keys {sorted(unknown)}")
+    families = [f.value for f in ModelFamily]
+    if table.get("family") not in families:
+        raise ModelError(f"model {name!r}: family {table.get('family')!r} is not one of {families}")
+    family = ModelFamily(table["family"])
+    spec = ModelSpec(name=name, **{"capability": FAMILY_DEFAULTS[family][2], **table, "family": family})
+    if (spec.family == ModelFamily.SIM) != (spec.source == BUILTIN_SIM):
+        raise ModelError(f"model {name!r}: the sim family, and only it, has source {BUILTIN_SIM!r}")
+    if spec.source.startswith("builtin:") and spec.source != BUILTIN_SIM and spec.source not in BUILTINS:
+        raise ModelError(f"model {name!r}: unknown source {spec.source!r}; builtins: {', '.join(sorted(BUILTINS))}")
+    if spec.attention not in ATTENTION:
+        raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
+    if spec.max_batch < 1:
+        raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
+    if not spec.price >= 0:
+        raise ModelError(f"model {name!r}: price must be at least 0, not {spec.price}")
+    _check_checkpointing(spec)
+    _check_frames(spec)
+    if spec.scheduler:
+        scheduler_class(spec)
+    return spec
+
+
+def _check_frames(spec: ModelSpec) -> None:
+    if spec.size_step < 1 or spec.frames_step < 1:
+        raise ModelError(f"model {spec.name!r}: size_step and frames_step must be at least 1")
+    if not spec.makes_video:
+        if (spec.max_frames, spec.default_frames) != (1, 1):
+            raise ModelError(f"model {spec.name!r}: only a video family has frames (family {spec.family})")
+        return
+    if not 1 <= spec.default_frames <= spec.max_frames or (spec.default_frames - 1) % spec.frames_step:
+        raise ModelError(
+            f"model {spec.name!r}: default_frames {spec.default_frames} must be 1 plus a multiple of "
+            f"frames_step {spec.frames_step}, at most max_frames {spec.max_frames}"
+        )
+    if not 1 <= spec.default_fps <= MAX_FPS:
+        raise ModelError(f"model {spec.name!r}: default_fps must be within 1..{MAX_FPS:g}, not {spec.default_fps}")
+
+
+def _check_defaults(specs: Iterable[ModelSpec], path: Path) -> None:
+    marked: dict[str, list[str]] = {}
+    for spec in specs:
+        if spec.default:
+            marked.setdefault(spec.capability, []).append(spec.name)
+    for capability, names in sorted(marked.items()):
+        if len(names) > 1:
+            raise ModelError(f"model registry {path}: {sorted(names)} are each marked the default {capability} model")
 
 
 def _check_checkpointing(spec: ModelSpec) -> None:
@@ -184,44 +274,12 @@ def scheduler_class(spec: ModelSpec) -> type[Any]:
 
 def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, Any]]:
     """Where ``from_pretrained`` loads the model from, and how."""
-    if spec.source == BUILTIN_TINY:
-        return str(ensure_tiny_model(models_dir / spec.name)), {"local_files_only": True}
-    if spec.source in BUILTIN_PRESETS:
-        return str(ensure_preset(BUILTIN_PRESETS[spec.source], models_dir / spec.name)), {"local_files_only": True}
+    builtin = BUILTINS.get(spec.source)
+    if builtin is not None:
+        return str(ensure_builtin(builtin, models_dir / spec.name)), {"local_files_only": True}
     local = Path(spec.source).expanduser()
     if local.is_dir():
         return str(local), {"local_files_only": True}
     if spec.source.startswith(("/", ".", "~")):
         raise ModelError(f"model {spec.name!r}: directory {spec.source} does not exist")
     return spec.source, {}
-
-
-def ensure_tiny_model(path: Path) -> Path:
-    """Builds the tiny model at ``path`` once; concurrent callers see a whole model or none."""
-    from services.models.tiny import TINY_MARKER, build_tiny_model
-
-    return _ensure_built(path, TINY_MARKER, build_tiny_model)
-
-
-def ensure_preset(kind: ModelFamily, path: Path) -> Path:
-    """Builds the random-weight ``kind`` architecture at ``path`` once."""
-    from services.models.presets import PRESET_MARKER, build_preset
-
-    return _ensure_built(path, PRESET_MARKER, lambda scratch: build_preset(kind, scratch))
-
-
-def _ensure_built(path: Path, marker: str, build: Callable[[Path], Path]) -> Path:
-    if (path / marker).exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
-    try:
-        build(scratch)
-        try:
-            os.rename(scratch, path)
-        except OSError:
-            if not (path / marker).exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return path

@@ -5,6 +5,7 @@ decoder can (``local_decode_fallback``)."""
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -13,11 +14,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from services.config.sections import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader, sim
 from services.models.registry import ModelFamily, ModelRegistry
+from services.models.video_vae import decode_video
 
 log = logging.getLogger(__name__)
 
@@ -28,11 +31,32 @@ DEFAULT_TILE_ABOVE_PIXELS = 1536 * 1536
 DEFAULT_MIN_PIXEL_STD = 0.002
 
 
+def pixels_of(image: bytes, width: int, height: int) -> np.ndarray:
+    """An input image's RGB pixels (HxWx3 uint8) at ``width`` x ``height`` (Lanczos
+    when it is resized); InvalidArgument if it is no image."""
+    try:
+        with Image.open(io.BytesIO(image)) as opened:
+            rgb = opened.convert("RGB")
+    except Exception as exc:
+        raise InvalidArgument([FieldViolation("image", f"cannot be read: {exc}")]) from None
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), Image.Resampling.LANCZOS)
+    return np.asarray(rgb, dtype=np.uint8)
+
+
 def latents_from_bytes(data: bytes, shape: list[int], dtype: str) -> torch.Tensor:
     if dtype not in _NUMPY_DTYPES:
         raise InvalidArgument([FieldViolation("dtype", f"must be one of {sorted(_NUMPY_DTYPES)}")])
-    if len(shape) != 4 or any(d <= 0 for d in shape):
-        raise InvalidArgument([FieldViolation("shape", "must be (batch, channels, height, width), all positive")])
+    if len(shape) not in (4, 5) or any(d <= 0 for d in shape):
+        raise InvalidArgument(
+            [
+                FieldViolation(
+                    "shape",
+                    "must be (batch, channels, height, width), or a video's (batch, channels, frames, "
+                    "height, width), all positive",
+                )
+            ]
+        )
     expected = int(np.prod(shape)) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
     if len(data) != expected:
         raise InvalidArgument([FieldViolation("latents", f"{len(data)} bytes, shape {shape} needs {expected}")])
@@ -66,7 +90,7 @@ class _Sample:
 
 @dataclass(frozen=True)
 class DecodedImage:
-    pixels: np.ndarray  # HxWx3 uint8
+    pixels: np.ndarray  # HxWx3 uint8; a video's FxHxWx3
     tiled: bool
     # Why no image should be made of it (non-finite or near-constant pixels); empty when fine.
     fault: str = ""
@@ -93,6 +117,9 @@ class VaeDecoderEngine:
     def warm_models(self) -> list[str]:
         return sorted(self._vaes)
 
+    def served_models(self) -> list[str]:
+        return self.registry.names()
+
     def load(self, name: str) -> Any:
         with self._lock:
             if name in self._vaes:
@@ -101,13 +128,15 @@ class VaeDecoderEngine:
             if spec.family == ModelFamily.SIM:
                 vae = self._vaes[name] = SimVae()
                 return vae
-            from diffusers import AutoencoderKL
+            from diffusers import AutoencoderKL, AutoencoderKLWan
 
             dtype = torch.float32
-            if self.device.type == "cuda" and spec.dtype != "float32":
-                # SD's VAE overflows in float16; bfloat16 keeps the range.
+            if self.device.type == "cuda" and spec.dtype != "float32" and not spec.makes_video:
+                # SD's VAE overflows in float16; bfloat16 keeps the range. Wan's
+                # decodes in float32, as its pipeline's examples do.
                 dtype = torch.bfloat16
-            loaded = loader.load(AutoencoderKL, spec, self.models_dir, self.device, dtype=dtype, subfolder="vae")
+            cls = AutoencoderKLWan if spec.makes_video else AutoencoderKL
+            loaded = loader.load(cls, spec, self.models_dir, self.device, dtype=dtype, subfolder="vae")
             vae = loaded.value.eval()
             self._vaes[name] = vae
             log.info("loaded VAE of %s on %s (%d MiB, %.2fs)", name, self.device, loaded.bytes >> 20, loaded.seconds)
@@ -118,9 +147,11 @@ class VaeDecoderEngine:
             raise InvalidArgument([FieldViolation("model", f"unknown model {model!r}")])
 
     def decode_images(self, model: str, latents: torch.Tensor) -> list[DecodedImage]:
-        """One image per latent, each with its fault if it has one."""
+        """One image per latent (a video per video latent), each with its fault if it has one."""
         self.check_model(model)
         vae = self.load(model)
+        if latents.dim() == 5:
+            return self._decode_videos(vae, latents)
         config = vae.config
         z = latents.to(self.device, vae.dtype) / config.scaling_factor
         if getattr(config, "shift_factor", None):
@@ -152,6 +183,32 @@ class VaeDecoderEngine:
                 fault = f"decoded pixels are degenerate: standard deviation {std:.2e} < {self.min_pixel_std:.0e}"
             images.append(DecodedImage(image, tiled, fault))
         return images
+
+    def _decode_videos(self, vae: Any, latents: torch.Tensor) -> list[DecodedImage]:
+        videos = []
+        with torch.inference_mode():
+            for z in latents.to(self.device, vae.dtype):
+                frames, stats, tiled = decode_video(vae, z, self.tile_above_pixels)
+                videos.append(DecodedImage(frames.numpy(), tiled, stats.fault(self.min_pixel_std)))
+        return videos
+
+    def encode_image(self, model: str, image: bytes, width: int, height: int) -> torch.Tensor:
+        """An edit's input image (PNG, JPEG or WebP bytes), resized to ``width`` x
+        ``height``, as the latents its model denoises: (1, C, height/8, width/8),
+        float32 on the CPU. The distribution's mode, not a sample: the same input
+        gives the same latents."""
+        self.check_model(model)
+        if self.registry.get(model).family == ModelFamily.SIM or self.registry.get(model).makes_video:
+            raise InvalidArgument([FieldViolation("model", f"{model} takes no input image")])
+        vae = self.load(model)
+        pixels = pixels_of(image, width, height)
+        with torch.inference_mode():
+            x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).to(self.device, vae.dtype) / 127.5 - 1.0
+            z = vae.encode(x).latent_dist.mode()
+            config = vae.config
+            if getattr(config, "shift_factor", None):
+                z = z - config.shift_factor
+            return (z * config.scaling_factor).to("cpu", torch.float32)
 
     def decode(self, model: str, latents: torch.Tensor) -> list[np.ndarray]:
         """One HxWx3 uint8 array per latent; DegenerateOutput if any image is unusable."""

@@ -107,14 +107,17 @@ class LocalStack:
         if not self.settings.gateway.port:
             self.settings = self.settings.with_env({"DARKROOM_GATEWAY_PORT": str(free_port())})
         # Build models once, up front, rather than in every process that needs them.
-        from services.models.registry import BUILTIN_TINY, ModelRegistry, ensure_tiny_model
+        from services.models.builtins import BUILTINS, MINIATURES, ensure_builtin
 
-        registry = ModelRegistry.load(self.settings.kernel.model_registry or None)
-        builtin = [s.name for s in registry.models.values() if s.source == BUILTIN_TINY]
-        for name in builtin:
-            ensure_tiny_model(self.settings.kernel.models_dir / name)
+        registry = self.settings.kernel.registry()
+        miniatures = sorted(s.name for s in registry.models.values() if s.source in MINIATURES)
+        for name in miniatures:
+            ensure_builtin(BUILTINS[registry.get(name).source], self.settings.kernel.models_dir / name)
         if not self.settings.sampler.preload_models:
-            self.settings = self.settings.with_env({"DARKROOM_PRELOAD_MODELS": ",".join(builtin)})
+            # The default image model, warmed up before the first job; the others load on demand.
+            image = registry.default_for("image")
+            if image is not None and image.name in miniatures:
+                self.settings = self.settings.with_env({"DARKROOM_PRELOAD_MODELS": image.name})
         # Metrics ports in a fixed order: gateway, scheduler, samplers, decoders.
         gateway_metrics, scheduler_metrics = self.metrics_ports.next(), self.metrics_ports.next()
         host = host_children(

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_the_sd15_preset_builds_once_and_runs(tmp_path: Path) -> None:
-    registry = ModelRegistry({"sd15-random": ModelRegistry.load().get("sd15-random")})
+    registry = ModelRegistry({"sd15-random": ModelRegistry.load(presets=None).get("sd15-random")})
     engine = SamplerEngine(registry, tmp_path, torch.device("cpu"))
     pipe = engine.load("sd15-random")
     built = tmp_path / "sd15-random"

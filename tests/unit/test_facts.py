@@ -267,6 +267,7 @@ WORKERS = [
         temperature_c=65.0,
         planned_models=("img", "up"),
         primary_model="img",
+        capabilities=("image", "upscale", "video"),
     ),
     worker_record(
         "slow",
@@ -278,6 +279,7 @@ WORKERS = [
         temperature_c=65.0,
         planned_models=("vid",),
         primary_model="vid",
+        capabilities=("image", "upscale", "video"),
     ),
     worker_record(
         "small",
@@ -288,6 +290,7 @@ WORKERS = [
         speed=1.0,
         temperature_c=85.0,
         planned_models=("img",),
+        capabilities=("image", "upscale"),
     ),
 ]
 

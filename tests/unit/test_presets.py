@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.errors import ModelError
 from services.models.presets import parameter_counts
-from services.models.registry import BUILTIN_PRESETS, ModelFamily, ModelRegistry
+from services.models.registry import ModelFamily, ModelRegistry
 
 # The published models' counts (diffusers' and transformers' own classes).
 REAL = {
@@ -24,8 +25,25 @@ def test_a_preset_has_the_real_parameter_counts(kind: ModelFamily) -> None:
     assert parameter_counts(kind) == REAL[kind]
 
 
-def test_the_default_registry_offers_both_presets() -> None:
-    registry = ModelRegistry.load()
-    presets = {spec.source: spec for spec in registry.models.values() if spec.source in BUILTIN_PRESETS}
-    assert {s.family for s in presets.values()} == {"sd15", "sdxl"}
-    assert presets["builtin:sdxl-random"].default_width == 1024
+def test_the_default_registry_offers_the_presets_only_on_request() -> None:
+    served = ModelRegistry.load()
+    everything = ModelRegistry.load(presets=None)
+    presets = {name: spec for name, spec in everything.models.items() if spec.on_request}
+    assert set(presets) == {"sd15-random", "sdxl-random", "wan-random", "upscaler-random"}
+    assert not set(presets) & set(served.models)
+    assert ModelRegistry.load(presets=["wan-random"]).get("wan-random").family == ModelFamily.WAN
+    assert presets["sdxl-random"].default_width == 1024
+
+
+def test_a_preset_not_in_the_registry_is_refused_by_name() -> None:
+    with pytest.raises(ModelError, match="'sd3-random'"):
+        ModelRegistry.load(presets=["sd3-random"])
+
+
+def test_each_capability_lists_its_default_first() -> None:
+    listing = [(s.capability, s.name, s.default) for s in ModelRegistry.load(presets=None).listing()]
+    assert listing[0] == ("image", "tiny", True)
+    firsts: dict[str, tuple[str, bool]] = {}
+    for capability, name, default in listing:
+        firsts.setdefault(capability, (name, default))
+    assert firsts == {"image": ("tiny", True), "video": ("tiny-wan", True), "upscale": ("tiny-upscaler", True)}

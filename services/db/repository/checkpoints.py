@@ -47,7 +47,7 @@ RETURNING job_id
 """
 
 _RUNNING = """
-SELECT id, attempt, worker_id, lane, priority, model, width, height, steps, guidance_scale, num_images,
+SELECT id, attempt, worker_id, lane, priority, model, width, height, steps, guidance_scale, num_images, frames,
        progress_step, preemptions, suspend_requested, started_at
 FROM jobs WHERE status = 'RUNNING' AND worker_id IS NOT NULL
 ORDER BY id

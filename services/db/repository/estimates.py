@@ -18,7 +18,7 @@ from services.db.repository.database import Area, fetch_all, try_lock
 # Held by the replica folding run times in, so that no two lose each other's update.
 LEARNING_LOCK = 0x44524B4C
 _TO_LEARN = """
-SELECT id, model, width, height, steps, num_images, batch_rows, worker_id, run_seconds FROM jobs
+SELECT id, model, width, height, frames, steps, num_images, batch_rows, worker_id, run_seconds FROM jobs
 WHERE status = 'SUCCEEDED' AND run_seconds IS NOT NULL AND NOT learned
 ORDER BY finished_at, id LIMIT %s
 """
@@ -51,7 +51,7 @@ class Estimates(Area):
             facts = [
                 RunTime(
                     j["model"],
-                    j["width"] * j["height"],
+                    j["width"] * j["height"] * j["frames"],
                     j["steps"],
                     j["batch_rows"] or j["num_images"],
                     j["worker_id"] or "",

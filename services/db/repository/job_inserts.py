@@ -14,47 +14,56 @@ from services.db.records import JOB_COLUMNS, JobRecord, NewJob
 from services.db.repository.database import fetch_all
 from services.errors import NotFound
 
+# The columns a submit sets, with their types for unnest().
+_INSERTED = (
+    ("id", "varchar"),
+    ("lane", "varchar"),
+    ("priority", "int"),
+    ("model", "varchar"),
+    ("prompt", "text"),
+    ("negative_prompt", "text"),
+    ("width", "int"),
+    ("height", "int"),
+    ("steps", "int"),
+    ("guidance_scale", "float8"),
+    ("seed", "bigint"),
+    ("num_images", "int"),
+    ("frames", "int"),
+    ("fps", "float8"),
+    ("strength", "float8"),
+    ("image_digest", "varchar"),
+    ("mask_digest", "varchar"),
+    ("task", "varchar"),
+    ("output_format", "varchar"),
+    ("idempotency_key", "varchar"),
+    ("deadline", "timestamptz"),
+    ("trace_context", "varchar"),
+    ("tenant", "varchar"),
+    ("price", "float8"),
+    ("credits_reserved", "float8"),
+    ("created_at", "timestamptz"),
+)
+_NAMES = ", ".join(name for name, _ in _INSERTED)
 # Many jobs in one statement: concurrent submits share a round trip and a commit.
-_INSERT = f"""
-INSERT INTO jobs (id, status, lane, priority, model, prompt, negative_prompt, width, height, steps,
-                  guidance_scale, seed, num_images, output_format, idempotency_key, deadline,
-                  trace_context, tenant, price, credits_reserved, created_at)
-SELECT id, 'QUEUED', lane, priority, model, prompt, negative_prompt, width, height, steps,
-       guidance_scale, seed, num_images, output_format, idempotency_key, deadline, trace_context, tenant,
-       price, credits_reserved, created_at
-FROM unnest(%(id)s::varchar[], %(lane)s::varchar[], %(priority)s::int[], %(model)s::varchar[],
-            %(prompt)s::text[], %(negative_prompt)s::text[], %(width)s::int[], %(height)s::int[],
-            %(steps)s::int[], %(guidance_scale)s::float8[], %(seed)s::bigint[], %(num_images)s::int[],
-            %(output_format)s::varchar[], %(idempotency_key)s::varchar[], %(deadline)s::timestamptz[],
-            %(trace_context)s::varchar[], %(tenant)s::varchar[], %(price)s::float8[],
-            %(credits_reserved)s::float8[], %(created_at)s::timestamptz[])
-     AS n(id, lane, priority, model, prompt, negative_prompt, width, height, steps, guidance_scale, seed,
-          num_images, output_format, idempotency_key, deadline, trace_context, tenant, price, credits_reserved,
-          created_at)
+_INSERT_JOBS = f"""
+INSERT INTO jobs (status, {_NAMES})
+SELECT 'QUEUED', {_NAMES}
+FROM unnest({", ".join(f"%({name})s::{kind}[]" for name, kind in _INSERTED)}) AS n({_NAMES})
 ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING {JOB_COLUMNS}
 """
-_INSERTED_FIELDS = (
-    "id",
-    "lane",
-    "priority",
-    "model",
-    "prompt",
-    "negative_prompt",
-    "width",
-    "height",
-    "steps",
-    "guidance_scale",
-    "seed",
-    "num_images",
-    "output_format",
-    "idempotency_key",
-    "deadline",
-    "trace_context",
-    "tenant",
-    "price",
-    "credits_reserved",
+# Edits' and upscales' inputs go in the same statement as their jobs: no job is
+# ever seen without them, and none are kept for a job that was not inserted.
+_INSERT_WITH_INPUTS = f"""
+WITH inserted AS ({_INSERT_JOBS}),
+inputs AS (
+    INSERT INTO job_inputs (job_id, image, mask)
+    SELECT i.job_id, i.image, i.mask
+    FROM unnest(%(input_job)s::varchar[], %(input_image)s::bytea[], %(input_mask)s::bytea[]) AS i(job_id, image, mask)
+    WHERE i.job_id IN (SELECT id FROM inserted)
 )
+SELECT * FROM inserted
+"""
 
 IdempotencyKey = tuple[str, str | None]  # (tenant, key)
 
@@ -64,10 +73,17 @@ async def insert(conn: AsyncConnection[DictRow], submits: Sequence[tuple[NewJob,
     job whose idempotency key its tenant has used already is not)."""
     if not submits:
         return {}
-    rows = [flat(job) for job, _ in submits]
-    params: dict[str, object] = {name: [r[name] for r in rows] for name in _INSERTED_FIELDS}
-    params["created_at"] = [at for _, at in submits]
-    return {row["id"]: JobRecord.of(row) for row in await fetch_all(conn, _INSERT, params)}
+    rows = [{**flat(job), "created_at": at} for job, at in submits]
+    params: dict[str, object] = {name: [r[name] for r in rows] for name, _ in _INSERTED}
+    params["task"] = [str(r["task"]) for r in rows]  # its value, not an Enum's name
+    inputs = [(job.id, job.inputs) for job, _ in submits if job.inputs is not None]
+    sql = _INSERT_JOBS
+    if inputs:
+        sql = _INSERT_WITH_INPUTS
+        params["input_job"] = [job_id for job_id, _ in inputs]
+        params["input_image"] = [i.image for _, i in inputs]
+        params["input_mask"] = [i.mask for _, i in inputs]
+    return {row["id"]: JobRecord.of(row) for row in await fetch_all(conn, sql, params)}
 
 
 async def find_earlier(conn: AsyncConnection[DictRow], jobs: Sequence[NewJob]) -> dict[IdempotencyKey, JobRecord]:

@@ -24,6 +24,7 @@ from services.db.repository.job_inserts import find_earlier, insert, stored
 from services.db.repository.requeue import qualified
 from services.db.states import HELD, JobStatus
 from services.errors import NotFound
+from services.generation import JobInputs
 
 _WITH_IMAGES = f"""
 SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,
@@ -52,6 +53,11 @@ class Jobs(Area):
             inserted = await insert(conn, submits)
             earlier = await find_earlier(conn, [job for job, _ in submits if job.id not in inserted])
         return [stored(job, inserted, earlier) for job, _ in submits]
+
+    async def inputs(self, job_ids: Sequence[str]) -> dict[str, JobInputs]:
+        """The input images (and masks) of those of these jobs that have them, by id."""
+        rows = await self.db.all("SELECT job_id, image, mask FROM job_inputs WHERE job_id = ANY(%s)", (list(job_ids),))
+        return {row["job_id"]: JobInputs(bytes(row["image"]), _bytes(row["mask"])) for row in rows}
 
     async def get(self, job_id: str) -> JobRecord:
         row = await self.db.one(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = %s", (job_id,))
@@ -214,9 +220,15 @@ async def shape_counts(conn: AsyncConnection[DictRow], where: str, params: dict[
     rows = await fetch_all(
         conn,
         f"""
-        SELECT model, width, height, steps, num_images, count(*) AS n FROM jobs
-        WHERE {where} GROUP BY model, width, height, steps, num_images
+        SELECT model, width, height, steps, num_images, frames, count(*) AS n FROM jobs
+        WHERE {where} GROUP BY model, width, height, steps, num_images, frames
         """,
         params,
     )
-    return [ShapeCount(r["model"], r["width"], r["height"], r["steps"], r["num_images"], r["n"]) for r in rows]
+    return [
+        ShapeCount(r["model"], r["width"], r["height"], r["steps"], r["num_images"], r["n"], r["frames"]) for r in rows
+    ]
+
+
+def _bytes(value: bytes | memoryview | None) -> bytes | None:
+    return None if value is None else bytes(value)

@@ -61,11 +61,11 @@ RETURNING {qualified(SUMMARY_FIELDS, "j")}
 
 
 _HELD_GROUPS = """
-SELECT worker_id, status, model, width, height, steps, guidance_scale,
+SELECT worker_id, status, model, width, height, steps, guidance_scale, frames,
        count(*) AS jobs, sum(num_images) AS images, max(num_images) AS largest,
        coalesce(max(progress_step::float8 / nullif(progress_total, 0)), 0) AS done
 FROM jobs WHERE status = ANY(%(held)s) AND worker_id IS NOT NULL
-GROUP BY worker_id, status, model, width, height, steps, guidance_scale
+GROUP BY worker_id, status, model, width, height, steps, guidance_scale, frames
 """
 # A pass's lock and everything it reads, in one statement: one round trip, and a
 # server that, between statements, is always waiting with its idle-in-transaction
@@ -140,6 +140,20 @@ class Scheduling(Area):
         )
         return {row["worker_id"]: row["n"] for row in rows if row["worker_id"]}
 
+    async def note_waiting(self, waiting: Mapping[str, str]) -> None:
+        """Records on each still-queued job (by id) the capability it waits for:
+        no live sampler serves it. Its routing says so until it is placed."""
+        await self.db.run(
+            """
+            UPDATE jobs AS j SET routing = jsonb_build_object(
+                'worker_id', NULL, 'reason', 'no live sampler serves ' || w.capability,
+                'waiting_for', w.capability, 'candidates', '[]'::jsonb)
+            FROM unnest(%s::varchar[], %s::varchar[]) AS w(id, capability)
+            WHERE j.id = w.id AND j.status = 'QUEUED'
+            """,
+            (list(waiting), list(waiting.values())),
+        )
+
     @contextlib.asynccontextmanager
     async def planning_pass(
         self, *, since: datetime, newer_since: datetime, stale_after_s: float
@@ -208,11 +222,11 @@ async def submitted_counts(
     rows = await fetch_all(
         conn,
         """
-        SELECT model, width, height, steps, num_images, lane,
+        SELECT model, width, height, steps, num_images, frames, lane,
                created_at >= %(newer)s AS newer, created_at < %(since)s AS backlog, count(*) AS n
         FROM jobs WHERE created_at >= %(since)s OR status = 'QUEUED'
-        GROUP BY model, width, height, steps, num_images, lane, newer, backlog
-        ORDER BY model, width, height, steps, num_images, lane, newer, backlog
+        GROUP BY model, width, height, steps, num_images, frames, lane, newer, backlog
+        ORDER BY model, width, height, steps, num_images, frames, lane, newer, backlog
         """,
         {"since": since, "newer": newer_since},
     )
@@ -227,6 +241,7 @@ async def submitted_counts(
             r["newer"],
             r["n"],
             r["backlog"],
+            r["frames"],
         )
         for r in rows
     ]
@@ -242,7 +257,7 @@ def held_group(r: Mapping[str, Any]) -> HeldGroup:
     return HeldGroup(
         r["worker_id"],
         JobStatus(r["status"]),
-        BatchKey(r["model"], r["width"], r["height"], r["steps"], r["guidance_scale"]),
+        BatchKey(r["model"], r["width"], r["height"], r["steps"], r["guidance_scale"], r["frames"]),
         r["jobs"],
         int(r["images"]),
         r["largest"],

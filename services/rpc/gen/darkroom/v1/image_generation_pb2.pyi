@@ -28,6 +28,7 @@ class OutputFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OUTPUT_FORMAT_PNG: _ClassVar[OutputFormat]
     OUTPUT_FORMAT_JPEG: _ClassVar[OutputFormat]
     OUTPUT_FORMAT_WEBP: _ClassVar[OutputFormat]
+    OUTPUT_FORMAT_MP4: _ClassVar[OutputFormat]
 JOB_STATUS_UNSPECIFIED: JobStatus
 JOB_STATUS_QUEUED: JobStatus
 JOB_STATUS_SCHEDULED: JobStatus
@@ -41,9 +42,10 @@ OUTPUT_FORMAT_UNSPECIFIED: OutputFormat
 OUTPUT_FORMAT_PNG: OutputFormat
 OUTPUT_FORMAT_JPEG: OutputFormat
 OUTPUT_FORMAT_WEBP: OutputFormat
+OUTPUT_FORMAT_MP4: OutputFormat
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +59,11 @@ class SubmitJobRequest(_message.Message):
     LANE_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -70,7 +77,12 @@ class SubmitJobRequest(_message.Message):
     lane: str
     deadline: _timestamp_pb2.Timestamp
     output_format: OutputFormat
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ...) -> None: ...
+    frames: int
+    fps: float
+    image: bytes
+    mask: bytes
+    strength: float
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "status", "estimated_start_time", "estimated_finish_time", "deduplicated")
@@ -137,18 +149,22 @@ class StageDurations(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., schedule_seconds: _Optional[float] = ..., dispatch_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., store_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type", "width", "height", "seed")
+    __slots__ = ("data", "mime_type", "width", "height", "seed", "frames", "fps")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
     width: int
     height: int
     seed: int
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    frames: int
+    fps: float
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class RoutingCandidate(_message.Message):
     __slots__ = ("worker_id", "score_seconds", "eligible", "note")
@@ -199,7 +215,7 @@ class Suspension(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +244,11 @@ class Job(_message.Message):
     GPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CREDITS_RESERVED_FIELD_NUMBER: _ClassVar[int]
     CREDITS_CHARGED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -256,7 +277,12 @@ class Job(_message.Message):
     gpu_seconds: float
     credits_reserved: float
     credits_charged: float
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ...) -> None: ...
+    frames: int
+    fps: float
+    strength: float
+    task: str
+    waiting_for: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -265,7 +291,7 @@ class StreamJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ImageChunk(_message.Message):
-    __slots__ = ("index", "offset", "data", "last", "mime_type", "width", "height", "seed")
+    __slots__ = ("index", "offset", "data", "last", "mime_type", "width", "height", "seed", "frames", "fps")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +300,8 @@ class ImageChunk(_message.Message):
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
     index: int
     offset: int
     data: bytes
@@ -282,7 +310,9 @@ class ImageChunk(_message.Message):
     width: int
     height: int
     seed: int
-    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    frames: int
+    fps: float
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("job_id", "status", "progress", "image_chunk", "terminal", "suspended", "resumed")
@@ -339,7 +369,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "family", "max_width", "max_height", "max_steps", "default_steps", "warm_on")
+    __slots__ = ("name", "family", "max_width", "max_height", "max_steps", "default_steps", "warm_on", "capability", "is_default", "size_step", "default_width", "default_height", "max_images", "max_frames", "default_frames", "frames_step", "default_fps", "edits", "served_by")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +377,18 @@ class ModelInfo(_message.Message):
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_STEPS_FIELD_NUMBER: _ClassVar[int]
     WARM_ON_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
+    EDITS_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BY_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     max_width: int
@@ -354,7 +396,19 @@ class ModelInfo(_message.Message):
     max_steps: int
     default_steps: int
     warm_on: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., max_width: _Optional[int] = ..., max_height: _Optional[int] = ..., max_steps: _Optional[int] = ..., default_steps: _Optional[int] = ..., warm_on: _Optional[_Iterable[str]] = ...) -> None: ...
+    capability: str
+    is_default: bool
+    size_step: int
+    default_width: int
+    default_height: int
+    max_images: int
+    max_frames: int
+    default_frames: int
+    frames_step: int
+    default_fps: float
+    edits: bool
+    served_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., max_width: _Optional[int] = ..., max_height: _Optional[int] = ..., max_steps: _Optional[int] = ..., default_steps: _Optional[int] = ..., warm_on: _Optional[_Iterable[str]] = ..., capability: _Optional[str] = ..., is_default: _Optional[bool] = ..., size_step: _Optional[int] = ..., default_width: _Optional[int] = ..., default_height: _Optional[int] = ..., max_images: _Optional[int] = ..., max_frames: _Optional[int] = ..., default_frames: _Optional[int] = ..., frames_step: _Optional[int] = ..., default_fps: _Optional[float] = ..., edits: _Optional[bool] = ..., served_by: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
@@ -367,7 +421,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images")
+    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images", "capabilities")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +447,7 @@ class WorkerStats(_message.Message):
     MAX_SM_CLOCK_MHZ_FIELD_NUMBER: _ClassVar[int]
     THROTTLE_REASONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     available: bool
     processing: int
@@ -418,7 +473,8 @@ class WorkerStats(_message.Message):
     max_sm_clock_mhz: int
     throttle_reasons: _containers.RepeatedScalarFieldContainer[str]
     queued_images: int
-    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ...) -> None: ...
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GlobalStats(_message.Message):
     __slots__ = ("requests", "queued", "completed", "failed", "running", "cancelled", "expired")

@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeJob(_message.Message):
-    __slots__ = ("job_id", "images", "mime_type", "traceparent")
+    __slots__ = ("job_id", "images", "mime_type", "traceparent", "fps")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     images: int
     mime_type: str
     traceparent: str
-    def __init__(self, job_id: _Optional[str] = ..., images: _Optional[int] = ..., mime_type: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    fps: float
+    def __init__(self, job_id: _Optional[str] = ..., images: _Optional[int] = ..., mime_type: _Optional[str] = ..., traceparent: _Optional[str] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("model", "latents", "shape", "dtype", "jobs")
@@ -33,7 +35,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., latents: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[DecodeJob, _Mapping]]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("job", "index", "offset", "data", "last", "width", "height", "mime_type", "error")
+    __slots__ = ("job", "index", "offset", "data", "last", "width", "height", "mime_type", "error", "frames")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +45,7 @@ class DecodeChunk(_message.Message):
     HEIGHT_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
     job: int
     index: int
     offset: int
@@ -52,4 +55,27 @@ class DecodeChunk(_message.Message):
     height: int
     mime_type: str
     error: str
-    def __init__(self, job: _Optional[int] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., mime_type: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    frames: int
+    def __init__(self, job: _Optional[int] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., mime_type: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("model", "image", "width", "height", "job_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    image: bytes
+    width: int
+    height: int
+    job_id: str
+    def __init__(self, model: _Optional[str] = ..., image: _Optional[bytes] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("latents", "shape")
+    LATENTS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    latents: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, latents: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class VaeDecoderStub:
-    """Served by each decoder (vae_worker/): turns latents into encoded images.
+    """Served by each decoder (vae_worker/): turns latents into encoded images and
+    videos, and an edit's input image into latents.
     """
 
     def __init__(self, channel):
@@ -40,10 +41,16 @@ class VaeDecoderStub:
                 request_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.Encode = channel.unary_unary(
+                '/darkroom.internal.v1.VaeDecoder/Encode',
+                request_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeRequest.SerializeToString,
+                response_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeResponse.FromString,
+                _registered_method=True)
 
 
 class VaeDecoderServicer:
-    """Served by each decoder (vae_worker/): turns latents into encoded images.
+    """Served by each decoder (vae_worker/): turns latents into encoded images and
+    videos, and an edit's input image into latents.
     """
 
     def Decode(self, request, context):
@@ -58,6 +65,14 @@ class VaeDecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Encode(self, request, context):
+        """An input image (an edit's) as the model's latents, at width x height: what
+        image to image and inpainting start from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VaeDecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -65,6 +80,11 @@ def add_VaeDecoderServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.DecodeRequest.FromString,
                     response_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Encode': grpc.unary_unary_rpc_method_handler(
+                    servicer.Encode,
+                    request_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeRequest.FromString,
+                    response_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -75,7 +95,8 @@ def add_VaeDecoderServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VaeDecoder:
-    """Served by each decoder (vae_worker/): turns latents into encoded images.
+    """Served by each decoder (vae_worker/): turns latents into encoded images and
+    videos, and an edit's input image into latents.
     """
 
     @staticmethod
@@ -95,6 +116,33 @@ class VaeDecoder:
             '/darkroom.internal.v1.VaeDecoder/Decode',
             darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.DecodeRequest.SerializeToString,
             darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Encode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.internal.v1.VaeDecoder/Encode',
+            darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeRequest.SerializeToString,
+            darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,58 @@
+"""An edit's or upscale's input image and mask, checked before anything is stored:
+bytes within the limit, a PNG, JPEG or WebP that decodes whole, pixels within
+bounds read from the header before decoding (a small file can claim a huge
+image), and a mask of the image's size. Pure, but decoding costs CPU: a caller on
+an event loop runs it in a thread."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass
+
+from PIL import Image
+
+from services.errors import FieldViolation
+
+FORMATS = ("PNG", "JPEG", "WEBP")
+# An input's pixels, from its header, before anything decodes it: 4096 x 4096.
+MAX_INPUT_PIXELS = 4096 * 4096
+
+
+@dataclass(frozen=True)
+class InputImage:
+    data: bytes
+    width: int
+    height: int
+    digest: str  # SHA-256, hex
+
+
+def read_input(field: str, data: bytes, *, max_bytes: int) -> InputImage | FieldViolation:
+    """The input image in ``data``, or what is wrong with it (named by ``field``)."""
+    if len(data) > max_bytes:
+        return FieldViolation(field, f"is {len(data)} bytes; the limit is {max_bytes} ({max_bytes / 2**20:g} MiB)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data), formats=FORMATS)
+            width, height = image.size
+            if width * height > MAX_INPUT_PIXELS:
+                return FieldViolation(
+                    field, f"is {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels (4096x4096) are taken"
+                )
+            if getattr(image, "n_frames", 1) > 1:
+                return FieldViolation(field, "is an animated image; one still image is taken")
+            image.load()
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        return FieldViolation(field, f"claims more than {MAX_INPUT_PIXELS} pixels")
+    except Exception as exc:  # Pillow raises many kinds for bad bytes
+        return FieldViolation(field, f"is not a PNG, JPEG or WebP image that decodes whole: {exc}")
+    return InputImage(data, width, height, hashlib.sha256(data).hexdigest())
+
+
+def fit_within(width: int, height: int, max_width: int, max_height: int, step: int) -> tuple[int, int]:
+    """An output size for an input of ``width`` x ``height``: its own, scaled down
+    (keeping its aspect) to fit the model's limits, each side a multiple of ``step``."""
+    scale = min(1.0, max_width / width, max_height / height)
+    return max(step, int(width * scale) // step * step), max(step, int(height * scale) // step * step)

@@ -1,0 +1,269 @@
+"""The denoising loop every diffusers family shares, run step by step over a batch
+of jobs; each family (``unet_denoiser``, ``wan_denoiser``, ``upscale_denoiser``)
+says how its pipeline loads, what shape its latents have, how a prompt is encoded
+and how one step's noise is predicted.
+
+Each member keeps its own noise (its seeds), its own noise-scheduler state, its own
+progress and its own stop: a cancelled or timed-out member leaves at the next step
+and the rest go on. On a GPU the network's calls of the members at the same step
+are fused into one; on a CPU each member's call runs on its own rows, because CPU
+kernels block matrix products differently for different batch sizes and only then
+is a batched output exactly the one the job would get alone.
+
+A member given a checkpoint starts from its step, with its own step index, beside
+members that start from 0; an edit starts at the step its strength gives, from its
+input image's latents noised to that step, and an inpainting member keeps the
+input outside its mask at every step, as diffusers' pipelines do for a model of
+four latent channels. What resuming needs beyond the latents (an edit's input
+latents, its mask, its first noise) travels in the checkpoint. Resuming gives
+exactly the uninterrupted output on a CPU (on a GPU, what rerunning the job would
+give there)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
+from gpu_worker.denoising import BadOutput, BatchMember, MemberResult, check_output
+from gpu_worker.prompts import Conditioning, PromptCache
+from services.generation import BatchKey, GenerationParams
+from services.models import loader
+from services.models.loader import Loaded
+from services.models.registry import ModelSpec, scheduler_class
+
+# The names of the tensors an edit resumes with, besides its latents.
+IMAGE_LATENTS = "image_latents"  # its input image, encoded by the VAE
+MASK = "mask"  # inpainting: 1 where the model paints, at the latents' size
+NOISE = "noise"  # the noise its latents started from
+
+
+@dataclass
+class DiffusersRun(MemberRun):
+    conditioning: Conditioning = field(default_factory=Conditioning.empty)
+
+
+class DiffusersDenoiser:
+    """A family of diffusers pipelines whose denoising network is ``network_name``."""
+
+    loads_weights = True
+    network_name = "unet"
+
+    def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
+        self.models_dir = models_dir
+        self.device = device
+        self.prompts = prompts
+        self.fuse_batches = device.type == "cuda"
+
+    # -- what a family says --------------------------------------------------------
+
+    def pipeline_parts(self, spec: ModelSpec) -> dict[str, Any]:
+        """Components to load as given rather than from the model: the VAE lives in
+        its own service, so the sampler never loads it."""
+        return {"vae": None}
+
+    def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
+        scale = pipe.vae_scale_factor
+        return (params.num_images, self.network(pipe).config.in_channels, params.height // scale, params.width // scale)
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        return Conditioning.encode(pipe, spec.family, params, self.device, cfg)
+
+    def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
+        """What the network takes for a member's (scaled) latents."""
+        return latents
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        return pipe.unet(
+            x, t, encoder_hidden_states=c.embeds, added_cond_kwargs=c.added_cond_kwargs(), return_dict=False
+        )[0]
+
+    def start(self, pipe: Any, run: DiffusersRun, member: BatchMember) -> None:
+        """A fresh member's state at its first step: its noise drawn, and an edit's
+        input noised to the step its strength starts at."""
+        state = _state(run)
+        noise = self.draw_noise(pipe, member.params, state)
+        inputs = member.inputs
+        if inputs is None or inputs.image_latents is None:
+            state.latents = noise * state.scheduler.init_noise_sigma
+            return
+        params = member.params
+        first = params.first_step()
+        image = inputs.image_latents.to(self.device, noise.dtype).repeat(params.num_images, 1, 1, 1)
+        state.extras = {IMAGE_LATENTS: image, NOISE: noise}
+        if inputs.mask is not None:
+            state.extras[MASK] = inputs.mask.to(self.device, noise.dtype)
+        if hasattr(state.scheduler, "set_begin_index"):
+            state.scheduler.set_begin_index(first * state.scheduler.order)
+        if first == 0 and inputs.mask is not None:
+            state.latents = noise * state.scheduler.init_noise_sigma  # all of it repainted, as diffusers does
+        else:
+            t = state.scheduler.timesteps[first : first + 1].repeat(params.num_images)
+            state.latents = state.scheduler.add_noise(image, noise, t)
+        run.step = first
+
+    # -- the loop ------------------------------------------------------------------
+
+    def network(self, pipe: Any) -> Any:
+        return getattr(pipe, self.network_name)
+
+    def load(self, spec: ModelSpec) -> Loaded:
+        from diffusers import DiffusionPipeline
+
+        dtype = loader.compute_dtype(spec, self.device)
+        parts = self.pipeline_parts(spec)
+        loaded = loader.load(DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, **parts)
+        loaded.value.set_progress_bar_config(disable=True)
+        self._apply_speed_options(loaded.value, spec)
+        return loaded
+
+    def _apply_speed_options(self, pipe: Any, spec: ModelSpec) -> None:
+        if self.device.type != "cuda":
+            return  # channels-last and compilation pay off on a GPU only
+        if spec.channels_last:
+            self.network(pipe).to(memory_format=torch.channels_last)
+        if spec.compile:
+            setattr(pipe, self.network_name, torch.compile(self.network(pipe), fullgraph=True))
+
+    def sample(
+        self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+    ) -> list[MemberResult]:
+        with torch.inference_mode():
+            runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
+            self._denoise(pipe, members[0].params.key, [r for r in runs if r.result is None], checkpoints)
+        for run in runs:
+            if run.result is None and run.state is not None:
+                try:
+                    check_output(run.state.latents, spec.min_output_std)
+                    run.result = run.state.latents.to("cpu", torch.float32)
+                except BadOutput as exc:
+                    run.result = exc
+        return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
+
+    def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember, checkpoints: MemberCheckpoints) -> DiffusersRun:
+        """The member at its first step: resumed from its checkpoint if that fits, its
+        prompt encoded (or cached) and, unless resumed, started afresh."""
+        params = member.params
+        state = self._fresh_state(pipe, spec, params)
+        run = DiffusersRun.fresh(member, type(state.scheduler).__name__, len(state.scheduler.timesteps), state)
+        resumed = Resumption.STEP
+        if member.resume is not None:
+            latents = (self.latent_shape(pipe, params), self.network(pipe).dtype)
+            resumed = checkpoints.resume(run, member.resume, latents)
+            if resumed is Resumption.REFUSED:
+                run.state = self._fresh_state(pipe, spec, params)  # restoring may have changed it
+        if member.stopping.is_set():
+            run.result = checkpoints.stopped(run)
+            return run
+        try:
+            cfg = params.guidance_scale > 1.0
+            run.conditioning = self.prompts.get(
+                (params.model, params.prompt, params.negative_prompt, cfg, params.width, params.height),
+                lambda: self.encode_prompt(pipe, spec, params, cfg),
+            )
+            if resumed is not Resumption.LATENTS:
+                self.start(pipe, run, member)
+        except Exception as exc:  # this member's inputs: it fails alone
+            run.result = exc
+        return run
+
+    def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
+        """One draw per output from its own generator, as the diffusers pipelines do."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (1, *self.latent_shape(pipe, params)[1:])
+        dtype = self.network(pipe).dtype
+        return torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
+
+    def _fresh_state(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> LoopState:
+        """A new noise scheduler set to the job's steps, and each output's generator
+        seeded: the state of a job at step 0, before its noise is drawn."""
+        cls = scheduler_class(spec) if spec.scheduler else type(pipe.scheduler)
+        scheduler = cls.from_config(pipe.scheduler.config)
+        scheduler.set_timesteps(params.steps, device=self.device)
+        seeds = [(params.seed + i) % 2**63 for i in range(params.num_images)]
+        generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        return LoopState(torch.empty(0), scheduler, generators)
+
+    def _denoise(self, pipe: Any, key: BatchKey, runs: list[DiffusersRun], checkpoints: MemberCheckpoints) -> None:
+        """Steps every run to its end, one step of each per round, each at its own
+        step index: a resumed member finishes before a fresh one beside it."""
+        if not runs:
+            return
+        takes_generator = "generator" in inspect.signature(_state(runs[0]).scheduler.step).parameters
+        checkpoints.mark(runs)
+        while True:
+            active = [r for r in runs if r.result is None and r.step < r.total]
+            for r in active:
+                if r.member.stopping.is_set():
+                    r.result = checkpoints.stopped(r)
+            active = [r for r in active if r.result is None]
+            if not active:
+                return
+            for group in self._groups(active):
+                t = _state(group[0]).scheduler.timesteps[group[0].step]
+                noise = self._predict(pipe, group, t, key.guidance_scale)
+                for r, eps in zip(group, noise, strict=True):
+                    state = _state(r)
+                    extra = {"generator": state.generators} if takes_generator else {}
+                    state.latents = state.scheduler.step(eps, t, state.latents, **extra, return_dict=False)[0]
+                    _keep_unmasked(state, r.step)
+            for r in active:
+                r.step += 1
+                r.member.on_step(r.step, r.total)
+                checkpoints.stepped(r)
+
+    def _groups(self, active: list[DiffusersRun]) -> list[list[DiffusersRun]]:
+        """The runs that share one network call. Members of a batch share a model,
+        its scheduler class and their steps, so the same step index is the same
+        timestep; comparing indices spares a device sync per member."""
+        if not self.fuse_batches:
+            return [[r] for r in active]
+        by_step: dict[int, list[DiffusersRun]] = {}
+        for r in active:
+            by_step.setdefault(r.step, []).append(r)
+        return list(by_step.values())
+
+    def _predict(self, pipe: Any, group: list[DiffusersRun], t: torch.Tensor, guidance: float) -> list[torch.Tensor]:
+        """The guided noise prediction of each run in ``group``, from one network call."""
+        states = [_state(r) for r in group]
+        scaled = [
+            self.model_input(r, s.scheduler.scale_model_input(s.latents, t)) for r, s in zip(group, states, strict=True)
+        ]
+        sizes = [s.latents.shape[0] for s in states]
+        x = torch.cat(scaled)
+        c = Conditioning.stack([r.conditioning.rows(s.latents.shape[0]) for r, s in zip(group, states, strict=True)])
+        cfg = guidance > 1.0
+        if cfg:
+            x = torch.cat([x, x])
+            c = Conditioning.stack([c.negative(), c])
+        out = self.call_network(pipe, x, t, c, group)
+        if cfg:
+            uncond, cond = out.chunk(2)
+            out = uncond + guidance * (cond - uncond)
+        return list(out.split(sizes))
+
+
+def _keep_unmasked(state: LoopState, step: int) -> None:
+    """Inpainting: outside the mask, the input image noised to the next step."""
+    mask = state.extras.get(MASK)
+    if mask is None:
+        return
+    image, noise = state.extras[IMAGE_LATENTS], state.extras[NOISE]
+    timesteps = state.scheduler.timesteps
+    if step + 1 < len(timesteps):
+        image = state.scheduler.add_noise(image, noise, timesteps[step + 1 : step + 2].repeat(len(image)))
+    state.latents = (1 - mask) * image + mask * state.latents
+
+
+def _state(run: MemberRun) -> LoopState:
+    """A diffusers run's state: it always has one."""
+    assert run.state is not None
+    return run.state

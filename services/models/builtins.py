@@ -1,0 +1,64 @@
+"""The models Darkroom builds itself, on first use, into the models directory: the
+miniatures with random weights that tests and the demo run on a CPU, and the real
+architectures with random weights that benchmarks measure."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Builtin:
+    """A model Darkroom builds itself, on first use, into the models directory:
+    ``build(path)`` of ``module``, which leaves ``marker`` in a whole model."""
+
+    module: str
+    build: str
+    marker: str
+
+
+BUILTINS = {
+    # Miniatures with random weights, for tests and the demo: they run on a CPU in seconds.
+    "builtin:tiny": Builtin("services.models.tiny", "build_tiny_model", "darkroom_tiny.json"),
+    "builtin:tiny-wan": Builtin("services.models.wan", "build_tiny_wan", "darkroom_tiny_wan.json"),
+    "builtin:tiny-upscaler": Builtin("services.models.upscaler", "build_tiny_upscaler", "darkroom_tiny_upscaler.json"),
+    # The real architectures with random weights, for benchmarks: they cost what the
+    # real models cost to load and run; their output is noise.
+    "builtin:sd15-random": Builtin("services.models.presets", "build_sd15_preset", "darkroom_preset.json"),
+    "builtin:sdxl-random": Builtin("services.models.presets", "build_sdxl_preset", "darkroom_preset.json"),
+    "builtin:wan-random": Builtin("services.models.wan", "build_wan_preset", "darkroom_preset.json"),
+    "builtin:upscaler-random": Builtin("services.models.upscaler", "build_upscaler_preset", "darkroom_preset.json"),
+}
+
+
+# The miniatures: `darkroom up` builds them up front.
+MINIATURES = frozenset({"builtin:tiny", "builtin:tiny-wan", "builtin:tiny-upscaler"})
+
+
+def ensure_builtin(builtin: Builtin, path: Path) -> Path:
+    """Builds ``builtin`` at ``path`` once; concurrent callers see a whole model or none."""
+    build = getattr(importlib.import_module(builtin.module), builtin.build)
+    return _ensure_built(path, builtin.marker, build)
+
+
+def _ensure_built(path: Path, marker: str, build: Callable[[Path], Path]) -> Path:
+    if (path / marker).exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
+    try:
+        build(scratch)
+        try:
+            os.rename(scratch, path)
+        except OSError:
+            if not (path / marker).exists():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
