@@ -6,7 +6,8 @@ at several batch sizes.
     python bench/gpu.py --device cpu    # on a CPU: small sizes (the tiny model, SD 1.5 at 128 px)
 
 The models are the real architectures with random weights (``sd15-random``,
-``sdxl-random`` in the default registry), built once into the data directory.
+``sdxl-random``: the default registry's on-request presets, which the bench's stack
+serves through DARKROOM_PRESETS), built once into the data directory.
 Through the stack, each round submits ``batch`` jobs of one shape at once (seeds
 differ), so the sampler runs them as one batch; the bare loop runs the same
 images as one pipeline call. Both include the VAE decode. Columns:
@@ -145,6 +146,7 @@ def through_stack(
             "DARKROOM_GATEWAY_PORT": "0",
             "DARKROOM_DEVICE": device.type,
             "DARKROOM_PRELOAD_MODELS": ",".join(sorted({c.model for c in cases})),
+            "DARKROOM_PRESETS": ",".join(sorted({c.model for c in cases} - set(ModelRegistry.load().models))),
             "DARKROOM_BATCH_WAIT_MS": "50",
             "DARKROOM_LOG_LEVEL": "WARNING",
         }

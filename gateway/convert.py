@@ -56,8 +56,8 @@ def generation_params(
     if image is not None and spec is not None:
         if spec.upscales:
             width, height = image.width * UPSCALE, image.height * UPSCALE
-        else:
-            width, height = fit_within(image.width, image.height, spec.max_width, spec.max_height, spec.size_step)
+        elif spec.edits:
+            width, height = fit_within(image.width, image.height, spec)
     video = spec is not None and spec.makes_video
     edit_strength = 1.0 if mask is not None or image is None or (spec is not None and spec.upscales) else 0.8
     return GenerationParams(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from services.errors import FieldViolation
+from services.models.registry import ModelSpec
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 # An input's pixels, from its header, before anything decodes it: 4096 x 4096.
@@ -51,8 +52,11 @@ def read_input(field: str, data: bytes, *, max_bytes: int) -> InputImage | Field
     return InputImage(data, width, height, hashlib.sha256(data).hexdigest())
 
 
-def fit_within(width: int, height: int, max_width: int, max_height: int, step: int) -> tuple[int, int]:
-    """An output size for an input of ``width`` x ``height``: its own, scaled down
-    (keeping its aspect) to fit the model's limits, each side a multiple of ``step``."""
-    scale = min(1.0, max_width / width, max_height / height)
+def fit_within(width: int, height: int, spec: ModelSpec) -> tuple[int, int]:
+    """An output size for an input of ``width`` x ``height``: its own, scaled
+    (keeping its aspect) into the model's limits where it can be, each side a
+    multiple of the model's size step."""
+    step = spec.size_step
+    scale = min(1.0, spec.max_width / width, spec.max_height / height)
+    scale = max(scale, spec.min_size / width, spec.min_size / height)
     return max(step, int(width * scale) // step * step), max(step, int(height * scale) // step * step)

@@ -54,6 +54,49 @@ load_s = 0.5
 checkpoint_every_steps = 5
 """
 
+# The default registry's miniatures, each checkpointing at every step.
+CHECKPOINTED_MEDIA = """
+[models.tiny]
+source = "builtin:tiny"
+family = "tiny"
+default = true
+dtype = "float32"
+vram_mb = 16
+max_width = 512
+max_height = 512
+checkpoint_every_steps = 1
+
+[models.tiny-wan]
+source = "builtin:tiny-wan"
+family = "wan"
+default = true
+dtype = "float32"
+vram_mb = 32
+min_size = 32
+max_width = 256
+max_height = 256
+size_step = 16
+max_steps = 200
+max_frames = 33
+default_frames = 9
+frames_step = 4
+default_fps = 8
+default_guidance = 5.0
+checkpoint_every_steps = 1
+
+[models.tiny-upscaler]
+source = "builtin:tiny-upscaler"
+family = "sd_x4_upscaler"
+default = true
+dtype = "float32"
+vram_mb = 16
+min_size = 64
+max_width = 512
+max_height = 512
+default_guidance = 9.0
+max_images = 1
+"""
+
 
 def env_of(**values: object) -> dict[str, str]:
     """Settings as a child reads them: ``heartbeat_interval_s=0.5`` is

@@ -19,15 +19,27 @@ PRESET_MARKER = "darkroom_preset.json"
 CLIP_VOCAB = 49408
 
 
-def _clip_tokenizer(tmp: Path) -> Any:
+def clip_tokenizer() -> Any:
+    """A byte-level CLIP tokenizer (no download): every byte is a token."""
+    import tempfile
+
     from transformers import CLIPTokenizer
 
     from services.models.tiny import _byte_level_vocab
 
-    vocab = _byte_level_vocab()
-    (tmp / "vocab.json").write_text(json.dumps(vocab))
-    (tmp / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(str(tmp / "vocab.json"), str(tmp / "merges.txt"), model_max_length=77)
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        (tmp / "vocab.json").write_text(json.dumps(_byte_level_vocab()))
+        (tmp / "merges.txt").write_text("#version: 0.2\n")
+        return CLIPTokenizer(str(tmp / "vocab.json"), str(tmp / "merges.txt"), model_max_length=77)
+
+
+def save_module(directory: Path, module: Any, dtype: Any) -> None:
+    """Saves ``module`` in ``dtype`` at ``directory``, then lets it go: a full-size
+    network's gigabytes are freed before the next is built."""
+    module.to(dtype).save_pretrained(directory)
+    del module
+    gc.collect()
 
 
 def _clip_config(tokenizer: Any, **sizes: Any) -> Any:
@@ -98,7 +110,6 @@ def build_preset(kind: ModelFamily, path: Path, *, seed: int = 0) -> Path:
     """Builds the ``kind`` (SD 1.5 or SDXL) architecture with random weights and
     saves it as a float16 diffusers directory at ``path``, one component at a time
     (an SDXL UNet alone is 10 GB in float32)."""
-    import tempfile
 
     import torch
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, PNDMScheduler, UNet2DConditionModel
@@ -110,12 +121,9 @@ def build_preset(kind: ModelFamily, path: Path, *, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
 
     def save(name: str, module: Any) -> None:
-        module.to(torch.float16).save_pretrained(path / name)
-        del module
-        gc.collect()
+        save_module(path / name, module, torch.float16)
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = _clip_tokenizer(Path(tmp))
+    tokenizer = clip_tokenizer()
     tokenizer.save_pretrained(path / "tokenizer")
     save("text_encoder", CLIPTextModel(_clip_config(tokenizer, **SD15_TEXT)))
     if kind == ModelFamily.SDXL:
@@ -171,14 +179,12 @@ def _diffusers_version() -> str:
 def parameter_counts(kind: ModelFamily) -> dict[str, int]:
     """Parameters of each network of the ``kind`` architecture, built on the meta
     device (no memory): what the presets must match."""
-    import tempfile
 
     import torch
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = _clip_tokenizer(Path(tmp))
+    tokenizer = clip_tokenizer()
     with torch.device("meta"):
         unet = UNet2DConditionModel(**(SDXL_UNET if kind == ModelFamily.SDXL else SD15_UNET))
         networks: dict[str, Any] = {

@@ -9,13 +9,11 @@ low-resolution image's height and width, and a 3-level VAE decodes them to 4x th
 
 from __future__ import annotations
 
-import gc
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from services.models.presets import PRESET_MARKER, _clip_config, _clip_tokenizer, _diffusers_version
+from services.models.presets import PRESET_MARKER, _clip_config, _diffusers_version, clip_tokenizer, save_module
 from services.models.registry import ModelFamily
 
 UPSCALER_TINY_MARKER = "darkroom_tiny_upscaler.json"
@@ -127,17 +125,11 @@ def build_upscaler_preset(path: Path, *, seed: int = 0) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    def save(name: str, module: Any) -> None:
-        module.to(torch.float16).save_pretrained(path / name)
-        del module
-        gc.collect()
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = _clip_tokenizer(Path(tmp))
+    tokenizer = clip_tokenizer()
     tokenizer.save_pretrained(path / "tokenizer")
-    save("text_encoder", CLIPTextModel(_clip_config(tokenizer, **UPSCALER_TEXT)))
-    save("unet", UNet2DConditionModel(**UPSCALER_UNET))
-    save("vae", AutoencoderKL(**UPSCALER_VAE))
+    save_module(path / "text_encoder", CLIPTextModel(_clip_config(tokenizer, **UPSCALER_TEXT)), torch.float16)
+    save_module(path / "unet", UNet2DConditionModel(**UPSCALER_UNET), torch.float16)
+    save_module(path / "vae", AutoencoderKL(**UPSCALER_VAE), torch.float16)
     scheduler, low_res_scheduler = _schedulers()
     scheduler.save_pretrained(path / "scheduler")
     low_res_scheduler.save_pretrained(path / "low_res_scheduler")
@@ -166,8 +158,7 @@ def upscaler_parameter_counts() -> dict[str, int]:
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextModel
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = _clip_tokenizer(Path(tmp))
+    tokenizer = clip_tokenizer()
     with torch.device("meta"):
         networks: dict[str, Any] = {
             "unet": UNet2DConditionModel(**UPSCALER_UNET),

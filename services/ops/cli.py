@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from services.config.fields import SettingsError
 from services.config.sections import KernelSettings, Settings
-from services.ops import SERVICE_MODULES
+from services.ops import SERVICE_MODULES, generate_cli
 
 if TYPE_CHECKING:
     from services.telemetry.metrics import Target
@@ -41,7 +41,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
         _print_metrics(stack.metrics_targets(), data_dir)
         if args.demo_prompt is not None:
-            return _generate_into(stack.gateway_address, args.demo_prompt, args, stack.gateway_roots())
+            return generate_cli.generate_into(stack.gateway_address, args.demo_prompt, args, stack.gateway_roots())
         stopped.wait()
         print("darkroom: stopping", flush=True)
         return 0
@@ -55,47 +55,6 @@ def _print_metrics(targets: list[Target], data_dir: Path) -> None:
     print(f"darkroom: metrics, listed for Prometheus in {targets_path(data_dir)}:", flush=True)
     for t in targets:
         print(f"darkroom:   {t.child} -> {t.url}", flush=True)
-
-
-def _request(prompt: str, args: argparse.Namespace):
-    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-
-    request = pb.SubmitJobRequest(
-        model=args.model,
-        prompt=prompt,
-        negative_prompt=args.negative_prompt or "",
-        width=args.width or 0,
-        height=args.height or 0,
-        steps=args.steps or 0,
-        num_images=1,
-    )
-    if args.seed is not None:
-        request.seed = args.seed
-    if args.guidance is not None:
-        request.guidance_scale = args.guidance
-    return request
-
-
-def _generate_into(address: str, prompt: str, args: argparse.Namespace, tls_roots: bytes | None = None) -> int:
-    import grpc
-
-    from services.rpc.client import JobFailed, generate
-
-    try:
-        job, images = generate(address, _request(prompt, args), api_key=args.api_key, tls_roots=tls_roots)
-    except JobFailed as exc:
-        print(f"darkroom: {exc}", file=sys.stderr)
-        return 1
-    except grpc.RpcError as exc:
-        print(f"darkroom: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
-        return 1
-    out = Path(args.output)
-    out.write_bytes(images[0].data)
-    print(
-        f"darkroom: wrote {out} ({images[0].width}x{images[0].height}, seed {images[0].seed}, "
-        f"job {job.job_id} on {job.worker_id})"
-    )
-    return 0
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
@@ -131,19 +90,6 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    roots = None
-    if args.tls_ca:
-        try:
-            roots = Path(args.tls_ca).expanduser().read_bytes()
-        except OSError as exc:
-            print(f"darkroom: --tls-ca {args.tls_ca}: {exc.strerror}", file=sys.stderr)
-            return 2
-    elif args.tls:
-        roots = b""
-    return _generate_into(args.gateway, args.prompt, args, roots)
-
-
 def cmd_migrate(args: argparse.Namespace) -> int:
     from services.db.migrate import upgrade
 
@@ -167,18 +113,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     importlib.import_module(f"{SERVICE_MODULES[args.service]}.service").main()
     return 0
-
-
-def _generation_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-o", "--output", default="darkroom.png", help="where to write the image (PNG)")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--negative-prompt", default="")
-    p.add_argument("--width", type=int)
-    p.add_argument("--height", type=int)
-    p.add_argument("--steps", type=int)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--guidance", type=float)
-    p.add_argument("--api-key", default=os.environ.get("DARKROOM_API_KEY", ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,16 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
     demo.add_argument("--cpu-workers", type=int, default=1)
     demo.add_argument("--decoders", type=int, default=1)
-    _generation_options(demo)
+    generate_cli.add_options(demo)
     demo.set_defaults(func=lambda a: cmd_up(argparse.Namespace(**{**vars(a), "demo_prompt": a.prompt})))
 
-    gen = sub.add_parser("generate", help="generate an image through a running gateway")
-    gen.add_argument("prompt")
-    gen.add_argument("--gateway", default="127.0.0.1:50051")
-    gen.add_argument("--tls", action="store_true", help="reach the gateway over TLS (the system's CAs)")
-    gen.add_argument("--tls-ca", help="reach the gateway over TLS, trusting this CA certificate (PEM)")
-    _generation_options(gen)
-    gen.set_defaults(func=cmd_generate)
+    generate_cli.add_commands(sub)
 
     serve = sub.add_parser("serve", help="run one service (settings from DARKROOM_* variables)")
     serve.add_argument("service", choices=sorted(SERVICE_MODULES))

@@ -164,6 +164,20 @@ def follow(
             delay = min(delay * 2, 2.0)
 
 
+def default_model(
+    stub: image_generation_pb2_grpc.ImageGenerationStub,
+    capability: str,
+    *,
+    metadata: list[tuple[str, str]] | None = None,
+) -> str:
+    """The gateway's default model of ``capability``; JobFailed if it serves none."""
+    models = stub.ListModels(pb.ListModelsRequest(), metadata=metadata, timeout=30).models
+    of_kind = [m for m in models if m.capability == capability]
+    if not of_kind:
+        raise JobFailed(f"the gateway serves no {capability} model")
+    return next((m.name for m in of_kind if m.is_default), of_kind[0].name)
+
+
 def progress_bar(step: int, total: int) -> None:
     width = 30
     filled = int(width * step / max(total, 1))
@@ -188,12 +202,16 @@ def generate(
     api_key: str = "",
     tls_roots: bytes | None = None,
     on_progress: Callable[[int, int], None] | None = progress_bar,
+    capability: str = "image",
 ) -> tuple[pb.Job, list[GeneratedImage]]:
     """``tls_roots``: reach the gateway over TLS, trusting these certificates (b"":
-    the system's)."""
+    the system's). A request naming no model takes the gateway's default model of
+    ``capability``."""
     metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
     with gateway_channel(address, tls_roots) as ch:
         stub = image_generation_pb2_grpc.ImageGenerationStub(ch)
+        if not request.model:
+            request.model = default_model(stub, capability, metadata=metadata)
         submitted = submit(stub, request, metadata=metadata)
         job, images = follow(stub, submitted.job_id, metadata=metadata, on_progress=on_progress)
     if job.status != pb.JOB_STATUS_SUCCEEDED:

@@ -21,6 +21,7 @@ import psycopg
 from PIL import Image
 
 from services.config.sections import Settings
+from services.models.video_encoding import probe_video, read_frames
 from services.ops.stack import LocalStack
 from services.rpc.client import GeneratedImage, StreamLog, follow, submit
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -83,21 +84,26 @@ class Load:
         self._lock = threading.Lock()
         self._keys = iter(range(10**9))
 
-    def submit(self, n: int, *, width: int = 64, height: int = 64, steps: int = 40, num_images: int = 1) -> list[str]:
+    def submit(
+        self, n: int, *, width: int = 64, height: int = 64, steps: int = 40, num_images: int = 1, **more: Any
+    ) -> list[str]:
         """Submits ``n`` jobs now and starts following them; returns their ids."""
-        started = [self.start(width=width, height=height, steps=steps, num_images=num_images) for _ in range(n)]
+        started = [self.start(width=width, height=height, steps=steps, num_images=num_images, **more) for _ in range(n)]
         for f in started:
             assert f.thread is not None
             while f.thread.is_alive() and not f.job_id and not f.error:
                 time.sleep(0.01)
         return [f.job_id for f in started]
 
-    def start(self, *, width: int, height: int, steps: int, num_images: int = 1) -> Followed:
+    def start(
+        self, *, width: int, height: int, steps: int, num_images: int = 1, model: str = "tiny", frames: int = 0
+    ) -> Followed:
         """Submits one job from its own thread (a submit may have to wait out an
         outage) and follows it to its end."""
         key = f"fault-{next(self._keys)}-{time.monotonic_ns()}"
         request = pb.SubmitJobRequest(
-            model="tiny",
+            model=model,
+            frames=frames,
             prompt=f"job {key}",
             width=width,
             height=height,
@@ -160,10 +166,20 @@ def png_size(data: bytes) -> tuple[int, int]:
         return img.size
 
 
+def output_size(data: bytes, frames: int) -> tuple[int, int, int]:
+    """An image's (width, height, 1), or an MP4's (width, height, frames), read whole."""
+    if frames == 1:
+        return (*png_size(data), 1)
+    info = probe_video(data)
+    if len(read_frames(data)) != info.frames:
+        return (info.width, info.height, -1)
+    return (info.width, info.height, info.frames)
+
+
 def db_rows(stack: LocalStack, ids: list[str]) -> dict[str, dict[str, Any]]:
     with psycopg.connect(stack.pg_url, connect_timeout=5) as conn:
         cur = conn.execute(
-            "SELECT j.id, j.status, j.num_images, j.width, j.height, j.idempotency_key, j.starts, j.failures,"
+            "SELECT j.id, j.status, j.num_images, j.width, j.height, j.frames, j.idempotency_key, j.starts, j.failures,"
             " j.attempt, j.worker_id, j.finished_at, j.scheduled_at,"
             " (SELECT count(*) FROM job_images i WHERE i.job_id = j.id) AS stored"
             " FROM jobs j WHERE j.id = ANY(%s)",
@@ -246,9 +262,9 @@ def check(
                 duplicated.add(f.job_id)
                 problems.append(f"{f.job_id}: {row['stored']} images stored for {row['num_images']}")
             job = load.get(f.job_id)
-            sizes = [png_size(i.data) for i in job.images]
-            if sizes != [(row["width"], row["height"])] * row["num_images"]:
-                problems.append(f"{f.job_id}: images of sizes {sizes}")
+            sizes = [output_size(i.data, row["frames"]) for i in job.images]
+            if sizes != [(row["width"], row["height"], row["frames"])] * row["num_images"]:
+                problems.append(f"{f.job_id}: outputs of sizes {sizes}")
             if f.results and [i.data for i in f.results[0][1]] != [i.data for i in job.images]:
                 problems.append(f"{f.job_id}: the client's images differ from the stored ones")
         else:

@@ -24,7 +24,7 @@ from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database
 from tests.faults.harness import Load, check, fault_stack, now, stop_and_check_processes
-from tests.helpers import CHECKPOINTED_TINY, wait_for
+from tests.helpers import CHECKPOINTED_MEDIA, CHECKPOINTED_TINY, wait_for, wait_terminal
 
 pytestmark = pytest.mark.faults
 
@@ -326,3 +326,29 @@ def test_sampler_drained_with_a_backlog(make) -> None:
     assert drain_s < 20, f"the drain took {drain_s:.1f}s: it should take about one step, well inside the grace"
     with psycopg.connect(stack.pg_url) as conn:
         assert conn.execute("SELECT status FROM workers WHERE id = %s", (worker_id,)).fetchone() == ("gone",)
+
+
+def test_sampler_killed_during_a_video_resumes_it_from_its_checkpoint(make, tmp_path: Path) -> None:
+    registry = tmp_path / "registry.toml"
+    registry.write_text(CHECKPOINTED_MEDIA)
+    stack = make(model_registry=str(registry))
+    load = Load(stack)
+    steps = 100
+    video = dict(width=64, height=48, steps=steps, model="tiny-wan", frames=17)
+    [job_id] = load.submit(1, **video)
+    victim = running_job(load, [job_id], min_step=30)
+    stack.services[sampler_of(stack, victim.worker_id)].kill()
+    fault_at = now()
+    summary = check("sampler `kill -9` during a video: resumed from its checkpoint", stack, load, fault_at=fault_at)
+    job = load.get(job_id)
+    [resumption] = job.resumptions
+    assert 0 < resumption.step <= steps and [f.worker_id for f in job.failed_attempts] == [victim.worker_id]
+    killed = steps_before_the_crash([e for events in load.jobs[0].log.events for e in events])
+    summary.notes.append(f"killed after step {killed} of {steps}, resumed from {resumption.step}")
+    # The video it would have made uninterrupted, byte for byte.
+    request = pb.SubmitJobRequest()
+    request.CopyFrom(load.jobs[0].request)
+    request.idempotency_key += "-again"
+    again = wait_terminal(load.stub, load.stub.SubmitJob(request).job_id, timeout=180)
+    assert again.status == pb.JOB_STATUS_SUCCEEDED and not again.resumptions
+    assert job.images[0].data == again.images[0].data, "the resumed video is the uninterrupted one"

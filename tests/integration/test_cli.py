@@ -13,7 +13,9 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
+from PIL import Image
 
+from services.models.video_encoding import probe_video
 from services.ops.embedded import free_port
 from tests.helpers import metrics_text, png_size, wait_for
 
@@ -101,6 +103,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         assert result.returncode == 0, result.stderr
         assert "step 3/3" in result.stderr  # the progress bar, fed by the stream
         assert png_size(out.read_bytes()) == (96, 128)
+        check_media_commands(tmp_path, port, out)
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
@@ -175,3 +178,45 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
         if supervise.poll() is None:
             supervise.kill()
         nats_server.stop()
+
+
+def darkroom(*args: str, port: int) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "services.ops.cli", *args, "--gateway", f"127.0.0.1:{port}"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def check_media_commands(tmp_path: Path, port: int, image: Path) -> None:
+    """A video, an edit, an inpainting and an upscale through `darkroom generate`
+    and `darkroom upscale`, each with its progress bar; a bad file or output named."""
+    clip = tmp_path / "clip.mp4"
+    video = "--video --frames 9 --fps 8 --width 64 --height 48 --steps 2".split()
+    result = darkroom("generate", "waves", *video, "-o", str(clip), port=port)
+    assert result.returncode == 0, result.stderr
+    assert "step 2/2" in result.stderr and "9 frames at 8 fps" in result.stdout
+    info = probe_video(clip.read_bytes())
+    assert (info.mime_type, info.frames, info.width, info.height, info.fps) == ("video/mp4", 9, 64, 48, 8.0)
+
+    mask = tmp_path / "mask.png"
+    Image.new("L", (96, 128), 255).save(mask)
+    for extra in (["--strength", "0.5"], ["--mask", str(mask)]):
+        edited = tmp_path / "edited.png"
+        result = darkroom(
+            "generate", "a door", "--image", str(image), *extra, "--steps", "4", "-o", str(edited), port=port
+        )
+        assert result.returncode == 0, result.stderr
+        assert png_size(edited.read_bytes()) == (96, 128)
+
+    small, big = tmp_path / "small.png", tmp_path / "big.png"
+    Image.new("RGB", (32, 24), (200, 40, 90)).save(small)
+    result = darkroom("upscale", str(small), "--steps", "2", "-o", str(big), port=port)
+    assert result.returncode == 0, result.stderr
+    assert "step 2/2" in result.stderr and png_size(big.read_bytes()) == (128, 96)
+
+    missing = darkroom("generate", "x", "--image", str(tmp_path / "none.png"), port=port)
+    assert missing.returncode == 2 and "--image" in missing.stderr and "No such file" in missing.stderr
+    wrong = darkroom("generate", "x", "--video", "-o", str(tmp_path / "clip.avi"), port=port)
+    assert wrong.returncode == 2 and ".mp4" in wrong.stderr
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    refused = darkroom("generate", "x", "--image", str(bad), port=port)
+    assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr and "image" in refused.stderr

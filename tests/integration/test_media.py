@@ -23,52 +23,10 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import png_size, stub, wait_for, wait_terminal
+from tests.helpers import CHECKPOINTED_MEDIA, png_size, stub, wait_for, wait_terminal
 
 pytestmark = pytest.mark.integration
 
-# The default registry's miniatures, each checkpointing at every step.
-REGISTRY = """
-[models.tiny]
-source = "builtin:tiny"
-family = "tiny"
-default = true
-dtype = "float32"
-vram_mb = 16
-max_width = 512
-max_height = 512
-checkpoint_every_steps = 1
-
-[models.tiny-wan]
-source = "builtin:tiny-wan"
-family = "wan"
-default = true
-dtype = "float32"
-vram_mb = 32
-min_size = 32
-max_width = 256
-max_height = 256
-size_step = 16
-max_steps = 200
-max_frames = 33
-default_frames = 9
-frames_step = 4
-default_fps = 8
-default_guidance = 5.0
-checkpoint_every_steps = 1
-
-[models.tiny-upscaler]
-source = "builtin:tiny-upscaler"
-family = "sd_x4_upscaler"
-default = true
-dtype = "float32"
-vram_mb = 16
-min_size = 64
-max_width = 512
-max_height = 512
-default_guidance = 9.0
-max_images = 1
-"""
 VIDEO: dict[str, Any] = dict(model="tiny-wan", prompt="waves", width=64, height=48, steps=4, frames=9, fps=8.0, seed=3)
 
 
@@ -78,7 +36,7 @@ def stack(
 ) -> Iterator[LocalStack]:
     tmp = tmp_path_factory.mktemp("media")
     registry = tmp / "registry.toml"
-    registry.write_text(REGISTRY)
+    registry.write_text(CHECKPOINTED_MEDIA)
     s = make_stack(
         tmp / "stack",
         postgres,

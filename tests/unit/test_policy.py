@@ -422,3 +422,23 @@ def test_placement_records_scored_candidates_and_a_reason() -> None:
     assert "cold" in p.candidates[0].note and "load" in p.candidates[0].note
     assert p.candidates[1].note == "warm"
     assert "earliest estimated finish" in p.reason and "4.00s" in p.reason
+
+
+# Capabilities: a job goes only to a sampler that serves its model's capability.
+
+
+def test_a_sampler_without_the_capability_is_no_candidate() -> None:
+    image_only = worker("img", capabilities=frozenset({"image"}), warm=("vid",))
+    both = worker("both", capabilities=frozenset({"image", "video"}))
+    p = place(job(model="vid"), [image_only, both], fleet(), CONFIG)
+    assert p.worker_id == "both"
+    assert candidate(p, "img") == Candidate("img", False, float("inf"), "does not serve video")
+
+
+def test_a_job_no_live_sampler_serves_waits_for_its_capability() -> None:
+    p = place(job(model="vid"), [worker("img", capabilities=frozenset({"image"}))], fleet(), CONFIG)
+    assert (p.worker_id, p.waiting_for, p.reason) == (None, "video", "no live sampler serves video")
+    busy = place(
+        job(), [worker("img", capabilities=frozenset({"image"}), state=WorkerStatus.DRAINING)], fleet(), CONFIG
+    )
+    assert busy.worker_id is None and busy.waiting_for == "", "a sampler that serves it is only busy"

@@ -215,3 +215,24 @@ def test_preemption_keeps_the_urgent_lane_s_p99_low_on_a_fleet_busy_with_videos(
     assert all(j.finish_s is not None and j.done == 1.0 for j in on.jobs)
     assert max(j.preemptions for j in on.jobs) <= sc.preemption.max_preemptions
     assert all(j.preemptions == 0 for j in on.jobs if j.trace.lane == "interactive")
+
+
+def test_a_gpu_whose_sampler_does_not_serve_video_never_runs_it(tmp_path: Path) -> None:
+    """The simulator's GPUs advertise capabilities as production samplers do
+    (DARKROOM_CAPABILITIES restricts them): every policy keeps video off the GPU
+    that does not serve it, though it fits there."""
+    serves_images = {**fleets.gpu("fast", 1.5, 24, "img"), "serves": ["image"]}
+    path = fleets.write(tmp_path / "serves.toml", fleets.changed(SMALL, gpus=[serves_images, *SMALL["gpus"][1:]]))
+    sc = scenarios.load(path)
+    trace = traces.trace(sc, 0.5)
+    for name in sorted(POLICIES):
+        result = Simulation(sc, POLICIES[name](sc), trace, load=0.5).run()
+        videos = [j for j in result.jobs if j.model == "vid"]
+        assert videos and all(j.finish_s is not None and j.gpu == "slow" for j in videos), name
+
+
+def test_a_gpu_may_serve_only_capabilities_some_model_has(tmp_path: Path) -> None:
+    bad = {**fleets.gpu("fast", 1.5, 24, "img"), "serves": ["audio"]}
+    path = fleets.write(tmp_path / "bad.toml", fleets.changed(SMALL, gpus=[bad, *SMALL["gpus"][1:]]))
+    with pytest.raises(scenarios.ScenarioError, match="serves 'audio', which no model has"):
+        scenarios.load(path)
