@@ -57,7 +57,8 @@ def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
         planned_models=frozenset(w.planned_models),
         primary_model=w.primary_model,
         measured=measured(w.telemetry),
-        capabilities=frozenset(w.capabilities),
+        # None where it says none (registered before samplers advertised them): its models' then.
+        capabilities=frozenset(w.capabilities) or None,
     )
 
 

@@ -107,7 +107,7 @@ class Passes:
         # Urgent work left waiting behind preemptible work makes room (its
         # placement comes in a later pass, once the GPU is free).
         await self.preempter.after_pass(fleet, decision)
-        await self.note_waiting(decision.placed)
+        await self.note_waiting(decision.placements)
         if not scheduled:
             return 0
         log.debug("placed %d jobs", len(scheduled))

@@ -147,9 +147,9 @@ class GatewaySettings(Section):
     max_input_mb: float = setting(
         16.0,
         "The largest input image (or mask) an edit or upscale may send, in MiB; larger ones are refused before "
-        "anything is stored.",
+        "anything is stored. At most 24: an image and its mask travel in one gRPC message of at most 64 MiB.",
         at_least=0.01,
-        at_most=48.0,
+        at_most=24.0,
     )
     placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
 

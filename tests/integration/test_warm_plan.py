@@ -28,6 +28,7 @@ def two_model_registry(path: Path) -> Path:
     """The shipped ``tiny`` table twice: as ``tiny`` and as ``tiny-b``."""
     tiny = tomllib.loads(DEFAULT_REGISTRY.read_text())["models"]["tiny"]
     assert tiny["source"] == "builtin:tiny" and tiny["family"] == "tiny"
+    tiny.pop("default")  # one default image model: neither is
     lines = []
     for name in ("tiny", "tiny-b"):
         lines.append(f'[models."{name}"]')

@@ -39,6 +39,7 @@ def test_job_formats_name_their_mime_types() -> None:
         "png": "image/png",
         "jpeg": "image/jpeg",
         "webp": "image/webp",
+        "mp4": "video/mp4",
     }
     with pytest.raises(InvalidArgument) as err:
         mime_type_of("gif")
