@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psycopg
@@ -334,7 +335,7 @@ def test_sampler_killed_during_a_video_resumes_it_from_its_checkpoint(make, tmp_
     stack = make(model_registry=str(registry))
     load = Load(stack)
     steps = 100
-    video = dict(width=64, height=48, steps=steps, model="tiny-wan", frames=17)
+    video: dict[str, Any] = dict(width=64, height=48, steps=steps, model="tiny-wan", frames=17)
     [job_id] = load.submit(1, **video)
     victim = running_job(load, [job_id], min_step=30)
     stack.services[sampler_of(stack, victim.worker_id)].kill()

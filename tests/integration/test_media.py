@@ -119,7 +119,7 @@ def test_edits_depend_on_their_input_and_are_exact_when_batched(stack: LocalStac
     client = stub(stack)
     mask = np.zeros((64, 64, 3), dtype=np.uint8)
     mask[:, 32:] = 255
-    shape = dict(model="tiny", prompt="a door", width=64, height=64, steps=8, seed=21, lane="paid")
+    shape: dict[str, Any] = dict(model="tiny", prompt="a door", width=64, height=64, steps=8, seed=21, lane="paid")
     requests = [
         pb.SubmitJobRequest(**shape, image=picture(1), strength=0.6),
         pb.SubmitJobRequest(**shape, image=picture(2), strength=0.6),
