@@ -176,14 +176,15 @@ def _frames(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec)
         return bad
     bad = []
     step = spec.frames_step
-    if not 1 <= params.frames <= spec.max_frames or (params.frames - 1) % step:
+    least = 1 + step  # one frame is an image
+    if not least <= params.frames <= spec.max_frames or (params.frames - 1) % step:
         below = params.frames - (params.frames - 1) % step
-        near = " or ".join(str(f) for f in (below, below + step) if 1 <= f <= spec.max_frames)
+        near = " or ".join(str(f) for f in (below, below + step) if least <= f <= spec.max_frames)
         bad.append(
             FieldViolation(
                 "frames",
                 f"{params.frames} does not fit {spec.name}: frames are 1 plus a multiple of {step} (its VAE's "
-                f"temporal compression), at most {spec.max_frames}" + (f"; try {near}" if near else ""),
+                f"temporal compression), {least}..{spec.max_frames}" + (f"; try {near}" if near else ""),
             )
         )
     if not (math.isfinite(params.fps) and 1.0 <= params.fps <= MAX_FPS):

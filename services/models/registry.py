@@ -227,9 +227,9 @@ def _check_frames(spec: ModelSpec) -> None:
         if (spec.max_frames, spec.default_frames) != (1, 1):
             raise ModelError(f"model {spec.name!r}: only a video family has frames (family {spec.family})")
         return
-    if not 1 <= spec.default_frames <= spec.max_frames or (spec.default_frames - 1) % spec.frames_step:
+    if not 1 < spec.default_frames <= spec.max_frames or (spec.default_frames - 1) % spec.frames_step:
         raise ModelError(
-            f"model {spec.name!r}: default_frames {spec.default_frames} must be 1 plus a multiple of "
+            f"model {spec.name!r}: default_frames {spec.default_frames} must be 1 plus a (positive) multiple of "
             f"frames_step {spec.frames_step}, at most max_frames {spec.max_frames}"
         )
     if not 1 <= spec.default_fps <= MAX_FPS:

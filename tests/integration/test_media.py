@@ -158,7 +158,8 @@ def _fields(request: pb.SubmitJobRequest) -> dict[str, Any]:
 
 BAD = [
     (dict(model="tiny-wan", frames=10), "frames", "1 plus a multiple of 4"),
-    (dict(model="tiny-wan", frames=37), "frames", "at most 33"),
+    (dict(model="tiny-wan", frames=37), "frames", "5..33"),
+    (dict(model="tiny-wan", frames=1), "frames", "5..33"),
     (dict(model="tiny-wan", fps=500.0), "fps", "1..120"),
     (dict(model="tiny-wan", image=b"x"), "image", ""),
     (dict(model="tiny-wan", output_format=pb.OUTPUT_FORMAT_PNG), "output_format", "for a video"),

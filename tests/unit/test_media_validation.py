@@ -51,7 +51,8 @@ def test_a_video_takes_its_models_frames_fps_and_guidance_and_mp4() -> None:
 def test_frames_out_of_the_models_rule_are_named_with_the_nearest_that_fit() -> None:
     assert "1 plus a multiple of 4" in (said := violations(model="tiny-wan", frames=11)["frames"])
     assert "try 9 or 13" in said
-    assert "at most 33" in violations(model="tiny-wan", frames=37)["frames"]
+    assert "5..33" in violations(model="tiny-wan", frames=37)["frames"]
+    assert "5..33" in violations(model="tiny-wan", frames=1)["frames"], "one frame is an image"
     assert violations(model="tiny-wan", width=72)["width"] == "72 is not a multiple of 16 (tiny-wan)"
 
 

@@ -1,0 +1,55 @@
+"""A video's latents decoded in temporal chunks give exactly the frames Wan's VAE
+gives decoding the whole video at once; above the tiling size, spatial tiles of the
+frames' size; and the output check sees a blank video."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+
+from services.models.frames import FrameStats
+from services.models.video_vae import decode_video
+
+
+@pytest.fixture(scope="module")
+def vae(models_dir: Path) -> AutoencoderKLWan:
+    return AutoencoderKLWan.from_pretrained(models_dir / "tiny-wan", subfolder="vae", local_files_only=True).eval()
+
+
+def whole(vae: AutoencoderKLWan, z: torch.Tensor) -> torch.Tensor:
+    """What the pipeline gets: the whole video in one decode, as uint8 frames."""
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    with torch.inference_mode():
+        video = vae.decode(z.unsqueeze(0) * std + mean).sample[0]
+    return ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 3, 0)
+
+
+def test_chunks_decode_exactly_the_whole_videos_frames(vae: AutoencoderKLWan) -> None:
+    z = torch.randn(16, 5, 6, 8, generator=torch.Generator().manual_seed(1))  # 17 frames of 64x48
+    with torch.inference_mode():
+        frames, stats, tiled = decode_video(vae, z, tile_above_pixels=10**9)
+    assert frames.shape == (17, 48, 64, 3) and frames.dtype == torch.uint8 and not tiled
+    assert torch.equal(frames, whole(vae, z))
+    assert stats.count == 17 * 48 * 64 * 3 and stats.finite and stats.std > 0.01
+
+
+def test_a_video_above_the_tiling_size_decodes_in_tiles(vae: AutoencoderKLWan) -> None:
+    z = torch.randn(16, 2, 12, 16, generator=torch.Generator().manual_seed(2))  # 5 frames of 128x96
+    vae.tile_sample_min_height = vae.tile_sample_min_width = 64
+    vae.tile_sample_stride_height = vae.tile_sample_stride_width = 48
+    with torch.inference_mode():
+        frames, _, tiled = decode_video(vae, z, tile_above_pixels=64 * 64)
+    assert tiled and frames.shape == (5, 96, 128, 3)
+    assert vae.use_tiling
+
+
+def test_the_output_check_sees_a_blank_video() -> None:
+    stats = FrameStats()
+    stats.add(torch.full((3, 2, 8, 8), 0.5))
+    assert "degenerate" in stats.fault(0.002)
+    stats.add(torch.tensor([float("nan")]))
+    assert "NaN" in stats.fault(0.002)
