@@ -95,13 +95,14 @@ class DiffusersDenoiser:
             state.latents = noise * state.scheduler.init_noise_sigma
             return
         params = member.params
-        first = params.first_step()
+        # A second-order scheduler lists each timestep twice: its loop index is twice the step.
+        first = params.first_step() * state.scheduler.order
         image = inputs.image_latents.to(self.device, noise.dtype).repeat(params.num_images, 1, 1, 1)
         state.extras = {IMAGE_LATENTS: image, NOISE: noise}
         if inputs.mask is not None:
             state.extras[MASK] = inputs.mask.to(self.device, noise.dtype)
         if hasattr(state.scheduler, "set_begin_index"):
-            state.scheduler.set_begin_index(first * state.scheduler.order)
+            state.scheduler.set_begin_index(first)
         if first == 0 and inputs.mask is not None:
             state.latents = noise * state.scheduler.init_noise_sigma  # all of it repainted, as diffusers does
         else:

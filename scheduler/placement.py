@@ -199,10 +199,8 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pla
         capability = fleet.costs[job.model].capability
         if not any(w.serves(capability) for w in workers):
             return Placement(job.id, None, f"no live sampler serves {capability}", candidates, waiting_for=capability)
-        if not any(job.model in w.models for w in workers):
-            reason = "no live worker serves the model"
-        else:
-            reason = "no worker can take it now"
+        served = any(job.model in w.models for w in workers)
+        reason = "no worker can take it now" if served else "no live worker serves the model"
         return Placement(job.id, None, reason, candidates)
     best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
     if not best.has_room:
