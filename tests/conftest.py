@@ -60,13 +60,16 @@ async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository
         await second.close()
 
 
-def make_stack(tmp: Path, pg: EmbeddedPostgres, models: Path, *, samplers: int = 1, **values: Any) -> LocalStack:
+def make_stack(
+    tmp: Path, pg: EmbeddedPostgres, models: Path, *, samplers: int = 1, http: bool = False, **values: Any
+) -> LocalStack:
     """A stack in ``tmp`` on a fresh database, its settings changed by ``values``
-    (see ``env_of``)."""
+    (see ``env_of``); ``http``: with the HTTP API on a free port."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "models").symlink_to(models, target_is_directory=True)
-    base = env_of(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, log_level="INFO")
-    return LocalStack(Settings.from_env({**base, **env_of(**values)}), cpu_workers=samplers, durable=False)
+    base = env_of(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, http_port=0, log_level="INFO")
+    settings = Settings.from_env({**base, **env_of(**values)})
+    return LocalStack(settings, cpu_workers=samplers, durable=False, http=http)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,11 @@ from services.config.fields import Section, Setting
 from services.config.sections import Settings
 
 # How the page names the parts of Settings that read a section.
-READERS = {"kernel": "every service", "supervisor": "`darkroom up` and `darkroom supervise`"}
+READERS = {
+    "kernel": "every service",
+    "supervisor": "`darkroom up` and `darkroom supervise`",
+    "http": "the HTTP API",
+}
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "settings.md"
 INTRO = """# Settings
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.config.fields import Codec, Section, SettingsError, setting
+from services.config.http import HttpSettings
 from services.config.placement import PlacementSettings, PreemptionSettings
 
 if TYPE_CHECKING:
@@ -308,6 +309,7 @@ class Settings(Section):
     scheduler: SchedulerSettings = setting(doc="The scheduler.", factory=SchedulerSettings)
     sampler: SamplerSettings = setting(doc="Each sampler.", factory=SamplerSettings)
     decoder: DecoderSettings = setting(doc="Each decoder.", factory=DecoderSettings)
+    http: HttpSettings = setting(doc="The HTTP API.", factory=HttpSettings)
     supervisor: SupervisorSettings = setting(doc="The supervisor.", factory=SupervisorSettings)
 
     def with_env(self, env: Mapping[str, str]) -> Settings:

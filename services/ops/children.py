@@ -18,7 +18,7 @@ from services.telemetry.metrics import Target
 
 # Stopping front to back: stop taking work first, let samplers finish (or hand
 # back) theirs, and keep the decoders up until they have.
-STOP_ORDER_RANK = {"gateway": 0, "scheduler": 1, "sampler": 2, "decoder": 3}
+STOP_ORDER_RANK = {"http": 0, "gateway": 0, "scheduler": 1, "sampler": 2, "decoder": 3}
 
 
 def visible_gpus() -> int:

@@ -25,13 +25,15 @@ def _settings(args: argparse.Namespace) -> Settings:
         changed["DARKROOM_DATA_DIR"] = str(Path(args.data_dir).expanduser().resolve())
     if getattr(args, "port", None) is not None:
         changed["DARKROOM_GATEWAY_PORT"] = str(args.port)
+    if getattr(args, "http_port", None) is not None:
+        changed["DARKROOM_HTTP_PORT"] = str(args.http_port)
     return Settings.from_env({**os.environ, **changed})
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     from services.ops.stack import LocalStack
 
-    stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers, decoders=args.decoders)
+    stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers, decoders=args.decoders, http=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
@@ -39,6 +41,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.start()
         data_dir = stack.settings.kernel.data_dir
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
+        print(f"darkroom: OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
         _print_metrics(stack.metrics_targets(), data_dir)
         if args.demo_prompt is not None:
             return generate_cli.generate_into(stack.gateway_address, args.demo_prompt, args, stack.gateway_roots())
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start the whole stack on this machine")
     up.add_argument("--data-dir", help="where PostgreSQL, JetStream and models live (default ~/.darkroom)")
     up.add_argument("--port", type=int, help="gateway port (default 50051)")
+    up.add_argument("--http-port", type=int, help="HTTP API port (default 8080; 0: a free one)")
     up.add_argument("--cpu-workers", type=int, default=1, help="sampler processes when there is no GPU")
     up.add_argument("--decoders", type=int, default=1, help="VAE decoder processes")
     up.set_defaults(func=cmd_up, demo_prompt=None)
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("prompt", nargs="?", default="a lighthouse on a cliff at dusk")
     demo.add_argument("--data-dir")
     demo.add_argument("--port", type=int, default=0, help="gateway port (default: a free one)")
+    demo.add_argument("--http-port", type=int, default=0, help="HTTP API port (default: a free one)")
     demo.add_argument("--cpu-workers", type=int, default=1)
     demo.add_argument("--decoders", type=int, default=1)
     generate_cli.add_options(demo)

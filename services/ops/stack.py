@@ -28,11 +28,14 @@ from services.telemetry.metrics import Target, targets_path, write_targets
 
 
 class LocalStack:
-    def __init__(self, settings: Settings, *, cpu_workers: int = 1, decoders: int = 1, durable: bool = True) -> None:
+    def __init__(
+        self, settings: Settings, *, cpu_workers: int = 1, decoders: int = 1, durable: bool = True, http: bool = False
+    ) -> None:
         self.settings = settings
         self.cpu_workers = cpu_workers
         self.decoders = decoders
         self.durable = durable
+        self.http = http  # the HTTP API too (`darkroom up`)
         self.postgres: EmbeddedPostgres | None = None
         self.nats: EmbeddedNats | None = None
         self.supervisor = Supervisor(restart_policy(settings))
@@ -46,6 +49,10 @@ class LocalStack:
     @property
     def gateway_address(self) -> str:
         return f"{self.settings.gateway.host}:{self.settings.gateway.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.settings.http.host}:{self.settings.http.port}"
 
     def gateway_roots(self) -> bytes | None:
         """What a client of this stack's gateway trusts: None, plaintext; else the
@@ -128,8 +135,31 @@ class LocalStack:
             self.supervisor.add(c)
         self.add("scheduler", "scheduler", {"DARKROOM_METRICS_PORT": str(scheduler_metrics)})
         self.add("gateway", "gateway", {"DARKROOM_METRICS_PORT": str(gateway_metrics)})
+        if self.http:
+            self._add_http()
         self.supervisor.start()
         self.wait_ready(timeout)
+
+    def _add_http(self) -> None:
+        """The HTTP API, speaking to this stack's gateway, signing links with a key
+        kept beside the stack's other secrets."""
+        from services.mesh.secrets import password
+
+        secrets = Path(self.settings.kernel.mesh_dir or self.settings.kernel.data_dir / "secrets")
+        secrets.mkdir(parents=True, exist_ok=True)
+        password(secrets / "http-url.key")  # made once, random, 0600
+        env = {
+            "DARKROOM_HTTP_PORT": str(self.settings.http.port or free_port()),
+            "DARKROOM_HTTP_GATEWAY": self.gateway_address,
+            "DARKROOM_HTTP_URL_KEY_FILE": str(secrets / "http-url.key"),
+        }
+        roots = self.gateway_roots()
+        if roots is not None:
+            trusted = secrets / "gateway-roots.pem"
+            trusted.write_bytes(roots)
+            env["DARKROOM_HTTP_GATEWAY_TLS_CA"] = str(trusted)
+        self.settings = self.settings.with_env(env)
+        self.add("http", "http", {"DARKROOM_METRICS_PORT": str(self.metrics_ports.next())})
 
     def _let_into_nats(self, children: Iterable[Child]) -> None:
         """Gives each sampler among ``children`` its own NATS user, on the embedded
@@ -166,7 +196,7 @@ class LocalStack:
                     ).fetchone()
                 assert row is not None
                 serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                if serving and row[0] >= want and row[1] >= self.decoders:
+                if serving and row[0] >= want and row[1] >= self.decoders and self._http_listening():
                     return
             except (grpc.RpcError, psycopg.Error):
                 pass
@@ -174,6 +204,17 @@ class LocalStack:
                 tails = "\n".join(f"--- {c.name} ---\n{c.log_tail(1500)}" for c in self.services.values())
                 raise TimeoutError(f"the stack did not become ready in {timeout:.0f}s; logs in {self.log_dir}\n{tails}")
             time.sleep(0.2)
+
+    def _http_listening(self) -> bool:
+        if not self.http:
+            return True
+        import socket
+
+        try:
+            with socket.create_connection((self.settings.http.host, self.settings.http.port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def stop(self) -> None:
         # Samplers get their drain's grace before SIGKILL.

@@ -3,6 +3,7 @@ and SIGTERM stops everything, leaving no process behind."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import psutil
 import psycopg
 import pytest
@@ -28,13 +30,16 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
     data = tmp_path / "data"
     data.mkdir()
     (data / "models").symlink_to(models_dir, target_is_directory=True)
-    port = free_port()
+    port, http_port = free_port(), free_port()
     # Its own nats-server (embedded, since no URL is set) and its own database.
     env = {**os.environ, "DARKROOM_DATABASE_URL": fresh_database(postgres)}
     env.pop("DARKROOM_NATS_URL", None)
     log = open(tmp_path / "up.log", "wb")
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.ops.cli", "up", "--data-dir", str(data), "--port", str(port)],
+        [
+            *(sys.executable, "-m", "services.ops.cli", "up", "--data-dir", str(data)),
+            *("--port", str(port), "--http-port", str(http_port)),
+        ],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -66,14 +71,15 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
             what="the metrics list",
         )
         targets = json.loads((data / "prometheus" / "targets.json").read_text())
-        assert sorted(t["labels"]["child"] for t in targets) == ["decoder-0", "gateway", "sampler-0", "scheduler"]
+        children_named = sorted(t["labels"]["child"] for t in targets)
+        assert children_named == ["decoder-0", "gateway", "http", "sampler-0", "scheduler"]
         for target in targets:
             [address] = target["targets"]
             assert f"darkroom:   {target['labels']['child']} -> http://{address}/metrics" in printed
             assert "darkroom_build_info" in metrics_text(address)
         children = psutil.Process(up.pid).children(recursive=True)
         names = " ".join(" ".join(c.cmdline()) for c in children)
-        for module in ("gateway", "scheduler", "gpu_worker", "vae_worker", "nats-server"):
+        for module in ("gateway", "http_api", "scheduler", "gpu_worker", "vae_worker", "nats-server"):
             assert module in names, module
         out = tmp_path / "out.png"
         result = subprocess.run(
@@ -104,6 +110,11 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         assert "step 3/3" in result.stderr  # the progress bar, fed by the stream
         assert png_size(out.read_bytes()) == (96, 128)
         check_media_commands(tmp_path, port, out)
+        # The OpenAI SDK, pointed at `darkroom up`'s HTTP API as the README says.
+        assert f"OpenAI-compatible HTTP API on http://127.0.0.1:{http_port}/v1" in printed
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="local", max_retries=0)
+        made = sdk.images.generate(prompt="a cat", size="64x64", extra_body={"steps": 2})
+        assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 64)
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=10)

@@ -4,8 +4,9 @@ gpu_worker/, vae_worker/ and services/ (inside functions and ``TYPE_CHECKING``
 blocks too), read with ``ast``.
 
 * services/ is the shared kernel: it imports no service.
-* The workers (gpu_worker/, vae_worker/) import no other service: not the
-  scheduler, not the gateway, not each other.
+* The workers (gpu_worker/, vae_worker/) and the HTTP API (http_api/, a client of
+  the gateway over gRPC) import no other service: not the scheduler, not the
+  gateway, not each other.
 * The scheduler imports neither the gateway nor a worker.
 * The gateway imports no worker, and of the scheduler only the pure policy modules
   it estimates with (``GATEWAY_USES``); those, and what they import of the
@@ -22,8 +23,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("gateway", "scheduler", "gpu_worker", "vae_worker", "services")
-SERVICES = ("gateway", "scheduler", "gpu_worker", "vae_worker")
+PACKAGES = ("gateway", "http_api", "scheduler", "gpu_worker", "vae_worker", "services")
+SERVICES = ("gateway", "http_api", "scheduler", "gpu_worker", "vae_worker")
 # The scheduler modules the gateway may import: what it needs to estimate a job's
 # wait and admit it (a fleet snapshot from records, its views, the policy and
 # admission, costs and learned durations).
@@ -146,7 +147,7 @@ def test_the_shared_kernel_imports_no_service() -> None:
     assert not bad, report(bad, "services/ (the shared kernel) imports a service")
 
 
-@pytest.mark.parametrize("worker", ["gpu_worker", "vae_worker"])
+@pytest.mark.parametrize("worker", ["gpu_worker", "vae_worker", "http_api"])
 def test_a_worker_imports_no_other_service(worker: str) -> None:
     bad = [i for i in imports_in(worker) if i.top in SERVICES and i.top != worker]
     assert not bad, report(bad, f"{worker} imports another service")

@@ -1,0 +1,3 @@
+from http_api.service import main
+
+main()

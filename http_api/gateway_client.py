@@ -1,0 +1,104 @@
+"""The HTTP API's calls to the gRPC gateway, each with the caller's own key: the
+gateway authenticates, owns and limits every job as it does for gRPC clients."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from services.rpc.server import CHANNEL_OPTIONS
+
+# How long the models list (for the default model of a request naming none) is kept.
+MODELS_FOR_S = 5.0
+
+
+def channel_to(address: str, tls_ca: str) -> grpc.aio.Channel:
+    """Plaintext, or TLS trusting ``tls_ca`` (``system``: the system's CAs)."""
+    if not tls_ca:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    roots = None if tls_ca == "system" else Path(tls_ca).read_bytes()
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(roots), options=CHANNEL_OPTIONS)
+
+
+@dataclass
+class Finished:
+    """A job at its end, with its outputs."""
+
+    job: pb.Job
+    outputs: list[pb.Image]
+
+
+@dataclass
+class _Output:
+    parts: list[bytes] = field(default_factory=list)
+    chunk: pb.ImageChunk | None = None
+
+
+class Gateway:
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self.stub = image_generation_pb2_grpc.ImageGenerationStub(channel)
+        self._models: tuple[float, pb.ListModelsResponse] | None = None
+
+    @staticmethod
+    def _metadata(key: str) -> list[tuple[str, str]] | None:
+        return [("authorization", f"Bearer {key}")] if key else None
+
+    async def submit(self, request: pb.SubmitJobRequest, key: str) -> pb.SubmitJobResponse:
+        return await self.stub.SubmitJob(request, metadata=self._metadata(key), timeout=30)
+
+    async def get(self, job_id: str, key: str) -> pb.Job:
+        return await self.stub.GetJob(pb.GetJobRequest(job_id=job_id), metadata=self._metadata(key), timeout=30)
+
+    async def finished(self, job_id: str, key: str, timeout_s: float) -> Finished:
+        """The job at its end, its outputs put together from the stream's chunks."""
+        outputs: dict[int, _Output] = {}
+        stream = self.stub.StreamJob(
+            pb.StreamJobRequest(job_id=job_id), metadata=self._metadata(key), timeout=timeout_s
+        )
+        async for event in stream:
+            kind = event.WhichOneof("event")
+            if kind == "image_chunk":
+                chunk = event.image_chunk
+                output = outputs.setdefault(chunk.index, _Output())
+                output.parts.append(chunk.data)
+                output.chunk = chunk
+            elif kind == "terminal":
+                images = [_image(outputs[i]) for i in sorted(outputs)]
+                return Finished(event.terminal, images)
+        return Finished(await self.get(job_id, key), [])  # the stream ended without its terminal event
+
+    async def models(self, key: str) -> pb.ListModelsResponse:
+        """The gateway's models, read at most every MODELS_FOR_S."""
+        if self._models is None or time.monotonic() - self._models[0] > MODELS_FOR_S:
+            found = await self.stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata(key), timeout=30)
+            self._models = (time.monotonic(), found)
+        return self._models[1]
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def _image(output: _Output) -> pb.Image:
+    c = output.chunk
+    assert c is not None
+    return pb.Image(
+        data=b"".join(output.parts),
+        mime_type=c.mime_type,
+        width=c.width,
+        height=c.height,
+        seed=c.seed,
+        frames=c.frames,
+        fps=c.fps,
+    )
+
+
+def default_model(models: pb.ListModelsResponse, capability: str) -> str:
+    """The default model of ``capability``, or empty when the gateway has none (it then names the problem)."""
+    of_kind = [m for m in models.models if m.capability == capability]
+    return next((m.name for m in of_kind if m.is_default), of_kind[0].name if of_kind else "")

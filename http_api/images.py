@@ -1,0 +1,167 @@
+"""OpenAI's images API in Darkroom's terms: a generation's JSON body, or an edit's
+multipart form, as a ``SubmitJobRequest`` (each mistake a 400 naming its
+parameter, before anything reaches the gateway), and a finished job as OpenAI's
+images response (``created``, ``data`` with ``b64_json`` or a signed ``url``,
+``usage`` with the GPU-seconds charged). Pure."""
+
+from __future__ import annotations
+
+import base64
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from http_api.errors import bad_request
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+FORMATS = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
+RESPONSE_FORMATS = ("b64_json", "url")
+MAX_N = 10
+# OpenAI's own parameters Darkroom takes and does not act on (the model decides).
+# Darkroom's own, beside OpenAI's: seed, steps, negative_prompt, guidance, strength, lane.
+IGNORED = ("quality", "style", "background", "moderation", "output_compression", "user", "safety_identifier")
+_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a request asks of the answer, beside the job."""
+
+    response_format: str = "b64_json"
+
+
+def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, Asked]:
+    """The job and the answer a generation (or, ``form``, an edit's fields but its
+    files) asks for; HttpError (400) naming the first bad parameter."""
+    if not isinstance(body, Mapping):
+        raise bad_request("body", "the body must be a JSON object")
+    take = _Fields(body, form)
+    request = pb.SubmitJobRequest(prompt=take.text("prompt", required=True), model=take.text("model"))
+    request.negative_prompt = take.text("negative_prompt")
+    request.lane = take.text("lane")
+    n = take.integer("n", 1, MAX_N)
+    if n is not None:
+        request.num_images = n
+    size = take.text("size")
+    if size and size != "auto":
+        match = _SIZE.fullmatch(size)
+        if match is None:
+            raise bad_request("size", f"size {size!r} is not WIDTHxHEIGHT (e.g. 512x512) or auto")
+        request.width, request.height = int(match[1]), int(match[2])
+    fmt = take.text("output_format")
+    if fmt:
+        if fmt not in FORMATS:
+            raise bad_request("output_format", f"output_format {fmt!r} is not one of {', '.join(FORMATS)}")
+        request.output_format = FORMATS[fmt]
+    for name, field_name, low, high in (("steps", "steps", 1, 1000), ("seed", "seed", 0, 2**63 - 1)):
+        value = take.integer(name, low, high)
+        if value is not None:
+            setattr(request, field_name, value)
+    guidance = take.number("guidance", 0.0, 50.0)
+    if guidance is not None:
+        request.guidance_scale = guidance
+    strength = take.number("strength", 0.0, 1.0)
+    if strength is not None:
+        request.strength = strength
+    response_format = take.text("response_format") or "b64_json"
+    if response_format not in RESPONSE_FORMATS:
+        raise bad_request("response_format", f"response_format {response_format!r} is not url or b64_json")
+    if take.flag("stream"):
+        raise bad_request("stream", "streamed partial images are not served yet: leave stream out, or false")
+    take.integer("partial_images", 0, 3)
+    for name in IGNORED:
+        if name == "output_compression":
+            take.integer(name, 0, 100)
+        else:
+            take.text(name)
+    take.done()
+    return request, Asked(response_format)
+
+
+class _Fields:
+    """A request's parameters, each taken once and checked for its type; what is
+    left at the end is unknown."""
+
+    def __init__(self, body: Mapping[str, Any], form: bool) -> None:
+        self.left = dict(body)
+        self.form = form  # a form's values are all strings
+
+    def _take(self, name: str) -> Any:
+        return self.left.pop(name, None)
+
+    def text(self, name: str, *, required: bool = False) -> str:
+        value = self._take(name)
+        if value is None or value == "":
+            if required:
+                raise bad_request(name, f"{name} is required")
+            return ""
+        if not isinstance(value, str):
+            raise bad_request(name, f"{name} must be a string, not {type(value).__name__}")
+        return value
+
+    def integer(self, name: str, low: int, high: int) -> int | None:
+        return self._ranged(name, low, high, int)
+
+    def number(self, name: str, low: float, high: float) -> float | None:
+        return self._ranged(name, low, high, float)
+
+    def flag(self, name: str) -> bool | None:
+        value = self._take(name)
+        if value is None:
+            return None
+        if self.form and isinstance(value, str) and value in ("true", "false"):
+            return value == "true"
+        if not isinstance(value, bool):
+            raise bad_request(name, f"{name} must be true or false")
+        return value
+
+    def _ranged(self, name: str, low: Any, high: Any, kind: Callable[[Any], Any]) -> Any:
+        value = self._take(name)
+        if value is None:
+            return None
+        if self.form and isinstance(value, str):
+            try:
+                value = kind(value)
+            except ValueError:
+                raise bad_request(name, f"{name} must be a number, not {value!r}") from None
+        numeric = isinstance(value, int | float) and not isinstance(value, bool)
+        if not numeric or (kind is int and not float(value).is_integer()):
+            raise bad_request(name, f"{name} must be {'an integer' if kind is int else 'a number'}, not {value!r}")
+        if not low <= value <= high:
+            raise bad_request(name, f"{name} {value} is outside {low}..{high}")
+        return kind(value)
+
+    def done(self) -> None:
+        for name in self.left:
+            raise bad_request(name, f"unknown parameter {name!r}")
+
+
+def images_response(job: pb.Job, outputs: list[pb.Image], asked: Asked, link: Callable[[int], str]) -> dict[str, Any]:
+    """OpenAI's images response for a finished job: each output inline or as a
+    signed link; ``usage`` with the job's GPU-seconds and credits."""
+    data = [
+        {"url": link(i)} if asked.response_format == "url" else {"b64_json": base64.b64encode(o.data).decode()}
+        for i, o in enumerate(outputs)
+    ]
+    fmt = next((name for name, value in FORMATS.items() if value == job.output_format), "png")
+    return {
+        "created": job.timings.created_time.seconds,
+        "data": data,
+        "output_format": fmt,
+        "size": f"{job.width}x{job.height}",
+        "usage": usage(job),
+    }
+
+
+def usage(job: pb.Job) -> dict[str, Any]:
+    """OpenAI's usage (no tokens: Darkroom charges GPU-seconds of sampling), with
+    Darkroom's own: the GPU-seconds charged, and the credits once settled."""
+    return {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "total_tokens": 0,
+        "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+        "gpu_seconds": job.gpu_seconds,
+        "credits": job.credits_charged if job.HasField("credits_charged") else None,
+    }

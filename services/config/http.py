@@ -1,0 +1,46 @@
+"""The HTTP front door's settings (``http_api/``): where it listens, which gateway
+it speaks to, and how long the links to results it signs stay good."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.config.fields import Section, setting
+
+
+@dataclass(frozen=True)
+class HttpSettings(Section):
+    """The OpenAI-compatible HTTP API and the page (``http_api/``)."""
+
+    host: str = setting("127.0.0.1", "Where the HTTP API listens.", env="HTTP_HOST")
+    port: int = setting(8080, "The HTTP API's port; 0 picks a free one.", env="HTTP_PORT", at_least=0)
+    gateway: str = setting(
+        "127.0.0.1:50051", "The gRPC gateway it speaks to, host:port (`darkroom up`: its own).", env="HTTP_GATEWAY"
+    )
+    gateway_tls_ca: str = setting(
+        "",
+        "Reach the gateway over TLS, trusting this CA certificate (PEM); `system` trusts the system's. Empty: "
+        "plaintext.",
+        env="HTTP_GATEWAY_TLS_CA",
+    )
+    public_url: str = setting(
+        "",
+        "The base of the links it signs to results (https://images.example.com); empty: the scheme and host the "
+        "request came to.",
+        env="HTTP_PUBLIC_URL",
+    )
+    url_ttl_s: float = setting(
+        3600.0, "How long a signed link to a result stays good.", env="HTTP_URL_TTL_S", at_least=1.0
+    )
+    url_key_file: str = setting(
+        "",
+        "A file holding the key links are signed with, shared by every HTTP replica (`darkroom up` makes one in "
+        "DATA_DIR/secrets). Empty: a key of its own, made at start: its links die with the process.",
+        env="HTTP_URL_KEY_FILE",
+    )
+    wait_s: float = setting(
+        600.0,
+        "How long a generation request waits for its job before it answers with the job's id to follow instead.",
+        env="HTTP_WAIT_S",
+        at_least=1.0,
+    )

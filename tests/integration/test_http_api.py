@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP API, with the official `openai` SDK as the client, on
+a real stack: generations inline and as signed links (refused once expired or
+tampered with), edits with an image and a mask, the models list, a job left
+running and followed, and each refusal raised as the SDK's own exception: a bad
+parameter named, a bad key, another tenant's job, a spent quota."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types import Image as OpenAiImage
+from openai.types import ImagesResponse
+from PIL import Image
+from pydantic import BaseModel
+
+from http_api.signed_urls import UrlSigner, load_key
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.stack import LocalStack
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from tests.conftest import make_stack
+from tests.helpers import png_size, stub, wait_for
+from tests.integration.test_tenants import darkroom
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"steps": 2, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
+) -> Iterator[LocalStack]:
+    s = make_stack(tmp_path_factory.mktemp("http"), postgres, models_dir, http=True)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def client(stack: LocalStack, key: str = "anything: the gateway is open") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def outputs(response: ImagesResponse) -> list[OpenAiImage]:
+    assert response.data is not None
+    return response.data
+
+
+def extra(model: BaseModel) -> dict[str, Any]:
+    """What Darkroom adds to an OpenAI object."""
+    assert model.model_extra is not None
+    return model.model_extra
+
+
+def png(size: tuple[int, int], colour: int | tuple[int, int, int], mode: str = "RGB") -> bytes:
+    out = io.BytesIO()
+    Image.new(mode, size, colour).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_generation_comes_inline_or_as_a_signed_link(stack: LocalStack) -> None:
+    sdk = client(stack)
+    inline = sdk.images.generate(model="tiny", prompt="a lighthouse", size="64x64", extra_body=SMALL)
+    [image] = outputs(inline)
+    assert image.b64_json and png_size(base64.b64decode(image.b64_json)) == (64, 64)
+    assert inline.size == "64x64" and inline.output_format == "png"
+    assert inline.usage is not None and extra(inline.usage)["gpu_seconds"] > 0
+
+    linked = sdk.images.generate(
+        prompt="a lighthouse", size="64x64", response_format="url", output_format="webp", n=2, extra_body=SMALL
+    )
+    urls = [d.url or "" for d in outputs(linked)]
+    assert len(urls) == 2 and all(u.startswith(stack.http_url + "/v1/files/") for u in urls)
+    fetched = httpx.get(urls[0])
+    assert fetched.status_code == 200 and fetched.headers["content-type"] == "image/webp"
+    assert Image.open(io.BytesIO(fetched.content)).size == (64, 64)
+
+    tampered = urls[0].replace("signature=", "signature=0")
+    assert httpx.get(tampered).status_code == 403
+    job_id = urls[0].split("/v1/files/")[1].split("/")[0]
+    key = load_key(stack.settings.http.url_key_file)
+    expired = UrlSigner(key, ttl_s=60).path(job_id, 0, now=time.time() - 120)
+    refused = httpx.get(stack.http_url + expired)
+    assert refused.status_code == 403 and "expired" in refused.json()["error"]["message"]
+    assert httpx.get(stack.http_url + UrlSigner(key, ttl_s=60).path(job_id, 0, now=time.time())).status_code == 200
+
+
+def test_an_edit_takes_an_image_and_a_mask(stack: LocalStack) -> None:
+    sdk = client(stack)
+    source, mask = png((96, 64), (200, 30, 60)), png((96, 64), 255, "L")
+    edited = sdk.images.edit(
+        model="tiny", image=("in.png", source), mask=("mask.png", mask), prompt="at night", extra_body=SMALL
+    )
+    assert png_size(base64.b64decode(outputs(edited)[0].b64_json or "")) == (96, 64)
+    other = sdk.images.edit(
+        image=("in.png", png((96, 64), (10, 200, 60))), prompt="at night", extra_body={**SMALL, "strength": 0.5}
+    )
+    assert outputs(other)[0].b64_json != outputs(edited)[0].b64_json
+
+
+def test_the_models_are_listed_defaults_first(stack: LocalStack) -> None:
+    models = client(stack).models.list().data
+    assert models[0].id == "tiny" and extra(models[0])["default"] is True
+    assert {m.id for m in models} >= {"tiny", "tiny-wan", "tiny-upscaler"}
+
+
+def test_a_job_left_running_is_followed_to_its_links(stack: LocalStack) -> None:
+    posted = httpx.post(
+        f"{stack.http_url}/v1/images/generations",
+        json={"model": "tiny", "prompt": "a fox", "size": "64x64", **SMALL},
+        headers={"Prefer": "respond-async"},
+    )
+    assert posted.status_code == 202, posted.text
+    job = posted.json()
+    assert job["object"] == "darkroom.job" and job["url"].endswith(f"/v1/jobs/{job['id']}")
+    done = wait_for(
+        lambda: httpx.get(job["url"]).json(), lambda j: j["status"] == "succeeded", timeout=60, what="the job"
+    )
+    assert done["progress"] == {"step": 2, "total": 2} and done["usage"]["gpu_seconds"] > 0
+    [link] = done["data"]
+    assert png_size(httpx.get(link["url"]).content) == (64, 64)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"size": "64by64"}, "size"),
+        ({"size": "60x64"}, "size"),
+        ({"n": 50}, "n"),
+        ({"n": 5}, "n"),
+        ({"n": "two"}, "n"),
+        ({"colour": "blue"}, "colour"),
+        ({"steps": 1.5}, "steps"),
+        ({"response_format": "gif"}, "response_format"),
+        ({"model": "sd3"}, "model"),
+        ({"stream": True}, "stream"),
+    ],
+)
+def test_a_bad_parameter_is_a_bad_request_naming_it(stack: LocalStack, fields: dict, param: str) -> None:
+    jobs = stub(stack)
+    before = [j.job_id for j in jobs.ListJobs(pb.ListJobsRequest(page_size=200)).jobs]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(stack).images.generate(prompt="x", extra_body={"model": "tiny", "size": "64x64", **SMALL, **fields})
+    assert refused.value.status_code == 400 and refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+    assert [j.job_id for j in jobs.ListJobs(pb.ListJobsRequest(page_size=200)).jobs] == before, "nothing stored"
+
+
+def test_a_malformed_or_oversized_body_is_refused(stack: LocalStack) -> None:
+    assert (
+        httpx.post(f"{stack.http_url}/v1/images/generations", content=b"{not json").json()["error"]["param"] == "body"
+    )
+    form = httpx.post(f"{stack.http_url}/v1/images/edits", data={"prompt": "x"}, files={"mask": ("m.png", b"12")})
+    assert form.status_code == 400 and form.json()["error"]["param"] == "image"
+    huge = httpx.post(
+        f"{stack.http_url}/v1/images/edits", files={"image": ("i.png", b"0" * (60 * 2**20))}, data={"prompt": "x"}
+    )
+    assert huge.status_code == 413
+
+
+def test_refusals_are_the_sdks_own_exceptions(stack: LocalStack) -> None:
+    """Last in this module: it closes the gateway by making tenants."""
+    open_job = httpx.post(
+        f"{stack.http_url}/v1/images/generations",
+        json={"model": "tiny", "prompt": "before", "size": "64x64", **SMALL},
+        headers={"Prefer": "respond-async"},
+    ).json()["id"]
+    darkroom(stack, "tenants", "create", "cats", "--lane", "free", "--credits", "0")
+    darkroom(stack, "tenants", "create", "dogs", "--lane", "paid")
+    cats = darkroom(stack, "keys", "create", "cats").stdout.strip().splitlines()[-1]
+    dogs = darkroom(stack, "keys", "create", "dogs").stdout.strip().splitlines()[-1]
+
+    def refused_with_bad_key() -> bool:
+        try:
+            client(stack, "drk_nobody_0000").models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    assert wait_for(refused_with_bad_key, bool, timeout=10, what="the gateway closed")
+    with pytest.raises(openai.RateLimitError) as spent:
+        client(stack, cats).images.generate(model="tiny", prompt="x", size="64x64", extra_body=SMALL)
+    assert spent.value.body["code"] == "insufficient_quota"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client(stack, dogs).get(f"/jobs/{open_job}", cast_to=object)
+    with pytest.raises(openai.PermissionDeniedError):
+        client(stack, cats).images.generate(
+            model="tiny", prompt="x", size="64x64", extra_body={**SMALL, "lane": "paid"}
+        )
