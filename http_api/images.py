@@ -36,7 +36,7 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
     files) asks for; HttpError (400) naming the first bad parameter."""
     if not isinstance(body, Mapping):
         raise bad_request("body", "the body must be a JSON object")
-    take = _Fields(body, form)
+    take = Fields(body, form)
     request = pb.SubmitJobRequest(prompt=take.text("prompt", required=True), model=take.text("model"))
     request.negative_prompt = take.text("negative_prompt")
     request.lane = take.text("lane")
@@ -79,7 +79,7 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
     return request, Asked(response_format)
 
 
-class _Fields:
+class Fields:
     """A request's parameters, each taken once and checked for its type; what is
     left at the end is unknown."""
 

@@ -22,6 +22,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from http_api.signed_urls import UrlSigner, load_key
+from services.models.video_encoding import probe_video
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -164,6 +165,29 @@ def test_a_malformed_or_oversized_body_is_refused(stack: LocalStack) -> None:
         f"{stack.http_url}/v1/images/edits", files={"image": ("i.png", b"0" * (60 * 2**20))}, data={"prompt": "x"}
     )
     assert huge.status_code == 413
+
+
+def test_a_video_is_created_retrieved_and_downloaded(stack: LocalStack) -> None:
+    sdk = client(stack)
+    created = sdk.videos.create(prompt="waves", seconds="4", extra_body={"size": "64x48", "steps": 2, "fps": 2})
+    assert created.object == "video" and created.status in ("queued", "in_progress")
+    done = wait_for(
+        lambda: sdk.videos.retrieve(created.id), lambda v: v.status == "completed", timeout=60, what="the video"
+    )
+    assert done.progress == 100 and done.size == "64x48" and done.seconds == "4"
+    clip = sdk.videos.download_content(created.id).content
+    info = probe_video(clip)
+    assert (info.mime_type, info.frames, info.width, info.height, info.fps) == ("video/mp4", 9, 64, 48, 2.0)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        sdk.videos.create(prompt="waves", seconds="12")
+    assert too_long.value.body["param"] == "seconds"  # type: ignore[index]
+    image_job = httpx.post(
+        f"{stack.http_url}/v1/images/generations",
+        json={"prompt": "x", "size": "64x64", **SMALL},
+        headers={"Prefer": "respond-async"},
+    ).json()["id"]
+    with pytest.raises(openai.NotFoundError):
+        sdk.videos.retrieve(image_job)
 
 
 def test_refusals_are_the_sdks_own_exceptions(stack: LocalStack) -> None:

@@ -1,0 +1,230 @@
+"""The HTTP API's routes: each turns a request into calls to the gateway (with the
+caller's key), and their answers into OpenAI's shapes (``images``, ``videos``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from http_api import images, videos
+from http_api.errors import HttpError, bad_request
+from http_api.gateway_client import Gateway, default_model
+from http_api.signed_urls import UrlSigner
+from services.config.http import HttpSettings
+from services.db.repository import Repository
+from services.errors import StoreError
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+STATUS_NAMES = {value: name.removeprefix("JOB_STATUS_").lower() for name, value in pb.JobStatus.items()}
+# The largest request body: an edit's image and mask at the gateway's limit, and the form around them.
+MAX_BODY_BYTES = 50 * 2**20
+
+
+class Api:
+    """The routes, over a gateway client, the signer of links and the store the
+    linked outputs are read from."""
+
+    def __init__(self, settings: HttpSettings, gateway: Gateway, signer: UrlSigner, repo: Repository | None) -> None:
+        self.settings, self.gateway, self.signer, self.repo = settings, gateway, signer, repo
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/images/generations", self.generations),
+            web.post("/v1/images/edits", self.edits),
+            web.get("/v1/models", self.models),
+            web.get("/v1/jobs/{job_id}", self.job),
+            web.get("/v1/files/{job_id}/{index}", self.file),
+            web.post("/v1/videos", self.create_video),
+            web.get("/v1/videos/{job_id}", self.video),
+            web.get("/v1/videos/{job_id}/content", self.video_content),
+        ]
+
+    async def generations(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("body", "the body is not JSON") from None
+        submit, asked = images.generation(body)
+        return await self._run(request, submit, asked, "image")
+
+    async def edits(self, request: web.Request) -> web.Response:
+        try:
+            form = await request.post()
+        except web.HTTPRequestEntityTooLarge:
+            too_large = f"the body is over {MAX_BODY_BYTES} bytes"
+            raise HttpError(413, too_large, kind="invalid_request_error", param="body") from None
+        except (ValueError, web.HTTPException) as exc:
+            raise bad_request("body", f"the body is not a multipart form: {exc}") from None
+        files = {name: form[name] for name in ("image", "image[]", "mask") if name in form}
+        fields = {name: value for name, value in form.items() if name not in files}
+        submit, asked = images.generation(fields, form=True)
+        image = files.get("image") or files.get("image[]")
+        if not isinstance(image, web.FileField):
+            raise bad_request("image", "image is required: the picture to edit, as a file")
+        submit.image = image.file.read()
+        mask = files.get("mask")
+        if mask is not None:
+            if not isinstance(mask, web.FileField):
+                raise bad_request("mask", "mask must be a file")
+            submit.mask = mask.file.read()
+        return await self._run(request, submit, asked, "image")
+
+    async def _run(
+        self, request: web.Request, submit: pb.SubmitJobRequest, asked: images.Asked, kind: str
+    ) -> web.Response:
+        key = _key(request)
+        if not submit.model:
+            submit.model = default_model(await self.gateway.models(key), kind)
+        submitted = await self.gateway.submit(submit, key)
+        left_running = web.json_response(
+            self._job_json(request, submitted.job_id, STATUS_NAMES[submitted.status]), status=202
+        )
+        if "respond-async" in request.headers.get("Prefer", ""):
+            return left_running
+        try:
+            done = await self.gateway.finished(submitted.job_id, key, self.settings.wait_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            return left_running  # too long to wait for: the caller follows it
+        job = done.job
+        if job.status != pb.JOB_STATUS_SUCCEEDED:
+            what = STATUS_NAMES[job.status]
+            raise HttpError(500, f"job {job.job_id} ended {what}: {job.error}", kind="server_error", code=f"job_{what}")
+        now = time.time()
+        body = images.images_response(job, done.outputs, asked, lambda i: self._link(request, job.job_id, i, now))
+        return web.json_response(body)
+
+    async def create_video(self, request: web.Request) -> web.Response:
+        """A video job, answered at once with OpenAI's ``Video`` (``queued``)."""
+        fields = await _fields_of(request)
+        if "input_reference" in fields:
+            raise bad_request("input_reference", "a video from an input image is not served yet")
+        key = _key(request)
+        models = await self.gateway.models(key)
+        name = str(fields.get("model") or "") or default_model(models, "video")
+        model = next((m for m in models.models if m.name == name), None)
+        if model is None:
+            raise bad_request("model", f"unknown model {name!r}")
+        if model.capability != "video":
+            raise bad_request("model", f"{name} makes {model.capability}, not video")
+        submitted = await self.gateway.submit(videos.create(fields, model), key)
+        return web.json_response(videos.video_object(await self.gateway.get(submitted.job_id, key)))
+
+    async def video(self, request: web.Request) -> web.Response:
+        return web.json_response(videos.video_object(await self._video_job(request)))
+
+    async def video_content(self, request: web.Request) -> web.Response:
+        variant = request.query.get("variant", "video")
+        if variant != "video":
+            raise bad_request("variant", f"variant {variant!r} is not served: only the video")
+        job = await self._video_job(request)
+        if job.status != pb.JOB_STATUS_SUCCEEDED or not job.images:
+            status = videos.video_object(job)["status"]
+            raise HttpError(
+                404, f"the video is {status}, not completed", kind="invalid_request_error", code="not_ready"
+            )
+        return web.Response(body=job.images[0].data, content_type=job.images[0].mime_type)
+
+    async def _video_job(self, request: web.Request) -> pb.Job:
+        job = await self.gateway.get(request.match_info["job_id"], _key(request))
+        if job.task != "text_to_video":
+            raise HttpError(404, "no such video", kind="invalid_request_error", code="not_found")
+        return job
+
+    async def models(self, request: web.Request) -> web.Response:
+        found = await self.gateway.stub.ListModels(pb.ListModelsRequest(), metadata=_metadata(request), timeout=30)
+        data = [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "darkroom",
+                "capability": m.capability,
+                "default": m.is_default,
+            }
+            for m in found.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def job(self, request: web.Request) -> web.Response:
+        job = await self.gateway.get(request.match_info["job_id"], _key(request))
+        body = self._job_json(request, job.job_id, STATUS_NAMES[job.status])
+        now = time.time()
+        body.update(
+            model=job.model,
+            created=job.timings.created_time.seconds,
+            progress={"step": job.progress.step, "total": job.progress.total},
+            error=job.error or None,
+            usage=images.usage(job),
+        )
+        if job.status == pb.JOB_STATUS_SUCCEEDED:
+            body["data"] = [{"url": self._link(request, job.job_id, i, now)} for i in range(len(job.images))]
+        return web.json_response(body)
+
+    async def file(self, request: web.Request) -> web.Response:
+        job_id, index = request.match_info["job_id"], request.match_info["index"]
+        if not index.isdigit():
+            raise HttpError(404, "no such output", kind="invalid_request_error", code="not_found")
+        why = self.signer.refusal(
+            job_id, int(index), request.query.get("expires", ""), request.query.get("signature", ""), time.time()
+        )
+        if why:
+            raise HttpError(403, why, kind="permission_error", code="invalid_signature")
+        if self.repo is None:
+            raise HttpError(503, "this replica reads no outputs", kind="server_error")
+        try:
+            [found] = await self.repo.jobs.many_with_images([job_id])
+        except StoreError as exc:
+            raise HttpError(503, f"the store is away: {exc}", kind="server_error", code="service_unavailable") from exc
+        outputs = found[1] if found is not None else []
+        output = next((o for o in outputs if o.index == int(index)), None)
+        if output is None:
+            raise HttpError(404, "no such output", kind="invalid_request_error", code="not_found")
+        return web.Response(body=output.data, content_type=output.mime_type, headers={"Cache-Control": "private"})
+
+    def _job_json(self, request: web.Request, job_id: str, status: str) -> dict[str, Any]:
+        return {
+            "id": job_id,
+            "object": "darkroom.job",
+            "status": status,
+            "url": f"{self._base(request)}/v1/jobs/{job_id}",
+        }
+
+    def _link(self, request: web.Request, job_id: str, index: int, now: float) -> str:
+        return self._base(request) + self.signer.path(job_id, index, now)
+
+    def _base(self, request: web.Request) -> str:
+        return self.settings.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
+
+
+async def _fields_of(request: web.Request) -> dict[str, Any]:
+    """A form's fields (files as their FileField), or a JSON object's."""
+    if request.content_type == "application/json":
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise bad_request("body", "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("body", "the body must be a JSON object")
+        return body
+    try:
+        return dict(await request.post())
+    except web.HTTPRequestEntityTooLarge:
+        raise HttpError(413, "the body is too large", kind="invalid_request_error", param="body") from None
+    except ValueError as exc:
+        raise bad_request("body", f"the body is not a form: {exc}") from None
+
+
+def _key(request: web.Request) -> str:
+    presented = request.headers.get("Authorization", "")
+    return presented.removeprefix("Bearer ").strip() if presented.startswith("Bearer ") else ""
+
+
+def _metadata(request: web.Request) -> list[tuple[str, str]] | None:
+    key = _key(request)
+    return [("authorization", f"Bearer {key}")] if key else None
