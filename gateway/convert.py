@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from google.protobuf import timestamp_pb2
 
 from gateway.inputs import InputImage, fit_within
-from services.db.counts import Totals
+from services.db.counts import LaneCount, Totals
 from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus, WorkerStatus
 from services.db.worker_records import WorkerRecord
@@ -190,7 +190,7 @@ def image_chunks(job: JobRecord, image: ImageRecord) -> list[pb.JobEvent]:
     ]
 
 
-def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
+def worker_stats(w: WorkerRecord, processing: int, running: Sequence[str] = ()) -> pb.WorkerStats:
     average_s = w.busy_seconds / w.completed if w.completed else 0.0
     t = w.telemetry
     return pb.WorkerStats(
@@ -220,7 +220,21 @@ def worker_stats(w: WorkerRecord, processing: int) -> pb.WorkerStats:
         throttle_reasons=[str(r) for r in t.get("throttle_reasons", ())],
         queued_images=int(t.get("queued_images", 0)),
         capabilities=list(w.capabilities),
+        running_jobs=list(running),
     )
+
+
+def lanes_message(counts: Sequence[LaneCount], now: datetime) -> list[pb.LaneQueue]:
+    """The jobs not yet ended, by lane: queued, held by GPUs, the oldest queued's wait."""
+    lanes: dict[str, pb.LaneQueue] = {}
+    for c in counts:
+        lane = lanes.setdefault(c.lane, pb.LaneQueue(lane=c.lane))
+        if c.status == JobStatus.QUEUED:
+            lane.queued += c.count
+            lane.oldest_queued_seconds = max(lane.oldest_queued_seconds, (now - c.oldest).total_seconds())
+        else:
+            lane.held += c.count
+    return [lanes[name] for name in sorted(lanes)]
 
 
 def totals_message(totals: Totals) -> pb.GlobalStats:

@@ -14,7 +14,15 @@ import grpc
 
 from gateway import pages, spans
 from gateway.auth import Caller, Gatekeeper
-from gateway.convert import STATUS, job_message, models_message, timestamp, totals_message, worker_stats
+from gateway.convert import (
+    STATUS,
+    job_message,
+    lanes_message,
+    models_message,
+    timestamp,
+    totals_message,
+    worker_stats,
+)
 from gateway.estimates import Estimator
 from gateway.metrics import STREAMS_OPEN, count_refusal, count_submit
 from gateway.streams import follow
@@ -241,9 +249,15 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=stale_s)
         workers += await self.repo.workers.all(WorkerKind.DECODER, stale_after_s=stale_s)
         held = await self.repo.scheduling.held_per_worker()
+        running = await self.repo.scheduling.running_per_worker()
         totals = await self.repo.jobs.totals()
         return pb.GetStatsResponse(
-            workers=[worker_stats(w, held.get(w.id, 0)) for w in workers if w.status != WorkerStatus.GONE],
+            workers=[
+                worker_stats(w, held.get(w.id, 0), running.get(w.id, ()))
+                for w in workers
+                if w.status != WorkerStatus.GONE
+            ],
             totals=totals_message(totals),
             usage=usage,
+            lanes=lanes_message(await self.repo.jobs.counts_by_lane(), datetime.now(UTC)),
         )

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
 from aiohttp import web
 
-from http_api import images, videos
+from http_api import fleet, images, videos
 from http_api.errors import HttpError, bad_request
 from http_api.gateway_client import Gateway, default_model
 from http_api.signed_urls import UrlSigner
@@ -19,6 +20,8 @@ from services.db.repository import Repository
 from services.errors import StoreError
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
+# The page (no build step, nothing from elsewhere): read once.
+PAGE = (Path(__file__).with_name("page.html")).read_bytes()
 STATUS_NAMES = {value: name.removeprefix("JOB_STATUS_").lower() for name, value in pb.JobStatus.items()}
 # The largest request body: an edit's image and mask at the gateway's limit, and the form around them.
 MAX_BODY_BYTES = 50 * 2**20
@@ -33,15 +36,22 @@ class Api:
 
     def routes(self) -> list[web.RouteDef]:
         return [
+            web.get("/", self.page),
             web.post("/v1/images/generations", self.generations),
             web.post("/v1/images/edits", self.edits),
             web.get("/v1/models", self.models),
+            web.get("/v1/jobs", self.jobs),
             web.get("/v1/jobs/{job_id}", self.job),
+            web.get("/v1/fleet", self.fleet_view),
             web.get("/v1/files/{job_id}/{index}", self.file),
             web.post("/v1/videos", self.create_video),
             web.get("/v1/videos/{job_id}", self.video),
             web.get("/v1/videos/{job_id}/content", self.video_content),
         ]
+
+    async def page(self, request: web.Request) -> web.Response:
+        """The page: a prompt box and a live view of the fleet, over this same API."""
+        return web.Response(body=PAGE, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
     async def generations(self, request: web.Request) -> web.Response:
         try:
@@ -79,7 +89,9 @@ class Api:
         key = _key(request)
         if not submit.model:
             submit.model = default_model(await self.gateway.models(key), kind)
+        began = time.perf_counter()
         submitted = await self.gateway.submit(submit, key)
+        submitted_at = time.perf_counter()
         left_running = web.json_response(
             self._job_json(request, submitted.job_id, STATUS_NAMES[submitted.status]), status=202
         )
@@ -95,9 +107,17 @@ class Api:
         if job.status != pb.JOB_STATUS_SUCCEEDED:
             what = STATUS_NAMES[job.status]
             raise HttpError(500, f"job {job.job_id} ended {what}: {job.error}", kind="server_error", code=f"job_{what}")
+        finished_at = time.perf_counter()
         now = time.time()
         body = images.images_response(job, done.outputs, asked, lambda i: self._link(request, job.job_id, i, now))
-        return web.json_response(body)
+        response = web.json_response(body)
+        # What the gateway took, and what answering took here (devtools show it).
+        spent = (("submit", submitted_at - began), ("job", finished_at - submitted_at))
+        answer = time.perf_counter() - finished_at
+        response.headers["Server-Timing"] = ", ".join(
+            f"{name};dur={1000 * s:.2f}" for name, s in (*spent, ("answer", answer))
+        )
+        return response
 
     async def create_video(self, request: web.Request) -> web.Response:
         """A video job, answered at once with OpenAI's ``Video`` (``queued``)."""
@@ -150,6 +170,22 @@ class Api:
             for m in found.models
         ]
         return web.json_response({"object": "list", "data": data})
+
+    async def jobs(self, request: web.Request) -> web.Response:
+        """The caller's most recent jobs (``limit``, 20 unless set), newest first."""
+        limit = request.query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 200:
+            raise bad_request("limit", f"limit {limit!r} is not a whole number within 1..200")
+        page = await self.gateway.stub.ListJobs(
+            pb.ListJobsRequest(page_size=int(limit)), metadata=_metadata(request), timeout=30
+        )
+        data = [fleet.job_summary(j, STATUS_NAMES[j.status]) for j in page.jobs]
+        return web.json_response({"object": "list", "data": data})
+
+    async def fleet_view(self, request: web.Request) -> web.Response:
+        """The fleet's workers and queue (for an admin key), and the caller's usage."""
+        stats = await self.gateway.stub.GetStats(pb.GetStatsRequest(), metadata=_metadata(request), timeout=30)
+        return web.json_response(fleet.fleet(stats))
 
     async def job(self, request: web.Request) -> web.Response:
         job = await self.gateway.get(request.match_info["job_id"], _key(request))

@@ -1,13 +1,17 @@
 """The OpenAI-compatible HTTP API, with the official `openai` SDK as the client, on
 a real stack: generations inline and as signed links (refused once expired or
-tampered with), edits with an image and a mask, the models list, a job left
-running and followed, and each refusal raised as the SDK's own exception: a bad
-parameter named, a bad key, another tenant's job, a spent quota."""
+tampered with), edits with an image and a mask, videos, the models list, a job
+left running and followed, the fleet, and each refusal raised as the SDK's own
+exception: a bad parameter named, a bad key, another tenant's job, a spent quota.
+And the page, in a real headless Chromium (Debian's `chromium`, driven by
+Playwright): a prompt submitted, its progress bar moving, its image appearing; the
+fleet view showing each running sampler."""
 
 from __future__ import annotations
 
 import base64
 import io
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +37,17 @@ from tests.integration.test_tenants import darkroom
 pytestmark = pytest.mark.integration
 
 SMALL = {"steps": 2, "seed": 7}
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+# As the machines here need it: no sandbox as root, no GPU, and nothing reaching out.
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +203,72 @@ def test_a_video_is_created_retrieved_and_downloaded(stack: LocalStack) -> None:
     ).json()["id"]
     with pytest.raises(openai.NotFoundError):
         sdk.videos.retrieve(image_job)
+
+
+def test_the_fleet_and_the_recent_jobs(stack: LocalStack) -> None:
+    fleet = httpx.get(f"{stack.http_url}/v1/fleet").json()
+    samplers = [w for w in fleet["workers"] if w["kind"] == "sampler"]
+    assert [w["id"] for w in samplers] == stack.sampler_ids()
+    assert samplers[0]["state"] == "ready" and "image" in samplers[0]["capabilities"]
+    assert fleet["usage"]["tenant"] == "default"
+    recent = httpx.get(f"{stack.http_url}/v1/jobs", params={"limit": 3}).json()["data"]
+    assert len(recent) == 3 and recent == sorted(recent, key=lambda j: -j["created"])
+    done = [j for j in recent if j["status"] == "succeeded"]
+    assert done and all(j["stages"]["total"] > 0 and j["worker_id"] for j in done)
+    assert httpx.get(f"{stack.http_url}/v1/jobs", params={"limit": 0}).json()["error"]["param"] == "limit"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield launched
+        launched.close()
+
+
+def test_a_prompt_shows_its_progress_then_its_image(stack: LocalStack, browser) -> None:  # type: ignore[no-untyped-def]
+    page = browser.new_page()
+    page.goto(stack.http_url + "/")
+    # Every value the progress bar takes, recorded by the page itself.
+    page.evaluate(
+        """() => {
+            window.progressSeen = [];
+            const bar = document.getElementById("progress");
+            new MutationObserver(() => window.progressSeen.push(Number(bar.value)))
+                .observe(bar, { attributes: true, attributeFilter: ["value"] });
+            const set = Object.getOwnPropertyDescriptor(HTMLProgressElement.prototype, "value").set;
+            Object.defineProperty(bar, "value", {
+                set(v) { set.call(this, v); window.progressSeen.push(Number(v)); },
+                get() { return Number(this.getAttribute("value")); },
+            });
+        }"""
+    )
+    page.fill("#prompt", "a fox in the snow")
+    page.fill("#size", "64x64")
+    page.fill("#steps", "30")
+    page.click("#generate")
+    image = page.wait_for_selector("#result img", timeout=60_000)
+    assert image is not None
+    page.wait_for_function("() => document.querySelector('#result img').naturalWidth > 0", timeout=30_000)
+    assert page.evaluate("() => document.querySelector('#result img').naturalWidth") == 64
+    seen = page.evaluate("() => window.progressSeen")
+    moving = [v for v in seen if 0 < v < 1]
+    assert moving, f"the bar never stood between empty and full: {seen}"
+    assert seen == sorted(seen), seen
+    assert page.text_content("#status") == "succeeded 30/30"
+
+
+def test_the_fleet_view_shows_each_running_sampler(stack: LocalStack, browser) -> None:  # type: ignore[no-untyped-def]
+    page = browser.new_page()
+    page.goto(stack.http_url + "/")
+    for sampler in stack.sampler_ids():
+        row = page.wait_for_selector(f"#workers tr[data-worker='{sampler}']", timeout=15_000)
+        assert row is not None and "ready" in (row.text_content() or "")
+    page.wait_for_selector("#jobs tr", timeout=15_000)
 
 
 def test_refusals_are_the_sdks_own_exceptions(stack: LocalStack) -> None:

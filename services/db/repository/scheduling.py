@@ -140,6 +140,16 @@ class Scheduling(Area):
         )
         return {row["worker_id"]: row["n"] for row in rows if row["worker_id"]}
 
+    async def running_per_worker(self) -> dict[str, list[str]]:
+        """The jobs sampling on each worker now, by worker."""
+        rows = await self.db.all(
+            "SELECT worker_id, id FROM jobs WHERE status = 'RUNNING' AND worker_id IS NOT NULL ORDER BY started_at"
+        )
+        running: dict[str, list[str]] = {}
+        for row in rows:
+            running.setdefault(row["worker_id"], []).append(row["id"])
+        return running
+
     async def note_waiting(self, waiting: Mapping[str, str]) -> None:
         """Records on each still-queued job (by id) the capability it waits for:
         no live sampler serves it. Its routing says so until it is placed."""

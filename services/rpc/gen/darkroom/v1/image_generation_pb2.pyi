@@ -421,7 +421,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images", "capabilities")
+    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images", "capabilities", "running_jobs")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +448,7 @@ class WorkerStats(_message.Message):
     THROTTLE_REASONS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_JOBS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     available: bool
     processing: int
@@ -474,7 +475,8 @@ class WorkerStats(_message.Message):
     throttle_reasons: _containers.RepeatedScalarFieldContainer[str]
     queued_images: int
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    running_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., running_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GlobalStats(_message.Message):
     __slots__ = ("requests", "queued", "completed", "failed", "running", "cancelled", "expired")
@@ -514,12 +516,26 @@ class TenantUsage(_message.Message):
     credits_today: float
     def __init__(self, tenant: _Optional[str] = ..., lane: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., credits: _Optional[float] = ..., daily_credits: _Optional[float] = ..., gpu_seconds_today: _Optional[float] = ..., credits_today: _Optional[float] = ...) -> None: ...
 
+class LaneQueue(_message.Message):
+    __slots__ = ("lane", "queued", "held", "oldest_queued_seconds")
+    LANE_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_QUEUED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lane: str
+    queued: int
+    held: int
+    oldest_queued_seconds: float
+    def __init__(self, lane: _Optional[str] = ..., queued: _Optional[int] = ..., held: _Optional[int] = ..., oldest_queued_seconds: _Optional[float] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("workers", "totals", "usage")
+    __slots__ = ("workers", "totals", "usage", "lanes")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     totals: GlobalStats
     usage: TenantUsage
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., totals: _Optional[_Union[GlobalStats, _Mapping]] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ...) -> None: ...
+    lanes: _containers.RepeatedCompositeFieldContainer[LaneQueue]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., totals: _Optional[_Union[GlobalStats, _Mapping]] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[LaneQueue, _Mapping]]] = ...) -> None: ...
