@@ -70,6 +70,20 @@ class StreamState:
             return [moved] if moved is not None else []
         if not event.progress:
             return []  # the job changed: the caller reads it
+        if event.preview:
+            if event.attempt != self.attempt or self.status != JobStatus.RUNNING:
+                return []  # of an attempt this stream has not seen run, or no longer runs
+            width, height = event.size
+            preview = pb.Preview(
+                step=event.step,
+                total=event.total,
+                index=event.index,
+                data=event.preview,
+                mime_type="image/jpeg",
+                width=width,
+                height=height,
+            )
+            return [pb.JobEvent(job_id=self.job_id, preview=preview)]
         out = []
         if self.status is None or position(event.attempt, JobStatus.RUNNING) > position(self.attempt, self.status):
             moved = self._moved(event.attempt, JobStatus.RUNNING)

@@ -20,6 +20,7 @@ from services.models.registry import MAX_FPS, ModelRegistry, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 MAX_GUIDANCE = 50.0
+MAX_PREVIEWS = 3
 MAX_IDEMPOTENCY_KEY = 256
 MAX_SEED = 2**63 - 1
 DEFAULT_PLACEMENT = PlacementSettings()
@@ -80,6 +81,7 @@ def validate_submit(
         tenant=tenant,
         price=registry.get(params.model).price,
         task=params.task(registry.get(params.model).upscales),
+        previews=req.previews,
         inputs=JobInputs(image.data, mask.data if mask else None) if image is not None else None,
     )
 
@@ -158,6 +160,10 @@ def _media(
         bad.append(FieldViolation("image", f"{spec.name} makes {spec.capability} from text; it takes no input image"))
     if req.mask and not spec.edits:
         bad.append(FieldViolation("mask", f"{spec.name} does not inpaint"))
+    if req.previews > MAX_PREVIEWS:
+        bad.append(FieldViolation("previews", f"{req.previews} is outside 0..{MAX_PREVIEWS}"))
+    elif req.previews and not spec.edits:
+        bad.append(FieldViolation("previews", f"{spec.name} makes no previews: they are for the SD families' images"))
     if req.HasField("strength"):
         if not req.image or spec.upscales:
             bad.append(FieldViolation("strength", "applies to edits of an input image (image) only"))

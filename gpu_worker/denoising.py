@@ -74,6 +74,10 @@ class BatchMember:
     # JobSuspended and a checkpoint, False with JobInterrupted.
     suspend: Callable[[], bool] = _never
     inputs: MemberInputs | None = None  # an edit's or upscale's input image, as its model takes it
+    # After these steps its latents go to ``on_preview`` (step, total, latents on
+    # the CPU), from the sampling thread: rough previews for its stream.
+    preview_at: frozenset[int] = frozenset()
+    on_preview: Callable[[int, int, torch.Tensor], None] | None = None
 
 
 class Denoiser(ModelLoader, Protocol):

@@ -219,6 +219,8 @@ class DiffusersDenoiser:
             for r in active:
                 r.step += 1
                 r.member.on_step(r.step, r.total)
+                if r.step in r.member.preview_at and r.member.on_preview is not None:
+                    r.member.on_preview(r.step, r.total, _state(r).latents.detach().to("cpu", torch.float32))
                 checkpoints.stepped(r)
 
     def _groups(self, active: list[DiffusersRun]) -> list[list[DiffusersRun]]:

@@ -9,12 +9,16 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from gpu_worker.job_store import JobStore
 from gpu_worker.metrics import RESUMED_STEPS
+from gpu_worker.previews import previews
 from gpu_worker.tracker import JobWatch, StopReason
 from services.bus.events import Events, JobEvent
 from services.db.records import JobRecord
 from services.db.repository import Standing
+from services.models.registry import ModelFamily
 
 # The cancel and suspend flags come back with each write.
 PROGRESS_WRITE_EVERY_S = 0.25
@@ -36,6 +40,7 @@ class StepProgress:
     events: Events
     loop: asyncio.AbstractEventLoop
     resumed_from: int = 0  # the checkpoint's step, until the first step says if it was taken
+    family: ModelFamily = ModelFamily.SD15  # whose latent space its previews read
     _last_write: float = field(default_factory=time.monotonic, init=False)
 
     def on_step(self, step: int, total: int) -> None:
@@ -51,6 +56,19 @@ class StepProgress:
         if write:
             self._last_write = time.monotonic()
         asyncio.run_coroutine_threadsafe(self._report(step, total, write), self.loop)
+
+    def on_preview(self, step: int, total: int, latents: torch.Tensor) -> None:
+        """From the sampling thread, after a step its job wants previewed: each
+        image's preview (made here, off the event loop) goes out as a job event."""
+        p = self.job.params
+        made = previews(latents, self.family, p.width, p.height)
+        events = [
+            JobEvent(
+                self.job.id, self.job.attempt, step=step, total=total, preview=data, index=i, size=(p.width, p.height)
+            )
+            for i, data in enumerate(made)
+        ]
+        asyncio.run_coroutine_threadsafe(self.events.job(*events), self.loop)
 
     async def _report(self, step: int, total: int, write: bool) -> None:
         await self.events.job(JobEvent(self.job.id, self.job.attempt, step=step, total=total))

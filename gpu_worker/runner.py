@@ -32,12 +32,13 @@ from gpu_worker.failures import FailureStreak
 from gpu_worker.job_store import JobStore, OutcomeNotStored
 from gpu_worker.metrics import BATCH_IMAGES
 from gpu_worker.outcomes import Decoded, Outcome, OutcomeRecorder, Started
+from gpu_worker.previews import preview_steps
 from gpu_worker.progress import StepProgress
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
 from services.db.repository import Result
-from services.models.registry import DEFAULT_TIMEOUT_S
+from services.models.registry import DEFAULT_TIMEOUT_S, ModelFamily
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,11 @@ class JobRunner:
         """The job as a batch member: its steps reported, its periodic checkpoints stored."""
         job, watch = started.job, started.watch
         resumed_from = started.resume.step if started.resume is not None else 0
-        progress = StepProgress(job, watch, self.store, self.store.events, loop, resumed_from=resumed_from)
+        spec = self.engine.registry.models.get(job.params.model)
+        family = spec.family if spec is not None else ModelFamily.SD15
+        progress = StepProgress(
+            job, watch, self.store, self.store.events, loop, resumed_from=resumed_from, family=family
+        )
         save = functools.partial(self.store.save_checkpoint, job)
         started.writer = PeriodicCheckpointWriter(job.id, job.attempt, save, loop)
         return BatchMember(
@@ -192,6 +197,8 @@ class JobRunner:
             on_checkpoint=started.writer.offer,
             suspend=lambda: watch.suspending,
             inputs=inputs if isinstance(inputs, MemberInputs) else None,
+            preview_at=preview_steps(job.params.steps, job.previews),
+            on_preview=progress.on_preview,
         )
 
     async def _decoding(self, sampled: Sequence[Started]) -> None:

@@ -4,6 +4,7 @@ gateway authenticates, owns and limits every job as it does for gRPC clients."""
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,25 @@ class _Output:
     chunk: pb.ImageChunk | None = None
 
 
+class Outputs:
+    """A job's outputs put together from its stream's chunks."""
+
+    def __init__(self) -> None:
+        self._outputs: dict[int, _Output] = {}
+
+    def add(self, event: pb.JobEvent) -> Finished | None:
+        """Takes one event; the finished job at its terminal event."""
+        kind = event.WhichOneof("event")
+        if kind == "image_chunk":
+            chunk = event.image_chunk
+            output = self._outputs.setdefault(chunk.index, _Output())
+            output.parts.append(chunk.data)
+            output.chunk = chunk
+        elif kind == "terminal":
+            return Finished(event.terminal, [_image(self._outputs[i]) for i in sorted(self._outputs)])
+        return None
+
+
 class Gateway:
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.channel = channel
@@ -55,22 +75,17 @@ class Gateway:
     async def get(self, job_id: str, key: str) -> pb.Job:
         return await self.stub.GetJob(pb.GetJobRequest(job_id=job_id), metadata=self._metadata(key), timeout=30)
 
+    def events(self, job_id: str, key: str, timeout_s: float) -> AsyncIterator[pb.JobEvent]:
+        """The job's StreamJob events, to its terminal one."""
+        return self.stub.StreamJob(pb.StreamJobRequest(job_id=job_id), metadata=self._metadata(key), timeout=timeout_s)
+
     async def finished(self, job_id: str, key: str, timeout_s: float) -> Finished:
         """The job at its end, its outputs put together from the stream's chunks."""
-        outputs: dict[int, _Output] = {}
-        stream = self.stub.StreamJob(
-            pb.StreamJobRequest(job_id=job_id), metadata=self._metadata(key), timeout=timeout_s
-        )
-        async for event in stream:
-            kind = event.WhichOneof("event")
-            if kind == "image_chunk":
-                chunk = event.image_chunk
-                output = outputs.setdefault(chunk.index, _Output())
-                output.parts.append(chunk.data)
-                output.chunk = chunk
-            elif kind == "terminal":
-                images = [_image(outputs[i]) for i in sorted(outputs)]
-                return Finished(event.terminal, images)
+        outputs = Outputs()
+        async for event in self.events(job_id, key, timeout_s):
+            done = outputs.add(event)
+            if done is not None:
+                return done
         return Finished(await self.get(job_id, key), [])  # the stream ended without its terminal event
 
     async def models(self, key: str) -> pb.ListModelsResponse:

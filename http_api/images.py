@@ -29,6 +29,7 @@ class Asked:
     """What a request asks of the answer, beside the job."""
 
     response_format: str = "b64_json"
+    stream: bool = False  # server-sent events: partial images, then the image
 
 
 def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, Asked]:
@@ -67,16 +68,19 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
     response_format = take.text("response_format") or "b64_json"
     if response_format not in RESPONSE_FORMATS:
         raise bad_request("response_format", f"response_format {response_format!r} is not url or b64_json")
-    if take.flag("stream"):
-        raise bad_request("stream", "streamed partial images are not served yet: leave stream out, or false")
-    take.integer("partial_images", 0, 3)
+    stream = bool(take.flag("stream"))
+    partial = take.integer("partial_images", 0, 3)
+    if stream:
+        if request.num_images > 1:
+            raise bad_request("n", "a streamed generation makes one image (n 1)")
+        request.previews = partial or 0
     for name in IGNORED:
         if name == "output_compression":
             take.integer(name, 0, 100)
         else:
             take.text(name)
     take.done()
-    return request, Asked(response_format)
+    return request, Asked(response_format, stream)
 
 
 class Fields:
@@ -150,6 +154,35 @@ def images_response(job: pb.Job, outputs: list[pb.Image], asked: Asked, link: Ca
         "data": data,
         "output_format": fmt,
         "size": f"{job.width}x{job.height}",
+        "usage": usage(job),
+    }
+
+
+def partial_event(preview: pb.Preview, index: int, job: pb.Job) -> dict[str, Any]:
+    """OpenAI's ``image_generation.partial_image`` event for a preview (a JPEG)."""
+    return {
+        "type": "image_generation.partial_image",
+        "b64_json": base64.b64encode(preview.data).decode(),
+        "created_at": job.timings.created_time.seconds,
+        "size": f"{preview.width}x{preview.height}",
+        "output_format": "jpeg",
+        "quality": "auto",
+        "background": "opaque",
+        "partial_image_index": index,
+    }
+
+
+def completed_event(job: pb.Job, output: pb.Image) -> dict[str, Any]:
+    """OpenAI's ``image_generation.completed`` event for a finished job's image."""
+    fmt = next((name for name, value in FORMATS.items() if value == job.output_format), "png")
+    return {
+        "type": "image_generation.completed",
+        "b64_json": base64.b64encode(output.data).decode(),
+        "created_at": job.timings.created_time.seconds,
+        "size": f"{job.width}x{job.height}",
+        "output_format": fmt,
+        "quality": "auto",
+        "background": "opaque",
         "usage": usage(job),
     }
 

@@ -12,9 +12,10 @@ import grpc
 from aiohttp import web
 
 from http_api import fleet, images, videos
-from http_api.errors import HttpError, bad_request
-from http_api.gateway_client import Gateway, default_model
+from http_api.errors import HttpError, bad_request, from_rpc
+from http_api.gateway_client import Gateway, Outputs, default_model
 from http_api.signed_urls import UrlSigner
+from http_api.wire import fields_of, key_of, metadata_of, send_event
 from services.config.http import HttpSettings
 from services.db.repository import Repository
 from services.errors import StoreError
@@ -53,7 +54,7 @@ class Api:
         """The page: a prompt box and a live view of the fleet, over this same API."""
         return web.Response(body=PAGE, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
-    async def generations(self, request: web.Request) -> web.Response:
+    async def generations(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -61,7 +62,7 @@ class Api:
         submit, asked = images.generation(body)
         return await self._run(request, submit, asked, "image")
 
-    async def edits(self, request: web.Request) -> web.Response:
+    async def edits(self, request: web.Request) -> web.StreamResponse:
         try:
             form = await request.post()
         except web.HTTPRequestEntityTooLarge:
@@ -85,8 +86,8 @@ class Api:
 
     async def _run(
         self, request: web.Request, submit: pb.SubmitJobRequest, asked: images.Asked, kind: str
-    ) -> web.Response:
-        key = _key(request)
+    ) -> web.StreamResponse:
+        key = key_of(request)
         if not submit.model:
             submit.model = default_model(await self.gateway.models(key), kind)
         began = time.perf_counter()
@@ -97,6 +98,8 @@ class Api:
         )
         if "respond-async" in request.headers.get("Prefer", ""):
             return left_running
+        if asked.stream:
+            return await self._stream(request, submitted.job_id, key)
         try:
             done = await self.gateway.finished(submitted.job_id, key, self.settings.wait_s)
         except grpc.aio.AioRpcError as exc:
@@ -119,12 +122,42 @@ class Api:
         )
         return response
 
+    async def _stream(self, request: web.Request, job_id: str, key: str) -> web.StreamResponse:
+        """Server-sent events in OpenAI's shapes: a partial image per preview the
+        sampler sends, then the image (or an error event)."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        outputs, partials, job = Outputs(), 0, pb.Job(job_id=job_id)
+        try:
+            async for event in self.gateway.events(job_id, key, self.settings.wait_s):
+                if event.WhichOneof("event") == "preview":
+                    await send_event(response, images.partial_event(event.preview, partials, job))
+                    partials += 1
+                done = outputs.add(event)
+                if done is None:
+                    continue
+                job = done.job
+                if job.status != pb.JOB_STATUS_SUCCEEDED:
+                    raise HttpError(
+                        500, f"job {job_id} ended {STATUS_NAMES[job.status]}: {job.error}", kind="server_error"
+                    )
+                for output in done.outputs:
+                    await send_event(response, images.completed_event(job, output))
+                break
+        except HttpError as exc:
+            await send_event(response, {"error": {"message": exc.message, "type": exc.kind, "code": exc.code}})
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc(exc)
+            await send_event(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+        await response.write_eof()
+        return response
+
     async def create_video(self, request: web.Request) -> web.Response:
         """A video job, answered at once with OpenAI's ``Video`` (``queued``)."""
-        fields = await _fields_of(request)
+        fields = await fields_of(request)
         if "input_reference" in fields:
             raise bad_request("input_reference", "a video from an input image is not served yet")
-        key = _key(request)
+        key = key_of(request)
         models = await self.gateway.models(key)
         name = str(fields.get("model") or "") or default_model(models, "video")
         model = next((m for m in models.models if m.name == name), None)
@@ -151,13 +184,13 @@ class Api:
         return web.Response(body=job.images[0].data, content_type=job.images[0].mime_type)
 
     async def _video_job(self, request: web.Request) -> pb.Job:
-        job = await self.gateway.get(request.match_info["job_id"], _key(request))
+        job = await self.gateway.get(request.match_info["job_id"], key_of(request))
         if job.task != "text_to_video":
             raise HttpError(404, "no such video", kind="invalid_request_error", code="not_found")
         return job
 
     async def models(self, request: web.Request) -> web.Response:
-        found = await self.gateway.stub.ListModels(pb.ListModelsRequest(), metadata=_metadata(request), timeout=30)
+        found = await self.gateway.stub.ListModels(pb.ListModelsRequest(), metadata=metadata_of(request), timeout=30)
         data = [
             {
                 "id": m.name,
@@ -177,18 +210,18 @@ class Api:
         if not limit.isdigit() or not 1 <= int(limit) <= 200:
             raise bad_request("limit", f"limit {limit!r} is not a whole number within 1..200")
         page = await self.gateway.stub.ListJobs(
-            pb.ListJobsRequest(page_size=int(limit)), metadata=_metadata(request), timeout=30
+            pb.ListJobsRequest(page_size=int(limit)), metadata=metadata_of(request), timeout=30
         )
         data = [fleet.job_summary(j, STATUS_NAMES[j.status]) for j in page.jobs]
         return web.json_response({"object": "list", "data": data})
 
     async def fleet_view(self, request: web.Request) -> web.Response:
         """The fleet's workers and queue (for an admin key), and the caller's usage."""
-        stats = await self.gateway.stub.GetStats(pb.GetStatsRequest(), metadata=_metadata(request), timeout=30)
+        stats = await self.gateway.stub.GetStats(pb.GetStatsRequest(), metadata=metadata_of(request), timeout=30)
         return web.json_response(fleet.fleet(stats))
 
     async def job(self, request: web.Request) -> web.Response:
-        job = await self.gateway.get(request.match_info["job_id"], _key(request))
+        job = await self.gateway.get(request.match_info["job_id"], key_of(request))
         body = self._job_json(request, job.job_id, STATUS_NAMES[job.status])
         now = time.time()
         body.update(
@@ -236,31 +269,3 @@ class Api:
 
     def _base(self, request: web.Request) -> str:
         return self.settings.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
-
-
-async def _fields_of(request: web.Request) -> dict[str, Any]:
-    """A form's fields (files as their FileField), or a JSON object's."""
-    if request.content_type == "application/json":
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("body", "the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise bad_request("body", "the body must be a JSON object")
-        return body
-    try:
-        return dict(await request.post())
-    except web.HTTPRequestEntityTooLarge:
-        raise HttpError(413, "the body is too large", kind="invalid_request_error", param="body") from None
-    except ValueError as exc:
-        raise bad_request("body", f"the body is not a form: {exc}") from None
-
-
-def _key(request: web.Request) -> str:
-    presented = request.headers.get("Authorization", "")
-    return presented.removeprefix("Bearer ").strip() if presented.startswith("Bearer ") else ""
-
-
-def _metadata(request: web.Request) -> list[tuple[str, str]] | None:
-    key = _key(request)
-    return [("authorization", f"Bearer {key}")] if key else None

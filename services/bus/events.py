@@ -12,6 +12,8 @@ starts at once rather than at the next tick."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import re
@@ -60,6 +62,10 @@ class JobEvent:
     status: JobStatus | None = None
     step: int = 0
     total: int = 0
+    # A rough preview of image ``index`` at ``step`` (a JPEG of ``size``), for its streams.
+    preview: bytes = b""
+    index: int = 0
+    size: tuple[int, int] = (0, 0)
 
     @property
     def progress(self) -> bool:
@@ -71,6 +77,8 @@ class JobEvent:
             body["status"] = self.status.value
         elif self.total:
             body.update(step=self.step, total=self.total)
+        if self.preview:
+            body.update(preview=base64.b64encode(self.preview).decode(), index=self.index, size=list(self.size))
         return json.dumps(body).encode()
 
     @classmethod
@@ -81,8 +89,21 @@ class JobEvent:
             attempt = int(body["attempt"])
             if "status" in body:
                 return cls(job_id, attempt, JobStatus(body["status"]))
-            return cls(job_id, attempt, step=int(body.get("step", 0)), total=int(body.get("total", 0)))
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            step, total = int(body.get("step", 0)), int(body.get("total", 0))
+            if "preview" in body:
+                width, height = (int(v) for v in body["size"])
+                preview = base64.b64decode(body["preview"], validate=True)
+                return cls(
+                    job_id,
+                    attempt,
+                    step=step,
+                    total=total,
+                    preview=preview,
+                    index=int(body["index"]),
+                    size=(width, height),
+                )
+            return cls(job_id, attempt, step=step, total=total)
+        except (KeyError, TypeError, AttributeError, ValueError, binascii.Error) as exc:
             raise ValueError(f"not a job event: {data[:100]!r}") from exc
 
 

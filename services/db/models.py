@@ -52,6 +52,8 @@ class JobRow(Base):
     fps: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     # An edit's share of the denoising (1: all of it, as without an input image).
     strength: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
+    # Rough previews of each image its stream sends while it denoises (0..3).
+    previews: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     # What it makes: a services.generation.Task.
     task: Mapped[str] = mapped_column(String(16), nullable=False, server_default=text("'text_to_image'"))
     # SHA-256 (hex) of its input image and mask in ``job_inputs``; '': none.

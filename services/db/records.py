@@ -28,6 +28,7 @@ class NewJob:
     price: float = 1.0  # credits per GPU-second of its model
     credits_reserved: float = 0.0  # what its estimate costs: taken from a tenant with credits
     task: Task = Task.TEXT_TO_IMAGE
+    previews: int = 0  # rough previews of each image its stream sends while it denoises
     inputs: JobInputs | None = None  # an edit's or upscale's input image (and mask)
 
 
@@ -142,6 +143,7 @@ class JobRecord:
     gpu_seconds: float = 0.0  # charged so far: its share of its batches' sampling time
     credits_charged: float | None = None  # once settled
     task: Task = Task.TEXT_TO_IMAGE
+    previews: int = 0
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:

@@ -21,7 +21,7 @@ import httpx
 import openai
 import pytest
 from openai.types import Image as OpenAiImage
-from openai.types import ImagesResponse
+from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent, ImagesResponse
 from PIL import Image
 from pydantic import BaseModel
 
@@ -158,7 +158,7 @@ def test_a_job_left_running_is_followed_to_its_links(stack: LocalStack) -> None:
         ({"steps": 1.5}, "steps"),
         ({"response_format": "gif"}, "response_format"),
         ({"model": "sd3"}, "model"),
-        ({"stream": True}, "stream"),
+        ({"partial_images": 5}, "partial_images"),
     ],
 )
 def test_a_bad_parameter_is_a_bad_request_naming_it(stack: LocalStack, fields: dict, param: str) -> None:
@@ -216,6 +216,24 @@ def test_the_fleet_and_the_recent_jobs(stack: LocalStack) -> None:
     done = [j for j in recent if j["status"] == "succeeded"]
     assert done and all(j["stages"]["total"] > 0 and j["worker_id"] for j in done)
     assert httpx.get(f"{stack.http_url}/v1/jobs", params={"limit": 0}).json()["error"]["param"] == "limit"
+
+
+def test_a_streamed_generation_sends_partial_images_then_the_image(stack: LocalStack) -> None:
+    stream = client(stack).images.generate(
+        model="tiny", prompt="a fox", size="64x64", stream=True, partial_images=2, extra_body={"steps": 30, "seed": 3}
+    )
+    events = list(stream)
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    for index, partial in enumerate(events[:2]):
+        assert isinstance(partial, ImageGenPartialImageEvent) and partial.partial_image_index == index
+        with Image.open(io.BytesIO(base64.b64decode(partial.b64_json))) as preview:
+            assert (preview.format, preview.size) == ("JPEG", (64, 64))
+    final = events[-1]
+    assert isinstance(final, ImageGenCompletedEvent)
+    assert png_size(base64.b64decode(final.b64_json)) == (64, 64) and extra(final.usage)["gpu_seconds"] > 0
+    with pytest.raises(openai.BadRequestError) as several:
+        list(client(stack).images.generate(prompt="x", n=2, stream=True, extra_body={"model": "tiny", **SMALL}))
+    assert several.value.body["param"] == "n"  # type: ignore[index]
 
 
 @pytest.fixture(scope="module")

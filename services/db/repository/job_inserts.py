@@ -34,6 +34,7 @@ _INSERTED = (
     ("image_digest", "varchar"),
     ("mask_digest", "varchar"),
     ("task", "varchar"),
+    ("previews", "int"),
     ("output_format", "varchar"),
     ("idempotency_key", "varchar"),
     ("deadline", "timestamptz"),

@@ -1,4 +1,4 @@
-"""media: a job's frames, fps, strength, task and input digests; its input image and mask
+"""media: a job's frames, fps, strength, task, previews and input digests; its input image and mask
 in job_inputs; the capabilities a worker serves
 
 Revision ID: 0013
@@ -20,6 +20,7 @@ def upgrade() -> None:
     op.add_column("jobs", sa.Column("fps", sa.Float, nullable=False, server_default=sa.text("0")))
     op.add_column("jobs", sa.Column("strength", sa.Float, nullable=False, server_default=sa.text("1")))
     op.add_column("jobs", sa.Column("task", sa.String(16), nullable=False, server_default=sa.text("'text_to_image'")))
+    op.add_column("jobs", sa.Column("previews", sa.Integer, nullable=False, server_default=sa.text("0")))
     op.add_column("jobs", sa.Column("image_digest", sa.String(64), nullable=False, server_default=sa.text("''")))
     op.add_column("jobs", sa.Column("mask_digest", sa.String(64), nullable=False, server_default=sa.text("''")))
     op.create_table(
@@ -34,5 +35,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_column("workers", "capabilities")
     op.drop_table("job_inputs")
-    for column in ("mask_digest", "image_digest", "task", "strength", "fps", "frames"):
+    for column in ("mask_digest", "image_digest", "previews", "task", "strength", "fps", "frames"):
         op.drop_column("jobs", column)

@@ -45,7 +45,7 @@ OUTPUT_FORMAT_WEBP: OutputFormat
 OUTPUT_FORMAT_MP4: OutputFormat
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength", "previews")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class SubmitJobRequest(_message.Message):
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     MASK_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
+    PREVIEWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -82,7 +83,8 @@ class SubmitJobRequest(_message.Message):
     image: bytes
     mask: bytes
     strength: float
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ...) -> None: ...
+    previews: int
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ..., previews: _Optional[int] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "status", "estimated_start_time", "estimated_finish_time", "deduplicated")
@@ -315,7 +317,7 @@ class ImageChunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class JobEvent(_message.Message):
-    __slots__ = ("job_id", "status", "progress", "image_chunk", "terminal", "suspended", "resumed")
+    __slots__ = ("job_id", "status", "progress", "image_chunk", "terminal", "suspended", "resumed", "preview")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +325,7 @@ class JobEvent(_message.Message):
     TERMINAL_FIELD_NUMBER: _ClassVar[int]
     SUSPENDED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    PREVIEW_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     progress: Progress
@@ -330,7 +333,26 @@ class JobEvent(_message.Message):
     terminal: Job
     suspended: Suspension
     resumed: Suspension
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., image_chunk: _Optional[_Union[ImageChunk, _Mapping]] = ..., terminal: _Optional[_Union[Job, _Mapping]] = ..., suspended: _Optional[_Union[Suspension, _Mapping]] = ..., resumed: _Optional[_Union[Suspension, _Mapping]] = ...) -> None: ...
+    preview: Preview
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., image_chunk: _Optional[_Union[ImageChunk, _Mapping]] = ..., terminal: _Optional[_Union[Job, _Mapping]] = ..., suspended: _Optional[_Union[Suspension, _Mapping]] = ..., resumed: _Optional[_Union[Suspension, _Mapping]] = ..., preview: _Optional[_Union[Preview, _Mapping]] = ...) -> None: ...
+
+class Preview(_message.Message):
+    __slots__ = ("step", "total", "index", "data", "mime_type", "width", "height")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    total: int
+    index: int
+    data: bytes
+    mime_type: str
+    width: int
+    height: int
+    def __init__(self, step: _Optional[int] = ..., total: _Optional[int] = ..., index: _Optional[int] = ..., data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class CancelJobRequest(_message.Message):
     __slots__ = ("job_id",)
