@@ -180,6 +180,13 @@ def test_a_malformed_or_oversized_body_is_refused(stack: LocalStack) -> None:
         f"{stack.http_url}/v1/images/edits", files={"image": ("i.png", b"0" * (60 * 2**20))}, data={"prompt": "x"}
     )
     assert huge.status_code == 413
+    # Within the body's limit, an image over the gateway's (DARKROOM_MAX_INPUT_MB) is named.
+    over = httpx.post(
+        f"{stack.http_url}/v1/images/edits",
+        files={"image": ("i.png", b"0" * (17 * 2**20))},
+        data={"prompt": "x", "model": "tiny"},
+    )
+    assert over.status_code == 400 and over.json()["error"]["param"] == "image", over.text
 
 
 def test_a_video_is_created_retrieved_and_downloaded(stack: LocalStack) -> None:
