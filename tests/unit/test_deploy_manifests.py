@@ -495,8 +495,48 @@ def test_each_service_finds_its_files_and_may_write_where_it_writes(
             check_files(service, kernel, own, sandbox, container)
             for path in (env["DARKROOM_DATA_DIR"], os.path.dirname(env["DARKROOM_LIVENESS_FILE"]), "/tmp"):
                 assert sandbox.writable(container, path), f"{service} cannot write {path}"
+            check_liveness_probe(container, sandbox.env(env), Path(kernel.liveness_file))
             checked.add(service)
     assert checked == set(SERVICE_MODULES)
+
+
+def check_liveness_probe(container: dict[str, Any], env: Mapping[str, str], liveness_file: Path) -> None:
+    """The probe's command, run on the file the service touches: content while it is
+    fresh, failing once the event loop has stopped touching it for a minute."""
+    command = container["livenessProbe"]["exec"]["command"]
+
+    def probe() -> int:
+        return subprocess.run(command, env={**env, "PATH": os.environ["PATH"]}, capture_output=True).returncode
+
+    liveness_file.parent.mkdir(parents=True, exist_ok=True)
+    liveness_file.touch()
+    assert probe() == 0, f"{container['name']}: the liveness probe fails on a fresh file"
+    old = liveness_file.stat().st_mtime - 60
+    os.utime(liveness_file, (old, old))
+    assert probe() != 0, f"{container['name']}: the liveness probe passes on a stale file"
+
+
+# How long each service may take to stop, in DARKROOM_SHUTDOWN_GRACE_S: a sampler
+# drains (the jobs decoding get the grace), then closes its gRPC server (the grace
+# again); the others close their server alone.
+GRACES_TO_STOP = {"gateway": 1, "http": 1, "scheduler": 1, "sampler": 2, "decoder": 1}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pod_is_given_the_time_its_service_takes_to_stop(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    docs = rendered[overlay]
+    for pod in pods(docs):
+        (container,) = pod.spec["containers"]
+        service = service_of(container)
+        assert service is not None
+        env, own_names = container_env(container, pod, docs)
+        kernel, _ = load_settings(service, env, own_names)
+        pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+        waited = int(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0
+        needed = waited + GRACES_TO_STOP[service] * kernel.shutdown_grace_s + 5
+        assert pod.spec["terminationGracePeriodSeconds"] >= needed, f"{service} needs {needed}s to stop"
 
 
 def test_a_missing_mesh_file_is_caught(rendered: dict[str, list[dict[str, Any]]], mesh: Path, tmp_path: Path) -> None:
