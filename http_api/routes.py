@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ class Api:
             web.get("/v1/models", self.models),
             web.get("/v1/jobs", self.jobs),
             web.get("/v1/jobs/{job_id}", self.job),
+            web.get("/v1/jobs/{job_id}/events", self.job_events),
             web.get("/v1/fleet", self.fleet_view),
             web.get("/v1/files/{job_id}/{index}", self.file),
             web.post("/v1/videos", self.create_video),
@@ -222,6 +224,9 @@ class Api:
 
     async def job(self, request: web.Request) -> web.Response:
         job = await self.gateway.get(request.match_info["job_id"], key_of(request))
+        return web.json_response(self._job_body(request, job))
+
+    def _job_body(self, request: web.Request, job: pb.Job) -> dict[str, Any]:
         body = self._job_json(request, job.job_id, STATUS_NAMES[job.status])
         now = time.time()
         body.update(
@@ -232,8 +237,48 @@ class Api:
             usage=images.usage(job),
         )
         if job.status == pb.JOB_STATUS_SUCCEEDED:
-            body["data"] = [{"url": self._link(request, job.job_id, i, now)} for i in range(len(job.images))]
-        return web.json_response(body)
+            # A stream's terminal event carries no images (they came before it in chunks).
+            outputs = len(job.images) or job.num_images
+            body["data"] = [{"url": self._link(request, job.job_id, i, now)} for i in range(outputs)]
+        return body
+
+    async def job_events(self, request: web.Request) -> web.StreamResponse:
+        """A job followed as server-sent events: ``darkroom.job.status`` and
+        ``darkroom.job.progress`` as they happen, then ``darkroom.job.done`` with
+        what ``GET /v1/jobs/{id}`` answers at the end. Every step the sampler
+        reports arrives, where polling would see only some."""
+        job_id, key = request.match_info["job_id"], key_of(request)
+        events = self.gateway.events(job_id, key, self.settings.wait_s)
+        try:
+            first = await anext(aiter(events), None)  # an unknown job is a 404, before the stream starts
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc(exc) from None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def rest() -> AsyncIterator[pb.JobEvent]:
+            if first is not None:
+                yield first
+            async for event in events:
+                yield event
+
+        try:
+            async for event in rest():
+                kind = event.WhichOneof("event")
+                if kind == "status":
+                    await send_event(response, {"type": "darkroom.job.status", "status": STATUS_NAMES[event.status]})
+                elif kind == "progress":
+                    step, total = event.progress.step, event.progress.total
+                    await send_event(response, {"type": "darkroom.job.progress", "step": step, "total": total})
+                elif kind == "terminal":
+                    body = self._job_body(request, event.terminal)
+                    await send_event(response, {"type": "darkroom.job.done", "job": body})
+                    break
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc(exc)
+            await send_event(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+        await response.write_eof()
+        return response
 
     async def file(self, request: web.Request) -> web.Response:
         job_id, index = request.match_info["job_id"], request.match_info["index"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -144,6 +145,25 @@ def test_a_job_left_running_is_followed_to_its_links(stack: LocalStack) -> None:
     assert done["progress"] == {"step": 2, "total": 2} and done["usage"]["gpu_seconds"] > 0
     [link] = done["data"]
     assert png_size(httpx.get(link["url"]).content) == (64, 64)
+
+
+def test_a_job_s_events_carry_its_steps_then_its_end(stack: LocalStack) -> None:
+    posted = httpx.post(
+        f"{stack.http_url}/v1/images/generations",
+        json={"model": "tiny", "prompt": "a fox", "size": "64x64", "steps": 6},
+        headers={"Prefer": "respond-async"},
+    ).json()
+    with httpx.stream("GET", f"{stack.http_url}/v1/jobs/{posted['id']}/events", timeout=60) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        events = [json.loads(line.removeprefix("data: ")) for line in response.iter_lines() if line.startswith("data:")]
+    # Each step once and in order, from whenever the stream joined (the job may start first).
+    steps = [e["step"] for e in events if e["type"] == "darkroom.job.progress"]
+    assert steps == sorted(set(steps)) and set(steps) <= set(range(1, 7)), events
+    [done] = [e for e in events if e["type"] == "darkroom.job.done"]
+    assert events[-1] is done and done["job"]["status"] == "succeeded"
+    assert png_size(httpx.get(done["job"]["data"][0]["url"]).content) == (64, 64)
+    missing = httpx.get(f"{stack.http_url}/v1/jobs/00000000-0000-0000-0000-000000000000/events")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
 
 @pytest.mark.parametrize(
