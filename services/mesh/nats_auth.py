@@ -77,15 +77,18 @@ def server_config(
     mesh_dir: Path | None,
     users: Iterable[str],
     name: str = "",
+    host: str = "127.0.0.1",
     cluster_port: int | None = None,
-    routes: Iterable[int] = (),
+    routes: Iterable[str] = (),
 ) -> str:
-    """nats-server's configuration (its format takes JSON values). With
-    ``mesh_dir``: TLS required of clients and routes, a certificate of the fleet's
-    CA required of each, and ``users`` with their passwords (made where missing)
-    and permissions; without, open, as a mesh that is not sealed."""
+    """nats-server's configuration (its format takes JSON values), listening on
+    ``host``; with ``cluster_port``, a node of a cluster routed to ``routes``
+    (each ``host:port``). With ``mesh_dir``: TLS required of clients and routes, a
+    certificate of the fleet's CA required of each, and ``users`` with their
+    passwords (made where missing) and permissions; without, open, as a mesh
+    that is not sealed."""
     lines = [
-        f'listen: "127.0.0.1:{port}"',
+        f'listen: "{host}:{port}"',
         "jetstream: " + json.dumps({"store_dir": str(store_dir)}),
     ]
     if name:
@@ -103,8 +106,8 @@ def server_config(
     if cluster_port is not None:
         cluster: dict[str, object] = {
             "name": "darkroom",
-            "listen": f"127.0.0.1:{cluster_port}",
-            "routes": [f"nats-route://127.0.0.1:{p}" for p in routes],
+            "listen": f"{host}:{cluster_port}",
+            "routes": [f"nats-route://{route}" for route in routes],
         }
         if tls:
             cluster["tls"] = tls  # routes too: a node presents the nats certificate to its peers

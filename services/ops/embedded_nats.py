@@ -36,7 +36,7 @@ class EmbeddedNats(ManagedProcess):
         *,
         name: str = "",
         cluster_port: int | None = None,
-        routes: tuple[int, ...] = (),
+        routes: tuple[str, ...] = (),
         mesh_dir: Path | None = None,
         users: Iterable[str] = CONTROL_USERS,
     ) -> None:
@@ -100,7 +100,7 @@ class EmbeddedNatsCluster:
                 data_dir,
                 name=f"n{i}",
                 cluster_port=cluster_ports[i],
-                routes=tuple(p for j, p in enumerate(cluster_ports) if j != i),
+                routes=tuple(f"127.0.0.1:{p}" for j, p in enumerate(cluster_ports) if j != i),
                 mesh_dir=mesh_dir,
                 users=users,
             )

@@ -1,0 +1,252 @@
+"""A Darkroom fleet on hosts of its own, run as an operator would run it: three
+NATS hosts (a JetStream cluster, the dispatch stream replicated three times), a
+highly available PostgreSQL (a monitor and two data nodes), two control hosts
+(each a gateway and a scheduler replica) and two GPU hosts (``darkroom
+supervise``: a sampler and a decoder each, on the CPU here). Every service binds
+and advertises its own host's address; the mesh is sealed, with certificates that
+name those addresses, issued by the fleet's CA as ``darkroom certs issue`` does,
+and each host holds only the secrets of the roles it runs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psycopg
+
+from services.mesh.nats_auth import CONTROL_USERS, sampler_user, server_config
+from services.mesh.pki import CertificateAuthority, write_private
+from services.mesh.secrets import nats_password_path, password
+from services.ops.embedded_nats import nats_server_binary
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from tests.fleet.network import Host, Network
+from tests.fleet.postgres_ha import PostgresHA
+from tests.helpers import env_of
+
+NATS_PORT, ROUTE_PORT, GATEWAY_PORT = 4222, 6222, 50051
+# Failures noticed in seconds (as the fault suite's stacks), and calls that give
+# up on a silent peer rather than wait for TCP's own minutes.
+FLEET_SETTINGS: dict[str, object] = {
+    "heartbeat_interval_s": 0.5,
+    "worker_stale_after_s": 3.0,
+    "recovery_interval_s": 0.25,
+    "hang_after_s": 10.0,
+    "restart_backoff_s": 0.2,
+    "restart_backoff_max_s": 2.0,
+    "redispatch_after_s": 3.0,
+    "dispatch_ack_wait_s": 10.0,
+    "shutdown_grace_s": 8.0,
+    "outcome_retry_s": 60.0,
+    "nats_replicas": 3,
+    "log_level": "INFO",
+}
+
+
+@dataclass
+class Service:
+    """One process the fleet runs: restartable with the same command."""
+
+    host: Host
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, logs: Path) -> None:
+        self.proc = self.host.spawn(self.args, env=self.env, log=logs / f"{self.host.name}-{self.name}.log")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()  # ip netns exec hands the signal on: it execs the service
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Fleet:
+    root: Path
+    network: Network
+    models_dir: Path
+    ca: CertificateAuthority = field(default_factory=CertificateAuthority.create)
+    services: dict[str, Service] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        add = self.network.add
+        self.nats = [add(f"nats{i}") for i in (1, 2, 3)]
+        self.pg_monitor, *self.pg_nodes = add("pgmon"), add("pg1"), add("pg2")
+        self.control = [add("ctl1"), add("ctl2")]
+        self.gpus = [add("gpu1"), add("gpu2")]
+        self.logs = self.root / "logs"
+        self.operator = self.root / "operator"  # the CA and every password: the operator's, on no host
+        self.ca.save(self.operator)
+        self.postgres = PostgresHA(self.root / "postgres", self.ca, self.pg_monitor, self.pg_nodes)
+
+    # What runs where
+
+    @property
+    def nats_url(self) -> str:
+        return ",".join(f"nats://{h.address}:{NATS_PORT}" for h in self.nats)
+
+    @property
+    def gateway_target(self) -> str:
+        """Both gateways, as a client behind a name with two addresses sees them."""
+        return "ipv4:" + ",".join(f"{h.address}:{GATEWAY_PORT}" for h in self.control)
+
+    @staticmethod
+    def worker_id(gpu: Host) -> str:
+        return f"{gpu.name}-cpu0"  # darkroom supervise: the host's name and the device
+
+    def nats_users(self) -> list[str]:
+        return [*CONTROL_USERS, *(sampler_user(self.worker_id(g)) for g in self.gpus)]
+
+    def mesh_dir(self, host: Host, roles: list[str], nats_users: list[str]) -> Path:
+        """The host's own secrets: the CA's certificate, a certificate per role it
+        runs naming its address, its NATS users' passwords and the database's."""
+        mesh = self.root / "hosts" / host.name / "mesh"
+        write_private(mesh / "ca.pem", (self.operator / "ca.pem").read_bytes())
+        for role in roles:
+            self.ca.issue_into(mesh, role, [host.address, host.name])
+        for user in nats_users:
+            secret = password(nats_password_path(self.operator, user))
+            target = nats_password_path(mesh, user)
+            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            target.write_text(secret + "\n")
+            target.chmod(0o600)
+        self.postgres.write_pgpass(mesh / "pgpass")
+        return mesh
+
+    def service_env(self, host: Host, mesh: Path, **settings: object) -> dict[str, str]:
+        data = self.root / "hosts" / host.name / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        if not (data / "models").exists():
+            (data / "models").symlink_to(self.models_dir, target_is_directory=True)
+        import os
+
+        return {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(data),
+            **env_of(
+                data_dir=data,
+                database_url=self.postgres.database_url(mesh / "pgpass", mesh / "ca.pem"),
+                nats_url=self.nats_url,
+                mesh_dir=mesh,
+                **{**FLEET_SETTINGS, **settings},
+            ),
+        }
+
+    def _add(self, host: Host, name: str, args: list[str], env: dict[str, str]) -> Service:
+        service = Service(host, name, args, env)
+        self.services[f"{host.name}/{name}"] = service
+        service.start(self.logs)
+        return service
+
+    # Starting
+
+    def start(self) -> None:
+        self.postgres.start()
+        self._start_nats()
+        self._migrate()
+        for host in self.control:
+            mesh = self.mesh_dir(host, ["gateway", "scheduler"], ["gateway", "scheduler"])
+            cli = [sys.executable, "-m", "services.ops.cli", "serve"]
+            env = self.service_env(host, mesh, gateway_host=host.address, gateway_port=GATEWAY_PORT)
+            self._add(host, "gateway", [*cli, "gateway"], env)
+            self._add(host, "scheduler", [*cli, "scheduler"], self.service_env(host, mesh, scheduler_host=host.address))
+        for host in self.gpus:
+            user = sampler_user(self.worker_id(host))
+            mesh = self.mesh_dir(host, ["sampler", "decoder"], [user])
+            env = self.service_env(host, mesh, sampler_host=host.address, decoder_host=host.address)
+            args = [sys.executable, "-m", "services.ops.cli", "supervise", "--cpu-workers", "1", "--decoders", "1"]
+            self._add(host, "supervise", args, env)
+        self.wait_ready()
+
+    def _start_nats(self) -> None:
+        for host in self.nats:
+            mesh = self.mesh_dir(host, ["nats"], self.nats_users())
+            store = self.root / "hosts" / host.name / "jetstream"
+            config = server_config(
+                port=NATS_PORT,
+                store_dir=store,
+                mesh_dir=mesh,
+                users=self.nats_users(),
+                name=host.name,
+                host=host.address,
+                cluster_port=ROUTE_PORT,
+                routes=[f"{h.address}:{ROUTE_PORT}" for h in self.nats if h is not host],
+            )
+            path = mesh.parent / "nats-server.conf"
+            path.write_text(config)
+            path.chmod(0o600)
+            self._add(host, "nats", [nats_server_binary(), "-c", str(path)], {})
+
+    def _migrate(self) -> None:
+        mesh = self.mesh_dir(self.control[0], [], [])
+        env = self.service_env(self.control[0], mesh)
+        self.control[0].run([sys.executable, "-m", "services.ops.cli", "migrate"], env=env, timeout=120)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Both gateways answer and every sampler and decoder is registered ready."""
+        deadline = time.monotonic() + timeout
+        want = {self.worker_id(g) for g in self.gpus}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            ready = {row[0] for row in self.sql("SELECT id FROM workers WHERE status = 'ready'")}
+            gateways = all(self._gateway_up(h) for h in self.control)
+            if want <= ready and sum(1 for w in ready if "decoder" in w) >= len(self.gpus) and gateways:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"the fleet not ready after {timeout}s; see {self.logs}")
+
+    def _check_alive(self) -> None:
+        dead = [n for n, s in self.services.items() if s.proc is not None and s.proc.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited; see {self.logs}")
+
+    def _gateway_up(self, host: Host) -> bool:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(f"{host.address}:{GATEWAY_PORT}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            except grpc.RpcError:
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    # Reading it, as the operator and a client
+
+    @property
+    def pg_url(self) -> str:
+        """The database as the test process reaches it (the writable node)."""
+        client = self.root / "client"
+        pgpass = self.postgres.write_pgpass(client / "pgpass")
+        shutil.copy(self.operator / "ca.pem", client / "ca.pem")
+        url = self.postgres.database_url(pgpass, client / "ca.pem")
+        return url.replace("postgresql+psycopg://", "postgresql://") + "&connect_timeout=5"
+
+    def sql(self, statement: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        with psycopg.connect(self.pg_url, autocommit=True) as conn:
+            return list(conn.execute(statement, params).fetchall())  # type: ignore[arg-type]
+
+    def channel(self) -> grpc.Channel:
+        """A client's channel to both gateways: it notices a silent gateway within
+        seconds (keepalive) and goes on with the other."""
+        return grpc.insecure_channel(
+            self.gateway_target,
+            options=[("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)],
+        )
+
+    def stub(self) -> image_generation_pb2_grpc.ImageGenerationStub:
+        return image_generation_pb2_grpc.ImageGenerationStub(self.channel())
+
+    def stop(self) -> None:
+        for service in reversed(list(self.services.values())):
+            service.stop()
