@@ -82,3 +82,24 @@ def stack(
         yield s
     finally:
         s.stop()
+
+
+FAULT_TABLE_HEADER = (
+    "| scenario | jobs | succeeded | failed (reason) | lost | duplicated | time to recover |\n"
+    "|---|---|---|---|---|---|---|"
+)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The fault and fleet scenarios' table, as docs/reliability.md and docs/fleet.md show it."""
+    from tests.faults.harness import SUMMARIES
+
+    if not SUMMARIES:
+        return
+    terminalreporter.section("fault injection")
+    terminalreporter.write_line(FAULT_TABLE_HEADER)
+    for summary in SUMMARIES:
+        terminalreporter.write_line(summary.row())
+    for summary in SUMMARIES:
+        for note in summary.notes:
+            terminalreporter.write_line(f"- {summary.scenario}: {note}")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PING_INTERVAL_S = 3
 # Errors that mean "NATS cannot do it right now" on any call.
 BUS_ERRORS = (NatsError, OSError, TimeoutError)
 
@@ -57,6 +58,11 @@ async def connect_nats(
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 connect_timeout=2,
+                # A server cut off (a partition, not a closed socket) is noticed
+                # within three pings, and the connection moves to another node;
+                # the default (two minutes a ping) would leave it waiting for minutes.
+                ping_interval=PING_INTERVAL_S,
+                max_outstanding_pings=2,
                 drain_timeout=5,
                 error_cb=_log_error,
                 **sealed,

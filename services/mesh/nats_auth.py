@@ -90,6 +90,10 @@ def server_config(
     lines = [
         f'listen: "{host}:{port}"',
         "jetstream: " + json.dumps({"store_dir": str(store_dir)}),
+        # Clients and routes cut off by a partition are dropped within seconds,
+        # not the default's minutes (their sockets stay open while nothing arrives).
+        'ping_interval: "5s"',
+        "ping_max: 2",
     ]
     if name:
         lines.append(f"server_name: {json.dumps(name)}")

@@ -75,14 +75,17 @@ class Followed:
 class Load:
     """Jobs submitted and each followed on its own thread by the reconnecting client."""
 
-    def __init__(self, stack: LocalStack, *, patience_s: float = 120.0) -> None:
-        self.stack = stack
+    def __init__(self, channel: grpc.Channel, *, patience_s: float = 120.0) -> None:
         self.patience_s = patience_s
-        self.channel = grpc.insecure_channel(stack.gateway_address)
-        self.stub = image_generation_pb2_grpc.ImageGenerationStub(self.channel)
+        self.channel = channel
+        self.stub = image_generation_pb2_grpc.ImageGenerationStub(channel)
         self.jobs: list[Followed] = []
         self._lock = threading.Lock()
         self._keys = iter(range(10**9))
+
+    @classmethod
+    def of(cls, stack: LocalStack, *, patience_s: float = 120.0) -> Load:
+        return cls(grpc.insecure_channel(stack.gateway_address), patience_s=patience_s)
 
     def submit(
         self, n: int, *, width: int = 64, height: int = 64, steps: int = 40, num_images: int = 1, **more: Any
@@ -176,8 +179,8 @@ def output_size(data: bytes, frames: int) -> tuple[int, int, int]:
     return (info.width, info.height, info.frames)
 
 
-def db_rows(stack: LocalStack, ids: list[str]) -> dict[str, dict[str, Any]]:
-    with psycopg.connect(stack.pg_url, connect_timeout=5) as conn:
+def db_rows(pg_url: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+    with psycopg.connect(pg_url, connect_timeout=5) as conn:
         cur = conn.execute(
             "SELECT j.id, j.status, j.num_images, j.width, j.height, j.frames, j.idempotency_key, j.starts, j.failures,"
             " j.attempt, j.worker_id, j.finished_at, j.scheduled_at,"
@@ -217,7 +220,7 @@ def stream_repeats(events: list[pb.JobEvent]) -> list[str]:
 
 def check(
     scenario: str,
-    stack: LocalStack,
+    pg_url: str,
     load: Load,
     *,
     fault_at: datetime | None = None,
@@ -233,11 +236,11 @@ def check(
     problems += [f"client of {f.job_id or f.request.idempotency_key} still waiting" for f in stuck]
     problems += [f"client of {f.job_id or f.request.idempotency_key}: {f.error}" for f in load.jobs if f.error]
     ids = [f.job_id for f in load.jobs if f.job_id]
-    rows = db_rows(stack, ids)
+    rows = db_rows(pg_url, ids)
     lost = [i for i in ids if i not in rows] + [f.request.idempotency_key for f in load.jobs if not f.job_id]
     nonterminal = [i for i, r in rows.items() if r["status"] not in ("SUCCEEDED", "FAILED", "CANCELLED", "EXPIRED")]
     duplicated: set[str] = set()
-    with psycopg.connect(stack.pg_url) as conn:
+    with psycopg.connect(pg_url) as conn:
         keys = [f.request.idempotency_key for f in load.jobs]
         for key, n in conn.execute(
             "SELECT idempotency_key, count(*) FROM jobs WHERE idempotency_key = ANY(%s) GROUP BY 1", (keys,)

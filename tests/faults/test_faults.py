@@ -79,13 +79,13 @@ def sampler_of(stack: LocalStack, worker_id: str) -> str:
 
 def test_sampler_killed_mid_sampling(make) -> None:
     stack = make()
-    load = Load(stack)
+    load = Load.of(stack)
     ids = load.submit(8)
     victim = running_job(load, ids, min_step=10)
     name = sampler_of(stack, victim.worker_id)
     stack.services[name].kill()
     fault_at = now()
-    check("sampler `kill -9` mid-sampling", stack, load, fault_at=fault_at)
+    check("sampler `kill -9` mid-sampling", stack.pg_url, load, fault_at=fault_at)
     job = load.get(victim.job_id)
     assert job.attempts >= 2 and job.starts == 2
     assert [f.worker_id for f in job.failed_attempts] == [victim.worker_id]
@@ -97,7 +97,7 @@ def test_decoder_killed_mid_decode_stream(make) -> None:
     # The frozen decoder must stay a candidate until its kill, neither judged stale
     # nor killed as hung by its supervisor first: this scenario is the kill.
     stack = make(decoders=2, worker_stale_after_s=60.0, hang_after_s=60.0)
-    load = Load(stack)
+    load = Load.of(stack)
     # Frozen first, so that a decode the sampler sends it stays open; then killed
     # with that stream open. Decodes sent to the other decoder finish; one that has
     # been decoding for a while is the frozen decoder's.
@@ -116,7 +116,7 @@ def test_decoder_killed_mid_decode_stream(make) -> None:
     fault_at = now()
     check(
         "decoder `kill -9` mid-stream",
-        stack,
+        stack.pg_url,
         load,
         fault_at=fault_at,
         recovered=lambda rows: rows[stuck.job_id]["finished_at"],
@@ -142,39 +142,39 @@ def lock_holder_pid(stack: LocalStack) -> int | None:
 def test_working_scheduler_killed_with_another_running(make) -> None:
     stack = make()
     stack.add("scheduler-b", "scheduler")
-    load = Load(stack)
+    load = Load.of(stack)
     ids = load.submit(10)
     running_job(load, ids, min_step=1)
     by_pid = {c.pid: c for n, c in stack.services.items() if n.startswith("scheduler")}
     holder = wait_for(lambda: lock_holder_pid(stack), lambda pid: pid in by_pid, timeout=30, what="a lock holder")
     by_pid[holder].kill()
     fault_at = now()
-    check("working scheduler replica `kill -9`, another running", stack, load, fault_at=fault_at)
+    check("working scheduler replica `kill -9`, another running", stack.pg_url, load, fault_at=fault_at)
 
 
 def test_only_scheduler_killed_under_supervision(make) -> None:
     stack = make()
-    load = Load(stack)
+    load = Load.of(stack)
     ids = load.submit(10)
     running_job(load, ids, min_step=1)
     scheduler = stack.services["scheduler"]
     first = scheduler.pid
     scheduler.kill()
     fault_at = now()
-    check("only scheduler `kill -9`, restarted by its supervisor", stack, load, fault_at=fault_at)
+    check("only scheduler `kill -9`, restarted by its supervisor", stack.pg_url, load, fault_at=fault_at)
     assert scheduler.pid not in (None, first)
 
 
 def test_hung_sampler_is_replaced(make) -> None:
     stack = make()
-    load = Load(stack)
+    load = Load.of(stack)
     ids = load.submit(8)
     victim = running_job(load, ids, min_step=5)
     sampler = stack.services[sampler_of(stack, victim.worker_id)]
     frozen = sampler.pid
     sampler.signal(signal.SIGSTOP)
     fault_at = now()
-    check("sampler `SIGSTOP` (hung) until replaced", stack, load, fault_at=fault_at)
+    check("sampler `SIGSTOP` (hung) until replaced", stack.pg_url, load, fault_at=fault_at)
     assert sampler.pid not in (None, frozen), "the supervisor replaced the hung sampler"
     assert load.get(victim.job_id).starts == 2
 
@@ -182,7 +182,7 @@ def test_hung_sampler_is_replaced(make) -> None:
 def test_nats_restarted_under_load(make) -> None:
     stack = make()
     assert stack.nats is not None
-    load = Load(stack)
+    load = Load.of(stack)
     ids = load.submit(12)
     running_job(load, ids, min_step=5)
     stack.nats.kill()
@@ -190,14 +190,14 @@ def test_nats_restarted_under_load(make) -> None:
     more = load.submit(4)
     time.sleep(3)
     stack.nats.start()
-    check("nats-server restarted (file storage) under load", stack, load, fault_at=fault_at)
+    check("nats-server restarted (file storage) under load", stack.pg_url, load, fault_at=fault_at)
     assert len(more) == 4
 
 
 def test_postgres_restarted_under_load_submits_included(make) -> None:
     stack = make(own_postgres=True)
     assert stack.postgres is not None
-    load = Load(stack)
+    load = Load.of(stack)
     ids = load.submit(6)
     running_job(load, ids, min_step=5)
     stack.postgres.kill()
@@ -205,7 +205,7 @@ def test_postgres_restarted_under_load_submits_included(make) -> None:
     during = [load.start(width=64, height=64, steps=40) for _ in range(4)]
     time.sleep(3)
     stack.postgres.start()
-    check("PostgreSQL restarted under load, submits included", stack, load, fault_at=fault_at)
+    check("PostgreSQL restarted under load, submits included", stack.pg_url, load, fault_at=fault_at)
     refusals = {code for f in during for code in f.log.refusals}
     assert refusals == {grpc.StatusCode.UNAVAILABLE}, refusals
 
@@ -219,25 +219,31 @@ def test_nats_cluster_loses_a_node(make, tmp_path: Path) -> None:
     cluster.start()
     try:
         stack = make(nats_url=cluster.url, nats_replicas=3, mesh_dir=secrets)
-        load = Load(stack)
+        load = Load.of(stack)
         ids = load.submit(12)
         running_job(load, ids, min_step=5)
         cluster.nodes[0].kill()
         fault_at = now()
         load.submit(4)
-        check("three-node NATS cluster loses a node", stack, load, fault_at=fault_at)
+        check("three-node NATS cluster loses a node", stack.pg_url, load, fault_at=fault_at)
     finally:
         cluster.stop()
 
 
 def test_client_stream_cut_and_reopened(make) -> None:
     stack = make()
-    load = Load(stack)
+    load = Load.of(stack)
     [job_id] = load.submit(1, width=256, height=256, steps=40)
     running_job(load, [job_id], min_step=3)
     stack.services["gateway"].kill()
     fault_at = now()
-    check("a client's stream cut mid-job, then reopened", stack, load, fault_at=fault_at, recovered=lambda rows: now())
+    check(
+        "a client's stream cut mid-job, then reopened",
+        stack.pg_url,
+        load,
+        fault_at=fault_at,
+        recovered=lambda rows: now(),
+    )
     [followed] = load.jobs
     assert followed.log.opened >= 2, "the stream broke and was reopened"
     assert len(followed.results) == 1
@@ -247,13 +253,15 @@ def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_
     registry = tmp_path / "registry.toml"
     registry.write_text(CHECKPOINTED_TINY)
     stack = make(model_registry=str(registry))
-    load = Load(stack)
+    load = Load.of(stack)
     steps = 100
     [job_id] = load.submit(1, width=256, height=256, steps=steps)
     victim = running_job(load, [job_id], min_step=40)
     stack.services[sampler_of(stack, victim.worker_id)].kill()
     fault_at = now()
-    summary = check("sampler `kill -9` during a long job: resumed from its checkpoint", stack, load, fault_at=fault_at)
+    summary = check(
+        "sampler `kill -9` during a long job: resumed from its checkpoint", stack.pg_url, load, fault_at=fault_at
+    )
     job = load.get(job_id)
     [resumption] = job.resumptions
     assert resumption.attempt == victim.attempts + 1
@@ -283,7 +291,7 @@ def steps_before_the_crash(events: list[pb.JobEvent]) -> int:
 
 def test_sampler_drained_with_a_backlog(make) -> None:
     stack = make(samplers=2, worker_backlog=3, shutdown_grace_s=20.0)
-    load = Load(stack)
+    load = Load.of(stack)
     # Long enough (about 1.5 s each) that the one running is still sampling when the drain begins.
     ids = load.submit(10, width=128, height=128, steps=100)
     draining = sorted(n for n in stack.services if n.startswith("sampler"))[0]
@@ -308,7 +316,7 @@ def test_sampler_drained_with_a_backlog(make) -> None:
     stopper.start()
     stopper.join(60)
     drain_s = time.monotonic() - started
-    summary = check("sampler SIGTERM with a backlog: drain and hand-back", stack, load, fault_at=fault_at)
+    summary = check("sampler SIGTERM with a backlog: drain and hand-back", stack.pg_url, load, fault_at=fault_at)
     summary.notes.append(f"SIGTERM to exit: {drain_s:.1f} s")
     assert stack.services[draining].proc is None or stack.services[draining].proc.returncode == 0
     jobs = {j: load.get(j) for j in ids}
@@ -333,14 +341,16 @@ def test_sampler_killed_during_a_video_resumes_it_from_its_checkpoint(make, tmp_
     registry = tmp_path / "registry.toml"
     registry.write_text(CHECKPOINTED_MEDIA)
     stack = make(model_registry=str(registry))
-    load = Load(stack)
+    load = Load.of(stack)
     steps = 100
     video: dict[str, Any] = dict(width=64, height=48, steps=steps, model="tiny-wan", frames=17)
     [job_id] = load.submit(1, **video)
     victim = running_job(load, [job_id], min_step=30)
     stack.services[sampler_of(stack, victim.worker_id)].kill()
     fault_at = now()
-    summary = check("sampler `kill -9` during a video: resumed from its checkpoint", stack, load, fault_at=fault_at)
+    summary = check(
+        "sampler `kill -9` during a video: resumed from its checkpoint", stack.pg_url, load, fault_at=fault_at
+    )
     job = load.get(job_id)
     [resumption] = job.resumptions
     assert 0 < resumption.step <= steps and [f.worker_id for f in job.failed_attempts] == [victim.worker_id]

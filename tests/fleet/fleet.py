@@ -9,7 +9,9 @@ and each host holds only the secrets of the roles it runs."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -17,14 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import nats
 import psycopg
 
-from services.mesh.nats_auth import CONTROL_USERS, sampler_user, server_config
+from services.bus.dispatch import DISPATCH_STREAM
+from services.mesh.nats_auth import CONTROL_USERS, NatsCredentials, sampler_user, server_config
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from tests.faults.harness import Load
 from tests.fleet.network import Host, Network
+from tests.fleet.postgres_ha import PORT as PG_PORT
 from tests.fleet.postgres_ha import PostgresHA
 from tests.helpers import env_of
 
@@ -108,13 +114,15 @@ class Fleet:
     def nats_users(self) -> list[str]:
         return [*CONTROL_USERS, *(sampler_user(self.worker_id(g)) for g in self.gpus)]
 
-    def mesh_dir(self, host: Host, roles: list[str], nats_users: list[str]) -> Path:
-        """The host's own secrets: the CA's certificate, a certificate per role it
-        runs naming its address, its NATS users' passwords and the database's."""
-        mesh = self.root / "hosts" / host.name / "mesh"
+    def mesh_dir(self, host: Host | None, roles: list[str], nats_users: list[str]) -> Path:
+        """The host's own secrets (None: the test process's, the operator's client):
+        the CA's certificate, a certificate per role it runs naming its address,
+        its NATS users' passwords and the database's."""
+        name, address = (host.name, host.address) if host is not None else ("client", self.network.client_address)
+        mesh = self.root / "hosts" / name / "mesh"
         write_private(mesh / "ca.pem", (self.operator / "ca.pem").read_bytes())
         for role in roles:
-            self.ca.issue_into(mesh, role, [host.address, host.name])
+            self.ca.issue_into(mesh, role, [address, name])
         for user in nats_users:
             secret = password(nats_password_path(self.operator, user))
             target = nats_password_path(mesh, user)
@@ -199,8 +207,8 @@ class Fleet:
         want = {self.worker_id(g) for g in self.gpus}
         while time.monotonic() < deadline:
             self._check_alive()
-            ready = {row[0] for row in self.sql("SELECT id FROM workers WHERE status = 'ready'")}
-            gateways = all(self._gateway_up(h) for h in self.control)
+            ready = {str(row[0]) for row in self.sql("SELECT id FROM workers WHERE status = 'ready'")}
+            gateways = all(self.gateway_up(h) for h in self.control)
             if want <= ready and sum(1 for w in ready if "decoder" in w) >= len(self.gpus) and gateways:
                 return
             time.sleep(0.5)
@@ -211,7 +219,7 @@ class Fleet:
         if dead:
             raise RuntimeError(f"{', '.join(dead)} exited; see {self.logs}")
 
-    def _gateway_up(self, host: Host) -> bool:
+    def gateway_up(self, host: Host) -> bool:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         with grpc.insecure_channel(f"{host.address}:{GATEWAY_PORT}") as channel:
@@ -244,8 +252,85 @@ class Fleet:
             options=[("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)],
         )
 
+    def channel_to(self, host: Host) -> grpc.Channel:
+        """A channel to one control host's gateway alone."""
+        return grpc.insecure_channel(f"{host.address}:{GATEWAY_PORT}")
+
     def stub(self) -> image_generation_pb2_grpc.ImageGenerationStub:
         return image_generation_pb2_grpc.ImageGenerationStub(self.channel())
+
+    def stream_replicas_current(self) -> bool:
+        """Whether the dispatch stream has a leader and every replica is current,
+        as the operator's NATS user reads it."""
+        mesh = self.mesh_dir(None, ["operator"], ["operator"])
+        credentials = NatsCredentials.of(mesh, "operator", "operator")
+
+        async def read() -> bool:
+            nc = await nats.connect(
+                self.nats_url.split(","),
+                user="operator",
+                password=credentials.password,  # type: ignore[union-attr]
+                tls=credentials.tls,  # type: ignore[union-attr]
+                connect_timeout=2,
+                max_reconnect_attempts=0,
+            )
+            try:
+                info = await nc.jetstream().stream_info(DISPATCH_STREAM)
+            finally:
+                await nc.close()
+            cluster = info.cluster
+            replicas = cluster.replicas or [] if cluster is not None else []
+            return bool(
+                cluster is not None
+                and cluster.leader
+                and len(replicas) == len(self.nats) - 1
+                and all(r.current and not r.offline for r in replicas)
+            )
+
+        try:
+            return asyncio.run(read())
+        except Exception:  # NATS not answering yet: not current
+            return False
+
+    def impair(self, *, delay_ms: int, loss_percent: float) -> None:
+        """Delay and loss on everything every host of the fleet sends."""
+        for host in self.network:
+            host.impair(delay_ms=delay_ms, loss_percent=loss_percent)
+
+    def round_trip_ms(self) -> float:
+        """The median time to open a TCP connection from a control host to each
+        NATS, database and GPU host: one round trip."""
+        probe = (
+            "import socket, statistics, sys, time\n"
+            "times = []\n"
+            "for target in sys.argv[1:]:\n"
+            "    host, port = target.split(':')\n"
+            "    for _ in range(5):\n"
+            "        began = time.perf_counter()\n"
+            "        socket.create_connection((host, int(port)), timeout=5).close()\n"
+            "        times.append(time.perf_counter() - began)\n"
+            "print(statistics.median(times) * 1000)\n"
+        )
+        targets = [f"{h.address}:{NATS_PORT}" for h in self.nats]
+        targets += [f"{n.host.address}:{PG_PORT}" for n in self.postgres.nodes]
+        return float(self.control[1].run([sys.executable, "-c", probe, *targets]).strip())
+
+    def stage_latencies(self, load: Load, *, jobs: int) -> dict[str, float]:
+        """Small jobs, one at a time, through ``load``: the median of each stage
+        (the job's own stage durations) and of the whole, as the client saw it."""
+        stages: dict[str, list[float]] = {}
+        for _ in range(jobs):
+            began = time.perf_counter()
+            [job_id] = load.submit(1, steps=4)
+            followed = load.jobs[-1]
+            assert followed.thread is not None
+            followed.thread.join(120)
+            took = time.perf_counter() - began
+            durations = load.get(job_id).stage_durations
+            for name in ("queue", "schedule", "dispatch", "sample", "decode", "store"):
+                stages.setdefault(name, []).append(getattr(durations, f"{name}_seconds"))
+            stages.setdefault("client", []).append(took)
+        return {name: statistics.median(values) for name, values in stages.items()}
 
     def stop(self) -> None:
         for service in reversed(list(self.services.values())):

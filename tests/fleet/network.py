@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,25 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
 
 
+def _has_netem(netns: str) -> bool:
+    """Whether this kernel has ``sch_netem`` (tried on a namespace's loopback)."""
+    added = subprocess.run(
+        ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+        capture_output=True,
+    )
+    if added.returncode != 0:
+        return False
+    subprocess.run(["ip", "netns", "exec", netns, "tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    return True
+
+
 def unavailable_reason() -> str:
     """Why hosts cannot be built here; empty when they can."""
     if os.geteuid() != 0:
         return "network namespaces need root (CI runs as root)"
-    for tool in ("ip", "tc", "bridge", "unshare"):
+    for tool in ("ip", "tc", "bridge", "unshare", "iptables"):
         if shutil.which(tool) is None:
-            return f"{tool} is not installed (iproute2, util-linux)"
+            return f"{tool} is not installed (Debian: iproute2, util-linux, iptables)"
     probe = f"drk-probe-{os.getpid()}"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
@@ -52,6 +65,7 @@ class Host:
     address: str
     port: str  # its veth end on the switch's bridge
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _delayer: subprocess.Popen[bytes] | None = None
 
     @property
     def netns(self) -> str:
@@ -91,12 +105,39 @@ class Host:
     def heal(self) -> None:
         self.network.switch(["bridge", "link", "set", "dev", self.port, "state", "3"])
 
-    def netem(self, spec: str) -> None:
-        """Delay and loss on everything this host sends (``delay 50ms loss 1%``)."""
-        self.run(["tc", "qdisc", "replace", "dev", "eth0", "root", "netem", *spec.split()])
+    def impair(self, *, delay_ms: int, loss_percent: float) -> None:
+        """Delay and loss on everything this host sends (0 and 0: none). ``tc netem``
+        where the kernel has it; else the firewall drops ``loss_percent`` at random
+        and hands the rest to a process that holds each packet ``delay_ms``."""
+        self._clear_impairment()
+        if not delay_ms and not loss_percent:
+            return
+        if self.network.has_netem:
+            self.run(["tc", "qdisc", "add", "dev", "eth0", "root", "netem",
+                      "delay", f"{delay_ms}ms", "loss", f"{loss_percent}%"])  # fmt: skip
+            return
+        if loss_percent:
+            self.run(["iptables", "-A", "OUTPUT", "-o", "eth0", "-m", "statistic", "--mode", "random",
+                      "--probability", f"{loss_percent / 100:.4f}", "-j", "DROP"])  # fmt: skip
+        if delay_ms:
+            self._delayer = self.spawn(
+                [sys.executable, "-m", "tests.fleet.delay", str(delay_ms)],
+                env={**os.environ},
+                log=self.network.logs / f"{self.name}-delay.log",
+            )
+            # Until the holder is bound, packets pass undelayed rather than wait (--queue-bypass).
+            self.run(["iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
+                      "--queue-num", "0", "--queue-bypass"])  # fmt: skip
 
-    def clear_netem(self) -> None:
-        self.run(["tc", "qdisc", "del", "dev", "eth0", "root"])
+    def _clear_impairment(self) -> None:
+        if self.network.has_netem:
+            subprocess.run(self.command(["tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
+        else:
+            subprocess.run(self.command(["iptables", "-F", "OUTPUT"]), capture_output=True)
+        if self._delayer is not None:
+            self._delayer.kill()
+            self._delayer.wait()
+            self._delayer = None
 
     def pids(self) -> list[int]:
         """Every process in this host's namespace."""
@@ -109,7 +150,8 @@ class Network:
     come from this process so that two test runs on one machine do not meet. The
     test process reaches every host through its own link, ``client_address``."""
 
-    def __init__(self) -> None:
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
         token = os.getpid() % 60000
         self.prefix = f"drk{token}"
         self.subnet = f"10.{200 + token // 250 % 50}.{token % 250}"
@@ -125,6 +167,7 @@ class Network:
         _ip("addr", "add", f"{self.client_address}/24", "dev", self._client_link)
         _ip("link", "set", self._client_link, "up")
         self.switch(["ip", "link", "set", "client", "master", "br0", "up"])
+        self.has_netem = _has_netem(self._switch)
 
     def switch(self, args: Sequence[str]) -> None:
         subprocess.run(["ip", "netns", "exec", self._switch, *args], check=True, capture_output=True)

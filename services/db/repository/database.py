@@ -30,10 +30,12 @@ PLANNER_LOCK = 0x44524B50
 # No Darkroom transaction waits on anything but the database; one idle this long
 # belongs to a process that is frozen or gone.
 IDLE_IN_TRANSACTION_MS = 3000
-# SQLSTATE classes that mean "the server is not there right now", not "you asked
-# for something wrong": connection exceptions, operator intervention (shutdown,
-# crash recovery), insufficient resources.
-_UNAVAILABLE_SQLSTATES = ("08", "57", "53")
+# SQLSTATEs that mean "the server is not there right now", not "you asked for
+# something wrong": the classes of connection exceptions, operator intervention
+# (shutdown, crash recovery) and insufficient resources; and a write refused as
+# read-only, by a server that was the primary when the connection was made and is
+# a standby since a failover (the next connection finds the writable one).
+_UNAVAILABLE_SQLSTATES = ("08", "57", "53", "25006")
 
 Params = Mapping[str, Any] | Sequence[Any] | None
 Row = DictRow

@@ -1,0 +1,176 @@
+"""The fleet on real addresses, broken the way networks break: a GPU host, a
+control host and a NATS host cut off while they keep running, the PostgreSQL
+primary lost, and every link slow and lossy. Each scenario runs jobs through both
+gateways as a client would and ends with the fault suite's checker: every
+accepted job ends once, every result intact, nothing run twice, nothing left."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import pytest
+
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from tests.faults.harness import Load, check, now
+from tests.fleet.fleet import Fleet
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.fleet
+
+# Long enough on a CPU sampler for a cut to land mid-job.
+STEPS = 100
+
+
+def running_on(load: Load, ids: list[str], worker_id: str, *, min_step: int = 3) -> pb.Job:
+    """The first of ``ids`` seen running on ``worker_id`` past ``min_step``."""
+    found = wait_for(
+        lambda: next(
+            (
+                j
+                for j in map(load.get, ids)
+                if j.worker_id == worker_id and j.status == pb.JOB_STATUS_RUNNING and j.progress.step >= min_step
+            ),
+            None,
+        ),
+        lambda j: j is not None,
+        timeout=90,
+        what=f"a job running on {worker_id}",
+    )
+    assert found is not None
+    return found
+
+
+def worker_row(fleet: Fleet, worker_id: str) -> dict[str, object]:
+    [row] = fleet.sql("SELECT status, incarnation, last_heartbeat FROM workers WHERE id = %s", (worker_id,)) or [
+        (None, None, None)
+    ]
+    return {"status": row[0], "incarnation": row[1], "last_heartbeat": row[2]}
+
+
+def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
+    """Its jobs finish on the other GPU host; when it comes back its late writes
+    are refused (the job is another attempt's) and it rejoins, serving again."""
+    cut_host, other = fleet.gpus
+    cut_worker = fleet.worker_id(cut_host)
+    load = Load(fleet.channel(), patience_s=180)
+    ids = load.submit(6, steps=STEPS, width=128, height=128)
+    assert all(ids), [f.error for f in load.jobs]
+    victim = running_on(load, ids, cut_worker)
+    fault_at = now()
+    cut_host.cut()
+    try:
+        load.wait(timeout=180)
+    finally:
+        cut_host.heal()
+        healed_at = now()
+    check("fleet: a GPU host cut off mid-job", fleet.pg_url, load, fault_at=fault_at)
+    moved = load.get(victim.job_id)
+    assert moved.worker_id == fleet.worker_id(other) and moved.attempts >= 2, moved
+    # Back on the network, the host's sampler heartbeats again and is given work;
+    # what it finished while cut off was refused (the job is another attempt's).
+    wait_for(
+        lambda: worker_row(fleet, cut_worker),
+        lambda w: w["status"] == "ready" and w["last_heartbeat"] > healed_at,  # type: ignore[operator]
+        timeout=60,
+        what=f"{cut_worker} heartbeating again",
+    )
+    again = load.get(victim.job_id)
+    assert (again.worker_id, again.attempts, again.images) == (moved.worker_id, moved.attempts, moved.images)
+    served = Load(fleet.channel())
+    served.submit(6, steps=STEPS // 2, width=128, height=128)
+    check("fleet: the GPU host back, serving", fleet.pg_url, served)
+    workers = {served.get(f.job_id).worker_id for f in served.jobs}
+    assert cut_worker in workers, f"nothing ran on {cut_worker} after it came back: {workers}"
+
+
+def test_the_control_host_cut_off(fleet: Fleet) -> None:
+    """Samplers finish what they hold; the other control host's scheduler places
+    the rest and its gateway answers the clients; the cut one rejoins."""
+    cut_host = fleet.control[0]
+    load = Load(fleet.channel(), patience_s=180)
+    load.submit(6, steps=STEPS, width=128, height=128)
+    time.sleep(1.0)  # placed and running, some of them, when the host goes
+    fault_at = now()
+    cut_host.cut()
+    try:
+        load.submit(4, steps=STEPS // 2)  # only the other gateway can take these
+        load.wait(timeout=180)
+    finally:
+        cut_host.heal()
+    check("fleet: a control host (gateway and scheduler) cut off", fleet.pg_url, load, fault_at=fault_at)
+    # Back: its gateway answers again, and work goes on.
+    wait_for(lambda: fleet.gateway_up(cut_host), bool, timeout=60, what="the cut gateway back")
+    after = Load(fleet.channel_to(cut_host))
+    after.submit(3, steps=4)
+    check("fleet: the control host back", fleet.pg_url, after)
+
+
+def test_a_nats_host_cut_off_then_healed(fleet: Fleet) -> None:
+    cut_host = fleet.nats[0]
+    load = Load(fleet.channel(), patience_s=180)
+    load.submit(4, steps=STEPS, width=128, height=128)
+    fault_at = now()
+    cut_host.cut()
+    try:
+        load.submit(6, steps=STEPS // 2)
+        load.wait(timeout=180)
+    finally:
+        cut_host.heal()
+    check("fleet: a NATS host cut off", fleet.pg_url, load, fault_at=fault_at)
+    wait_for(fleet.stream_replicas_current, bool, timeout=90, what="every replica of the dispatch stream current")
+    after = Load(fleet.channel())
+    after.submit(4, steps=4)
+    check("fleet: the NATS host back", fleet.pg_url, after)
+
+
+def test_the_postgres_primary_lost(fleet: Fleet) -> None:
+    """The monitor promotes the synchronous standby; every service follows the
+    writable server through its multi-host URL; no acknowledged submit is lost."""
+    primary = fleet.postgres.primary()
+    standby = next(n for n in fleet.postgres.nodes if n is not primary)
+    load = Load(fleet.channel(), patience_s=240)
+    load.submit(6, steps=STEPS, width=128, height=128)
+    fault_at = now()
+    primary.host.cut()
+    try:
+        load.submit(6, steps=STEPS // 2)  # acknowledged once the new primary has them
+        wait_for(
+            lambda: fleet.postgres.state(standby.host.name),
+            lambda s: s == "primary" or s.startswith("wait_primary"),
+            timeout=120,
+            what="the standby promoted",
+        )
+        promoted_at: datetime = now()
+        load.wait(timeout=240)
+    finally:
+        primary.host.heal()
+    summary = check("fleet: the PostgreSQL primary lost", fleet.pg_url, load, fault_at=fault_at)
+    summary.notes.append(f"standby promoted {(promoted_at - fault_at).total_seconds():.1f} s after the cut")
+    # The old primary comes back as the new one's standby: replication synchronous again.
+    wait_for(
+        lambda: (fleet.postgres.state(primary.host.name), fleet.postgres.state(standby.host.name)),
+        lambda states: states == ("secondary", "primary"),
+        timeout=180,
+        what="the old primary back as a standby",
+    )
+
+
+def test_every_link_slow_and_lossy(fleet: Fleet) -> None:
+    """50 ms on everything each host sends, and 1 % of it lost: everything still
+    works; the added latency of each stage is measured."""
+    baseline = fleet.stage_latencies(Load(fleet.channel()), jobs=8)
+    fleet.impair(delay_ms=50, loss_percent=1.0)
+    try:
+        load = Load(fleet.channel(), patience_s=240)
+        slow = fleet.stage_latencies(load, jobs=8)
+        rtt = fleet.round_trip_ms()
+    finally:
+        fleet.impair(delay_ms=0, loss_percent=0.0)
+    summary = check("fleet: 50 ms and 1 % loss on every link", fleet.pg_url, load)
+    added = {stage: slow[stage] - baseline[stage] for stage in baseline}
+    summary.notes.append(
+        f"round trip between hosts {rtt:.0f} ms; added per stage (median, s): "
+        + ", ".join(f"{stage} {seconds:+.3f}" for stage, seconds in added.items())
+    )
+    assert rtt >= 100, f"the links were not slowed: {rtt:.0f} ms round trip"
