@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -29,4 +30,5 @@ def fleet(models_dir: Path) -> Iterator[Fleet]:
     finally:
         built.stop()
         hosts.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if not os.environ.get("DARKROOM_KEEP_FLEET"):  # its logs, for a look after a failure
+            shutil.rmtree(root, ignore_errors=True)

@@ -34,17 +34,22 @@ DATABASE = "darkroom"
 APP_USER = "darkroom"
 SYSTEM_USER = "postgres"  # PostgreSQL refuses to run as root
 
-# Failover in seconds rather than the defaults' minute. The order matters: a
-# primary cut off stops taking writes after NETWORK_PARTITION_S, and the monitor
-# promotes the standby only after PRIMARY_DEMOTE_MS, which is longer.
+# Failover in seconds rather than the defaults' minute. The order matters. A
+# primary cut off demotes itself once it has neither the monitor nor a standby
+# for NETWORK_PARTITION_S, and it sees its standby gone only when the standby's
+# replication connection times out (wal_sender_timeout: PostgreSQL's default of a
+# minute would leave it a primary that long). The monitor promotes the standby
+# only PRIMARY_DEMOTE_MS after it found the primary unhealthy: longer than both,
+# with room for the keeper's loop, so that two primaries never serve at once.
 NETWORK_PARTITION_S = 4
+REPLICATION_TIMEOUT = "3s"
 MONITOR_SETTINGS = {
     "pgautofailover.health_check_period": "1000",
     "pgautofailover.health_check_timeout": "1000",
     "pgautofailover.health_check_max_retries": "1",
     "pgautofailover.health_check_retry_delay": "500",
     "pgautofailover.node_considered_unhealthy_timeout": "3000",
-    "pgautofailover.primary_demote_timeout": "8000",
+    "pgautofailover.primary_demote_timeout": "15000",
     "pgautofailover.startup_grace_period": "2000",
 }
 
@@ -210,11 +215,18 @@ class PostgresHA:
             # pg_basebackup (as pg_autoctl 2.0 runs it) waits for a spread checkpoint,
             # paced at 0.1 s a dirty buffer: one now leaves it nearly none to write.
             node.sql("CHECKPOINT")
-        rule = f"hostssl {DATABASE} {APP_USER} {node.host.address.rsplit('.', 1)[0]}.0/24 scram-sha-256"
+        subnet = f"{node.host.address.rsplit('.', 1)[0]}.0/24"
+        rules = [
+            f"hostssl {DATABASE} {APP_USER} {subnet} scram-sha-256",
+            # pg_rewind, which brings a demoted primary back as a standby, reads the
+            # "postgres" database (without it pg_autoctl copies the whole cluster again).
+            f"hostssl postgres pgautofailover_replicator {subnet} scram-sha-256",
+        ]
         hba = node.pgdata / "pg_hba.conf"
-        if rule not in hba.read_text():
-            with open(hba, "a") as f:
-                f.write(rule + "\n")
+        with open(hba, "a") as f:
+            f.writelines(rule + "\n" for rule in rules if rule not in hba.read_text())
+        for setting in ("wal_sender_timeout", "wal_receiver_timeout"):
+            node.sql(f"ALTER SYSTEM SET {setting} = '{REPLICATION_TIMEOUT}'")
         node.sql("SELECT pg_reload_conf()")
         if not primary:
             self._wait(lambda: self.state(self.nodes[0].host.name) == "primary", "a primary with its standby")
