@@ -24,9 +24,14 @@ VIDEO_MIME_TYPES = {"mp4": "video/mp4", "webp": "image/webp"}
 _MP4, _WEBP = VIDEO_MIME_TYPES["mp4"], VIDEO_MIME_TYPES["webp"]
 
 # crf 18: visually lossless for clean generated frames. veryfast: 2-4x faster than
-# medium for files a few percent larger; superfast and below turn off the lookahead
-# (mb-tree), and files triple.
-_X264_OPTIONS = {"crf": "18", "preset": "veryfast"}
+# medium for files a few percent larger; superfast and below turn off the lookahead,
+# and files triple. mbtree off: x264's macroblock-tree (its SIMD propagation) reads
+# memory it never wrote, so the same frames encoded twice in one process came out
+# as different bytes (seen here: 2-3 different files in 12 encodes of one clip),
+# and a resumed video could never equal its uninterrupted one. Without it files are
+# larger at the same crf (about 1.6x on the miniatures' noise), for bytes that
+# depend on the frames alone.
+_X264_OPTIONS = {"crf": "18", "preset": "veryfast", "x264-params": "mbtree=0"}
 # x264 is deterministic for a given thread count, but the count changes the output and
 # its default (auto) follows the host's cores: fixed, so every host writes the same
 # bytes. One: more threads cost a few percent in size and gained nothing on 2 cores;
