@@ -9,9 +9,9 @@ and each host holds only the secrets of the roles it runs."""
 
 from __future__ import annotations
 
-import asyncio
+import functools
+import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -19,19 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import nats
 import psycopg
 
-from services.bus.dispatch import DISPATCH_STREAM
-from services.mesh.nats_auth import CONTROL_USERS, NatsCredentials, sampler_user, server_config
+from services.mesh.nats_auth import CONTROL_USERS, sampler_user, server_config
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
-from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from tests.faults.harness import Load
 from tests.fleet.network import Host, Network
-from tests.fleet.postgres_ha import PORT as PG_PORT
 from tests.fleet.postgres_ha import PostgresHA
+from tests.fleet.probes import gateway_up
 from tests.helpers import env_of
 
 NATS_PORT, ROUTE_PORT, GATEWAY_PORT = 4222, 6222, 50051
@@ -96,6 +92,11 @@ class Fleet:
         self.ca.save(self.operator)
         self.postgres = PostgresHA(self.root / "postgres", self.ca, self.pg_monitor, self.pg_nodes)
 
+    @functools.cached_property
+    def operator_mesh(self) -> Path:
+        """The test process's own secrets: the operator's certificate and NATS user."""
+        return self.mesh_dir(None, ["operator"], ["operator"])
+
     # What runs where
 
     @property
@@ -137,8 +138,6 @@ class Fleet:
         data.mkdir(parents=True, exist_ok=True)
         if not (data / "models").exists():
             (data / "models").symlink_to(self.models_dir, target_is_directory=True)
-        import os
-
         return {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": str(data),
@@ -208,7 +207,7 @@ class Fleet:
         while time.monotonic() < deadline:
             self._check_alive()
             ready = {str(row[0]) for row in self.sql("SELECT id FROM workers WHERE status = 'ready'")}
-            gateways = all(self.gateway_up(h) for h in self.control)
+            gateways = all(gateway_up(self.gateway_address(h)) for h in self.control)
             if want <= ready and sum(1 for w in ready if "decoder" in w) >= len(self.gpus) and gateways:
                 return
             time.sleep(0.5)
@@ -219,19 +218,9 @@ class Fleet:
         if dead:
             raise RuntimeError(f"{', '.join(dead)} exited; see {self.logs}")
 
-    def gateway_up(self, host: Host) -> bool:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        with grpc.insecure_channel(f"{host.address}:{GATEWAY_PORT}") as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            except grpc.RpcError:
-                return False
-            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
     # Reading it, as the operator and a client
 
-    @property
+    @functools.cached_property
     def pg_url(self) -> str:
         """The database as the test process reaches it (the writable node)."""
         client = self.root / "client"
@@ -252,85 +241,18 @@ class Fleet:
             options=[("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)],
         )
 
+    @staticmethod
+    def gateway_address(host: Host) -> str:
+        return f"{host.address}:{GATEWAY_PORT}"
+
     def channel_to(self, host: Host) -> grpc.Channel:
         """A channel to one control host's gateway alone."""
-        return grpc.insecure_channel(f"{host.address}:{GATEWAY_PORT}")
-
-    def stub(self) -> image_generation_pb2_grpc.ImageGenerationStub:
-        return image_generation_pb2_grpc.ImageGenerationStub(self.channel())
-
-    def stream_replicas_current(self) -> bool:
-        """Whether the dispatch stream has a leader and every replica is current,
-        as the operator's NATS user reads it."""
-        mesh = self.mesh_dir(None, ["operator"], ["operator"])
-        credentials = NatsCredentials.of(mesh, "operator", "operator")
-
-        async def read() -> bool:
-            nc = await nats.connect(
-                self.nats_url.split(","),
-                user="operator",
-                password=credentials.password,  # type: ignore[union-attr]
-                tls=credentials.tls,  # type: ignore[union-attr]
-                connect_timeout=2,
-                max_reconnect_attempts=0,
-            )
-            try:
-                info = await nc.jetstream().stream_info(DISPATCH_STREAM)
-            finally:
-                await nc.close()
-            cluster = info.cluster
-            replicas = cluster.replicas or [] if cluster is not None else []
-            return bool(
-                cluster is not None
-                and cluster.leader
-                and len(replicas) == len(self.nats) - 1
-                and all(r.current and not r.offline for r in replicas)
-            )
-
-        try:
-            return asyncio.run(read())
-        except Exception:  # NATS not answering yet: not current
-            return False
+        return grpc.insecure_channel(self.gateway_address(host))
 
     def impair(self, *, delay_ms: int, loss_percent: float) -> None:
         """Delay and loss on everything every host of the fleet sends."""
         for host in self.network:
             host.impair(delay_ms=delay_ms, loss_percent=loss_percent)
-
-    def round_trip_ms(self) -> float:
-        """The median time to open a TCP connection from a control host to each
-        NATS, database and GPU host: one round trip."""
-        probe = (
-            "import socket, statistics, sys, time\n"
-            "times = []\n"
-            "for target in sys.argv[1:]:\n"
-            "    host, port = target.split(':')\n"
-            "    for _ in range(5):\n"
-            "        began = time.perf_counter()\n"
-            "        socket.create_connection((host, int(port)), timeout=5).close()\n"
-            "        times.append(time.perf_counter() - began)\n"
-            "print(statistics.median(times) * 1000)\n"
-        )
-        targets = [f"{h.address}:{NATS_PORT}" for h in self.nats]
-        targets += [f"{n.host.address}:{PG_PORT}" for n in self.postgres.nodes]
-        return float(self.control[1].run([sys.executable, "-c", probe, *targets]).strip())
-
-    def stage_latencies(self, load: Load, *, jobs: int) -> dict[str, float]:
-        """Small jobs, one at a time, through ``load``: the median of each stage
-        (the job's own stage durations) and of the whole, as the client saw it."""
-        stages: dict[str, list[float]] = {}
-        for _ in range(jobs):
-            began = time.perf_counter()
-            [job_id] = load.submit(1, steps=4)
-            followed = load.jobs[-1]
-            assert followed.thread is not None
-            followed.thread.join(120)
-            took = time.perf_counter() - began
-            durations = load.get(job_id).stage_durations
-            for name in ("queue", "schedule", "dispatch", "sample", "decode", "store"):
-                stages.setdefault(name, []).append(getattr(durations, f"{name}_seconds"))
-            stages.setdefault("client", []).append(took)
-        return {name: statistics.median(values) for name, values in stages.items()}
 
     def stop(self) -> None:
         for service in reversed(list(self.services.values())):

@@ -14,6 +14,7 @@ import pytest
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.faults.harness import Load, check, now
 from tests.fleet.fleet import Fleet
+from tests.fleet.probes import gateway_up, round_trip_ms, stage_latencies, stream_replicas_current
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.fleet
@@ -100,7 +101,7 @@ def test_the_control_host_cut_off(fleet: Fleet) -> None:
         cut_host.heal()
     check("fleet: a control host (gateway and scheduler) cut off", fleet.pg_url, load, fault_at=fault_at)
     # Back: its gateway answers again, and work goes on.
-    wait_for(lambda: fleet.gateway_up(cut_host), bool, timeout=60, what="the cut gateway back")
+    wait_for(lambda: gateway_up(fleet.gateway_address(cut_host)), bool, timeout=60, what="the cut gateway back")
     after = Load(fleet.channel_to(cut_host))
     after.submit(3, steps=4)
     check("fleet: the control host back", fleet.pg_url, after)
@@ -118,7 +119,9 @@ def test_a_nats_host_cut_off_then_healed(fleet: Fleet) -> None:
     finally:
         cut_host.heal()
     check("fleet: a NATS host cut off", fleet.pg_url, load, fault_at=fault_at)
-    wait_for(fleet.stream_replicas_current, bool, timeout=90, what="every replica of the dispatch stream current")
+    wait_for(
+        lambda: stream_replicas_current(fleet), bool, timeout=90, what="every replica of the dispatch stream current"
+    )
     after = Load(fleet.channel())
     after.submit(4, steps=4)
     check("fleet: the NATS host back", fleet.pg_url, after)
@@ -159,12 +162,12 @@ def test_the_postgres_primary_lost(fleet: Fleet) -> None:
 def test_every_link_slow_and_lossy(fleet: Fleet) -> None:
     """50 ms on everything each host sends, and 1 % of it lost: everything still
     works; the added latency of each stage is measured."""
-    baseline = fleet.stage_latencies(Load(fleet.channel()), jobs=8)
+    baseline = stage_latencies(Load(fleet.channel()), jobs=8)
     fleet.impair(delay_ms=50, loss_percent=1.0)
     try:
         load = Load(fleet.channel(), patience_s=240)
-        slow = fleet.stage_latencies(load, jobs=8)
-        rtt = fleet.round_trip_ms()
+        slow = stage_latencies(load, jobs=8)
+        rtt = round_trip_ms(fleet)
     finally:
         fleet.impair(delay_ms=0, loss_percent=0.0)
     summary = check("fleet: 50 ms and 1 % loss on every link", fleet.pg_url, load)
