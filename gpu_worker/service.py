@@ -29,7 +29,8 @@ from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
 from services.config.fields import SettingsError, name_of
-from services.config.sections import KernelSettings, SamplerSettings
+from services.config.sections import KernelSettings
+from services.config.workers import SamplerSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.mesh.nats_auth import NatsCredentials, sampler_user

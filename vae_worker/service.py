@@ -17,7 +17,8 @@ import grpc
 
 from services.bus.dispatch import check_worker_id, host_token
 from services.bus.events import Events
-from services.config.sections import DecoderSettings, KernelSettings
+from services.config.sections import KernelSettings
+from services.config.workers import DecoderSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import FieldViolation, InvalidArgument

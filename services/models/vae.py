@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from services.config.sections import DecodeSettings
+from services.config.workers import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader, sim
 from services.models.registry import ModelFamily, ModelRegistry

@@ -15,7 +15,8 @@ from unittest import mock
 from gpu_worker.service import check_capabilities
 from services.bus.dispatch import check_worker_id
 from services.config.fields import Section
-from services.config.sections import KernelSettings, SamplerSettings, Settings
+from services.config.sections import KernelSettings, Settings
+from services.config.workers import SamplerSettings
 from services.ops import SERVICE_MODULES
 from tests.deploy.rendering import Pod, one, pods
 

@@ -19,7 +19,8 @@ import pytest
 
 from http_api.signed_urls import load_key
 from services.config.fields import Section
-from services.config.sections import KernelSettings, SamplerSettings
+from services.config.sections import KernelSettings
+from services.config.workers import SamplerSettings
 from services.mesh.nats_auth import NatsCredentials, sampler_user
 from services.mesh.rpc import MeshIdentity
 from services.ops import SERVICE_MODULES

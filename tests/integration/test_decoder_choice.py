@@ -19,7 +19,8 @@ import torch
 from PIL import Image
 
 from gpu_worker.decoders import Decoders, DecodeUnavailable
-from services.config.sections import DecoderSettings, KernelSettings
+from services.config.sections import KernelSettings
+from services.config.workers import DecoderSettings
 from services.db.migrate import upgrade
 from services.db.records import JobRecord
 from services.db.repository import Repository

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from services.config.sections import DecoderSettings
+from services.config.workers import DecoderSettings
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc

@@ -12,7 +12,7 @@ import torch
 
 from gpu_worker.service import create_server as create_sampler_server
 from gpu_worker.tracker import JobTracker, StopReason
-from services.config.sections import DecoderSettings, SamplerSettings
+from services.config.workers import DecoderSettings, SamplerSettings
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc

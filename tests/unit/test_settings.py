@@ -16,7 +16,8 @@ import pytest
 from services.config import docs
 from services.config.fields import Section, SettingsError, naming_tables
 from services.config.placement import Lane, PlacementSettings, PreemptionSettings, check_names
-from services.config.sections import KernelSettings, SamplerSettings, SchedulerSettings, Settings
+from services.config.sections import KernelSettings, SchedulerSettings, Settings
+from services.config.workers import SamplerSettings
 
 
 def test_each_type_is_parsed_from_its_variable() -> None:

@@ -1,0 +1,99 @@
+"""The workers' settings: a sampler's (``gpu_worker/``), a decoder's
+(``vae_worker/``), and how either decodes latents into pixels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.config.fields import Section, setting
+
+
+@dataclass(frozen=True)
+class DecodeSettings(Section):
+    """How latents become pixels: the decoder's, and a sampler's local fallback."""
+
+    tile_above_pixels: int = setting(
+        1536 * 1536,
+        "Images of more pixels decode in overlapping tiles, so that memory stays that of a tile.",
+        env="DECODE_TILE_ABOVE_PIXELS",
+        at_least=1,
+    )
+    min_pixel_std: float = setting(
+        0.002,
+        "Decoded images whose pixels (0..1) vary less than this (standard deviation) are degenerate: the decode "
+        "fails, for another decoder to try.",
+        env="DECODE_MIN_PIXEL_STD",
+        at_least=0.0,
+    )
+
+
+@dataclass(frozen=True)
+class SamplerSettings(Section):
+    """A sampler: one process per GPU (``gpu_worker/``)."""
+
+    worker_id: str = setting("", "Its id; empty: host and GPU, so a restarted sampler takes back its own subject.")
+    host: str = setting(
+        "127.0.0.1", "Where its gRPC server listens (and the address it registers).", env="SAMPLER_HOST"
+    )
+    port: int = setting(0, "Its gRPC port; 0 picks a free one.", env="SAMPLER_PORT", at_least=0)
+    device: str = setting("", 'cuda, cuda:0, cpu, or empty for "cuda if available, else cpu".')
+    preload_models: tuple[str, ...] = setting(
+        (),
+        "Models pinned to it: loaded and warmed up with one real generation before it reports ready, evicted last "
+        "(`darkroom up`: the builtin ones).",
+    )
+    memory_budget_mb: int = setting(
+        0,
+        "Memory its models may take (MiB); 0: the GPU's own, less 15 % for activations, unlimited on a CPU.",
+        at_least=0,
+    )
+    capabilities: tuple[str, ...] = setting(
+        (),
+        "The kinds of work it serves, of its models' capabilities (image, video, upscale): e.g. `image` keeps "
+        "video off a small card. Empty: every capability of the models that fit its memory.",
+    )
+    batch_wait_ms: float = setting(
+        0.0,
+        "How long it waits, holding a partial batch, for more jobs of its shape; it always waits for the jobs the "
+        "same scheduling pass sent it, so 0 batches what was queued together and delays nothing else.",
+        at_least=0.0,
+    )
+    prompt_cache_mb: int = setting(64, "Prompt embeddings it keeps (MiB), least recently used first out.", at_least=0)
+    local_decode_fallback: bool = setting(False, "It decodes its own latents when no decoder service can.")
+    dispatch_ack_wait_s: float = setting(
+        30.0, "JetStream redelivers a dispatch not acked (or kept in progress) this long.", at_least=1.0
+    )
+    dispatch_max_ack_pending: int = setting(64, "Dispatches it may hold unacked.", at_least=1)
+    outcome_retry_s: float = setting(
+        30.0,
+        "How long it retries storing a job's outcome before leaving the dispatch unacked, for redelivery.",
+        at_least=0.0,
+    )
+    unhealthy_after_failures: int = setting(
+        3,
+        "Failed attempts in a row after which it reports unhealthy and exits, for its supervisor to restart it.",
+        at_least=1,
+    )
+    decode: DecodeSettings = setting(doc="Its local fallback decode.", factory=DecodeSettings)
+
+
+@dataclass(frozen=True)
+class DecoderSettings(Section):
+    """A decoder (``vae_worker/``): latents in, encoded images out."""
+
+    worker_id: str = setting("", "Its id; empty: host and port.")
+    host: str = setting(
+        "127.0.0.1", "Where its gRPC server listens (and the address it registers).", env="DECODER_HOST"
+    )
+    port: int = setting(0, "Its gRPC port; 0 picks a free one.", env="DECODER_PORT", at_least=0)
+    device: str = setting("", 'cuda, cuda:0, cpu, or empty for "cuda if available, else cpu".')
+    preload_models: tuple[str, ...] = setting((), "Models whose VAE it loads at start.")
+    batch_wait_ms: float = setting(
+        0.0,
+        "How long it gathers concurrent requests of one model and latent shape into one VAE call (a sampler's batch "
+        "is one request; under load requests gather anyway while the previous batch runs).",
+        env="DECODE_BATCH_WAIT_MS",
+        at_least=0.0,
+    )
+    max_batch: int = setting(8, "Images in one VAE call at most.", env="DECODE_MAX_BATCH", at_least=1)
+    decode: DecodeSettings = setting(doc="How it decodes.", factory=DecodeSettings)
