@@ -1,21 +1,23 @@
 """The schema, described once, as SQLAlchemy 2 models. The Alembic migrations in
 ``migrations/`` build exactly this (``tests/integration/test_schema.py`` compares
 them, and new migrations can be drafted from it with ``alembic revision
---autogenerate``); the records in ``records.py`` read and write only its columns."""
+--autogenerate``); the records in ``records.py`` read and write only its columns.
+
+Here: the jobs' tables, the worker registry and the learned estimates. The
+tenants' tables are in ``tenant_models.py``, on the same ``Base`` (``base.py``);
+importing this module defines every table, so ``Base.metadata`` is the whole schema."""
 
 from __future__ import annotations
 
-from datetime import date, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
     Boolean,
-    Date,
     DateTime,
     Float,
     ForeignKey,
-    Identity,
     Index,
     Integer,
     LargeBinary,
@@ -24,11 +26,25 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import Mapped, mapped_column
 
+from services.db.base import Base
+from services.db.tenant_models import AdminActionRow, ApiKeyRow, TenantRow, TenantShareRow, TenantUsageRow
 
-class Base(DeclarativeBase):
-    pass
+__all__ = [
+    "AdminActionRow",
+    "ApiKeyRow",
+    "Base",
+    "JobCheckpointRow",
+    "JobImageRow",
+    "JobInputRow",
+    "JobRow",
+    "LearnedEstimateRow",
+    "TenantRow",
+    "TenantShareRow",
+    "TenantUsageRow",
+    "WorkerRow",
+]
 
 
 class JobRow(Base):
@@ -157,91 +173,6 @@ class JobRow(Base):
             postgresql_where=text("settled_at IS NULL AND status IN ('SUCCEEDED','FAILED','CANCELLED','EXPIRED')"),
         ),
     )
-
-
-class TenantRow(Base):
-    """Who may submit, in which lane, and how much."""
-
-    __tablename__ = "tenants"
-
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    # Its jobs run in this lane; a request may ask for a lower one, never a higher.
-    lane: Mapped[str] = mapped_column(String(32), nullable=False)
-    # GPU-seconds it may still spend (times the model's price); NULL: no limit.
-    credits: Mapped[float | None] = mapped_column(Float)
-    # Credits given back each day; NULL: none.
-    daily_credits: Mapped[float | None] = mapped_column(Float)
-    # At most this many of its jobs queued or running at once; NULL: no limit.
-    max_jobs: Mapped[int | None] = mapped_column(Integer)
-    # Submits per second, shared by every gateway; NULL: no limit.
-    rate_per_s: Mapped[float | None] = mapped_column(Float)
-    # Its share of its lane's GPUs against the other tenants there.
-    weight: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
-    # Its rate's token bucket: the submits it held at rate_at (NULL: never drawn on, full).
-    rate_tokens: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
-    rate_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # The UTC day its daily credits were last given (NULL: never).
-    credits_day: Mapped[date | None] = mapped_column(Date)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-
-
-class TenantUsageRow(Base):
-    """What a tenant's jobs cost on a UTC day, as they were settled. Not a foreign
-    key: the default tenant needs no row."""
-
-    __tablename__ = "tenant_usage"
-
-    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
-    day: Mapped[date] = mapped_column(Date, primary_key=True)
-    jobs: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
-    gpu_seconds: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
-    credits: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
-
-
-class TenantShareRow(Base):
-    """A tenant's GPU-seconds for fair sharing, decayed as of ``used_at``: the
-    scheduler's settlement adds to it (``scheduler.fair_share`` decays it)."""
-
-    __tablename__ = "tenant_shares"
-
-    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
-    used_s: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
-    used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-
-
-class ApiKeyRow(Base):
-    """A tenant's key, stored only as a digest: the key itself is shown once."""
-
-    __tablename__ = "api_keys"
-
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(64), ForeignKey("tenants.name", ondelete="CASCADE"), nullable=False)
-    digest: Mapped[str] = mapped_column(String(64), nullable=False)  # SHA-256 of the whole key, hex
-    # May read the whole fleet's detail (GetStats).
-    admin: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-
-    __table_args__ = (Index("ix_api_keys_tenant", "tenant"),)
-
-
-class AdminActionRow(Base):
-    """An admin action (a tenant created or changed, a key made or revoked): who, when."""
-
-    __tablename__ = "admin_actions"
-
-    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
-    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
-    # Who did it: the operating-system user and host the `darkroom` command ran as.
-    actor: Mapped[str] = mapped_column(String(200), nullable=False)
-    action: Mapped[str] = mapped_column(String(32), nullable=False)  # e.g. "keys revoke"
-    tenant: Mapped[str] = mapped_column(String(64), nullable=False)
-    key_id: Mapped[str | None] = mapped_column(String(32))
-    # The terms set, or the key's role; never a key.
-    detail: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
-
-    __table_args__ = (Index("ix_admin_actions_tenant_at", "tenant", "at"),)
 
 
 class JobImageRow(Base):
