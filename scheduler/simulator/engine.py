@@ -16,13 +16,16 @@ queue keeping the steps it did, no failure counted (its next start is a new
 attempt, as production's fencing token counts it). A resumed job runs alone (on
 any GPU), paying ``resume_s`` (reading its checkpoint back) on top of its remaining
 steps and any model load.
+
+Here: the event loop and what each event does to the world; how a batch is made
+up, timed and stopped at a step boundary is in ``batches``.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 
+from scheduler.simulator.batches import compute_s, make_room, stop_boundary, take_riders
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.simulator.trace import TraceJob
 from scheduler.simulator.world import Gpu, Job, Policy, Result
@@ -86,13 +89,6 @@ class Simulation:
     def served(self, gpu: Gpu) -> frozenset[str]:
         return frozenset(m for m in self.scenario.models if self.fits(gpu, m))
 
-    def _make_room(self, gpu: Gpu, model: str) -> None:
-        need = self.vram_gb[model]
-        models = self.scenario.models
-        while gpu.loaded and sum(self.vram_gb[m] for m in gpu.loaded) + need > gpu.spec.vram_gb:
-            victim = min(gpu.loaded, key=lambda m: (m in gpu.planned, models[m].eviction_priority, gpu.loaded[m]))
-            del gpu.loaded[victim]
-
     def _start_next(self, gpu: Gpu, now: float) -> None:
         if not gpu.idle:
             return
@@ -101,17 +97,7 @@ class Simulation:
             return
         job = gpu.queue.popleft()
         model = self.scenario.models[job.model]
-        riders, images = [], job.trace.type.batch
-        # A resumed job runs alone: its batch-mates would be at other steps.
-        for other in list(gpu.queue) if not job.done else ():
-            if (
-                other.trace.type == job.trace.type
-                and not other.done
-                and images + other.trace.type.batch <= model.max_batch
-            ):
-                gpu.queue.remove(other)
-                riders.append(other)
-                images += other.trace.type.batch
+        riders, images = take_riders(gpu, job, model.max_batch)
         for member in (job, *riders):
             member.start_s = now
             member.attempts += 1  # every start, as production's fencing token counts them
@@ -119,18 +105,14 @@ class Simulation:
             member.gpu = gpu.id
         load_s = 0.0
         if job.model not in gpu.loaded:
-            self._make_room(gpu, job.model)
+            make_room(gpu, job.model, self.vram_gb, self.scenario.models)
             load_s = model.load_s
             for member in (job, *riders):
                 member.cold = True
             self.cold_loads += 1
         gpu.loaded[job.model] = now
-        per_image = sum(m.trace.work_s / m.trace.type.batch for m in (job, *riders)) / (1 + len(riders))
-        run = per_image * model.batch_factor(images) / self.speed(gpu, now)
-        resume_s = 0.0
-        if job.done:
-            run *= 1.0 - job.done
-            resume_s = self.scenario.resume_s
+        run = compute_s(job, riders, model, images, self.speed(gpu, now))
+        resume_s = self.scenario.resume_s if job.done else 0.0
         gpu.running, gpu.riders, gpu.running_since, gpu.run_s = job, riders, now, load_s + resume_s + run
         gpu.run_load_s, gpu.run_resume_s = load_s, resume_s
         gpu.busy_until = now + load_s + resume_s + run
@@ -141,7 +123,7 @@ class Simulation:
         if not missing:
             return
         model = max(missing, key=lambda m: self.scenario.models[m].vram_gb)
-        self._make_room(gpu, model)
+        make_room(gpu, model, self.vram_gb, self.scenario.models)
         gpu.loaded[model] = now
         gpu.preloading = model
         self.preloads += 1
@@ -159,18 +141,13 @@ class Simulation:
             return
         for job in batch:
             job.suspend_requested = True
-        head = batch[0]
-        steps_left = head.trace.type.steps * (1.0 - head.resumed_from)
-        compute_start = gpu.running_since + gpu.run_load_s + gpu.run_resume_s
-        step_s = (gpu.run_s - gpu.run_load_s - gpu.run_resume_s) / steps_left
-        # Steps of this run done at the boundary it stops at (0: it stops as soon
-        # as its model is loaded and its checkpoint read, before its first step).
-        steps = math.ceil(max(now - compute_start, 0.0) / step_s - 1e-9)
-        if steps >= steps_left - 1e-6:
+        stop = stop_boundary(gpu, now)
+        if stop is None:
             return
-        gpu.busy_until = compute_start + steps * step_s + self.scenario.checkpoint_s
+        steps, boundary = stop
+        gpu.busy_until = boundary + self.scenario.checkpoint_s
         gpu.generation += 1  # its DONE will not come
-        self._push(gpu.busy_until, SUSPENDED, (gpu.id, gpu.generation, steps / head.trace.type.steps))
+        self._push(gpu.busy_until, SUSPENDED, (gpu.id, gpu.generation, steps / batch[0].trace.type.steps))
 
     def assign(self, job: Job, gpu_id: str, now: float) -> None:
         gpu = self.gpus[gpu_id]
