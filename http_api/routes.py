@@ -16,7 +16,7 @@ from http_api import fleet, images, videos
 from http_api.errors import HttpError, bad_request, from_rpc
 from http_api.gateway_client import Gateway, Outputs, default_model
 from http_api.signed_urls import UrlSigner
-from http_api.wire import fields_of, key_of, metadata_of, send_event
+from http_api.wire import fields_of, key_of, metadata_of, open_events, send_error_event, send_event
 from services.config.http import HttpSettings
 from services.db.repository import Repository
 from services.errors import StoreError
@@ -127,8 +127,7 @@ class Api:
     async def _stream(self, request: web.Request, job_id: str, key: str) -> web.StreamResponse:
         """Server-sent events in OpenAI's shapes: a partial image per preview the
         sampler sends, then the image (or an error event)."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await open_events(request)
         outputs, partials, job = Outputs(), 0, pb.Job(job_id=job_id)
         try:
             async for event in self.gateway.events(job_id, key, self.settings.wait_s):
@@ -147,10 +146,9 @@ class Api:
                     await send_event(response, images.completed_event(job, output))
                 break
         except HttpError as exc:
-            await send_event(response, {"error": {"message": exc.message, "type": exc.kind, "code": exc.code}})
+            await send_error_event(response, exc)
         except grpc.aio.AioRpcError as exc:
-            error = from_rpc(exc)
-            await send_event(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+            await send_error_event(response, from_rpc(exc))
         await response.write_eof()
         return response
 
@@ -253,8 +251,7 @@ class Api:
             first = await anext(aiter(events), None)  # an unknown job is a 404, before the stream starts
         except grpc.aio.AioRpcError as exc:
             raise from_rpc(exc) from None
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        response = await open_events(request)
 
         async def rest() -> AsyncIterator[pb.JobEvent]:
             if first is not None:
@@ -275,8 +272,7 @@ class Api:
                     await send_event(response, {"type": "darkroom.job.done", "job": body})
                     break
         except grpc.aio.AioRpcError as exc:
-            error = from_rpc(exc)
-            await send_event(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+            await send_error_event(response, from_rpc(exc))
         await response.write_eof()
         return response
 

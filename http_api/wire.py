@@ -41,6 +41,18 @@ def metadata_of(request: web.Request) -> list[tuple[str, str]] | None:
     return [("authorization", f"Bearer {key}")] if key else None
 
 
+async def open_events(request: web.Request) -> web.StreamResponse:
+    """A response of server-sent events, its headers sent."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    return response
+
+
+async def send_error_event(response: web.StreamResponse, error: HttpError) -> None:
+    """A refusal after the events began: OpenAI's error shape, as an ``error`` event."""
+    await send_event(response, {"error": {"message": error.message, "type": error.kind, "code": error.code}})
+
+
 async def send_event(response: web.StreamResponse, event: dict[str, Any]) -> None:
     """One server-sent event, named by its ``type`` (``error`` without one)."""
     kind = event.get("type", "error")
