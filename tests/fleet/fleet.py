@@ -126,10 +126,7 @@ class Fleet:
             self.ca.issue_into(mesh, role, [address, name])
         for user in nats_users:
             secret = password(nats_password_path(self.operator, user))
-            target = nats_password_path(mesh, user)
-            target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            target.write_text(secret + "\n")
-            target.chmod(0o600)
+            write_private(nats_password_path(mesh, user), secret.encode() + b"\n")
         self.postgres.write_pgpass(mesh / "pgpass")
         return mesh
 
@@ -191,8 +188,7 @@ class Fleet:
                 routes=[f"{h.address}:{ROUTE_PORT}" for h in self.nats if h is not host],
             )
             path = mesh.parent / "nats-server.conf"
-            path.write_text(config)
-            path.chmod(0o600)
+            write_private(path, config.encode())  # it holds the users' passwords
             self._add(host, "nats", [nats_server_binary(), "-c", str(path)], {})
 
     def _migrate(self) -> None:

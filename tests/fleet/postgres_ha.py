@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.mesh.pki import CertificateAuthority
+from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import password
 from tests.fleet.network import Host
 
@@ -143,9 +143,7 @@ class PostgresHA:
         )
 
     def write_pgpass(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"*:*:{DATABASE}:{APP_USER}:{self.app_password}\n")
-        path.chmod(0o600)
+        write_private(path, f"*:*:{DATABASE}:{APP_USER}:{self.app_password}\n".encode())
         return path
 
     def _prepare(self, node: Node) -> list[str]:
