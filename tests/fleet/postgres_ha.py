@@ -39,8 +39,11 @@ SYSTEM_USER = "postgres"  # PostgreSQL refuses to run as root
 # for NETWORK_PARTITION_S, and it sees its standby gone only when the standby's
 # replication connection times out (wal_sender_timeout: PostgreSQL's default of a
 # minute would leave it a primary that long). The monitor promotes the standby
-# only PRIMARY_DEMOTE_MS after it found the primary unhealthy: longer than both,
-# with room for the keeper's loop, so that two primaries never serve at once.
+# only primary_demote_timeout after it found the primary unhealthy: longer than
+# both with room for the keeper's loop, whose calls to a monitor it cannot reach
+# time out one by one, so that two primaries never serve at once. 15 s was too
+# little on a loaded 2-core machine (the old primary still served after the
+# promotion, once in five runs): pg_auto_failover's own default, 30 s.
 NETWORK_PARTITION_S = 4
 REPLICATION_TIMEOUT = "3s"
 MONITOR_SETTINGS = {
@@ -49,7 +52,7 @@ MONITOR_SETTINGS = {
     "pgautofailover.health_check_max_retries": "1",
     "pgautofailover.health_check_retry_delay": "500",
     "pgautofailover.node_considered_unhealthy_timeout": "3000",
-    "pgautofailover.primary_demote_timeout": "15000",
+    "pgautofailover.primary_demote_timeout": "30000",
     "pgautofailover.startup_grace_period": "2000",
 }
 
@@ -104,6 +107,14 @@ class Node:
 
     def autoctl(self, *args: str, **env: str) -> str:
         return self.host.run(_as_postgres([PG_AUTOCTL, *args]), env=self.env(**env), timeout=120)
+
+    def serves_as_primary(self) -> bool:
+        """Whether its PostgreSQL is up and out of recovery, asked on its own socket
+        (which no cut of its network reaches)."""
+        try:
+            return self.sql("SELECT pg_is_in_recovery()").strip() == "f"
+        except RuntimeError:  # stopped: it demoted itself
+            return False
 
     def sql(self, statement: str, database: str = "postgres") -> str:
         """A statement run as the superuser on the local socket."""

@@ -145,6 +145,8 @@ def test_the_postgres_primary_lost(fleet: Fleet) -> None:
             what="the standby promoted",
         )
         promoted_at: datetime = now()
+        # Never two primaries: the cut one stopped before the monitor promoted the other.
+        assert not primary.serves_as_primary(), "the old primary still serves after the promotion"
         load.wait(timeout=240)
     finally:
         primary.host.heal()
