@@ -14,6 +14,8 @@
 - ``outcomes``, ``job_store``, ``failures``, ``progress``: what a job comes to,
   written fenced by its attempt.
 - ``tracker``: why a running job must stop (cancel, timeout, drain, suspension).
+- ``busy``: how much of the time work waits it spends denoising (the GPU never
+  waiting for the host).
 - ``heartbeat``, ``plan_follower``: what it tells the scheduler, and the warm
   plan it follows.
 - ``metrics``, ``spans``: its Prometheus metrics and trace spans.

@@ -172,7 +172,8 @@ class MemberCheckpoints:
             return checkpoint_format.capture(run.step, run.total, run.fingerprint, None)
         if state.baseline is None:
             state.baseline = type(state.scheduler).from_config(state.scheduler.config)
-            state.baseline.set_timesteps(run.member.params.steps, device=self.device)
+            # Where the live one keeps its tables (the host, for a diffusers loop's).
+            state.baseline.set_timesteps(run.member.params.steps, device=state.scheduler.timesteps.device)
         changed, removed = checkpoint_format.scheduler_state(state.scheduler, state.baseline)
         generators = [g.get_state() for g in state.generators]
         snapshot = Snapshot(state.latents, generators, changed, removed, self.device.type, dict(state.extras))

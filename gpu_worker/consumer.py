@@ -1,15 +1,21 @@
 """Consuming this worker's dispatches from its own JetStream subject, in batches.
 
-Fetched dispatches wait in hand; the oldest and the later ones of its batch key
-(model, size, steps, guidance) up to the model's batch size run together, once the
-rest of the jobs their scheduling pass sent here have arrived (they are published
-together) and ``batch_wait_s`` has passed since the oldest arrived; 0, the
-default, waits for the announced jobs only. Once a batch's latents are out, its
-jobs are decoded and stored in the background while the next batch samples, so
-the GPU does not wait on decoders. A message is acked only once its job's outcome
-is durable (or the job turned out not to be this worker's); one whose outcome
-could not be stored is left for redelivery; a malformed one is terminated. Lost
-connections to NATS are ridden out: the loop waits and binds its consumer again."""
+Dispatches are fetched in a task of their own, so that they arrive while a batch
+samples, and wait in hand; the oldest and the later ones of its batch key (model,
+size, steps, guidance) up to the model's batch size run together, once the rest of
+the jobs their scheduling pass sent here have arrived (they are published together)
+and ``batch_wait_s`` has passed since the oldest arrived; 0, the default, waits for
+the announced jobs only.
+
+The device never waits for the host between batches: while one batch samples, the
+next is started (its attempts RUNNING, its inputs fetched, its prompts encoded) as
+soon as it is full, or, when it could still grow, the moment the device frees; its
+sampling begins as the previous one's ends. Once a batch's latents are out, its
+jobs are decoded and stored in the background. A message is acked only once its
+job's outcome is durable (or the job turned out not to be this worker's); one whose
+outcome could not be stored is left for redelivery; a malformed one is terminated.
+Lost connections to NATS are ridden out: the fetcher waits and binds its consumer
+again."""
 
 from __future__ import annotations
 
@@ -19,10 +25,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from nats.aio.msg import Msg
 
 from gpu_worker.batch_choice import PassArrivals, next_batch
+from gpu_worker.busy import BusyClock
 from gpu_worker.outcomes import Outcome, Started
 from gpu_worker.runner import JobRunner, SampledBatch
 from services.backoff import Backoff
@@ -68,6 +76,7 @@ class DispatchConsumer:
         on_idle: Callable[[], Awaitable[None]],
         batch_wait_s: float = 0.0,
         max_in_hand: int = 16,
+        busy: BusyClock | None = None,
     ) -> None:
         self.bus = bus
         self.worker_id = worker_id
@@ -77,10 +86,15 @@ class DispatchConsumer:
         self.on_idle = on_idle
         self.batch_wait_s = batch_wait_s
         self.max_in_hand = max_in_hand
-        self.batches_run = 0
+        self.busy = busy or BusyClock()
         self._in_hand: list[InHand] = []
+        self._starting = 0  # dispatches taken out of hand whose batch has not finished sampling
+        self._sampling: asyncio.Task[None] | None = None  # the batch on the device
         self._finishing: set[asyncio.Task[None]] = set()
         self._passes = PassArrivals()
+        # Set whenever what a batch could be formed from changes: dispatches arrived,
+        # the device freed, room in hand.
+        self._changed = asyncio.Event()
         # Every dispatch taken and not yet settled, by its ack subject.
         self._unsettled: dict[str, Msg] = {}
 
@@ -88,49 +102,88 @@ class DispatchConsumer:
         """Until ``stop`` is set, or the runner finds this worker unfit; returns once
         every started job has an outcome. Dispatches in hand but not started are
         left for redelivery (the worker hands their jobs back as it deregisters)."""
-        sub = None
-        backoff = Backoff()
         keepalive = asyncio.create_task(self._keep_in_progress())
+        fetcher = asyncio.create_task(self._fetch(stop))
+        stopping = asyncio.create_task(self._wake_on(stop))
         try:
-            while not stop.is_set() and not self.runner.unfit:
-                wait_s = FETCH_WAIT_S
-                if self._in_hand:
-                    chosen, full = next_batch(self._in_hand, self._max_rows)
-                    now = time.monotonic()
-                    wait_s = max(
-                        self.batch_wait_s - (now - self._in_hand[0].arrived),
-                        self._passes.wait_s(now, SIBLING_PATIENCE_S),
-                    )
-                    if full or wait_s <= 0 or len(self._in_hand) >= self.max_in_hand:
-                        batch = [self._in_hand[i] for i in chosen]
-                        self._in_hand = [p for i, p in enumerate(self._in_hand) if i not in chosen]
-                        await self._run_batch(batch)
-                        continue
-                try:
-                    if sub is None:
-                        sub = await self.bus.dispatch_consumer(self.worker_id, self.consumer)
-                    msgs = await sub.pull(self.max_in_hand - len(self._in_hand), wait_s)
-                    backoff.reset()
-                except (*BUS_ERRORS, BusError) as exc:
-                    log.warning("cannot fetch dispatches, retrying in %.1fs: %s", backoff.next_s, exc)
-                    # Bind afresh: the consumer may have been recreated meanwhile.
-                    await self._unsubscribe(sub)
-                    sub = None
-                    await backoff.wait(stop)
-                    continue
-                if not msgs:
-                    if not self._in_hand and not self._finishing:
-                        await self.on_idle()  # the moment to load or drop models
-                    continue
-                await self._take(msgs)
+            await self._form_batches(stop)
         finally:
+            stopping.cancel()
+            self._changed.set()
+            # The fetcher ends by itself within a fetch's wait: cancelling it mid-pull
+            # could lose what that pull brings, until JetStream redelivers it.
+            sub = await fetcher
+            if self._sampling is not None:
+                await self._sampling
             if self._finishing:
                 await asyncio.wait(self._finishing)
             keepalive.cancel()
             for pending in self._in_hand:
                 await self._settle(pending.msg.nak(), f"nak {pending.dispatch.job_id}", pending.dispatch.job_id)
             self._in_hand = []
+            self._work_changed()
             await self._unsubscribe(sub)
+
+    async def _wake_on(self, stop: asyncio.Event) -> None:
+        await stop.wait()
+        self._changed.set()
+
+    def _running(self, stop: asyncio.Event) -> bool:
+        return not stop.is_set() and not self.runner.unfit
+
+    async def _form_batches(self, stop: asyncio.Event) -> None:
+        while self._running(stop):
+            self._changed.clear()
+            wait_s = FETCH_WAIT_S
+            if self._in_hand:
+                chosen, full = next_batch(self._in_hand, self._max_rows)
+                now = time.monotonic()
+                wait_s = max(
+                    self.batch_wait_s - (now - self._in_hand[0].arrived),
+                    self._passes.wait_s(now, SIBLING_PATIENCE_S),
+                )
+                ready = full or wait_s <= 0 or len(self._in_hand) >= self.max_in_hand
+                # While the device is busy a batch that could still grow waits for it.
+                device_busy = self._sampling is not None and not self._sampling.done()
+                if ready and (full or not device_busy):
+                    batch = [self._in_hand[i] for i in chosen]
+                    self._in_hand = [p for i, p in enumerate(self._in_hand) if i not in chosen]
+                    await self._run_batch(batch)
+                    continue
+                if device_busy:
+                    wait_s = FETCH_WAIT_S  # the device freeing says when
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(wait_s, 0.0))
+
+    async def _fetch(self, stop: asyncio.Event) -> Any:
+        """Keeps dispatches coming into hand until the loop ends; returns its subscription."""
+        sub = None
+        backoff = Backoff()
+        while self._running(stop):
+            room = self.max_in_hand - len(self._in_hand)
+            if room <= 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), FETCH_WAIT_S)
+                continue
+            try:
+                if sub is None:
+                    sub = await self.bus.dispatch_consumer(self.worker_id, self.consumer)
+                msgs = await sub.pull(room, FETCH_WAIT_S)
+                backoff.reset()
+            except (*BUS_ERRORS, BusError) as exc:
+                log.warning("cannot fetch dispatches, retrying in %.1fs: %s", backoff.next_s, exc)
+                # Bind afresh: the consumer may have been recreated meanwhile.
+                await self._unsubscribe(sub)
+                sub = None
+                await backoff.wait(stop)
+                continue
+            if not msgs:
+                if not self._in_hand and not self._starting and not self._finishing:
+                    await self.on_idle()  # the moment to load or drop models
+                continue
+            await self._take(msgs)
+            self._changed.set()
+        return sub
 
     def _max_rows(self, key: Hashable) -> int:
         assert isinstance(key, BatchKey)
@@ -160,8 +213,32 @@ class DispatchConsumer:
             key = shape.key if shape else None
             self._unsettled[msg.reply] = msg
             self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now))
+        self._work_changed()
+
+    def _work_changed(self) -> None:
+        self.busy.work(bool(self._in_hand) or self._starting > 0)
 
     async def _run_batch(self, batch: list[InHand]) -> None:
+        """Starts the batch while the previous one samples, then samples it as soon as
+        the device is free."""
+        self._starting += len(batch)
+        self._work_changed()
+        try:
+            started = await self._start(batch)
+        except BaseException:
+            self._starting -= len(batch)
+            self._work_changed()
+            raise
+        if not started:
+            self._starting -= len(batch)
+            self._work_changed()
+            return
+        if self._sampling is not None:
+            await self._sampling
+        self._sampling = asyncio.create_task(self._sample(started, len(batch)))
+        self._sampling.add_done_callback(lambda _: self._changed.set())
+
+    async def _start(self, batch: list[InHand]) -> list[tuple[InHand, Started]]:
         # Backpressure: decoding and storing may not fall further behind than this.
         while len(self._finishing) >= MAX_FINISHING:
             await asyncio.wait(self._finishing, return_when=asyncio.FIRST_COMPLETED)
@@ -181,10 +258,25 @@ class DispatchConsumer:
                 await self._settled(pending, result)
             else:
                 started.append((pending, result))
-        if not started:
-            return
-        self.batches_run += 1
-        sampled = await self.runner.sample([s for _, s in started])
+        if started:
+            await self.runner.prepare([s for _, s in started])
+        return started
+
+    async def _sample(self, started: list[tuple[InHand, Started]], taken: int) -> None:
+        jobs = [s for _, s in started]
+        try:
+            sampled = await self.runner.sample(jobs)
+        except Exception as exc:
+            # A defect, not the jobs' own: each attempt fails with it (and, in a row,
+            # makes the worker unfit); the loop goes on.
+            extra = logs.jobs_fields(j.job.id for j in jobs)
+            log.exception("sampling %d jobs failed unexpectedly", len(jobs), extra=extra)
+            for job in jobs:
+                job.result = exc
+            sampled = SampledBatch(0.0, sum(j.job.params.num_images for j in jobs), learnable=False)
+        finally:
+            self._starting -= taken
+            self._work_changed()
         task = asyncio.create_task(self._finish(started, sampled))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)

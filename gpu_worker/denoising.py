@@ -84,6 +84,10 @@ class Denoiser(ModelLoader, Protocol):
     """One model family: how its models load (``ModelLoader``), and how a batch runs
     through one."""
 
+    def encode_prompts(self, model: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+        """Puts the batch's prompt conditioning where its ``sample`` will find it."""
+        ...
+
     def sample(
         self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
     ) -> list[MemberResult]:

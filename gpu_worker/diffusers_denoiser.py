@@ -17,7 +17,16 @@ input outside its mask at every step, as diffusers' pipelines do for a model of
 four latent channels. What resuming needs beyond the latents (an edit's input
 latents, its mask, its first noise) travels in the checkpoint. Resuming gives
 exactly the uninterrupted output on a CPU (on a GPU, what rerunning the job would
-give there)."""
+give there).
+
+The GPU never waits for the host inside the loop: each noise scheduler keeps its
+tables and its bookkeeping on the host (its timesteps set on the CPU: what a
+scheduler reads to decide is a host number, never a device tensor read back), the
+network takes a device copy of the timesteps made once per member, progress and
+stops are host flags, and nothing is read back but at the boundaries a member asks
+for (a preview, a periodic checkpoint, a suspension) and at the end. On a CUDA
+device such a read is a synchronisation that empties the GPU's queue; a test runs
+the loop on the meta device, where any of them fails."""
 
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ import torch
 
 from gpu_worker.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
 from gpu_worker.denoising import BadOutput, BatchMember, MemberResult, check_output
-from gpu_worker.prompts import Conditioning, PromptCache
+from gpu_worker.prompts import Conditioning, PromptCache, prompt_key
 from services.generation import BatchKey, GenerationParams
 from services.models import loader
 from services.models.loader import Loaded
@@ -43,9 +52,16 @@ MASK = "mask"  # inpainting: 1 where the model paints, at the latents' size
 NOISE = "noise"  # the noise its latents started from
 
 
+# Where a scheduler's tables and bookkeeping live: what it decides on is then a
+# host number, never a device tensor read back.
+HOST = torch.device("cpu")
+
+
 @dataclass
 class DiffusersRun(MemberRun):
     conditioning: Conditioning = field(default_factory=Conditioning.empty)
+    # Its scheduler's timesteps on the device, for the network: copied once.
+    network_timesteps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 class DiffusersDenoiser:
@@ -58,7 +74,11 @@ class DiffusersDenoiser:
         self.models_dir = models_dir
         self.device = device
         self.prompts = prompts
-        self.fuse_batches = device.type == "cuda"
+        # Batches are fused into one network call on an accelerator; the meta device
+        # stands for one in the test that the loop never waits for the host.
+        self.fuse_batches = device.type != "cpu"
+        # The meta device has no generators: its noise is drawn on the CPU.
+        self.generator_device = HOST if device.type == "meta" else device
 
     # -- what a family says --------------------------------------------------------
 
@@ -106,8 +126,8 @@ class DiffusersDenoiser:
         if first == 0 and inputs.mask is not None:
             state.latents = noise * state.scheduler.init_noise_sigma  # all of it repainted, as diffusers does
         else:
-            t = state.scheduler.timesteps[first : first + 1].repeat(params.num_images)
-            state.latents = state.scheduler.add_noise(image, noise, t)
+            keep, add = _noising(state.scheduler, state.scheduler.timesteps[first : first + 1], noise.dtype)
+            state.latents = keep * image + add * noise
         run.step = first
 
     # -- the loop ------------------------------------------------------------------
@@ -136,17 +156,27 @@ class DiffusersDenoiser:
     def sample(
         self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
     ) -> list[MemberResult]:
-        with torch.inference_mode():
-            runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
-            self._denoise(pipe, members[0].params.key, [r for r in runs if r.result is None], checkpoints)
+        runs = self.denoise(pipe, spec, members, checkpoints)
         for run in runs:
             if run.result is None and run.state is not None:
+                # The one read back a member needs; its check then costs the device nothing.
+                latents = run.state.latents.to(HOST, torch.float32)
                 try:
-                    check_output(run.state.latents, spec.min_output_std)
-                    run.result = run.state.latents.to("cpu", torch.float32)
+                    check_output(latents, spec.min_output_std)
+                    run.result = latents
                 except BadOutput as exc:
                     run.result = exc
         return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
+
+    def denoise(
+        self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+    ) -> list[DiffusersRun]:
+        """The members prepared and stepped to their ends, their latents left on the
+        device: nothing read back but what a member's boundaries ask for."""
+        with torch.inference_mode():
+            runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
+            self._denoise(pipe, members[0].params.key, [r for r in runs if r.result is None], checkpoints)
+        return runs
 
     def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember, checkpoints: MemberCheckpoints) -> DiffusersRun:
         """The member at its first step: resumed from its checkpoint if that fits, its
@@ -154,6 +184,7 @@ class DiffusersDenoiser:
         params = member.params
         state = self._fresh_state(pipe, spec, params)
         run = DiffusersRun.fresh(member, type(state.scheduler).__name__, len(state.scheduler.timesteps), state)
+        run.network_timesteps = state.scheduler.timesteps.to(self.device)
         resumed = Resumption.STEP
         if member.resume is not None:
             latents = (self.latent_shape(pipe, params), self.network(pipe).dtype)
@@ -164,16 +195,22 @@ class DiffusersDenoiser:
             run.result = checkpoints.stopped(run)
             return run
         try:
-            cfg = params.guidance_scale > 1.0
-            run.conditioning = self.prompts.get(
-                (params.model, params.prompt, params.negative_prompt, cfg, params.width, params.height),
-                lambda: self.encode_prompt(pipe, spec, params, cfg),
-            )
+            run.conditioning = self.encode_cached(pipe, spec, params)
             if resumed is not Resumption.LATENTS:
                 self.start(pipe, run, member)
         except Exception as exc:  # this member's inputs: it fails alone
             run.result = exc
         return run
+
+    def encode_prompts(self, pipe: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+        for params in batch:
+            self.encode_cached(pipe, spec, params)
+
+    def encode_cached(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
+        """The job's prompt conditioning, from the prompt cache or encoded into it."""
+        cfg = params.guidance_scale > 1.0
+        with torch.inference_mode():
+            return self.prompts.get(prompt_key(params), lambda: self.encode_prompt(pipe, spec, params, cfg))
 
     def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
         """One draw per output from its own generator, as the diffusers pipelines do."""
@@ -186,11 +223,9 @@ class DiffusersDenoiser:
     def _fresh_state(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> LoopState:
         """A new noise scheduler set to the job's steps, and each output's generator
         seeded: the state of a job at step 0, before its noise is drawn."""
-        cls = scheduler_class(spec) if spec.scheduler else type(pipe.scheduler)
-        scheduler = cls.from_config(pipe.scheduler.config)
-        scheduler.set_timesteps(params.steps, device=self.device)
+        scheduler = host_scheduler(scheduler_class(spec) if spec.scheduler else type(pipe.scheduler), pipe, params)
         seeds = [(params.seed + i) % 2**63 for i in range(params.num_images)]
-        generators = [torch.Generator(device=self.device).manual_seed(seed) for seed in seeds]
+        generators = [torch.Generator(device=self.generator_device).manual_seed(seed) for seed in seeds]
         return LoopState(torch.empty(0), scheduler, generators)
 
     def _denoise(self, pipe: Any, key: BatchKey, runs: list[DiffusersRun], checkpoints: MemberCheckpoints) -> None:
@@ -210,7 +245,7 @@ class DiffusersDenoiser:
                 return
             for group in self._groups(active):
                 t = _state(group[0]).scheduler.timesteps[group[0].step]
-                noise = self._predict(pipe, group, t, key.guidance_scale)
+                noise = self._predict(pipe, group, t, group[0].network_timesteps[group[0].step], key.guidance_scale)
                 for r, eps in zip(group, noise, strict=True):
                     state = _state(r)
                     extra = {"generator": state.generators} if takes_generator else {}
@@ -234,8 +269,12 @@ class DiffusersDenoiser:
             by_step.setdefault(r.step, []).append(r)
         return list(by_step.values())
 
-    def _predict(self, pipe: Any, group: list[DiffusersRun], t: torch.Tensor, guidance: float) -> list[torch.Tensor]:
-        """The guided noise prediction of each run in ``group``, from one network call."""
+    def _predict(
+        self, pipe: Any, group: list[DiffusersRun], t: torch.Tensor, network_t: torch.Tensor, guidance: float
+    ) -> list[torch.Tensor]:
+        """The guided noise prediction of each run in ``group``, from one network call;
+        ``t`` is the step's timestep on the host (for the schedulers), ``network_t``
+        the same on the device."""
         states = [_state(r) for r in group]
         scaled = [
             self.model_input(r, s.scheduler.scale_model_input(s.latents, t)) for r, s in zip(group, states, strict=True)
@@ -247,11 +286,19 @@ class DiffusersDenoiser:
         if cfg:
             x = torch.cat([x, x])
             c = Conditioning.stack([c.negative(), c])
-        out = self.call_network(pipe, x, t, c, group)
+        out = self.call_network(pipe, x, network_t, c, group)
         if cfg:
             uncond, cond = out.chunk(2)
             out = uncond + guidance * (cond - uncond)
         return list(out.split(sizes))
+
+
+def host_scheduler(cls: Any, pipe: Any, params: GenerationParams) -> Any:
+    """A new noise scheduler of class ``cls`` (the pipeline's config) set to the job's
+    steps, its tables on the host."""
+    scheduler = cls.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(params.steps, device=HOST)
+    return scheduler
 
 
 def _keep_unmasked(state: LoopState, step: int) -> None:
@@ -262,8 +309,20 @@ def _keep_unmasked(state: LoopState, step: int) -> None:
     image, noise = state.extras[IMAGE_LATENTS], state.extras[NOISE]
     timesteps = state.scheduler.timesteps
     if step + 1 < len(timesteps):
-        image = state.scheduler.add_noise(image, noise, timesteps[step + 1 : step + 2].repeat(len(image)))
+        keep, add = _noising(state.scheduler, timesteps[step + 1 : step + 2], image.dtype)
+        image = keep * image + add * noise
     state.latents = (1 - mask) * image + mask * state.latents
+
+
+def _noising(scheduler: Any, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_noise``'s coefficients at ``t``, on the host: it is linear in the image and
+    the noise (``keep * image + add * noise``) for every diffusers scheduler, and
+    asking it with ones and zeros on the host spares the device a lookup it would
+    read back."""
+    one, zero = torch.ones(1, dtype=dtype), torch.zeros(1, dtype=dtype)
+    keep = scheduler.add_noise(one, zero, t).reshape(())
+    add = scheduler.add_noise(zero, one, t).reshape(())
+    return keep, add
 
 
 def _state(run: MemberRun) -> LoopState:

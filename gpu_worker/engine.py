@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.busy import BusyClock
 from gpu_worker.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising import BatchMember, Denoiser, MemberInputs, MemberResult
 from gpu_worker.metrics import COLD_LOADS
@@ -46,6 +47,7 @@ class SamplerEngine:
         # The kinds of work an operator lets it serve (DARKROOM_CAPABILITIES); empty: all.
         self.capabilities = frozenset(capabilities)
         self.prompts = PromptCache(prompt_cache_bytes)
+        self.busy = BusyClock()  # its batches' denoising, against the time work waited
         unet = UNetDenoiser(models_dir, device, self.prompts)
         # One denoiser per model family.
         self.denoisers: dict[ModelFamily, Denoiser] = {
@@ -144,4 +146,19 @@ class SamplerEngine:
             COLD_LOADS.labels(model=model).inc()
         loaded = self.models.get(model)
         checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
-        return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints)
+        began = self.busy.now()
+        try:
+            return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints)
+        finally:
+            self.busy.denoised(began, self.busy.now())
+
+    def encode_prompts(self, batch: Sequence[GenerationParams]) -> bool:
+        """Encodes the prompts of a batch that runs next into the prompt cache while
+        the device runs the one before it, so that the batch starts at its first
+        step. Only for a model already loaded (a load here would evict what runs);
+        whether it did."""
+        if not batch or batch[0].model not in self.models:
+            return False
+        spec = self.registry.get(batch[0].model)
+        self.denoiser_for(spec).encode_prompts(self.models.get(spec.name), spec, batch)
+        return True

@@ -1,6 +1,6 @@
 """The sampler's own part of its heartbeat (``services.presence.Heartbeat`` sends
-it with its card's telemetry): its jobs in flight, and the models it holds,
-measured as they loaded."""
+it with its card's telemetry): its jobs in flight, the models it holds, measured
+as they loaded, and how busy denoising keeps it."""
 
 from __future__ import annotations
 
@@ -21,5 +21,6 @@ class SamplerLoad:
     def __call__(self) -> dict[str, Any]:
         inflight = len(self.tracker.running())
         WORKER_INFLIGHT.labels(worker=self.worker_id).set(inflight)
-        # Measured, for the scheduler's costs: bytes and load seconds per model.
-        return {"inflight": inflight, "models": self.engine.footprints()}
+        # Measured, for the scheduler's costs: bytes and load seconds per model; and
+        # whether its GPU waits for the host (``gpu_worker.busy``).
+        return {"inflight": inflight, "models": self.engine.footprints(), **self.engine.busy.reading().telemetry()}

@@ -26,7 +26,7 @@ from services.bus.dispatch import Dispatch
 from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer
 from services.db.records import JobRecord
-from services.db.repository import Repository, Result, Standing, StartRequest
+from services.db.repository import Repository, Result, Standing, StartRequest, StepReport
 from services.db.states import JobStatus
 from services.errors import StoreError
 from services.generation import JobInputs
@@ -123,14 +123,14 @@ class JobStore:
                 )
         return {job_id: Checkpoint(c.step, c.total, c.data) for job_id, c in stored.items()}
 
-    async def progress(self, job: JobRecord, step: int, total: int) -> Standing | None:
-        """Records the job's progress; what the attempt learns back, None if the
-        database is away."""
+    async def progress(self, reports: Sequence[StepReport]) -> dict[str, Standing]:
+        """Records the progress of a batch's jobs; what each attempt learns back, by
+        job id, or nothing if the database is away."""
         try:
-            return await self.repo.attempts.progress(job.id, job.attempt, self.worker_id, step, total)
+            return await self.repo.attempts.progress_many(reports, self.worker_id)
         except StoreError as exc:
-            log.debug("progress of %s not recorded: %s", job.id, exc, extra=logs.job_fields(job.id, job.attempt))
-            return None
+            log.debug("progress of %d jobs not recorded: %s", len(reports), exc)
+            return {}
 
     async def save_checkpoint(self, job: JobRecord, checkpoint: Checkpoint) -> bool:
         """A periodic checkpoint; False if the attempt is not current, or a later one is stored."""

@@ -57,3 +57,23 @@ def observe_stages(model: str, times: Sequence[datetime | None]) -> None:
     placed, published, started, sampled, decoded, stored."""
     for stage, seconds in stages.durations(times).items():
         STAGE_SECONDS.labels(stage=stage, model=model).observe(seconds)
+
+
+DENOISE_SECONDS = Counter(
+    "darkroom_sampler_denoise_seconds",
+    "Time a sampler's batches spent in the denoiser (model loads aside).",
+)
+WORK_WAITING_SECONDS = Counter(
+    "darkroom_sampler_work_waiting_seconds",
+    "Time a sampler had work: dispatches in hand, starting or sampling. Denoising over this is its busy ratio.",
+)
+DENOISE_BUSY_RATIO = Gauge(
+    "darkroom_sampler_denoise_busy_ratio",
+    "Share of the time work waited on a sampler that it spent denoising, since it started (1 before any work); "
+    "rate(darkroom_sampler_denoise_seconds) / rate(darkroom_sampler_work_waiting_seconds) gives it over a window.",
+)
+HOST_GAP_SECONDS = Histogram(
+    "darkroom_sampler_host_gap_seconds",
+    "The host's time between one batch's denoising and the next while work waited: the GPU idle for the host.",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0),
+)

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from gpu_worker import spans
 from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
-from gpu_worker.denoising import JobSuspended, MemberResult
+from gpu_worker.denoising import JobSuspended, MemberInputs, MemberResult
 from gpu_worker.failures import Failure, FailureStreak, classify, timed_out
 from gpu_worker.job_store import JobStore, OutcomeNotStored
 from gpu_worker.metrics import observe_stages
@@ -51,6 +51,8 @@ class Started:
     decoding_at: datetime | None = None  # when recorded DECODING
     resume: Checkpoint | None = None  # the checkpoint it starts from
     writer: PeriodicCheckpointWriter | None = None  # stores its periodic checkpoints
+    prepared: bool = False  # its input image and prompt made ready (``JobRunner.prepare``)
+    inputs: MemberInputs | BaseException | None = None  # its input image as its model takes it, or what kept it
 
 
 class OutcomeRecorder:

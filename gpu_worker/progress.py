@@ -1,13 +1,21 @@
-"""A running job's denoising steps, handed from the sampling thread to the event loop:
-every step goes out as a job event, and to the database at most every
-``PROGRESS_WRITE_EVERY_S``; what the write learns back is acted on at once (a
-cancel or a suspension asked for, or the attempt superseded)."""
+"""A running batch's denoising steps, handed from the sampling thread to the event
+loop at the least cost to the sampling thread: a step only records each job's
+latest step and, once per round of steps, asks the loop to report. The loop then
+publishes each job's latest step as a job event and, at most every
+``PROGRESS_WRITE_EVERY_S``, writes the batch's steps to the database in one
+statement; what the write learns back is acted on at once (a cancel or a
+suspension asked for, or the attempt superseded).
+
+Why so frugal: the sampling thread and the event loop share one interpreter lock,
+and every moment the loop spends on reports is a moment the sampling thread may
+wait to queue the device's next kernels."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,7 +25,7 @@ from gpu_worker.previews import previews
 from gpu_worker.tracker import JobWatch, StopReason
 from services.bus.events import Events, JobEvent
 from services.db.records import JobRecord
-from services.db.repository import Standing
+from services.db.repository import Standing, StepReport
 from services.models.registry import ModelFamily
 
 # The cancel and suspend flags come back with each write.
@@ -32,16 +40,74 @@ _STOPS = {
 }
 
 
+class BatchProgress:
+    """The progress of one batch's jobs (``member`` makes each job's reporter)."""
+
+    def __init__(self, store: JobStore, events: Events, loop: asyncio.AbstractEventLoop) -> None:
+        self.store = store
+        self.events = events
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._latest: dict[str, tuple[StepProgress, int, int]] = {}  # job id -> (reporter, step, total)
+        self._flush_asked = False
+        self._last_write = time.monotonic()
+        self._writing = False
+        self._reporting: set[asyncio.Future[None]] = set()
+
+    def member(
+        self, job: JobRecord, watch: JobWatch, *, resumed_from: int = 0, family: ModelFamily = ModelFamily.SD15
+    ) -> StepProgress:
+        return StepProgress(self, job, watch, resumed_from=resumed_from, family=family)
+
+    def stepped(self, reporter: StepProgress, step: int, total: int) -> None:
+        """From the sampling thread: the job's latest step, reported once the loop gets to it."""
+        with self._lock:
+            self._latest[reporter.job.id] = (reporter, step, total)
+            if self._flush_asked:
+                return
+            self._flush_asked = True
+        self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            latest, self._latest = self._latest, {}
+            self._flush_asked = False
+        events = [JobEvent(r.job.id, r.job.attempt, step=step, total=total) for r, step, total in latest.values()]
+        # The last step's progress is written with the DECODING that follows it.
+        reports = [
+            (r, StepReport(r.job.id, r.job.attempt, step, total)) for r, step, total in latest.values() if step < total
+        ]
+        write = bool(reports) and not self._writing and time.monotonic() - self._last_write >= PROGRESS_WRITE_EVERY_S
+        if write:
+            self._last_write = time.monotonic()
+            self._writing = True
+        task = asyncio.ensure_future(self._report(events, reports if write else []))
+        self._reporting.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._reporting.discard)
+
+    async def _report(self, events: list[JobEvent], reports: list[tuple[StepProgress, StepReport]]) -> None:
+        await self.events.job(*events)
+        if not reports:
+            return
+        try:
+            standings = await self.store.progress([report for _, report in reports])
+        finally:
+            self._writing = False
+        for reporter, report in reports:
+            stop = _STOPS.get(standings.get(report.job_id, Standing.CURRENT))
+            if stop is not None:
+                reporter.watch.stop(*stop)
+
+
 @dataclass(eq=False)
 class StepProgress:
+    """One job's reporter in its batch's ``BatchProgress``."""
+
+    batch: BatchProgress
     job: JobRecord
     watch: JobWatch
-    store: JobStore
-    events: Events
-    loop: asyncio.AbstractEventLoop
     resumed_from: int = 0  # the checkpoint's step, until the first step says if it was taken
     family: ModelFamily = ModelFamily.SD15  # whose latent space its previews read
-    _last_write: float = field(default_factory=time.monotonic, init=False)
 
     def on_step(self, step: int, total: int) -> None:
         """From the sampling thread, after each step."""
@@ -51,11 +117,7 @@ class StepProgress:
             if step == self.resumed_from + 1:
                 RESUMED_STEPS.inc(self.resumed_from)
             self.resumed_from = 0
-        # The last step's progress is written with the DECODING that follows it.
-        write = step < total and time.monotonic() - self._last_write >= PROGRESS_WRITE_EVERY_S
-        if write:
-            self._last_write = time.monotonic()
-        asyncio.run_coroutine_threadsafe(self._report(step, total, write), self.loop)
+        self.batch.stepped(self, step, total)
 
     def on_preview(self, step: int, total: int, latents: torch.Tensor) -> None:
         """From the sampling thread, after a step its job wants previewed: each
@@ -68,13 +130,4 @@ class StepProgress:
             )
             for i, data in enumerate(made)
         ]
-        asyncio.run_coroutine_threadsafe(self.events.job(*events), self.loop)
-
-    async def _report(self, step: int, total: int, write: bool) -> None:
-        await self.events.job(JobEvent(self.job.id, self.job.attempt, step=step, total=total))
-        if not write:
-            return
-        standing = await self.store.progress(self.job, step, total)
-        stop = _STOPS.get(standing) if standing is not None else None
-        if stop is not None:
-            self.watch.stop(*stop)
+        asyncio.run_coroutine_threadsafe(self.batch.events.job(*events), self.batch.loop)

@@ -75,6 +75,12 @@ class Conditioning:
         return {"text_embeds": self.pooled, "time_ids": self.time_ids}
 
 
+def prompt_key(params: Any) -> tuple[Any, ...]:
+    """What a job's conditioning depends on (its model first: ``PromptCache.forget``)."""
+    cfg = params.guidance_scale > 1.0
+    return (params.model, params.prompt, params.negative_prompt, cfg, params.width, params.height)
+
+
 class PromptCache:
     """Least recently used conditionings, up to ``max_bytes`` in all."""
 

@@ -33,7 +33,7 @@ from gpu_worker.job_store import JobStore, OutcomeNotStored
 from gpu_worker.metrics import BATCH_IMAGES
 from gpu_worker.outcomes import Decoded, Outcome, OutcomeRecorder, Started
 from gpu_worker.previews import preview_steps
-from gpu_worker.progress import StepProgress
+from gpu_worker.progress import BatchProgress
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
@@ -117,6 +117,21 @@ class JobRunner:
 
     # -- sample --------------------------------------------------------------------
 
+    async def prepare(self, batch: Sequence[Started]) -> None:
+        """What the batch needs before its first step, made while the device runs the
+        batch before it: its edits' and upscales' input images, and its prompts
+        encoded into the prompt cache."""
+        inputs = await self._inputs(batch)
+        for started in batch:
+            started.inputs = inputs.get(started.job.id)
+            started.prepared = True
+        runnable = [s.job.params for s in batch if not isinstance(s.inputs, BaseException)]
+        try:
+            await asyncio.to_thread(self.engine.encode_prompts, runnable)
+        except Exception as exc:
+            # The batch encodes them as it starts, where a bad prompt fails its job alone.
+            log.debug("prompts not encoded ahead: %s", exc, extra=logs.jobs_fields(s.job.id for s in batch))
+
     async def sample(self, batch: Sequence[Started]) -> SampledBatch:
         """Runs the batch's denoising loops together and leaves each member's latents
         (or what ended it) on it; the members with latents are then recorded
@@ -124,15 +139,17 @@ class JobRunner:
         model = batch[0].job.params.model
         was_warm = model in self._warmed_up
         loop = asyncio.get_running_loop()
-        inputs = await self._inputs(batch)
+        if not all(s.prepared for s in batch):
+            await self.prepare([s for s in batch if not s.prepared])
         # A job whose input could not be made fails (or waits) alone; the rest run.
-        runnable = [s for s in batch if not isinstance(inputs.get(s.job.id), BaseException)]
-        members = [self._member(s, loop, inputs.get(s.job.id)) for s in runnable]
+        runnable = [s for s in batch if not isinstance(s.inputs, BaseException)]
+        progress = BatchProgress(self.store, self.store.events, loop)
+        members = [self._member(s, loop, progress) for s in runnable]
         began = time.perf_counter()
         results = dict(zip((s.job.id for s in runnable), await self._sample(runnable, members), strict=True))
         seconds = time.perf_counter() - began
         for started in batch:
-            own = inputs.get(started.job.id)
+            own = started.inputs
             started.result = own if isinstance(own, BaseException) else results[started.job.id]
             started.watch.sampled = True
         rows = sum(s.job.params.num_images for s in batch)
@@ -176,19 +193,16 @@ class JobRunner:
             results.append(result)
         return results
 
-    def _member(
-        self, started: Started, loop: asyncio.AbstractEventLoop, inputs: MemberInputs | BaseException | None
-    ) -> BatchMember:
+    def _member(self, started: Started, loop: asyncio.AbstractEventLoop, batch: BatchProgress) -> BatchMember:
         """The job as a batch member: its steps reported, its periodic checkpoints stored."""
         job, watch = started.job, started.watch
         resumed_from = started.resume.step if started.resume is not None else 0
         spec = self.engine.registry.models.get(job.params.model)
         family = spec.family if spec is not None else ModelFamily.SD15
-        progress = StepProgress(
-            job, watch, self.store, self.store.events, loop, resumed_from=resumed_from, family=family
-        )
+        progress = batch.member(job, watch, resumed_from=resumed_from, family=family)
         save = functools.partial(self.store.save_checkpoint, job)
         started.writer = PeriodicCheckpointWriter(job.id, job.attempt, save, loop)
+        inputs = started.inputs
         return BatchMember(
             job.params,
             progress.on_step,

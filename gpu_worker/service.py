@@ -206,6 +206,7 @@ async def _work(
         on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
         batch_wait_s=settings.batch_wait_ms / 1000.0,
         max_in_hand=settings.dispatch_max_ack_pending,
+        busy=engine.busy,
     )
     finished = asyncio.Event()
     async with asyncio.TaskGroup() as tg:

@@ -9,6 +9,7 @@ from typing import Any
 
 from gpu_worker.checkpoint_capture import MemberCheckpoints, MemberRun
 from gpu_worker.denoising import BatchMember, MemberResult
+from services.generation import GenerationParams
 from services.models import sim
 from services.models.loader import Loaded
 from services.models.registry import ModelSpec
@@ -19,6 +20,9 @@ class SimDenoiser:
 
     def load(self, spec: ModelSpec) -> Loaded:
         return Loaded(spec, 0, 0.0)  # nothing to load: a sim model only sleeps
+
+    def encode_prompts(self, model: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+        pass  # a sim model reads no prompt
 
     def sample(
         self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints

@@ -13,7 +13,7 @@ from typing import Any
 
 from services.bus.events import Events, JobEvent
 from services.db.records import JobRecord, StoredCheckpoint
-from services.db.repository import Result, Standing, StartRequest
+from services.db.repository import Result, Standing, StartRequest, StepReport
 from services.db.states import JobStatus
 from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
 from services.errors import StoreUnavailable
@@ -75,9 +75,9 @@ class FakeAttempts:
             if r.job_id in self.jobs and r.job_id not in self.stale
         }
 
-    async def progress(self, job_id: str, attempt: int, worker_id: str, step: int, total: int) -> Standing:
-        self.progress_calls.append((job_id, step, total))
-        return self.standing
+    async def progress_many(self, reports: Sequence[StepReport], worker_id: str) -> dict[str, Standing]:
+        self.progress_calls.extend((r.job_id, r.step, r.total) for r in reports)
+        return {r.job_id: self.standing for r in reports}
 
     async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
         return {job_id for job_id, _ in jobs}

@@ -14,7 +14,7 @@ import pytest
 
 from services.db.migrate import upgrade
 from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary
-from services.db.repository import Repository, Result, Standing, StartRequest
+from services.db.repository import Repository, Result, Standing, StartRequest, StepReport
 from services.db.states import JobStatus, WorkerKind
 from services.db.tenant_records import DEFAULT_TENANT
 from services.db.worker_records import WorkerHeartbeat
@@ -126,7 +126,8 @@ async def test_suspension_requeues_without_an_attempt_and_logs_where_and_why(rep
     assert await repo.checkpoints.request_suspend(job_id, attempt, max_preemptions=1) == f"{W1}:1"
     # Asked once: a second request finds it being suspended already.
     assert await repo.checkpoints.request_suspend(job_id, attempt, max_preemptions=1) is None
-    assert await repo.attempts.progress(job_id, attempt, W1, 3, 20) == Standing.SUSPEND_REQUESTED
+    reports = [StepReport(job_id, attempt, 3, 20)]
+    assert await repo.attempts.progress_many(reports, W1) == {job_id: Standing.SUSPEND_REQUESTED}
     status = await repo.checkpoints.suspend(
         job_id, attempt, W1, step=7, total=20, data=b"s7", reason="preempted for j2", preempted=True, now=now()
     )

@@ -16,7 +16,7 @@ from scheduler.passes import learn_run_times, recover_stalled
 from scheduler.recovery import RecoveryConfig
 from services.db.migrate import upgrade
 from services.db.records import Assignment, ImageRecord, JobSummary
-from services.db.repository import Repository, Standing
+from services.db.repository import Repository, Standing, StepReport
 from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerHeartbeat
@@ -94,10 +94,10 @@ async def test_every_write_of_an_older_attempt_changes_nothing(repo: Repository,
     new = await schedule(repo, job_id, W2)
     assert new == old + 1
     assert await repo.attempts.start(job_id, new, W2, now=now()) is not None
-    await repo.attempts.progress(job_id, new, W2, 2, 4)
+    assert await repo.attempts.progress_many([StepReport(job_id, new, 2, 4)], W2) == {job_id: Standing.CURRENT}
 
     assert await repo.attempts.start(job_id, old, W1, now=now()) is None
-    assert await repo.attempts.progress(job_id, old, W1, 4, 4) == Standing.SUPERSEDED
+    assert await repo.attempts.progress_many([StepReport(job_id, old, 4, 4)], W1) == {job_id: Standing.SUPERSEDED}
     assert not await repo.attempts.decoding([(job_id, old)], W1, now=now())
     assert not await repo.attempts.finish(job_id, old, W1, [IMAGE], now=now(), busy_s=1.0)
     assert await repo.attempts.fail(job_id, old, W1, "late", retryable=True, now=now()) is None
@@ -114,6 +114,23 @@ async def test_every_write_of_an_older_attempt_changes_nothing(repo: Repository,
     assert not await repo.attempts.finish(job_id, new, W2, [IMAGE], now=now(), busy_s=1.0), "one result at most"
     assert len((await repo.jobs.get_with_images(job_id))[1]) == 1
     assert (await repo.jobs.get(job_id)).status == JobStatus.SUCCEEDED
+
+
+async def test_a_batch_s_progress_is_one_write_that_tells_each_job_where_it_stands(repo: Repository, workers) -> None:
+    running, cancelled, moved = await submit(repo), await submit(repo), await submit(repo)
+    attempts = {job_id: await schedule(repo, job_id, W1) for job_id in (running, cancelled, moved)}
+    for job_id, attempt in attempts.items():
+        assert await repo.attempts.start(job_id, attempt, W1, now=now()) is not None
+    job = await repo.jobs.get(cancelled)
+    await repo.jobs.request_cancel(cancelled, tenant=job.tenant, now=now())
+    reports = [StepReport(job_id, attempt, 3, 8) for job_id, attempt in attempts.items()]
+    reports[2] = StepReport(moved, attempts[moved] - 1, 3, 8)  # an older attempt of it
+    assert await repo.attempts.progress_many(reports, W1) == {
+        running: Standing.CURRENT,
+        cancelled: Standing.CANCEL_REQUESTED,
+        moved: Standing.SUPERSEDED,
+    }
+    assert [(await repo.jobs.get(j)).progress_step for j in (running, cancelled, moved)] == [3, 3, 0]
 
 
 async def test_new_incarnation_requeues_what_the_old_one_held(repo: Repository, workers) -> None:

@@ -45,6 +45,9 @@ class FakeRunner:
             for d in dispatches
         }
 
+    async def prepare(self, batch: Sequence[Started]) -> None:
+        pass
+
     async def sample(self, batch: Sequence[Started]) -> SampledBatch:
         return SampledBatch(0.01, len(batch), learnable=False)
 

@@ -5,7 +5,7 @@ once, in ``database``."""
 from __future__ import annotations
 
 from services.db.repository.admission import Admission
-from services.db.repository.attempts import Attempts, Result, Standing, StartRequest
+from services.db.repository.attempts import Attempts, Result, Standing, StartRequest, StepReport
 from services.db.repository.checkpoints import Checkpoints
 from services.db.repository.credits import Credits, DayUsage, Settled
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
@@ -26,6 +26,7 @@ __all__ = [
     "Settled",
     "Standing",
     "StartRequest",
+    "StepReport",
 ]
 
 

@@ -37,6 +37,16 @@ class Standing(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StepReport:
+    """A running attempt's progress: ``step`` of ``total`` steps done."""
+
+    job_id: str
+    attempt: int
+    step: int
+    total: int
+
+
+@dataclass(frozen=True)
 class StartRequest:
     job_id: str
     attempt: int
@@ -107,20 +117,38 @@ class Attempts(Area):
         )
         return {row["id"]: JobRecord.of(row) for row in rows}
 
-    async def progress(self, job_id: str, attempt: int, worker_id: str, step: int, total: int) -> Standing:
-        row = await self.db.one(
+    async def progress_many(self, reports: Sequence[StepReport], worker_id: str) -> dict[str, Standing]:
+        """Records the progress of a batch's jobs in one statement; what each attempt
+        learns back, by job id (SUPERSEDED for one no longer current here)."""
+        if not reports:
+            return {}
+        rows = await self.db.all(
             f"""
-            UPDATE jobs AS j SET progress_step = %(step)s, progress_total = %(total)s
-            WHERE j.id = %(id)s AND j.attempt = %(attempt)s AND {_CURRENT}
-            RETURNING j.cancel_requested, j.suspend_requested
+            UPDATE jobs AS j SET progress_step = r.step, progress_total = r.total
+            FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(steps)s::int[], %(totals)s::int[])
+                AS r(id, attempt, step, total)
+            WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
+            RETURNING j.id, j.cancel_requested, j.suspend_requested
             """,
-            {"id": job_id, "attempt": attempt, "worker": worker_id, "statuses": _STARTED, "step": step, "total": total},
+            {
+                "worker": worker_id,
+                "statuses": _STARTED,
+                "ids": [r.job_id for r in reports],
+                "attempts": [r.attempt for r in reports],
+                "steps": [r.step for r in reports],
+                "totals": [r.total for r in reports],
+            },
         )
-        if row is None:
-            return Standing.SUPERSEDED
-        if row["cancel_requested"]:
-            return Standing.CANCEL_REQUESTED
-        return Standing.SUSPEND_REQUESTED if row["suspend_requested"] else Standing.CURRENT
+        standings = {r.job_id: Standing.SUPERSEDED for r in reports}
+        for row in rows:
+            standings[row["id"]] = (
+                Standing.CANCEL_REQUESTED
+                if row["cancel_requested"]
+                else Standing.SUSPEND_REQUESTED
+                if row["suspend_requested"]
+                else Standing.CURRENT
+            )
+        return standings
 
     async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
         """Marks (job id, attempt) of a sampled batch DECODING, every step done;

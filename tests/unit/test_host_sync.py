@@ -1,0 +1,132 @@
+"""The denoising loop never waits for the host between steps: run on the meta device
+(tensors with shapes and no data), where whatever would make a CUDA device empty its
+queue for the host fails: reading a device value (``.item()``, ``bool()``, an index
+into a host table, ``nonzero``), a copy back to the host, or mixing host tables with
+device tensors (a device mismatch on CUDA). The miniatures' real networks run, with
+each noise scheduler their families use, guidance, a fused batch of members of
+different sizes, an edit and an inpainting member."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gpu_worker.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
+from gpu_worker.denoising import BatchMember, MemberInputs
+from gpu_worker.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.engine import SamplerEngine
+from gpu_worker.prompts import Conditioning, prompt_key
+from services.generation import GenerationParams
+from services.models.registry import ModelRegistry, ModelSpec
+
+META = torch.device("meta")
+STEPS = 6
+
+
+class HostToDevice(TorchDispatchMode):
+    """Counts copies from the host onto the device: on CUDA each one (from pageable
+    memory) waits for the device's queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            target = kwargs.get("device") or args[0].device
+            if source.device.type == "cpu" and torch.device(target).type == "meta" and source.dim() > 0:
+                self.copies += 1
+        return func(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine(models_dir: Path) -> SamplerEngine:
+    return SamplerEngine(ModelRegistry.load(), models_dir, META)
+
+
+def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
+    """The prompt's conditioning as the cache would hold it: encoding a prompt happens
+    once per prompt, before the loop (and a text encoder may read back its lengths)."""
+    try:
+        return denoiser.encode_cached(pipe, spec, params)
+    except (RuntimeError, NotImplementedError):
+        # Wan's UMT5 trims each prompt to its length, read off the device: shapes
+        # only, as the cache would hand them over.
+        hidden = pipe.text_encoder.config.d_model
+        embeds = torch.zeros(1, 512, hidden, device=META, dtype=pipe.transformer.dtype)
+        cfg = params.guidance_scale > 1.0
+        conditioning = Conditioning(embeds, embeds.clone() if cfg else None)
+        return denoiser.prompts.get(prompt_key(params), lambda: conditioning)
+
+
+CASES = {
+    # model, scheduler (the model's own when empty), guidance
+    "sd-pndm": ("tiny", "PNDMScheduler", 7.5),
+    "sd-euler": ("tiny", "", 7.5),
+    "sd-euler-ancestral": ("tiny", "EulerAncestralDiscreteScheduler", 7.5),
+    "sd-dpm-multistep": ("tiny", "DPMSolverMultistepScheduler", 7.5),
+    "sd-ddim-no-guidance": ("tiny", "DDIMScheduler", 1.0),
+    "sd-unipc": ("tiny", "UniPCMultistepScheduler", 5.0),
+    "wan": ("tiny-wan", "", 5.0),
+    "upscaler": ("tiny-upscaler", "", 7.5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) -> None:
+    model, scheduler, guidance = CASES[case]
+    spec = engine.registry.get(model)
+    if scheduler:
+        spec = replace(spec, scheduler=scheduler)
+    denoiser = engine.denoiser_for(spec)
+    assert isinstance(denoiser, DiffusersDenoiser)
+    pipe = engine.load(model)
+    assert denoiser.network(pipe).device.type == "meta"
+    size = spec.default_width
+
+    def params(seed: int, images: int = 1, **extra: Any) -> GenerationParams:
+        return GenerationParams(model, "a lighthouse", "", size, size, STEPS, guidance, seed, images, **extra)
+
+    requests = [params(1), params(2, images=2)]
+    inputs: list[MemberInputs | None] = [None, None]
+    if spec.upscales:
+        image = torch.zeros(1, 3, size // 4, size // 4, device=META)
+        inputs = [MemberInputs(image=image), MemberInputs(image=image)]
+    elif spec.edits:
+        image_latents = torch.zeros(1, 4, size // 8, size // 8, device=META)
+        mask = torch.ones(1, 1, size // 8, size // 8, device=META)
+        requests += [params(3, strength=0.5), params(4, strength=1.0)]
+        inputs += [MemberInputs(image_latents=image_latents), MemberInputs(image_latents=image_latents, mask=mask)]
+    for p in requests:
+        _encoded(denoiser, pipe, spec, p)
+
+    seen: list[tuple[int, int]] = []
+    copies: list[int] = []
+    counter = HostToDevice()
+
+    def on_step(i: int) -> Any:
+        def stepped(step: int, total: int) -> None:
+            seen.append((i, step))
+            copies.append(counter.copies)
+
+        return stepped
+
+    members = [BatchMember(p, on_step(i), threading.Event(), inputs=inputs[i]) for i, p in enumerate(requests)]
+    with counter:
+        runs = denoiser.denoise(pipe, spec, members, MemberCheckpoints(META, CheckpointPolicy()))
+    assert [r.result for r in runs] == [None] * len(runs), "every member ran to its end"
+    for r in runs:
+        assert r.state is not None and r.state.latents.device == META
+        assert r.step == r.total
+    assert {i for i, _ in seen} == set(range(len(members)))
+    # Whatever the first step copies onto the device (none so far), no later one does.
+    first_round = len(members)
+    assert copies[first_round - 1 :] == [copies[first_round - 1]] * (len(copies) - first_round + 1)
