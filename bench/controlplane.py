@@ -2,6 +2,7 @@
 how much time it adds to each job, with a model that costs only its modelled time.
 
     python bench/controlplane.py [--samplers 2] [--decoders 1] [--seconds 8] [--profile]
+    python bench/controlplane.py --smoke    # CI's check that it still runs: one sampler, two rates, a second each
 
 Every job goes the whole way: gateway, PostgreSQL, scheduler, JetStream, a sampler
 process, the decoder service, a stored result, back to the client. The samplers run
@@ -53,6 +54,15 @@ SIZE = 64
 STEPS = 1
 # A level whose completions fall below this share of its arrivals is past saturation.
 KEEPS_UP = 0.9
+SMOKE = {
+    "samplers": 1,
+    "seconds": 1.0,
+    "rates": "10,20",
+    "light_rate": 5.0,
+    "light_seconds": 1.0,
+    "floor_jobs": 20,
+    "warmup_seconds": 1.0,
+}
 
 
 def modelled_s() -> float:
@@ -345,16 +355,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="25,50,100,200,300,400,600,800,1000,1200", help="offered jobs/s, rising")
     parser.add_argument("--light-rate", type=float, default=10.0, help="jobs/s of the light-load latency runs")
     parser.add_argument("--light-seconds", type=float, default=30.0)
+    parser.add_argument("--floor-jobs", type=int, default=200, help="jobs of the plain-loop floor")
+    parser.add_argument("--warmup-seconds", type=float, default=3.0, help="load at 20 jobs/s before the first level")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="py-spy each service at the saturating level")
     parser.add_argument("--data-dir", help="where the stack keeps its data (default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
 
     modelled = modelled_s()
     print(f"# Control plane: sim model, {SIZE}x{SIZE}, {STEPS} step, modelled sampling {modelled * 1000:.1f} ms")
     print(f"# {args.samplers} sim samplers, {args.decoders} decoder(s), {os.cpu_count()} cores\n")
 
-    floors = floor(200)
+    floors = floor(args.floor_jobs)
     floor_s = statistics.median(floors)
     print("## Floor: the same sim work in a plain loop, no services\n")
     print("| per job p50 ms | per job p99 ms | overhead over modelled p50 ms | jobs/s per sampler | jobs/s, all |")
@@ -366,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
 
     data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="darkroom-bench-"))
     stack = start_stack(data_dir, args.samplers, args.decoders)
+    runs: list[Run] = []
+    latency_runs: list[Run] = []
     try:
-        run_load(stack, 20, 3, "stream", args.seed + 999, "warmup", profile=False)
-        runs: list[Run] = []
+        run_load(stack, 20, args.warmup_seconds, "stream", args.seed + 999, "warmup", profile=False)
         saturating: Run | None = None
         for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             run = run_load(stack, rate, args.seconds, "stream", args.seed + i, f"rate{rate:.0f}", profile=False)
@@ -403,12 +420,19 @@ def main(argv: list[str] | None = None) -> int:
         ):
             for mode in ("stream", "poll"):
                 run = run_load(stack, rate, seconds, mode, args.seed + 100, f"{label}-{mode}", profile=False)
+                latency_runs.append(run)
                 stages = stage_medians(run)
                 print(latency_rows(label, run, modelled, floor_s, stages))
         print("\nstage columns: medians in ms of queue (created to placed), schedule (placed to published),")
         print("dispatch (published to started), sample, decode, store (decoded to stored)")
     finally:
         stack.stop()
+    # Tables of a stack that completes nothing still print: say so, and fail.
+    for run in [*runs, *latency_runs]:
+        if run.records and not run.done:
+            errors = sorted({r["error"] or r["status"] for r in run.records})
+            print(f"error: no job completed at {run.rate:.0f} jobs/s ({run.mode}): {errors[:3]}", file=sys.stderr)
+            return 1
     return 0
 
 

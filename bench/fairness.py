@@ -2,7 +2,8 @@
 tenants, in bursts) beside light ones in one lane, in the discrete-event
 simulator, through Darkroom's production policy.
 
-    python bench/fairness.py [--scenario FILE] [--seeds N] [--processes N]
+    python bench/fairness.py [--scenario FILE] [--seeds N] [--processes N] [--loads A,B] [--duration-s S]
+    python bench/fairness.py --smoke    # CI's check that it still runs: one seed, one load, a 600 s trace
 
 For each load level of the scenario (``scheduler/simulator/fairness_scenario.toml``
 unless given) and each of ``N`` trace seeds (the scenario's and the next ones) it
@@ -36,11 +37,18 @@ from scheduler.simulator.report import median, worst
 FAIRNESS_SCENARIO = scenarios.DEFAULT_SCENARIO.with_name("fairness_scenario.toml")
 
 Key = tuple[float, int, Run]  # load, trace seed, run
+# Two of the scenario's five-minute burst cycles, one load: seconds on a CPU.
+SMOKE = {"seeds": 1, "processes": 1, "loads": "0.85", "duration_s": 600.0}
 
 
-def _run(path: str, key: Key) -> FairRow:
+def _scenario(path: str, duration_s: float | None) -> scenarios.Scenario:
+    sc = scenarios.load(path)
+    return replace(sc, duration_s=duration_s) if duration_s else sc
+
+
+def _run(path: str, duration_s: float | None, key: Key) -> FairRow:
     load, seed, run = key
-    return fair_run(replace(scenarios.load(path), seed=seed), load, run)
+    return fair_run(replace(_scenario(path, duration_s), seed=seed), load, run)
 
 
 def _ratios(rows: dict[Key, FairRow], load: float, seeds: range, a: Run, b: Run, figure: str) -> list[float]:
@@ -54,16 +62,25 @@ def main() -> None:
     parser.add_argument("--scenario", default=str(FAIRNESS_SCENARIO))
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--loads", help="comma-separated load levels (default: the scenario's)")
+    parser.add_argument("--duration-s", type=float, help="the trace's length (default: the scenario's)")
+    parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
     args = parser.parse_args()
-    sc = scenarios.load(args.scenario)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+    sc = _scenario(args.scenario, args.duration_s)
+    if args.loads:
+        sc = replace(sc, loads=tuple(float(x) for x in args.loads.split(",")))
     seeds = range(sc.seed, sc.seed + args.seeds)
     keys: list[Key] = [(load, seed, run) for load in sc.loads for seed in seeds for run in Run]
     started = time.monotonic()
     if args.processes > 1:
         with ProcessPoolExecutor(args.processes) as pool:
-            rows = dict(zip(keys, pool.map(_run, [args.scenario] * len(keys), keys), strict=True))
+            paths, durations = [args.scenario] * len(keys), [args.duration_s] * len(keys)
+            rows = dict(zip(keys, pool.map(_run, paths, durations, keys), strict=True))
     else:
-        rows = {key: _run(args.scenario, key) for key in keys}
+        rows = {key: _run(args.scenario, args.duration_s, key) for key in keys}
     print(f"# Fair shares: {sc.name} ({Path(args.scenario).name}), {sc.tenants.light} light tenants and one heavy")
     print(f"# {len(sc.gpus)} GPUs, {sc.duration_s:g}s trace, trace seeds {seeds[0]}..{seeds[-1]}")
     print()

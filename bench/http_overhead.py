@@ -5,7 +5,8 @@ same through OpenAI's SDK, whose own client-side cost is part of what a user of 
 sees), in turn, on one stack; prints each path's median and p90 seconds and the
 HTTP paths' median overhead in milliseconds.
 
-    python bench/http_overhead.py [--rounds 200]
+    python bench/http_overhead.py [--rounds 200] [--warmup 10]
+    python bench/http_overhead.py --smoke    # CI's check that it still runs: one warm-up, 3 rounds
 
 Nothing here is a test; it prints a table for docs/benchmarks.md."""
 
@@ -21,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODEL, PROMPT, SIZE, STEPS = "tiny", "a lighthouse", 64, 1
+SMOKE = {"rounds": 3, "warmup": 1}  # p90 needs two rounds at least
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed jobs each way first")
+    parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
     data = Path(tempfile.mkdtemp(prefix="darkroom-http-"))
     settings = Settings.from_env(
         {
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             made = sdk.images.generate(model=MODEL, prompt=PROMPT, size=size, extra_body=extra)
             assert made.data and made.data[0].b64_json
 
-        for i in range(10):  # warm every path up
+        for i in range(args.warmup):  # warm every path up
             by_grpc(i)
             by_http(i)
             by_sdk(i)

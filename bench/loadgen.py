@@ -7,7 +7,10 @@ to its last image byte through ``StreamJob`` or by polling ``GetJob``.
 
 It writes one record per job: when it was due, when its submit went out (the
 generator's own lag is the difference), how long the submit took, and how long
-from the submit to the last byte of its last image."""
+from the submit to the last byte of its last image.
+
+It has no ``--smoke`` of its own: it needs a running gateway, and
+``python bench/controlplane.py --smoke`` runs it against one."""
 
 from __future__ import annotations
 

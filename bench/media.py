@@ -5,6 +5,7 @@ JetStream, PostgreSQL, one sampler, one decoder) and waited for to its stored MP
 
     python bench/media.py                 # on a GPU: wan-random (Wan 2.1 T2V 1.3B), 832x480, 81 frames, 30 steps
     python bench/media.py --device cpu    # on a CPU: tiny-wan, 64x64, 17 frames, 8 steps
+    python bench/media.py --smoke         # CI's check that it still runs: the CPU case, one round
 
 Prints seconds per video for each, their ratio, and the stack's stage durations
 (queue, dispatch, sample, decode with encode, store) from the job's own timings.
@@ -39,6 +40,7 @@ class Case:
 GPU_CASE = Case("wan-random", 832, 480, 81, 30, 16.0)
 CPU_CASE = Case("tiny-wan", 64, 64, 17, 8, 8.0)
 PROMPT = "waves breaking on a rocky shore at dusk"
+SMOKE = {"device": "cpu", "rounds": 1}
 
 
 def _sync(device: torch.device) -> None:
@@ -131,12 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--data-dir", default="", help="where models are built and the stack runs (default: temp)")
+    parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
     device = torch.device(args.device)
     case = GPU_CASE if device.type == "cuda" else CPU_CASE
     data = Path(args.data_dir or tempfile.mkdtemp(prefix="darkroom-media-"))
     what = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {what}; {args.rounds} rounds after one warm-up; models in {data / 'models'}")
+    if args.smoke and device.type != "cuda":
+        print(f"smoke: the CPU case only; the GPU case ({GPU_CASE.model}) needs --device cuda")
     alone = bare(case, device, args.rounds, data / "models")
     stacked, stages = through_stack(case, device, args.rounds, data)
     print()

@@ -20,6 +20,11 @@ A quick run of some policies only:
     python bench/placement.py --scenario scheduler/simulator/default_scenario.toml \\
         --seeds 2 --policies darkroom,ideal
 
+CI's check that it still runs, in seconds: the default scenario alone, one seed,
+every policy at two loads (``--loads`` stands for the scenario's loads and scan):
+
+    python bench/placement.py --smoke
+
 The same scenarios and seeds print the same standard output whatever the hash
 seed or the number of processes; wall time goes to standard error.
 """
@@ -58,6 +63,8 @@ SHIPPED = (
     "default_scenario.toml",
 )
 ORDER = ("darkroom", *SEEDS, IDEAL)
+# 85 % is the level the verdict figures are read at.
+SMOKE = {"seeds": 1, "processes": 1, "loads": "0.5,0.85"}
 
 
 @functools.lru_cache(maxsize=64)
@@ -283,7 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         "--policies", default=",".join(ORDER), help=f"comma-separated, of {', '.join(ORDER)} (default: all)"
     )
     parser.add_argument("--processes", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--loads", help="comma-separated load levels, each scenario's table and scan (default: theirs)")
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"small values for CI: the default scenario, {SMOKE}; given options win"
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
+        args.scenario = args.scenario or [str(scenarios.DEFAULT_SCENARIO)]
     wanted = {p.strip() for p in args.policies.split(",") if p.strip()}
     unknown = sorted(wanted - set(ORDER))
     if unknown or not wanted:
@@ -310,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         if not paths:
             raise scenarios.ScenarioError("no scenario to run")
         loaded = [scenarios.load(p) for p in paths]
-    except scenarios.ScenarioError as exc:
+        if args.loads:
+            levels = tuple(float(x) for x in args.loads.split(","))
+            loaded = [replace(sc, loads=levels, scan=levels) for sc in loaded]
+    except (scenarios.ScenarioError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

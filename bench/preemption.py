@@ -2,6 +2,7 @@
 busy with long best-effort work, against the step time of the work it preempts.
 
     python bench/preemption.py [--samplers 2] [--rounds 5] [--step-ms 100]
+    python bench/preemption.py --smoke    # CI's check that it still runs: one sampler, one round
 
 The stack is ``darkroom up``'s (real processes, PostgreSQL, JetStream, the decoder)
 with ``DARKROOM_PREEMPTIBLE=video`` and ``DARKROOM_PREEMPTING_LANES=paid``. Its models
@@ -58,6 +59,7 @@ max_height = 512
 step_ms_512 = 640
 load_s = 0.01
 """
+SMOKE = {"samplers": 1, "rounds": 1}
 TERMINAL = {pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED}
 
 
@@ -113,7 +115,11 @@ def main() -> None:
     parser.add_argument("--samplers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--step-ms", type=float, default=100.0, help="one 512 px step of the video model")
+    parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     video_steps = int(60_000 / args.step_ms)  # a minute of video work per job
 
     with tempfile.TemporaryDirectory(prefix="darkroom-preemption-") as tmp:

@@ -1,0 +1,77 @@
+"""Every benchmark in bench/ runs its ``--smoke`` mode (small sizes, one round, on the
+CPU) and prints the tables its full run prints, so that a benchmark that rots (a
+renamed API, a changed record) fails here rather than the next time someone
+measures. ``bench/loadgen.py`` has no smoke mode of its own: it needs a running
+gateway, and ``controlplane``'s smoke run runs it as a subprocess against one.
+
+The scripts start what they need themselves (PostgreSQL, NATS, the services)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+
+# Per script, the start of each table's header row: the tables its full run prints.
+TABLES: dict[str, tuple[str, ...]] = {
+    "controlplane": (
+        "| per job p50 ms | per job p99 ms |",
+        "| offered jobs/s | completed jobs/s |",
+        "| load | client | jobs/s | completed |",
+    ),
+    "fairness": ("| load | seed | run |", "| load | light p99 with heavy / alone, fair |"),
+    "http_overhead": ("| path | median s | p90 s |",),
+    "media": ("| model | size | frames | steps |",),
+    "placement": ("| policy | load | jobs/s |",),
+    "preemption": ("| round | suspended after s |",),
+    "tracing": ("| hook | no endpoint | endpoint |",),
+    "gpu": ("| model | size | steps | batch |",),
+    "checkpoint": ("| uninterrupted s | capture ms, median |",),
+}
+
+
+def table_problem(stdout: str, header: str) -> str | None:
+    """What is wrong with the table whose header row starts with ``header``: missing,
+    no separator line under its header, or no data row; None when it is all there."""
+    lines = stdout.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    if at is None:
+        return f"no table whose header starts {header!r}"
+    if at + 1 >= len(lines) or not lines[at + 1].startswith("|---"):
+        return f"no |--- line under {header!r}"
+    if at + 2 >= len(lines) or not lines[at + 2].startswith("| ") or lines[at + 2].startswith("|---"):
+        return f"no data row under {header!r}"
+    return None
+
+
+@pytest.mark.parametrize(("script", "headers"), list(TABLES.items()), ids=list(TABLES))
+def test_smoke_run_prints_its_tables(script: str, headers: tuple[str, ...]) -> None:
+    # The stacks' data directories (tens of MB each) go where they are removed afterwards.
+    with tempfile.TemporaryDirectory(prefix="darkroom-smoke-", ignore_cleanup_errors=True) as tmp:
+        # A session of its own: on a timeout the stack it started goes with it.
+        proc = subprocess.Popen(
+            [sys.executable, f"bench/{script}.py", "--smoke"],
+            cwd=REPO,
+            env={**os.environ, "TMPDIR": tmp},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"bench/{script}.py --smoke ran past {TIMEOUT_S} s:\n{stderr[-4000:]}")
+    assert proc.returncode == 0, f"bench/{script}.py --smoke exited {proc.returncode}:\n{stderr[-4000:]}"
+    problems = [p for header in headers if (p := table_problem(stdout, header))]
+    assert not problems, f"bench/{script}.py --smoke: {problems}\n{stdout[-4000:]}"
