@@ -221,6 +221,11 @@ def worker_stats(w: WorkerRecord, processing: int, running: Sequence[str] = ()) 
         queued_images=int(t.get("queued_images", 0)),
         capabilities=list(w.capabilities),
         running_jobs=list(running),
+        denoise_busy_ratio=float(t.get("denoise_busy_ratio", 0.0)),
+        denoising_seconds=float(t.get("denoising_seconds", 0.0)),
+        work_waiting_seconds=float(t.get("work_waiting_seconds", 0.0)),
+        denoised_batches=int(t.get("denoised_batches", 0)),
+        host_gap_seconds=float(t.get("host_gap_seconds", 0.0)),
     )
 
 

@@ -6,9 +6,10 @@ aside). Fed from the event loop (work) and the sampling thread (batches)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from gpu_worker.metrics import DENOISE_BUSY_RATIO, DENOISE_SECONDS, HOST_GAP_SECONDS, WORK_WAITING_SECONDS
@@ -47,6 +48,7 @@ class BusyClock:
         self._waiting_since: float | None = None
         # When the last batch's denoising ended, while work has waited since.
         self._last_end: float | None = None
+        self._denoising_since: float | None = None  # the batch denoising now began
 
     def work(self, waiting: bool) -> None:
         """Whether work waits here now (the consumer calls it as that may change)."""
@@ -54,31 +56,46 @@ class BusyClock:
             now = self._clock()
             if waiting and self._waiting_since is None:
                 self._waiting_since = now
+                self._last_end = None  # it was idle: the first batch's wait is not a gap between batches
             elif not waiting and self._waiting_since is not None:
                 self._add_waiting(now)
                 self._waiting_since = None
-                self._last_end = None  # idle: the next batch's wait is not the host's
 
-    def denoised(self, began: float, ended: float) -> None:
-        """A batch's denoising, on this clock (from the sampling thread)."""
+    @contextlib.contextmanager
+    def denoising(self) -> Iterator[None]:
+        """Around a batch's denoising (in the sampling thread). One while no work
+        waited (a model's warm-up) is not counted."""
         with self._lock:
-            self._denoising_s += ended - began
-            DENOISE_SECONDS.inc(ended - began)
-            if self._last_end is not None:
-                gap = max(0.0, began - self._last_end)
-                self._gaps_s += gap
-                HOST_GAP_SECONDS.observe(gap)
-            self._batches += 1
-            self._last_end = ended
-
-    def now(self) -> float:
-        return self._clock()
+            began = self._clock()
+            counted = self._waiting_since is not None
+            if counted:
+                self._denoising_since = began
+                if self._last_end is not None:
+                    gap = max(0.0, began - self._last_end)
+                    self._gaps_s += gap
+                    HOST_GAP_SECONDS.observe(gap)
+        try:
+            yield
+        finally:
+            with self._lock:
+                ended = self._clock()
+                if counted:
+                    self._denoising_since = None
+                    self._denoising_s += ended - began
+                    DENOISE_SECONDS.inc(ended - began)
+                    self._batches += 1
+                    self._last_end = ended
 
     def reading(self) -> BusyReading:
+        """The account so far, the batch denoising now and the work waiting now included."""
         with self._lock:
+            now = self._clock()
             if self._waiting_since is not None:
-                self._add_waiting(self._clock())
-            reading = BusyReading(self._denoising_s, self._waiting_s, self._batches, self._gaps_s)
+                self._add_waiting(now)
+            denoising = self._denoising_s
+            if self._denoising_since is not None:
+                denoising += now - self._denoising_since
+            reading = BusyReading(denoising, self._waiting_s, self._batches, self._gaps_s)
         DENOISE_BUSY_RATIO.set(reading.ratio)
         return reading
 

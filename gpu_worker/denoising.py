@@ -88,6 +88,10 @@ class Denoiser(ModelLoader, Protocol):
         """Puts the batch's prompt conditioning where its ``sample`` will find it."""
         ...
 
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        """What a warm-up generation takes besides its prompt (an upscaler: an input image)."""
+        ...
+
     def sample(
         self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
     ) -> list[MemberResult]:

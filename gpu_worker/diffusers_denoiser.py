@@ -31,6 +31,9 @@ the loop on the meta device, where any of them fails."""
 from __future__ import annotations
 
 import inspect
+import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +41,19 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
-from gpu_worker.denoising import BadOutput, BatchMember, MemberResult, check_output
+from gpu_worker.checkpoint_capture import CheckpointPolicy, LoopState, MemberCheckpoints, MemberRun, Resumption
+from gpu_worker.denoising import BadOutput, BatchMember, MemberInputs, MemberResult, check_output
 from gpu_worker.prompts import Conditioning, PromptCache, prompt_key
 from services.generation import BatchKey, GenerationParams
-from services.models import loader
+from services.models import loader, speed
 from services.models.loader import Loaded
 from services.models.registry import ModelSpec, scheduler_class
+
+log = logging.getLogger(__name__)
+
+# Steps of each warm-up generation of a compiled network (the second is what a
+# multistep scheduler's later steps look like).
+WARM_UP_STEPS = 2
 
 # The names of the tensors an edit resumes with, besides its latents.
 IMAGE_LATENTS = "image_latents"  # its input image, encoded by the VAE
@@ -141,17 +150,57 @@ class DiffusersDenoiser:
         dtype = loader.compute_dtype(spec, self.device)
         parts = self.pipeline_parts(spec)
         loaded = loader.load(DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, **parts)
-        loaded.value.set_progress_bar_config(disable=True)
-        self._apply_speed_options(loaded.value, spec)
+        pipe = loaded.value
+        pipe.set_progress_bar_config(disable=True)
+        options = speed.SpeedOptions.of(spec, self.device)
+        self.prepare_network(pipe, spec, options)
+        if options.compile:
+            began = time.perf_counter()
+            self._warm_up_buckets(pipe, spec)
+            log.info(
+                "%s compiled (%s) and warmed up for batches of %s in %.1fs",
+                spec.name,
+                options.describe(),
+                speed.buckets(self._max_rows(spec)),
+                time.perf_counter() - began,
+            )
         return loaded
 
-    def _apply_speed_options(self, pipe: Any, spec: ModelSpec) -> None:
-        if self.device.type != "cuda":
-            return  # channels-last and compilation pay off on a GPU only
-        if spec.channels_last:
-            self.network(pipe).to(memory_format=torch.channels_last)
-        if spec.compile:
-            setattr(pipe, self.network_name, torch.compile(self.network(pipe), fullgraph=True))
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        """The denoising network with the model's speed options applied."""
+        setattr(pipe, self.network_name, speed.prepare(self.network(pipe), options))
+
+    def _max_rows(self, spec: ModelSpec) -> int:
+        """The most rows one network call takes (before guidance doubles them): a
+        batch's images where batches are fused, one member's elsewhere."""
+        return spec.max_batch if self.fuse_batches else min(spec.max_images, spec.max_batch)
+
+    def _warm_up_buckets(self, pipe: Any, spec: ModelSpec) -> None:
+        """Runs the compiled network at the model's default size for each batch
+        bucket, with guidance and without: compiled now, not on a user's job."""
+        for rows in speed.buckets(self._max_rows(spec)):
+            for guidance in sorted({spec.default_guidance, 1.0}):
+                params = GenerationParams(
+                    spec.name,
+                    "warm-up",
+                    "",
+                    spec.default_width,
+                    spec.default_height,
+                    WARM_UP_STEPS,
+                    guidance,
+                    0,
+                    rows,
+                    frames=spec.default_frames,
+                    fps=spec.default_fps,
+                )
+                member = BatchMember(params, _no_step, threading.Event(), inputs=self.warm_up_inputs(spec, params))
+                [run] = self.denoise(pipe, spec, [member], MemberCheckpoints(self.device, CheckpointPolicy()))
+                if isinstance(run.result, BaseException):
+                    raise run.result
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        """What a warm-up generation takes besides its prompt (an upscaler: an input)."""
+        return None
 
     def sample(
         self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
@@ -173,9 +222,10 @@ class DiffusersDenoiser:
     ) -> list[DiffusersRun]:
         """The members prepared and stepped to their ends, their latents left on the
         device: nothing read back but what a member's boundaries ask for."""
+        calls = NetworkCalls(speed.SpeedOptions.of(spec, self.device), self._max_rows(spec))
         with torch.inference_mode():
             runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
-            self._denoise(pipe, members[0].params.key, [r for r in runs if r.result is None], checkpoints)
+            self._denoise(pipe, members[0].params.key, [r for r in runs if r.result is None], checkpoints, calls)
         return runs
 
     def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember, checkpoints: MemberCheckpoints) -> DiffusersRun:
@@ -228,7 +278,14 @@ class DiffusersDenoiser:
         generators = [torch.Generator(device=self.generator_device).manual_seed(seed) for seed in seeds]
         return LoopState(torch.empty(0), scheduler, generators)
 
-    def _denoise(self, pipe: Any, key: BatchKey, runs: list[DiffusersRun], checkpoints: MemberCheckpoints) -> None:
+    def _denoise(
+        self,
+        pipe: Any,
+        key: BatchKey,
+        runs: list[DiffusersRun],
+        checkpoints: MemberCheckpoints,
+        calls: NetworkCalls,
+    ) -> None:
         """Steps every run to its end, one step of each per round, each at its own
         step index: a resumed member finishes before a fresh one beside it."""
         if not runs:
@@ -245,7 +302,8 @@ class DiffusersDenoiser:
                 return
             for group in self._groups(active):
                 t = _state(group[0]).scheduler.timesteps[group[0].step]
-                noise = self._predict(pipe, group, t, group[0].network_timesteps[group[0].step], key.guidance_scale)
+                network_t = group[0].network_timesteps[group[0].step]
+                noise = self._predict(pipe, group, t, network_t, key.guidance_scale, calls)
                 for r, eps in zip(group, noise, strict=True):
                     state = _state(r)
                     extra = {"generator": state.generators} if takes_generator else {}
@@ -270,7 +328,13 @@ class DiffusersDenoiser:
         return list(by_step.values())
 
     def _predict(
-        self, pipe: Any, group: list[DiffusersRun], t: torch.Tensor, network_t: torch.Tensor, guidance: float
+        self,
+        pipe: Any,
+        group: list[DiffusersRun],
+        t: torch.Tensor,
+        network_t: torch.Tensor,
+        guidance: float,
+        calls: NetworkCalls,
     ) -> list[torch.Tensor]:
         """The guided noise prediction of each run in ``group``, from one network call;
         ``t`` is the step's timestep on the host (for the schedulers), ``network_t``
@@ -282,15 +346,38 @@ class DiffusersDenoiser:
         sizes = [s.latents.shape[0] for s in states]
         x = torch.cat(scaled)
         c = Conditioning.stack([r.conditioning.rows(s.latents.shape[0]) for r, s in zip(group, states, strict=True)])
+        rows = x.shape[0]
+        padding = calls.padding(rows)
+        if padding:
+            # A compiled network sees the shapes it was warmed up with, no others.
+            x = torch.cat([x, x.new_zeros((padding, *x.shape[1:]))])
+            c = c.padded(padding)
         cfg = guidance > 1.0
         if cfg:
             x = torch.cat([x, x])
             c = Conditioning.stack([c.negative(), c])
-        out = self.call_network(pipe, x, network_t, c, group)
+        with speed.network_call(calls.options):
+            out = speed.owned(self.call_network(pipe, x, network_t, c, group), calls.options)
         if cfg:
             uncond, cond = out.chunk(2)
             out = uncond + guidance * (cond - uncond)
-        return list(out.split(sizes))
+        return list(out[:rows].split(sizes))
+
+
+@dataclass(frozen=True)
+class NetworkCalls:
+    """How a batch calls its (perhaps compiled) network: with its speed options, and
+    padded to a bucket where it is compiled."""
+
+    options: speed.SpeedOptions
+    max_rows: int
+
+    def padding(self, rows: int) -> int:
+        return speed.bucket(rows, self.max_rows) - rows if self.options.compile else 0
+
+
+def _no_step(step: int, total: int) -> None:
+    pass
 
 
 def host_scheduler(cls: Any, pipe: Any, params: GenerationParams) -> Any:

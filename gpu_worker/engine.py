@@ -111,9 +111,7 @@ class SamplerEngine:
             frames=spec.default_frames,
             fps=spec.default_fps,
         )
-        inputs = None
-        if spec.upscales:  # a grey input a quarter of the output's size
-            inputs = MemberInputs(image=torch.zeros(1, 3, params.height // 4, params.width // 4))
+        inputs = self.denoiser_for(spec).warm_up_inputs(spec, params)
         started = time.perf_counter()
         self.sample(params, lambda step, total: None, threading.Event(), inputs)
         return time.perf_counter() - started
@@ -146,11 +144,8 @@ class SamplerEngine:
             COLD_LOADS.labels(model=model).inc()
         loaded = self.models.get(model)
         checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
-        began = self.busy.now()
-        try:
+        with self.busy.denoising():
             return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints)
-        finally:
-            self.busy.denoised(began, self.busy.now())
 
     def encode_prompts(self, batch: Sequence[GenerationParams]) -> bool:
         """Encodes the prompts of a batch that runs next into the prompt cache while

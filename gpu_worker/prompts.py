@@ -60,6 +60,10 @@ class Conditioning:
         """The conditioning of ``n`` images of the same prompt."""
         return Conditioning(**{k: t.repeat_interleave(n, dim=0) for k, t in self._tensors().items()})
 
+    def padded(self, n: int) -> Conditioning:
+        """With ``n`` more rows, copies of the last: a batch padded to a bucket."""
+        return Conditioning(**{k: torch.cat([t, t[-1:].expand(n, *t.shape[1:])]) for k, t in self._tensors().items()})
+
     def negative(self) -> Conditioning:
         """The unconditional half of classifier-free guidance, as a positive conditioning."""
         return Conditioning(embeds=self.negative_embeds, pooled=self.negative_pooled, time_ids=self.time_ids)

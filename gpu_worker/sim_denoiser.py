@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpu_worker.checkpoint_capture import MemberCheckpoints, MemberRun
-from gpu_worker.denoising import BatchMember, MemberResult
+from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult
 from services.generation import GenerationParams
 from services.models import sim
 from services.models.loader import Loaded
@@ -23,6 +23,9 @@ class SimDenoiser:
 
     def encode_prompts(self, model: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
         pass  # a sim model reads no prompt
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        return None
 
     def sample(
         self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints

@@ -9,6 +9,7 @@ from typing import Any
 
 from gpu_worker.diffusers_denoiser import DiffusersDenoiser
 from services.models.registry import ModelFamily, ModelSpec
+from services.models.speed import SpeedOptions
 
 # SD 1.5's pipelines would load a safety checker too; the sampler has no use for one.
 _NO_SAFETY_CHECKER = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
@@ -23,9 +24,9 @@ class UNetDenoiser(DiffusersDenoiser):
             parts.update(_NO_SAFETY_CHECKER)
         return parts
 
-    def _apply_speed_options(self, pipe: Any, spec: ModelSpec) -> None:
-        if spec.attention:
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: SpeedOptions) -> None:
+        if options.attention in ("sdpa", "eager"):
             from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-            pipe.unet.set_attn_processor(AttnProcessor2_0() if spec.attention == "sdpa" else AttnProcessor())
-        super()._apply_speed_options(pipe, spec)
+            pipe.unet.set_attn_processor(AttnProcessor2_0() if options.attention == "sdpa" else AttnProcessor())
+        super().prepare_network(pipe, spec, options)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from gpu_worker.checkpoint_capture import LoopState
-from gpu_worker.denoising import BatchMember
+from gpu_worker.denoising import BatchMember, MemberInputs
 from gpu_worker.diffusers_denoiser import DiffusersDenoiser, DiffusersRun
 from gpu_worker.prompts import Conditioning
 from services.generation import GenerationParams
@@ -55,6 +55,10 @@ class UpscaleDenoiser(DiffusersDenoiser):
             noised.append(pipe.low_res_scheduler.add_noise(image, eps, level))
         state.extras = {NOISED_IMAGE: torch.cat(noised)}
         state.latents = self.draw_noise(pipe, member.params, state) * state.scheduler.init_noise_sigma
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        """A grey input a quarter of the output's size."""
+        return MemberInputs(image=torch.zeros(1, 3, params.height // SCALE, params.width // SCALE))
 
     def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
         return torch.cat([latents, _state(run).extras[NOISED_IMAGE]], dim=1)

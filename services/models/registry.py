@@ -39,7 +39,8 @@ FAMILY_DEFAULTS = {
 }
 # The families whose models also edit images (image to image, inpainting).
 EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
-ATTENTION = frozenset({"", "sdpa", "eager"})
+ATTENTION = frozenset({"", "sdpa", "flash", "efficient", "cudnn", "eager"})
+QUANTIZE = frozenset({"", "int8", "fp8"})
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
 # Frames per second a video may ask for.
@@ -76,12 +77,21 @@ class ModelSpec:
     # Images one batch may hold on a GPU (jobs of the same model, size, steps and
     # guidance run together); 1 turns batching off for the model.
     max_batch: int = 8
-    # Speed options, applied on a GPU: ``torch.compile`` of the UNet, the
-    # channels-last memory format, and the attention implementation ("" leaves
-    # the model's own; "sdpa" or "eager" pick one).
+    # Speed options of its networks (``services.models.speed``): the one switch
+    # ``optimize`` turns on every one that keeps images within tolerance on the
+    # device; or each alone: ``torch.compile`` (warmed up as it loads, batches padded
+    # to buckets), CUDA graphs (compiled with them), the channels-last memory format,
+    # the attention implementation ("" the model's own; "sdpa" PyTorch's, "flash",
+    # "efficient", "cudnn" one SDPA kernel, "eager" the plain one), fused QKV
+    # projections, and weights quantized by torchao ("int8", "fp8": an opt-in that
+    # moves images; ``bench/gpu.py`` reports how far).
+    optimize: bool = False
     compile: bool = False
+    cuda_graphs: bool = False
     channels_last: bool = False
     attention: str = ""
+    fuse_qkv: bool = False
+    quantize: str = ""
     # An output whose latents vary less than this (standard deviation) is degenerate.
     min_output_std: float = 1e-3
     # The noise scheduler: a diffusers scheduler class name such as
@@ -209,6 +219,10 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(f"model {name!r}: unknown source {spec.source!r}; builtins: {', '.join(sorted(BUILTINS))}")
     if spec.attention not in ATTENTION:
         raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
+    if spec.quantize not in QUANTIZE:
+        raise ModelError(f"model {name!r}: quantize {spec.quantize!r} is not one of {sorted(QUANTIZE)}")
+    if spec.cuda_graphs and not (spec.compile or spec.optimize):
+        raise ModelError(f"model {name!r}: cuda_graphs come with compile (or optimize)")
     if spec.max_batch < 1:
         raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
     if not spec.price >= 0:

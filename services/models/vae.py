@@ -8,7 +8,8 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,8 @@ from PIL import Image
 
 from services.config.workers import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
-from services.models import loader, sim
-from services.models.registry import ModelFamily, ModelRegistry
+from services.models import loader, sim, speed
+from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
 from services.models.video_vae import decode_video
 
 log = logging.getLogger(__name__)
@@ -138,9 +139,51 @@ class VaeDecoderEngine:
             cls = AutoencoderKLWan if spec.makes_video else AutoencoderKL
             loaded = loader.load(cls, spec, self.models_dir, self.device, dtype=dtype, subfolder="vae")
             vae = loaded.value.eval()
-            self._vaes[name] = vae
             log.info("loaded VAE of %s on %s (%d MiB, %.2fs)", name, self.device, loaded.bytes >> 20, loaded.seconds)
+            options = self._options(name)
+            if options.any:
+                self._prepare(vae, spec, options)
+            self._vaes[name] = vae
             return vae
+
+    def _options(self, model: str) -> speed.SpeedOptions:
+        """The model's speed options for its VAE: quantization aside (a VAE's few
+        linear weights gain nothing from it, and its pixels would move), and an image
+        VAE's only (a video VAE's decoder keeps a cache across chunks)."""
+        spec = self.registry.get(model)
+        if spec.makes_video or spec.family == ModelFamily.SIM:
+            return speed.SpeedOptions()
+        return replace(speed.SpeedOptions.of(spec, self.device), quantize="")
+
+    def _prepare(self, vae: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        """Applies the speed options; a compiled decoder is run once per batch bucket
+        at the model's default size as it loads, not on a job."""
+        began = time.perf_counter()
+        speed.prepare(vae, replace(options, compile=False))
+        if not options.compile:
+            return
+        vae.decoder = speed.prepare(vae.decoder, replace(options, fuse_qkv=False, channels_last=False))
+        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        channels = vae.config.latent_channels
+        with torch.inference_mode():
+            for rows in speed.buckets(self._max_rows(spec)):
+                z = torch.zeros(rows, channels, spec.default_height // scale, spec.default_width // scale)
+                self._decode_batch(vae, z.to(self.device, vae.dtype), options, spec)
+        took = time.perf_counter() - began
+        log.info("%s's VAE compiled (%s) and warmed up in %.1fs", spec.name, options.describe(), took)
+
+    def _max_rows(self, spec: ModelSpec) -> int:
+        # On a CPU each image decodes alone (see decode_images).
+        return spec.max_batch if self.device.type != "cpu" else 1
+
+    def _decode_batch(self, vae: Any, z: torch.Tensor, options: speed.SpeedOptions, spec: ModelSpec) -> torch.Tensor:
+        """One VAE call, padded to its bucket where the decoder is compiled."""
+        rows = len(z)
+        padding = speed.bucket(rows, self._max_rows(spec)) - rows if options.compile else 0
+        if padding:
+            z = torch.cat([z, z.new_zeros((padding, *z.shape[1:]))])
+        with speed.network_call(options):
+            return speed.owned(vae.decode(z).sample, options)[:rows]
 
     def check_model(self, model: str) -> None:
         if model not in self.registry:
@@ -158,22 +201,26 @@ class VaeDecoderEngine:
             z = z + config.shift_factor
         scale = 2 ** (len(config.block_out_channels) - 1)
         tiled = z.shape[-2] * z.shape[-1] * scale * scale > self.tile_above_pixels
+        options = self._options(model)
+        spec = self.registry.get(model)
         with torch.inference_mode():
             if tiled:
                 # One image at a time, tile by tile: memory stays that of a tile,
                 # whatever the image's size.
                 decoded = torch.cat([vae.tiled_decode(z[i : i + 1]).sample for i in range(len(z))])
-            elif self.device.type == "cuda":
-                decoded = vae.decode(z).sample
+            elif self.device.type != "cpu":
+                decoded = self._decode_batch(vae, z, options, spec)
             else:
                 # On a CPU each image alone: kernels block a batch differently, and
                 # only so is a batched job's image exactly the one it gets alone.
-                decoded = torch.cat([vae.decode(z[i : i + 1]).sample for i in range(len(z))])
+                decoded = torch.cat([self._decode_batch(vae, z[i : i + 1], options, spec) for i in range(len(z))])
             unit = decoded.float() / 2 + 0.5
-            finite = torch.isfinite(unit).flatten(1).all(dim=1).tolist()
+            all_finite = torch.isfinite(unit).flatten(1).all(dim=1)
             unit = unit.nan_to_num(0.0).clamp(0, 1)
-            stds = unit.flatten(1).std(dim=1).tolist()
+            spread = unit.flatten(1).std(dim=1)
+            checks = torch.stack([all_finite.to(spread.dtype), spread]).cpu().tolist()
             pixels = (unit * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+            finite, stds = [bool(f) for f in checks[0]], checks[1]
         images = []
         for image, is_finite, std in zip(pixels, finite, stds, strict=True):
             fault = ""

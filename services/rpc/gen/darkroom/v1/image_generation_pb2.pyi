@@ -443,7 +443,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images", "capabilities", "running_jobs")
+    __slots__ = ("worker_id", "available", "processing", "completed", "average_seconds", "estimated_load_seconds", "errors", "temperature_c", "vram_used_bytes", "vram_total_bytes", "device", "warm_models", "restarts", "state", "kind", "telemetry_source", "telemetry_note", "utilization_pct", "memory_utilization_pct", "power_w", "power_limit_w", "sm_clock_mhz", "max_sm_clock_mhz", "throttle_reasons", "queued_images", "capabilities", "running_jobs", "denoise_busy_ratio", "denoising_seconds", "work_waiting_seconds", "denoised_batches", "host_gap_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     PROCESSING_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +471,11 @@ class WorkerStats(_message.Message):
     QUEUED_IMAGES_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_JOBS_FIELD_NUMBER: _ClassVar[int]
+    DENOISE_BUSY_RATIO_FIELD_NUMBER: _ClassVar[int]
+    DENOISING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORK_WAITING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DENOISED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    HOST_GAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     available: bool
     processing: int
@@ -498,7 +503,12 @@ class WorkerStats(_message.Message):
     queued_images: int
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     running_jobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., running_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    denoise_busy_ratio: float
+    denoising_seconds: float
+    work_waiting_seconds: float
+    denoised_batches: int
+    host_gap_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., available: _Optional[bool] = ..., processing: _Optional[int] = ..., completed: _Optional[int] = ..., average_seconds: _Optional[float] = ..., estimated_load_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., temperature_c: _Optional[float] = ..., vram_used_bytes: _Optional[int] = ..., vram_total_bytes: _Optional[int] = ..., device: _Optional[str] = ..., warm_models: _Optional[_Iterable[str]] = ..., restarts: _Optional[int] = ..., state: _Optional[str] = ..., kind: _Optional[str] = ..., telemetry_source: _Optional[str] = ..., telemetry_note: _Optional[str] = ..., utilization_pct: _Optional[float] = ..., memory_utilization_pct: _Optional[float] = ..., power_w: _Optional[float] = ..., power_limit_w: _Optional[float] = ..., sm_clock_mhz: _Optional[int] = ..., max_sm_clock_mhz: _Optional[int] = ..., throttle_reasons: _Optional[_Iterable[str]] = ..., queued_images: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., running_jobs: _Optional[_Iterable[str]] = ..., denoise_busy_ratio: _Optional[float] = ..., denoising_seconds: _Optional[float] = ..., work_waiting_seconds: _Optional[float] = ..., denoised_batches: _Optional[int] = ..., host_gap_seconds: _Optional[float] = ...) -> None: ...
 
 class GlobalStats(_message.Message):
     __slots__ = ("requests", "queued", "completed", "failed", "running", "cancelled", "expired")

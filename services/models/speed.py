@@ -1,0 +1,172 @@
+"""Speed options of a model's networks, applied alike by the sampler (its denoising
+network), the decoder (its VAE) and the GPU benchmark's bare loop, so that each
+option is measured against the same thing.
+
+- ``optimize``: every option below that keeps images within tolerance on the device
+  (on CUDA: compile with CUDA graphs, channels-last, fused QKV, cuDNN attention on
+  Hopper and later, flash attention before; on a CPU: compile, channels-last, fused
+  QKV). Quantization stays an opt-in of its own: it moves images.
+- ``compile``: ``torch.compile`` of the network (full graph). Batches are padded to
+  buckets (1, 2, 4, ... up to the model's batch size) and each bucket is run once as
+  the model loads, so that no user's job waits for a compilation at the model's
+  default size (a new size compiles once, when first met).
+- ``cuda_graphs``: compiled with CUDA graphs (``mode="reduce-overhead"``): a step is
+  replayed, not launched kernel by kernel; a network output is copied out of the
+  graph's memory before the next replay overwrites it.
+- ``channels_last``: the channels-last memory format, which the convolutions of
+  tensor cores prefer.
+- ``attention``: "flash", "efficient" or "cudnn" prefers that SDPA kernel (falling
+  back to the others where it cannot run); "sdpa" and "eager" pick the UNet's
+  attention processor.
+- ``fuse_qkv``: each attention's query, key and value projections as one matmul.
+- ``quantize``: the network's linear weights quantized by torchao: "int8"
+  (weight-only), "fp8" (activations and weights, for Hopper's FP8 tensor cores)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.models.registry import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# The options ``optimize`` leaves to the model's own choice when it names one.
+_SDPA_KERNELS = ("flash", "efficient", "cudnn")
+# Distinct shapes a compiled network may see before torch recompiles no more (its
+# default, 8, is below buckets times guidance on and off times a few sizes).
+RECOMPILE_LIMIT = 64
+# The backend of ``torch.compile``: inductor generates kernels; tests on a CPU swap
+# in "aot_eager", which traces the same graphs without generating code.
+COMPILE_BACKEND = "inductor"
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    compile: bool = False
+    cuda_graphs: bool = False
+    channels_last: bool = False
+    attention: str = ""
+    fuse_qkv: bool = False
+    quantize: str = ""
+
+    @classmethod
+    def of(cls, spec: ModelSpec, device: torch.device) -> SpeedOptions:
+        """The options ``spec`` asks for on ``device``, ``optimize`` spelled out."""
+        cuda = device.type == "cuda"
+        if not spec.optimize:
+            graphs = spec.cuda_graphs and cuda
+            return cls(spec.compile, graphs, spec.channels_last, spec.attention, spec.fuse_qkv, spec.quantize)
+        attention = spec.attention
+        if not attention and cuda:
+            attention = "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
+        return cls(True, cuda, True, attention, True, spec.quantize)
+
+    @property
+    def any(self) -> bool:
+        return self != SpeedOptions()
+
+    def describe(self) -> str:
+        on = [name for name in ("compile", "cuda_graphs", "channels_last", "fuse_qkv") if getattr(self, name)]
+        on += [f"attention={self.attention}"] if self.attention else []
+        on += [f"quantize={self.quantize}"] if self.quantize else []
+        return ", ".join(on) or "none"
+
+
+def prepare(module: Any, options: SpeedOptions) -> Any:
+    """``module`` (a diffusers network, in inference) with the options applied: the
+    module itself, or its compiled wrapper (which forwards attributes to it)."""
+    if options.fuse_qkv and hasattr(module, "fuse_qkv_projections"):
+        module.fuse_qkv_projections()
+    if options.channels_last:
+        module.to(memory_format=torch.channels_last)
+    if options.quantize:
+        quantize(module, options.quantize)
+    if not options.compile:
+        return module
+    _raise_recompile_limit()
+    mode = "reduce-overhead" if options.cuda_graphs else None
+    return torch.compile(module, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
+
+
+def quantize(module: Any, kind: str) -> None:
+    """The module's linear weights quantized in place by torchao. FP8 activations
+    need FP8 tensor cores (compute capability 8.9 and later); elsewhere only the
+    weights are stored in FP8."""
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Float8WeightOnlyConfig,
+        Int8WeightOnlyConfig,
+        quantize_,
+    )
+
+    config: Callable[[], Any] = Int8WeightOnlyConfig
+    if kind == "fp8":
+        device = next(module.parameters()).device
+        fp8_cores = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+        config = Float8DynamicActivationFloat8WeightConfig if fp8_cores else Float8WeightOnlyConfig
+    quantize_(module, config())
+
+
+def _raise_recompile_limit() -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # renamed across releases
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
+def buckets(max_rows: int) -> list[int]:
+    """The batch sizes a compiled network is warmed up for and padded to."""
+    sizes = [1]
+    while sizes[-1] * 2 < max_rows:
+        sizes.append(sizes[-1] * 2)
+    if sizes[-1] < max_rows:
+        sizes.append(max_rows)
+    return sizes
+
+
+def bucket(rows: int, max_rows: int) -> int:
+    """The smallest bucket that holds ``rows`` (``rows`` itself above them all)."""
+    return next((size for size in buckets(max_rows) if size >= rows), rows)
+
+
+@contextlib.contextmanager
+def network_call(options: SpeedOptions) -> Iterator[None]:
+    """Around one call of a network prepared with ``options``: its attention kernel
+    preferred, and a new CUDA-graph step marked."""
+    if options.cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    if options.attention not in _SDPA_KERNELS:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    preferred = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[options.attention]
+    fallbacks = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel([preferred, *[b for b in fallbacks if b != preferred]], set_priority=True):
+        yield
+
+
+def owned(output: torch.Tensor, options: SpeedOptions) -> torch.Tensor:
+    """A network's output that the next call cannot overwrite: a CUDA graph's outputs
+    live in its memory pool until the next replay."""
+    return output.clone() if options.cuda_graphs else output
+
+
+def latent_drift(got: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
+    """How far latents moved from a reference's: the root mean square of their
+    difference over the reference's, all of them together (0: identical)."""
+    diff = sum(float((g.double() - r.double()).pow(2).sum()) for g, r in zip(got, reference, strict=True))
+    norm = sum(float(r.double().pow(2).sum()) for r in reference)
+    return (diff / norm) ** 0.5 if norm else 0.0
