@@ -144,11 +144,13 @@ class JobStore:
             now=_now(),
         )
 
-    async def decoding(self, jobs: Sequence[JobRecord], now: datetime) -> set[str]:
-        """Records the sampled jobs DECODING; the ids that are (none while the
-        database is away: their outcomes will be recorded)."""
+    async def decoding(self, jobs: Sequence[JobRecord], now: datetime, sampling_began: datetime) -> set[str]:
+        """Records the sampled jobs DECODING (and when their sampling began); the ids
+        that are (none while the database is away: their outcomes will be recorded)."""
         try:
-            marked = await self.repo.attempts.decoding([(j.id, j.attempt) for j in jobs], self.worker_id, now=now)
+            marked = await self.repo.attempts.decoding(
+                [(j.id, j.attempt) for j in jobs], self.worker_id, now=now, sampling_began=sampling_began
+            )
         except StoreError as exc:
             log.warning(
                 "cannot record %d jobs decoding (their outcomes will be): %s",

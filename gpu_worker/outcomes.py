@@ -48,6 +48,7 @@ class Started:
     timer: asyncio.TimerHandle
     timeout_s: float
     result: MemberResult | None = None
+    sampling_at: datetime | None = None  # when its batch's denoising began
     decoding_at: datetime | None = None  # when recorded DECODING
     resume: Checkpoint | None = None  # the checkpoint it starts from
     writer: PeriodicCheckpointWriter | None = None  # stores its periodic checkpoints
@@ -97,7 +98,9 @@ class OutcomeRecorder:
         stored = await self.store.succeed(result)
         self.failures.succeeded()
         if stored:
-            times = (job.created_at, job.scheduled_at, job.dispatched_at, job.started_at, started.decoding_at)
+            # It started on the GPU when its batch's denoising began (claimed earlier).
+            began = started.sampling_at if started.decoding_at is not None else job.started_at
+            times = (job.created_at, job.scheduled_at, job.dispatched_at, began, started.decoding_at)
             observe_stages(job.params.model, (*times, result.decoded_at, datetime.now(UTC)))
         spans.stored(job, worker_id=self.store.worker_id, decoded_at=result.decoded_at, stored=stored)
         log.info("job %s done (stored=%s)", job.id, stored)

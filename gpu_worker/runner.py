@@ -145,6 +145,7 @@ class JobRunner:
         runnable = [s for s in batch if not isinstance(s.inputs, BaseException)]
         progress = BatchProgress(self.store, self.store.events, loop)
         members = [self._member(s, loop, progress) for s in runnable]
+        began_at = datetime.now(UTC)
         began = time.perf_counter()
         results = dict(zip((s.job.id for s in runnable), await self._sample(runnable, members), strict=True))
         seconds = time.perf_counter() - began
@@ -152,6 +153,7 @@ class JobRunner:
             own = started.inputs
             started.result = own if isinstance(own, BaseException) else results[started.job.id]
             started.watch.sampled = True
+            started.sampling_at = began_at
         rows = sum(s.job.params.num_images for s in batch)
         BATCH_IMAGES.labels(model=model).observe(rows)
         spans.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
@@ -159,7 +161,7 @@ class JobRunner:
         recorded = None
         if sampled:
             self._warmed_up.add(model)
-            recorded = asyncio.ensure_future(self._decoding(sampled))
+            recorded = asyncio.ensure_future(self._decoding(sampled, began_at))
         # A batch that loaded or warmed up its model says little about how long
         # batches take; nor does one that resumed a job part of the way through.
         whole = all(s.resume is None and s.job.params.first_step() == 0 for s in batch)
@@ -215,9 +217,9 @@ class JobRunner:
             on_preview=progress.on_preview,
         )
 
-    async def _decoding(self, sampled: Sequence[Started]) -> None:
+    async def _decoding(self, sampled: Sequence[Started], began_at: datetime) -> None:
         now = datetime.now(UTC)
-        marked = await self.store.decoding([s.job for s in sampled], now)
+        marked = await self.store.decoding([s.job for s in sampled], now, began_at)
         for s in sampled:
             if s.job.id in marked:
                 s.decoding_at = now

@@ -79,7 +79,9 @@ class FakeAttempts:
         self.progress_calls.extend((r.job_id, r.step, r.total) for r in reports)
         return {r.job_id: self.standing for r in reports}
 
-    async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
+    async def decoding(
+        self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime, sampling_began: datetime | None = None
+    ) -> set[str]:
         return {job_id for job_id, _ in jobs}
 
     async def finish_many(self, results: Sequence[Result], worker_id: str) -> set[str]:

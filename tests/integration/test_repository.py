@@ -133,6 +133,23 @@ async def test_a_batch_s_progress_is_one_write_that_tells_each_job_where_it_stan
     assert [(await repo.jobs.get(j)).progress_step for j in (running, cancelled, moved)] == [3, 3, 0]
 
 
+async def test_a_job_started_on_the_gpu_when_its_batch_began_denoising(repo: Repository, workers) -> None:
+    job_id = await submit(repo)
+    attempt = await schedule(repo, job_id, W1)
+    claimed = now()
+    assert await repo.attempts.start(job_id, attempt, W1, now=claimed) is not None
+    # Claimed while the batch before it finished; its own batch began a second later.
+    began = claimed + timedelta(seconds=1)
+    assert await repo.attempts.decoding([(job_id, attempt)], W1, now=began + timedelta(seconds=2), sampling_began=began)
+    assert (await repo.jobs.get(job_id)).started_at == began
+    # Never before it was claimed.
+    other = await submit(repo)
+    attempt = await schedule(repo, other, W1)
+    await repo.attempts.start(other, attempt, W1, now=claimed)
+    await repo.attempts.decoding([(other, attempt)], W1, now=began, sampling_began=claimed - timedelta(seconds=5))
+    assert (await repo.jobs.get(other)).started_at == claimed
+
+
 async def test_new_incarnation_requeues_what_the_old_one_held(repo: Repository, workers) -> None:
     started, waiting = await submit(repo), await submit(repo)
     a = await schedule(repo, started, W1)

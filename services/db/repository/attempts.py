@@ -150,15 +150,20 @@ class Attempts(Area):
             )
         return standings
 
-    async def decoding(self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime) -> set[str]:
+    async def decoding(
+        self, jobs: Sequence[tuple[str, int]], worker_id: str, *, now: datetime, sampling_began: datetime | None = None
+    ) -> set[str]:
         """Marks (job id, attempt) of a sampled batch DECODING, every step done;
-        returns the ids that are."""
+        returns the ids that are. ``sampling_began``: when the batch's denoising
+        began, which is when the job started on the GPU (it was RUNNING, claimed,
+        earlier: while the batch before it finished)."""
         if not jobs:
             return set()
         rows = await self.db.all(
             f"""
             UPDATE jobs AS j SET
                 status = 'DECODING', decoding_at = %(now)s,
+                started_at = GREATEST(j.started_at, COALESCE(%(began)s::timestamptz, j.started_at)),
                 progress_step = CASE WHEN j.progress_total > 0 THEN j.progress_total ELSE j.steps END,
                 progress_total = CASE WHEN j.progress_total > 0 THEN j.progress_total ELSE j.steps END
             FROM unnest(%(ids)s::varchar[], %(attempts)s::int[]) AS r(id, attempt)
@@ -167,6 +172,7 @@ class Attempts(Area):
             """,
             {
                 "now": now,
+                "began": sampling_began,
                 "worker": worker_id,
                 "statuses": _STARTED,
                 "ids": [job_id for job_id, _ in jobs],
