@@ -4,9 +4,12 @@ device and serialised), its size, and the slowdown of a job that takes one every
 
     python bench/checkpoint.py                      # the tiny model on the CPU, in a temporary directory
     python bench/checkpoint.py --model sd15-random --size 512 --steps 25 --device cuda
+    python bench/checkpoint.py --model sd15-random --size 512 --images 8 --device cuda   # a job of 8 images
+    python bench/checkpoint.py --smoke              # CI's check that it still runs: a few steps, one repeat
 
-The job runs through ``SamplerEngine`` exactly as a worker runs it, with a fixed
-seed and prompt; the periodic runs hand each checkpoint to an ``on_checkpoint``
+The job (of ``--images`` images: one checkpoint holds them all) runs through
+``SamplerEngine`` exactly as a worker runs it, with a fixed seed and prompt; the
+periodic runs checkpoint by steps alone, and hand each checkpoint to an ``on_checkpoint``
 that only keeps its size, so what is measured is the engine's share (the lead's
 storing of the bytes comes on top, off the sampling thread). Uninterrupted and
 periodic runs alternate, after one warm-up run, so drift hits both alike.
@@ -44,6 +47,7 @@ PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 SEED = 1234
 # The overhead a checkpoint policy may add to a job.
 BUDGET = 0.03
+SMOKE = {"steps": 6, "every_steps": 2, "repeats": 1, "images": 2, "device": "cpu"}
 
 
 class TimedCaptures:
@@ -106,12 +110,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models-dir", help="where builtin models are built (default: a temporary directory)")
+    parser.add_argument("--smoke", action="store_true", help=f"CI's quick check: {SMOKE}; given options win")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
     if not 0 < args.every_steps < args.steps:
         parser.error("--every-steps must be within 1..steps-1")
 
     registry = ModelRegistry.load(args.registry, presets=None)
-    spec = replace(registry.get(args.model), scheduler=args.scheduler)
+    # By steps alone: the model's time-based policy would add checkpoints to a long job.
+    spec = replace(registry.get(args.model), scheduler=args.scheduler, checkpoint_every_s=0.0)
     plain = ModelRegistry({args.model: spec})
     periodic = ModelRegistry({args.model: replace(spec, checkpoint_every_steps=args.every_steps)})
     size = args.size or spec.default_width
@@ -138,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     mean_capture_s = statistics.fmean(timed.seconds)
     size_b = statistics.median(timed.sizes)
     per_job = (args.steps - 1) // args.every_steps
-    assert len(kept) == per_job * args.repeats, "the policy took another number of checkpoints"
+    # One checkpoint per capture, whatever the job's images: each holds all of them.
+    assert len(kept) == per_job * args.repeats, f"{len(kept)} checkpoints kept, {per_job} a job expected"
+    assert all(c.total == args.steps for c in kept)
     best = smallest_every_steps(args.steps, mean_capture_s, job_s)
 
     scheduler = args.scheduler or "the model's own scheduler"

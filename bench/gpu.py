@@ -1,33 +1,44 @@
-"""The GPU services measured: a bare diffusers loop versus the same work through the
-whole stack (gateway, scheduler, JetStream, PostgreSQL, one sampler, one decoder),
-at several batch sizes.
+"""The GPU services measured against a bare diffusers loop doing the same work, as a
+user would compare them: the whole stack (gateway, scheduler, JetStream,
+PostgreSQL, one sampler, one decoder, all on this machine) against one process
+calling the pipeline.
 
-    python bench/gpu.py                 # on a GPU: SD 1.5 at 512 px, 20 steps; SDXL at 1024 px, 30 steps
-    python bench/gpu.py --device cpu    # on a CPU: small sizes (the tiny model, SD 1.5 at 128 px)
+    python bench/gpu.py                      # on a GPU: SD 1.5 at 512 px, 20 steps; SDXL at 1024 px, 30 steps
+    python bench/gpu.py --device cpu         # on a CPU: small sizes (the tiny model, SD 1.5 at 128 px)
+    python bench/gpu.py --smoke              # CI's check that it still runs: the tiny model, one round of each
+    python bench/gpu.py --modes saturated,one-job --cases sd15 --options optimize,compile
+
+Modes (``--modes``, all by default):
+
+- ``rounds``: ``batch`` jobs of one shape submitted at once and waited for, per batch
+  size, against the bare loop running the same images as one pipeline call; peak
+  memory; the sampler's local decode and the cost of shipping latents to the decoder.
+- ``saturated``: N jobs submitted at once (``--jobs``), images per second until the
+  last is stored, against the bare loop at the model's batch size; the median of each
+  stage from the jobs' own records; the sampler's busy ratio (denoising over the
+  time work waited, from its own account).
+- ``one-job``: one job alone, its total and each stage from its record (median of
+  ``--rounds``), against the bare loop's one image (sampling and a local decode).
+- ``options``: the saturated and one-job rows again for each speed option named in
+  ``--options`` (a registry entry with that option, served by the same stack),
+  each against a bare loop with the same options, and how far the option moves the
+  bare loop's latents from the plain loop's (relative RMS; ``services.models.speed``).
 
 The models are the real architectures with random weights (``sd15-random``,
-``sdxl-random``: the default registry's on-request presets, which the bench's stack
-serves through DARKROOM_PRESETS), built once into the data directory.
-Through the stack, each round submits ``batch`` jobs of one shape at once (seeds
-differ), so the sampler runs them as one batch; the bare loop runs the same
-images as one pipeline call. Both include the VAE decode. Columns:
-
-- images/s and s/image, bare and through the stack, and their ratio;
-- peak GPU memory of the bare loop (``torch.cuda.max_memory_allocated``), and of
-  the sampler through the stack (NVML's used memory in its heartbeats);
-- the sampler's time per image spent on decoding: decoding locally (the VAE on
-  the sampler's device, as in the bare loop) versus shipping latents to the
-  decoder service (serializing them for the request), which is all the sampler
-  does with a remote decoder.
-
-Nothing here is a test; it prints a table for docs/benchmarks.md."""
+``sdxl-random``: the default registry's on-request presets), built once into the data
+directory; they cost exactly what the real ones cost. The bare loop includes the VAE
+decode, as the stack's decoder does. Nothing here is a test; it prints tables for
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,19 +48,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from services.models.registry import ModelFamily, ModelRegistry, resolve_source
+from services.models import speed
+from services.models.registry import DEFAULT_REGISTRY, ModelFamily, ModelRegistry, ModelSpec, resolve_source
 
 
 @dataclass(frozen=True)
 class Case:
+    name: str  # what --cases calls it
     model: str
     size: int
     steps: int
+    jobs: int  # saturated mode's jobs
 
 
-GPU_CASES = (Case("sd15-random", 512, 20), Case("sdxl-random", 1024, 30))
-CPU_CASES = (Case("tiny", 128, 10), Case("sd15-random", 128, 4))
+GPU_CASES = (
+    Case("sd15", "sd15-random", 512, 20, 64),
+    Case("sdxl", "sdxl-random", 1024, 30, 16),
+    # MLPerf's SDXL benchmark runs 20 steps: how far the stack stands from 2.18 img/s per H200.
+    Case("sdxl20", "sdxl-random", 1024, 20, 16),
+)
+CPU_CASES = (Case("tiny", "tiny", 128, 10, 16), Case("sd15", "sd15-random", 128, 4, 8))
+SMOKE_CASES = (Case("tiny", "tiny", 64, 4, 4),)
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+STAGES = ("queue", "schedule", "dispatch", "sample", "decode", "store")
+# Each speed option --options can name, as registry keys.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "optimize": {"optimize": True},
+    "compile": {"compile": True},
+    "cuda-graphs": {"compile": True, "cuda_graphs": True},
+    "channels-last": {"channels_last": True},
+    "cudnn-attention": {"attention": "cudnn"},
+    "flash-attention": {"attention": "flash"},
+    "fuse-qkv": {"fuse_qkv": True},
+    "int8": {"quantize": "int8"},
+    "fp8": {"quantize": "fp8"},
+}
+SMOKE = {"device": "cpu", "rounds": 1, "options": "channels-last", "batches": "1,2"}
+
+
+# -- the bare loop ---------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -58,59 +95,91 @@ class Bare:
     peak_bytes: int
     decode_s_per_image: float  # the VAE on the sampler's device
     ship_s_per_image: float  # serializing latents for the decoder service
+    latents: torch.Tensor  # the first round's, for an option's drift
 
 
-@dataclass(frozen=True)
-class Through:
-    images_per_s: float
-    peak_bytes: int
+class OwnedOutputs:
+    """A compiled network as the pipeline calls it: a CUDA-graph step marked before
+    each call, and its output copied out of the graph's memory (the pipeline's
+    multistep schedulers keep earlier outputs)."""
+
+    def __init__(self, network: Any, options: speed.SpeedOptions) -> None:
+        self._network = network
+        self._options = options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._network, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with speed.network_call(self._options):
+            out = self._network(*args, **kwargs)
+        return (speed.owned(out[0], self._options), *out[1:]) if isinstance(out, tuple) else out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bare_loop(case: Case, batches: tuple[int, ...], device: torch.device, rounds: int, models: Path) -> dict[int, Bare]:
+def bare_pipeline(spec: ModelSpec, device: torch.device, models: Path) -> Any:
     from diffusers import DiffusionPipeline
 
-    from gpu_worker.decoders import decode_request
-
-    spec = ModelRegistry.load(presets=None).get(case.model)
     source, kwargs = resolve_source(spec, models)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     extra = {"safety_checker": None, "requires_safety_checker": False} if spec.family != ModelFamily.SDXL else {}
     pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=dtype, **kwargs, **extra).to(device)
     pipe.set_progress_bar_config(disable=True)
+    options = speed.SpeedOptions.of(spec, device)
+    if options.any:
+        if options.attention in ("sdpa", "eager"):
+            from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+            pipe.unet.set_attn_processor(AttnProcessor2_0() if options.attention == "sdpa" else AttnProcessor())
+        pipe.unet = OwnedOutputs(speed.prepare(pipe.unet, options), options)
+        decoder_options = dataclasses.replace(options, quantize="")
+        speed.prepare(pipe.vae, dataclasses.replace(decoder_options, compile=False))
+        if options.compile:
+            pipe.vae.decoder = speed.prepare(pipe.vae.decoder, dataclasses.replace(decoder_options, fuse_qkv=False))
+    return pipe
+
+
+def bare_loop(
+    spec: ModelSpec, case: Case, batches: Sequence[int], device: torch.device, rounds: int, models: Path
+) -> dict[int, Bare]:
+    from gpu_worker.decoders import decode_request
+
+    pipe = bare_pipeline(spec, device, models)
     results = {}
     for batch in batches:
-        _sample(pipe, case, batch, 0, device)  # warm-up: kernels, allocator
+        _sample(pipe, case, batch, 0, device)  # warm-up: kernels, allocator, a compilation
+        _decode(pipe, _sample(pipe, case, batch, 0, device))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
         started = time.perf_counter()
         decode_s = ship_s = 0.0
+        first: torch.Tensor | None = None
         for r in range(rounds):
             latents = _sample(pipe, case, batch, 1000 * (r + 1), device)
             _sync(device)
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample.float().cpu()
+            _decode(pipe, latents)
             _sync(device)
             t1 = time.perf_counter()
-            job = _job(case, batch)
-            decode_request([(job, latents)], [None])
+            decode_request([(_job(case, batch), latents)], [None])
             t2 = time.perf_counter()
             decode_s += t1 - t0
             ship_s += t2 - t1
+            first = latents.float().cpu() if first is None else first
         took = time.perf_counter() - started - ship_s
         images = batch * rounds
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        results[batch] = Bare(images / took, peak, decode_s / images, ship_s / images)
+        assert first is not None
+        results[batch] = Bare(images / took, peak, decode_s / images, ship_s / images, first)
     del pipe
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return results
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _sample(pipe: Any, case: Case, batch: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -126,94 +195,153 @@ def _sample(pipe: Any, case: Case, batch: int, seed: int, device: torch.device) 
         ).images
 
 
-def _job(case: Case, batch: int) -> Any:  # a JobRecord-shaped stand-in for decode_request
+def _decode(pipe: Any, latents: torch.Tensor) -> None:
+    with torch.inference_mode():
+        pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample.float().cpu()
+
+
+def _job(case: Case, batch: int) -> Any:
+    """A JobRecord as ``decode_request`` reads one: its id, model, output format, images, fps."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(model=case.model, id="bench", output_format="png", num_images=batch)
+    params = SimpleNamespace(model=case.model, num_images=batch, fps=0.0)
+    return SimpleNamespace(id="bench", output_format="png", params=params)
 
 
-def through_stack(
-    cases: tuple[Case, ...], batches: tuple[int, ...], device: torch.device, rounds: int, data: Path
-) -> dict[tuple[str, int], Through]:
-    from services.config.sections import Settings
-    from services.ops.stack import LocalStack
-    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-    from tests.helpers import stub
+# -- the stack -------------------------------------------------------------------------
 
-    settings = Settings.from_env(
-        {
-            "DARKROOM_DATA_DIR": str(data),
-            "DARKROOM_GATEWAY_PORT": "0",
-            "DARKROOM_DEVICE": device.type,
-            "DARKROOM_PRELOAD_MODELS": ",".join(sorted({c.model for c in cases})),
-            "DARKROOM_PRESETS": ",".join(sorted({c.model for c in cases} - set(ModelRegistry.load().models))),
-            "DARKROOM_BATCH_WAIT_MS": "50",
-            "DARKROOM_LOG_LEVEL": "WARNING",
+
+@dataclass(frozen=True)
+class Round:
+    """Jobs submitted together and waited for: their records and the wall time."""
+
+    jobs: list[Any]
+
+    @property
+    def images_per_s(self) -> float:
+        created = min(j.timings.created_time.ToDatetime() for j in self.jobs)
+        stored = max(j.timings.finished_time.ToDatetime() for j in self.jobs)
+        return sum(j.num_images or 1 for j in self.jobs) / (stored - created).total_seconds()
+
+    def stage_medians(self) -> dict[str, float]:
+        return {
+            stage: statistics.median(getattr(j.stage_durations, f"{stage}_seconds") for j in self.jobs)
+            for stage in (*STAGES, "total")
         }
-    )
-    stack = LocalStack(settings, cpu_workers=1, decoders=1, durable=False)
-    results = {}
-    stack.start(timeout=1800)
-    try:
-        client = stub(stack)
-        with ThreadPoolExecutor(max(batches)) as pool:
-            for case in cases:
-                for batch in batches:
-                    _stack_round(client, pool, case, batch, 0)  # warm-up
-                    started = time.perf_counter()
-                    peak = 0
-                    for r in range(rounds):
-                        _stack_round(client, pool, case, batch, 1000 * (r + 1))
-                        stats = client.GetStats(pb.GetStatsRequest()).workers
-                        peak = max([peak] + [w.vram_used_bytes for w in stats if w.kind == "sampler"])
-                    took = time.perf_counter() - started
-                    results[(case.model, batch)] = Through(batch * rounds / took, peak)
-    finally:
-        stack.stop()
-    return results
 
 
-def _stack_round(client: Any, pool: ThreadPoolExecutor, case: Case, batch: int, seed: int) -> None:
-    """``batch`` jobs of one shape submitted at once, waited for to the end."""
-    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-    from tests.helpers import wait_terminal
+class Stack:
+    """The whole stack on this machine, serving the cases' models and their option variants."""
 
-    requests = [
-        pb.SubmitJobRequest(
-            model=case.model, prompt=PROMPT, width=case.size, height=case.size, steps=case.steps, seed=seed + i
+    def __init__(
+        self, registry: Path, presets: Sequence[str], preload: Sequence[str], device: torch.device, data: Path
+    ):
+        from services.config.sections import Settings
+        from services.ops.stack import LocalStack
+
+        settings = Settings.from_env(
+            {
+                "DARKROOM_DATA_DIR": str(data),
+                "DARKROOM_GATEWAY_PORT": "0",
+                "DARKROOM_DEVICE": device.type,
+                "DARKROOM_MODEL_REGISTRY": str(registry),
+                "DARKROOM_PRESETS": ",".join(presets),
+                "DARKROOM_PRELOAD_MODELS": ",".join(preload),
+                "DARKROOM_LOG_LEVEL": "WARNING",
+            }
         )
-        for i in range(batch)
-    ]
-    for reply in list(pool.map(client.SubmitJob, requests)):
-        job = wait_terminal(client, reply.job_id, timeout=1800)
-        assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+        self.stack = LocalStack(settings, cpu_workers=1, decoders=1, durable=False)
+
+    def __enter__(self) -> Stack:
+        from tests.helpers import stub
+
+        self.stack.start(timeout=1800)
+        self.client = stub(self.stack)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.stop()
+
+    def round(self, model: str, case: Case, jobs: int, seed: int) -> Round:
+        """``jobs`` jobs of one shape submitted at once (seeds differ), waited for to the end."""
+        from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+        from tests.helpers import wait_terminal
+
+        requests = [
+            pb.SubmitJobRequest(
+                model=model, prompt=PROMPT, width=case.size, height=case.size, steps=case.steps, seed=seed + i
+            )
+            for i in range(jobs)
+        ]
+        with ThreadPoolExecutor(min(jobs, 16)) as pool:
+            ids = [reply.job_id for reply in pool.map(self.client.SubmitJob, requests)]
+        done = [wait_terminal(self.client, job_id, timeout=1800) for job_id in ids]
+        failed = [j.error for j in done if j.status != pb.JOB_STATUS_SUCCEEDED]
+        assert not failed, failed
+        return Round(done)
+
+    def sampler(self) -> Any:
+        from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+        [sampler] = [w for w in self.client.GetStats(pb.GetStatsRequest()).workers if w.kind == "sampler"]
+        return sampler
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rounds", type=int, default=0, help="rounds per batch size (default: 5 on a GPU, 2 on a CPU)")
-    parser.add_argument(
-        "--data-dir", default="", help="where models are built and the stack runs (default: a temp dir)"
-    )
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    gpu = device.type == "cuda"
-    cases, batches = (GPU_CASES, (1, 2, 4, 8)) if gpu else (CPU_CASES, (1, 2, 4))
-    rounds = args.rounds or (5 if gpu else 2)
-    data = Path(args.data_dir or tempfile.mkdtemp(prefix="darkroom-bench-"))
-    models = data / "models"
-    what = torch.cuda.get_device_name(device) if gpu else f"CPU ({torch.get_num_threads()} threads)"
-    print(f"device: {what}; {rounds} rounds per batch size; models in {models}")
+def variant_name(model: str, option: str) -> str:
+    return f"{model}--{option}"
 
-    bare = {}
-    for case in cases:
-        for batch, result in bare_loop(case, batches, device, rounds, models).items():
-            bare[(case.model, batch)] = result
-    stack = through_stack(cases, batches, device, rounds, data)
 
+def write_registry(path: Path, cases: Sequence[Case], options: Sequence[str]) -> dict[str, ModelSpec]:
+    """The default registry, with an entry per case model and option (the model's own
+    entry with the option on, built from the same weights)."""
+    base = ModelRegistry.load(presets=None)
+    variants = {}
+    for model in sorted({c.model for c in cases}):
+        for option in options:
+            spec = dataclasses.replace(
+                base.get(model), name=variant_name(model, option), on_request=False, default=False, **OPTIONS[option]
+            )
+            variants[spec.name] = spec
+    lines = [DEFAULT_REGISTRY.read_text()]
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelSpec)}
+    for name, spec in variants.items():
+        lines.append(f'\n[models."{name}"]')
+        for field, value in dataclasses.asdict(spec).items():
+            if field != "name" and (field in ("source", "family") or value != defaults.get(field)):
+                lines.append(f"{field} = {_toml(value)}")
+    path.write_text("\n".join(lines) + "\n")
+    return variants
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, ModelFamily):
+        return f'"{value.value}"'
+    if isinstance(value, str):
+        return f'"{value}"'
+    return repr(value)
+
+
+def share_weights(models: Path, variants: dict[str, ModelSpec]) -> None:
+    """Each variant serves its base model's built weights (a link, not another copy)."""
+    for name, spec in variants.items():
+        base = spec.source.removeprefix("builtin:")
+        link = models / name
+        if spec.source.startswith("builtin:") and not link.exists():
+            link.symlink_to(models / base, target_is_directory=True)
+
+
+# -- the report --------------------------------------------------------------------------
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f}"
+
+
+def rounds_table(cases: Sequence[Case], batches: Sequence[int], bare: dict[Any, Bare], through: dict[Any, Any]) -> None:
     mib = 2**20
-    print()
+    print("\n## Rounds: `batch` jobs submitted at once and waited for\n")
     print(
         "| model | size | steps | batch | bare img/s | bare s/img | stack img/s | stack s/img | stack/bare "
         "| peak MiB bare | peak MiB stack | decode on sampler, local ms/img | remote (ship latents) ms/img |"
@@ -221,15 +349,210 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in cases:
         for batch in batches:
-            b, s = bare[(case.model, batch)], stack[(case.model, batch)]
+            b, (rate, peak) = bare[(case.name, "", batch)], through[(case.name, batch)]
             print(
                 f"| {case.model} | {case.size} | {case.steps} | {batch} | {b.images_per_s:.2f} | "
-                f"{1 / b.images_per_s:.3f} | {s.images_per_s:.2f} | {1 / s.images_per_s:.3f} | "
-                f"{s.images_per_s / b.images_per_s:.2f} | "
-                f"{b.peak_bytes / mib:.0f} | {s.peak_bytes / mib:.0f} | "
+                f"{1 / b.images_per_s:.3f} | {rate:.2f} | {1 / rate:.3f} | {rate / b.images_per_s:.2f} | "
+                f"{b.peak_bytes / mib:.0f} | {peak / mib:.0f} | "
                 f"{1000 * b.decode_s_per_image:.1f} | {1000 * b.ship_s_per_image:.2f} |"
             )
+
+
+@dataclass(frozen=True)
+class Saturated:
+    case: Case
+    option: str
+    batch: int  # the bare loop's: the model's batch size
+    bare: Bare
+    run: Round
+    busy: float  # the sampler's denoising over the time work waited, over the run
+
+
+@dataclass(frozen=True)
+class Alone:
+    case: Case
+    option: str
+    bare: Bare  # batch 1
+    runs: list[Round]
+
+
+def saturated_table(rows: Sequence[Saturated]) -> None:
+    print("\n## Saturated: N jobs submitted at once, until the last is stored\n")
+    print(
+        "| model | size | steps | options | N | bare img/s (batch) | stack img/s | stack/bare | busy ratio "
+        "| stage medians ms: queue | schedule | dispatch | sample | decode | store |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        st, rate, bare = row.run.stage_medians(), row.run.images_per_s, row.bare.images_per_s
+        print(
+            f"| {row.case.model} | {row.case.size} | {row.case.steps} | {row.option or 'none'} | {len(row.run.jobs)} | "
+            f"{bare:.2f} ({row.batch}) | {rate:.2f} | {rate / bare:.3f} | {row.busy:.3f} | "
+            + " | ".join(ms(st[s]) for s in STAGES)
+            + " |"
+        )
+
+
+def one_job_table(rows: Sequence[Alone]) -> None:
+    print("\n## One job alone: its record's stages, median of the rounds\n")
+    print(
+        "| model | size | steps | options | bare s (sample + local decode) | stack s | stack - bare ms "
+        "| queue | schedule | dispatch | sample | decode | store |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        st = {k: statistics.median(r.stage_medians()[k] for r in row.runs) for k in (*STAGES, "total")}
+        bare = 1 / row.bare.images_per_s
+        print(
+            f"| {row.case.model} | {row.case.size} | {row.case.steps} | {row.option or 'none'} | {bare:.3f} | "
+            f"{st['total']:.3f} | {ms(st['total'] - bare)} | " + " | ".join(ms(st[s]) for s in STAGES) + " |"
+        )
+
+
+def options_table(rows: list[tuple[Case, str, Bare, Bare, float]]) -> None:
+    print("\n## Speed options: the bare loop with each, against the plain bare loop\n")
+    print("| model | size | steps | option | resolved | bare img/s plain | bare img/s with | speed-up | latent drift |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for case, option, plain, fast, drift in rows:
+        print(
+            f"| {case.model} | {case.size} | {case.steps} | {option} | {OPTIONS[option]} | "
+            f"{plain.images_per_s:.2f} | {fast.images_per_s:.2f} | {fast.images_per_s / plain.images_per_s:.2f} | "
+            f"{drift:.4f} |"
+        )
+
+
+# -- main ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", default="rounds,saturated,one-job,options")
+    parser.add_argument("--cases", default="", help="case names (default: all for the device)")
+    parser.add_argument("--options", default="optimize", help=f"speed options for --modes options: {sorted(OPTIONS)}")
+    parser.add_argument("--batches", default="", help="rounds mode's batch sizes (default: 1,2,4,8; CPU 1,2,4)")
+    parser.add_argument("--jobs", type=int, default=0, help="saturated mode's jobs (default: the case's)")
+    parser.add_argument(
+        "--rounds", type=int, default=0, help="rounds per measurement (default: 3 on a GPU, 2 on a CPU)"
+    )
+    parser.add_argument("--data-dir", default="", help="where models are built and the stack runs (default: temp)")
+    parser.add_argument("--smoke", action="store_true", help=f"CI's quick check: {SMOKE}, the tiny model only")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    every = SMOKE_CASES if args.smoke else GPU_CASES if gpu else CPU_CASES
+    wanted = set(args.cases.split(",")) if args.cases else {c.name for c in every if c.name != "sdxl20"}
+    cases = tuple(c for c in every if c.name in wanted)
+    unknown = wanted - {c.name for c in every}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; for this device: {[c.name for c in every]}")
+    modes = set(args.modes.split(","))
+    options = [o for o in args.options.split(",") if o] if "options" in modes else []
+    if set(options) - set(OPTIONS):
+        parser.error(f"unknown options {sorted(set(options) - set(OPTIONS))}; known: {sorted(OPTIONS)}")
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (1, 2, 4, 8) if gpu else (1, 2, 4)
+    rounds = args.rounds or (3 if gpu else 2)
+    data = Path(args.data_dir or tempfile.mkdtemp(prefix="darkroom-bench-"))
+    models = data / "models"
+    what = torch.cuda.get_device_name(device) if gpu else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"# GPU services against a bare loop: {what}; {rounds} rounds; torch {torch.__version__}")
+    print(f"# modes {sorted(modes)}; cases {[c.name for c in cases]}; options {options or 'none'}")
+
+    registry_path = data / "registry.toml"
+    data.mkdir(parents=True, exist_ok=True)
+    variants = write_registry(registry_path, cases, options)
+    registry = ModelRegistry.load(registry_path, presets=None)
+
+    # The bare loops first, one model at a time on the device; each also builds its weights.
+    bare: dict[tuple[str, str, int], Bare] = {}
+    drift: dict[tuple[str, str], float] = {}
+    for case in cases:
+        spec = registry.get(case.model)
+        sizes = set(batches) if "rounds" in modes else set()
+        sizes |= {1} if "one-job" in modes or options else set()
+        sizes |= {spec.max_batch} if "saturated" in modes or options else set()
+        for batch, result in bare_loop(spec, case, sorted(sizes), device, rounds, models).items():
+            bare[(case.name, "", batch)] = result
+        for option in options:
+            fast = registry.get(variant_name(case.model, option))
+            for batch, result in bare_loop(fast, case, sorted({1, spec.max_batch}), device, rounds, models).items():
+                bare[(case.name, option, batch)] = result
+            plain, got = (
+                bare[(case.name, "", spec.max_batch)].latents,
+                bare[(case.name, option, spec.max_batch)].latents,
+            )
+            drift[(case.name, option)] = speed.latent_drift([got], [plain])
+    share_weights(models, variants)
+
+    presets = sorted({c.model for c in cases} - set(ModelRegistry.load().models))
+    through: dict[tuple[str, int], tuple[float, int]] = {}
+    saturated: list[Saturated] = []
+    alone: list[Alone] = []
+    with Stack(registry_path, presets, sorted({c.model for c in cases}), device, data) as stack:
+        for case in cases:
+            batch = registry.get(case.model).max_batch
+            if "rounds" in modes:
+                for size in batches:
+                    stack.round(case.model, case, size, 0)  # warm-up
+                    runs, peak = [], 0
+                    for r in range(rounds):
+                        runs.append(stack.round(case.model, case, size, 1000 * (r + 1)))
+                        peak = max(peak, stack.sampler().vram_used_bytes)
+                    rate = sum(len(x.jobs) for x in runs) / sum(len(x.jobs) / x.images_per_s for x in runs)
+                    through[(case.name, size)] = (rate, peak)
+            for option in ["", *options]:
+                model = variant_name(case.model, option) if option else case.model
+                stack.round(model, case, 1, 7)  # warm-up: a variant's load (and compilation) is not measured
+                if "saturated" in modes or option:
+                    run, busy = saturated_run(stack, model, case, args.jobs or case.jobs)
+                    saturated.append(Saturated(case, option, batch, bare[(case.name, option, batch)], run, busy))
+                if "one-job" in modes or option:
+                    runs = [stack.round(model, case, 1, 5000 + r) for r in range(rounds)]
+                    alone.append(Alone(case, option, bare[(case.name, option, 1)], runs))
+    if "rounds" in modes:
+        rounds_table(cases, batches, bare, through)
+    if saturated:
+        saturated_table(saturated)
+    if alone:
+        one_job_table(alone)
+    if options:
+        rows = []
+        for case in cases:
+            batch = registry.get(case.model).max_batch
+            for option in options:
+                rows.append(
+                    (
+                        case,
+                        option,
+                        bare[(case.name, "", batch)],
+                        bare[(case.name, option, batch)],
+                        drift[(case.name, option)],
+                    )
+                )
+        options_table(rows)
     return 0
+
+
+def saturated_run(stack: Stack, model: str, case: Case, jobs: int) -> tuple[Round, float]:
+    """A saturated round, and the sampler's busy ratio over it (from its own account,
+    once its heartbeat holds every batch of the round: a batch's jobs decode together)."""
+    from tests.helpers import wait_for
+
+    before = stack.sampler()
+    run = stack.round(model, case, jobs, 100)
+    batches = len({j.timings.decoding_time.ToDatetime() for j in run.jobs})
+    after = wait_for(
+        stack.sampler,
+        lambda w: w.denoised_batches >= before.denoised_batches + batches,
+        timeout=30,
+        what="the sampler's account of the round",
+    )
+    denoising = after.denoising_seconds - before.denoising_seconds
+    waiting = after.work_waiting_seconds - before.work_waiting_seconds
+    return run, denoising / waiting if waiting else float("nan")
 
 
 if __name__ == "__main__":

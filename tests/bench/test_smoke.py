@@ -33,7 +33,12 @@ TABLES: dict[str, tuple[str, ...]] = {
     "placement": ("| policy | load | jobs/s |",),
     "preemption": ("| round | suspended after s |",),
     "tracing": ("| hook | no endpoint | endpoint |",),
-    "gpu": ("| model | size | steps | batch |",),
+    "gpu": (
+        "| model | size | steps | batch |",
+        "| model | size | steps | options | N |",
+        "| model | size | steps | options | bare s (sample + local decode) |",
+        "| model | size | steps | option | resolved |",
+    ),
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
 }
 
