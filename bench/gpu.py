@@ -234,8 +234,14 @@ class Stack:
     """The whole stack on this machine, serving the cases' models and their option variants."""
 
     def __init__(
-        self, registry: Path, presets: Sequence[str], preload: Sequence[str], device: torch.device, data: Path
-    ):
+        self,
+        registry: Path,
+        presets: Sequence[str],
+        preload: Sequence[str],
+        device: torch.device,
+        data: Path,
+        decode_locally: bool,
+    ) -> None:
         from services.config.sections import Settings
         from services.ops.stack import LocalStack
 
@@ -248,6 +254,7 @@ class Stack:
                 "DARKROOM_PRESETS": ",".join(presets),
                 "DARKROOM_PRELOAD_MODELS": ",".join(preload),
                 "DARKROOM_LOG_LEVEL": "WARNING",
+                "DARKROOM_DECODE_LOCALLY": "true" if decode_locally else "false",
             }
         )
         self.stack = LocalStack(settings, cpu_workers=1, decoders=1, durable=False)
@@ -435,6 +442,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=0, help="rounds per measurement (default: 3 on a GPU, 2 on a CPU)"
     )
+    parser.add_argument(
+        "--decode",
+        choices=("service", "local"),
+        default="service",
+        help="where the stack decodes: its decoder service (the default stack), or the sampler itself "
+        "(DARKROOM_DECODE_LOCALLY: a box whose decoder shares the GPU)",
+    )
     parser.add_argument("--data-dir", default="", help="where models are built and the stack runs (default: temp)")
     parser.add_argument("--smoke", action="store_true", help=f"CI's quick check: {SMOKE}, the tiny model only")
     args = parser.parse_args(argv)
@@ -460,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     what = torch.cuda.get_device_name(device) if gpu else f"CPU ({torch.get_num_threads()} threads)"
     print(f"# GPU services against a bare loop: {what}; {rounds} rounds; torch {torch.__version__}")
     print(f"# modes {sorted(modes)}; cases {[c.name for c in cases]}; options {options or 'none'}")
+    print(f"# the stack decodes on {'the sampler' if args.decode == 'local' else 'its decoder service'}")
 
     registry_path = data / "registry.toml"
     data.mkdir(parents=True, exist_ok=True)
@@ -491,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     through: dict[tuple[str, int], tuple[float, int]] = {}
     saturated: list[Saturated] = []
     alone: list[Alone] = []
-    with Stack(registry_path, presets, sorted({c.model for c in cases}), device, data) as stack:
+    preload = sorted({c.model for c in cases})
+    with Stack(registry_path, presets, preload, device, data, args.decode == "local") as stack:
         for case in cases:
             batch = registry.get(case.model).max_batch
             if "rounds" in modes:

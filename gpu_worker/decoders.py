@@ -2,12 +2,14 @@
 one call to the decoder service that will finish them first (``VaeDecoder.Decode``),
 on another one when that fails or disappears mid-stream (only the jobs it did not
 finish go), and on this sampler itself as a last resort when
-``local_decode_fallback`` allows. An edit's input image goes the other way, into
+``local_decode_fallback`` allows; or always on this sampler (``decode_locally``:
+its decoder would share its GPU), the batch in one call. An edit's input image goes the other way, into
 latents, the same way (``VaeDecoder.Encode``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -22,7 +24,7 @@ from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
-from services.errors import DarkroomError, StoreError
+from services.errors import DarkroomError, DegenerateOutput, StoreError
 from services.mesh.rpc import MeshIdentity
 from services.models.encoding import encode_output, mime_type_of
 from services.models.vae import VaeDecoderEngine
@@ -106,10 +108,14 @@ class Decoders:
         local: VaeDecoderEngine | None = None,
         patience_s: float = DECODE_PATIENCE_S,
         mesh: MeshIdentity | None = None,
+        locally: bool = False,
     ) -> None:
+        if locally and local is None:
+            raise ValueError("decoding locally needs a local decoder engine")
         self.repo = repo
         self.stale_after_s = stale_after_s
         self.local = local
+        self.locally = locally  # always here, never on a decoder service
         self.patience_s = patience_s
         self._rotation = itertools.count()
         self._channels = Channels(mesh)
@@ -128,6 +134,8 @@ class Decoders:
     async def decode_many(self, jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> Decoded:
         """Each job's images (jobs of one model and size, a sampler's batch), or the
         DecodeUnavailable that ended its wait for a decoder."""
+        if self.locally:
+            return await asyncio.to_thread(self._decode_here, jobs)
         out: Decoded = {}
         pending = list(jobs)
         deadline = time.monotonic() + self.patience_s
@@ -237,21 +245,53 @@ class Decoders:
                 ]
         return out
 
+    def _decode_here(self, jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> Decoded:
+        """The batch's latents in one VAE call on this device (a lower-priority stream
+        than the denoising's), then each image encoded; a job whose images cannot be
+        made fails alone."""
+        assert self.local is not None
+        model = jobs[0][0].params.model
+        stream = self.local.decode_stream()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            try:
+                decoded = self.local.decode_images(model, torch.cat([latents for _, latents in jobs]))
+            except Exception as exc:
+                return {job.id: exc for job, _ in jobs}
+        out: Decoded = {}
+        start = 0
+        for job, latents in jobs:
+            own = decoded[start : start + len(latents)]
+            start += len(latents)
+            faults = [f"image {i}: {image.fault}" for i, image in enumerate(own) if image.fault]
+            if faults:
+                out[job.id] = DegenerateOutput("; ".join(faults))
+                continue
+            try:
+                out[job.id] = [self._record(job, i, image.pixels) for i, image in enumerate(own)]
+            except Exception as exc:
+                out[job.id] = exc
+        return out
+
+    @staticmethod
+    def _record(job: JobRecord, index: int, pixels: np.ndarray) -> ImageRecord:
+        mime_type = mime_type_of(job.output_format)
+        data = encode_output(pixels, mime_type, job.params.fps)
+        height, width = pixels.shape[-3:-1]
+        return ImageRecord(index, data, mime_type, width, height, (job.params.seed + index) % 2**63)
+
     def _decode_locally(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
         assert self.local is not None
-        mime_type = mime_type_of(job.output_format)
-        images = []
-        for i, pixels in enumerate(self.local.decode(job.params.model, latents.detach().to("cpu", torch.float32))):
-            height, width = pixels.shape[-3:-1]
-            data = encode_output(pixels, mime_type, job.params.fps)
-            images.append(ImageRecord(i, data, mime_type, width, height, (job.params.seed + i) % 2**63))
-        return images
+        pixels = self.local.decode(job.params.model, latents.detach().to("cpu", torch.float32))
+        return [self._record(job, i, image) for i, image in enumerate(pixels)]
 
     async def encode(self, job: JobRecord, image: bytes) -> torch.Tensor:
         """An edit's input image as its model's latents (1, C, H/8, W/8), from a
         decoder service (or this sampler, where ``local_decode_fallback`` allows);
         DecodeUnavailable if none could within the patience."""
         p = job.params
+        if self.locally:
+            assert self.local is not None
+            return await asyncio.to_thread(self.local.encode_image, p.model, image, p.width, p.height)
         request = vae_decoder_pb2.EncodeRequest(
             model=p.model, image=image, width=p.width, height=p.height, job_id=job.id
         )

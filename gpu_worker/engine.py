@@ -6,6 +6,7 @@ Runs in a worker thread (never on the event loop)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -48,6 +49,9 @@ class SamplerEngine:
         self.capabilities = frozenset(capabilities)
         self.prompts = PromptCache(prompt_cache_bytes)
         self.busy = BusyClock()  # its batches' denoising, against the time work waited
+        # Denoising runs on a stream of the highest priority: a decode sharing the GPU
+        # (``decode_locally``, on a stream of the lowest) takes what it leaves.
+        self._stream = torch.cuda.Stream(device, priority=-10) if device.type == "cuda" else None
         unet = UNetDenoiser(models_dir, device, self.prompts)
         # One denoiser per model family.
         self.denoisers: dict[ModelFamily, Denoiser] = {
@@ -142,10 +146,16 @@ class SamplerEngine:
         spec = self.registry.get(model)
         if model not in self.models:  # a job waits for this load
             COLD_LOADS.labels(model=model).inc()
-        loaded = self.models.get(model)
-        checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
-        with self.busy.denoising():
-            return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints)
+        with self._on_stream():
+            loaded = self.models.get(model)
+            checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
+            with self.busy.denoising():
+                return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Its device's work on its denoising stream (from whichever thread): the
+        prompts encoded ahead are then ordered before the batch that reads them."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def encode_prompts(self, batch: Sequence[GenerationParams]) -> bool:
         """Encodes the prompts of a batch that runs next into the prompt cache while
@@ -155,5 +165,6 @@ class SamplerEngine:
         if not batch or batch[0].model not in self.models:
             return False
         spec = self.registry.get(batch[0].model)
-        self.denoiser_for(spec).encode_prompts(self.models.get(spec.name), spec, batch)
+        with self._on_stream():
+            self.denoiser_for(spec).encode_prompts(self.models.get(spec.name), spec, batch)
         return True

@@ -155,9 +155,11 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     mesh = MeshIdentity.of(kernel.mesh_dir, "sampler")
     server = create_server(settings, tracker, mesh)
     local = None
-    if settings.local_decode_fallback:
+    if settings.local_decode_fallback or settings.decode_locally:
         local = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
-    decoders = Decoders(repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh)
+    decoders = Decoders(
+        repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh, locally=settings.decode_locally
+    )
     events = Events()
     nats = JetStream(
         kernel,

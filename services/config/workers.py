@@ -60,6 +60,12 @@ class SamplerSettings(Section):
     )
     prompt_cache_mb: int = setting(64, "Prompt embeddings it keeps (MiB), least recently used first out.", at_least=0)
     local_decode_fallback: bool = setting(False, "It decodes its own latents when no decoder service can.")
+    decode_locally: bool = setting(
+        False,
+        "It decodes its own latents (and encodes edits' inputs) on its own device, never calling a decoder service: "
+        "for a box whose decoder would share the sampler's GPU. One process, one CUDA context, batched like the "
+        "decoder's, on a lower-priority CUDA stream than its denoising.",
+    )
     dispatch_ack_wait_s: float = setting(
         30.0, "JetStream redelivers a dispatch not acked (or kept in progress) this long.", at_least=1.0
     )

@@ -106,6 +106,7 @@ class VaeDecoderEngine:
     min_pixel_std: float = DEFAULT_MIN_PIXEL_STD
     _vaes: dict[str, Any] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _stream: Any = field(default=None, init=False)
 
     @classmethod
     def from_settings(
@@ -145,6 +146,16 @@ class VaeDecoderEngine:
                 self._prepare(vae, spec, options)
             self._vaes[name] = vae
             return vae
+
+    def decode_stream(self) -> torch.cuda.Stream | None:
+        """A CUDA stream of the lowest priority, for decodes that share the GPU with a
+        sampler's denoising (which runs on a stream of the highest); None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        with self._lock:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device, priority=0)
+            return self._stream
 
     def _options(self, model: str) -> speed.SpeedOptions:
         """The model's speed options for its VAE: quantization aside (a VAE's few
