@@ -29,6 +29,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from gpu_worker.acks import Acks
 from gpu_worker.batch_choice import PassArrivals, next_batch
 from gpu_worker.busy import BusyClock
 from gpu_worker.outcomes import Outcome, Started
@@ -47,8 +48,6 @@ FETCH_WAIT_S = 0.5
 # How long the jobs a scheduling pass sent here are waited for: they are published
 # together, so the rest arrive within milliseconds or were lost.
 SIBLING_PATIENCE_S = 0.05
-# A dispatch whose outcome could not be stored comes back after this long.
-REDELIVER_AFTER_S = 2.0
 # Batches whose jobs may be decoding and storing while the next one samples.
 MAX_FINISHING = 2
 
@@ -95,14 +94,13 @@ class DispatchConsumer:
         # Set whenever what a batch could be formed from changes: dispatches arrived,
         # the device freed, room in hand.
         self._changed = asyncio.Event()
-        # Every dispatch taken and not yet settled, by its ack subject.
-        self._unsettled: dict[str, Msg] = {}
+        self.acks = Acks(consumer.ack_wait_s)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until ``stop`` is set, or the runner finds this worker unfit; returns once
         every started job has an outcome. Dispatches in hand but not started are
         left for redelivery (the worker hands their jobs back as it deregisters)."""
-        keepalive = asyncio.create_task(self._keep_in_progress())
+        keepalive = asyncio.create_task(self.acks.keep_in_progress())
         fetcher = asyncio.create_task(self._fetch(stop))
         stopping = asyncio.create_task(self._wake_on(stop))
         try:
@@ -119,7 +117,7 @@ class DispatchConsumer:
                 await asyncio.wait(self._finishing)
             keepalive.cancel()
             for pending in self._in_hand:
-                await self._settle(pending.msg.nak(), f"nak {pending.dispatch.job_id}", pending.dispatch.job_id)
+                await self.acks.handed_back(pending.msg, pending.dispatch.job_id)
             self._in_hand = []
             self._work_changed()
             await self._unsubscribe(sub)
@@ -206,12 +204,12 @@ class DispatchConsumer:
                 dispatch = Dispatch.decode(msg.data)
             except MalformedDispatch as exc:
                 log.error("terminating a dispatch on %s: %s", msg.subject, exc)
-                await self._settle(msg.term(), "terminate")
+                await self.acks.terminated(msg)
                 continue
             self._passes.arrived(dispatch.pass_id, dispatch.pass_jobs, now)
             shape = dispatch.shape
             key = shape.key if shape else None
-            self._unsettled[msg.reply] = msg
+            self.acks.taken(msg)
             self._in_hand.append(InHand(msg, dispatch, key, shape.num_images if shape else 1, now))
         self._work_changed()
 
@@ -296,27 +294,4 @@ class DispatchConsumer:
             await self._settled(pending, outcome)
 
     async def _settled(self, pending: InHand, outcome: Outcome) -> None:
-        self._unsettled.pop(pending.msg.reply, None)
-        job_id = pending.dispatch.job_id
-        if outcome is Outcome.STORED:
-            await self._settle(pending.msg.ack(), f"ack {job_id}", job_id)
-        else:
-            await self._settle(pending.msg.nak(delay=REDELIVER_AFTER_S), f"nak {job_id}", job_id)
-
-    @staticmethod
-    async def _settle(call: Awaitable[None], what: str, job_id: str = "") -> None:
-        # Not settled (NATS away): JetStream redelivers it after the ack wait, and
-        # the redelivery finds the outcome stored, or runs the job again.
-        try:
-            await call
-        except BUS_ERRORS as exc:
-            log.warning("cannot %s: %s", what, exc, extra=logs.job_fields(job_id) if job_id else None)
-
-    async def _keep_in_progress(self) -> None:
-        """Keeps JetStream from redelivering the jobs this worker holds while they
-        wait or run: all of them, every third of the ack wait."""
-        while True:
-            await asyncio.sleep(self.consumer.ack_wait_s / 3)
-            for msg in list(self._unsettled.values()):
-                with contextlib.suppress(*BUS_ERRORS):
-                    await msg.in_progress()
+        await self.acks.settled(pending.msg, pending.dispatch.job_id, outcome)

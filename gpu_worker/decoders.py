@@ -9,7 +9,6 @@ latents, the same way (``VaeDecoder.Encode``)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -20,14 +19,14 @@ import numpy as np
 import torch
 
 from gpu_worker import spans
+from gpu_worker.local_decode import Decoded, LocalDecoder
 from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
-from services.errors import DarkroomError, DegenerateOutput, StoreError
+from services.errors import DarkroomError, StoreError
 from services.mesh.rpc import MeshIdentity
-from services.models.encoding import encode_output, mime_type_of
-from services.models.vae import VaeDecoderEngine
+from services.models.encoding import mime_type_of
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Channels
 from services.telemetry import logs
@@ -40,9 +39,6 @@ DECODE_TIMEOUT_S = 120.0
 ROUND_PAUSE_S = 0.5
 # The live decoders are reread this often (and when none of them could decode).
 DECODERS_REREAD_S = 1.0
-
-# What each job of a decode came to: its images, or why it has none.
-Decoded = dict[str, list[ImageRecord] | BaseException]
 
 
 class DecodeUnavailable(DarkroomError):
@@ -105,7 +101,7 @@ class Decoders:
         repo: Repository,
         *,
         stale_after_s: float,
-        local: VaeDecoderEngine | None = None,
+        local: LocalDecoder | None = None,
         patience_s: float = DECODE_PATIENCE_S,
         mesh: MeshIdentity | None = None,
         locally: bool = False,
@@ -135,7 +131,8 @@ class Decoders:
         """Each job's images (jobs of one model and size, a sampler's batch), or the
         DecodeUnavailable that ended its wait for a decoder."""
         if self.locally:
-            return await asyncio.to_thread(self._decode_here, jobs)
+            assert self.local is not None
+            return await asyncio.to_thread(self.local.decode_batch, jobs)
         out: Decoded = {}
         pending = list(jobs)
         deadline = time.monotonic() + self.patience_s
@@ -181,7 +178,7 @@ class Decoders:
                 )
                 for job, latents in pending:
                     try:
-                        out[job.id] = await asyncio.to_thread(self._decode_locally, job, latents)
+                        out[job.id] = await asyncio.to_thread(self.local.decode_job, job, latents)
                     except Exception as exc:
                         out[job.id] = exc
                 return out
@@ -245,45 +242,6 @@ class Decoders:
                 ]
         return out
 
-    def _decode_here(self, jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> Decoded:
-        """The batch's latents in one VAE call on this device (a lower-priority stream
-        than the denoising's), then each image encoded; a job whose images cannot be
-        made fails alone."""
-        assert self.local is not None
-        model = jobs[0][0].params.model
-        stream = self.local.decode_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            try:
-                decoded = self.local.decode_images(model, torch.cat([latents for _, latents in jobs]))
-            except Exception as exc:
-                return {job.id: exc for job, _ in jobs}
-        out: Decoded = {}
-        start = 0
-        for job, latents in jobs:
-            own = decoded[start : start + len(latents)]
-            start += len(latents)
-            faults = [f"image {i}: {image.fault}" for i, image in enumerate(own) if image.fault]
-            if faults:
-                out[job.id] = DegenerateOutput("; ".join(faults))
-                continue
-            try:
-                out[job.id] = [self._record(job, i, image.pixels) for i, image in enumerate(own)]
-            except Exception as exc:
-                out[job.id] = exc
-        return out
-
-    @staticmethod
-    def _record(job: JobRecord, index: int, pixels: np.ndarray) -> ImageRecord:
-        mime_type = mime_type_of(job.output_format)
-        data = encode_output(pixels, mime_type, job.params.fps)
-        height, width = pixels.shape[-3:-1]
-        return ImageRecord(index, data, mime_type, width, height, (job.params.seed + index) % 2**63)
-
-    def _decode_locally(self, job: JobRecord, latents: torch.Tensor) -> list[ImageRecord]:
-        assert self.local is not None
-        pixels = self.local.decode(job.params.model, latents.detach().to("cpu", torch.float32))
-        return [self._record(job, i, image) for i, image in enumerate(pixels)]
-
     async def encode(self, job: JobRecord, image: bytes) -> torch.Tensor:
         """An edit's input image as its model's latents (1, C, H/8, W/8), from a
         decoder service (or this sampler, where ``local_decode_fallback`` allows);
@@ -291,7 +249,7 @@ class Decoders:
         p = job.params
         if self.locally:
             assert self.local is not None
-            return await asyncio.to_thread(self.local.encode_image, p.model, image, p.width, p.height)
+            return await asyncio.to_thread(self.local.encode, job, image)
         request = vae_decoder_pb2.EncodeRequest(
             model=p.model, image=image, width=p.width, height=p.height, job_id=job.id
         )
@@ -309,7 +267,7 @@ class Decoders:
                 return torch.from_numpy(array.copy())
             self._known_at = float("-inf")
             if self.local is not None:
-                return await asyncio.to_thread(self.local.encode_image, p.model, image, p.width, p.height)
+                return await asyncio.to_thread(self.local.encode, job, image)
             if time.monotonic() >= deadline:
                 tried = "; ".join(failures[-3:]) or "no decoder is registered"
                 raise DecodeUnavailable(f"no decoder could encode its input image in {self.patience_s:.0f}s ({tried})")

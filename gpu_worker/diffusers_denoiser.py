@@ -19,21 +19,14 @@ latents, its mask, its first noise) travels in the checkpoint. Resuming gives
 exactly the uninterrupted output on a CPU (on a GPU, what rerunning the job would
 give there).
 
-The GPU never waits for the host inside the loop: each noise scheduler keeps its
-tables and its bookkeeping on the host (its timesteps set on the CPU: what a
-scheduler reads to decide is a host number, never a device tensor read back), the
-network takes a device copy of the timesteps made once per member, progress and
-stops are host flags, and nothing is read back but at the boundaries a member asks
-for (a preview, a periodic checkpoint, a suspension) and at the end. On a CUDA
-device such a read is a synchronisation that empties the GPU's queue; a test runs
-the loop on the meta device, where any of them fails."""
+The GPU never waits for the host inside the loop: the noise schedulers decide on the
+host (``noise_schedulers``), progress and stops are host flags, and nothing is read
+back but at a boundary a member asks for (a preview, a checkpoint, a suspension) and
+at its end; a test runs the loop on the meta device, where any read back fails."""
 
 from __future__ import annotations
 
 import inspect
-import logging
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,29 +34,15 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoint_capture import CheckpointPolicy, LoopState, MemberCheckpoints, MemberRun, Resumption
+from gpu_worker.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
 from gpu_worker.denoising import BadOutput, BatchMember, MemberInputs, MemberResult, check_output
+from gpu_worker.network_calls import NetworkCalls, warm_up_buckets
+from gpu_worker.noise_schedulers import HOST, host_scheduler, keep_unmasked, start_from_input
 from gpu_worker.prompts import Conditioning, PromptCache, prompt_key
 from services.generation import BatchKey, GenerationParams
 from services.models import loader, speed
 from services.models.loader import Loaded
 from services.models.registry import ModelSpec, scheduler_class
-
-log = logging.getLogger(__name__)
-
-# Steps of each warm-up generation of a compiled network (the second is what a
-# multistep scheduler's later steps look like).
-WARM_UP_STEPS = 2
-
-# The names of the tensors an edit resumes with, besides its latents.
-IMAGE_LATENTS = "image_latents"  # its input image, encoded by the VAE
-MASK = "mask"  # inpainting: 1 where the model paints, at the latents' size
-NOISE = "noise"  # the noise its latents started from
-
-
-# Where a scheduler's tables and bookkeeping live: what it decides on is then a
-# host number, never a device tensor read back.
-HOST = torch.device("cpu")
 
 
 @dataclass
@@ -83,10 +62,9 @@ class DiffusersDenoiser:
         self.models_dir = models_dir
         self.device = device
         self.prompts = prompts
-        # Batches are fused into one network call on an accelerator; the meta device
-        # stands for one in the test that the loop never waits for the host.
+        # Batches are fused into one network call on an accelerator. The meta device
+        # stands for one in a test, and has no generators: its noise comes from the CPU.
         self.fuse_batches = device.type != "cpu"
-        # The meta device has no generators: its noise is drawn on the CPU.
         self.generator_device = HOST if device.type == "meta" else device
 
     # -- what a family says --------------------------------------------------------
@@ -123,21 +101,9 @@ class DiffusersDenoiser:
         if inputs is None or inputs.image_latents is None:
             state.latents = noise * state.scheduler.init_noise_sigma
             return
-        params = member.params
-        # A second-order scheduler lists each timestep twice: its loop index is twice the step.
-        first = params.first_step() * state.scheduler.order
-        image = inputs.image_latents.to(self.device, noise.dtype).repeat(params.num_images, 1, 1, 1)
-        state.extras = {IMAGE_LATENTS: image, NOISE: noise}
-        if inputs.mask is not None:
-            state.extras[MASK] = inputs.mask.to(self.device, noise.dtype)
-        if hasattr(state.scheduler, "set_begin_index"):
-            state.scheduler.set_begin_index(first)
-        if first == 0 and inputs.mask is not None:
-            state.latents = noise * state.scheduler.init_noise_sigma  # all of it repainted, as diffusers does
-        else:
-            keep, add = _noising(state.scheduler, state.scheduler.timesteps[first : first + 1], noise.dtype)
-            state.latents = keep * image + add * noise
-        run.step = first
+        image = inputs.image_latents.to(self.device, noise.dtype).repeat(member.params.num_images, 1, 1, 1)
+        mask = inputs.mask.to(self.device, noise.dtype) if inputs.mask is not None else None
+        run.step = start_from_input(state, member.params, image, mask, noise)
 
     # -- the loop ------------------------------------------------------------------
 
@@ -155,15 +121,7 @@ class DiffusersDenoiser:
         options = speed.SpeedOptions.of(spec, self.device)
         self.prepare_network(pipe, spec, options)
         if options.compile:
-            began = time.perf_counter()
-            self._warm_up_buckets(pipe, spec)
-            log.info(
-                "%s compiled (%s) and warmed up for batches of %s in %.1fs",
-                spec.name,
-                options.describe(),
-                speed.buckets(self._max_rows(spec)),
-                time.perf_counter() - began,
-            )
+            warm_up_buckets(self, pipe, spec, self._max_rows(spec))
         return loaded
 
     def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
@@ -175,32 +133,8 @@ class DiffusersDenoiser:
         batch's images where batches are fused, one member's elsewhere."""
         return spec.max_batch if self.fuse_batches else min(spec.max_images, spec.max_batch)
 
-    def _warm_up_buckets(self, pipe: Any, spec: ModelSpec) -> None:
-        """Runs the compiled network at the model's default size for each batch
-        bucket, with guidance and without: compiled now, not on a user's job."""
-        for rows in speed.buckets(self._max_rows(spec)):
-            for guidance in sorted({spec.default_guidance, 1.0}):
-                params = GenerationParams(
-                    spec.name,
-                    "warm-up",
-                    "",
-                    spec.default_width,
-                    spec.default_height,
-                    WARM_UP_STEPS,
-                    guidance,
-                    0,
-                    rows,
-                    frames=spec.default_frames,
-                    fps=spec.default_fps,
-                )
-                member = BatchMember(params, _no_step, threading.Event(), inputs=self.warm_up_inputs(spec, params))
-                [run] = self.denoise(pipe, spec, [member], MemberCheckpoints(self.device, CheckpointPolicy()))
-                if isinstance(run.result, BaseException):
-                    raise run.result
-
     def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
-        """What a warm-up generation takes besides its prompt (an upscaler: an input)."""
-        return None
+        return None  # an upscaler's: its input
 
     def sample(
         self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
@@ -308,7 +242,7 @@ class DiffusersDenoiser:
                     state = _state(r)
                     extra = {"generator": state.generators} if takes_generator else {}
                     state.latents = state.scheduler.step(eps, t, state.latents, **extra, return_dict=False)[0]
-                    _keep_unmasked(state, r.step)
+                    keep_unmasked(state, r.step)
             for r in active:
                 r.step += 1
                 r.member.on_step(r.step, r.total)
@@ -347,11 +281,7 @@ class DiffusersDenoiser:
         x = torch.cat(scaled)
         c = Conditioning.stack([r.conditioning.rows(s.latents.shape[0]) for r, s in zip(group, states, strict=True)])
         rows = x.shape[0]
-        padding = calls.padding(rows)
-        if padding:
-            # A compiled network sees the shapes it was warmed up with, no others.
-            x = torch.cat([x, x.new_zeros((padding, *x.shape[1:]))])
-            c = c.padded(padding)
+        x, c = calls.padded(x, c)
         cfg = guidance > 1.0
         if cfg:
             x = torch.cat([x, x])
@@ -362,54 +292,6 @@ class DiffusersDenoiser:
             uncond, cond = out.chunk(2)
             out = uncond + guidance * (cond - uncond)
         return list(out[:rows].split(sizes))
-
-
-@dataclass(frozen=True)
-class NetworkCalls:
-    """How a batch calls its (perhaps compiled) network: with its speed options, and
-    padded to a bucket where it is compiled."""
-
-    options: speed.SpeedOptions
-    max_rows: int
-
-    def padding(self, rows: int) -> int:
-        return speed.bucket(rows, self.max_rows) - rows if self.options.compile else 0
-
-
-def _no_step(step: int, total: int) -> None:
-    pass
-
-
-def host_scheduler(cls: Any, pipe: Any, params: GenerationParams) -> Any:
-    """A new noise scheduler of class ``cls`` (the pipeline's config) set to the job's
-    steps, its tables on the host."""
-    scheduler = cls.from_config(pipe.scheduler.config)
-    scheduler.set_timesteps(params.steps, device=HOST)
-    return scheduler
-
-
-def _keep_unmasked(state: LoopState, step: int) -> None:
-    """Inpainting: outside the mask, the input image noised to the next step."""
-    mask = state.extras.get(MASK)
-    if mask is None:
-        return
-    image, noise = state.extras[IMAGE_LATENTS], state.extras[NOISE]
-    timesteps = state.scheduler.timesteps
-    if step + 1 < len(timesteps):
-        keep, add = _noising(state.scheduler, timesteps[step + 1 : step + 2], image.dtype)
-        image = keep * image + add * noise
-    state.latents = (1 - mask) * image + mask * state.latents
-
-
-def _noising(scheduler: Any, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_noise``'s coefficients at ``t``, on the host: it is linear in the image and
-    the noise (``keep * image + add * noise``) for every diffusers scheduler, and
-    asking it with ones and zeros on the host spares the device a lookup it would
-    read back."""
-    one, zero = torch.ones(1, dtype=dtype), torch.zeros(1, dtype=dtype)
-    keep = scheduler.add_noise(one, zero, t).reshape(())
-    add = scheduler.add_noise(zero, one, t).reshape(())
-    return keep, add
 
 
 def _state(run: MemberRun) -> LoopState:

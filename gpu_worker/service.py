@@ -23,6 +23,7 @@ from gpu_worker.decoders import Decoders
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.heartbeat import SamplerLoad
 from gpu_worker.job_store import JobStore
+from gpu_worker.local_decode import LocalDecoder
 from gpu_worker.plan_follower import follow_plan
 from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
@@ -156,7 +157,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     server = create_server(settings, tracker, mesh)
     local = None
     if settings.local_decode_fallback or settings.decode_locally:
-        local = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
+        local = LocalDecoder(VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device))
     decoders = Decoders(
         repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh, locally=settings.decode_locally
     )

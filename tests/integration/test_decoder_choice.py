@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from gpu_worker.decoders import Decoders, DecodeUnavailable
+from gpu_worker.local_decode import LocalDecoder
 from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings
 from services.db.migrate import upgrade
@@ -219,7 +220,7 @@ async def test_the_sampler_decodes_locally_in_the_jobs_format_when_no_decoder_is
     repo: Repository, models_dir: Path
 ) -> None:
     await register_unreachable_decoder(repo)
-    local = VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu"))
+    local = LocalDecoder(VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu")))
     decoders = Decoders(repo, stale_after_s=STALE_AFTER_S, local=local)
     try:
         z = latents(2, seed=5)
@@ -230,7 +231,7 @@ async def test_the_sampler_decodes_locally_in_the_jobs_format_when_no_decoder_is
         (0, "image/webp", 64, 64),
         (1, "image/webp", 64, 64),
     ]
-    for image, alone in zip(images, local.decode("tiny", z), strict=True):
+    for image, alone in zip(images, local.engine.decode("tiny", z), strict=True):
         assert image.data == encode(alone, "image/webp")
         with Image.open(io.BytesIO(image.data)) as img:
             assert img.format == "WEBP"

@@ -10,7 +10,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import cast
 
-from gpu_worker.consumer import REDELIVER_AFTER_S, DispatchConsumer
+from gpu_worker.acks import REDELIVER_AFTER_S
+from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.outcomes import Outcome, Started
 from gpu_worker.runner import JobRunner, SampledBatch
 from gpu_worker.tracker import JobWatch

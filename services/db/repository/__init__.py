@@ -4,8 +4,9 @@ once, in ``database``."""
 
 from __future__ import annotations
 
+from services.db.attempt_records import Result, Standing, StartRequest, StepReport
 from services.db.repository.admission import Admission
-from services.db.repository.attempts import Attempts, Result, Standing, StartRequest, StepReport
+from services.db.repository.attempts import Attempts
 from services.db.repository.checkpoints import Checkpoints
 from services.db.repository.credits import Credits, DayUsage, Settled
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, PLANNER_LOCK, SCHEDULER_LOCK, Database
