@@ -157,14 +157,12 @@ class SamplerEngine:
         prompts encoded ahead are then ordered before the batch that reads them."""
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
-    def encode_prompts(self, batch: Sequence[GenerationParams]) -> bool:
+    def encode_prompts(self, batch: Sequence[GenerationParams]) -> None:
         """Encodes the prompts of a batch that runs next into the prompt cache while
         the device runs the one before it, so that the batch starts at its first
-        step. Only for a model already loaded (a load here would evict what runs);
-        whether it did."""
+        step. Only for a model already loaded (a load here would evict what runs)."""
         if not batch or batch[0].model not in self.models:
-            return False
+            return
         spec = self.registry.get(batch[0].model)
         with self._on_stream():
             self.denoiser_for(spec).encode_prompts(self.models.get(spec.name), spec, batch)
-        return True

@@ -38,12 +38,10 @@ class NetworkCalls:
     max_rows: int
 
     def padded(self, x: torch.Tensor, c: Conditioning) -> tuple[torch.Tensor, Conditioning]:
-        """The network's input and conditioning padded to the bucket of their rows,
-        where the network is compiled: it sees the shapes it was warmed up with."""
-        padding = speed.bucket(len(x), self.max_rows) - len(x) if self.options.compile else 0
-        if not padding:
-            return x, c
-        return torch.cat([x, x.new_zeros((padding, *x.shape[1:]))]), c.padded(padding)
+        """The network's input and conditioning padded to the bucket of their rows
+        (``speed.padded``)."""
+        padded = speed.padded(x, self.max_rows, self.options)
+        return padded, c.padded(len(padded) - len(x)) if len(padded) > len(x) else c
 
 
 def warm_up_buckets(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, max_rows: int) -> None:

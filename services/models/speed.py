@@ -137,6 +137,13 @@ def bucket(rows: int, max_rows: int) -> int:
     return next((size for size in buckets(max_rows) if size >= rows), rows)
 
 
+def padded(x: torch.Tensor, max_rows: int, options: SpeedOptions) -> torch.Tensor:
+    """``x`` with rows of zeros up to its bucket where the network is compiled: the
+    network then sees only the shapes it was warmed up with."""
+    padding = bucket(len(x), max_rows) - len(x) if options.compile else 0
+    return torch.cat([x, x.new_zeros((padding, *x.shape[1:]))]) if padding else x
+
+
 @contextlib.contextmanager
 def network_call(options: SpeedOptions) -> Iterator[None]:
     """Around one call of a network prepared with ``options``: its attention kernel

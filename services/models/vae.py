@@ -190,11 +190,8 @@ class VaeDecoderEngine:
     def _decode_batch(self, vae: Any, z: torch.Tensor, options: speed.SpeedOptions, spec: ModelSpec) -> torch.Tensor:
         """One VAE call, padded to its bucket where the decoder is compiled."""
         rows = len(z)
-        padding = speed.bucket(rows, self._max_rows(spec)) - rows if options.compile else 0
-        if padding:
-            z = torch.cat([z, z.new_zeros((padding, *z.shape[1:]))])
         with speed.network_call(options):
-            return speed.owned(vae.decode(z).sample, options)[:rows]
+            return speed.owned(vae.decode(speed.padded(z, self._max_rows(spec), options)).sample, options)[:rows]
 
     def check_model(self, model: str) -> None:
         if model not in self.registry:
