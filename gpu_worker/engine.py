@@ -42,6 +42,7 @@ class SamplerEngine:
         prompt_cache_bytes: int = 64 * 2**20,
         pinned: Sequence[str] = (),
         capabilities: Collection[str] = (),
+        shares_device: bool = False,
     ) -> None:
         self.registry = registry
         self.device = device
@@ -49,9 +50,10 @@ class SamplerEngine:
         self.capabilities = frozenset(capabilities)
         self.prompts = PromptCache(prompt_cache_bytes)
         self.busy = BusyClock()  # its batches' denoising, against the time work waited
-        # Denoising runs on a stream of the highest priority: a decode sharing the GPU
-        # (``decode_locally``, on a stream of the lowest) takes what it leaves.
-        self._stream = torch.cuda.Stream(device, priority=-10) if device.type == "cuda" else None
+        # Sharing its GPU with decodes (``decode_locally``: on a stream of the lowest
+        # priority), it denoises on a stream of the highest: a decode takes what it leaves.
+        prioritised = shares_device and device.type == "cuda"
+        self._stream = torch.cuda.Stream(device, priority=-10) if prioritised else None
         unet = UNetDenoiser(models_dir, device, self.prompts)
         # One denoiser per model family.
         self.denoisers: dict[ModelFamily, Denoiser] = {

@@ -148,6 +148,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         prompt_cache_bytes=settings.prompt_cache_mb * 2**20,
         pinned=settings.preload_models,
         capabilities=settings.capabilities,
+        shares_device=settings.decode_locally,
     )
     check_capabilities(settings, registry)
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
