@@ -126,15 +126,8 @@ def bare_pipeline(spec: ModelSpec, device: torch.device, models: Path) -> Any:
     pipe.set_progress_bar_config(disable=True)
     options = speed.SpeedOptions.of(spec, device)
     if options.any:
-        if options.attention in ("sdpa", "eager"):
-            from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-
-            pipe.unet.set_attn_processor(AttnProcessor2_0() if options.attention == "sdpa" else AttnProcessor())
-        pipe.unet = OwnedOutputs(speed.prepare(pipe.unet, options), options)
-        decoder_options = dataclasses.replace(options, quantize="")
-        speed.prepare(pipe.vae, dataclasses.replace(decoder_options, compile=False))
-        if options.compile:
-            pipe.vae.decoder = speed.prepare(pipe.vae.decoder, dataclasses.replace(decoder_options, fuse_qkv=False))
+        pipe.unet = OwnedOutputs(speed.prepare_unet(pipe.unet, options), options)
+        speed.prepare_vae(pipe.vae, options)
     return pipe
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_worker.diffusers_denoiser import DiffusersDenoiser
+from services.models import speed
 from services.models.registry import ModelFamily, ModelSpec
 from services.models.speed import SpeedOptions
 
@@ -25,8 +26,4 @@ class UNetDenoiser(DiffusersDenoiser):
         return parts
 
     def prepare_network(self, pipe: Any, spec: ModelSpec, options: SpeedOptions) -> None:
-        if options.attention in ("sdpa", "eager"):
-            from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-
-            pipe.unet.set_attn_processor(AttnProcessor2_0() if options.attention == "sdpa" else AttnProcessor())
-        super().prepare_network(pipe, spec, options)
+        pipe.unet = speed.prepare_unet(pipe.unet, options)

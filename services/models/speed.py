@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -92,6 +92,25 @@ def prepare(module: Any, options: SpeedOptions) -> Any:
     _raise_recompile_limit()
     mode = "reduce-overhead" if options.cuda_graphs else None
     return torch.compile(module, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
+
+
+def prepare_unet(unet: Any, options: SpeedOptions) -> Any:
+    """A UNet with the options: ``prepare``'s, and "sdpa" or "eager" as its attention
+    processor (the other families keep their own processors)."""
+    if options.attention in ("sdpa", "eager"):
+        from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+        unet.set_attn_processor(AttnProcessor2_0() if options.attention == "sdpa" else AttnProcessor())
+    return prepare(unet, options)
+
+
+def prepare_vae(vae: Any, options: SpeedOptions) -> None:
+    """An image VAE with the options, in place: no quantization (its few linear
+    weights gain nothing, and its pixels would move); where compiled, its decoder."""
+    options = replace(options, quantize="")
+    prepare(vae, replace(options, compile=False))
+    if options.compile:
+        vae.decoder = prepare(vae.decoder, replace(options, fuse_qkv=False, channels_last=False))
 
 
 def quantize(module: Any, kind: str) -> None:

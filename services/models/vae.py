@@ -158,8 +158,7 @@ class VaeDecoderEngine:
             return self._stream
 
     def _options(self, model: str) -> speed.SpeedOptions:
-        """The model's speed options for its VAE: quantization aside (a VAE's few
-        linear weights gain nothing from it, and its pixels would move), and an image
+        """The model's speed options for its VAE (``speed.prepare_vae``): an image
         VAE's only (a video VAE's decoder keeps a cache across chunks)."""
         spec = self.registry.get(model)
         if spec.makes_video or spec.family == ModelFamily.SIM:
@@ -170,10 +169,9 @@ class VaeDecoderEngine:
         """Applies the speed options; a compiled decoder is run once per batch bucket
         at the model's default size as it loads, not on a job."""
         began = time.perf_counter()
-        speed.prepare(vae, replace(options, compile=False))
+        speed.prepare_vae(vae, options)
         if not options.compile:
             return
-        vae.decoder = speed.prepare(vae.decoder, replace(options, fuse_qkv=False, channels_last=False))
         scale = 2 ** (len(vae.config.block_out_channels) - 1)
         channels = vae.config.latent_channels
         with torch.inference_mode():
