@@ -1,7 +1,9 @@
 """Who is calling: ``authorization: Bearer <key>`` metadata on every public call,
 matched to a tenant's key in PostgreSQL or to a key of ``DARKROOM_API_KEYS`` (the
 default tenant's). With neither tenants nor such keys the gateway is open, for
-local use: every caller is the default tenant.
+local use: every caller is the default tenant; only where open access is allowed
+(``services.open_access``: loopback listeners, or ``DARKROOM_ALLOW_ANONYMOUS``),
+else such a gateway does not start, and one whose tenants vanish refuses callers.
 
 What a key's id finds is kept for ``RECHECK_S`` and then read again, so a key
 revoked, or a tenant changed, is seen by every gateway within a second without a
@@ -87,9 +89,15 @@ class _Recent(Generic[T]):
 
 class Gatekeeper:
     def __init__(
-        self, tenants: Tenants, env_keys: Iterable[str], *, clock: Callable[[], float] = time.monotonic
+        self,
+        tenants: Tenants,
+        env_keys: Iterable[str],
+        *,
+        anonymous: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._env_keys = frozenset(env_keys)
+        self._anonymous = anonymous  # whether it may be open at all (services.open_access)
         self._holders = _Recent(tenants.holder, clock)
         self._tenants = _Recent(tenants.find, clock)
         self._any_tenant = _Recent(lambda _: tenants.any(), clock)
@@ -104,7 +112,7 @@ class Gatekeeper:
         if key and key in self._env_keys:
             default = await self._tenants.get(DEFAULT_TENANT)
             return Caller(DEFAULT_TENANT, "env", True, default.terms if default else None, peer)
-        if not self._env_keys and await self._open():
+        if not self._env_keys and self._anonymous and await self._open():
             return Caller(DEFAULT_TENANT, "", True, None, peer)
         key_id = api_keys.key_id_of(key)
         holder = await self._holders.get(key_id) if key_id else None

@@ -9,11 +9,14 @@ from pathlib import Path
 
 from gateway.servicer import ImageGenerationServicer
 from services.bus.events import Events
+from services.config.fields import SettingsError
+from services.config.http import HttpSettings
 from services.config.sections import GatewaySettings, KernelSettings
 from services.db.repository import Repository
 from services.mesh.nats_auth import NatsCredentials
 from services.mesh.rpc import MeshIdentity, public_server_credentials
 from services.models.registry import ModelRegistry
+from services.open_access import anonymous_allowed, refusal
 from services.ops.host import Closing, EventsInBackground, GrpcServer, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
@@ -28,9 +31,12 @@ def create_server(
     repo: Repository,
     registry: ModelRegistry,
     events: Events | None = None,
+    http: HttpSettings | None = None,
 ) -> tuple[Server, ImageGenerationServicer]:
     """The public gRPC server (not started); port 0 picks a free port. Without
-    ``events`` (NATS), streams read their jobs from the database."""
+    ``events`` (NATS), streams read their jobs from the database. ``http``: the
+    HTTP API in front of it, whose listener counts for open access (none: one on
+    the loopback)."""
     servicer = ImageGenerationServicer(
         settings,
         repo,
@@ -38,6 +44,7 @@ def create_server(
         events or Events(),
         stale_after_s=kernel.worker_stale_after_s,
         mesh=MeshIdentity.of(kernel.mesh_dir, "gateway"),
+        anonymous=anonymous_allowed(settings, http or HttpSettings()),
     )
     server = build_server(
         [
@@ -55,15 +62,40 @@ def create_server(
     return server, servicer
 
 
+class OpenAccessCheck:
+    """Refuses to start a gateway that would be open (no tenants, no keys) where
+    open access is not allowed (``services.open_access``), before its port opens."""
+
+    name = "open access check"
+
+    def __init__(self, settings: GatewaySettings, http: HttpSettings, repo: Repository) -> None:
+        self.settings, self.http, self.repo = settings, http, repo
+
+    async def start(self, stop: asyncio.Event) -> bool:
+        if self.settings.api_keys or anonymous_allowed(self.settings, self.http):
+            return True
+        why = refusal(self.settings, self.http, tenants_exist=await self.repo.tenants.any())
+        if why:
+            raise SettingsError(why)
+        return True
+
+    async def stop(self) -> None:
+        pass
+
+
 async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio.Event) -> int:
     registry = kernel.registry()
+    # The HTTP API's listener as this process's environment gives it (`darkroom up`
+    # gives every child every setting): it is as open as this gateway.
+    http = HttpSettings.from_env()
     repo = Repository(kernel.database_url, application_name="darkroom-gateway")
-    events = Events()
-    server, servicer = create_server(kernel, settings, repo, registry, events)
+    events = Events(publisher="gateway")
+    server, servicer = create_server(kernel, settings, repo, registry, events, http)
     parts: list[Part] = [
         Metrics(kernel, "gateway"),
         Migrations(kernel),
         Closing("database", repo.close),
+        OpenAccessCheck(settings, http, repo),
         # The gateway serves without NATS (streams then read the database).
         EventsInBackground(
             kernel,

@@ -62,6 +62,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         *,
         stale_after_s: float,
         mesh: MeshIdentity | None = None,
+        anonymous: bool = True,
     ) -> None:
         self.settings = settings
         self.stale_after_s = stale_after_s
@@ -70,7 +71,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self.events = events
         self.costs = costs_from(registry)
         self.config = settings.placement
-        self.gate = Gatekeeper(repo.tenants, settings.api_keys)
+        # ``anonymous``: whether it may be open while no tenant exists (services.open_access).
+        self.gate = Gatekeeper(repo.tenants, settings.api_keys, anonymous=anonymous)
         self._channels = Channels(mesh)
         self.estimator = Estimator(repo, self.costs, self.config, stale_after_s=stale_after_s)
         # Concurrent submits share one INSERT, and one read of the queue ahead;

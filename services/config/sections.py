@@ -147,7 +147,15 @@ class GatewaySettings(Section):
     api_keys: tuple[str, ...] = setting(
         (),
         "Keys of the default tenant, admin (Bearer), beside tenants' own keys; with none and no tenant defined, "
-        "the API is open.",
+        "the API is open: allowed only while the gateway and the HTTP API listen on loopback addresses, or with "
+        "ALLOW_ANONYMOUS.",
+    )
+    allow_anonymous: bool = setting(
+        False,
+        "Let the API be open (no tenant defined, API_KEYS empty: every caller an admin of the default tenant) "
+        "although GATEWAY_HOST or HTTP_HOST is off the loopback. False: such a gateway refuses to start until a "
+        "tenant or a key exists.",
+        env="ALLOW_ANONYMOUS",
     )
     max_prompt_chars: int = setting(2000, "The longest prompt (and negative prompt) accepted.", at_least=1)
     max_input_mb: float = setting(

@@ -97,6 +97,9 @@ def run_service(name: str, serve: Serve[S], section: type[S]) -> None:
         code = run_loop(runner())
     except KeyboardInterrupt:
         pass
+    except SettingsError as exc:  # found while starting (the gateway's open access check)
+        logger.error("%s", exc)
+        code = EXIT_BAD_SETTINGS
     finally:
         tracing.stop()  # the spans of the last jobs leave before the process does
     logger.info("%s stopped (pid %d)", name, os.getpid())

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from services.config.fields import SettingsError
 from services.config.sections import Settings
 from services.mesh.nats_auth import sampler_user
 from services.mesh.secrets import ensure_certificates
@@ -95,6 +96,24 @@ class LocalStack:
 
         upgrade(self.settings.kernel.database_url)
 
+    def check_open_access(self) -> None:
+        """Raises SettingsError, naming the fix, where the gateway would refuse to
+        start: open (no tenants, no keys) with a listener off the loopback
+        (``services.open_access``). Said here, before any child starts, rather than
+        by a gateway its supervisor restarts."""
+        from services.open_access import anonymous_allowed, refusal
+
+        gateway, http = self.settings.gateway, self.settings.http
+        if gateway.api_keys or anonymous_allowed(gateway, http):
+            return
+        import psycopg
+
+        with psycopg.connect(self.pg_url, connect_timeout=5) as conn:
+            row = conn.execute("SELECT EXISTS (SELECT 1 FROM tenants)").fetchone()
+        why = refusal(gateway, http, tenants_exist=bool(row and row[0]))
+        if why:
+            raise SettingsError(why)
+
     def metrics_targets(self) -> list[Target]:
         return metrics_targets(self.services.values())
 
@@ -111,6 +130,7 @@ class LocalStack:
 
     def start(self, timeout: float = 120.0) -> None:
         self.start_backends()
+        self.check_open_access()
         if not self.settings.gateway.port:
             self.settings = self.settings.with_env({"DARKROOM_GATEWAY_PORT": str(free_port())})
         # Build models once, up front, rather than in every process that needs them.

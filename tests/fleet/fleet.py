@@ -15,8 +15,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import grpc
 import psycopg
@@ -31,6 +33,10 @@ from tests.fleet.probes import gateway_up
 from tests.helpers import env_of
 
 NATS_PORT, ROUTE_PORT, GATEWAY_PORT = 4222, 6222, 50051
+# The fleet's gateways listen on addresses other hosts reach, so they are closed as
+# an operator's would be: an admin key of DARKROOM_API_KEYS, which every client
+# call here presents.
+FLEET_API_KEY = "fleet-admin-key"
 # Failures noticed in seconds (as the fault suite's stacks), and calls that give
 # up on a silent peer rather than wait for TCP's own minutes.
 FLEET_SETTINGS: dict[str, object] = {
@@ -162,7 +168,9 @@ class Fleet:
         for host in self.control:
             mesh = self.mesh_dir(host, ["gateway", "scheduler"], ["gateway", "scheduler"])
             cli = [sys.executable, "-m", "services.ops.cli", "serve"]
-            env = self.service_env(host, mesh, gateway_host=host.address, gateway_port=GATEWAY_PORT)
+            env = self.service_env(
+                host, mesh, gateway_host=host.address, gateway_port=GATEWAY_PORT, api_keys=(FLEET_API_KEY,)
+            )
             self._add(host, "gateway", [*cli, "gateway"], env)
             self._add(host, "scheduler", [*cli, "scheduler"], self.service_env(host, mesh, scheduler_host=host.address))
         for host in self.gpus:
@@ -232,9 +240,11 @@ class Fleet:
     def channel(self) -> grpc.Channel:
         """A client's channel to both gateways: it notices a silent gateway within
         seconds (keepalive) and goes on with the other."""
-        return grpc.insecure_channel(
-            self.gateway_target,
-            options=[("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)],
+        return with_key(
+            grpc.insecure_channel(
+                self.gateway_target,
+                options=[("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 2000)],
+            )
         )
 
     @staticmethod
@@ -243,7 +253,7 @@ class Fleet:
 
     def channel_to(self, host: Host) -> grpc.Channel:
         """A channel to one control host's gateway alone."""
-        return grpc.insecure_channel(self.gateway_address(host))
+        return with_key(grpc.insecure_channel(self.gateway_address(host)))
 
     def impair(self, *, delay_ms: int, loss_percent: float) -> None:
         """Delay and loss on everything every host of the fleet sends."""
@@ -253,3 +263,33 @@ class Fleet:
     def stop(self) -> None:
         for service in reversed(list(self.services.values())):
             service.stop()
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    """Every call with ``authorization: Bearer FLEET_API_KEY``."""
+
+    def _keyed(self, details: Any) -> _CallDetails:
+        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {FLEET_API_KEY}")]
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._keyed(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        return continuation(self._keyed(details), request)
+
+
+def with_key(channel: grpc.Channel) -> grpc.Channel:
+    """``channel``, each call presenting the fleet's key."""
+    return grpc.intercept_channel(channel, _Bearer())
