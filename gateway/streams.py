@@ -4,15 +4,26 @@ the events heard on NATS (in any order, some stale, some lost), and says which
 status and progress events to send, each status once and in the order the job
 went through them. Suspensions and resumptions come from the job's record only
 (an event about one makes the stream read it), each sent once. ``follow`` feeds
-it: events as they come, the database after a silence, then the result."""
+it: events as they come, the database after a silence, then the result.
+
+Who may speak of a job: the scheduler and the gateways (the control plane), and
+the sampler that holds the job's attempt, as the job's record names it (its
+worker and attempt, fenced there). A sampler's events name their publisher in
+their subject, which a sealed NATS lets each user publish under its own name only;
+a step, a preview or a status from any other sampler (or of another attempt) is
+never told. One that may be the next attempt's, whose worker the stream has not
+read yet, makes it read the job (at most every ``VERIFY_S``) and is told if the
+record then names its publisher."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from gateway.convert import STATUS, image_chunks, job_message, suspension
-from services.bus.events import Events, JobEvent, position
+from services.bus.events import CONTROL_PUBLISHERS, Events, JobEvent, position, sampler_publisher
 from services.db.records import SUSPENDED, ImageRecord, JobRecord, JobState, SuspendEvent
 from services.db.states import JobStatus
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -22,6 +33,10 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 EVENT_SILENCE_S = 2.0
 # Without NATS, a stream reads its job this often.
 POLL_S = 0.05
+# An event from a sampler the stream does not know to hold the job's attempt makes
+# it read the job at most this often: the next attempt's worker is learnt at once,
+# and another sampler's forgeries cost at most this many reads, whatever their rate.
+VERIFY_S = 0.5
 
 
 class StreamState:
@@ -31,6 +46,9 @@ class StreamState:
         self.attempt = -1
         self.last_step = -1
         self.logged = 0  # entries of the job's suspend_log sent
+        # The job's attempt and the publisher that holds it, as last read (None: no
+        # worker holds it).
+        self.holder: tuple[int, str] | None = None
 
     @property
     def ended(self) -> bool:
@@ -58,13 +76,27 @@ class StreamState:
             for e in new
         ]
 
-    def on_stored(self, status: JobStatus, attempt: int) -> pb.JobEvent | None:
+    def on_stored(self, status: JobStatus, attempt: int, worker_id: str | None = None) -> pb.JobEvent | None:
         """The job's state as stored: the status to send, if it moved on."""
+        self.holder = (attempt, sampler_publisher(worker_id)) if worker_id else None
         return self._moved(attempt, status)
 
+    def trusts(self, event: JobEvent) -> bool:
+        """Whether ``event`` may be told: published by the control plane, or by the
+        sampler that holds the job's attempt as last read (of that attempt; any
+        change it says to read from the database)."""
+        if event.publisher in CONTROL_PUBLISHERS:
+            return True
+        if self.holder is None or event.publisher != self.holder[1]:
+            return False
+        return event.attempt == self.holder[0] or (event.status is None and not event.progress)
+
     def on_event(self, event: JobEvent) -> list[pb.JobEvent]:
-        """An event heard on NATS: the status or progress to send, if any. A step
-        done says its attempt is running, should that event have been lost."""
+        """An event heard on NATS: the status or progress to send, if any (none
+        from a publisher it does not trust). A step done says its attempt is
+        running, should that event have been lost."""
+        if not self.trusts(event):
+            return []
         if event.status is not None:
             moved = self._moved(event.attempt, event.status)
             return [moved] if moved is not None else []
@@ -100,6 +132,7 @@ async def follow(
     events: Events,
     read_state: Callable[[str], Awaitable[JobState]],
     read_result: Callable[[str], Awaitable[tuple[JobRecord, list[ImageRecord]]]],
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[pb.JobEvent]:
     """The job's events until it ends, then its images in chunks and its final state."""
     # Following first, reading second: nothing that happens after the read is missed.
@@ -107,26 +140,46 @@ async def follow(
     try:
         state = StreamState(job_id)
         stored = await read_state(job_id)
+        # The latest event from a publisher not known to hold the job, until the
+        # next read says whether it does; and when a read last checked one.
+        unvouched: JobEvent | None = None
+        verified_at = -math.inf
         while True:
             for logged in state.on_log(stored.suspend_log):
                 yield logged
-            moved = state.on_stored(stored.status, stored.attempt)
+            moved = state.on_stored(stored.status, stored.attempt, stored.worker_id)
             if moved is not None:
                 yield moved
+            if unvouched is not None:
+                for out in state.on_event(unvouched):  # nothing unless its publisher holds the job now
+                    yield out
+                unvouched = None
             # Until the job ends: what NATS says, or what the database says after
-            # a silence (an event lost, NATS away).
+            # a silence (an event lost, NATS away) or to vouch for a publisher.
             while not state.ended:
-                event = await feed.next(EVENT_SILENCE_S) if feed is not None else None
-                if event is None or (event.status is None and not event.progress):
+                wait = EVENT_SILENCE_S
+                if unvouched is not None:
+                    wait = min(wait, max(0.0, verified_at + VERIFY_S - clock()))
+                event = await feed.next(wait) if feed is not None else None
+                if event is None:
                     if feed is None:
                         await asyncio.sleep(POLL_S)
-                    break  # silence, or a change to read: from the database
+                    break  # silence, or an event to vouch for: from the database
+                if not state.trusts(event):
+                    unvouched = event
+                    if clock() - verified_at >= VERIFY_S:
+                        break
+                    continue
+                if event.status is None and not event.progress:
+                    break  # a change to read: from the database
                 for out in state.on_event(event):
                     yield out
             if state.ended:
                 break
             if feed is None:  # NATS may be back: follow from before the next read
                 feed = events.follow(job_id)
+            if unvouched is not None:
+                verified_at = clock()
             stored = await read_state(job_id)
         job, images = await read_result(job_id)
         for image in images:

@@ -162,7 +162,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     decoders = Decoders(
         repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh, locally=settings.decode_locally
     )
-    events = Events()
+    events = Events(publisher=sampler_user(worker_id))
     nats = JetStream(
         kernel,
         connection_name=f"darkroom-sampler-{worker_id}",

@@ -59,7 +59,7 @@ class Passes:
         self.stale_after_s = stale_after_s
         self.repo = repo
         self.bus = bus
-        self.events = Events(bus.nc)
+        self.events = Events(bus.nc, publisher="scheduler")
         self.preempter = Preempter(repo, settings.placement, settings.preemption, mesh)
         self.recovery = RecoveryConfig(
             max_attempts=settings.max_attempts, timeouts={n: m.timeout_s for n, m in registry.models.items()}

@@ -1,13 +1,17 @@
 """Job events on core NATS: how a stream learns at once that its job moved on.
 
 Whoever changes a job's state in the database (the gateway, the scheduler, a
-sampler) publishes the change on ``darkroom.job.<job id>`` after the commit, and a
-sampler publishes every denoising step there too. The database stays the truth:
-events are hints, published at most once, lost while NATS is away; a stream reads
-the job when it opens, re-reads it when it hears nothing for a while, and takes the
-result from the database. ``darkroom.work`` tells schedulers there may be work to
-place (a job was submitted or requeued, a worker freed a slot), so that a pass
-starts at once rather than at the next tick."""
+sampler) publishes the change on ``darkroom.job.<job id>.<publisher>`` after the
+commit, and a sampler publishes every denoising step there too (and its previews).
+The publisher is the name of the process's NATS user (``scheduler``, ``gateway``,
+``sampler-<worker id>``): a sealed NATS lets each user publish under its own name
+only, so a subscriber knows who spoke. The database stays the truth: events are
+hints, published at most once, lost while NATS is away; a stream reads the job when
+it opens, re-reads it when it hears nothing for a while, takes the result from the
+database, and tells its client a sampler's events only when that sampler holds the
+job's attempt (``gateway/streams.py``). ``darkroom.work`` tells schedulers there
+may be work to place (a job was submitted or requeued, a worker freed a slot), so
+that a pass starts at once rather than at the next tick."""
 
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ JOB_PREFIX = "darkroom.job"
 WORK_SUBJECT = "darkroom.work"
 # A job id usable as a subject token (no wildcards, no separators).
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# A publisher's name: its NATS user, a subject token too.
+_PUBLISHER = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# The control plane's publishers, whose events about any job are told as heard.
+CONTROL_PUBLISHERS = frozenset({"scheduler", "gateway"})
+SAMPLER_PUBLISHER_PREFIX = "sampler-"
 # Within an attempt a job goes SCHEDULED, RUNNING, DECODING, then back to QUEUED (a
 # requeue) or to its end; the next attempt starts over. So (attempt, rank) orders a
 # job's states as the database saw them, whichever process reported each.
@@ -51,6 +60,11 @@ def position(attempt: int, status: JobStatus) -> tuple[int, int]:
     return attempt, _TERMINAL_RANK if status.terminal else _RANK[status]
 
 
+def sampler_publisher(worker_id: str) -> str:
+    """The name a sampler publishes under: its NATS user's."""
+    return f"{SAMPLER_PUBLISHER_PREFIX}{worker_id}"
+
+
 @dataclass(frozen=True)
 class JobEvent:
     """A job's state changed to ``status``; or a denoising step of ``total`` was
@@ -66,6 +80,9 @@ class JobEvent:
     preview: bytes = b""
     index: int = 0
     size: tuple[int, int] = (0, 0)
+    # Who published it, as its subject names it ('' if it names no one): not part
+    # of the message, so a publisher cannot claim another's name beyond what NATS lets it.
+    publisher: str = ""
 
     @property
     def progress(self) -> bool:
@@ -82,13 +99,13 @@ class JobEvent:
         return json.dumps(body).encode()
 
     @classmethod
-    def decode(cls, job_id: str, data: bytes) -> JobEvent:
+    def decode(cls, job_id: str, data: bytes, publisher: str = "") -> JobEvent:
         """Raises ValueError for a message that is not a job event."""
         try:
             body = json.loads(data)
             attempt = int(body["attempt"])
             if "status" in body:
-                return cls(job_id, attempt, JobStatus(body["status"]))
+                return cls(job_id, attempt, JobStatus(body["status"]), publisher=publisher)
             step, total = int(body.get("step", 0)), int(body.get("total", 0))
             if "preview" in body:
                 width, height = (int(v) for v in body["size"])
@@ -101,16 +118,27 @@ class JobEvent:
                     preview=preview,
                     index=int(body["index"]),
                     size=(width, height),
+                    publisher=publisher,
                 )
-            return cls(job_id, attempt, step=step, total=total)
+            return cls(job_id, attempt, step=step, total=total, publisher=publisher)
         except (KeyError, TypeError, AttributeError, ValueError, binascii.Error) as exc:
             raise ValueError(f"not a job event: {data[:100]!r}") from exc
 
 
-def job_subject(job_id: str) -> str:
+def job_subject(job_id: str, publisher: str) -> str:
+    """Where ``publisher`` publishes the job's events."""
     if not _TOKEN.match(job_id):
         raise ValueError(f"job id {job_id!r} is not a subject token")
-    return f"{JOB_PREFIX}.{job_id}"
+    if not _PUBLISHER.match(publisher):
+        raise ValueError(f"publisher {publisher!r} is not a subject token")
+    return f"{JOB_PREFIX}.{job_id}.{publisher}"
+
+
+def parse_subject(subject: str) -> tuple[str, str]:
+    """The job id and the publisher a job event's subject names (publisher '' for a
+    subject of no publisher, as published before publishers were named)."""
+    job_id, _, publisher = subject.removeprefix(f"{JOB_PREFIX}.").partition(".")
+    return job_id, publisher
 
 
 class JobFeed:
@@ -142,14 +170,16 @@ class JobFeed:
 
 class Events:
     """Publishing and following job events over a NATS connection (None: NATS is not
-    there yet, and every call does nothing).
+    there yet, and every call does nothing), publishing as ``publisher`` (the
+    process's NATS user; '' for one that only follows).
 
     A process that follows jobs (the gateway) subscribes once to every job's events
     and hands each to the streams of its job: a stream begins following without a
     round trip to the server, and misses nothing published from then on."""
 
-    def __init__(self, nc: nats.NATS | None = None) -> None:
+    def __init__(self, nc: nats.NATS | None = None, *, publisher: str = "") -> None:
         self.nc = nc
+        self.publisher = publisher
         self._followers: dict[str, list[JobFeed]] = {}
         self._routing: Subscription | None = None
 
@@ -163,7 +193,7 @@ class Events:
             return
         try:
             for event in events:
-                await self.nc.publish(job_subject(event.job_id), event.encode())
+                await self.nc.publish(job_subject(event.job_id, self.publisher), event.encode())
         except (*BUS_ERRORS, ValueError) as exc:
             log.debug("job events not published: %s", exc)
 
@@ -181,14 +211,14 @@ class Events:
         long as the connection, across reconnects)."""
         if self.nc is None or self._routing is not None:
             return
-        prefix = len(JOB_PREFIX) + 1
 
         async def arrived(msg: Msg) -> None:
-            feeds = self._followers.get(msg.subject[prefix:])
+            job_id, publisher = parse_subject(msg.subject)
+            feeds = self._followers.get(job_id)
             if not feeds:
                 return  # nobody here follows that job
             try:
-                event = JobEvent.decode(feeds[0].job_id, msg.data)
+                event = JobEvent.decode(job_id, msg.data, publisher)
             except ValueError as exc:
                 log.warning("%s", exc)
                 return

@@ -74,12 +74,15 @@ class SuspendEvent:
 
 @dataclass(frozen=True)
 class JobState:
-    """What a stream reads of its job: where it stands, and its suspensions."""
+    """What a stream reads of its job: where it stands, and its suspensions; the
+    worker its latest attempt was placed on (None while it has none), whose events
+    alone the stream tells its client."""
 
     status: JobStatus
     attempt: int
     suspend_log: tuple[SuspendEvent, ...] = ()
     tenant: str = DEFAULT_TENANT
+    worker_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ own (``sampler-WORKER_ID``): it may consume only its own dispatch subject, read
 replies only on its own inbox, and publish only job events, and never the
 dispatch stream, another worker's consumer or the stream's messages.
 
-Job events (``darkroom.job.*``) are hints a stream re-reads the database for, so
-a sampler may publish any job's: what a job's state is lives in PostgreSQL,
-fenced by attempt."""
+Each user publishes job events under its own name only
+(``darkroom.job.<job id>.<user>``): a gateway that hears one knows who published
+it, and tells a stream's client a sampler's steps, previews and statuses only when
+that sampler holds the job's attempt (``gateway/streams.py``)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.bus.dispatch import DISPATCH_PREFIX, DISPATCH_STREAM, check_worker_id, consumer_name
-from services.bus.events import JOB_PREFIX, WORK_SUBJECT
+from services.bus.events import JOB_PREFIX, SAMPLER_PUBLISHER_PREFIX, WORK_SUBJECT
 from services.mesh.pki import CertPaths
 from services.mesh.secrets import nats_password_path, password, read_nats_password
 
-SAMPLER_USER_PREFIX = "sampler-"
+SAMPLER_USER_PREFIX = SAMPLER_PUBLISHER_PREFIX  # a sampler publishes under its user's name
 # The users a sealed NATS has before its samplers are known.
 CONTROL_USERS = ("scheduler", "gateway", "operator")
 
@@ -37,18 +38,20 @@ def inbox_prefix(user: str) -> str:
 
 def permissions(user: str) -> dict[str, dict[str, list[str]]]:
     """What ``user`` may publish and subscribe to (allow lists: the rest is denied).
-    The operator's tools may do anything (inspect the stream, audit dispatches)."""
+    The operator's tools may do anything (inspect the stream, audit dispatches).
+    The others publish job events under their own name only."""
+    events = f"{JOB_PREFIX}.*.{user}"
     if user == "operator":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if user == "scheduler":
         return {
-            "publish": {"allow": [f"{DISPATCH_PREFIX}.>", f"{JOB_PREFIX}.*", WORK_SUBJECT, "$JS.API.>"]},
+            "publish": {"allow": [f"{DISPATCH_PREFIX}.>", events, WORK_SUBJECT, "$JS.API.>"]},
             "subscribe": {"allow": [WORK_SUBJECT, f"{inbox_prefix(user)}.>"]},
         }
     if user == "gateway":
         return {
-            "publish": {"allow": [f"{JOB_PREFIX}.*", WORK_SUBJECT]},
-            "subscribe": {"allow": [f"{JOB_PREFIX}.*", f"{inbox_prefix(user)}.>"]},
+            "publish": {"allow": [events, WORK_SUBJECT]},
+            "subscribe": {"allow": [f"{JOB_PREFIX}.>", f"{inbox_prefix(user)}.>"]},
         }
     if user.startswith(SAMPLER_USER_PREFIX):
         worker_id = check_worker_id(user.removeprefix(SAMPLER_USER_PREFIX))
@@ -57,7 +60,7 @@ def permissions(user: str) -> dict[str, dict[str, list[str]]]:
         return {
             "publish": {
                 "allow": [
-                    f"{JOB_PREFIX}.*",
+                    events,
                     WORK_SUBJECT,
                     f"{api % 'CREATE'}.{DISPATCH_PREFIX}.{worker_id}",
                     api % "INFO",

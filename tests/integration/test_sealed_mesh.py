@@ -2,11 +2,14 @@
 `darkroom up` runs it: callers without a certificate of the fleet's CA, or with
 one of the wrong role, at a sampler and at a decoder; NATS without credentials,
 and a sampler's credentials reaching for another sampler's dispatches or the
-stream itself; PostgreSQL without its password."""
+stream itself, or speaking for another sampler's job to its stream; PostgreSQL
+without its password."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import ssl
 from pathlib import Path
 
@@ -24,6 +27,8 @@ from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from tests.helpers import nats_as_operator
 
 pytestmark = pytest.mark.integration
@@ -253,3 +258,105 @@ def test_postgres_takes_no_one_without_its_password(postgres: EmbeddedPostgres) 
     # With the password (the services' URL): in.
     with psycopg.connect(postgres.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
         assert conn.execute("SELECT current_user").fetchone() == ("postgres",)
+
+
+FORGED_TOTAL = 999_999
+FORGED_PREVIEW = b"forged preview"
+
+
+def forgeries(attempt: int) -> list[bytes]:
+    """What a sampler that does not hold a job might say of it: a step, a preview, its
+    end, and a next attempt's start and step."""
+    preview = base64.b64encode(FORGED_PREVIEW).decode()
+    return [
+        json.dumps(body).encode()
+        for body in (
+            {"attempt": attempt, "step": FORGED_TOTAL - 1, "total": FORGED_TOTAL},
+            {"attempt": attempt, "step": 1, "total": FORGED_TOTAL, "preview": preview, "index": 0, "size": [8, 8]},
+            {"attempt": attempt, "status": "FAILED"},
+            {"attempt": attempt + 1, "status": "RUNNING"},
+            {"attempt": attempt + 1, "step": FORGED_TOTAL - 1, "total": FORGED_TOTAL},
+        )
+    ]
+
+
+def holder_of(stack: LocalStack, job_id: str) -> tuple[int, str | None]:
+    with psycopg.connect(stack.pg_url) as conn:
+        row = conn.execute("SELECT attempt, worker_id FROM jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None
+    return int(row[0]), row[1]
+
+
+async def test_a_stream_shows_only_what_the_holder_of_its_attempt_publishes(stack: LocalStack, intruder: str) -> None:
+    """A sampler with NATS credentials of its own publishes steps, previews and statuses
+    into another sampler's running job: under its own name (all NATS lets it use),
+    under the holder's, the scheduler's or a gateway's, or under none. The job's
+    stream shows none of it; the holder's own steps and previews still come."""
+    [victim] = stack.sampler_ids()
+    steps = 100
+    async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+        client = image_generation_pb2_grpc.ImageGenerationStub(channel)
+        request = pb.SubmitJobRequest(
+            model="tiny", prompt="held", width=128, height=128, steps=steps, previews=3, seed=7
+        )
+        job_id = (await client.SubmitJob(request)).job_id
+        forging = asyncio.Event()
+        seen: list[tuple[bool, pb.JobEvent]] = []  # (heard after forging began, the event)
+
+        async def watch() -> None:
+            async for event in client.StreamJob(pb.StreamJobRequest(job_id=job_id), timeout=120):
+                seen.append((forging.is_set(), event))
+
+        watching = asyncio.create_task(watch())
+        for _ in range(600):
+            if any(e.HasField("progress") for _, e in seen) or watching.done():
+                break
+            await asyncio.sleep(0.05)
+        attempt, worker = holder_of(stack, job_id)
+        assert worker == victim and not watching.done()
+        errors: list[Exception] = []
+
+        async def refused(exc: Exception) -> None:
+            errors.append(exc)
+
+        credentials = sampler_credentials(stack, intruder)
+        nc = await nats.connect(
+            stack.settings.kernel.nats_servers,
+            tls=credentials.tls,
+            user=credentials.user,
+            password=credentials.password,
+            inbox_prefix=credentials.inbox_prefix,
+            error_cb=refused,
+            allow_reconnect=False,
+        )
+        subject = f"darkroom.job.{job_id}"
+        names = ("", sampler_user(intruder), sampler_user(victim), "scheduler", "gateway")
+        subjects = [f"{subject}.{name}" if name else subject for name in names]
+        try:
+            forging.set()
+            while not watching.done():
+                for forged in subjects:
+                    for body in forgeries(attempt):
+                        await nc.publish(forged, body)
+                await nc.flush()
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+        await watching
+    events = [e for _, e in seen]
+    progress = [(after, e.progress) for after, e in seen if e.HasField("progress")]
+    previews = [(after, e.preview) for after, e in seen if e.HasField("preview")]
+    statuses = [e.status for e in events if e.HasField("status")]
+    # Nothing forged reached the client ...
+    assert all(p.total == steps for _, p in progress), [p for _, p in progress if p.total != steps]
+    assert all(p.data != FORGED_PREVIEW and p.data[:2] == b"\xff\xd8" for _, p in previews)
+    assert pb.JOB_STATUS_FAILED not in statuses and statuses[-1] == pb.JOB_STATUS_SUCCEEDED
+    assert events[-1].terminal.status == pb.JOB_STATUS_SUCCEEDED
+    # ... and the holder's own steps and previews still did, while the forgeries went on.
+    assert [p.step for after, p in progress if after][-1] == steps
+    assert any(after for after, _ in previews)
+    # NATS refused every name but the intruder's own.
+    refusals = {str(e).lower() for e in errors}
+    for forged in subjects:
+        violation = f'nats: permissions violation for publish to "{forged}"'.lower()
+        assert (violation in refusals) == (forged != f"{subject}.{sampler_user(intruder)}"), forged

@@ -1,10 +1,11 @@
-"""Job events as they travel on NATS: encoded and decoded, one subject per job."""
+"""Job events as they travel on NATS: encoded and decoded, one subject per job and
+publisher."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.bus.events import JobEvent, job_subject
+from services.bus.events import JobEvent, job_subject, parse_subject
 from services.db.states import JobStatus
 
 
@@ -32,8 +33,17 @@ def test_anything_else_is_not_an_event(data: bytes) -> None:
         JobEvent.decode("j1", data)
 
 
-def test_a_job_id_that_is_no_subject_token_is_refused() -> None:
-    assert job_subject("0b7c3c1e-1a2b") == "darkroom.job.0b7c3c1e-1a2b"
+def test_a_job_id_or_publisher_that_is_no_subject_token_is_refused() -> None:
+    assert job_subject("0b7c3c1e-1a2b", "sampler-gpu0") == "darkroom.job.0b7c3c1e-1a2b.sampler-gpu0"
     for bad in ("a.b", "*", ">", "", "a b"):
         with pytest.raises(ValueError, match="subject token"):
-            job_subject(bad)
+            job_subject(bad, "gateway")
+        with pytest.raises(ValueError, match="subject token"):
+            job_subject("j1", bad)
+
+
+def test_the_subject_names_the_job_and_its_publisher() -> None:
+    assert parse_subject(job_subject("j1", "scheduler")) == ("j1", "scheduler")
+    assert parse_subject("darkroom.job.j1") == ("j1", "")  # a publisher before they were named
+    # The publisher comes from the subject, never from the message.
+    assert JobEvent.decode("j1", JobEvent("j1", 1, step=1, total=2).encode(), "sampler-w1").publisher == "sampler-w1"

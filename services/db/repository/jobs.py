@@ -105,7 +105,8 @@ class Jobs(Area):
         """``state`` of each job, in order, in one statement; None for a job that
         does not exist."""
         rows = await self.db.all(
-            "SELECT id, status, attempt, suspend_log, tenant FROM jobs WHERE id = ANY(%s)", (list(job_ids),)
+            "SELECT id, status, attempt, suspend_log, tenant, worker_id FROM jobs WHERE id = ANY(%s)",
+            (list(job_ids),),
         )
         by_id = {
             r["id"]: JobState(
@@ -113,6 +114,7 @@ class Jobs(Area):
                 r["attempt"],
                 tuple(SuspendEvent.of(e) for e in r["suspend_log"] or ()),
                 r["tenant"],
+                r["worker_id"],
             )
             for r in rows
         }
