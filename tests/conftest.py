@@ -28,6 +28,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostg
     pg.start()
     yield pg
     pg.stop()
+    pg.discard()  # as root, the cluster lives outside the temporary directory
 
 
 @pytest.fixture(scope="session")

