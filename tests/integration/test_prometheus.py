@@ -6,7 +6,6 @@ shipped rules, and has every service's metrics after a job has run."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import urllib.error
@@ -27,6 +26,7 @@ from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.telemetry.metrics import targets_path
 from tests.helpers import stub, wait_for, wait_terminal
+from tests.needs import require
 
 pytestmark = pytest.mark.integration
 
@@ -45,10 +45,8 @@ Series = list[tuple[dict[str, str], float]]
 @pytest.fixture(scope="module")
 def prometheus_binary() -> str:
     found = shutil.which("prometheus")
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("no prometheus binary on PATH: .ci/run installs the distribution's package")
-        pytest.skip("no prometheus binary on PATH (Debian/Ubuntu: apt-get install prometheus)")
+    require("" if found else "no prometheus binary on PATH (Debian/Ubuntu: apt-get install prometheus)")
+    assert found is not None
     return found
 
 
