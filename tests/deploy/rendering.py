@@ -32,9 +32,11 @@ NAMESPACE = "darkroom"
 
 def secret_file(name: str, mesh: Path) -> bytes:
     """A stand-in for a file the operator makes, by its name: certificates and keys
-    from a real CA, passwords, the link key, the NATS users."""
+    from a real CA, passwords, the link key, the admin key, the NATS users."""
     if name == "url.key":
         return b"0123456789abcdef0123456789abcdef\n"
+    if name == "admin.key":
+        return b"an-admin-key-as-base64-writes-it\n"
     if name.endswith((".pem", ".key")):
         return (mesh / name).read_bytes()
     if name.endswith(".password"):
