@@ -34,6 +34,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
 from tests.helpers import png_size, stub, wait_for
 from tests.integration.test_tenants import darkroom
+from tests.needs import require
 
 pytestmark = pytest.mark.integration
 
@@ -265,8 +266,7 @@ def test_a_streamed_generation_sends_partial_images_then_the_image(stack: LocalS
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip("Debian's chromium is not installed (.ci/run installs it)")
+    require("" if Path(CHROMIUM).exists() else "Debian's chromium is not installed (.ci/run installs it)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
