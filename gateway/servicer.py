@@ -139,7 +139,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if its tenant's limits keep it out."""
         terms = caller.terms
         if terms is None or (terms.max_jobs is None and terms.rate_per_s is None and terms.credits is None):
-            return await self._create((new, now))
+            # No credit limit: the job holds nothing (admission decides so on the tenant's row).
+            return await self._create((replace(new, credits_reserved=0.0), now))
         outcome = await self._create_limited((new, now))
         if not isinstance(outcome, quotas.Refusal):
             return outcome

@@ -24,10 +24,13 @@ async def tenant_usage(repo: Repository, caller: Caller, now: datetime) -> pb.Te
     tenant = await repo.tenants.find(caller.tenant) if caller.terms is not None else None
     if tenant is not None:
         terms = tenant.terms
-        credits, _ = quotas.refilled(terms.credits, terms.daily_credits, tenant.credits_day, now.date())
+        # What it may still reserve, as its next submit sees it: today's daily
+        # credits given, less what its open jobs hold.
+        balance, _ = quotas.refilled(terms.credits, terms.daily_credits, tenant.credits_day, now.date())
         usage.lane = terms.lane
-        if credits is not None:
-            usage.credits = credits
+        if balance is not None:
+            held = (await repo.credits.held([tenant.name]))[tenant.name]
+            usage.credits = balance - held
         if terms.daily_credits is not None:
             usage.daily_credits = terms.daily_credits
     return usage

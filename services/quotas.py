@@ -4,11 +4,16 @@ figures in turn), with the clock passed in.
 
 ``max_jobs`` caps the tenant's jobs queued or running; ``rate_per_s`` is a token
 bucket holding at most one second of submits (at least one), shared by every
-gateway because its state lives on the tenant's row. ``credits`` is a balance of
-GPU-seconds times the model's price: a submit takes its estimated cost from it
-(refused if the balance is short), and the job's settlement gives back what it
-did not use, or takes what it used beyond. Daily credits top the balance up to
-their amount once per UTC day (never beyond: a free tier does not hoard)."""
+gateway because its state lives on the tenant's row.
+
+``credits`` is a ledger of GPU-seconds times the model's price
+(docs/operations.md#credits). The *balance* moves only by entries: an operator's
+adjustment, a daily top-up, a settled job's charge. A job let in *holds* its
+estimated cost apart from the balance until it is settled; a submit is let in if
+what is *available*, the balance less what its tenant's open jobs hold, covers its
+estimate. A tenant without a credit limit holds nothing. Daily credits raise the
+balance once per UTC day by at most their amount, to at most their amount, and a
+debt is paid out of them first (-20 with 100 a day becomes 80): never forgiven."""
 
 from __future__ import annotations
 
@@ -21,13 +26,30 @@ RATE = "rate"
 CREDITS = "credits"
 
 
+def top_up(balance: float | None, daily: float | None, day: date | None, today: date) -> float:
+    """What ``today``'s daily credits add to the balance: nothing if they were given
+    on ``day`` already (or there is no balance, or no daily credits); else up to
+    ``daily``, to at most ``daily``. What the tenant's open jobs hold is part of the
+    balance: a job running over midnight is not paid for twice. A balance below
+    zero gets the whole daily amount, which pays the debt first."""
+    if balance is None or daily is None or day == today:
+        return 0.0
+    return max(0.0, daily - max(balance, 0.0))
+
+
 def refilled(
     credits: float | None, daily: float | None, day: date | None, today: date
 ) -> tuple[float | None, date | None]:
     """The balance and its refill day once ``today``'s daily credits are given."""
     if credits is None or daily is None or day == today:
         return credits, day
-    return max(credits, daily), today
+    return credits + top_up(credits, daily, day, today), today
+
+
+def available(balance: float | None, held: float) -> float | None:
+    """What a tenant may still reserve: its balance less what its open jobs hold
+    (below zero while it is in debt); None: no limit."""
+    return None if balance is None else balance - held
 
 
 def next_refill_s(now: datetime) -> float:
@@ -46,9 +68,11 @@ class TenantLoad:
     rate_per_s: float | None
     tokens: float  # submits its bucket held at ``tokens_at``
     tokens_at: datetime | None  # None: never drawn on (a full bucket)
-    credits: float | None = None  # None: no limit
+    credits: float | None = None  # its balance; None: no limit
     daily_credits: float | None = None
     credits_day: date | None = None  # the UTC day its daily credits were last given
+    held: float = 0.0  # what its open (unsettled) jobs hold of the balance
+    topped_up: float = 0.0  # what today's daily credits added to the balance here
 
     @property
     def burst(self) -> float:
@@ -75,8 +99,9 @@ def admit(
     loads: dict[str, TenantLoad], submits: Sequence[tuple[str, float]], now: datetime
 ) -> tuple[list[Refusal | None], dict[str, TenantLoad]]:
     """For submits, each by a tenant at an estimated cost in credits, in order: None
-    for one let in, or why not; and the tenants' loads after them (the costs of
-    those let in taken from their credits). A tenant without a load has no limits."""
+    for one let in, or why not; and the tenants' loads after them (today's daily
+    credits given, and the costs of those let in held apart from their balances).
+    A tenant without a load has no limits."""
     after = {name: _refilled(load, now.date()) for name, load in loads.items()}
     decisions: list[Refusal | None] = []
     for name, cost in submits:
@@ -96,22 +121,31 @@ def admit(
                 decisions.append(Refusal(name, RATE, f"tenant {name!r} submits {load.rate_per_s:g}/s at most", wait))
                 continue
             tokens -= 1.0
-        if load.credits is not None and load.credits < cost:
-            decisions.append(_short(load, cost, now))
+        have = available(load.credits, load.held)
+        if have is not None and have < cost:
+            decisions.append(_short(load, have, cost, now))
             continue
-        credits = load.credits - cost if load.credits is not None else None
-        after[name] = replace(load, active=load.active + 1, tokens=tokens, tokens_at=now, credits=credits)
+        held = load.held + reservation(load, cost)
+        after[name] = replace(load, active=load.active + 1, tokens=tokens, tokens_at=now, held=held)
         decisions.append(None)
     return decisions, after
 
 
+def reservation(load: TenantLoad | None, cost: float) -> float:
+    """What a job let in at an estimated ``cost`` holds of its tenant's credits: the
+    cost, or nothing for a tenant without a credit limit (or without a load)."""
+    return cost if load is not None and load.credits is not None else 0.0
+
+
 def _refilled(load: TenantLoad, today: date) -> TenantLoad:
-    credits, day = refilled(load.credits, load.daily_credits, load.credits_day, today)
-    return replace(load, credits=credits, credits_day=day)
+    if load.credits is None or load.daily_credits is None or load.credits_day == today:
+        return load
+    amount = top_up(load.credits, load.daily_credits, load.credits_day, today)
+    return replace(load, credits=load.credits + amount, credits_day=today, topped_up=amount)
 
 
-def _short(load: TenantLoad, cost: float, now: datetime) -> Refusal:
-    have = max(0.0, load.credits or 0.0)
+def _short(load: TenantLoad, have: float, cost: float, now: datetime) -> Refusal:
+    have = max(0.0, have)
     description = f"tenant {load.name!r} has {have:.1f} credits left and the job needs about {cost:.1f}"
     if load.daily_credits is not None and load.daily_credits >= cost:
         return Refusal(load.name, CREDITS, description, next_refill_s(now))

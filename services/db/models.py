@@ -135,7 +135,8 @@ class JobRow(Base):
     tenant: Mapped[str] = mapped_column(String(64), nullable=False, server_default=text("'default'"))
     # Credits per GPU-second of its model when it was submitted (the registry's price).
     price: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
-    # Credits taken from its tenant at submit, from the estimate; settled when it ends.
+    # Credits its tenant's balance holds for it from submit until it is settled: its
+    # estimate, or 0 for a tenant without a credit limit.
     credits_reserved: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     # Its share of the sampling time of the batches it ran in, over the attempts
     # charged (not those that failed through no fault of its own).
@@ -172,6 +173,8 @@ class JobRow(Base):
             "finished_at",
             postgresql_where=text("settled_at IS NULL AND status IN ('SUCCEEDED','FAILED','CANCELLED','EXPIRED')"),
         ),
+        # A tenant's open jobs, whose reservations its credits hold apart.
+        Index("ix_jobs_tenant_unsettled", "tenant", postgresql_where=text("settled_at IS NULL")),
     )
 
 

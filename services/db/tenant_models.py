@@ -1,6 +1,7 @@
 """The tenants' tables: who may submit and on what terms (``tenants``), their keys
 (``api_keys``), what they spent by day (``tenant_usage``) and for fair sharing
-(``tenant_shares``), and the admin actions taken on them (``admin_actions``).
+(``tenant_shares``), their credit ledgers (``credit_entries``), and the admin
+actions taken on them (``admin_actions``).
 Part of the one schema ``models.py`` describes, on its ``Base``."""
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class TenantRow(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     # Its jobs run in this lane; a request may ask for a lower one, never a higher.
     lane: Mapped[str] = mapped_column(String(32), nullable=False)
-    # GPU-seconds it may still spend (times the model's price); NULL: no limit.
+    # Its credit balance, in GPU-seconds times the model's price: the sum of its
+    # credit_entries. Its open jobs' reservations are held apart from it (what it
+    # may still reserve is this less their credits_reserved). NULL: no limit.
     credits: Mapped[float | None] = mapped_column(Float)
     # Credits given back each day; NULL: none.
     daily_credits: Mapped[float | None] = mapped_column(Float)
@@ -75,6 +78,25 @@ class TenantShareRow(Base):
     tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
     used_s: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     used_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class CreditEntryRow(Base):
+    """One movement of a tenant's credit balance: the balance is the sum of its
+    entries. Written in the transaction that moves the balance. Not a foreign key,
+    as ``tenant_usage``."""
+
+    __tablename__ = "credit_entries"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), nullable=False)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    # "initial" (made with credits), "adjust" (an operator's --credits or
+    # --add-credits), "top_up" (daily credits), "charge" (a settled job's cost).
+    kind: Mapped[str] = mapped_column(String(16), nullable=False)
+    amount: Mapped[float] = mapped_column(Float, nullable=False)  # signed: a charge is negative
+    job_id: Mapped[str | None] = mapped_column(String(36))  # the charged job
+
+    __table_args__ = (Index("ix_credit_entries_tenant_at", "tenant", "at"),)
 
 
 class ApiKeyRow(Base):

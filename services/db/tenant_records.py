@@ -14,7 +14,8 @@ DEFAULT_TENANT = "default"
 
 @dataclass(frozen=True)
 class TenantTerms:
-    """What a tenant may do: its lane and limits (None: no limit)."""
+    """What a tenant may do: its lane and limits (None: no limit). ``credits`` is
+    its credit balance (what its open jobs hold is apart: ``Credits.held``)."""
 
     lane: str
     credits: float | None = None
@@ -91,3 +92,34 @@ class TenantShare:
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> TenantShare:
         return cls(row["tenant"], row["weight"], row["used_s"], row["used_at"])
+
+
+# The kinds of entry in a tenant's credit ledger (``credit_entries``).
+INITIAL = "initial"  # the balance it was made with
+ADJUST = "adjust"  # an operator's change: --credits (to N, or none) or --add-credits
+TOP_UP = "top_up"  # its daily credits
+CHARGE = "charge"  # a settled job's cost (negative)
+
+
+@dataclass(frozen=True)
+class CreditEntry:
+    """One movement of a tenant's credit balance; the balance is the sum of them."""
+
+    tenant: str
+    at: datetime
+    kind: str  # INITIAL, ADJUST, TOP_UP or CHARGE
+    amount: float  # signed
+    job_id: str | None = None  # the job a CHARGE settled
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> CreditEntry:
+        return cls(row["tenant"], row["at"], row["kind"], row["amount"], row["job_id"])
+
+
+@dataclass(frozen=True)
+class OpenJobs:
+    """A tenant's jobs not yet settled: those queued or running, and the credits
+    all of them hold (ended jobs hold theirs until they are settled)."""
+
+    active: int = 0
+    held: float = 0.0

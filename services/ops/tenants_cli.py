@@ -43,6 +43,12 @@ def add_commands(
     update.add_argument("name")
     update.add_argument("--lane", help="the lane its jobs run in (DARKROOM_LANES)")
     _term_options(update, defaults=False)
+    update.add_argument(
+        "--add-credits",
+        type=_finite,
+        metavar="N",
+        help="add N credits to its balance (negative: take them away); not with --credits",
+    )
     update.set_defaults(func=run, act=_update_tenant)
     listing = tenants.add_parser("list", help="every tenant")
     listing.set_defaults(func=run, act=_list_tenants)
@@ -70,8 +76,10 @@ def add_commands(
 def _term_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
     unset = None if defaults else argparse.SUPPRESS
     limit = "; 'none' for no limit" if not defaults else " (default: no limit)"
-    p.add_argument("--credits", type=_at_least(0.0), default=unset, help=f"GPU-seconds it may spend{limit}")
-    p.add_argument("--daily-credits", type=_at_least(0.0), default=unset, help=f"credits given back each day{limit}")
+    balance = "its credit balance (GPU-seconds times price); its open jobs' reservations stay held against it"
+    daily = "once a UTC day, the balance raised by up to this, to at most this (a debt is paid first)"
+    p.add_argument("--credits", type=_at_least(0.0), default=unset, help=f"{balance}{limit}")
+    p.add_argument("--daily-credits", type=_at_least(0.0), default=unset, help=f"{daily}{limit}")
     p.add_argument("--max-jobs", type=_at_least(1, int), default=unset, help=f"jobs queued or running at once{limit}")
     p.add_argument("--rate", type=_at_least(0.001), default=unset, help=f"submits per second{limit}")
     p.add_argument(
@@ -95,6 +103,16 @@ def _at_least(low: float, kind: Callable[[str], Any] = float, *, unlimited: bool
         return value
 
     return parse
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not finite")
+    return value
 
 
 # -- the commands ------------------------------------------------------------------
@@ -155,7 +173,8 @@ async def _create_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
         raise ValueError(f"tenant name {args.name!r}: use 1 to 64 letters, digits, '.', '_' or '-'")
     _check_lane(args.lane, settings)
     terms = TenantTerms(args.lane, args.credits, args.daily_credits, args.max_jobs, args.rate, args.weight)
-    _print_tenant(await repo.tenants.create(args.name, terms, actor=_actor(), now=datetime.now(UTC)))
+    tenant = await repo.tenants.create(args.name, terms, actor=_actor(), now=datetime.now(UTC))
+    _print_tenant(tenant, await repo.credits.held([tenant.name]))
     return 0
 
 
@@ -174,7 +193,11 @@ async def _update_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
     }
     if "lane" in given:
         _check_lane(given["lane"], settings)
-    _print_tenant(await repo.tenants.update(args.name, given, actor=_actor(), now=datetime.now(UTC)))
+    add = args.add_credits
+    if add is not None and "credits" in given:
+        raise ValueError("--credits sets the balance and --add-credits adds to it: give one of them")
+    tenant = await repo.tenants.update(args.name, given, add_credits=add, actor=_actor(), now=datetime.now(UTC))
+    _print_tenant(tenant, await repo.credits.held([tenant.name]))
     return 0
 
 
@@ -182,15 +205,20 @@ async def _list_tenants(args: argparse.Namespace, settings: Settings, repo: Repo
     tenants = await repo.tenants.all()
     if not tenants:
         print("darkroom: no tenants: the API is open to anyone who can reach it")
+    held = await repo.credits.held([tenant.name for tenant in tenants])
     for tenant in tenants:
-        _print_tenant(tenant)
+        _print_tenant(tenant, held)
     return 0
 
 
 async def _show_tenant(args: argparse.Namespace, settings: Settings, repo: Repository) -> int:
-    _print_tenant(await repo.tenants.get(args.name))
+    tenant = await repo.tenants.get(args.name)
+    _print_tenant(tenant, await repo.credits.held([tenant.name]))
     for key in await repo.tenants.keys(args.name):
         _print_key(key)
+    for entry in await repo.credits.entries(args.name):
+        job = f" job {entry.job_id}" if entry.job_id else ""
+        print(f"credits {entry.at.isoformat(timespec='seconds')} {entry.kind} {entry.amount:+g}{job}")
     for action in await repo.tenants.actions(args.name):
         which = f" key {action.key_id}" if action.key_id else ""
         detail = f": {action.detail}" if action.detail else ""
@@ -232,16 +260,22 @@ def _actor() -> str:
     return f"{user}@{socket.gethostname()}"
 
 
-def _print_tenant(tenant: TenantRecord) -> None:
+def _print_tenant(tenant: TenantRecord, held: dict[str, float]) -> None:
+    """``held``: what each tenant's open jobs hold of its credits."""
     t = tenant.terms
-    # The balance as the next submit sees it, today's daily credits given.
-    credits, _ = quotas.refilled(t.credits, t.daily_credits, tenant.credits_day, datetime.now(UTC).date())
+    # The balance as the next submit sees it, today's daily credits given; what
+    # it may still reserve is that less what its open jobs hold.
+    balance, _ = quotas.refilled(t.credits, t.daily_credits, tenant.credits_day, datetime.now(UTC).date())
+    hold = held.get(tenant.name, 0.0)
 
     def limit(value: float | None) -> str:
         return "none" if value is None else f"{value:g}"
 
+    credits = limit(balance)
+    if balance is not None:
+        credits += f" ({hold:g} held by open jobs, {balance - hold:g} available)"
     print(
-        f"tenant {tenant.name}: lane {t.lane}, credits {limit(credits)}, daily credits {limit(t.daily_credits)}, "
+        f"tenant {tenant.name}: lane {t.lane}, credits {credits}, daily credits {limit(t.daily_credits)}, "
         f"max jobs {limit(t.max_jobs)}, rate {limit(t.rate_per_s)}{'/s' if t.rate_per_s else ''}, weight {t.weight:g}"
     )
 

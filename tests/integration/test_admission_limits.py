@@ -83,7 +83,9 @@ async def test_fifty_concurrent_submits_against_credits_for_ten(replicas: tuple[
     refused = await refusals(replicas, 50, cost=1.0)
     assert len(refused) == 40 and {r.limit for r in refused} == {quotas.CREDITS}
     assert await stored_jobs(a, "cats") == 10
-    assert (await a.tenants.get("cats")).terms.credits == pytest.approx(0.0)
+    # Held apart from the balance until the jobs are settled: nothing available.
+    assert (await a.tenants.get("cats")).terms.credits == 10.0
+    assert await a.credits.held(["cats"]) == {"cats": pytest.approx(10.0)}
 
 
 async def running(repo: Repository, job_id: str) -> int:
@@ -114,7 +116,9 @@ async def test_an_ended_job_is_settled_once_for_what_it_sampled(replicas: tuple[
     # Its own fault: charged.
     attempt = await running(a, plain_id)
     await a.attempts.fail(plain_id, attempt, "w1", "bad output", retryable=False, now=now, gpu_seconds=1.0)
-    assert (await a.tenants.get("cats")).terms.credits == pytest.approx(2.0)  # reserved until settled
+    # Reserved until settled: 8 of the 10 held, 2 available.
+    assert (await a.tenants.get("cats")).terms.credits == 10.0
+    assert await a.credits.held(["cats"]) == {"cats": pytest.approx(8.0)}
 
     settled = await asyncio.gather(*(r.credits.settle(now=now, half_life_s=600.0) for r in (a, b)))
     [both] = [s for s in settled if s.jobs]  # each job by one replica
@@ -124,7 +128,8 @@ async def test_an_ended_job_is_settled_once_for_what_it_sampled(replicas: tuple[
     costly_job, plain_job = await a.jobs.get(costly_id), await a.jobs.get(plain_id)
     assert (costly_job.gpu_seconds, costly_job.credits_charged) == (pytest.approx(2.5), pytest.approx(5.0))
     assert (plain_job.gpu_seconds, plain_job.credits_charged) == (pytest.approx(1.0), pytest.approx(1.0))
-    # 2 left, then 4 - 5 back for the one, 4 - 1 for the other.
+    # 10, less 5 for the one and 1 for the other; nothing held any more.
     assert (await a.tenants.get("cats")).terms.credits == pytest.approx(4.0)
+    assert await a.credits.held(["cats"]) == {"cats": 0.0}
     usage = await a.credits.usage("cats", now.date())
     assert (usage.jobs, usage.gpu_seconds, usage.credits) == (2, pytest.approx(3.5), pytest.approx(6.0))

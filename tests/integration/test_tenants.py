@@ -262,6 +262,19 @@ def test_credits_are_reserved_at_submit_settled_at_the_end_and_refused_when_shor
     gpu_seconds = scheduler[("darkroom_tenant_gpu_seconds_total", (("tenant", "owls"),))]
     assert gpu_seconds == pytest.approx(settled.gpu_seconds)
 
+    # Credits added to the balance: let in again (and, this tiny job run and settled
+    # or not, charged no more than it used).
+    darkroom(stack, "tenants", "update", "owls", "--add-credits", "500")
+    assert client.SubmitJob(job(prompt="a fed owl"), metadata=owls).job_id
+    shown = darkroom(stack, "tenants", "show", "owls").stdout
+    balance = float(shown.split("credits ", 1)[1].split(" ", 1)[0])
+    assert 490 < balance <= 500
+    # Its ledger, oldest last: what it was made with, the first job's charge, the two
+    # adjustments (then the second job's charge, once it is settled).
+    entries = [line.split()[2:4] for line in shown.splitlines() if line.startswith("credits ")]
+    assert [kind for kind, _ in entries][-4:] == ["adjust", "adjust", "charge", "initial"]
+    assert ["adjust", "+500"] in entries
+
 
 def metric_samples(stack: LocalStack, service: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     from prometheus_client.parser import text_string_to_metric_families

@@ -205,13 +205,28 @@ def test_the_rate_bucket_holds_a_second_of_submits_and_refills() -> None:
     assert decisions[1].retry_after_s == pytest.approx(10.0)
 
 
-def test_credits_take_each_job_s_estimate_and_refuse_what_they_cannot_cover() -> None:
-    decisions, after = quotas.admit({"cats": load(credits=10.0)}, by("cats", 4.0) * 3 + by("cats", 2.0), NOW)
+def test_credits_hold_each_job_s_estimate_and_refuse_what_they_cannot_cover() -> None:
+    # A balance of 12 with 2 held by an open job: 10 available.
+    decisions, after = quotas.admit({"cats": load(credits=12.0, held=2.0)}, by("cats", 4.0) * 3 + by("cats", 2.0), NOW)
     assert [d is None for d in decisions] == [True, True, False, True]
-    assert after["cats"].credits == pytest.approx(0.0) and after["cats"].active == 3
+    # Held apart: the balance is untouched until the jobs are settled.
+    assert after["cats"].credits == 12.0 and after["cats"].held == pytest.approx(12.0) and after["cats"].active == 3
     refusal = decisions[2]
     assert refusal is not None and refusal.limit == quotas.CREDITS and refusal.retry_after_s is None
     assert "2.0 credits left" in refusal.description and "about 4.0" in refusal.description
+
+
+def test_a_tenant_without_a_credit_limit_holds_nothing() -> None:
+    decisions, after = quotas.admit({"cats": load(max_jobs=5)}, by("cats", 500.0) + by("dogs", 500.0), NOW)
+    assert decisions == [None, None] and after["cats"].held == 0.0 and "dogs" not in after
+    assert quotas.reservation(after["cats"], 500.0) == 0.0 and quotas.reservation(None, 500.0) == 0.0
+    assert quotas.reservation(load(credits=0.0), 500.0) == 500.0
+
+
+def test_a_debt_refuses_every_job_until_it_is_paid() -> None:
+    decisions, _ = quotas.admit({"cats": load(credits=-3.0)}, by("cats", 0.5), NOW)
+    assert decisions[0] is not None and "0.0 credits left" in decisions[0].description
+    assert quotas.available(-3.0, 1.0) == -4.0 and quotas.available(None, 1.0) is None
 
 
 def test_daily_credits_top_the_balance_up_once_a_day_and_never_beyond() -> None:
@@ -219,20 +234,41 @@ def test_daily_credits_top_the_balance_up_once_a_day_and_never_beyond() -> None:
     short = load(credits=1.0, daily_credits=5.0, credits_day=yesterday)
     decisions, after = quotas.admit({"cats": short}, by("cats", 3.0) * 2, NOW)
     assert [d is None for d in decisions] == [True, False]
-    assert after["cats"].credits == pytest.approx(2.0) and after["cats"].credits_day == NOW.date()
+    assert after["cats"].credits == 5.0 and after["cats"].topped_up == 4.0 and after["cats"].held == 3.0
+    assert after["cats"].credits_day == NOW.date()
     refusal = decisions[1]
     # The next refill covers it: at the next UTC midnight.
     midnight = datetime.combine(NOW.date() + timedelta(days=1), datetime.min.time(), tzinfo=UTC)
     assert refusal is not None and refusal.retry_after_s == pytest.approx((midnight - NOW).total_seconds())
     # Given once a day: the same day does not refill again.
     assert quotas.refilled(2.0, 5.0, NOW.date(), NOW.date()) == (2.0, NOW.date())
+    assert quotas.admit(after, by("cats", 0.0), NOW)[1]["cats"].topped_up == 4.0  # not given again
     # A balance above the daily amount keeps what it has.
     assert quotas.refilled(8.0, 5.0, yesterday, NOW.date()) == (8.0, NOW.date())
     # No limit stays no limit.
     assert quotas.refilled(None, 5.0, yesterday, NOW.date()) == (None, yesterday)
+    assert quotas.top_up(None, 5.0, yesterday, NOW.date()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("balance", "topped_up"),
+    [(-20.0, 100.0), (-150.0, 100.0), (0.0, 100.0), (30.0, 70.0), (100.0, 0.0), (180.0, 0.0)],
+)
+def test_daily_credits_never_forgive_a_debt(balance: float, topped_up: float) -> None:
+    """A debt is paid out of the day's credits (-20 with 100 a day becomes 80), and
+    what open jobs hold counts as the balance's: held or not, the same top-up."""
+    yesterday = NOW.date() - timedelta(days=1)
+    assert quotas.top_up(balance, 100.0, yesterday, NOW.date()) == topped_up
+    assert quotas.refilled(balance, 100.0, yesterday, NOW.date()) == (balance + topped_up, NOW.date())
+    _, after = quotas.admit({"cats": load(credits=balance, held=90.0, daily_credits=100.0)}, [], NOW)
+    assert (after["cats"].credits, after["cats"].topped_up, after["cats"].held) == (
+        balance + topped_up,
+        topped_up,
+        90.0,
+    )
 
 
 def test_a_refused_submit_spends_neither_credits_nor_a_rate_token() -> None:
     decisions, after = quotas.admit({"cats": load(credits=1.0, rate_per_s=5.0)}, by("cats", 2.0), NOW)
     assert decisions[0] is not None and decisions[0].limit == quotas.CREDITS
-    assert after["cats"].credits == 1.0 and after["cats"].tokens_at is None
+    assert after["cats"].credits == 1.0 and after["cats"].held == 0.0 and after["cats"].tokens_at is None

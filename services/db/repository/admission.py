@@ -1,26 +1,29 @@
 """Submits by tenants with limits: in one transaction that locks each tenant's row,
 so that every gateway replica decides on the same figures in turn and 50
 concurrent submits against room (or credits) for 10 let exactly 10 in. A job let
-in has its ``credits_reserved`` taken from its tenant's credits there."""
+in holds its ``credits_reserved`` of its tenant's credits from there until it is
+settled (nothing, for a tenant without a credit limit); the day's first submit
+gives the tenant its daily credits, an entry of its ledger."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
 
 from services import quotas
 from services.db.records import JobRecord, NewJob
+from services.db.repository.credits import open_jobs, record
 from services.db.repository.database import Area, fetch_all
 from services.db.repository.job_inserts import IdempotencyKey, find_earlier, insert, stored
+from services.db.tenant_records import TOP_UP, CreditEntry, OpenJobs
 
 _LOCK_TENANTS = """
 SELECT name, max_jobs, rate_per_s, rate_tokens, rate_at, credits, daily_credits, credits_day FROM tenants
 WHERE name = ANY(%s) ORDER BY name FOR UPDATE
 """
-_ACTIVE = """
-SELECT tenant, count(*) AS n FROM jobs
-WHERE tenant = ANY(%s) AND status IN ('QUEUED', 'SCHEDULED', 'RUNNING', 'DECODING')
-GROUP BY tenant
+_WRITE_BACK = """
+UPDATE tenants SET rate_tokens = %s, rate_at = %s, credits = credits + %s, credits_day = %s WHERE name = %s
 """
 
 
@@ -37,7 +40,7 @@ class Admission(Area):
         async with self.db.tx() as conn:
             # Locked in name order: two batches of the same tenants never deadlock.
             tenants = await fetch_all(conn, _LOCK_TENANTS, (names,))
-            active = {r["tenant"]: r["n"] for r in await fetch_all(conn, _ACTIVE, (names,))}
+            open_ = await open_jobs(conn, names)
             earlier = await find_earlier(conn, jobs)
             # Each idempotency key counts once: the first submit of a key not used
             # before is new, the others repeat it.
@@ -54,30 +57,33 @@ class Admission(Area):
                 r["name"]: quotas.TenantLoad(
                     r["name"],
                     r["max_jobs"],
-                    active.get(r["name"], 0),
+                    open_.get(r["name"], OpenJobs()).active,
                     r["rate_per_s"],
                     r["rate_tokens"],
                     r["rate_at"],
                     r["credits"],
                     r["daily_credits"],
                     r["credits_day"],
+                    held=open_.get(r["name"], OpenJobs()).held,
                 )
                 for r in tenants
             }
             decisions, after = quotas.admit(loads, [(job.tenant, job.credits_reserved) for job, _ in new], now)
             refused = {job.id: refusal for (job, _), refusal in zip(new, decisions, strict=True) if refusal}
-            inserted = await insert(conn, [(job, at) for job, at in new if job.id not in refused])
+            # Each job holds what admit held for it: nothing, for a tenant without a limit.
+            let_in = [
+                (replace(job, credits_reserved=quotas.reservation(loads.get(job.tenant), job.credits_reserved)), at)
+                for job, at in new
+                if job.id not in refused
+            ]
+            inserted = await insert(conn, let_in)
             # A repeat within the batch finds the job the first of its key made.
             earlier |= await find_earlier(conn, [job for job in jobs if job.id not in inserted])
             for load in after.values():
                 if load != loads[load.name]:
-                    await conn.execute(
-                        """
-                        UPDATE tenants SET rate_tokens = %s, rate_at = %s, credits = %s, credits_day = %s
-                        WHERE name = %s
-                        """,
-                        (load.tokens, load.tokens_at, load.credits, load.credits_day, load.name),
-                    )
+                    written = (load.tokens, load.tokens_at, load.topped_up, load.credits_day, load.name)
+                    await conn.execute(_WRITE_BACK, written)
+            await record(conn, [CreditEntry(a.name, now, TOP_UP, a.topped_up) for a in after.values() if a.topped_up])
         # A repeat of a refused submit is refused with it.
         for job in jobs:
             maker = first.get((job.tenant, job.idempotency_key))

@@ -1,5 +1,6 @@
 """Tenants and their API keys. Every change is recorded in ``admin_actions``, in
-the transaction that makes it: who (``actor``), what, to which tenant and key."""
+the transaction that makes it: who (``actor``), what, to which tenant and key; a
+change to a tenant's credit balance is an entry of its ledger there too."""
 
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ from psycopg import AsyncConnection
 from psycopg.rows import DictRow
 
 from services.api_keys import IssuedKey
+from services.db.repository.credits import record
 from services.db.repository.database import Area, fetch_all
-from services.db.tenant_records import TERMS, AdminAction, KeyHolder, KeyRecord, TenantRecord, TenantTerms
-from services.errors import AlreadyExists, NotFound
+from services.db.tenant_records import (
+    ADJUST,
+    INITIAL,
+    TERMS,
+    AdminAction,
+    CreditEntry,
+    KeyHolder,
+    KeyRecord,
+    TenantRecord,
+    TenantTerms,
+)
+from services.errors import AlreadyExists, FieldViolation, InvalidArgument, NotFound
 
 _WRITTEN = ", ".join(("name", *TERMS, "created_at", "updated_at"))
 _TENANT_COLUMNS = f"{_WRITTEN}, credits_day"
@@ -44,28 +56,55 @@ class Tenants(Area):
             )
             if row is None:
                 raise AlreadyExists(f"tenant {name!r} already exists")
+            if terms.credits:
+                await record(conn, [CreditEntry(name, now, INITIAL, terms.credits)])
             await self._record(conn, actor, "tenants create", name, None, _terms_text(values), now)
         return TenantRecord.of(row)
 
-    async def update(self, name: str, changes: Mapping[str, object], *, actor: str, now: datetime) -> TenantRecord:
-        """Sets the terms named in ``changes`` (the others, and credits moved by jobs
-        since the caller read them, stay as they are)."""
+    async def update(
+        self,
+        name: str,
+        changes: Mapping[str, object],
+        *,
+        add_credits: float | None = None,
+        actor: str,
+        now: datetime,
+    ) -> TenantRecord:
+        """Sets the terms named in ``changes`` (the others stay as they are).
+        ``credits`` sets the balance: what the tenant's open jobs hold stays held
+        against it, and what they use is charged to it. ``add_credits`` adds to the
+        balance (negative: takes away), for a tenant with a credit limit. Either is
+        an entry of the tenant's ledger, of the difference it makes."""
         unknown = set(changes) - set(TERMS)
         if unknown:
             raise ValueError(f"not a tenant's term: {sorted(unknown)}")
-        sets = "".join(f"{t} = %({t})s, " for t in changes)
+        if add_credits is not None and "credits" in changes:
+            raise ValueError("credits are set or added to, not both")
+        sets = [f"{t} = %({t})s" for t in changes]
+        if add_credits is not None:
+            sets.append("credits = t.credits + %(add_credits)s")
         async with self.db.tx() as conn:
+            # The row locked before it changes: the balance it had is the one moved.
             row = await _one(
                 conn,
                 f"""
-                UPDATE tenants SET {sets}updated_at = %(now)s
-                WHERE name = %(name)s RETURNING {_TENANT_COLUMNS}
+                WITH old AS (SELECT name, credits FROM tenants WHERE name = %(name)s FOR UPDATE)
+                UPDATE tenants t SET {"".join(f"{s}, " for s in sets)}updated_at = %(now)s
+                FROM old WHERE t.name = old.name
+                RETURNING {_qualified("t")}, old.credits AS old_credits
                 """,
-                {"name": name, "now": now, **changes},
+                {"name": name, "now": now, "add_credits": add_credits, **changes},
             )
             if row is None:
                 raise NotFound(f"no tenant {name!r}")
-            await self._record(conn, actor, "tenants update", name, None, _terms_text(changes), now)
+            if add_credits is not None and row["old_credits"] is None:
+                why = f"tenant {name!r} has no credit limit: set its credits first"
+                raise InvalidArgument([FieldViolation("add_credits", why)])
+            moved = add_credits if add_credits is not None else (row["credits"] or 0.0) - (row["old_credits"] or 0.0)
+            if moved:
+                await record(conn, [CreditEntry(name, now, ADJUST, moved)])
+            done = {**changes, **({"add_credits": add_credits} if add_credits is not None else {})}
+            await self._record(conn, actor, "tenants update", name, None, _terms_text(done), now)
         return TenantRecord.of(row)
 
     async def get(self, name: str) -> TenantRecord:
@@ -166,6 +205,10 @@ class Tenants(Area):
             return None
         key = KeyRecord(row["id"], row["tenant"], row["admin"], row["key_created_at"], row["revoked_at"])
         return KeyHolder(key, row["digest"], TenantRecord.of(row))
+
+
+def _qualified(alias: str) -> str:
+    return ", ".join(f"{alias}.{column}" for column in _TENANT_COLUMNS.split(", "))
 
 
 def _terms_text(terms: Mapping[str, object]) -> str:
