@@ -211,10 +211,24 @@ class Round:
     jobs: list[Any]
 
     @property
-    def images_per_s(self) -> float:
+    def wall_s(self) -> float:
+        """From the first job's submission to the last one's images stored."""
         created = min(j.timings.created_time.ToDatetime() for j in self.jobs)
         stored = max(j.timings.finished_time.ToDatetime() for j in self.jobs)
-        return sum(j.num_images or 1 for j in self.jobs) / (stored - created).total_seconds()
+        return (stored - created).total_seconds()
+
+    @property
+    def images_per_s(self) -> float:
+        return sum(j.num_images or 1 for j in self.jobs) / self.wall_s
+
+    def batch_sizes(self) -> list[int]:
+        """The images of each batch the jobs ran in, in order (a batch's jobs share
+        the moment it finished denoising)."""
+        sizes: dict[Any, int] = {}
+        for j in self.jobs:
+            at = j.timings.decoding_time.ToDatetime()
+            sizes[at] = sizes.get(at, 0) + (j.num_images or 1)
+        return [sizes[at] for at in sorted(sizes)]
 
     def stage_medians(self) -> dict[str, float]:
         return {
@@ -366,6 +380,7 @@ class Saturated:
     bare: Bare
     run: Round
     busy: float  # the sampler's denoising over the time work waited, over the run
+    occupancy: float  # the sampler's denoising over the run's wall time
 
 
 @dataclass(frozen=True)
@@ -380,16 +395,15 @@ def saturated_table(rows: Sequence[Saturated]) -> None:
     print("\n## Saturated: N jobs submitted at once, until the last is stored\n")
     print(
         "| model | size | steps | options | N | bare img/s (batch) | stack img/s | stack/bare | busy ratio "
-        "| stage medians ms: queue | schedule | dispatch | sample | decode | store |"
+        "| occupancy | the stack's batches | stage medians ms: queue | schedule | dispatch | sample | decode | store |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         st, rate, bare = row.run.stage_medians(), row.run.images_per_s, row.bare.images_per_s
         print(
             f"| {row.case.model} | {row.case.size} | {row.case.steps} | {row.option or 'none'} | {len(row.run.jobs)} | "
-            f"{bare:.2f} ({row.batch}) | {rate:.2f} | {rate / bare:.3f} | {row.busy:.3f} | "
-            + " | ".join(ms(st[s]) for s in STAGES)
-            + " |"
+            f"{bare:.2f} ({row.batch}) | {rate:.2f} | {rate / bare:.3f} | {row.busy:.3f} | {row.occupancy:.3f} | "
+            f"{','.join(map(str, row.run.batch_sizes()))} | " + " | ".join(ms(st[s]) for s in STAGES) + " |"
         )
 
 
@@ -516,8 +530,10 @@ def main(argv: list[str] | None = None) -> int:
                 model = variant_name(case.model, option) if option else case.model
                 stack.round(model, case, 1, 7)  # warm-up: a variant's load (and compilation) is not measured
                 if "saturated" in modes or option:
-                    run, busy = saturated_run(stack, model, case, args.jobs or case.jobs)
-                    saturated.append(Saturated(case, option, batch, bare[(case.name, option, batch)], run, busy))
+                    run, busy, occupancy = saturated_run(stack, model, case, args.jobs or case.jobs)
+                    saturated.append(
+                        Saturated(case, option, batch, bare[(case.name, option, batch)], run, busy, occupancy)
+                    )
                 if "one-job" in modes or option:
                     runs = [stack.round(model, case, 1, 5000 + r) for r in range(rounds)]
                     alone.append(Alone(case, option, bare[(case.name, option, 1)], runs))
@@ -545,14 +561,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def saturated_run(stack: Stack, model: str, case: Case, jobs: int) -> tuple[Round, float]:
-    """A saturated round, and the sampler's busy ratio over it (from its own account,
-    once its heartbeat holds every batch of the round: a batch's jobs decode together)."""
+def saturated_run(stack: Stack, model: str, case: Case, jobs: int) -> tuple[Round, float, float]:
+    """A saturated round; the sampler's busy ratio over it (from its own account,
+    once its heartbeat holds every batch of the round: a batch's jobs decode
+    together); and its occupancy, its denoising over the round's wall time (which
+    counts what the busy ratio does not: the sampler idle with no work dispatched
+    to it, the round's first batch and its last decode)."""
     from tests.helpers import wait_for
 
     before = stack.sampler()
     run = stack.round(model, case, jobs, 100)
-    batches = len({j.timings.decoding_time.ToDatetime() for j in run.jobs})
+    batches = len(run.batch_sizes())
     after = wait_for(
         stack.sampler,
         lambda w: w.denoised_batches >= before.denoised_batches + batches,
@@ -561,7 +580,7 @@ def saturated_run(stack: Stack, model: str, case: Case, jobs: int) -> tuple[Roun
     )
     denoising = after.denoising_seconds - before.denoising_seconds
     waiting = after.work_waiting_seconds - before.work_waiting_seconds
-    return run, denoising / waiting if waiting else float("nan")
+    return run, denoising / waiting if waiting else float("nan"), denoising / run.wall_s
 
 
 if __name__ == "__main__":
