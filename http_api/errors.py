@@ -1,7 +1,13 @@
-"""The gateway's refusals (gRPC status codes with rich details) as OpenAI's error
-JSON and HTTP status, so that OpenAI's SDKs raise their own typed exceptions: 400
-naming the parameter, 401, 403, 404, 429 and 503 with Retry-After. Darkroom's
-field names become the request's parameter names."""
+"""Every error the HTTP API answers, in one place, as OpenAI's error JSON and HTTP
+status, so that OpenAI's SDKs raise their own typed exceptions: the gateway's
+refusals (gRPC status codes with rich details: 400 naming the parameter, 401,
+403, 404, 429 and 503 with Retry-After), a body too large (413), and anything
+unexpected (500, never a plain-text page). Darkroom's field names become the
+request's parameter names.
+
+An error answered after the request's job was accepted carries the job's id and
+``x-should-retry: false``: OpenAI's SDKs retry every status of 500 and above, and
+a retry would submit the job again; the caller follows the job instead."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
 # (HTTP status, OpenAI error type, code) per gRPC status.
@@ -30,8 +37,11 @@ PARAMETERS = {
     "guidance_scale": "guidance",
     "image": "image",
     "mask": "mask",
+    "idempotency_key": "Idempotency-Key",
 }
 _DETAILS_KEY = "grpc-status-details-bin"
+# How much of a bad value an error message quotes.
+QUOTED_CHARS = 40
 
 
 class HttpError(Exception):
@@ -43,17 +53,88 @@ class HttpError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
         self.retry_after_s: float | None = None
+        # x-should-retry, which OpenAI's SDKs obey over the status; None: the status decides.
+        self.should_retry: bool | None = None
+        self.extra: dict[str, Any] = {}  # Darkroom's own, beside OpenAI's fields
+
+    def after_submit(self, job_id: str) -> HttpError:
+        """This error, answered once ``job_id`` was accepted: it names the job to
+        follow, and asks not to be retried (a retry would be a second job)."""
+        self.extra["job_id"] = job_id
+        self.should_retry = False
+        return self
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object (the ``error`` of a response, or of a stream's ``error`` event)."""
+        return {"message": self.message, "type": self.kind, "param": self.param, "code": self.code, **self.extra}
 
     def response(self) -> web.Response:
-        body: dict[str, Any] = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return web.json_response({"error": body}, status=self.status, headers=headers)
+        if self.should_retry is not None:
+            headers["x-should-retry"] = "true" if self.should_retry else "false"
+        return web.json_response({"error": self.body()}, status=self.status, headers=headers)
 
 
 def bad_request(param: str, message: str) -> HttpError:
     return HttpError(400, message, kind="invalid_request_error", code="invalid_value", param=param)
+
+
+def too_large(limit: int) -> HttpError:
+    return HttpError(
+        413, f"the body is over this route's limit of {limit} bytes", kind="invalid_request_error", param="body"
+    )
+
+
+def not_found(what: str) -> HttpError:
+    return HttpError(404, f"no such {what}", kind="invalid_request_error", code="not_found")
+
+
+def unauthenticated(message: str) -> HttpError:
+    return HttpError(401, message, kind="invalid_request_error", code="invalid_api_key")
+
+
+def job_ended(job_id: str, status: str, error: str) -> HttpError:
+    """A job that ended without its outputs (failed, cancelled, expired)."""
+    return HttpError(
+        500, f"job {job_id} ended {status}: {error}", kind="server_error", code=f"job_{status}"
+    ).after_submit(job_id)
+
+
+def still_running(job_id: str, url: str, waited_s: float) -> HttpError:
+    """A job not finished within the wait: the caller follows it at ``url``."""
+    return HttpError(
+        504,
+        f"job {job_id} is still running after {waited_s:.0f}s; follow it at {url} (GET: its status, then links "
+        "to its outputs)",
+        kind="server_error",
+        code="job_running",
+    ).after_submit(job_id)
+
+
+def submit_unanswered(idempotency_key: str) -> HttpError:
+    """A submit the gateway took but did not answer in time: the job may be stored."""
+    error = HttpError(
+        504,
+        "the gateway did not answer the submit in time, and may have stored the job: send the request again "
+        f"with the header Idempotency-Key: {idempotency_key} to get that job rather than a second one",
+        kind="server_error",
+        code="timeout",
+    )
+    error.extra["idempotency_key"] = idempotency_key
+    error.should_retry = False
+    return error
+
+
+def unexpected() -> HttpError:
+    return HttpError(500, "an unexpected error: it is logged", kind="server_error", code="internal_error")
+
+
+def quoted(value: object) -> str:
+    """A bad value as an error message shows it: at most QUOTED_CHARS of it."""
+    text = repr(value)
+    return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}... ({len(text)} characters)"
 
 
 def from_rpc(exc: grpc.aio.AioRpcError) -> HttpError:
@@ -73,11 +154,16 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> HttpError:
             error.retry_after_s = retry.retry_delay.ToTimedelta().total_seconds()
         elif detail.Unpack(quota) and any("credits" in v.description for v in quota.violations):
             error.code = "insufficient_quota"
+    if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_s is None:
+        error.should_retry = False  # the gateway names no time: nothing but an operator frees it
     return error
 
 
 def _details(exc: grpc.aio.AioRpcError) -> status_pb2.Status | None:
     for key, value in exc.trailing_metadata() or ():
         if key == _DETAILS_KEY and isinstance(value, bytes):
-            return status_pb2.Status.FromString(value)
+            try:
+                return status_pb2.Status.FromString(value)
+            except DecodeError:  # details that are no Status: the code alone
+                return None
     return None

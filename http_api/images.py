@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from http_api.errors import bad_request
+from http_api.errors import bad_request, quoted
+from http_api.wire import LongInteger
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 FORMATS = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
@@ -21,7 +22,9 @@ MAX_N = 10
 # OpenAI's own parameters Darkroom takes and does not act on (the model decides).
 # Darkroom's own, beside OpenAI's: seed, steps, negative_prompt, guidance, strength, lane.
 IGNORED = ("quality", "style", "background", "moderation", "output_compression", "user", "safety_identifier")
-_SIZE = re.compile(r"(\d{1,5})x(\d{1,5})")
+_SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
+# What a stream's events are named after: OpenAI's image_generation.* and image_edit.*.
+STREAMS = {"generation": "image_generation", "edit": "image_edit"}
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,7 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
         request.num_images = n
     size = take.text("size")
     if size and size != "auto":
-        match = _SIZE.fullmatch(size)
-        if match is None:
-            raise bad_request("size", f"size {size!r} is not WIDTHxHEIGHT (e.g. 512x512) or auto")
-        request.width, request.height = int(match[1]), int(match[2])
+        request.width, request.height = parse_size(size, "512x512", also=" or auto")
     fmt = take.text("output_format")
     if fmt:
         if fmt not in FORMATS:
@@ -83,6 +83,18 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
     return request, Asked(response_format, stream)
 
 
+def parse_size(size: str, example: str, *, also: str = "") -> tuple[int, int]:
+    """``WIDTHxHEIGHT`` in ASCII digits, each of at most five; 400 naming ``size`` otherwise."""
+    match = _SIZE.fullmatch(size)
+    if match is None:
+        raise bad_request("size", f"size {quoted(size)} is not WIDTHxHEIGHT (e.g. {example}){also}")
+    return int(match[1]), int(match[2])
+
+
+def _kind_of(value: Any) -> str:
+    return "integer" if isinstance(value, LongInteger) else type(value).__name__
+
+
 class Fields:
     """A request's parameters, each taken once and checked for its type; what is
     left at the end is unknown."""
@@ -101,7 +113,11 @@ class Fields:
                 raise bad_request(name, f"{name} is required")
             return ""
         if not isinstance(value, str):
-            raise bad_request(name, f"{name} must be a string, not {type(value).__name__}")
+            raise bad_request(name, f"{name} must be a string, not {_kind_of(value)}")
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate, as JSON may escape one
+            raise bad_request(name, f"{name} is not Unicode text: {quoted(value)}") from None
         return value
 
     def integer(self, name: str, low: int, high: int) -> int | None:
@@ -124,21 +140,27 @@ class Fields:
         value = self._take(name)
         if value is None:
             return None
+        if isinstance(value, LongInteger):
+            raise bad_request(name, f"{name} is outside {low}..{high}: {value!r}")
         if self.form and isinstance(value, str):
+            text = value
             try:
-                value = kind(value)
+                value = kind(text.strip()) if len(text) <= 64 else None
             except ValueError:
-                raise bad_request(name, f"{name} must be a number, not {value!r}") from None
+                value = None
+            if value is None:
+                raise bad_request(name, f"{name} must be a number, not {quoted(text)}")
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if not numeric or (kind is int and not float(value).is_integer()):
-            raise bad_request(name, f"{name} must be {'an integer' if kind is int else 'a number'}, not {value!r}")
+            what = "an integer" if kind is int else "a number"
+            raise bad_request(name, f"{name} must be {what}, not {quoted(value)}")
         if not low <= value <= high:
             raise bad_request(name, f"{name} {value} is outside {low}..{high}")
         return kind(value)
 
     def done(self) -> None:
         for name in self.left:
-            raise bad_request(name, f"unknown parameter {name!r}")
+            raise bad_request(str(name)[:64], f"unknown parameter {quoted(name)}")
 
 
 def images_response(job: pb.Job, outputs: list[pb.Image], asked: Asked, link: Callable[[int], str]) -> dict[str, Any]:
@@ -158,10 +180,11 @@ def images_response(job: pb.Job, outputs: list[pb.Image], asked: Asked, link: Ca
     }
 
 
-def partial_event(preview: pb.Preview, index: int, job: pb.Job) -> dict[str, Any]:
-    """OpenAI's ``image_generation.partial_image`` event for a preview (a JPEG)."""
+def partial_event(preview: pb.Preview, index: int, job: pb.Job, stream: str) -> dict[str, Any]:
+    """OpenAI's ``image_generation.partial_image`` (or, ``stream`` ``edit``,
+    ``image_edit.partial_image``) event for a preview (a JPEG)."""
     return {
-        "type": "image_generation.partial_image",
+        "type": f"{STREAMS[stream]}.partial_image",
         "b64_json": base64.b64encode(preview.data).decode(),
         "created_at": job.timings.created_time.seconds,
         "size": f"{preview.width}x{preview.height}",
@@ -172,11 +195,12 @@ def partial_event(preview: pb.Preview, index: int, job: pb.Job) -> dict[str, Any
     }
 
 
-def completed_event(job: pb.Job, output: pb.Image) -> dict[str, Any]:
-    """OpenAI's ``image_generation.completed`` event for a finished job's image."""
+def completed_event(job: pb.Job, output: pb.Image, stream: str) -> dict[str, Any]:
+    """OpenAI's ``image_generation.completed`` (or ``image_edit.completed``) event
+    for a finished job's image."""
     fmt = next((name for name, value in FORMATS.items() if value == job.output_format), "png")
     return {
-        "type": "image_generation.completed",
+        "type": f"{STREAMS[stream]}.completed",
         "b64_json": base64.b64encode(output.data).decode(),
         "created_at": job.timings.created_time.seconds,
         "size": f"{job.width}x{job.height}",

@@ -3,7 +3,6 @@ caller's key), and their answers into OpenAI's shapes (``images``, ``videos``)."
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,10 +12,32 @@ import grpc
 from aiohttp import web
 
 from http_api import fleet, images, videos
-from http_api.errors import HttpError, bad_request, from_rpc
+from http_api.errors import (
+    HttpError,
+    bad_request,
+    from_rpc,
+    job_ended,
+    not_found,
+    still_running,
+    submit_unanswered,
+)
 from http_api.gateway_client import Gateway, Outputs, default_model
-from http_api.signed_urls import UrlSigner
-from http_api.wire import fields_of, key_of, metadata_of, open_events, send_error_event, send_event
+from http_api.limits import JSON_BODY_BYTES, upload_bytes
+from http_api.signed_urls import UrlSigner, malformed
+from http_api.wire import (
+    ACCEPTED,
+    fields_of,
+    form_body,
+    idempotency_key,
+    job_id_of,
+    json_body,
+    key_of,
+    metadata_of,
+    open_events,
+    send_error_event,
+    send_event,
+    wait_of,
+)
 from services.config.http import HttpSettings
 from services.db.repository import Repository
 from services.errors import StoreError
@@ -25,8 +46,9 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 # The page (no build step, nothing from elsewhere): read once.
 PAGE = (Path(__file__).with_name("page.html")).read_bytes()
 STATUS_NAMES = {value: name.removeprefix("JOB_STATUS_").lower() for name, value in pb.JobStatus.items()}
-# The largest request body: an edit's image and mask at the gateway's limit, and the form around them.
-MAX_BODY_BYTES = 50 * 2**20
+ENDED = (pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED)
+# GET /v1/videos looks for the caller's videos among this many of its latest jobs.
+VIDEO_LIST_SCAN_PAGES, VIDEO_LIST_PAGE_SIZE = 10, 200
 
 
 class Api:
@@ -48,30 +70,30 @@ class Api:
             web.get("/v1/fleet", self.fleet_view),
             web.get("/v1/files/{job_id}/{index}", self.file),
             web.post("/v1/videos", self.create_video),
+            web.get("/v1/videos", self.list_videos),
             web.get("/v1/videos/{job_id}", self.video),
+            web.delete("/v1/videos/{job_id}", self.delete_video),
             web.get("/v1/videos/{job_id}/content", self.video_content),
         ]
+
+    def body_limits(self) -> dict[str, int]:
+        """The largest body each route that takes one reads (``limits.Door``)."""
+        return {
+            "/v1/images/generations": JSON_BODY_BYTES,
+            "/v1/images/edits": upload_bytes(self.settings.max_input_mb),
+            "/v1/videos": JSON_BODY_BYTES,  # a form without files: an input reference is not served
+        }
 
     async def page(self, request: web.Request) -> web.Response:
         """The page: a prompt box and a live view of the fleet, over this same API."""
         return web.Response(body=PAGE, content_type="text/html", headers={"Cache-Control": "no-cache"})
 
     async def generations(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise bad_request("body", "the body is not JSON") from None
-        submit, asked = images.generation(body)
-        return await self._run(request, submit, asked, "image")
+        submit, asked = images.generation(await json_body(request))
+        return await self._run(request, submit, asked, "generation")
 
     async def edits(self, request: web.Request) -> web.StreamResponse:
-        try:
-            form = await request.post()
-        except web.HTTPRequestEntityTooLarge:
-            too_large = f"the body is over {MAX_BODY_BYTES} bytes"
-            raise HttpError(413, too_large, kind="invalid_request_error", param="body") from None
-        except (ValueError, web.HTTPException) as exc:
-            raise bad_request("body", f"the body is not a multipart form: {exc}") from None
+        form = await form_body(request)
         files = {name: form[name] for name in ("image", "image[]", "mask") if name in form}
         fields = {name: value for name, value in form.items() if name not in files}
         submit, asked = images.generation(fields, form=True)
@@ -84,34 +106,45 @@ class Api:
             if not isinstance(mask, web.FileField):
                 raise bad_request("mask", "mask must be a file")
             submit.mask = mask.file.read()
-        return await self._run(request, submit, asked, "image")
+        return await self._run(request, submit, asked, "edit")
+
+    async def _submit(self, request: web.Request, submit: pb.SubmitJobRequest, key: str) -> pb.SubmitJobResponse:
+        """The job stored (once, under the request's idempotency key), recorded on
+        the request: every error answered from here on names it and is not to be
+        retried."""
+        submit.idempotency_key = idempotency_key(request)
+        try:
+            submitted = await self.gateway.submit(submit, key)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise submit_unanswered(submit.idempotency_key) from None
+            raise
+        request[ACCEPTED] = submitted.job_id
+        return submitted
 
     async def _run(
-        self, request: web.Request, submit: pb.SubmitJobRequest, asked: images.Asked, kind: str
+        self, request: web.Request, submit: pb.SubmitJobRequest, asked: images.Asked, stream: str
     ) -> web.StreamResponse:
         key = key_of(request)
         if not submit.model:
-            submit.model = default_model(await self.gateway.models(key), kind)
+            submit.model = default_model(await self.gateway.models(key), "image")
+        wait = wait_of(request, self.settings.wait_s)
         began = time.perf_counter()
-        submitted = await self.gateway.submit(submit, key)
+        submitted = await self._submit(request, submit, key)
         submitted_at = time.perf_counter()
-        left_running = web.json_response(
-            self._job_json(request, submitted.job_id, STATUS_NAMES[submitted.status]), status=202
-        )
-        if "respond-async" in request.headers.get("Prefer", ""):
-            return left_running
+        job_id = submitted.job_id
+        if wait.respond_async and wait.seconds <= 0:
+            return web.json_response(self._job_json(request, job_id, STATUS_NAMES[submitted.status]), status=202)
         if asked.stream:
-            return await self._stream(request, submitted.job_id, key)
-        try:
-            done = await self.gateway.finished(submitted.job_id, key, self.settings.wait_s)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise
-            return left_running  # too long to wait for: the caller follows it
+            return await self._stream(request, job_id, key, stream, wait.seconds)
+        done = await self.gateway.finished(job_id, key, wait.seconds)
+        if done is None:  # too long to wait for: the caller follows it
+            if wait.respond_async:
+                return web.json_response(self._job_body(request, await self.gateway.get(job_id, key)), status=202)
+            raise still_running(job_id, self._job_url(request, job_id), wait.seconds)
         job = done.job
         if job.status != pb.JOB_STATUS_SUCCEEDED:
-            what = STATUS_NAMES[job.status]
-            raise HttpError(500, f"job {job.job_id} ended {what}: {job.error}", kind="server_error", code=f"job_{what}")
+            raise job_ended(job_id, STATUS_NAMES[job.status], job.error)
         finished_at = time.perf_counter()
         now = time.time()
         body = images.images_response(job, done.outputs, asked, lambda i: self._link(request, job.job_id, i, now))
@@ -124,31 +157,36 @@ class Api:
         )
         return response
 
-    async def _stream(self, request: web.Request, job_id: str, key: str) -> web.StreamResponse:
-        """Server-sent events in OpenAI's shapes: a partial image per preview the
-        sampler sends, then the image (or an error event)."""
+    async def _stream(
+        self, request: web.Request, job_id: str, key: str, stream: str, wait_s: float
+    ) -> web.StreamResponse:
+        """Server-sent events in OpenAI's shapes (``image_generation.*``, or
+        ``image_edit.*`` for an edit): a partial image per preview the sampler
+        sends, then the image; or an ``error`` event naming the job."""
         response = await open_events(request)
         outputs, partials, job = Outputs(), 0, pb.Job(job_id=job_id)
         try:
-            async for event in self.gateway.events(job_id, key, self.settings.wait_s):
+            async for event in self.gateway.events(job_id, key, wait_s):
                 if event.WhichOneof("event") == "preview":
-                    await send_event(response, images.partial_event(event.preview, partials, job))
+                    await send_event(response, images.partial_event(event.preview, partials, job, stream))
                     partials += 1
                 done = outputs.add(event)
                 if done is None:
                     continue
                 job = done.job
                 if job.status != pb.JOB_STATUS_SUCCEEDED:
-                    raise HttpError(
-                        500, f"job {job_id} ended {STATUS_NAMES[job.status]}: {job.error}", kind="server_error"
-                    )
+                    raise job_ended(job_id, STATUS_NAMES[job.status], job.error)
                 for output in done.outputs:
-                    await send_event(response, images.completed_event(job, output))
+                    await send_event(response, images.completed_event(job, output, stream))
                 break
         except HttpError as exc:
-            await send_error_event(response, exc)
+            await send_error_event(response, exc.after_submit(job_id))
         except grpc.aio.AioRpcError as exc:
-            await send_error_event(response, from_rpc(exc))
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                error = still_running(job_id, self._job_url(request, job_id), wait_s)
+            else:
+                error = from_rpc(exc).after_submit(job_id)
+            await send_error_event(response, error)
         await response.write_eof()
         return response
 
@@ -165,11 +203,44 @@ class Api:
             raise bad_request("model", f"unknown model {name!r}")
         if model.capability != "video":
             raise bad_request("model", f"{name} makes {model.capability}, not video")
-        submitted = await self.gateway.submit(videos.create(fields, model), key)
+        submitted = await self._submit(request, videos.create(fields, model), key)
         return web.json_response(videos.video_object(await self.gateway.get(submitted.job_id, key)))
+
+    async def list_videos(self, request: web.Request) -> web.Response:
+        """The caller's videos, newest first (``order=asc``: oldest first), among
+        its latest ``VIDEO_LIST_SCAN_PAGES * VIDEO_LIST_PAGE_SIZE`` jobs; ``limit``
+        (20 unless set, 100 at most) and ``after`` (the previous page's
+        ``last_id``), as OpenAI's list."""
+        query = request.query
+        limit = query.get("limit", "20")
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
+            raise bad_request("limit", f"limit {limit[:20]!r} is not a whole number within 1..100")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request("order", f"order {order[:20]!r} is not asc or desc")
+        key, jobs, token = key_of(request), [], ""
+        for _ in range(VIDEO_LIST_SCAN_PAGES):
+            page = await self.gateway.jobs(key, VIDEO_LIST_PAGE_SIZE, token)
+            jobs.extend(page.jobs)
+            token = page.next_page_token
+            if not token:
+                break
+        after = query.get("after", "")
+        return web.json_response(videos.video_list(jobs, limit=int(limit), after=after, order=order))
 
     async def video(self, request: web.Request) -> web.Response:
         return web.json_response(videos.video_object(await self._video_job(request)))
+
+    async def delete_video(self, request: web.Request) -> web.Response:
+        """OpenAI's delete: a video not yet made is cancelled (``deleted``); one
+        already made, or that failed, stays stored (``deleted`` false)."""
+        job = await self._video_job(request)
+        if job.status in ENDED:
+            return web.json_response(videos.deleted(job.job_id, False))
+        cancelled = await self.gateway.cancel(job.job_id, key_of(request))
+        # Cancelled, or stopping at its next step; or it ended first, its video made.
+        stopped = cancelled.status == pb.JOB_STATUS_CANCELLED or cancelled.status not in ENDED
+        return web.json_response(videos.deleted(job.job_id, stopped))
 
     async def video_content(self, request: web.Request) -> web.Response:
         variant = request.query.get("variant", "video")
@@ -184,9 +255,9 @@ class Api:
         return web.Response(body=job.images[0].data, content_type=job.images[0].mime_type)
 
     async def _video_job(self, request: web.Request) -> pb.Job:
-        job = await self.gateway.get(request.match_info["job_id"], key_of(request))
-        if job.task != "text_to_video":
-            raise HttpError(404, "no such video", kind="invalid_request_error", code="not_found")
+        job = await self.gateway.get(job_id_of(request), key_of(request))
+        if not videos.is_video(job):
+            raise not_found("video")
         return job
 
     async def models(self, request: web.Request) -> web.Response:
@@ -207,8 +278,8 @@ class Api:
     async def jobs(self, request: web.Request) -> web.Response:
         """The caller's most recent jobs (``limit``, 20 unless set), newest first."""
         limit = request.query.get("limit", "20")
-        if not limit.isdigit() or not 1 <= int(limit) <= 200:
-            raise bad_request("limit", f"limit {limit!r} is not a whole number within 1..200")
+        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 200):
+            raise bad_request("limit", f"limit {limit[:20]!r} is not a whole number within 1..200")
         page = await self.gateway.stub.ListJobs(
             pb.ListJobsRequest(page_size=int(limit)), metadata=metadata_of(request), timeout=30
         )
@@ -221,7 +292,7 @@ class Api:
         return web.json_response(fleet.fleet(stats))
 
     async def job(self, request: web.Request) -> web.Response:
-        job = await self.gateway.get(request.match_info["job_id"], key_of(request))
+        job = await self.gateway.get(job_id_of(request), key_of(request))
         return web.json_response(self._job_body(request, job))
 
     def _job_body(self, request: web.Request, job: pb.Job) -> dict[str, Any]:
@@ -245,7 +316,7 @@ class Api:
         ``darkroom.job.progress`` as they happen, then ``darkroom.job.done`` with
         what ``GET /v1/jobs/{id}`` answers at the end. Every step the sampler
         reports arrives, where polling would see only some."""
-        job_id, key = request.match_info["job_id"], key_of(request)
+        job_id, key = job_id_of(request), key_of(request)
         events = self.gateway.events(job_id, key, self.settings.wait_s)
         try:
             first = await anext(aiter(events), None)  # an unknown job is a 404, before the stream starts
@@ -277,12 +348,14 @@ class Api:
         return response
 
     async def file(self, request: web.Request) -> web.Response:
-        job_id, index = request.match_info["job_id"], request.match_info["index"]
-        if not index.isdigit():
-            raise HttpError(404, "no such output", kind="invalid_request_error", code="not_found")
-        why = self.signer.refusal(
-            job_id, int(index), request.query.get("expires", ""), request.query.get("signature", ""), time.time()
-        )
+        job_id, index = job_id_of(request), request.match_info["index"]
+        if not (index.isascii() and index.isdigit() and len(index) <= 6):
+            raise not_found("output")
+        expires, signature = request.query.get("expires", ""), request.query.get("signature", "")
+        bad = malformed(expires, signature)
+        if bad is not None:
+            raise bad_request(*bad)
+        why = self.signer.refusal(job_id, int(index), expires, signature, time.time())
         if why:
             raise HttpError(403, why, kind="permission_error", code="invalid_signature")
         if self.repo is None:
@@ -294,16 +367,14 @@ class Api:
         outputs = found[1] if found is not None else []
         output = next((o for o in outputs if o.index == int(index)), None)
         if output is None:
-            raise HttpError(404, "no such output", kind="invalid_request_error", code="not_found")
+            raise not_found("output")
         return web.Response(body=output.data, content_type=output.mime_type, headers={"Cache-Control": "private"})
 
     def _job_json(self, request: web.Request, job_id: str, status: str) -> dict[str, Any]:
-        return {
-            "id": job_id,
-            "object": "darkroom.job",
-            "status": status,
-            "url": f"{self._base(request)}/v1/jobs/{job_id}",
-        }
+        return {"id": job_id, "object": "darkroom.job", "status": status, "url": self._job_url(request, job_id)}
+
+    def _job_url(self, request: web.Request, job_id: str) -> str:
+        return f"{self._base(request)}/v1/jobs/{job_id}"
 
     def _link(self, request: web.Request, job_id: str, index: int, now: float) -> str:
         return self._base(request) + self.signer.path(job_id, index, now)

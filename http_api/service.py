@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
-from http_api.errors import HttpError, from_rpc
+from http_api.errors import HttpError, from_rpc, too_large, unexpected
 from http_api.gateway_client import Gateway, channel_to
-from http_api.routes import MAX_BODY_BYTES, Api
+from http_api.limits import JSON_BODY_BYTES, Door
+from http_api.routes import Api
 from http_api.signed_urls import UrlSigner, load_key
+from http_api.wire import ACCEPTED, STREAMING
 from services.config.http import HttpSettings
 from services.config.sections import KernelSettings
 from services.db.repository import Repository
@@ -31,26 +34,61 @@ from services.ops.lifecycle import run_service
 log = logging.getLogger(__name__)
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every refusal as OpenAI's error JSON."""
-    try:
-        return await handler(request)
-    except HttpError as exc:
-        return exc.response()
-    except grpc.aio.AioRpcError as exc:
-        return from_rpc(exc).response()
-    except web.HTTPException as exc:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def openai_errors(door: Door) -> Middleware:
+    """Limits before work (``limits.Door``: the body's size and the caller), then
+    the route; every error as OpenAI's error JSON, whatever raised it (the
+    unexpected ones logged with their traceback, and answered 500). Once the
+    request's job was accepted, its errors name the job and ask not to be retried."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        served = request
+        try:
+            served = await door.admit(request)
+            return await handler(served)
+        except Exception as exc:
+            error = _as_error(exc, door.limit_of(request))
+            if error is None:
+                raise
+            events = served.get(STREAMING)
+            if events is not None:  # the answer began: its error can no longer be one
+                log.warning("a stream broke off: %s", exc, exc_info=error.status >= 500)
+                return events
+            accepted = served.get(ACCEPTED)
+            if accepted is not None:
+                error.after_submit(accepted)
+            return error.response()
+
+    return middleware
+
+
+def _as_error(exc: Exception, limit: int | None) -> HttpError | None:
+    """``exc`` as the error to answer; None for what is no error (a redirect)."""
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return from_rpc(exc)
+    if isinstance(exc, web.HTTPException):
         if exc.status == 413:
-            return HttpError(413, "the request is too large", kind="invalid_request_error", param="body").response()
-        if exc.status >= 400:
-            return HttpError(exc.status, exc.reason, kind="invalid_request_error").response()
-        raise
+            return too_large(limit or JSON_BODY_BYTES)
+        if exc.status < 400:
+            return None
+        return HttpError(exc.status, exc.reason, kind="invalid_request_error")
+    if isinstance(exc, ConnectionResetError):  # the caller left: nobody reads the answer
+        log.info("the caller left: %s", exc)
+        return unexpected()
+    log.exception("unexpected error answering a request", exc_info=exc)
+    return unexpected()
 
 
 def create_app(settings: HttpSettings, gateway: Gateway, signer: UrlSigner, repo: Repository | None) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
-    app.add_routes(Api(settings, gateway, signer, repo).routes())
+    api = Api(settings, gateway, signer, repo)
+    door = Door(gateway, api.body_limits())
+    app = web.Application(middlewares=[openai_errors(door)], client_max_size=JSON_BODY_BYTES)
+    app.add_routes(api.routes())
     return app
 
 

@@ -11,6 +11,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KEY_BYTES = 32
+# A link's expiry (seconds since the epoch) and signature (hex) as this signer writes them, with room.
+MAX_EXPIRY_DIGITS = 12
+MAX_SIGNATURE_CHARS = 128
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def malformed(expires: str, signature: str) -> tuple[str, str] | None:
+    """The parameter of a link that no signer writes, and why; None when both are
+    well formed (whether they match is ``UrlSigner.refusal``'s question)."""
+    if not (0 < len(expires) <= MAX_EXPIRY_DIGITS and expires.isascii() and expires.isdigit()):
+        return "expires", f"expires must be at most {MAX_EXPIRY_DIGITS} digits 0-9 (seconds since the epoch)"
+    if not 0 < len(signature) <= MAX_SIGNATURE_CHARS or not set(signature) <= _HEX:
+        return "signature", f"signature must be at most {MAX_SIGNATURE_CHARS} hexadecimal digits"
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,8 +43,9 @@ class UrlSigner:
 
     def refusal(self, job_id: str, index: int, expires: str, signature: str, now: float) -> str:
         """Why a link may not be followed now; empty when it may."""
-        if not expires.isdigit():
-            return "the link has no expiry"
+        bad = malformed(expires, signature)
+        if bad is not None:
+            return bad[1]
         if not hmac.compare_digest(signature, self._signature(job_id, index, int(expires))):
             return "the link's signature does not match"
         if int(expires) < now:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from http_api.errors import bad_request
-from http_api.images import Fields
+from http_api.images import Fields, parse_size
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 STATUSES = {
@@ -32,10 +32,7 @@ def create(fields: Mapping[str, Any], model: pb.ModelInfo) -> pb.SubmitJobReques
     take.text("model")  # already chosen
     size = take.text("size")
     if size:
-        width, _, height = size.partition("x")
-        if not (width.isdigit() and height.isdigit()):
-            raise bad_request("size", f"size {size!r} is not WIDTHxHEIGHT (e.g. 832x480)")
-        request.width, request.height = int(width), int(height)
+        request.width, request.height = parse_size(size, "832x480")
     fps = take.number("fps", 1.0, 120.0) or model.default_fps
     request.fps = fps
     frames = take.integer("frames", 2, 100_000)
@@ -67,6 +64,39 @@ def _frames_for(seconds: float, fps: float, model: pb.ModelInfo) -> int:
             f"({longest:.2f} s)",
         )
     return frames
+
+
+def is_video(job: pb.Job) -> bool:
+    return job.task == "text_to_video"
+
+
+def video_list(jobs: list[pb.Job], *, limit: int, after: str, order: str) -> dict[str, Any]:
+    """OpenAI's list of videos: ``jobs`` (the caller's, newest first) that are
+    videos, in ``order``, after the video ``after`` (none: from the first), at
+    most ``limit``; ``last_id`` is the next page's ``after``. 400 naming ``after``
+    when it is none of them."""
+    found = [job for job in jobs if is_video(job)]
+    if order == "asc":
+        found.reverse()
+    if after:
+        ids = [job.job_id for job in found]
+        if after not in ids:
+            raise bad_request("after", f"after {after!r} is none of your videos")
+        found = found[ids.index(after) + 1 :]
+    page = found[:limit]
+    return {
+        "object": "list",
+        "data": [video_object(job) for job in page],
+        "first_id": page[0].job_id if page else None,
+        "last_id": page[-1].job_id if page else None,
+        "has_more": len(found) > limit,
+    }
+
+
+def deleted(job_id: str, cancelled: bool) -> dict[str, Any]:
+    """OpenAI's answer to a video's deletion: ``deleted`` when the job was cancelled
+    before it made the video; a video already made (or failed) stays stored."""
+    return {"id": job_id, "object": "video.deleted", "deleted": cancelled}
 
 
 def video_object(job: pb.Job) -> dict[str, Any]:

@@ -40,7 +40,18 @@ class HttpSettings(Section):
     )
     wait_s: float = setting(
         600.0,
-        "How long a generation request waits for its job before it answers with the job's id to follow instead.",
+        "How long a generation request waits for its job (less where an OpenAI SDK announces a shorter read "
+        "timeout); past it the answer names the job to follow: an error (504, `job_running`), or a 202 for a request "
+        "with `Prefer: respond-async, wait=N`.",
         env="HTTP_WAIT_S",
         at_least=1.0,
+    )
+    max_input_mb: float = setting(
+        16.0,
+        "The gateway's limit on an input image (or mask), read by the HTTP API from the same variable: an edit's "
+        "body may hold an image and its mask of this size, and 1 MiB of fields; a larger one is refused (413) as it "
+        "arrives. Every other route's body: 1 MiB.",
+        env="MAX_INPUT_MB",
+        at_least=0.01,
+        at_most=24.0,
     )

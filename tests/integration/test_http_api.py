@@ -1,8 +1,11 @@
-"""The OpenAI-compatible HTTP API, with the official `openai` SDK as the client, on
-a real stack: generations inline and as signed links (refused once expired or
-tampered with), edits with an image and a mask, videos, the models list, a job
-left running and followed, the fleet, and each refusal raised as the SDK's own
-exception: a bad parameter named, a bad key, another tenant's job, a spent quota.
+"""The OpenAI-compatible HTTP API, with the official `openai` SDK as the client (its
+default retries on, as its users have them), on a real stack: generations inline
+and as signed links (refused once expired or tampered with), edits with an image
+and a mask, streamed generations and edits under OpenAI's event names, videos
+created, listed, downloaded and deleted, the models list, a job left running and
+followed, the fleet, a stream's error naming its job, and each refusal raised as
+the SDK's own exception: a bad parameter named, a bad key, another tenant's job, a
+spent quota.
 And the page, in a real headless Chromium (Debian's `chromium`, driven by
 Playwright): a prompt submitted, its progress bar moving, its image appearing; the
 fleet view showing each running sampler."""
@@ -22,7 +25,13 @@ import httpx
 import openai
 import pytest
 from openai.types import Image as OpenAiImage
-from openai.types import ImageGenCompletedEvent, ImageGenPartialImageEvent, ImagesResponse
+from openai.types import (
+    ImageEditCompletedEvent,
+    ImageEditPartialImageEvent,
+    ImageGenCompletedEvent,
+    ImageGenPartialImageEvent,
+    ImagesResponse,
+)
 from PIL import Image
 from pydantic import BaseModel
 
@@ -65,7 +74,7 @@ def stack(
 
 
 def client(stack: LocalStack, key: str = "anything: the gateway is open") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=key, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key=key, timeout=120)
 
 
 def outputs(response: ImagesResponse) -> list[OpenAiImage]:
@@ -262,6 +271,78 @@ def test_a_streamed_generation_sends_partial_images_then_the_image(stack: LocalS
     with pytest.raises(openai.BadRequestError) as several:
         list(client(stack).images.generate(prompt="x", n=2, stream=True, extra_body={"model": "tiny", **SMALL}))
     assert several.value.body["param"] == "n"  # type: ignore[index]
+
+
+def test_a_streamed_edit_sends_image_edit_events(stack: LocalStack) -> None:
+    stream = client(stack).images.edit(
+        model="tiny",
+        image=("in.png", png((64, 64), (200, 30, 60))),
+        prompt="at night",
+        stream=True,
+        partial_images=1,
+        extra_body={"steps": 30, "seed": 3, "strength": 1.0},
+    )
+    events = list(stream)
+    assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]
+    assert isinstance(events[0], ImageEditPartialImageEvent) and events[0].partial_image_index == 0
+    final = events[-1]
+    assert isinstance(final, ImageEditCompletedEvent) and png_size(base64.b64decode(final.b64_json)) == (64, 64)
+
+
+def newest_job(stack: LocalStack, prompt: str) -> pb.Job:
+    """The newest job with ``prompt``, once it is stored."""
+    return wait_for(
+        lambda: [j for j in stub(stack).ListJobs(pb.ListJobsRequest(page_size=20)).jobs if j.prompt == prompt],
+        bool,
+        timeout=30,
+        what=f"a job of {prompt!r}",
+    )[0]
+
+
+def test_a_stream_s_error_names_its_job_and_param(stack: LocalStack) -> None:
+    prompt = "a fox, cancelled mid-stream"
+    stream = client(stack).images.generate(
+        model="tiny", prompt=prompt, size="512x512", stream=True, extra_body={"steps": 100, "seed": 3}
+    )
+    job = newest_job(stack, prompt)
+    stub(stack).CancelJob(pb.CancelJobRequest(job_id=job.job_id))
+    with pytest.raises(openai.APIError) as broken:
+        list(stream)
+    error = broken.value.body
+    assert isinstance(error, dict), error
+    assert error["code"] == "job_cancelled" and error["job_id"] == job.job_id
+    assert "param" in error and error["param"] is None and error["type"] == "server_error"
+
+
+def test_videos_are_listed_newest_first_and_deleted(stack: LocalStack) -> None:
+    sdk = client(stack)
+    made = sdk.videos.create(prompt="a short one", extra_body={"size": "64x48", "steps": 2, "frames": 5})
+    wait_for(lambda: sdk.videos.retrieve(made.id), lambda v: v.status == "completed", timeout=60, what="the video")
+    long = sdk.videos.create(prompt="a long one", extra_body={"size": "128x128", "steps": 50, "frames": 33})
+    an_image = httpx.post(
+        f"{stack.http_url}/v1/images/generations",
+        json={"prompt": "not a video", "size": "64x64", **SMALL},
+        headers={"Prefer": "respond-async"},
+    ).json()["id"]
+
+    gone = sdk.videos.delete(long.id)
+    assert (gone.id, gone.object, gone.deleted) == (long.id, "video.deleted", True)
+    cancelled = wait_for(lambda: sdk.videos.retrieve(long.id), lambda v: v.status == "failed", timeout=30, what="it")
+    assert cancelled.error is not None and cancelled.error.code == "job_status_cancelled"
+    # A video already made stays stored: not deleted.
+    kept = sdk.videos.delete(made.id)
+    assert kept.deleted is False and sdk.videos.download_content(made.id).content
+
+    one_a_page = [v.id for v in sdk.videos.list(limit=1)]  # each page's last_id is the next page's after
+    assert one_a_page[:2] == [long.id, made.id] and an_image not in one_a_page
+    assert len(one_a_page) == len(set(one_a_page))
+    oldest_first = [v.id for v in sdk.videos.list(order="asc", limit=100)]
+    assert oldest_first == one_a_page[::-1]
+    with pytest.raises(openai.NotFoundError):
+        sdk.videos.delete(an_image)
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.videos.list(after="no-such-video")
+    assert bad.value.body["param"] == "after"  # type: ignore[index]
 
 
 @pytest.fixture(scope="module")

@@ -62,3 +62,24 @@ def test_a_refusal_that_says_when_to_retry_says_it_in_retry_after() -> None:
     spent = from_rpc(refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, quota, retry_in(90)))
     assert spent.code == "insufficient_quota" and spent.response().headers["Retry-After"] == "90"
     assert "Retry-After" not in from_rpc(refusal(grpc.StatusCode.RESOURCE_EXHAUSTED)).response().headers
+
+
+def test_an_error_after_the_submit_names_the_job_and_asks_not_to_be_retried() -> None:
+    """OpenAI's SDKs retry every status of 500 and above unless x-should-retry says no."""
+    gone = from_rpc(refusal(grpc.StatusCode.UNAVAILABLE)).after_submit("job-1").response()
+    assert (gone.status, gone.headers["x-should-retry"]) == (503, "false")
+    assert json.loads(gone.body)["error"]["job_id"] == "job-1"  # type: ignore[arg-type]
+    before = from_rpc(refusal(grpc.StatusCode.UNAVAILABLE)).response()
+    assert "x-should-retry" not in before.headers and "job_id" not in json.loads(before.body)["error"]  # type: ignore[arg-type]
+
+
+def test_a_limit_with_no_time_to_retry_asks_not_to_be_retried() -> None:
+    assert from_rpc(refusal(grpc.StatusCode.RESOURCE_EXHAUSTED)).response().headers["x-should-retry"] == "false"
+    later = from_rpc(refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, retry_in(3))).response()
+    assert "x-should-retry" not in later.headers
+
+
+def test_details_that_are_no_status_are_ignored() -> None:
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff\xfe not a status"))
+    odd = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailing, details="odd")
+    assert from_rpc(odd).status == 400

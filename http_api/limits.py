@@ -1,0 +1,80 @@
+"""Limits before work: a route's body is read only up to that route's limit, and
+only once the gateway admits the caller.
+
+- Each route that takes a body has a limit: a JSON request (a generation, a
+  video) ``JSON_BODY_BYTES``, an edit's form an image and its mask at the
+  gateway's input limit (``DARKROOM_MAX_INPUT_MB``) and the fields around them. A
+  declared ``Content-Length`` over it is refused (413) before a byte of the body is
+  read; a body without one is refused as soon as it passes the limit.
+- Before a body is read, the caller's key (or its absence) is shown to the gateway
+  with a ``ListModels`` call: while tenants (or ``DARKROOM_API_KEYS``) exist, a
+  request without a key, or with a key the gateway does not know, is refused (401)
+  there. A key the gateway admitted is remembered (as its SHA-256) for
+  ``ADMITTED_FOR_S``, so this costs at most one call a second per key, and a
+  revoked key is refused within that second and the gateway's own."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+
+from aiohttp import web
+
+from http_api.errors import too_large
+from http_api.gateway_client import Gateway
+from http_api.wire import key_of
+
+JSON_BODY_BYTES = 2**20
+# An edit's form around its image and mask: the prompt and the other fields.
+FORM_FIELDS_BYTES = 2**20
+ADMITTED_FOR_S = 1.0
+# The keys remembered at once; past this, those admitted longest ago are forgotten.
+MAX_ADMITTED = 4096
+
+
+def upload_bytes(max_input_mb: float) -> int:
+    """The largest edit's body: an image and its mask of ``max_input_mb`` each, and the form's fields."""
+    return 2 * int(max_input_mb * 2**20) + FORM_FIELDS_BYTES
+
+
+class Door:
+    """Each request's body limit (by the route's path, for the methods that take a
+    body), and the callers the gateway admitted lately."""
+
+    def __init__(
+        self, gateway: Gateway, limits: Mapping[str, int], *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.gateway, self.limits, self.clock = gateway, dict(limits), clock
+        self._admitted: dict[bytes, float] = {}
+
+    def limit_of(self, request: web.Request) -> int | None:
+        """The body limit of ``request``'s route; None for a request that takes no body."""
+        resource = request.match_info.route.resource
+        if request.method != "POST" or resource is None:
+            return None
+        return self.limits.get(resource.canonical)
+
+    async def admit(self, request: web.Request) -> web.Request:
+        """``request`` with its route's body limit, once its size and its caller
+        pass; HttpError (413, 401) or the gateway's refusal otherwise."""
+        limit = self.limit_of(request)
+        if limit is None:
+            return request
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large(limit)
+        await self._caller(key_of(request))
+        return request.clone(client_max_size=limit)
+
+    async def _caller(self, key: str) -> None:
+        digest = hashlib.sha256(key.encode()).digest()
+        now = self.clock()
+        admitted_at = self._admitted.get(digest)
+        if admitted_at is not None and now - admitted_at < ADMITTED_FOR_S:
+            return
+        await self.gateway.check(key)  # the gateway's refusal (UNAUTHENTICATED: 401) propagates
+        if len(self._admitted) >= MAX_ADMITTED:
+            self._admitted = {d: at for d, at in self._admitted.items() if now - at < ADMITTED_FOR_S}
+            while len(self._admitted) >= MAX_ADMITTED:
+                del self._admitted[next(iter(self._admitted))]
+        self._admitted[digest] = now
