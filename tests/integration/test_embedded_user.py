@@ -135,8 +135,9 @@ def test_darkroom_up_as_root_changes_no_mode_outside_its_own_directories(home: P
         assert (data / "postgres").resolve() == cluster
         found = cluster.stat()
         assert (pwd.getpwuid(found.st_uid).pw_name, stat.S_IMODE(found.st_mode)) == (PG_USER_WHEN_ROOT, 0o700)
-        top = ROOT_POSTGRES_DIR.stat()
-        assert (top.st_uid, stat.S_IMODE(top.st_mode)) == (0, 0o711)
+        for top in (cluster.parent, ROOT_POSTGRES_DIR):  # the clusters' (a temporary one here) and the binaries'
+            found = top.stat()
+            assert (found.st_uid, stat.S_IMODE(found.st_mode)) == (0, 0o711), top
         assert (cluster / "darkroom-data-dir").read_text().strip() == str(data.resolve())
         # What else the data directory holds stays out of the PostgreSQL user's reach.
         stored = [p for p in (data / "jetstream").rglob("*") if p.is_file()]
@@ -170,3 +171,19 @@ def test_a_cluster_kept_in_the_data_directory_is_moved_with_its_data(tmp_path: P
     finally:
         server.stop()
         server.discard()
+
+
+@as_root
+def test_a_cluster_the_operator_keeps_elsewhere_is_named_not_moved(tmp_path: Path) -> None:
+    """DATA_DIR/postgres linking to a cluster of the operator's own placing, which
+    PostgreSQL's user could reach only through opened parents: refused, saying where
+    it must go, and left where it is."""
+    data, elsewhere = tmp_path / "data", tmp_path / "fast-disk" / "pg"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "PG_VERSION").write_text("18\n")
+    data.mkdir()
+    (data / "postgres").symlink_to(elsewhere, target_is_directory=True)
+    server = EmbeddedPostgres(data, durable=False)
+    with pytest.raises(RuntimeError, match="move it there"):
+        server.start()
+    assert (elsewhere / "PG_VERSION").is_file() and (data / "postgres").resolve() == elsewhere
