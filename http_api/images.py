@@ -118,6 +118,8 @@ class Fields:
             value.encode()
         except UnicodeEncodeError:  # a lone surrogate, as JSON may escape one
             raise bad_request(name, f"{name} is not Unicode text: {quoted(value)}") from None
+        if "\x00" in value:  # which no text column of PostgreSQL holds
+            raise bad_request(name, f"{name} contains a NUL character: {quoted(value)}")
         return value
 
     def integer(self, name: str, low: int, high: int) -> int | None:

@@ -17,9 +17,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
-from http_api.errors import HttpError, from_rpc, too_large, unexpected
+from http_api.errors import HttpError, bad_request, from_rpc, too_large, unexpected
 from http_api.gateway_client import Gateway, channel_to
 from http_api.limits import JSON_BODY_BYTES, Door
 from http_api.routes import Api
@@ -77,6 +78,8 @@ def _as_error(exc: Exception, limit: int | None) -> HttpError | None:
         if exc.status < 400:
             return None
         return HttpError(exc.status, exc.reason, kind="invalid_request_error")
+    if isinstance(exc, HttpProcessingError):  # a body that breaks HTTP's own rules (its chunks, say)
+        return bad_request("body", f"the body is malformed: {exc.message[:200]}")
     if isinstance(exc, ConnectionResetError):  # the caller left: nobody reads the answer
         log.info("the caller left: %s", exc)
         return unexpected()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from http_api.errors import HttpError, bad_request, quoted, unauthenticated
 
@@ -56,7 +57,8 @@ async def form_body(request: web.Request) -> dict[str, Any]:
         return dict(await request.post())
     except web.HTTPRequestEntityTooLarge:
         raise  # the route's limit: answered as such
-    except (ValueError, LookupError, web.HTTPException) as exc:  # LookupError: a part's unknown charset
+    # LookupError: a part's unknown charset; HttpProcessingError: a part's malformed headers.
+    except (ValueError, LookupError, HttpProcessingError, web.HTTPException) as exc:
         raise bad_request("body", f"the body is not a form: {str(exc)[:200]}") from None
 
 

@@ -91,3 +91,8 @@ def test_a_video_size_is_ascii_digits() -> None:
             videos.create({"prompt": "waves", "size": size}, model)
         assert bad.value.param == "size"
     assert videos.create({"prompt": "waves", "size": "64x48"}, model).width == 64
+
+
+def test_a_nul_is_named_before_the_gateway_would_store_it() -> None:
+    error = refused({"prompt": "a\x00b"})
+    assert error.param == "prompt" and "NUL" in error.message
