@@ -58,6 +58,7 @@ def validate_submit(
     output_format = (VIDEO_FORMATS if spec is not None and spec.makes_video else OUTPUT_FORMATS).get(req.output_format)
     deadline = req.deadline.ToDatetime(tzinfo=UTC) if req.HasField("deadline") else None
     bad = [
+        *_nul_free(req),
         *_model_and_prompts(req, registry, max_prompt_chars),
         *bad_inputs,
         *(_sizes(params, spec) + _media(req, params, spec, image, mask) if spec is not None else []),
@@ -111,6 +112,16 @@ def _inputs(
             )
         )
     return image, mask, bad
+
+
+def _nul_free(req: pb.SubmitJobRequest) -> list[FieldViolation]:
+    """A NUL character in any text field: PostgreSQL's text cannot hold one (the
+    insert would fail as an internal error), and no prompt or name needs it."""
+    return [
+        FieldViolation(field.name, "must not contain a NUL character (U+0000)")
+        for field, value in req.ListFields()
+        if field.type == field.TYPE_STRING and "\x00" in value
+    ]
 
 
 def _model_and_prompts(req: pb.SubmitJobRequest, registry: ModelRegistry, max_chars: int) -> list[FieldViolation]:

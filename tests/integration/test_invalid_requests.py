@@ -36,6 +36,10 @@ CASES = [
     ("seed", {"seed": 2**63}),
     ("idempotency_key", {"idempotency_key": "k" * 257}),
     ("lane", {"lane": "vip"}),
+    # PostgreSQL's text holds no NUL: each was an INTERNAL error from the insert.
+    ("prompt", {"prompt": "a\x00b"}),
+    ("negative_prompt", {"negative_prompt": "\x00"}),
+    ("idempotency_key", {"idempotency_key": "k\x00"}),
 ]
 
 
