@@ -13,13 +13,21 @@ from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.repository.database import libpq_url
 from services.models.builtins import BUILTINS, ensure_builtin
-from services.ops.embedded import EmbeddedPostgres
+from services.ops.embedded import EmbeddedPostgres, discard_clusters_of
 from services.ops.stack import LocalStack
 from tests.helpers import env_of
 
 _db_names = itertools.count()
 # The default registry's miniatures, built once per session.
 MINIATURE_MODELS = {"tiny": "builtin:tiny", "tiny-wan": "builtin:tiny-wan", "tiny-upscaler": "builtin:tiny-upscaler"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_clusters_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """As root, a stack's PostgreSQL cluster lives outside its data directory: those
+    of the session's temporary directories go with the session."""
+    yield
+    discard_clusters_of(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="session")

