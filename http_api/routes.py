@@ -11,22 +11,21 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from http_api import fleet, images, videos
+from http_api import files, fleet, images
 from http_api.errors import (
     HttpError,
     bad_request,
     from_rpc,
     job_ended,
-    not_found,
     still_running,
     submit_unanswered,
 )
 from http_api.gateway_client import Gateway, Outputs, default_model
 from http_api.limits import JSON_BODY_BYTES, upload_bytes
-from http_api.signed_urls import UrlSigner, malformed
+from http_api.signed_urls import UrlSigner
+from http_api.video_routes import VideoRoutes
 from http_api.wire import (
     ACCEPTED,
-    fields_of,
     form_body,
     idempotency_key,
     job_id_of,
@@ -40,15 +39,11 @@ from http_api.wire import (
 )
 from services.config.http import HttpSettings
 from services.db.repository import Repository
-from services.errors import StoreError
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 # The page (no build step, nothing from elsewhere): read once.
 PAGE = (Path(__file__).with_name("page.html")).read_bytes()
 STATUS_NAMES = {value: name.removeprefix("JOB_STATUS_").lower() for name, value in pb.JobStatus.items()}
-ENDED = (pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED)
-# GET /v1/videos looks for the caller's videos among this many of its latest jobs.
-VIDEO_LIST_SCAN_PAGES, VIDEO_LIST_PAGE_SIZE = 10, 200
 
 
 class Api:
@@ -69,11 +64,7 @@ class Api:
             web.get("/v1/jobs/{job_id}/events", self.job_events),
             web.get("/v1/fleet", self.fleet_view),
             web.get("/v1/files/{job_id}/{index}", self.file),
-            web.post("/v1/videos", self.create_video),
-            web.get("/v1/videos", self.list_videos),
-            web.get("/v1/videos/{job_id}", self.video),
-            web.delete("/v1/videos/{job_id}", self.delete_video),
-            web.get("/v1/videos/{job_id}/content", self.video_content),
+            *VideoRoutes(self.gateway, self._submit).routes(),
         ]
 
     def body_limits(self) -> dict[str, int]:
@@ -190,76 +181,6 @@ class Api:
         await response.write_eof()
         return response
 
-    async def create_video(self, request: web.Request) -> web.Response:
-        """A video job, answered at once with OpenAI's ``Video`` (``queued``)."""
-        fields = await fields_of(request)
-        if "input_reference" in fields:
-            raise bad_request("input_reference", "a video from an input image is not served yet")
-        key = key_of(request)
-        models = await self.gateway.models(key)
-        name = str(fields.get("model") or "") or default_model(models, "video")
-        model = next((m for m in models.models if m.name == name), None)
-        if model is None:
-            raise bad_request("model", f"unknown model {name!r}")
-        if model.capability != "video":
-            raise bad_request("model", f"{name} makes {model.capability}, not video")
-        submitted = await self._submit(request, videos.create(fields, model), key)
-        return web.json_response(videos.video_object(await self.gateway.get(submitted.job_id, key)))
-
-    async def list_videos(self, request: web.Request) -> web.Response:
-        """The caller's videos, newest first (``order=asc``: oldest first), among
-        its latest ``VIDEO_LIST_SCAN_PAGES * VIDEO_LIST_PAGE_SIZE`` jobs; ``limit``
-        (20 unless set, 100 at most) and ``after`` (the previous page's
-        ``last_id``), as OpenAI's list."""
-        query = request.query
-        limit = query.get("limit", "20")
-        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 100):
-            raise bad_request("limit", f"limit {limit[:20]!r} is not a whole number within 1..100")
-        order = query.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise bad_request("order", f"order {order[:20]!r} is not asc or desc")
-        key, jobs, token = key_of(request), [], ""
-        for _ in range(VIDEO_LIST_SCAN_PAGES):
-            page = await self.gateway.jobs(key, VIDEO_LIST_PAGE_SIZE, token)
-            jobs.extend(page.jobs)
-            token = page.next_page_token
-            if not token:
-                break
-        after = query.get("after", "")
-        return web.json_response(videos.video_list(jobs, limit=int(limit), after=after, order=order))
-
-    async def video(self, request: web.Request) -> web.Response:
-        return web.json_response(videos.video_object(await self._video_job(request)))
-
-    async def delete_video(self, request: web.Request) -> web.Response:
-        """OpenAI's delete: a video not yet made is cancelled (``deleted``); one
-        already made, or that failed, stays stored (``deleted`` false)."""
-        job = await self._video_job(request)
-        if job.status in ENDED:
-            return web.json_response(videos.deleted(job.job_id, False))
-        cancelled = await self.gateway.cancel(job.job_id, key_of(request))
-        # Cancelled, or stopping at its next step; or it ended first, its video made.
-        stopped = cancelled.status == pb.JOB_STATUS_CANCELLED or cancelled.status not in ENDED
-        return web.json_response(videos.deleted(job.job_id, stopped))
-
-    async def video_content(self, request: web.Request) -> web.Response:
-        variant = request.query.get("variant", "video")
-        if variant != "video":
-            raise bad_request("variant", f"variant {variant!r} is not served: only the video")
-        job = await self._video_job(request)
-        if job.status != pb.JOB_STATUS_SUCCEEDED or not job.images:
-            status = videos.video_object(job)["status"]
-            raise HttpError(
-                404, f"the video is {status}, not completed", kind="invalid_request_error", code="not_ready"
-            )
-        return web.Response(body=job.images[0].data, content_type=job.images[0].mime_type)
-
-    async def _video_job(self, request: web.Request) -> pb.Job:
-        job = await self.gateway.get(job_id_of(request), key_of(request))
-        if not videos.is_video(job):
-            raise not_found("video")
-        return job
-
     async def models(self, request: web.Request) -> web.Response:
         found = await self.gateway.stub.ListModels(pb.ListModelsRequest(), metadata=metadata_of(request), timeout=30)
         data = [
@@ -348,27 +269,7 @@ class Api:
         return response
 
     async def file(self, request: web.Request) -> web.Response:
-        job_id, index = job_id_of(request), request.match_info["index"]
-        if not (index.isascii() and index.isdigit() and len(index) <= 6):
-            raise not_found("output")
-        expires, signature = request.query.get("expires", ""), request.query.get("signature", "")
-        bad = malformed(expires, signature)
-        if bad is not None:
-            raise bad_request(*bad)
-        why = self.signer.refusal(job_id, int(index), expires, signature, time.time())
-        if why:
-            raise HttpError(403, why, kind="permission_error", code="invalid_signature")
-        if self.repo is None:
-            raise HttpError(503, "this replica reads no outputs", kind="server_error")
-        try:
-            [found] = await self.repo.jobs.many_with_images([job_id])
-        except StoreError as exc:
-            raise HttpError(503, f"the store is away: {exc}", kind="server_error", code="service_unavailable") from exc
-        outputs = found[1] if found is not None else []
-        output = next((o for o in outputs if o.index == int(index)), None)
-        if output is None:
-            raise not_found("output")
-        return web.Response(body=output.data, content_type=output.mime_type, headers={"Cache-Control": "private"})
+        return await files.serve(request, self.signer, self.repo)
 
     def _job_json(self, request: web.Request, job_id: str, status: str) -> dict[str, Any]:
         return {"id": job_id, "object": "darkroom.job", "status": status, "url": self._job_url(request, job_id)}

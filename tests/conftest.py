@@ -13,7 +13,8 @@ from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.repository.database import libpq_url
 from services.models.builtins import BUILTINS, ensure_builtin
-from services.ops.embedded import EmbeddedPostgres, discard_clusters_of
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.postgres_as_root import discard_clusters_of
 from services.ops.stack import LocalStack
 from tests.helpers import env_of
 

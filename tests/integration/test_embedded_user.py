@@ -22,14 +22,8 @@ import psycopg
 import pytest
 
 from services.db.repository.database import libpq_url
-from services.ops.embedded import (
-    PG_USER_WHEN_ROOT,
-    ROOT_POSTGRES_DIR,
-    EmbeddedPostgres,
-    as_user,
-    cluster_dir_as_root,
-    free_port,
-)
+from services.ops.embedded import EmbeddedPostgres, as_user, free_port
+from services.ops.postgres_as_root import PG_USER_WHEN_ROOT, ROOT_POSTGRES_DIR, cluster_dir_as_root
 from tests.helpers import wait_for
 from tests.needs import require
 
