@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from gateway.convert import STATUS, image_chunks, job_message, suspension
@@ -37,6 +38,9 @@ POLL_S = 0.05
 # it read the job at most this often: the next attempt's worker is learnt at once,
 # and another sampler's forgeries cost at most this many reads, whatever their rate.
 VERIFY_S = 0.5
+# Untold events kept for that read: a new attempt's steps until it (a sampler's
+# forgeries push out the oldest, never more memory).
+UNVOUCHED_KEPT = 64
 
 
 class StreamState:
@@ -140,9 +144,10 @@ async def follow(
     try:
         state = StreamState(job_id)
         stored = await read_state(job_id)
-        # The latest event from a publisher not known to hold the job, until the
-        # next read says whether it does; and when a read last checked one.
-        unvouched: JobEvent | None = None
+        # Events from publishers not known to hold the job, in order, until the
+        # next read says whose are told (a new attempt's first steps among them);
+        # and when a read last checked them.
+        unvouched: deque[JobEvent] = deque(maxlen=UNVOUCHED_KEPT)
         verified_at = -math.inf
         while True:
             for logged in state.on_log(stored.suspend_log):
@@ -150,15 +155,14 @@ async def follow(
             moved = state.on_stored(stored.status, stored.attempt, stored.worker_id)
             if moved is not None:
                 yield moved
-            if unvouched is not None:
-                for out in state.on_event(unvouched):  # nothing unless its publisher holds the job now
+            while unvouched:
+                for out in state.on_event(unvouched.popleft()):  # nothing unless its publisher holds the job now
                     yield out
-                unvouched = None
             # Until the job ends: what NATS says, or what the database says after
             # a silence (an event lost, NATS away) or to vouch for a publisher.
             while not state.ended:
                 wait = EVENT_SILENCE_S
-                if unvouched is not None:
+                if unvouched:
                     wait = min(wait, max(0.0, verified_at + VERIFY_S - clock()))
                 event = await feed.next(wait) if feed is not None else None
                 if event is None:
@@ -166,7 +170,7 @@ async def follow(
                         await asyncio.sleep(POLL_S)
                     break  # silence, or an event to vouch for: from the database
                 if not state.trusts(event):
-                    unvouched = event
+                    unvouched.append(event)
                     if clock() - verified_at >= VERIFY_S:
                         break
                     continue
@@ -178,7 +182,7 @@ async def follow(
                 break
             if feed is None:  # NATS may be back: follow from before the next read
                 feed = events.follow(job_id)
-            if unvouched is not None:
+            if unvouched:
                 verified_at = clock()
             stored = await read_state(job_id)
         job, images = await read_result(job_id)

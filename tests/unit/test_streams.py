@@ -179,9 +179,11 @@ class Stored:
     def __init__(self, state: JobState) -> None:
         self.state = state
         self.reads = 0
+        self.was_read = asyncio.Event()
 
     async def read(self, job_id: str) -> JobState:
         self.reads += 1
+        self.was_read.set()
         return self.state
 
 
@@ -242,3 +244,37 @@ async def test_another_samplers_events_are_never_told_and_cost_at_most_a_read_pe
     assert all(e.progress.total == 1000 for e in told if e.HasField("progress"))
     # Thousands of forgeries: a read when the stream opened, then one per VERIFY_S at most.
     assert 2 <= stored.reads <= 1 + 4 + 1, stored.reads
+
+
+async def test_a_new_holders_steps_that_wait_for_the_read_are_all_told_in_order() -> None:
+    """A drain: the old holder's late event makes the stream read the job; the next
+    attempt's worker starts within VERIFY_S of that read, and every one of its steps
+    heard before the next read is told after it, in order (only the latest was)."""
+    heard, stored = Heard(), Stored(JobState(JobStatus.RUNNING, 1, worker_id="w1"))
+    stream = follow(J, heard, stored.read, never_ends)
+    assert (await next_told(stream)).status == pb.JOB_STATUS_RUNNING
+    # Suspended at step 5: queued again, no worker holds it; w1 says so.
+    stored.state = JobState(JobStatus.QUEUED, 1)
+    heard.hear(held(1))
+    assert (await next_told(stream)).status == pb.JOB_STATUS_QUEUED
+    told: list[pb.JobEvent] = []
+
+    async def collect() -> None:
+        async for event in stream:
+            told.append(event)
+
+    collecting = asyncio.create_task(collect())
+    # A late step of w1's, which the stream reads the job to check (and drops).
+    stored.was_read.clear()
+    heard.hear(held(1, step=5, total=10))
+    await asyncio.wait_for(stored.was_read.wait(), 2 * VERIFY_S)
+    # Resumed on w2 at once: its start and its steps come before the stream may read again.
+    stored.state = JobState(JobStatus.RUNNING, 2, worker_id="w2")
+    heard.hear(
+        JobEvent(J, 2, JobStatus.RUNNING, publisher=OTHER),
+        *(JobEvent(J, 2, step=s, total=10, publisher=OTHER) for s in (6, 7, 8)),
+    )
+    await asyncio.sleep(2 * VERIFY_S)
+    collecting.cancel()
+    assert statuses(told) == [pb.JOB_STATUS_RUNNING]
+    assert [e.progress.step for e in told if e.HasField("progress")] == [6, 7, 8]
