@@ -12,7 +12,7 @@ from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.sections import Settings
 from services.ops import SERVICE_MODULES
-from services.ops.embedded import free_port
+from services.ops.processes import free_port
 from services.ops.supervisor import Child, RestartPolicy
 from services.telemetry.metrics import Target
 

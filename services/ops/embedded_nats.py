@@ -11,7 +11,7 @@ from pathlib import Path
 
 from services.mesh.nats_auth import CONTROL_USERS, server_config
 from services.mesh.pki import write_private
-from services.ops.embedded import ManagedProcess, free_port, wait_for_port
+from services.ops.processes import ManagedProcess, free_port, wait_for_port
 
 
 def nats_server_binary() -> str:

@@ -22,8 +22,9 @@ from services.ops.children import (
     restart_policy,
     stop_order,
 )
-from services.ops.embedded import EmbeddedPostgres, free_port
+from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
+from services.ops.processes import free_port
 from services.ops.supervisor import Child, Supervisor
 from services.telemetry.metrics import Target, targets_path, write_targets
 

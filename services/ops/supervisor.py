@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.config.fields import ENV_PREFIX
-from services.ops.embedded import ManagedProcess
+from services.ops.processes import ManagedProcess
 
 log = logging.getLogger(__name__)
 

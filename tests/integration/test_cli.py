@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from services.models.video_encoding import probe_video
-from services.ops.embedded import free_port
+from services.ops.processes import free_port
 from tests.helpers import metrics_text, png_size, wait_for
 
 pytestmark = pytest.mark.integration

@@ -30,7 +30,8 @@ from services.db.worker_records import WorkerHeartbeat, WorkerRecord
 from services.models.encoding import encode
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
-from services.ops.embedded import EmbeddedPostgres, free_port
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.processes import free_port
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import channel
 from tests.conftest import fresh_database

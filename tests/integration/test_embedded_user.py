@@ -22,8 +22,9 @@ import psycopg
 import pytest
 
 from services.db.repository.database import libpq_url
-from services.ops.embedded import EmbeddedPostgres, as_user, free_port
+from services.ops.embedded import EmbeddedPostgres
 from services.ops.postgres_as_root import PG_USER_WHEN_ROOT, ROOT_POSTGRES_DIR, cluster_dir_as_root
+from services.ops.processes import as_user, free_port
 from tests.helpers import wait_for
 from tests.needs import require
 

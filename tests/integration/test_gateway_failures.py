@@ -18,7 +18,8 @@ from services.config.sections import GatewaySettings, KernelSettings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.models.registry import ModelRegistry
-from services.ops.embedded import EmbeddedPostgres, free_port
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.processes import free_port
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from tests.conftest import fresh_database

@@ -23,7 +23,8 @@ from services.config.sections import GatewaySettings, KernelSettings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
-from services.ops.embedded import EmbeddedPostgres, free_port
+from services.ops.embedded import EmbeddedPostgres
+from services.ops.processes import free_port
 from tests.conftest import fresh_database
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from gpu_worker.metrics import STAGES
-from services.ops.embedded import free_port
+from services.ops.processes import free_port
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.telemetry.metrics import targets_path

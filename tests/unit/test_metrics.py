@@ -268,7 +268,7 @@ def test_a_service_serves_its_metrics_and_survives_a_taken_port(caplog: pytest.L
         port = taken.getsockname()[1]
         assert serve_metrics(KernelSettings(metrics_port=port), "gateway") is None
     assert "cannot serve metrics" in caplog.text
-    from services.ops.embedded import free_port
+    from services.ops.processes import free_port
 
     port = free_port()
     server = serve_metrics(KernelSettings(metrics_port=port), "gateway")
