@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from gateway.convert import UPSCALE, generation_params
 from gateway.inputs import InputImage, read_input
 from services.config.placement import PlacementSettings
-from services.db.records import NewJob
+from services.db.records import MAX_IDEMPOTENCY_KEY, NewJob
 from services.db.tenant_records import DEFAULT_TENANT
 from services.errors import FieldViolation, InvalidArgument, PermissionDenied
 from services.generation import GenerationParams, JobInputs
@@ -21,7 +21,6 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 MAX_GUIDANCE = 50.0
 MAX_PREVIEWS = 3
-MAX_IDEMPOTENCY_KEY = 256
 MAX_SEED = 2**63 - 1
 DEFAULT_PLACEMENT = PlacementSettings()
 DEFAULT_MAX_INPUT_BYTES = 16 * 2**20

@@ -14,10 +14,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from http_api.errors import HttpError, bad_request, quoted, unauthenticated
+from services.db.records import MAX_IDEMPOTENCY_KEY
 
-# The longest API key and idempotency key taken (the gateway's own limit for the latter).
+# The longest API key taken.
 MAX_KEY_CHARS = 512
-MAX_IDEMPOTENCY_KEY_CHARS = 256
 # The longest integer a JSON body may spell out: any parameter's range fits in far
 # fewer digits, and Python refuses to convert more than 4,300.
 MAX_INTEGER_DIGITS = 40
@@ -96,10 +96,10 @@ def idempotency_key(request: web.Request) -> str:
     given = request.headers.get("Idempotency-Key")
     if given is None:
         return f"http-{uuid.uuid4().hex}"
-    if not 0 < len(given) <= MAX_IDEMPOTENCY_KEY_CHARS or not (given.isascii() and given.isprintable()):
+    if not 0 < len(given) <= MAX_IDEMPOTENCY_KEY or not (given.isascii() and given.isprintable()):
         raise bad_request(
             "Idempotency-Key",
-            f"Idempotency-Key {quoted(given)} is not 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters",
+            f"Idempotency-Key {quoted(given)} is not 1 to {MAX_IDEMPOTENCY_KEY} printable ASCII characters",
         )
     return given
 

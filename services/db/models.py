@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from services.db.base import Base
+from services.db.records import MAX_IDEMPOTENCY_KEY
 from services.db.tenant_models import AdminActionRow, ApiKeyRow, TenantRow, TenantShareRow, TenantUsageRow
 
 __all__ = [
@@ -78,7 +79,7 @@ class JobRow(Base):
     # "png", "jpeg" or "webp" (an image's or an animated WebP), or "mp4" (a video's):
     # how the decoder encodes the outputs.
     output_format: Mapped[str] = mapped_column(String(8), nullable=False, server_default=text("'png'"))
-    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    idempotency_key: Mapped[str | None] = mapped_column(String(MAX_IDEMPOTENCY_KEY))
     # Raised each time the job is dispatched: the fencing token. A worker's writes
     # name the attempt they belong to, so a stale attempt never overwrites a newer one.
     attempt: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))

@@ -13,6 +13,9 @@ from services.db.states import JobStatus
 from services.db.tenant_records import DEFAULT_TENANT
 from services.generation import BatchKey, GenerationParams, JobInputs, JobShape, Task
 
+# The longest idempotency key a job is stored with (its column's length): every door checks it.
+MAX_IDEMPOTENCY_KEY = 256
+
 
 @dataclass(frozen=True)
 class NewJob:
