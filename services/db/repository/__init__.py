@@ -39,8 +39,10 @@ class Repository:
     suspensions; ``tenants``: tenants and their API keys; ``admission``: submits
     within their tenants' limits; ``credits``: settling what ended jobs cost."""
 
-    def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
-        self.db = Database(database_url, pool_size=pool_size, application_name=application_name)
+    def __init__(
+        self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom", pooled: bool = False
+    ) -> None:
+        self.db = Database(database_url, pool_size=pool_size, application_name=application_name, pooled=pooled)
         self.jobs = Jobs(self.db)
         self.attempts = Attempts(self.db)
         self.workers = Workers(self.db)

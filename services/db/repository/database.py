@@ -6,7 +6,10 @@ caller's CPU this way, against 0.7 ms through SQLAlchemy's asyncio layer, and at
 thousand jobs a second that is the difference between carrying the load and being
 it. Connections are in autocommit mode, so a single statement is one round trip;
 ``tx()`` wraps several in a transaction. Each connection prepares the statements it
-runs often (psycopg does it after a few executions)."""
+runs often (psycopg does it after a few executions), unless it is ``pooled``:
+through PgBouncer in transaction mode (services.ops.pgbouncer), where a server
+connection is another client's between transactions, it prepares nothing and sends
+no startup options (PgBouncer keeps those guards itself)."""
 
 from __future__ import annotations
 
@@ -46,8 +49,8 @@ def libpq_url(database_url: str) -> str:
     return database_url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
-def _connect_args(application_name: str) -> dict[str, Any]:
-    return {
+def _connect_args(application_name: str, *, pooled: bool = False) -> dict[str, Any]:
+    args: dict[str, Any] = {
         "autocommit": True,
         "row_factory": dict_row,
         "application_name": application_name[:63],
@@ -60,6 +63,14 @@ def _connect_args(application_name: str) -> dict[str, Any]:
         "keepalives_interval": 2,
         "keepalives_count": 3,
         "tcp_user_timeout": 10_000,
+    }
+    if pooled:
+        # A prepared statement lives in one server connection, and the next
+        # transaction may get another; the server-side guards below are the
+        # pooler's own settings there (services.ops.pgbouncer).
+        return {**args, "prepare_threshold": None}
+    return {
+        **args,
         "options": " ".join(
             [
                 "-c tcp_keepalives_idle=5",
@@ -89,10 +100,13 @@ class Database:
     database, or during its restart, gets StoreUnavailable at once rather than a
     wait, and its loop retries."""
 
-    def __init__(self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom") -> None:
+    def __init__(
+        self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom", pooled: bool = False
+    ) -> None:
         self.url = libpq_url(database_url)
         self.pool_size = pool_size
-        self._connect_args = _connect_args(application_name)
+        self.pooled = pooled
+        self._connect_args = _connect_args(application_name, pooled=pooled)
         self._idle: list[AsyncConnection[DictRow]] = []
         # At most twice the pool in use at once; the rest wait for one to come back.
         self._slots = asyncio.Semaphore(pool_size * 2)
