@@ -42,6 +42,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "| model | size | steps | option | resolved |",
     ),
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
+    "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
 }
 
 
