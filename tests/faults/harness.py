@@ -26,7 +26,7 @@ from services.ops.stack import LocalStack
 from services.rpc.client import GeneratedImage, StreamLog, follow, submit
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from tests.helpers import env_of
+from tests.helpers import env_of, metrics_text
 
 # Failures noticed in seconds rather than the production defaults' tens of seconds.
 FAST: dict[str, Any] = {
@@ -310,6 +310,19 @@ def first_success_after(rows: dict[str, dict[str, Any]], when: datetime | None) 
 
 def now() -> datetime:
     return datetime.now(UTC)
+
+
+def up_metric(stack: LocalStack, name: str, **labels: str) -> float | None:
+    """A sample of the stack's own /metrics (what `darkroom up` serves, listed for
+    Prometheus as the child ``up``), read over HTTP as Prometheus would; None if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert stack.own_metrics is not None, "the stack serves no metrics of its own"
+    for family in text_string_to_metric_families(metrics_text(stack.own_metrics.address)):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
 
 
 def stop_and_check_processes(stack: LocalStack) -> None:

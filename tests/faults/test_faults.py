@@ -4,6 +4,7 @@ Real processes, a real PostgreSQL and real nats-servers; each scenario is short.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import psycopg
 import pytest
 
@@ -24,7 +26,7 @@ from services.ops.embedded_nats import EmbeddedNatsCluster
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database
-from tests.faults.harness import Load, check, fault_stack, now, stop_and_check_processes
+from tests.faults.harness import Load, check, fault_stack, now, stop_and_check_processes, up_metric
 from tests.helpers import CHECKPOINTED_MEDIA, CHECKPOINTED_TINY, wait_for, wait_terminal
 
 pytestmark = pytest.mark.faults
@@ -181,35 +183,71 @@ def test_hung_sampler_is_replaced(make) -> None:
     assert load.get(victim.job_id).starts == 2
 
 
-def test_nats_restarted_under_load(make) -> None:
-    stack = make()
-    assert stack.nats is not None
+def test_nats_killed_under_up_is_restarted_by_it(make) -> None:
+    # `up`'s backoff holds the outage open for 3 s: submits and dispatches meet it.
+    stack = make(restart_backoff_s=3.0, restart_backoff_max_s=3.0)
+    assert stack.nats is not None and stack.nats.proc is not None
     load = Load.of(stack)
     ids = load.submit(12)
     running_job(load, ids, min_step=5)
-    stack.nats.kill()
+    killed = stack.nats.proc.pid
+    os.kill(killed, signal.SIGKILL)  # as the OOM killer would; nobody starts it by hand
     fault_at = now()
-    more = load.submit(4)
-    time.sleep(3)
-    stack.nats.start()
-    check("nats-server restarted (file storage) under load", stack.pg_url, load, fault_at=fault_at)
-    assert len(more) == 4
+    during = load.submit(4)
+    wait_for(
+        lambda: up_metric(stack, "darkroom_backend_restarts_total", backend="nats"),
+        lambda n: n == 1,
+        timeout=60,
+        what="`up` to start nats-server again",
+    )
+    after = load.submit(2)
+    check("nats-server `kill -9` under `darkroom up`, restarted by it", stack.pg_url, load, fault_at=fault_at)
+    assert len(during) == 4 and len(after) == 2
+    assert up_metric(stack, "darkroom_backend_up", backend="nats") == 1
+    assert stack.nats.proc is not None and stack.nats.proc.pid != killed
+    assert not_left_a_zombie(killed)
 
 
-def test_postgres_restarted_under_load_submits_included(make) -> None:
-    stack = make(own_postgres=True)
-    assert stack.postgres is not None
+def test_postgres_killed_under_up_is_restarted_by_it_submits_included(make) -> None:
+    stack = make(own_postgres=True, restart_backoff_s=3.0, restart_backoff_max_s=3.0)
+    assert stack.postgres is not None and stack.postgres.proc is not None
     load = Load.of(stack)
     ids = load.submit(6)
     running_job(load, ids, min_step=5)
-    stack.postgres.kill()
+    assert up_metric(stack, "darkroom_backend_restarts_total", backend="postgres") == 0
+    # The postmaster alone, as the OOM killer or `kill -9` would: its backends
+    # notice and exit by themselves.
+    killed = stack.postgres.proc.pid
+    os.kill(killed, signal.SIGKILL)
     fault_at = now()
     during = [load.start(width=64, height=64, steps=40) for _ in range(4)]
-    time.sleep(3)
-    stack.postgres.start()
-    check("PostgreSQL restarted under load, submits included", stack.pg_url, load, fault_at=fault_at)
+    wait_for(
+        lambda: up_metric(stack, "darkroom_backend_restarts_total", backend="postgres"),
+        lambda n: n == 1,
+        timeout=60,
+        what="`up` to start PostgreSQL again",
+    )
+    after = load.submit(2)
+    check(
+        "PostgreSQL `kill -9` under `darkroom up`, restarted by it, submits included",
+        stack.pg_url,
+        load,
+        fault_at=fault_at,
+    )
+    assert len(after) == 2
     refusals = {code for f in during for code in f.log.refusals}
     assert refusals == {grpc.StatusCode.UNAVAILABLE}, refusals
+    assert up_metric(stack, "darkroom_backend_up", backend="postgres") == 1
+    assert stack.postgres.proc is not None and stack.postgres.proc.pid != killed
+    assert not_left_a_zombie(killed)
+
+
+def not_left_a_zombie(pid: int) -> bool:
+    """The dead process was reaped by its parent (the stack): none left waiting."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_nats_cluster_loses_a_node(make, tmp_path: Path) -> None:
