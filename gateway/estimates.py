@@ -18,18 +18,21 @@ from services.db.counts import ShapeCount
 from services.db.records import NewJob
 from services.db.repository import Repository
 from services.db.states import WorkerKind
+from services.presence_view import PresenceView
 
 
 class Estimator:
     def __init__(
         self,
         repo: Repository,
+        presence: PresenceView,
         costs: Mapping[str, policy.ModelCost],
         config: PlacementSettings,
         *,
         stale_after_s: float,
     ) -> None:
         self.repo = repo
+        self.presence = presence
         self.costs = costs
         self.config = config
         self.stale_after_s = stale_after_s
@@ -42,7 +45,7 @@ class Estimator:
         loop = asyncio.get_running_loop()
         if self._fleet_view is None or loop.time() - self._fleet_read >= self.config.estimates_refresh_s:
             fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
-            workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
+            workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
             held = await self.repo.scheduling.held_groups()
             self._fleet_view = (fleet, worker_views(facts.fleet_snapshot(now, workers=workers, held=held), fleet))
             self._fleet_read = loop.time()

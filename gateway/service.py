@@ -102,6 +102,7 @@ async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio
             events,
             connection_name="darkroom-gateway",
             credentials=NatsCredentials.of(kernel.mesh_dir, "gateway", "gateway"),
+            presence=servicer.presence,
         ),
         Closing("sampler channels", servicer.close),
         GrpcServer(server, grace_s=kernel.shutdown_grace_s),

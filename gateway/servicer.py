@@ -38,9 +38,11 @@ from services.config.sections import GatewaySettings
 from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerRecord
 from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
+from services.presence_view import PresenceView
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
@@ -74,7 +76,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         # ``anonymous``: whether it may be open while no tenant exists (services.open_access).
         self.gate = Gatekeeper(repo.tenants, settings.api_keys, anonymous=anonymous)
         self._channels = Channels(mesh)
-        self.estimator = Estimator(repo, self.costs, self.config, stale_after_s=stale_after_s)
+        # The samplers and decoders, as their heartbeats say (followed once NATS answers).
+        self.presence = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER))
+        self.estimator = Estimator(repo, self.presence, self.costs, self.config, stale_after_s=stale_after_s)
         # Concurrent submits share one INSERT, and one read of the queue ahead;
         # concurrent streams share their reads of the jobs they follow.
         self._create = Coalescer(self.repo.jobs.create_many)
@@ -239,7 +243,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         await self.gate.caller(context, "ListModels")
-        workers = await self.repo.workers.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
+        workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
         return models_message(self.registry, workers)
 
     @unary_errors
@@ -249,8 +253,13 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         if not caller.admin:
             return pb.GetStatsResponse(usage=usage)
         stale_s = self.stale_after_s
-        workers = await self.repo.workers.all(WorkerKind.SAMPLER, stale_after_s=stale_s)
-        workers += await self.repo.workers.all(WorkerKind.DECODER, stale_after_s=stale_s)
+        # What each worker says of itself from presence; what it has done, from the database.
+        done = {w.id: w for kind in WorkerKind for w in await self.repo.workers.all(kind, stale_after_s=stale_s)}
+        workers = [
+            with_counts(w, done.get(w.id))
+            for kind in WorkerKind
+            for w in self.presence.all(kind, stale_after_s=stale_s)
+        ]
         held = await self.repo.scheduling.held_per_worker()
         running = await self.repo.scheduling.running_per_worker()
         totals = await self.repo.jobs.totals()
@@ -264,3 +273,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             usage=usage,
             lanes=lanes_message(await self.repo.jobs.counts_by_lane(), datetime.now(UTC)),
         )
+
+
+def with_counts(worker: WorkerRecord, counted: WorkerRecord | None) -> WorkerRecord:
+    """A worker as presence says, with the jobs it completed and failed and its busy
+    time as the database counted them."""
+    if counted is None:
+        return worker
+    return replace(worker, completed=counted.completed, errors=counted.errors, busy_seconds=counted.busy_seconds)

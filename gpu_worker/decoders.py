@@ -21,12 +21,12 @@ import torch
 from gpu_worker import spans
 from gpu_worker.local_decode import Decoded, LocalDecoder
 from services.db.records import ImageRecord, JobRecord
-from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
-from services.errors import DarkroomError, StoreError
+from services.errors import DarkroomError
 from services.mesh.rpc import MeshIdentity
 from services.models.encoding import mime_type_of
+from services.presence_view import PresenceView
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Channels
 from services.telemetry import logs
@@ -98,7 +98,7 @@ def _megapixels(jobs: Sequence[tuple[JobRecord, torch.Tensor]]) -> float:
 class Decoders:
     def __init__(
         self,
-        repo: Repository,
+        presence: PresenceView,
         *,
         stale_after_s: float,
         local: LocalDecoder | None = None,
@@ -108,7 +108,7 @@ class Decoders:
     ) -> None:
         if locally and local is None:
             raise ValueError("decoding locally needs a local decoder engine")
-        self.repo = repo
+        self.presence = presence  # the decoders, as their heartbeats say
         self.stale_after_s = stale_after_s
         self.local = local
         self.locally = locally  # always here, never on a decoder service
@@ -191,13 +191,13 @@ class Decoders:
 
     async def _candidates(self) -> list[WorkerRecord]:
         """The live decoders, reread at most every DECODERS_REREAD_S, starting at a
-        different one each time. While the database is away, the last ones it named."""
+        different one each time. While presence has heard from none (NATS away),
+        the last ones it named."""
         if time.monotonic() - self._known_at >= DECODERS_REREAD_S:
-            try:
-                self._known = await self.repo.workers.live(WorkerKind.DECODER, stale_after_s=self.stale_after_s)
-                self._known_at = time.monotonic()
-            except StoreError as exc:
-                log.warning("cannot list decoders, using the last known: %s", exc)
+            known = self.presence.live(WorkerKind.DECODER, stale_after_s=self.stale_after_s)
+            if known or self.presence.settled_for(self.stale_after_s):
+                self._known = known
+            self._known_at = time.monotonic()
         if not self._known:
             return []
         start = next(self._rotation) % len(self._known)

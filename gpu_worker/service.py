@@ -29,6 +29,7 @@ from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
+from services.bus.presence_board import BoardOnConnection
 from services.config.fields import SettingsError, name_of
 from services.config.sections import KernelSettings
 from services.config.workers import SamplerSettings
@@ -42,6 +43,7 @@ from services.models.vae import VaeDecoderEngine
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
 from services.presence import Heartbeat, Presence
+from services.presence_view import PresenceView, follow
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import unary_errors
@@ -159,23 +161,38 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     local = None
     if settings.local_decode_fallback or settings.decode_locally:
         local = LocalDecoder(VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device))
+    decoder_presence = PresenceView((WorkerKind.DECODER,))
     decoders = Decoders(
-        repo, stale_after_s=kernel.worker_stale_after_s, local=local, mesh=mesh, locally=settings.decode_locally
+        decoder_presence,
+        stale_after_s=kernel.worker_stale_after_s,
+        local=local,
+        mesh=mesh,
+        locally=settings.decode_locally,
     )
     events = Events(publisher=sampler_user(worker_id))
+    credentials = NatsCredentials.of(kernel.mesh_dir, "sampler", sampler_user(worker_id))
     nats = JetStream(
         kernel,
         connection_name=f"darkroom-sampler-{worker_id}",
         events=events,
-        credentials=NatsCredentials.of(kernel.mesh_dir, "sampler", sampler_user(worker_id)),
+        credentials=credentials,
         manages_stream=False,
     )
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
     load = SamplerLoad(worker_id, engine, tracker)
     heartbeat = Heartbeat(WorkerKind.SAMPLER, worker_id, address, engine, telemetry, kernel.restarts, load)
+    # In a sealed mesh only the scheduler may create the bucket; a sampler waits for it.
+    board = BoardOnConnection(lambda: events.nc, replicas=kernel.nats_replicas, create=credentials is None)
     presence = Presence(
-        repo.workers, worker_id, heartbeat, events, interval_s=kernel.heartbeat_interval_s, on_superseded=stop.set
+        repo.workers,
+        board,
+        worker_id,
+        heartbeat,
+        events,
+        interval_s=kernel.heartbeat_interval_s,
+        on_superseded=stop.set,
+        reads_plan=True,
     )
     store = JobStore(repo, events, worker_id, outcome_retry_s=settings.outcome_retry_s)
     runner = JobRunner(store, engine, decoders, tracker, unfit_after_failures=settings.unhealthy_after_failures)
@@ -191,7 +208,11 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
 
     async def work() -> int:
         log.info("sampler %s on %s listening on %s", worker_id, device, address)
-        return await _work(settings, kernel.shutdown_grace_s, stop, nats.bus, presence, runner)
+        watching = asyncio.create_task(follow(decoder_presence, nats.bus.nc, board, stop))
+        try:
+            return await _work(settings, kernel.shutdown_grace_s, stop, nats.bus, presence, runner)
+        finally:
+            watching.cancel()
 
     return await host(parts, work, stop)
 

@@ -10,7 +10,7 @@ import collections
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 
 from scheduler import driver, facts, reports, spans
@@ -24,16 +24,18 @@ from scheduler.suspend_requests import Preempter
 from scheduler.views import JobViews
 from services.bus.dispatch import Bus, Dispatch
 from services.bus.events import Events, JobEvent
+from services.bus.presence_board import PresenceBoard
 from services.config.placement import check_names
 from services.config.sections import SchedulerSettings
 from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
 from services.db.repository.recovery import RecoveryPass
-from services.db.states import JobStatus
+from services.db.states import JobStatus, WorkerKind
 from services.db.worker_records import WarmPlan
 from services.errors import BusError
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
+from services.presence_view import PresenceView
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class Passes:
         registry: ModelRegistry,
         *,
         stale_after_s: float,
+        presence: PresenceView,
+        board: Callable[[], Awaitable[PresenceBoard]],
         mesh: MeshIdentity | None = None,
     ) -> None:
         check_names(settings.placement, settings.preemption, {m.capability for m in registry.models.values()})
@@ -59,6 +63,8 @@ class Passes:
         self.stale_after_s = stale_after_s
         self.repo = repo
         self.bus = bus
+        self.presence = presence  # the samplers and decoders, as their heartbeats say
+        self.board = board  # where warm plans are stored
         self.events = Events(bus.nc, publisher="scheduler")
         self.preempter = Preempter(repo, settings.placement, settings.preemption, mesh)
         self.recovery = RecoveryConfig(
@@ -87,16 +93,12 @@ class Passes:
         durations = await self.learned_durations()
         now = datetime.now(UTC)
         async with self.repo.scheduling.placement_pass(
-            limit=self.settings.batch,
-            stale_after_s=self.stale_after_s,
-            max_attempts=self.settings.max_attempts,
-            now=now,
+            limit=self.settings.batch, max_attempts=self.settings.max_attempts, now=now
         ) as read:
             if read is None or not read.queued:
                 return 0
-            fleet = facts.fleet_snapshot(
-                now, workers=read.workers, queued=read.queued, held=read.held, tenants=self.tenants
-            )
+            workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
+            fleet = facts.fleet_snapshot(now, workers=workers, queued=read.queued, held=read.held, tenants=self.tenants)
             decision = driver.place(fleet, self.costs, durations, self.placement, job_views=self.job_views)
             assignments = [
                 Assignment(p.job_id, p.worker_id, reports.routing_json(p))
@@ -169,9 +171,9 @@ class Passes:
         """Requeues what dead workers held, expires, fails and times out; see
         ``scheduler.recovery``. ``judge_heartbeats`` False: right after the
         database was away, when every heartbeat looks stale."""
-        done = await recover_stalled(
-            self.repo, self.recovery, stale_after_s=self.stale_after_s, judge_heartbeats=judge_heartbeats
-        )
+        judging = judge_heartbeats and self.presence.settled_for(self.stale_after_s)
+        heard = self.presence.ages() if judging else None
+        done = await recover_stalled(self.repo, self.recovery, stale_after_s=self.stale_after_s, heard=heard)
         if done is None:
             return None
         for action in done:
@@ -196,16 +198,19 @@ class Passes:
         now = datetime.now(UTC)
         window = self.settings.demand_window_s
         async with self.repo.scheduling.planning_pass(
-            since=now - timedelta(seconds=window),
-            newer_since=now - timedelta(seconds=window / 2),
-            stale_after_s=self.stale_after_s,
+            since=now - timedelta(seconds=window), newer_since=now - timedelta(seconds=window / 2)
         ) as read:
             if read is None:
                 return None
-            fleet = facts.fleet_snapshot(now, workers=read.workers, submitted_counts=read.demand)
+            workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
+            fleet = facts.fleet_snapshot(now, workers=workers, submitted_counts=read.demand)
             warm = driver.plan_warm(fleet, self.costs, durations, self.placement, window_s=window) or {}
             plans = {wid: WarmPlan(p.primary, tuple(sorted(p.models))) for wid, p in warm.items()}
-            await read.store(plans)
+            # Stored while the planner lock is held; only what changed, each once.
+            board = await self.board()
+            for worker_id, plan in sorted(plans.items()):
+                if self.presence.plan(worker_id) != plan:
+                    await board.store_plan(worker_id, plan)
         if plans:
             log.debug("warm sets: %s", {w: p.models for w, p in plans.items()})
         return plans
@@ -214,8 +219,11 @@ class Passes:
         """Workers silent for ``worker_forget_after_s`` are gone for good: their
         consumer, what is left on their subject, and their row go."""
         gone_for = self.settings.worker_forget_after_s
+        if not self.presence.settled_for(0.0):
+            return []  # who was heard from lately is unknown while NATS is away
+        heard_from = self.presence.fresh(stale_after_s=gone_for)
         forgotten = []
-        for worker_id in await self.repo.workers.forgettable(gone_for_s=gone_for):
+        for worker_id in await self.repo.workers.forgettable(gone_for_s=gone_for, heard_from=heard_from):
             await self.bus.forget_worker(worker_id)
             if await self.repo.workers.forget(worker_id, gone_for_s=gone_for):
                 forgotten.append(worker_id)
@@ -225,13 +233,14 @@ class Passes:
 
 
 async def recover_stalled(
-    repo: Repository, config: RecoveryConfig, *, stale_after_s: float, judge_heartbeats: bool
+    repo: Repository, config: RecoveryConfig, *, stale_after_s: float, heard: Mapping[str, float] | None
 ) -> list[Recovery] | None:
     """One recovery pass: the stalled jobs as a snapshot, the policy's decisions,
-    carried out; None if another replica holds the lock."""
+    carried out; None if another replica holds the lock. ``heard``: presence's
+    ages of the workers (None: not to be judged now)."""
     async with repo.recovery.recovery_pass(
+        heard=heard,
         stale_after_s=stale_after_s,
-        judge_heartbeats=judge_heartbeats,
         max_attempts=config.max_attempts,
         shortest_timeout_s=config.shortest_timeout_s,
     ) as found:

@@ -17,14 +17,17 @@ from scheduler.job_gauges import job_gauges_loop
 from scheduler.metrics import count_settled
 from scheduler.passes import Passes
 from services.bus.dispatch import Bus
+from services.bus.presence_board import BoardOnConnection
 from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.repository import Repository
+from services.db.states import WorkerKind
 from services.errors import BusError, StoreError
 from services.mesh.nats_auth import NatsCredentials
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, host
 from services.ops.lifecycle import run_service
+from services.presence_view import PresenceView, follow
 from services.rpc.server import Server, build_server
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,19 @@ class Scheduler:
         self.settings = settings
         self.stale_after_s = stale_after_s
         self.repo = repo
-        self.passes = Passes(settings, repo, bus, registry, stale_after_s=stale_after_s, mesh=mesh)
+        self.bus = bus
+        self.presence = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER))
+        self.board = BoardOnConnection(lambda: bus.nc, replicas=bus.replicas, create=True)
+        self.passes = Passes(
+            settings,
+            repo,
+            bus,
+            registry,
+            stale_after_s=stale_after_s,
+            presence=self.presence,
+            board=self.board,
+            mesh=mesh,
+        )
         # Set when NATS says there may be work to place.
         self._wake = asyncio.Event()
         # Since when the database has answered this replica without a failure.
@@ -131,6 +146,7 @@ class Scheduler:
         except BusError as exc:
             log.warning("not woken by work events (placing every %.3fs): %s", self.settings.interval_s, exc)
         async with asyncio.TaskGroup() as tg:
+            tg.create_task(follow(self.presence, self.bus.nc, self.board, stop))
             tg.create_task(self.placement_loop(stop))
             tg.create_task(self.recovery_loop(stop))
             tg.create_task(self.planning_loop(stop))

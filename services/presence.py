@@ -1,8 +1,10 @@
 """A worker's place in the registry, the same for samplers and decoders: it registers
-once per start under a new incarnation (waiting for the database while it is away),
-heartbeats on an interval, says at once when its status changes, notices when a
-newer process has taken its id (``WorkerSuperseded``: this one must stop), and
-deregisters when it stops. What a heartbeat says is the kind's own: a function
+once per start under a new incarnation in PostgreSQL (waiting for the database
+while it is away), heartbeats on an interval on NATS (the presence bucket,
+``services.bus.presence_board``: a heartbeat never touches the database), says at
+once when its status changes, notices when a newer process has taken its id
+(``WorkerSuperseded``: this one must stop), and deregisters in PostgreSQL when it
+stops. What a heartbeat says is the kind's own: a function
 builds it for the status the worker is in.
 
 Jobs that went back to the queue as it registered (an earlier run held them) or
@@ -14,16 +16,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
+from services.bus.presence_board import Announcement, PresenceBoard
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
-from services.errors import StoreError, WorkerSuperseded
+from services.errors import BusError, StoreError, WorkerSuperseded
 from services.models.registry import ModelRegistry
 from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
@@ -85,11 +89,10 @@ class Heartbeat:
 
 
 class WorkerRegistry(Protocol):
-    """The repository's ``workers`` area, as far as presence needs it."""
+    """The repository's ``workers`` area, as far as presence needs it: the durable
+    part (a start and a stop), never a heartbeat."""
 
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration: ...
-
-    async def heartbeat(self, hb: WorkerHeartbeat, incarnation: str) -> WarmPlan: ...
 
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]: ...
 
@@ -101,13 +104,16 @@ def _never_mind() -> None:
 @dataclass(eq=False)
 class Presence:
     workers: WorkerRegistry
+    board: Callable[[], Awaitable[PresenceBoard]]  # where heartbeats go (NATS)
     worker_id: str
     heartbeat: Callable[[WorkerStatus], WorkerHeartbeat]
     events: Events
     interval_s: float
     status: WorkerStatus = WorkerStatus.STARTING
     on_superseded: Callable[[], None] = _never_mind
+    reads_plan: bool = False  # a sampler follows the warm plan the scheduler stores for it
     incarnation: str = field(default_factory=lambda: str(uuid.uuid4()), init=False)
+    started_at: float = field(default_factory=time.time, init=False)
     plan: WarmPlan = field(default=WarmPlan(None, ()), init=False)  # what the scheduler wants warm here (samplers)
     # Set when a newer process took this worker's id: this one must stop.
     superseded: asyncio.Event = field(default_factory=asyncio.Event, init=False)
@@ -124,6 +130,8 @@ class Presence:
                 await backoff.wait(stop)
                 continue
             self.plan = registration.plan
+            self.started_at = time.time()
+            await self.beat()  # heard of at once, not an interval later
             if registration.requeued:
                 log.warning(
                     "an earlier run of %s held %d jobs; requeued: %s",
@@ -137,13 +145,20 @@ class Presence:
         return False
 
     async def beat(self) -> None:
+        """One heartbeat on NATS (and, for a sampler, its warm plan read back)."""
+        announcement = Announcement(self.heartbeat(self.status), self.incarnation, self.started_at)
         try:
-            self.plan = await self.workers.heartbeat(self.heartbeat(self.status), self.incarnation)
+            board = await self.board()
+            await board.announce(announcement)
+            if self.reads_plan:
+                plan = await board.plan(self.worker_id)
+                if plan is not None:
+                    self.plan = plan
         except WorkerSuperseded as exc:
             log.error("%s; stopping", exc)
             self.superseded.set()
             self.on_superseded()
-        except StoreError as exc:
+        except BusError as exc:
             log.warning("heartbeat failed: %s", exc)
 
     async def set_status(self, status: WorkerStatus) -> None:
@@ -161,6 +176,8 @@ class Presence:
                 await asyncio.wait_for(until.wait(), self.interval_s)
 
     async def deregister(self) -> None:
+        self.status = WorkerStatus.GONE
+        await self.beat()  # presence hears at once that it stopped
         try:
             handed_back = await self.workers.deregister(self.worker_id, self.incarnation)
         except StoreError as exc:

@@ -14,8 +14,10 @@ from PIL import Image
 from services.bus.connection import connect_nats
 from services.config.fields import ENV_PREFIX
 from services.config.sections import KernelSettings, Settings
+from services.db.worker_records import WorkerRecord
 from services.mesh.nats_auth import NatsCredentials
 from services.ops.stack import LocalStack
+from services.presence_view import presence_now
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Server
@@ -171,3 +173,9 @@ async def nats_as_operator(kernel: KernelSettings) -> nats.NATS:
     is sealed): what a person's tools use to look at the dispatch stream."""
     credentials = NatsCredentials.of(kernel.mesh_dir, "operator", "operator")
     return await connect_nats(kernel.nats_servers, name="darkroom-test-operator", credentials=credentials)
+
+
+def workers_heard(kernel: KernelSettings, *, stale_after_s: float = 10.0) -> dict[str, WorkerRecord]:
+    """Every worker in the stack's presence bucket now, by id, as the operator reads it."""
+    operator = NatsCredentials.of(kernel.mesh_dir, "operator", "operator") if kernel.mesh_dir else None
+    return {w.id: w for w in presence_now(kernel.nats_servers, credentials=operator, stale_after_s=stale_after_s)}

@@ -17,17 +17,19 @@ import grpc
 
 from services.bus.dispatch import check_worker_id, host_token
 from services.bus.events import Events
+from services.bus.presence_board import BoardOnConnection
 from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.errors import FieldViolation, InvalidArgument
+from services.mesh.nats_auth import DECODER_USER, NatsCredentials
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.encoding import check_mime_type, encode_output
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
 from services.models.video_encoding import check_video
-from services.ops.host import Closing, GrpcServer, Metrics, Migrations, Part, Registered, host
+from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
 from services.presence import Heartbeat, Presence
 from services.rpc.chunks import split
@@ -206,9 +208,16 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
     heartbeat = Heartbeat(WorkerKind.DECODER, worker_id, address, engine, telemetry, kernel.restarts, batcher.telemetry)
+    credentials = NatsCredentials.of(kernel.mesh_dir, "decoder", DECODER_USER)
+    # Its heartbeats go on NATS; it consumes nothing there.
+    nats = JetStream(
+        kernel, connection_name=f"darkroom-decoder-{worker_id}", credentials=credentials, manages_stream=False
+    )
+    board = BoardOnConnection(nats.connection, replicas=kernel.nats_replicas, create=credentials is None)
     # No jobs of its own: nothing to publish as it registers or deregisters.
     presence = Presence(
         repo.workers,
+        board,
         worker_id,
         heartbeat,
         Events(),
@@ -220,6 +229,7 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
         Metrics(kernel, "decoder"),
         Migrations(kernel),
         Closing("database", repo.close),
+        nats,
         GrpcServer(server, grace_s=kernel.shutdown_grace_s),
         Registered(presence),
     ]

@@ -19,12 +19,32 @@ from pathlib import Path
 
 from services.bus.dispatch import DISPATCH_PREFIX, DISPATCH_STREAM, check_worker_id, consumer_name
 from services.bus.events import JOB_PREFIX, SAMPLER_PUBLISHER_PREFIX, WORK_SUBJECT
+from services.bus.presence_board import PLAN, plan_key, worker_key
+from services.bus.presence_board import STREAM as PRESENCE_STREAM
+from services.bus.presence_board import SUBJECT_PREFIX as PRESENCE_PREFIX
+from services.db.states import WorkerKind
 from services.mesh.pki import CertPaths
 from services.mesh.secrets import nats_password_path, password, read_nats_password
 
 SAMPLER_USER_PREFIX = SAMPLER_PUBLISHER_PREFIX  # a sampler publishes under its user's name
+# The decoders' one user: they publish their heartbeats and nothing else.
+DECODER_USER = "decoder"
 # The users a sealed NATS has before its samplers are known.
-CONTROL_USERS = ("scheduler", "gateway", "operator")
+CONTROL_USERS = ("scheduler", "gateway", "operator", DECODER_USER)
+_PRESENCE_API = f"$JS.API.%s.{PRESENCE_STREAM}"
+
+
+def _presence_watch() -> list[str]:
+    """What watching the presence bucket takes: binding to it, an ordered
+    consumer of its own (created, read, deleted), and that consumer's flow control."""
+    return [
+        _PRESENCE_API % "STREAM.INFO",
+        _PRESENCE_API % "CONSUMER.CREATE",
+        f"{_PRESENCE_API % 'CONSUMER.CREATE'}.>",
+        f"{_PRESENCE_API % 'CONSUMER.INFO'}.>",
+        f"{_PRESENCE_API % 'CONSUMER.DELETE'}.>",
+        f"$JS.FC.{PRESENCE_STREAM}.>",
+    ]
 
 
 def sampler_user(worker_id: str) -> str:
@@ -45,12 +65,21 @@ def permissions(user: str) -> dict[str, dict[str, list[str]]]:
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if user == "scheduler":
         return {
-            "publish": {"allow": [f"{DISPATCH_PREFIX}.>", events, WORK_SUBJECT, "$JS.API.>"]},
+            "publish": {
+                "allow": [
+                    f"{DISPATCH_PREFIX}.>",
+                    events,
+                    WORK_SUBJECT,
+                    "$JS.API.>",
+                    f"{PRESENCE_PREFIX}.{PLAN}.*",
+                    f"$JS.FC.{PRESENCE_STREAM}.>",
+                ]
+            },
             "subscribe": {"allow": [WORK_SUBJECT, f"{inbox_prefix(user)}.>"]},
         }
     if user == "gateway":
         return {
-            "publish": {"allow": [events, WORK_SUBJECT]},
+            "publish": {"allow": [events, WORK_SUBJECT, *_presence_watch()]},
             "subscribe": {"allow": [f"{JOB_PREFIX}.>", f"{inbox_prefix(user)}.>"]},
         }
     if user.startswith(SAMPLER_USER_PREFIX):
@@ -66,11 +95,21 @@ def permissions(user: str) -> dict[str, dict[str, list[str]]]:
                     api % "INFO",
                     api % "MSG.NEXT",
                     f"$JS.ACK.{DISPATCH_STREAM}.{consumer}.>",
+                    # Its own heartbeat, its own warm plan, and the decoders' heartbeats.
+                    f"{PRESENCE_PREFIX}.{worker_key(WorkerKind.SAMPLER, worker_id)}",
+                    f"{_PRESENCE_API % 'DIRECT.GET'}.{PRESENCE_PREFIX}.{plan_key(worker_id)}",
+                    _PRESENCE_API % "STREAM.MSG.GET",
+                    *_presence_watch(),
                 ]
             },
             "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
         }
-    raise ValueError(f"NATS user {user!r}: scheduler, gateway, operator or sampler-WORKER_ID")
+    if user == DECODER_USER:
+        return {
+            "publish": {"allow": [f"{PRESENCE_PREFIX}.{WorkerKind.DECODER.value}.*", _PRESENCE_API % "STREAM.INFO"]},
+            "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
+        }
+    raise ValueError(f"NATS user {user!r}: scheduler, gateway, operator, decoder or sampler-WORKER_ID")
 
 
 def server_config(

@@ -14,14 +14,18 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+import nats
+
 from services.bus.connection import connect_nats
 from services.bus.dispatch import Bus
 from services.bus.events import Events
+from services.bus.presence_board import BoardOnConnection
 from services.config.sections import KernelSettings
 from services.db.migrate import upgrade_when_reachable
 from services.errors import BusError
 from services.mesh.nats_auth import NatsCredentials
 from services.presence import Presence
+from services.presence_view import PresenceView, follow
 from services.rpc.server import Server
 from services.telemetry.metrics import serve_metrics
 
@@ -124,6 +128,10 @@ class JetStream:
         assert self._bus is not None, "the NATS part has not started"
         return self._bus
 
+    def connection(self) -> nats.NATS | None:
+        """The connection, once the part has started."""
+        return self._bus.nc if self._bus is not None else None
+
     async def start(self, stop: asyncio.Event) -> bool:
         try:
             self._bus = await Bus.connect(
@@ -160,18 +168,24 @@ class EventsInBackground:
         *,
         connection_name: str,
         credentials: NatsCredentials | None = None,
+        presence: PresenceView | None = None,
     ) -> None:
         self.servers, self.events, self.connection_name = kernel.nats_servers, events, connection_name
         self.credentials = credentials
+        self.presence = presence  # kept up to date from the presence bucket once NATS answers
         self._connecting: asyncio.Task[None] | None = None
 
     async def start(self, stop: asyncio.Event) -> bool:
         async def connect() -> None:
             with contextlib.suppress(BusError):
-                self.events.nc = await connect_nats(
+                nc = self.events.nc = await connect_nats(
                     self.servers, name=self.connection_name, credentials=self.credentials, stop=stop
                 )
                 await self.events.route()
+                if self.presence is not None:
+                    # Only the scheduler creates the bucket in a sealed mesh.
+                    board = BoardOnConnection(lambda: nc, create=self.credentials is None)
+                    await follow(self.presence, nc, board, stop)
 
         if self.servers:
             self._connecting = asyncio.create_task(connect())

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import grpc
 import psycopg
 
-from services.mesh.nats_auth import CONTROL_USERS, sampler_user, server_config
+from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, sampler_user, server_config
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
@@ -175,7 +175,7 @@ class Fleet:
             self._add(host, "scheduler", [*cli, "scheduler"], self.service_env(host, mesh, scheduler_host=host.address))
         for host in self.gpus:
             user = sampler_user(self.worker_id(host))
-            mesh = self.mesh_dir(host, ["sampler", "decoder"], [user])
+            mesh = self.mesh_dir(host, ["sampler", "decoder"], [user, DECODER_USER])
             env = self.service_env(host, mesh, sampler_host=host.address, decoder_host=host.address)
             args = [sys.executable, "-m", "services.ops.cli", "supervise", "--cpu-workers", "1", "--decoders", "1"]
             self._add(host, "supervise", args, env)

@@ -29,7 +29,7 @@ from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from tests.helpers import nats_as_operator
+from tests.helpers import nats_as_operator, workers_heard
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +37,9 @@ DENIED_WITHIN_S = 1.0
 
 
 def worker_address(stack: LocalStack, kind: str) -> str:
-    with psycopg.connect(stack.pg_url) as conn:
-        row = conn.execute("SELECT address FROM workers WHERE kind = %s AND status = 'ready'", (kind,)).fetchone()
-    assert row is not None, f"no ready {kind}"
-    return str(row[0])
+    ready = [w for w in workers_heard(stack.settings.kernel).values() if w.kind == kind and w.status == "ready"]
+    assert ready, f"no ready {kind}"
+    return ready[0].address
 
 
 def mesh_dir(stack: LocalStack) -> Path:

@@ -7,7 +7,7 @@ that one replica at a time does it. The scheduler's recovery policy decides."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -17,7 +17,6 @@ from psycopg.rows import DictRow
 from services.db.records import JOB_COLUMNS, AttemptFailure, JobRecord
 from services.db.repository.database import SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import end, requeue
-from services.db.repository.workers import FRESH
 from services.db.states import HELD, STARTED, JobStatus, WorkerStatus
 from services.db.worker_records import DeadWorker
 
@@ -35,20 +34,27 @@ FOR UPDATE SKIP LOCKED
 class Recoveries(Area):
     @contextlib.asynccontextmanager
     async def recovery_pass(
-        self, *, stale_after_s: float, judge_heartbeats: bool, max_attempts: int, shortest_timeout_s: float
+        self,
+        *,
+        heard: Mapping[str, float] | None,
+        stale_after_s: float,
+        max_attempts: int,
+        shortest_timeout_s: float,
     ) -> AsyncIterator[RecoveryPass | None]:
         """One recovery pass under the scheduler lock: yields the jobs that may be
         stuck (held by dead or unknown workers, queued past their deadline or out
         of attempts, started longer ago than ``shortest_timeout_s``), locked, with
         the dead workers and the database's clock, for the caller to requeue or
-        end them; None if another replica holds the lock. ``judge_heartbeats``
-        False: heartbeats may be stale because the database itself was away, so
-        only workers that said they stopped count as dead."""
+        end them; None if another replica holds the lock. ``heard``: how many
+        seconds ago presence last heard from each worker it knows; a registered
+        worker not heard from within ``stale_after_s`` is dead. None: heartbeats
+        cannot be judged now (presence has not watched long enough, or the
+        database was away), so only workers that said they stopped count as dead."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, SCHEDULER_LOCK):
                 yield None
                 return
-            dead = await _dead_workers(conn, stale_after_s, judge_heartbeats)
+            dead = await _dead_workers(conn, heard, stale_after_s)
             rows = await fetch_all(
                 conn,
                 _STALLED,
@@ -91,18 +97,18 @@ class RecoveryPass:
 
 
 async def _dead_workers(
-    conn: AsyncConnection[DictRow], stale_after_s: float, judge_heartbeats: bool
+    conn: AsyncConnection[DictRow], heard: Mapping[str, float] | None, stale_after_s: float
 ) -> list[DeadWorker]:
-    gone = "status = %(gone)s"
-    where = f"{gone} OR NOT ({FRESH})" if judge_heartbeats else gone
+    fresh = sorted(w for w, age in (heard or {}).items() if age <= stale_after_s)
     rows = await fetch_all(
         conn,
-        f"SELECT id, status, extract(epoch FROM now() - last_heartbeat) AS age FROM workers WHERE {where} ORDER BY id",
-        {"gone": WorkerStatus.GONE.value, "stale_after_s": stale_after_s},
+        "SELECT id, status FROM workers WHERE status = %(gone)s OR (%(judge)s AND id <> ALL(%(fresh)s)) ORDER BY id",
+        {"gone": WorkerStatus.GONE.value, "judge": heard is not None, "fresh": fresh},
     )
-    return [
-        DeadWorker(
-            r["id"], "the worker stopped" if r["status"] == WorkerStatus.GONE else f"no heartbeat for {r['age']:.0f}s"
-        )
-        for r in rows
-    ]
+    return [DeadWorker(r["id"], _why_dead(r["status"], (heard or {}).get(r["id"]))) for r in rows]
+
+
+def _why_dead(status: str, age_s: float | None) -> str:
+    if status == WorkerStatus.GONE:
+        return "the worker stopped"
+    return "no heartbeat heard" if age_s is None else f"no heartbeat for {age_s:.0f}s"

@@ -17,9 +17,7 @@ from services.db.counts import SubmittedCount
 from services.db.records import SUMMARY_COLUMNS, SUMMARY_FIELDS, Assignment, HeldGroup, JobSummary
 from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import qualified
-from services.db.repository.workers import LIVE_WORKERS, live_workers, live_workers_params
-from services.db.states import HELD, JobStatus, WorkerKind
-from services.db.worker_records import WarmPlan, WorkerRecord
+from services.db.states import HELD, JobStatus
 from services.generation import BatchKey
 
 _HELD = [st.value for st in HELD]
@@ -74,12 +72,10 @@ GROUP BY worker_id, status, model, width, height, steps, guidance_scale, frames
 _PASS_READ = f"""
 SELECT pg_try_advisory_xact_lock(%(lock)s) AS locked,
        (SELECT coalesce(json_agg(q), '[]') FROM ({_QUEUE_WINDOW}) q) AS queued,
-       (SELECT coalesce(json_agg(w ORDER BY w.id), '[]') FROM ({LIVE_WORKERS}) w) AS workers,
        (SELECT coalesce(json_agg(g), '[]') FROM ({_HELD_GROUPS}) g) AS held
 """
-# The timestamps of a job summary or a worker, which JSON carries as text.
+# The timestamps of a job summary, which JSON carries as text.
 _SUMMARY_TIMES = tuple(f.name for f in fields(JobSummary) if str(f.type).startswith("datetime"))
-_WORKER_TIMES = tuple(f.name for f in fields(WorkerRecord) if str(f.type).startswith("datetime"))
 
 
 def _times(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
@@ -93,12 +89,13 @@ def _times(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
 class Scheduling(Area):
     @contextlib.asynccontextmanager
     async def placement_pass(
-        self, *, limit: int, stale_after_s: float, max_attempts: int, now: datetime
+        self, *, limit: int, max_attempts: int, now: datetime
     ) -> AsyncIterator[PlacementPass | None]:
         """One placement pass under the scheduler lock: yields what it reads (the
-        oldest ``limit`` placeable jobs of each lane, the live samplers, the work
-        they hold), for the caller to assign jobs (``PlacementPass.assign``)
-        before the block ends; None if another replica holds the lock."""
+        oldest ``limit`` placeable jobs of each lane, the work samplers hold), for
+        the caller to assign jobs (``PlacementPass.assign``) before the block
+        ends; None if another replica holds the lock. The samplers themselves
+        come from presence (``services.presence_view``), not from here."""
         async with self.db.tx() as conn:
             read = await fetch_one(
                 conn,
@@ -109,7 +106,6 @@ class Scheduling(Area):
                     "max_attempts": max_attempts,
                     "now": now,
                     "held": _HELD,
-                    **live_workers_params(WorkerKind.SAMPLER, stale_after_s),
                 },
             )
             if read is None or not read["locked"]:
@@ -119,7 +115,6 @@ class Scheduling(Area):
                 conn,
                 now,
                 [JobSummary.of(_times(r, _SUMMARY_TIMES)) for r in read["queued"]],
-                [WorkerRecord.of(_times(r, _WORKER_TIMES)) for r in read["workers"]],
                 [held_group(r) for r in read["held"]],
             )
 
@@ -165,20 +160,17 @@ class Scheduling(Area):
         )
 
     @contextlib.asynccontextmanager
-    async def planning_pass(
-        self, *, since: datetime, newer_since: datetime, stale_after_s: float
-    ) -> AsyncIterator[PlanningPass | None]:
-        """One planning pass under the planner lock: yields the live samplers and
-        the demand since ``since`` (by shape and lane, split at ``newer_since``,
-        and what is still queued from before it), for the caller to store each
-        worker's warm set (``PlanningPass.store``); None if another replica is
+    async def planning_pass(self, *, since: datetime, newer_since: datetime) -> AsyncIterator[PlanningPass | None]:
+        """One planning pass under the planner lock: yields the demand since
+        ``since`` (by shape and lane, split at ``newer_since``, and what is still
+        queued from before it), for the caller to plan and store each sampler's
+        warm set (on NATS) while it holds the lock; None if another replica is
         planning."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, PLANNER_LOCK):
                 yield None
                 return
-            workers = await live_workers(conn, WorkerKind.SAMPLER, stale_after_s)
-            yield PlanningPass(conn, workers, await submitted_counts(conn, since, newer_since))
+            yield PlanningPass(await submitted_counts(conn, since, newer_since))
 
 
 @dataclass(eq=False)
@@ -188,7 +180,6 @@ class PlacementPass:
     _conn: AsyncConnection[DictRow]
     now: datetime
     queued: list[JobSummary]
-    workers: list[WorkerRecord]
     held: list[HeldGroup]
 
     async def assign(self, assignments: Sequence[Assignment]) -> list[JobSummary]:
@@ -210,20 +201,11 @@ class PlacementPass:
         return sorted((JobSummary.of(r) for r in placed), key=lambda j: order[j.id])
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class PlanningPass:
-    """What a warm-set planning pass read, and its one write."""
+    """What a warm-set planning pass read."""
 
-    _conn: AsyncConnection[DictRow]
-    workers: list[WorkerRecord]
     demand: list[SubmittedCount]
-
-    async def store(self, plans: Mapping[str, WarmPlan]) -> None:
-        for worker_id, warm in sorted(plans.items()):
-            await self._conn.execute(
-                "UPDATE workers SET primary_model = %s, planned_models = %s WHERE id = %s",
-                (warm.primary, Jsonb(list(warm.models)), worker_id),
-            )
 
 
 async def submitted_counts(

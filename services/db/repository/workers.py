@@ -1,9 +1,11 @@
-"""The worker registry: each worker registers once per start (an incarnation),
-heartbeats, and deregisters when it stops. Liveness is judged by the database's
-clock, never a host's."""
+"""The worker registry, the durable part: each worker registers once per start (an
+incarnation, which fences the jobs an earlier one held) and deregisters when it
+stops. Heartbeats and liveness live on NATS (``services.bus.presence_board``);
+``last_heartbeat`` here is when the worker last registered."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from psycopg import AsyncConnection
@@ -15,10 +17,9 @@ from services.db.repository.database import Area, fetch_all, fetch_one
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, STARTED, WorkerKind, WorkerStatus
 from services.db.worker_records import WORKER_COLUMNS, Registration, WarmPlan, WorkerHeartbeat, WorkerRecord
-from services.errors import WorkerSuperseded
 
 _HELD = [st.value for st in HELD]
-# The worker's last heartbeat is recent, by the database's clock.
+# The worker registered recently, by the database's clock.
 FRESH = "last_heartbeat > now() - make_interval(secs => %(stale_after_s)s)"
 _HEARTBEAT_COLUMNS = (
     "kind",
@@ -102,28 +103,6 @@ class Workers(Area):
             assert row is not None
             return Registration(_plan(row), tuple(requeued))
 
-    async def heartbeat(self, hb: WorkerHeartbeat, incarnation: str) -> WarmPlan:
-        """Records the worker's state; returns the warm set the planner wants it to
-        keep. Raises WorkerSuperseded if a newer process took this worker's id."""
-        values = _values(hb, incarnation)
-        async with self.db.connection() as conn:
-            row = await fetch_one(
-                conn,
-                f"UPDATE workers SET {_SET_HEARTBEAT} WHERE id = %(id)s AND incarnation = %(incarnation)s "
-                "RETURNING primary_model, planned_models",
-                values,
-            )
-            if row is not None:
-                return _plan(row)
-            async with conn.transaction():
-                holder = await fetch_one(conn, "SELECT incarnation FROM workers WHERE id = %s", (hb.id,))
-                if holder is not None:
-                    raise WorkerSuperseded(f"worker {hb.id} was taken over by incarnation {holder['incarnation']}")
-                # Forgotten while it was away (pruned): it registers again.
-                row = await fetch_one(conn, _INSERT + " RETURNING primary_model, planned_models", values)
-                assert row is not None
-                return _plan(row)
-
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]:
         """The worker stops: marked gone, and whatever it still holds goes back to
         the queue without counting an attempt (it stopped in order). Returns those jobs."""
@@ -139,11 +118,6 @@ class Workers(Area):
             changed = await requeue(conn, [(j["id"], j["attempt"], None) for j in held], now=await _db_now(conn))
             return sorted(changed)
 
-    async def live(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:
-        """Workers of this kind that take work: ready, with a recent heartbeat."""
-        async with self.db.connection() as conn:
-            return await live_workers(conn, kind, stale_after_s)
-
     async def all(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:
         rows = await self.db.all(
             f"SELECT {WORKER_COLUMNS}, {FRESH} AS fresh FROM workers WHERE kind = %(kind)s ORDER BY id",
@@ -155,38 +129,26 @@ class Workers(Area):
         row = await self.db.one(f"SELECT {WORKER_COLUMNS} FROM workers WHERE id = %s", (worker_id,))
         return WorkerRecord.of(row) if row is not None else None
 
-    async def forgettable(self, *, gone_for_s: float) -> list[str]:
-        """Workers silent this long that hold no job: gone for good."""
+    async def forgettable(self, *, gone_for_s: float, heard_from: Collection[str]) -> list[str]:
+        """Workers registered longer ago than ``gone_for_s``, not among those
+        ``heard_from`` since (presence says who), holding no job: gone for good."""
         rows = await self.db.all(
             f"""
             SELECT id FROM workers w
-            WHERE NOT ({FRESH})
+            WHERE NOT ({FRESH}) AND id <> ALL(%(heard)s)
               AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.worker_id = w.id AND jobs.status = ANY(%(held)s))
             ORDER BY id
             """,
-            {"stale_after_s": gone_for_s, "held": _HELD},
+            {"stale_after_s": gone_for_s, "held": _HELD, "heard": sorted(heard_from)},
         )
         return [row["id"] for row in rows]
 
     async def forget(self, worker_id: str, *, gone_for_s: float) -> bool:
-        """Deletes the worker's row, unless it came back meanwhile."""
+        """Deletes the worker's row, unless it registered again meanwhile."""
         changed = await self.db.run(
             f"DELETE FROM workers WHERE id = %(id)s AND NOT ({FRESH})", {"id": worker_id, "stale_after_s": gone_for_s}
         )
         return changed > 0
-
-
-# Workers of a kind that take work: ready, with a recent heartbeat (live_workers_params).
-LIVE_WORKERS = f"SELECT {WORKER_COLUMNS} FROM workers WHERE kind = %(kind)s AND status = %(ready)s AND {FRESH}"
-
-
-def live_workers_params(kind: WorkerKind, stale_after_s: float) -> dict[str, Any]:
-    return {"kind": kind.value, "ready": WorkerStatus.READY.value, "stale_after_s": stale_after_s}
-
-
-async def live_workers(conn: AsyncConnection[DictRow], kind: WorkerKind, stale_after_s: float) -> list[WorkerRecord]:
-    rows = await fetch_all(conn, LIVE_WORKERS + " ORDER BY id", live_workers_params(kind, stale_after_s))
-    return [WorkerRecord.of(row) for row in rows]
 
 
 async def _held(conn: AsyncConnection[DictRow], worker_id: str) -> list[DictRow]:

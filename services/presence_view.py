@@ -1,0 +1,279 @@
+"""The fleet as its heartbeats tell it, kept up to date from the presence bucket
+(``services.bus.presence_board``): the scheduler, the gateway and each sampler
+(for its decoders) hold one. It is maintained incrementally, a change at a time,
+so reading it costs nothing however large the fleet, and nothing of it touches
+PostgreSQL.
+
+Liveness is judged on this process's monotonic clock, by when each heartbeat
+arrived: no two hosts' clocks are compared, except once, for the values already
+in the bucket when the watch starts (their age is the server's timestamp against
+this host's clock, never less than zero). A view that has not watched for a
+while (just started, or NATS was away) says so (``settled_for``): whoever
+declares workers dead must wait until it has."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import nats
+import nats.errors
+from nats.js.kv import KeyValue
+
+from services.backoff import Backoff
+from services.bus.connection import BUS_ERRORS
+from services.bus.presence_board import PLAN, Announcement, PresenceBoard, decode_plan
+from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WarmPlan, WorkerRecord
+from services.errors import BusError
+
+if TYPE_CHECKING:
+    from services.mesh.nats_auth import NatsCredentials
+
+log = logging.getLogger(__name__)
+
+# How often the follow loop looks at its connection while nothing arrives.
+POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Seen:
+    announcement: Announcement
+    at: float  # when it arrived, on the view's clock
+
+
+def record_of(announcement: Announcement, plan: WarmPlan | None, *, live: bool, heard_at: datetime) -> WorkerRecord:
+    hb = announcement.heartbeat
+    return WorkerRecord(
+        id=hb.id,
+        kind=hb.kind,
+        address=hb.address,
+        device=hb.device,
+        status=hb.status,
+        models=hb.models,
+        warm_models=hb.warm_models,
+        vram_total_bytes=hb.vram_total_bytes,
+        vram_used_bytes=hb.vram_used_bytes,
+        temperature_c=hb.temperature_c,
+        speed=hb.speed,
+        completed=0,
+        errors=0,
+        busy_seconds=0.0,
+        telemetry=dict(hb.telemetry),
+        started_at=datetime.fromtimestamp(announcement.started_at, UTC),
+        last_heartbeat=heard_at,
+        planned_models=plan.models if plan is not None else (),
+        primary_model=plan.primary if plan is not None else None,
+        restarts=hb.restarts,
+        capabilities=hb.capabilities,
+        live=live,
+    )
+
+
+class PresenceView:
+    """What the heartbeats of ``kinds`` say, folded in as they arrive."""
+
+    def __init__(self, kinds: Collection[WorkerKind], *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.kinds = frozenset(kinds)
+        self.clock = clock
+        self._seen: dict[str, Seen] = {}
+        self._plans: dict[str, WarmPlan] = {}
+        self._settled_since: float | None = None
+        self.version = 0  # raised by every change folded in
+        self.changed = asyncio.Event()
+
+    # -- folding in -----------------------------------------------------------------
+
+    def fold(self, key: str, value: bytes | None, *, age_s: float = 0.0) -> None:
+        """One entry of the bucket: a heartbeat, a plan, or a deletion (value None).
+        ``age_s``: how long ago it was written, for values that predate the watch."""
+        kind, _, worker_id = key.partition(".")
+        if kind == PLAN:
+            if value is None:
+                self._plans.pop(worker_id, None)
+            else:
+                try:
+                    self._plans[worker_id] = decode_plan(value)
+                except ValueError as exc:
+                    log.warning("presence: %s under %s", exc, key)
+                    return
+        elif value is None:
+            self._seen.pop(worker_id, None)
+        else:
+            try:
+                announcement = Announcement.decode(value)
+            except ValueError as exc:
+                log.warning("presence: %s under %s", exc, key)
+                return
+            if announcement.heartbeat.kind not in self.kinds or announcement.heartbeat.id != worker_id:
+                return
+            self._seen[worker_id] = Seen(announcement, self.clock() - max(0.0, age_s))
+        self.version += 1
+        self.changed.set()
+
+    def settled(self) -> None:
+        """The watch has delivered what the bucket held, and follows it."""
+        if self._settled_since is None:
+            self._settled_since = self.clock()
+
+    def unsettled(self) -> None:
+        """The watch may have missed heartbeats (NATS away): ages mean nothing for now."""
+        self._settled_since = None
+
+    def settled_for(self, seconds: float) -> bool:
+        since = self._settled_since
+        return since is not None and self.clock() - since >= seconds
+
+    # -- reading ----------------------------------------------------------------------
+
+    def age_s(self, worker_id: str) -> float | None:
+        """Seconds since the worker's last heartbeat arrived; None: never heard of."""
+        seen = self._seen.get(worker_id)
+        return None if seen is None else self.clock() - seen.at
+
+    def ages(self) -> dict[str, float]:
+        """Every worker the view knows, with the seconds since its last heartbeat arrived."""
+        now = self.clock()
+        return {wid: now - s.at for wid, s in self._seen.items()}
+
+    def fresh(self, *, stale_after_s: float) -> dict[str, float]:
+        """Every worker heard from within ``stale_after_s``, with its age."""
+        now = self.clock()
+        return {wid: now - s.at for wid, s in self._seen.items() if now - s.at <= stale_after_s}
+
+    def all(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:
+        """Every worker of ``kind`` the bucket knows, by id, each marked live or not."""
+        now, wall = self.clock(), time.time()
+        out = []
+        for wid in sorted(self._seen):
+            seen = self._seen[wid]
+            if seen.announcement.heartbeat.kind != kind:
+                continue
+            age = now - seen.at
+            heard = datetime.fromtimestamp(wall - age, UTC)
+            out.append(record_of(seen.announcement, self._plans.get(wid), live=age <= stale_after_s, heard_at=heard))
+        return out
+
+    def live(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:
+        """Workers of ``kind`` that take work: ready, with a recent heartbeat."""
+        return [w for w in self.all(kind, stale_after_s=stale_after_s) if w.live and w.status == WorkerStatus.READY]
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        seen = self._seen.get(worker_id)
+        if seen is None:
+            return None
+        [record] = [
+            w for w in self.all(seen.announcement.heartbeat.kind, stale_after_s=float("inf")) if w.id == worker_id
+        ]
+        return record
+
+    def plan(self, worker_id: str) -> WarmPlan | None:
+        return self._plans.get(worker_id)
+
+
+async def follow(
+    view: PresenceView, nc: nats.NATS, open_board: Callable[[], Awaitable[PresenceBoard]], stop: asyncio.Event
+) -> None:
+    """Folds the bucket's changes into ``view`` until ``stop``. Rides out NATS going
+    away: the view is unsettled meanwhile, and the watch starts over from the
+    bucket's latest values once NATS is back."""
+    backoff = Backoff(max_s=2.0)
+    while not stop.is_set():
+        try:
+            watcher = await (await open_board()).watch()
+            try:
+                await _fold(view, nc, watcher, stop)
+                backoff.reset()
+            finally:
+                with contextlib.suppress(BusError, *BUS_ERRORS):
+                    await watcher.stop()
+        except (BusError, *BUS_ERRORS) as exc:
+            view.unsettled()
+            log.warning("presence: cannot watch the bucket, retrying in %.1fs: %s", backoff.next_s, exc)
+            await backoff.wait(stop)
+
+
+async def _fold(view: PresenceView, nc: nats.NATS, watcher: KeyValue.KeyWatcher, stop: asyncio.Event) -> None:
+    """One watch, until ``stop`` or until NATS was away (then the caller starts over)."""
+    initial = True
+    while not stop.is_set():
+        if not nc.is_connected:
+            view.unsettled()
+            while not nc.is_connected and not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), POLL_S)
+            return
+        try:
+            entry = await watcher.updates(timeout=POLL_S)
+        except (TimeoutError, nats.errors.TimeoutError):
+            continue
+        if entry is None:  # the bucket's latest values are all in
+            initial = False
+            view.settled()
+            continue
+        value = None if entry.operation in ("DEL", "PURGE") else entry.value
+        view.fold(entry.key, value, age_s=_age_s(entry.created) if initial else 0.0)
+
+
+def _age_s(created: object) -> float:
+    """How long ago the server stored an entry (its timestamp against this host's clock)."""
+    if isinstance(created, datetime):
+        return max(0.0, time.time() - created.timestamp())
+    if isinstance(created, int | float):
+        return max(0.0, time.time() - float(created) / 1e9)
+    return 0.0
+
+
+async def read_once(nc: nats.NATS, *, stale_after_s: float, timeout_s: float = 5.0) -> list[WorkerRecord]:
+    """Every worker in the presence bucket now, samplers then decoders, each marked
+    live or not: for tools and tests, which need no view kept up to date."""
+    view = PresenceView(tuple(WorkerKind))
+    try:
+        board = await PresenceBoard.open(nc.jetstream(), create=False)
+    except BusError:
+        return []  # no bucket yet: no worker has announced itself
+    watcher = await board.watch()
+    try:
+        while (entry := await watcher.updates(timeout=timeout_s)) is not None:
+            value = None if entry.operation in ("DEL", "PURGE") else entry.value
+            view.fold(entry.key, value, age_s=_age_s(entry.created))
+    finally:
+        with contextlib.suppress(BusError, *BUS_ERRORS):
+            await watcher.stop()
+    return [w for kind in WorkerKind for w in view.all(kind, stale_after_s=stale_after_s)]
+
+
+def presence_now(
+    servers: list[str], *, credentials: NatsCredentials | None = None, stale_after_s: float = 10.0
+) -> list[WorkerRecord]:
+    """``read_once`` from a plain (not async) caller; raises BusError if NATS does not answer."""
+
+    async def read() -> list[WorkerRecord]:
+        sealed: dict[str, Any] = {}
+        if credentials is not None:
+            sealed = {
+                "user": credentials.user,
+                "password": credentials.password,
+                "tls": credentials.tls,
+                "inbox_prefix": credentials.inbox_prefix,
+            }
+        try:
+            nc = await nats.connect(
+                servers, connect_timeout=2, max_reconnect_attempts=0, allow_reconnect=False, **sealed
+            )
+        except BUS_ERRORS as exc:
+            raise BusError(f"cannot read presence: {exc}") from exc
+        try:
+            return await read_once(nc, stale_after_s=stale_after_s)
+        except BUS_ERRORS as exc:
+            raise BusError(f"cannot read presence: {exc}") from exc
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
