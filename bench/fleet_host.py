@@ -32,6 +32,9 @@ from services.telemetry import logs
 
 IDS = "BENCH_FLEET_IDS"
 RAMP = "BENCH_FLEET_RAMP_S"
+# "1": the samplers' database is a PgBouncer in transaction mode. Until a setting
+# says so (DARKROOM_DATABASE_POOLED), the sampler's Repository is made pooled here.
+POOLED = "BENCH_FLEET_POOLED"
 
 log = logging.getLogger("bench.fleet_host")
 
@@ -47,6 +50,21 @@ async def one(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.E
     except Exception:
         log.exception("sampler %s failed", settings.worker_id)
         return 1
+
+
+def pooled_setting() -> bool:
+    """Whether the kernel's settings have a setting for a pooled database."""
+    return any(f.name == "database_pooled" for f in dataclasses.fields(KernelSettings))
+
+
+def pool_through_bouncer() -> None:
+    """The sampler's repository made as ``Repository(url, pooled=True)``: no prepared
+    statements, no startup options (services.ops.pgbouncer)."""
+    import functools
+
+    from gpu_worker import service
+
+    service.Repository = functools.partial(service.Repository, pooled=True)  # type: ignore[misc]
 
 
 async def run(ids: list[str], ramp_s: float) -> int:
@@ -73,6 +91,8 @@ def main() -> None:
     kernel = KernelSettings.from_env()
     logs.configure(kernel.log_level, service="sampler", fmt=kernel.log_format)
     log.info("%d samplers in process %d", len(ids), os.getpid())
+    if os.environ.get(POOLED) == "1" and not pooled_setting():
+        pool_through_bouncer()
     sys.exit(run_loop(run(ids, float(os.environ.get(RAMP, "0")))))
 
 

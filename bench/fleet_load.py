@@ -55,7 +55,7 @@ import psycopg
 
 from bench import controlplane
 from bench.controlplane import KEEPS_UP, Run, percentile, run_load
-from bench.fleet_host import IDS, RAMP
+from bench.fleet_host import IDS, POOLED, RAMP, pooled_setting
 from bench.fleet_scheduler import PASS_LOG
 from services.bus.dispatch import host_token
 from services.config.sections import Settings
@@ -115,10 +115,12 @@ class FleetStack(LocalStack):
     (``schedulers`` replicas of it). The fake samplers are added with
     ``add_fleet``."""
 
-    def __init__(self, settings: Settings, *, decoders: int, schedulers: int, pass_log: Path) -> None:
+    def __init__(self, settings: Settings, *, decoders: int, schedulers: int, pass_log: Path, pooler: int = 0) -> None:
         super().__init__(settings, cpu_workers=0, decoders=decoders, durable=True)
         self.schedulers = schedulers
         self.pass_log = pass_log
+        self.pooler_size = pooler  # server connections of the samplers' PgBouncer; 0: none
+        self.bouncer: Any = None
         self.fleet_ids: list[str] = []
 
     @property
@@ -171,6 +173,20 @@ class FleetStack(LocalStack):
         self.fleet_ids = ids
         self.monitored_nats.set_users([*self.monitored_nats.users, *map(sampler_user, ids)])
         hosts = max(1, min(hosts, samplers))
+        pooled: dict[str, str] = {}
+        if self.pooler_size:
+            from services.ops.pgbouncer import PgBouncer
+
+            self.bouncer = PgBouncer(
+                self.settings.kernel.data_dir / "pgbouncer",
+                self.settings.kernel.database_url,
+                pool_size=self.pooler_size,
+                max_db_connections=self.pooler_size,
+            )
+            self.bouncer.start()
+            pooled = {"DARKROOM_DATABASE_URL": self.bouncer.url, POOLED: "1"}
+            if pooled_setting():
+                pooled["DARKROOM_DATABASE_POOLED"] = "true"
         for h in range(hosts):
             mine = ids[h::hosts]
             env = {
@@ -180,6 +196,7 @@ class FleetStack(LocalStack):
                 "OMP_NUM_THREADS": "1",
                 IDS: ",".join(mine),
                 RAMP: str(ramp_s),
+                **pooled,
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             }
             host = child(self.settings, f"fleet-{h}", "sampler", env)
@@ -198,7 +215,13 @@ def start_stack(data_dir: Path, args: argparse.Namespace, samplers: int) -> Flee
             "DARKROOM_LOG_LEVEL": "WARNING",
         }
     )
-    stack = FleetStack(settings, decoders=args.decoders, schedulers=args.schedulers, pass_log=data_dir / "passes.log")
+    stack = FleetStack(
+        settings,
+        decoders=args.decoders,
+        schedulers=args.schedulers,
+        pass_log=data_dir / "passes.log",
+        pooler=args.pooler,
+    )
     stack.start(timeout=180)
     started = time.monotonic()
     stack.add_fleet(samplers, args.hosts, args.ramp_seconds)
@@ -272,7 +295,8 @@ class Monitor:
 
     def connections(self) -> dict[str, int]:
         rows = self._execute(
-            "SELECT application_name, count(*) FROM pg_stat_activity "
+            "SELECT CASE WHEN client_addr IS NULL THEN application_name ELSE 'darkroom-pgbouncer' END, count(*) "
+            "FROM pg_stat_activity "
             f"WHERE backend_type = 'client backend' AND application_name <> '{_MONITOR}' GROUP BY 1"
         )
         by: dict[str, int] = collections.Counter()
@@ -518,7 +542,9 @@ def run_fleet(args: argparse.Namespace, samplers: int, modelled: float) -> Resul
             )
             ladder.append((win, run, passes_between(stack.pass_log, started, time.time())))
             print(f"  offered {rate:.0f}/s: completed {run.achieved:.0f}/s", file=sys.stderr)
-            if run.achieved < KEEPS_UP * rate or len(run.done) < len(run.records):
+            # Against what actually arrived (a Poisson draw), not the nominal rate.
+            arrived = len(run.records) / args.seconds
+            if run.achieved < KEEPS_UP * arrived or len(run.done) < len(run.records):
                 break
         sat_window, saturation, sat_passes = max(ladder, key=lambda x: x[1].achieved)
 
@@ -558,6 +584,8 @@ def run_fleet(args: argparse.Namespace, samplers: int, modelled: float) -> Resul
             monitor.close()
         if stack is not None:
             stack.stop()
+            if stack.bouncer is not None:
+                stack.bouncer.stop()
             if stack.postgres is not None:
                 stack.postgres.discard()
         if not args.keep:
@@ -670,6 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=8.0, help="how long each offered rate lasts")
     parser.add_argument("--queued", type=int, default=10_000, help="jobs left queued for the backlog's passes")
     parser.add_argument("--backlog-seconds", type=float, default=10.0)
+    parser.add_argument(
+        "--pooler",
+        type=int,
+        default=0,
+        metavar="SIZE",
+        help="the fake samplers reach PostgreSQL through a PgBouncer (transaction mode) of SIZE server connections",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", action="store_true", help="keep each stack's data directory (logs)")
     parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
@@ -685,7 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# Fleet load: sim model, {controlplane.SIZE}x{controlplane.SIZE}, {controlplane.STEPS} step "
         f"(modelled {modelled * 1000:.1f} ms); {args.decoders} decoders, {args.schedulers} scheduler(s), "
-        f"{os.cpu_count()} cores; seed {args.seed}\n"
+        f"{os.cpu_count()} cores; seed {args.seed}"
+        + (f"; samplers through PgBouncer ({args.pooler} server connections)" if args.pooler else "")
+        + "\n"
     )
     results = [run_fleet(args, n, modelled) for n in fleets]
 
