@@ -31,6 +31,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from services.ops.data_lock import DataDirLocked
     from services.ops.stack import LocalStack
 
     stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers, decoders=args.decoders, http=True)
@@ -38,7 +39,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
     try:
-        stack.start()
+        try:
+            stack.start()
+        except DataDirLocked as exc:
+            print(f"darkroom: {exc}", file=sys.stderr)
+            return 1
         data_dir = stack.settings.kernel.data_dir
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
         print(f"darkroom: OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)

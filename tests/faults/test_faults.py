@@ -184,7 +184,8 @@ def test_hung_sampler_is_replaced(make) -> None:
 
 
 def test_nats_killed_under_up_is_restarted_by_it(make) -> None:
-    # `up`'s backoff holds the outage open for 3 s: submits and dispatches meet it.
+    # The outage lasts nats-server's start, and `up`'s backoff of 3 s before it
+    # where the server had not been up a minute yet.
     stack = make(restart_backoff_s=3.0, restart_backoff_max_s=3.0)
     assert stack.nats is not None and stack.nats.proc is not None
     load = Load.of(stack)
@@ -209,6 +210,8 @@ def test_nats_killed_under_up_is_restarted_by_it(make) -> None:
 
 
 def test_postgres_killed_under_up_is_restarted_by_it_submits_included(make) -> None:
+    # The outage lasts PostgreSQL's start (seconds), and `up`'s backoff of 3 s
+    # before it where the server had not been up a minute yet.
     stack = make(own_postgres=True, restart_backoff_s=3.0, restart_backoff_max_s=3.0)
     assert stack.postgres is not None and stack.postgres.proc is not None
     load = Load.of(stack)

@@ -72,7 +72,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         )
         targets = json.loads((data / "prometheus" / "targets.json").read_text())
         children_named = sorted(t["labels"]["child"] for t in targets)
-        assert children_named == ["decoder-0", "gateway", "http", "sampler-0", "scheduler"]
+        assert children_named == ["decoder-0", "gateway", "http", "sampler-0", "scheduler", "up"]
         for target in targets:
             [address] = target["targets"]
             assert f"darkroom:   {target['labels']['child']} -> http://{address}/metrics" in printed

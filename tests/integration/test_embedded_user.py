@@ -23,6 +23,7 @@ import pytest
 
 from services.db.repository.database import libpq_url
 from services.ops.embedded import EmbeddedPostgres
+from services.ops.orphans import alive, command_name
 from services.ops.postgres_as_root import PG_USER_WHEN_ROOT, ROOT_POSTGRES_DIR, cluster_dir_as_root
 from services.ops.processes import as_user, free_port
 from tests.helpers import wait_for
@@ -182,3 +183,57 @@ def test_a_cluster_the_operator_keeps_elsewhere_is_named_not_moved(tmp_path: Pat
     with pytest.raises(RuntimeError, match="move it there"):
         server.start()
     assert (elsewhere / "PG_VERSION").is_file() and (data / "postgres").resolve() == elsewhere
+
+
+def test_the_server_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # As root, it is started as another user: the parent-death signal is asked for
+    # after the switch, which would clear it, and reaches the postmaster itself.
+    starter = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from services.ops.embedded import EmbeddedPostgres\n"
+        "server = EmbeddedPostgres(Path(sys.argv[1]), durable=False)\n"
+        "server.start()\n"
+        "print(server.proc.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", starter, str(tmp_path)], stdout=subprocess.PIPE, cwd=Path(__file__).parents[2]
+    )
+    server = EmbeddedPostgres(tmp_path, durable=False)
+    try:
+        assert parent.stdout is not None
+        postmaster = int(parent.stdout.readline())
+        assert command_name(postmaster) == "postgres"
+        if os.geteuid() == 0:
+            assert pwd.getpwuid(os.stat(f"/proc/{postmaster}").st_uid).pw_name == PG_USER_WHEN_ROOT
+        parent.kill()
+        parent.wait()
+        wait_for(lambda: alive(postmaster), lambda running: not running, timeout=60, what="the postmaster to stop")
+        # SIGINT, a clean stop: the server removed its own lock file.
+        assert not (server.pgdata / "postmaster.pid").exists()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        server.discard()
+
+
+def test_a_server_left_on_the_data_is_stopped_cleanly_when_taken_over_and_its_data_kept(tmp_path: Path) -> None:
+    first = EmbeddedPostgres(tmp_path, durable=False)
+    first.start()
+    second = EmbeddedPostgres(tmp_path, durable=False)
+    try:
+        with psycopg.connect(libpq_url(first.url), autocommit=True) as conn:
+            conn.execute("CREATE TABLE kept (x int)")
+            conn.execute("INSERT INTO kept VALUES (42)")
+        with pytest.raises(RuntimeError, match="already running"):
+            second.start()
+        second.start(take_over=True)  # what `darkroom up` does, holding the data directory's lock
+        assert first.proc is not None and first.proc.wait(30) == 0  # fast shutdown: exit 0
+        with psycopg.connect(libpq_url(second.url)) as conn:
+            assert conn.execute("SELECT x FROM kept").fetchall() == [(42,)]
+    finally:
+        second.stop()
+        first.stop()
+        second.discard()

@@ -34,7 +34,8 @@ INFRA = Path(__file__).resolve().parents[2] / "infra" / "prometheus"
 DASHBOARD = INFRA.parent / "grafana" / "darkroom.json"
 # What Grafana puts in place of the dashboard's variables.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$worker": ".*", "$model": ".*", "$lane": ".*"}
-SERVICES = {"gateway", "scheduler", "sampler", "decoder"}
+# `up` itself (the stack) serves its backends' restarts.
+SERVICES = {"gateway", "scheduler", "sampler", "decoder", "up"}
 SUBMIT = "/darkroom.v1.ImageGeneration/SubmitJob"
 GET_JOB = "/darkroom.v1.ImageGeneration/GetJob"
 DECODE = "/darkroom.internal.v1.VaeDecoder/Decode"
@@ -141,7 +142,7 @@ def test_prometheus_scrapes_every_service(prometheus_binary: str, stack: LocalSt
     targets = targets_path(stack.settings.kernel.data_dir)
     listed = json.loads(targets.read_text())
     assert {group["labels"]["service"] for group in listed} == SERVICES
-    assert len(listed) == len(stack.services)
+    assert len(listed) == len(stack.services) + 1  # the children, and the stack itself
 
     with prometheus(prometheus_binary, config_for_test(targets.parent), tmp_path) as url:
         wait_for(
