@@ -88,7 +88,7 @@ async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio
     # The HTTP API's listener as this process's environment gives it (`darkroom up`
     # gives every child every setting): it is as open as this gateway.
     http = HttpSettings.from_env()
-    repo = Repository(kernel.database_url, application_name="darkroom-gateway")
+    repo = Repository(kernel.database_url, application_name="darkroom-gateway", pooled=kernel.database_pooled)
     events = Events(publisher="gateway")
     server, servicer = create_server(kernel, settings, repo, registry, events, http)
     parts: list[Part] = [

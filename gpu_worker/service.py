@@ -154,7 +154,14 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     )
     check_capabilities(settings, registry)
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
-    repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-sampler-{worker_id}")
+    # Two connections: its writes are batched (a start, a decoding, a finish per batch), and a
+    # fleet's samplers share the database's connections through a pooler (docs/fleet.md).
+    repo = Repository(
+        kernel.database_url,
+        pool_size=2,
+        application_name=f"darkroom-sampler-{worker_id}",
+        pooled=kernel.database_pooled,
+    )
     tracker = JobTracker()
     mesh = MeshIdentity.of(kernel.mesh_dir, "sampler")
     server = create_server(settings, tracker, mesh)

@@ -119,7 +119,9 @@ async def serve(kernel: KernelSettings, settings: HttpSettings, stop: asyncio.Ev
     gateway = Gateway(channel_to(settings.gateway, settings.gateway_tls_ca))
     signer = UrlSigner(load_key(settings.url_key_file), settings.url_ttl_s)
     repo = (
-        Repository(kernel.database_url, pool_size=4, application_name="darkroom-http") if kernel.database_url else None
+        Repository(kernel.database_url, pool_size=4, application_name="darkroom-http", pooled=kernel.database_pooled)
+        if kernel.database_url
+        else None
     )
     server = HttpServer(
         create_app(settings, gateway, signer, repo), settings.host, settings.port, grace_s=kernel.shutdown_grace_s

@@ -161,7 +161,12 @@ def create_server(settings: SchedulerSettings, mesh: MeshIdentity | None = None)
 
 async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: asyncio.Event) -> int:
     registry = kernel.registry()
-    repo = Repository(kernel.database_url, pool_size=4, application_name=f"darkroom-scheduler-{os.getpid()}")
+    repo = Repository(
+        kernel.database_url,
+        pool_size=4,
+        application_name=f"darkroom-scheduler-{os.getpid()}",
+        pooled=kernel.database_pooled,
+    )
     nats = JetStream(
         kernel,
         connection_name="darkroom-scheduler",

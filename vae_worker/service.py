@@ -202,7 +202,12 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-decoder-{settings.port or os.getpid()}")
-    repo = Repository(kernel.database_url, pool_size=2, application_name=f"darkroom-decoder-{worker_id}")
+    repo = Repository(
+        kernel.database_url,
+        pool_size=1,
+        application_name=f"darkroom-decoder-{worker_id}",
+        pooled=kernel.database_pooled,
+    )
     batcher = batcher_for(settings, engine)
     server = create_server(settings, batcher, MeshIdentity.of(kernel.mesh_dir, "decoder"))
     address = f"{settings.host}:{server.port}"

@@ -43,6 +43,12 @@ class KernelSettings(Section):
     database_url: str = setting(
         "", "PostgreSQL, as postgresql+psycopg://user:pass@host:5432/db; empty: `darkroom up` starts its own."
     )
+    database_pooled: bool = setting(
+        False,
+        "Whether DATABASE_URL is a transaction-mode pooler (PgBouncer) rather than PostgreSQL itself: then no "
+        "statement is prepared and no startup options are sent (the pooler keeps the idle-transaction timeout "
+        "and keepalives). The samplers and decoders of a large fleet go through one: docs/fleet.md.",
+    )
     nats_url: str = setting(
         "",
         "NATS with JetStream: one URL, or every node of a cluster comma-separated; empty: `darkroom up` starts "

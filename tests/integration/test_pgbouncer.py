@@ -21,7 +21,9 @@ from services.db.repository import Repository
 from services.db.repository.database import Database, libpq_url, lock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.pgbouncer import PGBOUNCER_BIN, PgBouncer, auth_file_line, parse_upstream
-from tests.conftest import fresh_database
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from tests.conftest import fresh_database, make_stack
+from tests.helpers import env_of, stub, wait_terminal
 from tests.needs import require
 from tests.records import new_job
 
@@ -142,3 +144,42 @@ def test_the_login_is_the_upstreams_and_the_server_is_pgbouncer(bouncer: PgBounc
     assert (through.user, through.password, through.database) == (direct.user, direct.password, direct.database)
     assert direct.password
     assert auth_file_line('a"b', 'p"w') == '"a""b" "p""w"\n'
+
+
+def test_a_sampler_behind_pgbouncer_runs_jobs(
+    tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path, bouncer_dir: Path
+) -> None:
+    """A stack with no sampler of its own, and one added whose database is a
+    PgBouncer (DARKROOM_DATABASE_POOLED): its jobs start, decode and succeed."""
+    stack = make_stack(tmp_path / "stack", postgres, models_dir, samplers=0)
+    stack.start()
+    bouncer = PgBouncer(bouncer_dir, stack.settings.kernel.database_url, pool_size=1)
+    bouncer.start()
+    try:
+        stack.add(
+            "sampler-pooled",
+            "sampler",
+            {
+                "DARKROOM_DEVICE": "cpu",
+                "DARKROOM_WORKER_ID": "pooled-0",
+                **env_of(database_url=bouncer.url, database_pooled=True),
+            },
+        )
+        client = stub(stack)
+        # More jobs than psycopg's prepare threshold: every statement runs unprepared.
+        ids = [
+            client.SubmitJob(pb.SubmitJobRequest(model="tiny", prompt=f"p{i}", steps=2, seed=i)).job_id
+            for i in range(8)
+        ]
+        jobs = [wait_terminal(client, job_id) for job_id in ids]
+        assert [(j.status, j.worker_id) for j in jobs] == [(pb.JOB_STATUS_SUCCEEDED, "pooled-0")] * len(ids)
+        assert all(j.images for j in jobs)
+    finally:
+        stack.stop()
+        bouncer.stop()
+
+
+@pytest.fixture
+def bouncer_dir(tmp_path: Path) -> Path:
+    require("" if Path(PGBOUNCER_BIN).exists() else f"no pgbouncer at {PGBOUNCER_BIN} (apt-get install pgbouncer)")
+    return tmp_path / "pgbouncer"
