@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
-from services.bus.presence_board import Announcement, PresenceBoard
+from services.bus.presence_board import Announcement
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
 from services.errors import BusError, StoreError, WorkerSuperseded
@@ -97,6 +97,14 @@ class WorkerRegistry(Protocol):
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]: ...
 
 
+class Board(Protocol):
+    """Where heartbeats go (``services.bus.presence_board.PresenceBoard``)."""
+
+    async def announce(self, announcement: Announcement) -> None: ...
+
+    async def plan(self, worker_id: str) -> WarmPlan | None: ...
+
+
 def _never_mind() -> None:
     pass
 
@@ -104,7 +112,7 @@ def _never_mind() -> None:
 @dataclass(eq=False)
 class Presence:
     workers: WorkerRegistry
-    board: Callable[[], Awaitable[PresenceBoard]]  # where heartbeats go (NATS)
+    board: Callable[[], Awaitable[Board]]  # where heartbeats go (NATS), once connected
     worker_id: str
     heartbeat: Callable[[WorkerStatus], WorkerHeartbeat]
     events: Events

@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from services.bus.events import Events, JobEvent
+from services.bus.presence_board import Announcement
 from services.db.records import JobRecord, StoredCheckpoint
 from services.db.repository import Result, Standing, StartRequest, StepReport
 from services.db.states import JobStatus
@@ -136,33 +137,45 @@ class FakeCheckpoints:
 
 @dataclass
 class FakeWorkers:
-    """The workers registry: ``register_outage`` and ``heartbeat_errors`` script its answers."""
+    """The workers registry: ``register_outage`` scripts its answers."""
 
     requeued: tuple[str, ...] = ()
     handed_back: list[str] = field(default_factory=list)
     plan: WarmPlan = field(default_factory=lambda: WarmPlan(None, ()))
     register_outage: Outage = field(default_factory=Outage)
-    heartbeat_errors: list[Exception] = field(default_factory=list)  # raised, in turn, by the next heartbeats
     registered: list[tuple[WorkerHeartbeat, str]] = field(default_factory=list)
-    beats: list[tuple[WorkerHeartbeat, str]] = field(default_factory=list)
     deregistered: list[tuple[str, str]] = field(default_factory=list)
-    beaten: asyncio.Event = field(default_factory=asyncio.Event)  # set at every heartbeat
 
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration:
         self.register_outage.check()
         self.registered.append((hb, incarnation))
         return Registration(self.plan, self.requeued)
 
-    async def heartbeat(self, hb: WorkerHeartbeat, incarnation: str) -> WarmPlan:
-        self.beats.append((hb, incarnation))
-        self.beaten.set()
-        if self.heartbeat_errors:
-            raise self.heartbeat_errors.pop(0)
-        return self.plan
-
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]:
         self.deregistered.append((worker_id, incarnation))
         return list(self.handed_back)
+
+
+@dataclass
+class FakeBoard:
+    """The presence bucket: ``errors`` are raised, in turn, by the next heartbeats."""
+
+    stored_plan: WarmPlan | None = None
+    errors: list[Exception] = field(default_factory=list)
+    beats: list[Announcement] = field(default_factory=list)
+    beaten: asyncio.Event = field(default_factory=asyncio.Event)  # set at every heartbeat
+
+    async def announce(self, announcement: Announcement) -> None:
+        self.beats.append(announcement)
+        self.beaten.set()
+        if self.errors:
+            raise self.errors.pop(0)
+
+    async def plan(self, worker_id: str) -> WarmPlan | None:
+        return self.stored_plan
+
+    async def opened(self) -> FakeBoard:
+        return self
 
 
 @dataclass

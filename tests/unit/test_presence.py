@@ -1,6 +1,7 @@
-"""Worker presence (services/presence.py) over a fake registry: it registers once the
-database is back and publishes the jobs an earlier run held, heartbeats on its
-interval with the status it is in, says a change of status at once, stops when a
+"""Worker presence (services/presence.py) over a fake registry and a fake bucket: it
+registers once the database is back and publishes the jobs an earlier run held,
+heartbeats on its interval with the status it is in (never through the registry),
+follows the warm plan stored for it, says a change of status at once, stops when a
 newer process took its id, and deregisters publishing the jobs it handed back."""
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import asyncio
 
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
-from services.errors import StoreUnavailable, WorkerSuperseded
+from services.errors import BusError, WorkerSuperseded
 from services.presence import Presence
-from tests.fakes import FakeWorkers, RecordedEvents
+from tests.fakes import FakeBoard, FakeWorkers, RecordedEvents
 
 
 def heartbeat(status: WorkerStatus) -> WorkerHeartbeat:
@@ -21,17 +22,25 @@ def heartbeat(status: WorkerStatus) -> WorkerHeartbeat:
 class Harness:
     def __init__(self, interval_s: float = 60.0) -> None:
         self.workers = FakeWorkers()
+        self.board = FakeBoard()
         self.events = RecordedEvents()
         self.superseded_calls = 0
         self.presence = Presence(
-            self.workers, "w1", heartbeat, self.events, interval_s=interval_s, on_superseded=self._superseded
+            self.workers,
+            self.board.opened,
+            "w1",
+            heartbeat,
+            self.events,
+            interval_s=interval_s,
+            on_superseded=self._superseded,
+            reads_plan=True,
         )
 
     def _superseded(self) -> None:
         self.superseded_calls += 1
 
     def statuses(self) -> list[WorkerStatus]:
-        return [hb.status for hb, _ in self.workers.beats]
+        return [a.heartbeat.status for a in self.board.beats]
 
 
 async def test_it_registers_once_the_database_is_back_and_publishes_the_requeued_jobs() -> None:
@@ -44,6 +53,7 @@ async def test_it_registers_once_the_database_is_back_and_publishes_the_requeued
     [(hb, incarnation)] = h.workers.registered
     assert hb.status == WorkerStatus.STARTING and incarnation == h.presence.incarnation
     assert h.presence.plan == WarmPlan("tiny", ("tiny",))
+    assert h.statuses() == [WorkerStatus.STARTING]  # heard of at once, on NATS
     assert [(e.job_id, e.attempt, e.status) for e in h.events.published] == [("j1", 0, None), ("j2", 0, None)]
     assert h.events.work_calls == 1
 
@@ -64,17 +74,18 @@ async def test_each_start_is_a_new_incarnation() -> None:
 
 async def test_it_heartbeats_on_its_interval_until_told_to_stop() -> None:
     h = Harness(interval_s=0.01)
-    h.workers.plan = WarmPlan(None, ("tiny",))
+    h.board.stored_plan = WarmPlan(None, ("tiny",))
     until = asyncio.Event()
     running = asyncio.create_task(h.presence.run(until))
     for _ in range(3):
-        await asyncio.wait_for(h.workers.beaten.wait(), 5.0)
-        h.workers.beaten.clear()
+        await asyncio.wait_for(h.board.beaten.wait(), 5.0)
+        h.board.beaten.clear()
     until.set()
     await asyncio.wait_for(running, 5.0)
-    assert len(h.workers.beats) >= 3
-    assert {incarnation for _, incarnation in h.workers.beats} == {h.presence.incarnation}
+    assert len(h.board.beats) >= 3
+    assert {a.incarnation for a in h.board.beats} == {h.presence.incarnation}
     assert h.presence.plan == WarmPlan(None, ("tiny",))
+    assert h.workers.registered == []  # a heartbeat is never a database write
 
 
 async def test_a_status_change_is_said_at_once() -> None:
@@ -87,18 +98,18 @@ async def test_a_status_change_is_said_at_once() -> None:
 
 async def test_a_heartbeat_that_fails_is_tried_again_at_the_next_one() -> None:
     h = Harness()
-    h.workers.heartbeat_errors.append(StoreUnavailable("away"))
+    h.board.errors.append(BusError("NATS is away"))
     await h.presence.beat()
     await h.presence.beat()
-    assert len(h.workers.beats) == 2 and not h.presence.superseded.is_set()
+    assert len(h.board.beats) == 2 and not h.presence.superseded.is_set()
 
 
 async def test_a_superseded_worker_stops_heartbeating_and_says_so() -> None:
     h = Harness(interval_s=0.01)
-    h.workers.heartbeat_errors.append(WorkerSuperseded("w1 was taken over by another incarnation"))
+    h.board.errors.append(WorkerSuperseded("w1 was taken over by another incarnation"))
     await asyncio.wait_for(h.presence.run(asyncio.Event()), 5.0)  # returns without being told
     assert h.presence.superseded.is_set() and h.superseded_calls == 1
-    assert len(h.workers.beats) == 1
+    assert len(h.board.beats) == 1
 
 
 async def test_deregistering_publishes_the_jobs_handed_back() -> None:
@@ -106,5 +117,6 @@ async def test_deregistering_publishes_the_jobs_handed_back() -> None:
     h.workers.handed_back = ["j3"]
     await h.presence.deregister()
     assert h.workers.deregistered == [("w1", h.presence.incarnation)]
+    assert h.statuses() == [WorkerStatus.GONE]  # said on NATS before the database hears it
     assert [(e.job_id, e.status) for e in h.events.published] == [("j3", None)]
     assert h.events.work_calls == 1

@@ -1,0 +1,121 @@
+"""Presence on a real nats-server (services/bus/presence_board.py and
+services/presence_view.py): a view following the bucket hears heartbeats and plans
+as they are written and a worker's stop; a newer incarnation of a worker id makes
+the older one's next heartbeat fail as superseded; a view started later still
+knows what the bucket held, aged; and a view that lost NATS is unsettled until it
+is back and has caught up."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from services.bus.presence_board import Announcement, PresenceBoard
+from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WarmPlan, WorkerHeartbeat
+from services.errors import WorkerSuperseded
+from services.ops.embedded_nats import EmbeddedNats
+from services.presence_view import PresenceView, follow, read_once
+
+pytestmark = pytest.mark.integration
+
+WITHIN_S = 10.0
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def announcement(worker_id: str, incarnation: str, status: WorkerStatus = WorkerStatus.READY) -> Announcement:
+    hb = WorkerHeartbeat(worker_id, WorkerKind.SAMPLER, "127.0.0.1:1", "cpu", ("tiny",), (), status=status)
+    return Announcement(hb, incarnation, 1_700_000_000.0)
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + WITHIN_S
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"not within {WITHIN_S}s: {what}"
+        await asyncio.sleep(0.02)
+
+
+def opener(nc: nats.NATS) -> Callable[[], Awaitable[PresenceBoard]]:
+    async def open_board() -> PresenceBoard:
+        return await PresenceBoard.open(nc.jetstream())
+
+    return open_board
+
+
+async def test_a_view_follows_heartbeats_plans_and_stops(nats_server: EmbeddedNats) -> None:
+    worker, scheduler = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
+    stop = asyncio.Event()
+    view = PresenceView((WorkerKind.SAMPLER,))
+    following = asyncio.create_task(follow(view, scheduler, opener(scheduler), stop))
+    try:
+        board = await PresenceBoard.open(worker.jetstream())
+        await board.announce(announcement("w1", "inc-1"))
+        await until(lambda: [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w1"], "w1 live")
+        assert view.settled_for(0)
+
+        plans = await PresenceBoard.open(scheduler.jetstream())
+        await plans.store_plan("w1", WarmPlan("tiny", ("tiny",)))
+        await until(lambda: view.plan("w1") == WarmPlan("tiny", ("tiny",)), "the plan in the view")
+        assert await board.plan("w1") == WarmPlan("tiny", ("tiny",))  # what the worker reads back
+        assert await board.plan("w2") is None
+
+        await board.announce(announcement("w1", "inc-1", WorkerStatus.GONE))
+        await until(lambda: view.live(WorkerKind.SAMPLER, stale_after_s=10) == [], "w1 gone")
+        [gone] = view.all(WorkerKind.SAMPLER, stale_after_s=10)
+        assert gone.status == WorkerStatus.GONE
+    finally:
+        stop.set()
+        await following
+        await worker.close()
+        await scheduler.close()
+
+
+async def test_a_newer_incarnation_supersedes_the_older_one(nats_server: EmbeddedNats) -> None:
+    old_nc, new_nc = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
+    try:
+        old, new = await PresenceBoard.open(old_nc.jetstream()), await PresenceBoard.open(new_nc.jetstream())
+        await old.announce(announcement("w1", "inc-old"))
+        await old.announce(announcement("w1", "inc-old"))  # its own revision: no conflict
+        await new.announce(announcement("w1", "inc-new"))
+        with pytest.raises(WorkerSuperseded, match="inc-new"):
+            await old.announce(announcement("w1", "inc-old"))
+        await new.announce(announcement("w1", "inc-new"))  # the newer one goes on
+        [record] = await read_once(new_nc, stale_after_s=10)
+        assert record.id == "w1" and record.live
+    finally:
+        await old_nc.close()
+        await new_nc.close()
+
+
+async def test_a_view_started_later_knows_the_bucket_and_waits_out_an_outage(nats_server: EmbeddedNats) -> None:
+    worker = await nats.connect(nats_server.url)
+    board = await PresenceBoard.open(worker.jetstream())
+    await board.announce(announcement("w1", "inc-1"))
+    await worker.close()
+
+    nc = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+    stop = asyncio.Event()
+    view = PresenceView((WorkerKind.SAMPLER,))
+    following = asyncio.create_task(follow(view, nc, opener(nc), stop))
+    try:
+        await until(lambda: view.get("w1") is not None and view.settled_for(0), "w1 from the bucket")
+        nats_server.stop()
+        await until(lambda: not view.settled_for(0), "the view unsettled while NATS is away")
+        nats_server.start()
+        await until(lambda: view.settled_for(0), "the view settled again")
+        assert view.get("w1") is not None  # file storage: the bucket outlived the restart
+    finally:
+        stop.set()
+        await following
+        await nc.close()

@@ -1,0 +1,131 @@
+"""The presence view (services/presence_view.py) as plain data on a clock the test
+moves: heartbeats folded in as they arrive, liveness judged by when they arrived,
+values that predate the watch aged by their timestamps, warm plans merged into
+the samplers they are for, and nothing judged until the view has settled."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.bus.presence_board import Announcement, decode_plan, encode_plan, plan_key, worker_key
+from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WarmPlan, WorkerHeartbeat
+from services.presence_view import PresenceView
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def announcement(
+    worker_id: str, kind: WorkerKind = WorkerKind.SAMPLER, status: WorkerStatus = WorkerStatus.READY
+) -> Announcement:
+    hb = WorkerHeartbeat(
+        worker_id,
+        kind,
+        f"10.0.0.1:{len(worker_id)}",
+        "cpu",
+        ("tiny",),
+        ("tiny",),
+        vram_total_bytes=8,
+        status=status,
+        restarts=2,
+        telemetry={"inflight": 3},
+        capabilities=("image",),
+    )
+    return Announcement(hb, "inc-1", 1_700_000_000.0)
+
+
+def put(view: PresenceView, a: Announcement, *, age_s: float = 0.0) -> None:
+    view.fold(worker_key(a.heartbeat.kind, a.heartbeat.id), a.encode(), age_s=age_s)
+
+
+def test_an_announcement_survives_its_encoding() -> None:
+    a = announcement("w1")
+    assert Announcement.decode(a.encode()) == a
+    assert decode_plan(encode_plan(WarmPlan("tiny", ("tiny", "sd")))) == WarmPlan("tiny", ("tiny", "sd"))
+    with pytest.raises(ValueError, match="malformed"):
+        Announcement.decode(b'{"heartbeat": {"kind": "sampler"}}')
+
+
+def test_a_worker_is_live_until_its_heartbeats_stop_arriving() -> None:
+    clock = Clock()
+    view = PresenceView((WorkerKind.SAMPLER,), clock=clock)
+    put(view, announcement("w1"))
+    put(view, announcement("w2"))
+    [w1, _] = view.live(WorkerKind.SAMPLER, stale_after_s=10)
+    assert (w1.id, w1.address, w1.restarts, w1.telemetry, w1.capabilities) == (
+        "w1",
+        "10.0.0.1:2",
+        2,
+        {"inflight": 3},
+        ("image",),
+    )
+    clock.now += 8
+    put(view, announcement("w2"))
+    clock.now += 4
+    assert [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w2"]
+    assert [(w.id, w.live) for w in view.all(WorkerKind.SAMPLER, stale_after_s=10)] == [("w1", False), ("w2", True)]
+    assert view.fresh(stale_after_s=10) == {"w2": 4.0}
+    assert view.ages() == {"w1": 12.0, "w2": 4.0}
+
+
+def test_only_ready_workers_take_work_and_a_stopped_one_says_so() -> None:
+    view = PresenceView((WorkerKind.SAMPLER,), clock=Clock())
+    put(view, announcement("w1", status=WorkerStatus.DRAINING))
+    put(view, announcement("w2", status=WorkerStatus.GONE))
+    assert view.live(WorkerKind.SAMPLER, stale_after_s=10) == []
+    assert {w.id: w.status for w in view.all(WorkerKind.SAMPLER, stale_after_s=10)} == {
+        "w1": WorkerStatus.DRAINING,
+        "w2": WorkerStatus.GONE,
+    }
+
+
+def test_values_older_than_the_watch_count_their_age() -> None:
+    clock = Clock()
+    view = PresenceView((WorkerKind.SAMPLER,), clock=clock)
+    put(view, announcement("w1"), age_s=30)
+    put(view, announcement("w2"), age_s=-5)  # a server clock ahead of this host's: never younger than now
+    assert view.age_s("w1") == 30 and view.age_s("w2") == 0
+    assert [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w2"]
+
+
+def test_a_plan_is_merged_into_its_sampler_and_a_deletion_forgets() -> None:
+    view = PresenceView((WorkerKind.SAMPLER,), clock=Clock())
+    put(view, announcement("w1"))
+    view.fold(plan_key("w1"), encode_plan(WarmPlan("tiny", ("tiny",))))
+    [w1] = view.live(WorkerKind.SAMPLER, stale_after_s=10)
+    assert (w1.primary_model, w1.planned_models) == ("tiny", ("tiny",))
+    assert view.plan("w1") == WarmPlan("tiny", ("tiny",))
+    view.fold(worker_key(WorkerKind.SAMPLER, "w1"), None)
+    assert view.get("w1") is None and view.age_s("w1") is None
+
+
+def test_other_kinds_malformed_values_and_borrowed_keys_are_ignored() -> None:
+    view = PresenceView((WorkerKind.DECODER,), clock=Clock())
+    put(view, announcement("s1", WorkerKind.SAMPLER))
+    view.fold("decoder.d1", b"not json")
+    view.fold("decoder.d2", announcement("d3", WorkerKind.DECODER).encode())  # a key must name its own worker
+    put(view, announcement("d1", WorkerKind.DECODER))
+    assert [w.id for w in view.all(WorkerKind.DECODER, stale_after_s=10)] == ["d1"]
+    assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == []
+
+
+def test_nothing_is_judged_until_the_view_has_settled_for_long_enough() -> None:
+    clock = Clock()
+    view = PresenceView((WorkerKind.SAMPLER,), clock=clock)
+    assert not view.settled_for(0)
+    view.settled()
+    clock.now += 5
+    assert view.settled_for(5) and not view.settled_for(10)
+    view.unsettled()  # NATS went away: start over
+    clock.now += 100
+    assert not view.settled_for(0)
+    view.settled()
+    view.settled()  # settling again does not restart the count
+    clock.now += 10
+    assert view.settled_for(10)
