@@ -64,7 +64,7 @@ def pool_through_bouncer() -> None:
 
     from gpu_worker import service
 
-    service.Repository = functools.partial(service.Repository, pooled=True)  # type: ignore[misc]
+    service.Repository = functools.partial(service.Repository, pooled=True)  # type: ignore[misc,assignment]
 
 
 async def run(ids: list[str], ramp_s: float) -> int:

@@ -205,6 +205,14 @@ class FleetStack(LocalStack):
             self.supervisor.add(host)
 
 
+def stop_stack(stack: FleetStack) -> None:
+    stack.stop()
+    if stack.bouncer is not None:
+        stack.bouncer.stop()
+    if stack.postgres is not None and not stack.postgres.running:
+        stack.postgres.discard()
+
+
 def start_stack(data_dir: Path, args: argparse.Namespace, samplers: int) -> FleetStack:
     settings = Settings.from_env(
         {
@@ -222,10 +230,14 @@ def start_stack(data_dir: Path, args: argparse.Namespace, samplers: int) -> Flee
         pass_log=data_dir / "passes.log",
         pooler=args.pooler,
     )
-    stack.start(timeout=180)
-    started = time.monotonic()
-    stack.add_fleet(samplers, args.hosts, args.ramp_seconds)
-    stack.wait_ready(args.ramp_seconds + 60 + samplers * 0.5, samplers=samplers)
+    try:
+        stack.start(timeout=180)
+        started = time.monotonic()
+        stack.add_fleet(samplers, args.hosts, args.ramp_seconds)
+        stack.wait_ready(args.ramp_seconds + 60 + samplers * 0.5, samplers=samplers)
+    except BaseException:  # not ready, or interrupted: nothing it started outlives it
+        stop_stack(stack)
+        raise
     print(f"  {samplers} samplers ready in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return stack
 
@@ -376,7 +388,7 @@ class Window:
 def window(monitor: Monitor, before: tuple[PgSnapshot, NatsSnapshot], after: tuple[PgSnapshot, NatsSnapshot]) -> Window:
     (pg0, n0), (pg1, n1) = before, after
     seconds = max(pg1.at - pg0.at, 1e-9)
-    kinds: dict[str, float] = collections.Counter()
+    kinds: dict[str, float] = collections.defaultdict(float)
     for query, calls in pg1.statements.items():
         delta = calls - pg0.statements.get(query, 0)
         if delta > 0:
@@ -583,11 +595,7 @@ def run_fleet(args: argparse.Namespace, samplers: int, modelled: float) -> Resul
         if monitor is not None:
             monitor.close()
         if stack is not None:
-            stack.stop()
-            if stack.bouncer is not None:
-                stack.bouncer.stop()
-            if stack.postgres is not None:
-                stack.postgres.discard()
+            stop_stack(stack)
         if not args.keep:
             shutil.rmtree(data_dir, ignore_errors=True)
 
@@ -639,13 +647,13 @@ def row(r: Result, modelled: float) -> str:
 
 def kinds_table(results: list[Result], top: int) -> str:
     """Statements per second by kind, idle and at saturation, per N."""
-    names: collections.Counter[str] = collections.Counter()
+    names: dict[str, float] = collections.defaultdict(float)
     for r in results:
         for k, v in r.idle.kinds_s.items():
             names[k] += v
         for k, v in r.saturation_window.kinds_s.items():
             names[k] += v
-    kinds = [k for k, _ in names.most_common(top)]
+    kinds = sorted(names, key=lambda k: -names[k])[:top]
     head = "| kind | " + " | ".join(f"N={r.samplers:,} idle | N={r.samplers:,} sat" for r in results) + " |"
     lines = [head, "|" + "---|" * (1 + 2 * len(results))]
     for k in kinds:
