@@ -23,10 +23,14 @@ from typing import Any, NamedTuple
 import grpc
 import psycopg
 
-from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, sampler_user, server_config
+from services.db.states import WorkerStatus
+from services.db.worker_records import WorkerRecord
+from services.errors import BusError
+from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials, sampler_user, server_config
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
+from services.presence_view import presence_now
 from tests.fleet.network import Host, Network
 from tests.fleet.postgres_ha import PostgresHA
 from tests.fleet.probes import gateway_up
@@ -210,12 +214,20 @@ class Fleet:
         want = {self.worker_id(g) for g in self.gpus}
         while time.monotonic() < deadline:
             self._check_alive()
-            ready = {str(row[0]) for row in self.sql("SELECT id FROM workers WHERE status = 'ready'")}
+            try:
+                ready = {w.id for w in self.workers_heard() if w.live and w.status == WorkerStatus.READY}
+            except BusError:
+                ready = set()
             gateways = all(gateway_up(self.gateway_address(h)) for h in self.control)
             if want <= ready and sum(1 for w in ready if "decoder" in w) >= len(self.gpus) and gateways:
                 return
             time.sleep(0.5)
         raise TimeoutError(f"the fleet not ready after {timeout}s; see {self.logs}")
+
+    def workers_heard(self) -> list[WorkerRecord]:
+        """Every worker in the presence bucket, as the operator reads it."""
+        operator = NatsCredentials.of(self.operator_mesh, "operator", "operator")
+        return presence_now(self.nats_url.split(","), credentials=operator)
 
     def _check_alive(self) -> None:
         dead = [n for n, s in self.services.items() if s.proc is not None and s.proc.poll() is not None]

@@ -11,6 +11,8 @@ from datetime import datetime
 
 import pytest
 
+from services.db.states import WorkerStatus
+from services.db.worker_records import WorkerRecord
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.faults.harness import Load, check, now
 from tests.fleet.fleet import Fleet
@@ -42,11 +44,9 @@ def running_on(load: Load, ids: list[str], worker_id: str, *, min_step: int = 3)
     return found
 
 
-def worker_row(fleet: Fleet, worker_id: str) -> dict[str, object]:
-    [row] = fleet.sql("SELECT status, incarnation, last_heartbeat FROM workers WHERE id = %s", (worker_id,)) or [
-        (None, None, None)
-    ]
-    return {"status": row[0], "incarnation": row[1], "last_heartbeat": row[2]}
+def worker_heard(fleet: Fleet, worker_id: str) -> WorkerRecord | None:
+    """The worker as presence last heard it; None: never."""
+    return next((w for w in fleet.workers_heard() if w.id == worker_id), None)
 
 
 def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
@@ -71,8 +71,8 @@ def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
     # Back on the network, the host's sampler heartbeats again and is given work;
     # what it finished while cut off was refused (the job is another attempt's).
     wait_for(
-        lambda: worker_row(fleet, cut_worker),
-        lambda w: w["status"] == "ready" and w["last_heartbeat"] > healed_at,  # type: ignore[operator]
+        lambda: worker_heard(fleet, cut_worker),
+        lambda w: w is not None and w.live and w.status == WorkerStatus.READY and w.last_heartbeat > healed_at,
         timeout=60,
         what=f"{cut_worker} heartbeating again",
     )

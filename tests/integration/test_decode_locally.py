@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_terminal
+from tests.helpers import stub, wait_terminal, workers_heard
 
 pytestmark = pytest.mark.integration
 
@@ -60,17 +59,14 @@ def local(
 async def decoded_by_the_service(stack: LocalStack, since: datetime) -> int:
     """Images the stack's decoder service has decoded, from its first heartbeat
     after ``since``."""
-    repo = Repository(stack.settings.kernel.database_url, pool_size=1)
     deadline = time.monotonic() + 30
-    try:
-        while True:
-            [decoder] = await repo.workers.live(WorkerKind.DECODER, stale_after_s=60)
-            if decoder.last_heartbeat > since:
-                return int(decoder.telemetry["decoded_images"])
-            assert time.monotonic() < deadline, "no heartbeat from the decoder"
-            await asyncio.sleep(0.1)
-    finally:
-        await repo.close()
+    while True:
+        heard = await asyncio.to_thread(workers_heard, stack.settings.kernel, stale_after_s=60)
+        [decoder] = [w for w in heard.values() if w.kind == WorkerKind.DECODER and w.live]
+        if decoder.last_heartbeat > since:
+            return int(decoder.telemetry["decoded_images"])
+        assert time.monotonic() < deadline, "no heartbeat from the decoder"
+        await asyncio.sleep(0.1)
 
 
 def images_of(stack: LocalStack) -> list[list[bytes]]:

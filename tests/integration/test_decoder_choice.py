@@ -1,5 +1,6 @@
 """A sampler's choice of decoder, with real decoder services (``vae_worker.serve``
-in-process: gRPC on a free port, heartbeats into a real PostgreSQL): the latents go
+in-process: gRPC on a free port, registered in a real PostgreSQL, heartbeats on a
+real nats-server, seen through a presence view as a sampler sees them): the latents go
 to the decoder that will finish them first by its heartbeated load, the next one
 is tried when a decoder's output is degenerate, and the sampler decodes locally,
 in the job's format, when no decoder is reachable."""
@@ -8,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import nats
 import numpy as np
 import pytest
 import torch
@@ -20,18 +24,20 @@ from PIL import Image
 
 from gpu_worker.decoders import Decoders, DecodeUnavailable
 from gpu_worker.local_decode import LocalDecoder
+from services.bus.presence_board import Announcement, BoardOnConnection, PresenceBoard
 from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings
 from services.db.migrate import upgrade
 from services.db.records import JobRecord
-from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind
 from services.db.worker_records import WorkerHeartbeat, WorkerRecord
 from services.models.encoding import encode
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.ops.embedded import EmbeddedPostgres
+from services.ops.embedded_nats import EmbeddedNats
 from services.ops.processes import free_port
+from services.presence_view import PresenceView, follow
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import channel
 from tests.conftest import fresh_database
@@ -61,10 +67,24 @@ def database_url(postgres: EmbeddedPostgres) -> str:
 
 
 @pytest.fixture
-async def repo(database_url: str) -> AsyncIterator[Repository]:
-    repository = Repository(database_url, pool_size=2)
-    yield repository
-    await repository.close()
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def presence(nats_server: EmbeddedNats) -> AsyncIterator[PresenceView]:
+    """The decoders as a sampler's view of the presence bucket has them."""
+    nc = await nats.connect(nats_server.url)
+    view = PresenceView((WorkerKind.DECODER,))
+    stop = asyncio.Event()
+    following = asyncio.create_task(follow(view, nc, BoardOnConnection(lambda: nc), stop))
+    yield view
+    stop.set()
+    await following
+    await nc.close()
 
 
 async def until(fetch: Callable[[], Awaitable[T]], done: Callable[[T], bool], *, what: str) -> T:
@@ -81,18 +101,30 @@ async def until(fetch: Callable[[], Awaitable[T]], done: Callable[[T], bool], *,
         raise AssertionError(f"timed out waiting for {what}; last: {last}") from None
 
 
-async def decoders_by_id(repo: Repository) -> dict[str, WorkerRecord]:
-    return {d.id: d for d in await repo.workers.live(WorkerKind.DECODER, stale_after_s=STALE_AFTER_S)}
+async def decoders_by_id(presence: PresenceView) -> dict[str, WorkerRecord]:
+    return {d.id: d for d in presence.live(WorkerKind.DECODER, stale_after_s=STALE_AFTER_S)}
+
+
+@dataclass(frozen=True)
+class Backends:
+    data_dir: Path
+    database_url: str
+    nats_url: str
+    presence: PresenceView
+
+
+@pytest.fixture
+def backends(data_dir: Path, database_url: str, nats_server: EmbeddedNats, presence: PresenceView) -> Backends:
+    return Backends(data_dir, database_url, nats_server.url, presence)
 
 
 @asynccontextmanager
-async def decoder_service(
-    data_dir: Path, database_url: str, repo: Repository, worker_id: str, **overrides: Any
-) -> AsyncIterator[str]:
-    """A decoder service running until the block ends; yields its address once registered."""
+async def decoder_service(backends: Backends, worker_id: str, **overrides: Any) -> AsyncIterator[str]:
+    """A decoder service running until the block ends; yields its address once heard of."""
     env = env_of(
-        data_dir=data_dir,
-        database_url=database_url,
+        data_dir=backends.data_dir,
+        database_url=backends.database_url,
+        nats_url=backends.nats_url,
         device="cpu",
         decoder_port=0,
         worker_id=worker_id,
@@ -104,7 +136,7 @@ async def decoder_service(
     service = asyncio.create_task(serve(KernelSettings.from_env(env), DecoderSettings.from_env(env), stop))
     try:
         registered = await until(
-            lambda: decoders_by_id(repo), lambda ds: worker_id in ds, what=f"{worker_id} to register"
+            lambda: decoders_by_id(backends.presence), lambda ds: worker_id in ds, what=f"{worker_id} to register"
         )
         yield registered[worker_id].address
     finally:
@@ -136,39 +168,43 @@ async def decode_directly(address: str, z: torch.Tensor) -> None:
             pass
 
 
-async def register_unreachable_decoder(repo: Repository) -> None:
+async def register_unreachable_decoder(nats_server: EmbeddedNats, presence: PresenceView) -> None:
     """A decoder that heartbeats but listens nowhere."""
     address = f"127.0.0.1:{free_port()}"
     hb = WorkerHeartbeat("unreachable", WorkerKind.DECODER, address, "cpu", models=("tiny",), warm_models=())
-    await repo.workers.register(hb, "incarnation")
+    nc = await nats.connect(nats_server.url)
+    try:
+        board = await PresenceBoard.open(nc.jetstream())
+        await board.announce(Announcement(hb, "incarnation", time.time()))
+    finally:
+        await nc.close()
+    await until(lambda: decoders_by_id(presence), lambda ds: "unreachable" in ds, what="the unreachable decoder")
 
 
 def telemetry(ds: dict[str, WorkerRecord], worker_id: str) -> dict[str, Any]:
     return ds[worker_id].telemetry if worker_id in ds else {}
 
 
-async def test_latents_go_to_the_decoder_that_will_finish_first(
-    data_dir: Path, database_url: str, repo: Repository
-) -> None:
+async def test_latents_go_to_the_decoder_that_will_finish_first(backends: Backends) -> None:
     # "busy" gathers up to 8 images for a minute: requests sent to it wait there,
     # and it heartbeats them as its queue; "idle" decodes at once.
     async with (
-        decoder_service(data_dir, database_url, repo, "busy", decode_batch_wait_ms=60_000, decode_max_batch=8) as busy,
-        decoder_service(data_dir, database_url, repo, "idle", decode_max_batch=8) as idle,
+        decoder_service(backends, "busy", decode_batch_wait_ms=60_000, decode_max_batch=8) as busy,
+        decoder_service(backends, "idle", decode_max_batch=8) as idle,
     ):
         # A full batch on each: both have measured their speed.
         await asyncio.gather(decode_directly(busy, latents(8)), decode_directly(idle, latents(8)))
         waiting = [asyncio.create_task(decode_directly(busy, latents(1, seed=i))) for i in range(7)]
         try:
             await until(
-                lambda: decoders_by_id(repo),
+                lambda: decoders_by_id(backends.presence),
                 lambda ds: (
                     telemetry(ds, "busy").get("queued_images") == 7
                     and all(telemetry(ds, d).get("seconds_per_megapixel") for d in ("busy", "idle"))
                 ),
                 what="both speeds measured and the busy decoder's queue heartbeated",
             )
-            decoders = Decoders(repo, stale_after_s=STALE_AFTER_S)
+            decoders = Decoders(backends.presence, stale_after_s=STALE_AFTER_S)
             try:
                 # In rotation, one of these would start on "busy" and fill its batch.
                 for i in range(3):
@@ -178,7 +214,7 @@ async def test_latents_go_to_the_decoder_that_will_finish_first(
                 await decoders.close()
             # Heartbeated once all three are counted, wherever they went.
             ds = await until(
-                lambda: decoders_by_id(repo),
+                lambda: decoders_by_id(backends.presence),
                 lambda ds: sum(telemetry(ds, d).get("decoded_images", 0) for d in ("busy", "idle")) >= 8 + 8 + 3,
                 what="the decoders to heartbeat the three decodes",
             )
@@ -191,14 +227,14 @@ async def test_latents_go_to_the_decoder_that_will_finish_first(
 
 
 async def test_a_degenerate_decode_is_tried_on_the_next_decoder(
-    data_dir: Path, database_url: str, repo: Repository, models_dir: Path, tmp_path: Path
+    backends: Backends, models_dir: Path, tmp_path: Path
 ) -> None:
     flat = str(flat_vae_registry(models_dir, tmp_path))
     async with (
-        decoder_service(data_dir, database_url, repo, "flat", model_registry=flat),
-        decoder_service(data_dir, database_url, repo, "good"),
+        decoder_service(backends, "flat", model_registry=flat),
+        decoder_service(backends, "good"),
     ):
-        decoders = Decoders(repo, stale_after_s=STALE_AFTER_S)
+        decoders = Decoders(backends.presence, stale_after_s=STALE_AFTER_S)
         try:
             # Speeds unknown: in rotation, so one of the two starts on "flat".
             for i in range(2):
@@ -208,7 +244,7 @@ async def test_a_degenerate_decode_is_tried_on_the_next_decoder(
         finally:
             await decoders.close()
         ds = await until(
-            lambda: decoders_by_id(repo),
+            lambda: decoders_by_id(backends.presence),
             lambda ds: (
                 telemetry(ds, "flat").get("decoded_images", 0) >= 1 and telemetry(ds, "good").get("decoded_images") == 2
             ),
@@ -218,11 +254,11 @@ async def test_a_degenerate_decode_is_tried_on_the_next_decoder(
 
 
 async def test_the_sampler_decodes_locally_in_the_jobs_format_when_no_decoder_is_reachable(
-    repo: Repository, models_dir: Path
+    nats_server: EmbeddedNats, presence: PresenceView, models_dir: Path
 ) -> None:
-    await register_unreachable_decoder(repo)
+    await register_unreachable_decoder(nats_server, presence)
     local = LocalDecoder(VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu")))
-    decoders = Decoders(repo, stale_after_s=STALE_AFTER_S, local=local)
+    decoders = Decoders(presence, stale_after_s=STALE_AFTER_S, local=local)
     try:
         z = latents(2, seed=5)
         images = await decoders.decode(job("local", num_images=2, output_format="webp"), z)
@@ -238,9 +274,11 @@ async def test_the_sampler_decodes_locally_in_the_jobs_format_when_no_decoder_is
             assert img.format == "WEBP"
 
 
-async def test_without_a_reachable_decoder_or_local_fallback_the_decode_is_unavailable(repo: Repository) -> None:
-    await register_unreachable_decoder(repo)
-    decoders = Decoders(repo, stale_after_s=STALE_AFTER_S, patience_s=1.0)
+async def test_without_a_reachable_decoder_or_local_fallback_the_decode_is_unavailable(
+    nats_server: EmbeddedNats, presence: PresenceView
+) -> None:
+    await register_unreachable_decoder(nats_server, presence)
+    decoders = Decoders(presence, stale_after_s=STALE_AFTER_S, patience_s=1.0)
     try:
         with pytest.raises(DecodeUnavailable) as err:
             await decoders.decode(job("nowhere"), latents(1))

@@ -9,18 +9,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 
-import psycopg
 import pytest
 
 from scheduler.passes import learn_run_times, recover_stalled
-from scheduler.recovery import RecoveryConfig
+from scheduler.recovery import Recovery, RecoveryConfig
 from services.db.migrate import upgrade
 from services.db.records import Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Standing, StepReport
 from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerHeartbeat
-from services.errors import WorkerSuperseded
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
 from tests.records import new_job
@@ -60,7 +58,7 @@ async def placement_pass(
     repo: Repository, assign: Callable[[PlacementPass], list[Assignment]], *, limit: int = 100
 ) -> list[JobSummary] | None:
     """A real placement pass, assigning what ``assign`` says of what it read."""
-    async with repo.scheduling.placement_pass(limit=limit, stale_after_s=60, max_attempts=3, now=now()) as read:
+    async with repo.scheduling.placement_pass(limit=limit, max_attempts=3, now=now()) as read:
         return None if read is None else await read.assign(assign(read))
 
 
@@ -166,13 +164,6 @@ async def test_new_incarnation_requeues_what_the_old_one_held(repo: Repository, 
     assert (await repo.jobs.get(started)).attempt == again
 
 
-async def test_superseded_incarnation_cannot_heartbeat(repo: Repository, workers) -> None:
-    await repo.workers.register(heartbeat(W1), "newer")
-    with pytest.raises(WorkerSuperseded):
-        await repo.workers.heartbeat(heartbeat(W1), workers[W1])
-    await repo.workers.heartbeat(heartbeat(W1), "newer")
-
-
 async def test_deregister_hands_back_without_counting(repo: Repository, workers) -> None:
     job_id = await submit(repo)
     await schedule(repo, job_id, W1)
@@ -206,16 +197,15 @@ async def test_non_retryable_failure_fails_at_once(repo: Repository, workers) ->
     assert await repo.attempts.fail(job_id, attempt, W1, "bad input", retryable=False, now=now()) == JobStatus.FAILED
 
 
-async def recovery_pass(repo: Repository, *, judge: bool = True, stale_after_s: float = 60):
+# Presence has just heard from both workers.
+BOTH_HEARD = {W1: 0.5, W2: 0.5}
+
+
+async def recovery_pass(
+    repo: Repository, *, heard: dict[str, float] | None = BOTH_HEARD, stale_after_s: float = 60
+) -> list[Recovery] | None:
     config = RecoveryConfig(max_attempts=3)
-    return await recover_stalled(repo, config, stale_after_s=stale_after_s, judge_heartbeats=judge)
-
-
-def age_heartbeat(repo_url: str, worker_id: str, seconds: float) -> None:
-    with psycopg.connect(repo_url) as conn:
-        conn.execute(
-            "UPDATE workers SET last_heartbeat = now() - make_interval(secs => %s) WHERE id = %s", (seconds, worker_id)
-        )
+    return await recover_stalled(repo, config, stale_after_s=stale_after_s, heard=heard)
 
 
 async def test_recovery_requeues_from_a_silent_worker_only_when_heartbeats_may_be_judged(
@@ -224,10 +214,11 @@ async def test_recovery_requeues_from_a_silent_worker_only_when_heartbeats_may_b
     job_id = await submit(repo)
     attempt = await schedule(repo, job_id, W1)
     await repo.attempts.start(job_id, attempt, W1, now=now())
-    age_heartbeat(repo.db.url, W1, 30)
-    assert await recovery_pass(repo, judge=False, stale_after_s=10) == []
+    # Presence last heard from W1 30 s ago; not yet to be judged, then judged.
+    assert await recovery_pass(repo, heard=None, stale_after_s=10) == []
     assert (await repo.jobs.get(job_id)).status == JobStatus.RUNNING
-    assert len(await recovery_pass(repo, judge=True, stale_after_s=10) or []) == 1
+    assert await recovery_pass(repo, heard={W1: 9.0, W2: 0.5}, stale_after_s=10) == []
+    assert len(await recovery_pass(repo, heard={W1: 30.0, W2: 0.5}, stale_after_s=10) or []) == 1
     job = await repo.jobs.get(job_id)
     assert (job.status, job.failures) == (JobStatus.QUEUED, 1)
     assert job.attempt_log[0].error.startswith("no heartbeat for 3")
