@@ -1,10 +1,11 @@
 """The NetworkPolicies admit exactly the flows the services make.
 
 Kubernetes' admission rule, modelled here, applied to every Darkroom pod and to the
-pods the NATS chart and CloudNativePG make, from every source (each other, the
-operators, Prometheus, an impostor in another namespace, the internet): the front
-doors take anyone, metrics come from the monitoring namespace, and nothing else
-gets in."""
+pods the NATS chart and CloudNativePG make (its instances, its PgBouncer, its jobs'),
+from every source (each other, the operators, Prometheus, an impostor in another
+namespace, the internet): the front doors take anyone, metrics come from the
+monitoring namespace, the samplers and decoders reach PostgreSQL through the pooler
+only, and nothing else gets in."""
 
 from __future__ import annotations
 
@@ -111,6 +112,29 @@ POSTGRES = Endpoint(
     {"cnpg.io/cluster": "darkroom-db", "cnpg.io/podRole": "instance", "role": "primary"},
     {"postgresql": 5432, "status": 8000, "metrics": 9187},
 )
+# The Pooler's PgBouncer pods, labelled as CloudNativePG 1.30 labels them
+# (pkg/specs/pgbouncer/deployments.go): cnpg.io/cluster too, like the instances.
+POOLER = Endpoint(
+    "pooler",
+    NAMESPACE,
+    {
+        "cnpg.io/poolerName": "darkroom-db-pooler",
+        "cnpg.io/cluster": "darkroom-db",
+        "cnpg.io/podRole": "pooler",
+        "app.kubernetes.io/name": "postgresql",
+        "app.kubernetes.io/instance": "darkroom-db",
+        "app.kubernetes.io/component": "pooler",
+        "app.kubernetes.io/managed-by": "cloudnative-pg",
+    },
+    {"pgbouncer": 5432, "metrics": 9127},
+)
+# A job's pod (here the one that clones a new standby from the primary): no podRole.
+POSTGRES_JOB = Endpoint(
+    "postgres-job",
+    NAMESPACE,
+    {"cnpg.io/cluster": "darkroom-db", "cnpg.io/jobRole": "join", "cnpg.io/instanceName": "darkroom-db-4"},
+    {},
+)
 CNPG_OPERATOR = Endpoint("cnpg-operator", "cnpg-system", {"app.kubernetes.io/name": "cloudnative-pg"}, {})
 PROMETHEUS = Endpoint("prometheus", "monitoring", {"app.kubernetes.io/name": "prometheus"}, {})
 # Another namespace's pod wearing Darkroom's labels, and the internet.
@@ -118,6 +142,8 @@ IMPOSTOR = Endpoint(
     "impostor", "elsewhere", {"app.kubernetes.io/name": "darkroom", "app.kubernetes.io/component": "scheduler"}, {}
 )
 INTERNET = Endpoint("internet", "", {}, {})
+
+OTHERS = (NATS, POSTGRES, POOLER, POSTGRES_JOB, CNPG_OPERATOR, PROMETHEUS, IMPOSTOR, INTERNET)
 
 DARKROOM = ("gateway", "http", "scheduler", "sampler", "decoder")
 # (from, to, port) beside the front doors, which take any source.
@@ -130,8 +156,13 @@ FLOWS = {
     *((service, "nats", 4222) for service in ("scheduler", "gateway", "sampler")),
     ("nats", "nats", 6222),
     ("prometheus", "nats", 7777),
-    *((service, "postgres", 5432) for service in DARKROOM),
-    *(("postgres", "postgres", port) for port in POSTGRES.ports.values()),
+    # The samplers and decoders through PgBouncer, the rest (and the migrations)
+    # directly.
+    *((service, "postgres", 5432) for service in ("gateway", "http", "scheduler")),
+    *((service, "pooler", 5432) for service in ("sampler", "decoder")),
+    ("pooler", "postgres", 5432),
+    ("prometheus", "pooler", 9127),
+    *((peer, "postgres", port) for peer in ("postgres", "postgres-job") for port in POSTGRES.ports.values()),
     ("cnpg-operator", "postgres", 8000),
     ("cnpg-operator", "postgres", 5432),
     ("prometheus", "postgres", 9187),
@@ -153,10 +184,10 @@ def darkroom_endpoints(docs: list[dict[str, Any]]) -> list[Endpoint]:
 def admitted_flows(docs: list[dict[str, Any]]) -> set[tuple[str, str, int]]:
     policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
     own = darkroom_endpoints(docs)
-    sources = [*own, NATS, POSTGRES, CNPG_OPERATOR, PROMETHEUS, IMPOSTOR, INTERNET]
+    sources = [*own, *OTHERS]
     return {
         (source.name, dest.name, port)
-        for dest in [*own, NATS, POSTGRES]
+        for dest in [*own, NATS, POSTGRES, POOLER]
         for port_name, port in dest.ports.items()
         for source in sources
         if admits(policies, source, dest, port_name)
@@ -168,9 +199,7 @@ def test_network_policies_admit_the_services_flows_and_nothing_else(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     docs = rendered[overlay]
-    anyone = [
-        e.name for e in [*darkroom_endpoints(docs), NATS, POSTGRES, CNPG_OPERATOR, PROMETHEUS, IMPOSTOR, INTERNET]
-    ]
+    anyone = [e.name for e in [*darkroom_endpoints(docs), *OTHERS]]
     expected = FLOWS | {(source, dest, port) for dest, port in FRONT_DOORS for source in anyone}
     assert admitted_flows(docs) == expected
 
@@ -179,3 +208,16 @@ def test_a_policy_opened_to_everyone_is_caught(rendered: dict[str, list[dict[str
     docs = copy.deepcopy(rendered["fleet"])
     del one(docs, "NetworkPolicy", "darkroom-decoder-from-samplers")["spec"]["ingress"][0]["from"]
     assert ("internet", "decoder", 50071) in admitted_flows(docs)
+
+
+def test_the_pooler_is_no_way_around_the_databases_policy(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The instances' policy once selected every pod labelled cnpg.io/cluster and
+    admitted any such pod on every port, and the pooler wears that label: selected
+    so again, the pooler would reach the instances' every port, and the operator
+    (and the pooler itself) the pooler's."""
+    docs = copy.deepcopy(rendered["fleet"])
+    instances = one(docs, "NetworkPolicy", "darkroom-db")["spec"]
+    for selector in (instances["podSelector"], instances["ingress"][1]["from"][0]["podSelector"]):
+        del selector["matchExpressions"]
+    flows = admitted_flows(docs)
+    assert {("pooler", "postgres", 8000), ("cnpg-operator", "pooler", 5432), ("pooler", "pooler", 5432)} <= flows
