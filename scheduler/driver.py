@@ -48,10 +48,13 @@ def place(
     *,
     job_views: JobViews | None = None,
     limit: int | None = None,
+    preemption: PreemptionSettings | None = None,
 ) -> PassDecision:
     """Places the snapshot's queued jobs (at most ``limit`` of them, first in the
     policy's order, when given): see ``scheduler.placement.plan``. ``job_views``
-    keeps the views of jobs seen before."""
+    keeps the views of jobs seen before. ``preemption``: the settings ``preempt``
+    will be called with on this decision, so that a job it may act for is scored
+    on every worker."""
     fleet = policy.Fleet(measured_costs(costs, snapshot.workers), durations)
     views = job_views or JobViews(placement, costs)
     jobs = [views(job) for job in snapshot.queued]
@@ -66,9 +69,20 @@ def place(
     if limit is not None:
         jobs = policy.order_queue(jobs, placement, now=snapshot.now)[:limit]
     workers = worker_views(snapshot, fleet)
-    placements = plan(jobs, workers, fleet, placement, now=snapshot.now)
+    placements = plan(
+        jobs,
+        workers,
+        fleet,
+        placement,
+        now=snapshot.now,
+        exhaustive=(lambda j: preemption.may_preempt(j.lane, j.target_s)) if preemption is not None else _never,
+    )
     lanes = {job.id: job.lane for job in snapshot.queued}
     return PassDecision(placements, {j.id: j for j in jobs}, lanes, workers, fleet, snapshot.now)
+
+
+def _never(job: policy.JobView) -> bool:
+    return False
 
 
 def waiting_for_room(

@@ -30,7 +30,7 @@ class Shape:
     steps: int
     batch: int
 
-    @property
+    @cached_property
     def key(self) -> str:
         return f"{self.model}|{self.pixels}|{self.steps}|{self.batch}"
 
@@ -60,6 +60,19 @@ class Durations:
         """Learned for the shape; else scaled from the nearest batch size learned
         for the same model, size and steps (linearly: no batching gain is assumed
         before one is measured); else the registry's first estimate."""
+        # A pass asks the same shape once per worker: the answer never changes
+        # (durations are immutable), so it is worked out once.
+        memo = self._shape_memo
+        known = memo.get((shape.key, step_s_512))
+        if known is None:
+            known = memo[(shape.key, step_s_512)] = self._shape_seconds(shape, step_s_512)
+        return known
+
+    @cached_property
+    def _shape_memo(self) -> dict[tuple[str, float], float]:
+        return {}
+
+    def _shape_seconds(self, shape: Shape, step_s_512: float) -> float:
         learned = self.shapes.get(shape.key)
         if learned:
             return learned.mean

@@ -99,7 +99,14 @@ class Passes:
                 return 0
             workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
             fleet = facts.fleet_snapshot(now, workers=workers, queued=read.queued, held=read.held, tenants=self.tenants)
-            decision = driver.place(fleet, self.costs, durations, self.placement, job_views=self.job_views)
+            decision = driver.place(
+                fleet,
+                self.costs,
+                durations,
+                self.placement,
+                job_views=self.job_views,
+                preemption=self.settings.preemption,
+            )
             assignments = [
                 Assignment(p.job_id, p.worker_id, reports.routing_json(p))
                 for p in decision.placed

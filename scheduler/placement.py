@@ -23,10 +23,11 @@ fleet, where the learned durations say a bigger batch costs less per image.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from scheduler.policy import (
     Candidate,
@@ -42,6 +43,7 @@ from scheduler.policy import (
 )
 from services.config.placement import PlacementSettings
 from services.db.states import WorkerStatus
+from services.generation import BatchKey
 
 
 def capped_out(capability: str, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> int | None:
@@ -116,17 +118,29 @@ def eviction_cost(
     return cost, evicted
 
 
-def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
-    cost = fleet.costs[job.model]
+def refusal(model: str, worker: WorkerView, fleet: Fleet) -> Candidate | None:
+    """Why ``worker`` can take no job of ``model`` whatever the pass does, if it
+    cannot: its state, what it serves, its memory. None: it is scored."""
+    cost = fleet.costs[model]
     if worker.state != WorkerStatus.READY:
         return Candidate(worker.id, False, float("inf"), worker.state.value)
     if not worker.serves(cost.capability):
         return Candidate(worker.id, False, float("inf"), f"does not serve {cost.capability}")
-    if job.model not in worker.models:
+    if model not in worker.models:
         return Candidate(worker.id, False, float("inf"), "cannot serve the model")
-    warm = job.model in worker.warm_models
-    if not warm and worker.vram_total_bytes and cost.vram_bytes > worker.vram_total_bytes:
+    if model not in worker.warm_models and worker.vram_total_bytes and cost.vram_bytes > worker.vram_total_bytes:
         return Candidate(worker.id, False, float("inf"), "model does not fit in its memory")
+    return None
+
+
+def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
+    return refusal(job.model, worker, fleet) or _score(job, worker, fleet, config)
+
+
+def _score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
+    """``score`` for a worker that ``refusal`` lets through."""
+    cost = fleet.costs[job.model]
+    warm = job.model in worker.warm_models
     cap = capped_out(cost.capability, worker, fleet, config)
     if cap is not None:
         return Candidate(worker.id, False, float("inf"), f"{cost.capability} cap of {cap} GPUs reached")
@@ -179,10 +193,44 @@ def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSetti
     return Candidate(worker.id, True, finish, note, has_room, PlacementKind.WARM if warm else PlacementKind.COLD)
 
 
-def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: PlacementSettings) -> Placement:
+@dataclass(frozen=True)
+class Refusals:
+    """For one model, in one pass: the workers that can take none of its jobs
+    (``refusal``), each with its candidate, and whether any worker serves its
+    capability or the model at all. Nothing a pass does changes these, so a pass
+    works them out once per model, not once per job and worker."""
+
+    by_worker: Mapping[str, Candidate]
+    capability_served: bool
+    model_served: bool
+
+    @classmethod
+    def of(cls, model: str, workers: Sequence[WorkerView], fleet: Fleet) -> Refusals:
+        capability = fleet.costs[model].capability
+        refused = {w.id: c for w in workers if (c := refusal(model, w, fleet)) is not None}
+        return cls(refused, any(w.serves(capability) for w in workers), any(model in w.models for w in workers))
+
+
+def place(
+    job: JobView,
+    workers: Sequence[WorkerView],
+    fleet: Fleet,
+    config: PlacementSettings,
+    refusals: Refusals | None = None,
+    near: Nearness | None = None,
+) -> Placement:
+    """Where ``job`` goes, of ``workers``. With ``near`` (``Nearness`` of these
+    workers) only the workers that could beat the best found so far are scored:
+    the decision is the same, its candidates those scored."""
     if job.model not in fleet.costs:
         return Placement(job.id, None, f"unknown model {job.model!r}", ())
-    candidates = tuple(score(job, w, fleet, config) for w in workers)
+    if refusals is None:
+        refusals = Refusals.of(job.model, workers, fleet)
+    refused = refusals.by_worker
+    if near is None or job.failed_on:
+        candidates = tuple(refused.get(w.id) or _score(job, w, fleet, config) for w in workers)
+    else:
+        candidates = _nearest(job, workers, near, refused, fleet, config)
     if job.failed_on:
         # A retry goes to another GPU (the one that failed it may be broken),
         # unless none other can take it.
@@ -197,10 +245,9 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pla
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
         capability = fleet.costs[job.model].capability
-        if not any(w.serves(capability) for w in workers):
+        if not refusals.capability_served:
             return Placement(job.id, None, f"no live sampler serves {capability}", candidates, waiting_for=capability)
-        served = any(job.model in w.models for w in workers)
-        reason = "no worker can take it now" if served else "no live worker serves the model"
+        reason = "no worker can take it now" if refusals.model_served else "no live worker serves the model"
         return Placement(job.id, None, reason, candidates)
     best = min(eligible, key=lambda c: (c.finish_s, c.worker_id))
     if not best.has_room:
@@ -229,6 +276,89 @@ def place(job: JobView, workers: Sequence[WorkerView], fleet: Fleet, config: Pla
     )
 
 
+def _nearest(
+    job: JobView,
+    workers: Sequence[WorkerView],
+    near: Nearness,
+    refused: Mapping[str, Candidate],
+    fleet: Fleet,
+    config: PlacementSettings,
+) -> tuple[Candidate, ...]:
+    """The candidates ``place`` decides from: the workers holding a batch the job
+    may join, then the rest least loaded first (ties by id), stopping where none
+    further can matter. A job can finish on a worker that holds no batch for it no
+    sooner than the work held there (a hot GPU only stretches it) plus its own
+    duration on the fastest worker. Once that passes the best finish found (or,
+    while the best has no room, what a warm worker with room may cost instead:
+    ``spill_within`` times it), no worker further on can be chosen. So a
+    pass over a thousand GPUs scores the few near the front, not all of them.
+    Refused workers keep their candidates (free: each model's are made once a pass)."""
+    scored: dict[int, Candidate] = {}
+    best: Candidate | None = None
+
+    def consider(i: int) -> None:
+        nonlocal best
+        if workers[i].id in refused:
+            return
+        c = scored[i] = _score(job, workers[i], fleet, config)
+        if c.eligible and (best is None or (c.finish_s, c.worker_id) < (best.finish_s, best.worker_id)):
+            best = c
+
+    joinable = near.joinable.get(job.batch_key, ())
+    for i in sorted(joinable):
+        consider(i)
+    own_s = fleet.durations.shape_seconds(job.shape, fleet.costs[job.model].step_s_512) / near.fastest
+    for i in near.by_load:
+        if i in joinable:
+            continue
+        if best is not None:
+            bound = workers[i].held_work_s + own_s
+            limit = best.finish_s if best.has_room else best.finish_s * max(config.spill_within, 1.0)
+            # A worker that can at most tie with a best that has room loses the
+            # tie if its id is greater, and so do the rest of its load (by id).
+            if bound > limit or (best.has_room and bound == limit and workers[i].id > best.worker_id):
+                break
+        consider(i)
+    return tuple(refused.get(w.id) or scored[i] for i, w in enumerate(workers) if w.id in refused or i in scored)
+
+
+@dataclass
+class Nearness:
+    """What lets a pass score only the workers near the front for each job: the
+    workers' indices by held work (then id), those holding a batch open for each
+    batch key, and the fastest worker's speed. Kept up to date as the pass gives
+    workers jobs."""
+
+    workers: list[WorkerView]
+    fastest: float
+    by_load: list[int] = field(init=False)
+    joinable: dict[BatchKey, set[int]] = field(init=False)
+    _keys: list[tuple[float, str, int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._keys = sorted((w.held_work_s, w.id, i) for i, w in enumerate(self.workers))
+        self.by_load = [i for _, _, i in self._keys]
+        self.joinable = {}
+        for i, w in enumerate(self.workers):
+            self._open(i, w)
+
+    def changed(self, i: int, before: WorkerView, after: WorkerView) -> None:
+        at = bisect.bisect_left(self._keys, (before.held_work_s, before.id, i))
+        del self._keys[at]
+        del self.by_load[at]
+        at = bisect.bisect_left(self._keys, (after.held_work_s, after.id, i))
+        self._keys.insert(at, (after.held_work_s, after.id, i))
+        self.by_load.insert(at, i)
+        for key, _ in before.open_batches:
+            self.joinable.get(key, set()).discard(i)
+        self._open(i, after)
+
+    def _open(self, i: int, w: WorkerView) -> None:
+        for key, rows in w.open_batches:
+            if rows:
+                self.joinable.setdefault(key, set()).add(i)
+
+
 def plan(
     jobs: Sequence[JobView],
     workers: Sequence[WorkerView],
@@ -236,23 +366,33 @@ def plan(
     config: PlacementSettings,
     *,
     now: float,
+    exhaustive: Callable[[JobView], bool] = lambda job: False,
 ) -> list[Placement]:
     """Places queued jobs in priority order, each seeing the work (placed or
-    reserved) of the ones before it."""
+    reserved) of the ones before it. Each job is scored on the workers that could
+    take it soonest (``_nearest``); one left waiting that ``exhaustive`` says may
+    have running work suspended for it is scored on every worker, because
+    preemption weighs them all."""
     ordered = order_queue([j for j in jobs], config, now=now)
     waiting = Counter(fleet.costs[j.model].capability for j in ordered if j.model in fleet.costs)
     wanted = Counter(j.model for j in ordered)
     busy = Counter(c for w in workers for c in w.held_capabilities)
     warm = Counter(m for w in workers for m in w.warm_models)
     planned = dict(Counter(m for w in workers if w.state == WorkerStatus.READY for m in w.planned_models))
-    view = {w.id: w for w in workers}
+    current = list(workers)  # as the pass changes them, in the workers' order
+    index = {w.id: i for i, w in enumerate(current)}
+    near = Nearness(current, max((fleet.durations.speed(w.id, w.speed) for w in workers), default=1.0))
+    refusals = {m: Refusals.of(m, workers, fleet) for m in sorted({j.model for j in ordered}) if m in fleet.costs}
     placements = []
     for job in ordered:
         wanted[job.model] -= 1
         pass_fleet = replace(
             fleet, waiting=dict(waiting), busy=dict(busy), wanted=dict(wanted), warm=dict(warm), planned=planned
         )
-        placement = place(job, list(view.values()), pass_fleet, config)
+        refused = refusals.get(job.model)
+        placement = place(job, current, pass_fleet, config, refused, near)
+        if placement.worker_id is None and exhaustive(job):
+            placement = place(job, current, pass_fleet, config, refused)
         placements.append(placement)
         if placement.worker_id is None:
             wanted[job.model] += 1  # it still waits for its model
@@ -262,13 +402,15 @@ def plan(
         cost = fleet.costs[job.model]
         if placement.worker_id is not None:
             waiting[cost.capability] -= 1  # a reserving job still waits
-        w = view[target]
+        i = index[target]
+        w = current[i]
         if cost.capability not in w.held_capabilities:
             busy[cost.capability] += 1
         after = _with_job(w, job, pass_fleet, config, placed=placement.worker_id is not None)
         warm.update(after.warm_models - w.warm_models)
         warm.subtract(w.warm_models - after.warm_models)
-        view[target] = after
+        current[i] = after
+        near.changed(i, w, after)
     return placements
 
 

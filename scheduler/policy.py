@@ -51,7 +51,7 @@ class JobView:
     def pixels(self) -> int:
         return self.width * self.height * self.frames
 
-    @property
+    @cached_property  # placement asks for it once for each worker a job is scored on
     def shape(self) -> Shape:
         return Shape(self.model, self.pixels, self.steps, self.num_images)
 

@@ -12,7 +12,14 @@ from services.db.records import JobSummary
 from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES
 
 
+# The candidates a job's routing keeps: the chosen worker, then the next best.
+# (A fleet of a thousand GPUs would otherwise write a thousand with every job.)
+ROUTING_CANDIDATES = 8
+
+
 def routing_json(p: policy.Placement) -> dict[str, object]:
+    chosen = (p.worker_id, p.reserved_on)
+    ranked = sorted(p.candidates, key=lambda c: (c.worker_id not in chosen, not c.eligible, c.finish_s, c.worker_id))
     return {
         "worker_id": p.worker_id,
         "reason": p.reason,
@@ -23,7 +30,7 @@ def routing_json(p: policy.Placement) -> dict[str, object]:
                 "finish_s": c.finish_s if c.eligible else None,
                 "note": c.note,
             }
-            for c in p.candidates
+            for c in ranked[:ROUTING_CANDIDATES]
         ],
     }
 

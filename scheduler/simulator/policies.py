@@ -53,7 +53,13 @@ class DarkroomPolicy:
         if self.usage:
             fleet = replace(fleet, tenants=tuple(self.usage.values()))
         decision = driver.place(
-            fleet, self.costs, self.durations, self.config, job_views=self.job_views, limit=self.batch
+            fleet,
+            self.costs,
+            self.durations,
+            self.config,
+            job_views=self.job_views,
+            limit=self.batch,
+            preemption=self.preemption if preempting else None,
         )
         if preempting:
             waiting = driver.waiting_for_room(decision, self.preemption)
