@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 from scheduler import driver, facts, reports, spans
@@ -19,7 +20,7 @@ from scheduler.estimates import Durations
 from scheduler.learning import durations_from, fold_run_times
 from scheduler.policy import ModelCost, Placement
 from scheduler.recovery import Expire, Fail, Recovery, RecoveryConfig, Requeue
-from scheduler.snapshot import TenantUsage
+from scheduler.snapshot import TenantUsage, Worker
 from scheduler.suspend_requests import Preempter
 from scheduler.views import JobViews
 from services.bus.dispatch import Bus, Dispatch
@@ -31,7 +32,7 @@ from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
 from services.db.repository.recovery import RecoveryPass
 from services.db.states import JobStatus, WorkerKind
-from services.db.worker_records import WarmPlan
+from services.db.worker_records import WarmPlan, WorkerRecord
 from services.errors import BusError
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
@@ -76,6 +77,7 @@ class Passes:
         self.tenants: tuple[TenantUsage, ...] = ()  # their fair shares, as last read
         self._durations_read = float("-inf")
         self._waiting: dict[str, str] = {}  # job -> the capability it was last recorded waiting for
+        self._facts: dict[str, tuple[WorkerRecord, Worker]] = {}  # by worker id: its record, made into facts
 
     async def learned_durations(self) -> Durations:
         """The learned durations (and the tenants' fair shares), reread at most
@@ -97,8 +99,10 @@ class Passes:
         ) as read:
             if read is None or not read.queued:
                 return 0
-            workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
-            fleet = facts.fleet_snapshot(now, workers=workers, queued=read.queued, held=read.held, tenants=self.tenants)
+            fleet = replace(
+                facts.fleet_snapshot(now, queued=read.queued, held=read.held, tenants=self.tenants),
+                workers=self.live_samplers(),
+            )
             decision = driver.place(
                 fleet,
                 self.costs,
@@ -129,6 +133,18 @@ class Passes:
         reports.count_placed(decision.placed, scheduled)
         spans.placed(scheduled, {a.job_id: a.routing for a in assignments})
         return len(scheduled)
+
+    def live_samplers(self) -> tuple[Worker, ...]:
+        """The live samplers as the policy's facts, from presence. A worker's facts
+        are made again only when a heartbeat changed its record: a pass over a
+        thousand GPUs rebuilds the few that spoke since the last."""
+        records = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
+        made = {}
+        for record in records:
+            known = self._facts.get(record.id)
+            made[record.id] = known if known is not None and known[0] is record else (record, facts.worker(record))
+        self._facts = made
+        return tuple(worker for _, worker in made.values())
 
     async def note_waiting(self, placements: Sequence[Placement]) -> None:
         """Records on each job that no live sampler can serve what it waits for

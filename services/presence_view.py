@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,9 @@ POLL_S = 0.5
 class Seen:
     announcement: Announcement
     at: float  # when it arrived, on the view's clock
+    # The worker as a record (live; its plan merged in), made once as it arrives:
+    # a pass over a thousand workers reads records, it does not build them.
+    record: WorkerRecord
 
 
 def record_of(announcement: Announcement, plan: WarmPlan | None, *, live: bool, heard_at: datetime) -> WorkerRecord:
@@ -103,6 +106,9 @@ class PresenceView:
                 except ValueError as exc:
                     log.warning("presence: %s under %s", exc, key)
                     return
+            seen = self._seen.get(worker_id)
+            if seen is not None:
+                self._remember(worker_id, seen.announcement, seen.at)
         elif value is None:
             self._seen.pop(worker_id, None)
         else:
@@ -113,9 +119,14 @@ class PresenceView:
                 return
             if announcement.heartbeat.kind not in self.kinds or announcement.heartbeat.id != worker_id:
                 return
-            self._seen[worker_id] = Seen(announcement, self.clock() - max(0.0, age_s))
+            self._remember(worker_id, announcement, self.clock() - max(0.0, age_s))
         self.version += 1
         self.changed.set()
+
+    def _remember(self, worker_id: str, announcement: Announcement, at: float) -> None:
+        heard = datetime.fromtimestamp(time.time() - (self.clock() - at), UTC)
+        record = record_of(announcement, self._plans.get(worker_id), live=True, heard_at=heard)
+        self._seen[worker_id] = Seen(announcement, at, record)
 
     def settled(self) -> None:
         """The watch has delivered what the bucket held, and follows it."""
@@ -149,15 +160,13 @@ class PresenceView:
 
     def all(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:
         """Every worker of ``kind`` the bucket knows, by id, each marked live or not."""
-        now, wall = self.clock(), time.time()
+        now = self.clock()
         out = []
         for wid in sorted(self._seen):
             seen = self._seen[wid]
-            if seen.announcement.heartbeat.kind != kind:
+            if seen.record.kind != kind:
                 continue
-            age = now - seen.at
-            heard = datetime.fromtimestamp(wall - age, UTC)
-            out.append(record_of(seen.announcement, self._plans.get(wid), live=age <= stale_after_s, heard_at=heard))
+            out.append(seen.record if now - seen.at <= stale_after_s else replace(seen.record, live=False))
         return out
 
     def live(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:

@@ -9,15 +9,15 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
+from services.db.states import WorkerKind, WorkerStatus
 from services.models.registry import DEFAULT_REGISTRY
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import stub, wait_for, wait_terminal, workers_heard
 
 pytestmark = pytest.mark.integration
 
@@ -39,13 +39,14 @@ def two_model_registry(path: Path) -> Path:
 
 
 def samplers(stack: LocalStack) -> list[dict[str, Any]]:
-    url = stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
-    with psycopg.connect(url) as conn:
-        rows = conn.execute(
-            "SELECT id, warm_models, planned_models, primary_model FROM workers "
-            "WHERE kind = 'sampler' AND status = 'ready'"
-        ).fetchall()
-    return [{"id": r[0], "warm": list(r[1]), "planned": list(r[2] or []), "primary": r[3]} for r in rows]
+    """The ready samplers as presence has them: what each holds, and the plan the
+    scheduler stored for it."""
+    heard = workers_heard(stack.settings.kernel).values()
+    return [
+        {"id": w.id, "warm": list(w.warm_models), "planned": list(w.planned_models), "primary": w.primary_model}
+        for w in heard
+        if w.kind == WorkerKind.SAMPLER and w.status == WorkerStatus.READY and w.live
+    ]
 
 
 def test_planner_keeps_the_model_in_demand_and_drops_the_other(
