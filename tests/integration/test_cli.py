@@ -127,7 +127,9 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
 
 
 def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> None:
+    from services.errors import BusError
     from services.ops.embedded_nats import EmbeddedNats
+    from services.presence_view import presence_now
     from tests.conftest import fresh_database
 
     nats_server = EmbeddedNats(tmp_path)
@@ -157,12 +159,17 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
     url = database_url.replace("postgresql+psycopg://", "postgresql://")
 
     def workers() -> dict[str, tuple[str, str, int]]:
+        """Each worker's kind, status and restarts, as its heartbeats say."""
+        try:
+            heard = presence_now([nats_server.url], stale_after_s=60)
+        except BusError:
+            return {}
+        return {w.id: (w.kind.value, w.status.value, w.restarts) for w in heard}
+
+    def registry() -> dict[str, str]:
+        """Each worker's status in PostgreSQL's registry: what registering and stopping wrote."""
         with psycopg.connect(url) as conn:
-            try:
-                rows = conn.execute("SELECT id, kind, status, restarts FROM workers").fetchall()
-            except psycopg.errors.UndefinedTable:
-                return {}
-        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+            return {r[0]: r[1] for r in conn.execute("SELECT id, status FROM workers").fetchall()}
 
     try:
         ready = wait_for(
@@ -184,7 +191,8 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
         assert supervise.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, [p.cmdline() for p in alive]
-        assert {s for _, s, _ in workers().values()} == {"gone"}
+        assert {s for _, s, _ in workers().values()} == {"gone"}  # said on NATS as they stopped
+        assert set(registry().values()) == {"gone"}
     finally:
         if supervise.poll() is None:
             supervise.kill()

@@ -30,8 +30,11 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.bus.dispatch import DISPATCH_STREAM
+from services.bus.presence_board import Announcement, PresenceBoard
 from services.config.sections import KernelSettings
 from services.db.repository import IDLE_IN_TRANSACTION_MS, SCHEDULER_LOCK
+from services.db.states import WorkerKind
+from services.db.worker_records import WorkerHeartbeat
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.ops.supervisor import Child
@@ -105,13 +108,28 @@ def pg_url(stack: LocalStack) -> str:
     return stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
 
 
-def seed_workers(conn: psycopg.Connection) -> None:
+def seed_workers(conn: psycopg.Connection, kernel: KernelSettings) -> None:
+    """Fake samplers: registered in PostgreSQL, and heard of once on NATS (stale only
+    after an hour here), as a real one would be."""
     for w in WORKERS:
         conn.execute(
             "INSERT INTO workers (id, kind, address, device, status, models, warm_models, telemetry, started_at,"
             " last_heartbeat) VALUES (%s, 'sampler', '127.0.0.1:1', 'fake', 'ready', %s, %s, '{}', now(), now())",
             (w, json.dumps(["tiny"]), json.dumps(["tiny"] if w != "fake-c" else [])),
         )
+
+    async def announce() -> None:
+        nc = await nats_as_operator(kernel)
+        try:
+            board = await PresenceBoard.open(nc.jetstream())
+            for w in WORKERS:
+                warm = ("tiny",) if w != "fake-c" else ()
+                hb = WorkerHeartbeat(w, WorkerKind.SAMPLER, "127.0.0.1:1", "fake", ("tiny",), warm)
+                await board.announce(Announcement(hb, "fake", time.time()))
+        finally:
+            await nc.close()
+
+    asyncio.run(announce())
 
 
 def insert_jobs(conn: psycopg.Connection, n: int) -> list[str]:
@@ -271,7 +289,7 @@ def test_frozen_replica_lock_is_released_and_other_replica_takes_over(tmp_path, 
     audit = Audit(stack.settings.kernel)
     try:
         with psycopg.connect(pg_url(stack), autocommit=True) as db, frozen_processes() as stopped:
-            seed_workers(db)
+            seed_workers(db, stack.settings.kernel)
             insert_jobs(db, 200)
             a = stack.add("scheduler-a", "scheduler")
             b = stack.add("scheduler-b", "scheduler")
@@ -360,7 +378,7 @@ def test_killed_replica_other_takes_over(tmp_path, postgres, models_dir) -> None
     feeder = threading.Thread(target=feed, daemon=True)
     try:
         with psycopg.connect(url, autocommit=True) as db, frozen_processes() as stopped:
-            seed_workers(db)
+            seed_workers(db, stack.settings.kernel)
             insert_jobs(db, 200)
             a = stack.add("scheduler-a", "scheduler")
             b = stack.add("scheduler-b", "scheduler")
