@@ -21,7 +21,7 @@ from services.bus.dispatch import Bus
 from services.bus.events import Events
 from services.bus.presence_board import BoardOnConnection
 from services.config.sections import KernelSettings
-from services.db.migrate import upgrade_when_reachable
+from services.db.migrate import schema_when_ready, upgrade_when_reachable
 from services.errors import BusError
 from services.mesh.nats_auth import NatsCredentials
 from services.presence import Presence
@@ -78,12 +78,18 @@ class Metrics:
 
 
 class Migrations:
+    """The schema brought to the newest; through a transaction pooler
+    (``database_pooled``), waited for instead: a migration never goes through one."""
+
     name = "migrations"
 
     def __init__(self, kernel: KernelSettings) -> None:
         self.database_url = kernel.database_url
+        self.pooled = kernel.database_pooled
 
     async def start(self, stop: asyncio.Event) -> bool:
+        if self.pooled:
+            return await schema_when_ready(self.database_url, stop)
         return await upgrade_when_reachable(self.database_url, stop)
 
     async def stop(self) -> None:

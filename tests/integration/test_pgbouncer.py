@@ -11,15 +11,18 @@ import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psutil
 import psycopg
 import pytest
 
+from services.config.sections import KernelSettings
 from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.repository.database import Database, libpq_url, lock
 from services.ops.embedded import EmbeddedPostgres
+from services.ops.host import Migrations
 from services.ops.pgbouncer import PGBOUNCER_BIN, PgBouncer, auth_file_line, parse_upstream
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database, make_stack
@@ -183,3 +186,20 @@ def test_a_sampler_behind_pgbouncer_runs_jobs(
 def bouncer_dir(tmp_path: Path) -> Path:
     require("" if Path(PGBOUNCER_BIN).exists() else f"no pgbouncer at {PGBOUNCER_BIN} (apt-get install pgbouncer)")
     return tmp_path / "pgbouncer"
+
+
+async def test_a_pooled_service_waits_for_the_schema_and_never_migrates(
+    bouncer: PgBouncer, postgres: EmbeddedPostgres
+) -> None:
+    fresh = fresh_database(postgres)  # no schema yet
+    database = urlsplit(fresh).path.lstrip("/")
+    pooled_url = bouncer.url_of(database)
+    kernel = KernelSettings.from_env(env_of(database_url=pooled_url, database_pooled=True))
+    stop = asyncio.Event()
+    waiting = asyncio.create_task(Migrations(kernel).start(stop))
+    await asyncio.sleep(1.0)
+    assert not waiting.done(), "a pooled service went on without the schema"
+    with psycopg.connect(libpq_url(fresh)) as conn:
+        assert conn.execute("SELECT to_regclass('alembic_version')").fetchone() == (None,), "it migrated"
+    upgrade(fresh)  # the migration, straight to the server
+    assert await asyncio.wait_for(waiting, 30) is True
