@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import ssl
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -21,11 +22,18 @@ from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from services.bus.dispatch import DISPATCH_STREAM, consumer_name, dispatch_subject
+from services.bus.presence_board import BUCKET as PRESENCE_BUCKET
+from services.bus.presence_board import STREAM as PRESENCE_STREAM
+from services.bus.presence_board import SUBJECT_PREFIX as PRESENCE_PREFIX
+from services.bus.presence_board import Announcement, PresenceBoard, plan_key, worker_key
+from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerHeartbeat
 from services.mesh.nats_auth import NatsCredentials, inbox_prefix, sampler_user
 from services.mesh.pki import CertificateAuthority, CertPaths
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
+from services.presence_view import read_once
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
@@ -242,6 +250,39 @@ async def test_a_sampler_cannot_dispatch_or_touch_the_stream(stack: LocalStack, 
             await operator.jetstream().consumer_info(DISPATCH_STREAM, "never-made")
     finally:
         await nc.close()
+        await operator.close()
+
+
+async def test_a_sampler_announces_only_itself_and_reads_only_its_own_plan(stack: LocalStack, intruder: str) -> None:
+    [victim] = stack.sampler_ids()
+    nc = await as_sampler(stack, intruder)
+    operator = await nats_as_operator(stack.settings.kernel)
+    try:
+        js = nc.jetstream(timeout=DENIED_WITHIN_S)
+        board = PresenceBoard(await js.key_value(PRESENCE_BUCKET))
+        forged = Announcement(
+            WorkerHeartbeat(victim, WorkerKind.SAMPLER, "10.6.6.6:1", "cpu", ("tiny",), ()), "forged", 0.0
+        )
+        # Its own key: allowed. The victim's, a decoder's, or a warm plan: refused.
+        # (As starting: the scheduler must not place the stack's jobs on it.)
+        mine = replace(forged.heartbeat, id=intruder, status=WorkerStatus.STARTING)
+        await board.announce(Announcement(mine, "intruder-1", 0.0))
+        for key in (worker_key(WorkerKind.SAMPLER, victim), worker_key(WorkerKind.DECODER, "d"), plan_key(intruder)):
+            with pytest.raises(nats.errors.TimeoutError):
+                await board.kv.put(key, forged.encode())
+        assert await board.plan(intruder) is None  # its own plan: readable (none stored)
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(
+                f"$JS.API.DIRECT.GET.{PRESENCE_STREAM}.{PRESENCE_PREFIX}.{plan_key(victim)}",
+                b"",
+                timeout=DENIED_WITHIN_S,
+            )
+        victims = {w.id: w for w in await read_once(operator, stale_after_s=60)}
+        assert victims[victim].address != "10.6.6.6:1"
+        assert victims[intruder].address == "10.6.6.6:1"
+    finally:
+        await nc.close()
+        await (await operator.jetstream().key_value(PRESENCE_BUCKET)).purge(worker_key(WorkerKind.SAMPLER, intruder))
         await operator.close()
 
 
