@@ -31,7 +31,7 @@ from services.config.sections import SchedulerSettings
 from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
 from services.db.repository.recovery import RecoveryPass
-from services.db.states import JobStatus, WorkerKind
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerRecord
 from services.errors import BusError
 from services.mesh.rpc import MeshIdentity
@@ -94,14 +94,17 @@ class Passes:
         """Places what it can of the queue; returns how many jobs it placed."""
         durations = await self.learned_durations()
         now = datetime.now(UTC)
+        workers = self.live_samplers()
         async with self.repo.scheduling.placement_pass(
-            limit=self.settings.batch, max_attempts=self.settings.max_attempts, now=now
+            limit=self.settings.batch,
+            max_attempts=self.settings.max_attempts,
+            now=now,
+            models=self.window_models(workers),
         ) as read:
             if read is None or not read.queued:
                 return 0
             fleet = replace(
-                facts.fleet_snapshot(now, queued=read.queued, held=read.held, tenants=self.tenants),
-                workers=self.live_samplers(),
+                facts.fleet_snapshot(now, queued=read.queued, held=read.held, tenants=self.tenants), workers=workers
             )
             decision = driver.place(
                 fleet,
@@ -145,6 +148,21 @@ class Passes:
             made[record.id] = known if known is not None and known[0] is record else (record, facts.worker(record))
         self._facts = made
         return tuple(worker for _, worker in made.values())
+
+    def window_models(self, workers: Sequence[Worker]) -> list[str]:
+        """The models whose queued jobs a pass reads: those a live sampler serves, and
+        those of a capability none serves (so that their jobs are told they wait for
+        it). A job of a model no live sampler serves, of a capability others do,
+        waits out of the pass's sight: a backlog of them must not fill a tenant's
+        window and hide the jobs behind it that could run."""
+        served = {m for w in workers if w.state == WorkerStatus.READY for m in w.models}
+        capabilities = {
+            c
+            for w in workers
+            if w.state == WorkerStatus.READY
+            for c in (w.capabilities or {self.costs[m].capability for m in w.models if m in self.costs})
+        }
+        return sorted(m for m, cost in self.costs.items() if m in served or cost.capability not in capabilities)
 
     async def note_waiting(self, placements: Sequence[Placement]) -> None:
         """Records on each job that no live sampler can serve what it waits for

@@ -50,7 +50,7 @@ async def running(repo: Repository, worker_id: str, job_id: str | None = None) -
     if job_id is None:
         job_id = str(uuid.uuid4())
         await repo.jobs.create(new_job(id=job_id, steps=20), now=now())
-    async with repo.scheduling.placement_pass(limit=100, stale_after_s=60, max_attempts=3, now=now()) as read:
+    async with repo.scheduling.placement_pass(limit=100, max_attempts=3, now=now()) as read:
         assert read is not None
         seen: list[JobSummary] = list(read.queued)
         placed = await read.assign([Assignment(j.id, worker_id, {}) for j in read.queued if j.id == job_id])

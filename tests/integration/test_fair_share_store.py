@@ -60,11 +60,28 @@ async def test_a_pass_reads_each_tenants_oldest_jobs_past_a_backlog(replicas: tu
     await repo.jobs.create(new_job(id="light-0", tenant="light"), now=start + timedelta(seconds=60))
     await repo.jobs.create(new_job(id="light-1", tenant="light"), now=start + timedelta(seconds=61))
     await repo.jobs.create(new_job(id="paid-0", tenant="heavy", lane="paid"), now=start + timedelta(seconds=62))
-    async with repo.scheduling.placement_pass(
-        limit=4, stale_after_s=5.0, max_attempts=3, now=start + timedelta(seconds=70)
-    ) as read:
+    async with repo.scheduling.placement_pass(limit=4, max_attempts=3, now=start + timedelta(seconds=70)) as read:
         assert read is not None
         queued = sorted(j.id for j in read.queued)
     # Per lane at most 4: each tenant's oldest first, then each one's next.
     assert queued == ["heavy-00", "heavy-01", "light-0", "light-1", "paid-0"]
     assert {j.tenant for j in read.queued if j.id.startswith("light")} == {"light"}
+
+
+async def test_a_backlog_no_live_sampler_serves_hides_nothing_behind_it(
+    replicas: tuple[Repository, Repository],
+) -> None:
+    repo, _ = replicas
+    start = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+    for i in range(10):
+        await repo.jobs.create(
+            new_job(id=f"held-{i:02d}", tenant="t", model="tiny-b"), now=start + timedelta(seconds=i)
+        )
+    await repo.jobs.create(new_job(id="runnable", tenant="t"), now=start + timedelta(seconds=20))
+    now = start + timedelta(seconds=30)
+    async with repo.scheduling.placement_pass(limit=4, max_attempts=3, now=now) as read:
+        assert read is not None
+        assert [j.id for j in read.queued] == [f"held-{i:02d}" for i in range(4)]  # all models: the backlog first
+    async with repo.scheduling.placement_pass(limit=4, max_attempts=3, now=now, models=["tiny"]) as read:
+        assert read is not None
+        assert [j.id for j in read.queued] == ["runnable"]

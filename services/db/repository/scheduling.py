@@ -27,7 +27,9 @@ _HELD = [st.value for st in HELD]
 # then per lane every tenant's oldest before anyone's second (a heavy tenant's
 # backlog must not hide a light tenant's job from the pass). The policy orders
 # them (lanes, aging, fair shares) and takes what it can place; jobs past their
-# deadline or out of attempts are left to recovery.
+# deadline or out of attempts are left to recovery. Given ``models``, only jobs of
+# those: a backlog no live sampler can take must not fill a tenant's window and hide
+# the jobs behind it that one can.
 _QUEUE_WINDOW = f"""
 WITH RECURSIVE queues(lane, tenant) AS (
     (SELECT lane, tenant FROM jobs WHERE status = 'QUEUED' ORDER BY lane, tenant LIMIT 1)
@@ -43,6 +45,7 @@ WITH RECURSIVE queues(lane, tenant) AS (
         SELECT {SUMMARY_COLUMNS}, row_number() OVER (ORDER BY created_at, id) AS turn FROM jobs
         WHERE status = 'QUEUED' AND lane = queues.lane AND tenant = queues.tenant
           AND failures < %(max_attempts)s AND (deadline IS NULL OR deadline > %(now)s)
+          AND (%(any_model)s OR model = ANY(%(models)s))
         ORDER BY created_at LIMIT %(limit)s
     ) q
 )
@@ -89,13 +92,14 @@ def _times(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
 class Scheduling(Area):
     @contextlib.asynccontextmanager
     async def placement_pass(
-        self, *, limit: int, max_attempts: int, now: datetime
+        self, *, limit: int, max_attempts: int, now: datetime, models: Sequence[str] | None = None
     ) -> AsyncIterator[PlacementPass | None]:
         """One placement pass under the scheduler lock: yields what it reads (the
         oldest ``limit`` placeable jobs of each lane, the work samplers hold), for
         the caller to assign jobs (``PlacementPass.assign``) before the block
-        ends; None if another replica holds the lock. The samplers themselves
-        come from presence (``services.presence_view``), not from here."""
+        ends; None if another replica holds the lock. ``models``: only jobs of
+        these models are read (None: of any). The samplers themselves come from
+        presence (``services.presence_view``), not from here."""
         async with self.db.tx() as conn:
             read = await fetch_one(
                 conn,
@@ -106,6 +110,8 @@ class Scheduling(Area):
                     "max_attempts": max_attempts,
                     "now": now,
                     "held": _HELD,
+                    "any_model": models is None,
+                    "models": list(models or ()),
                 },
             )
             if read is None or not read["locked"]:
