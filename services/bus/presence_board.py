@@ -21,7 +21,13 @@ from typing import Any
 import nats
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from services.backoff import Backoff
@@ -40,6 +46,8 @@ SUBJECT_PREFIX = f"$KV.{BUCKET}"
 # scheduler can still tell when a silent worker was last heard of.
 KEEP_S = 6 * 3600.0
 PLAN = "plan"
+# JetStream's "stream name already in use with a different configuration".
+_STREAM_NAME_IN_USE = 10058
 
 
 def worker_key(kind: WorkerKind, worker_id: str) -> str:
@@ -117,7 +125,13 @@ class PresenceBoard:
         while True:
             try:
                 if create:
-                    return cls(await js.create_key_value(bucket_config(replicas)))
+                    try:
+                        return cls(await js.create_key_value(bucket_config(replicas)))
+                    except BadRequestError as exc:
+                        if exc.err_code != _STREAM_NAME_IN_USE:
+                            raise
+                        # Made already, with other settings (another service's
+                        # replicas): it is the same bucket; use it as it is.
                 return cls(await js.key_value(BUCKET))
             except (BucketNotFoundError, NotFoundError) as exc:
                 if time.monotonic() >= deadline:

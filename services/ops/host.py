@@ -177,6 +177,7 @@ class EventsInBackground:
         presence: PresenceView | None = None,
     ) -> None:
         self.servers, self.events, self.connection_name = kernel.nats_servers, events, connection_name
+        self.replicas = kernel.nats_replicas
         self.credentials = credentials
         self.presence = presence  # kept up to date from the presence bucket once NATS answers
         self._connecting: asyncio.Task[None] | None = None
@@ -190,7 +191,7 @@ class EventsInBackground:
                 await self.events.route()
                 if self.presence is not None:
                     # Only the scheduler creates the bucket in a sealed mesh.
-                    board = BoardOnConnection(lambda: nc, create=self.credentials is None)
+                    board = BoardOnConnection(lambda: nc, replicas=self.replicas, create=self.credentials is None)
                     await follow(self.presence, nc, board, stop)
 
         if self.servers:

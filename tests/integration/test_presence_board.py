@@ -13,8 +13,9 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js.api import KeyValueConfig
 
-from services.bus.presence_board import Announcement, PresenceBoard
+from services.bus.presence_board import BUCKET, Announcement, PresenceBoard
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
 from services.errors import WorkerSuperseded
@@ -61,8 +62,10 @@ async def test_a_view_follows_heartbeats_plans_and_stops(nats_server: EmbeddedNa
     try:
         board = await PresenceBoard.open(worker.jetstream())
         await board.announce(announcement("w1", "inc-1"))
-        await until(lambda: [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w1"], "w1 live")
-        assert view.settled_for(0)
+        await until(
+            lambda: [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w1"] and view.settled_for(0),
+            "w1 live, and the view settled",
+        )
 
         plans = await PresenceBoard.open(scheduler.jetstream())
         await plans.store_plan("w1", WarmPlan("tiny", ("tiny",)))
@@ -118,4 +121,15 @@ async def test_a_view_started_later_knows_the_bucket_and_waits_out_an_outage(nat
     finally:
         stop.set()
         await following
+        await nc.close()
+
+
+async def test_a_bucket_made_with_other_settings_is_used_as_it_is(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        await nc.jetstream().create_key_value(KeyValueConfig(bucket=BUCKET, history=2))
+        board = await PresenceBoard.open(nc.jetstream(), replicas=1)  # would make it with history 1
+        await board.announce(announcement("w1", "inc-1"))
+        assert [w.id for w in await read_once(nc, stale_after_s=10)] == ["w1"]
+    finally:
         await nc.close()
