@@ -99,7 +99,7 @@ class Passes:
             limit=self.settings.batch,
             max_attempts=self.settings.max_attempts,
             now=now,
-            models=self.window_models(workers),
+            models=window_models(workers, self.costs),
         ) as read:
             if read is None or not read.queued:
                 return 0
@@ -148,21 +148,6 @@ class Passes:
             made[record.id] = known if known is not None and known[0] is record else (record, facts.worker(record))
         self._facts = made
         return tuple(worker for _, worker in made.values())
-
-    def window_models(self, workers: Sequence[Worker]) -> list[str]:
-        """The models whose queued jobs a pass reads: those a live sampler serves, and
-        those of a capability none serves (so that their jobs are told they wait for
-        it). A job of a model no live sampler serves, of a capability others do,
-        waits out of the pass's sight: a backlog of them must not fill a tenant's
-        window and hide the jobs behind it that could run."""
-        served = {m for w in workers if w.state == WorkerStatus.READY for m in w.models}
-        capabilities = {
-            c
-            for w in workers
-            if w.state == WorkerStatus.READY
-            for c in (w.capabilities or {self.costs[m].capability for m in w.models if m in self.costs})
-        }
-        return sorted(m for m, cost in self.costs.items() if m in served or cost.capability not in capabilities)
 
     async def note_waiting(self, placements: Sequence[Placement]) -> None:
         """Records on each job that no live sampler can serve what it waits for
@@ -271,6 +256,18 @@ class Passes:
         if forgotten:
             log.info("forgot workers gone for good: %s", ", ".join(forgotten))
         return forgotten
+
+
+def window_models(workers: Sequence[Worker], costs: Mapping[str, ModelCost]) -> list[str]:
+    """The models whose queued jobs a pass reads: those a live sampler serves, and
+    those of a capability none serves (so that their jobs are told they wait for
+    it). A job of a model no live sampler serves, of a capability others do,
+    waits out of the pass's sight: a backlog of them must not fill a tenant's
+    window and hide the jobs behind it that could run."""
+    ready = [w for w in workers if w.state == WorkerStatus.READY]
+    served = {m for w in ready for m in w.models}
+    capabilities = {c for w in ready for c in (w.capabilities or {costs[m].capability for m in w.models if m in costs})}
+    return sorted(m for m, cost in costs.items() if m in served or cost.capability not in capabilities)
 
 
 async def recover_stalled(

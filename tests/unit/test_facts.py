@@ -42,6 +42,7 @@ import pytest
 from scheduler import driver, facts
 from scheduler.estimates import Durations, Learned
 from scheduler.learning import durations_from
+from scheduler.passes import window_models
 from scheduler.policy import Fleet, ModelCost
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
@@ -50,11 +51,11 @@ from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.scenario import GIB
 from scheduler.simulator.trace import TraceJob
 from scheduler.simulator.world import Job
-from scheduler.snapshot import FleetSnapshot, Progress
+from scheduler.snapshot import FleetSnapshot, Progress, Worker
 from scheduler.views import job_view, running_views, worker_views
 from services.db.counts import SubmittedCount
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJobRecord
-from services.db.states import JobStatus
+from services.db.states import JobStatus, WorkerStatus
 from services.generation import BatchKey, JobShape
 from tests import fleets
 from tests.records import new_job, summary, worker_record
@@ -466,3 +467,20 @@ def test_a_job_whose_gpu_failed_avoids_it_in_both(sim_world: Simulated) -> None:
     produced = facts.queued_job(lost)
     assert produced.failed_on == frozenset({"fast"})
     assert sim_world.policy.facts.queued_job(sim_world.jobs[A]).failed_on == produced.failed_on
+
+
+def test_a_pass_reads_the_jobs_of_served_models_and_of_capabilities_none_serves() -> None:
+    costs = {
+        "sd": ModelCost("image", step_s_512=0.05, load_s=8.0, vram_bytes=1),
+        "xl": ModelCost("image", step_s_512=0.1, load_s=12.0, vram_bytes=1),
+        "vid": ModelCost("video", step_s_512=0.5, load_s=30.0, vram_bytes=1),
+    }
+
+    def sampler(wid: str, models: set[str], state: WorkerStatus = WorkerStatus.READY) -> Worker:
+        return Worker(wid, state, frozenset(models), frozenset(), 0, 0, 1.0, 0.0, frozenset())
+
+    # xl: no live sampler serves it, but image work is served: its backlog stays out of sight.
+    assert window_models([sampler("a", {"sd"})], costs) == ["sd", "vid"]
+    # A draining sampler serves nothing; none at all: every job is read (and told what it waits for).
+    assert window_models([sampler("a", {"sd", "xl", "vid"}, WorkerStatus.DRAINING)], costs) == ["sd", "vid", "xl"]
+    assert window_models([], costs) == ["sd", "vid", "xl"]
