@@ -128,6 +128,16 @@ class PresenceView:
         record = record_of(announcement, self._plans.get(worker_id), live=True, heard_at=heard)
         self._seen[worker_id] = Seen(announcement, at, record)
 
+    @property
+    def keys(self) -> str:
+        """What of the bucket the view needs: a sampler's view of its decoders
+        watches the decoders' keys alone (not every sampler's heartbeat, which a
+        thousand samplers would each receive a thousand times a second)."""
+        if len(self.kinds) == 1:
+            [kind] = self.kinds
+            return f"{kind.value}.>"
+        return ">"
+
     def settled(self) -> None:
         """The watch has delivered what the bucket held, and follows it."""
         if self._settled_since is None:
@@ -195,7 +205,7 @@ async def follow(
     backoff = Backoff(max_s=2.0)
     while not stop.is_set():
         try:
-            watcher = await (await open_board()).watch()
+            watcher = await (await open_board()).watch(view.keys)
             try:
                 await _fold(view, nc, watcher, stop)
                 backoff.reset()

@@ -129,3 +129,8 @@ def test_nothing_is_judged_until_the_view_has_settled_for_long_enough() -> None:
     view.settled()  # settling again does not restart the count
     clock.now += 10
     assert view.settled_for(10)
+
+
+def test_a_view_of_one_kind_watches_only_that_kinds_keys() -> None:
+    assert PresenceView((WorkerKind.DECODER,)).keys == "decoder.>"
+    assert PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER)).keys == ">"  # and the plans
