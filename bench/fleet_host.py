@@ -10,7 +10,8 @@ one interpreter, the kernel's settings.
 ``BENCH_FLEET_IDS`` names the worker ids (comma-separated); ``BENCH_FLEET_RAMP_S``
 spreads their starts over that many seconds (a thousand samplers registering in
 the same instant is a thundering herd no real fleet sees). SIGTERM drains them all,
-as it drains one."""
+as it drains one. Behind a PgBouncer, the harness sets ``DARKROOM_DATABASE_POOLED``
+as an operator would (services/config/sections.py): nothing here is special."""
 
 from __future__ import annotations
 
@@ -32,9 +33,6 @@ from services.telemetry import logs
 
 IDS = "BENCH_FLEET_IDS"
 RAMP = "BENCH_FLEET_RAMP_S"
-# "1": the samplers' database is a PgBouncer in transaction mode. Until a setting
-# says so (DARKROOM_DATABASE_POOLED), the sampler's Repository is made pooled here.
-POOLED = "BENCH_FLEET_POOLED"
 
 log = logging.getLogger("bench.fleet_host")
 
@@ -50,21 +48,6 @@ async def one(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.E
     except Exception:
         log.exception("sampler %s failed", settings.worker_id)
         return 1
-
-
-def pooled_setting() -> bool:
-    """Whether the kernel's settings have a setting for a pooled database."""
-    return any(f.name == "database_pooled" for f in dataclasses.fields(KernelSettings))
-
-
-def pool_through_bouncer() -> None:
-    """The sampler's repository made as ``Repository(url, pooled=True)``: no prepared
-    statements, no startup options (services.ops.pgbouncer)."""
-    import functools
-
-    from gpu_worker import service
-
-    service.Repository = functools.partial(service.Repository, pooled=True)  # type: ignore[misc,assignment]
 
 
 async def run(ids: list[str], ramp_s: float) -> int:
@@ -91,8 +74,6 @@ def main() -> None:
     kernel = KernelSettings.from_env()
     logs.configure(kernel.log_level, service="sampler", fmt=kernel.log_format)
     log.info("%d samplers in process %d", len(ids), os.getpid())
-    if os.environ.get(POOLED) == "1" and not pooled_setting():
-        pool_through_bouncer()
     sys.exit(run_loop(run(ids, float(os.environ.get(RAMP, "0")))))
 
 

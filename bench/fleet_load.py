@@ -19,7 +19,10 @@ pass timed (``bench/fleet_scheduler.py``). Load comes from ``bench/loadgen.py``
 Per N, on a fresh stack, in order:
 1. idle: the fleet registered and nothing submitted, for ``--idle-seconds``: what
    presence alone costs (PostgreSQL connections, statements and commits per
-   second, NATS messages and bytes per second);
+   second, NATS messages and bytes per second). Presence is NATS traffic: each
+   worker's heartbeat is a put to a JetStream key-value bucket
+   (services/bus/presence_board.py), counted as the bucket stream's stored
+   messages per second; readiness is judged from that bucket too (``presence_now``);
 2. light load (``--light-rate``): the time the stack adds to a job (submit to the
    last image byte, minus the modelled sampling time);
 3. saturation: rising offered rates until completions fall behind; the level that
@@ -28,7 +31,8 @@ Per N, on a fresh stack, in order:
 4. backlog: ``--queued`` jobs of ``sim-held``, which no fake sampler can hold
    (it is larger than their memory budget), submitted and left queued; then the
    placement passes over ``--backlog-seconds`` with those queued and light load
-   on top.
+   on top (and how many of that light load's jobs completed: queued work no
+   sampler can hold must not block the jobs behind it).
 It prints one table row per N, then each N's PostgreSQL statements by kind."""
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ import psycopg
 
 from bench import controlplane
 from bench.controlplane import KEEPS_UP, Run, percentile, run_load
-from bench.fleet_host import IDS, POOLED, RAMP, pooled_setting
+from bench.fleet_host import IDS, RAMP
 from bench.fleet_scheduler import PASS_LOG
 from services.bus.dispatch import host_token
+from services.bus.presence_board import STREAM as PRESENCE_STREAM
 from services.config.sections import Settings
 from services.mesh.nats_auth import sampler_user
 from services.mesh.secrets import ensure_certificates
@@ -107,6 +112,18 @@ class MonitoredNats(EmbeddedNats):
     def varz(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/varz", timeout=5) as reply:
             return dict(json.load(reply))
+
+    def stream_sequences(self) -> dict[str, int]:
+        """Each JetStream stream's last sequence: what was stored in it so far (a
+        key-value bucket's stream counts its puts and deletes)."""
+        url = f"http://127.0.0.1:{self.http_port}/jsz?accounts=true&streams=true"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            jsz = json.load(reply)
+        return {
+            stream["name"]: int(stream["state"]["last_seq"])
+            for account in jsz.get("account_details", ())
+            for stream in account.get("stream_detail", ())
+        }
 
 
 class FleetStack(LocalStack):
@@ -184,9 +201,7 @@ class FleetStack(LocalStack):
                 max_db_connections=self.pooler_size,
             )
             self.bouncer.start()
-            pooled = {"DARKROOM_DATABASE_URL": self.bouncer.url, POOLED: "1"}
-            if pooled_setting():
-                pooled["DARKROOM_DATABASE_POOLED"] = "true"
+            pooled = {"DARKROOM_DATABASE_URL": self.bouncer.url, "DARKROOM_DATABASE_POOLED": "true"}
         for h in range(hosts):
             mine = ids[h::hosts]
             env = {
@@ -283,6 +298,7 @@ class NatsSnapshot:
     in_bytes: int
     out_bytes: int
     connections: int
+    streams: dict[str, int]  # each JetStream stream's last sequence
 
 
 class Monitor:
@@ -360,7 +376,13 @@ class Monitor:
     def nats(self) -> NatsSnapshot:
         v = self.stack.monitored_nats.varz()
         return NatsSnapshot(
-            time.perf_counter(), v["in_msgs"], v["out_msgs"], v["in_bytes"], v["out_bytes"], v["connections"]
+            time.perf_counter(),
+            v["in_msgs"],
+            v["out_msgs"],
+            v["in_bytes"],
+            v["out_bytes"],
+            v["connections"],
+            self.stack.monitored_nats.stream_sequences(),
         )
 
     def close(self) -> None:
@@ -383,6 +405,8 @@ class Window:
     nats_in_kb_s: float
     nats_out_kb_s: float
     nats_connections: int
+    presence_puts_s: float  # writes to presence's key-value bucket (heartbeats, plans, stops)
+    streams_s: dict[str, float]  # messages stored per second, by JetStream stream
 
 
 def window(monitor: Monitor, before: tuple[PgSnapshot, NatsSnapshot], after: tuple[PgSnapshot, NatsSnapshot]) -> Window:
@@ -408,6 +432,8 @@ def window(monitor: Monitor, before: tuple[PgSnapshot, NatsSnapshot], after: tup
         nats_in_kb_s=(n1.in_bytes - n0.in_bytes) / nats_s / 1024,
         nats_out_kb_s=(n1.out_bytes - n0.out_bytes) / nats_s / 1024,
         nats_connections=n1.connections,
+        presence_puts_s=(n1.streams.get(PRESENCE_STREAM, 0) - n0.streams.get(PRESENCE_STREAM, 0)) / nats_s,
+        streams_s={name: (seq - n0.streams.get(name, 0)) / nats_s for name, seq in sorted(n1.streams.items())},
     )
 
 
@@ -615,8 +641,9 @@ def added_ms(run: Run | None, modelled: float, q: float) -> float:
 
 HEADER = (
     "| N samplers | hosts | PG conns idle / peak | PG stmts/s idle | PG commits/s idle | NATS msgs/s idle (in/out) "
-    "| NATS KB/s idle (in/out) | jobs/s at saturation | PG stmts/s sat | PG commits/s sat | PG stmts / job "
-    "| NATS msgs/s sat (in/out) | pass p50/p99 ms sat | pass p50/p99 ms, Q queued | Q | added ms light p50/p99 "
+    "| NATS KB/s idle (in/out) | presence KV puts/s idle / sat | jobs/s at saturation | PG stmts/s sat "
+    "| PG commits/s sat | PG stmts / job | NATS msgs/s sat (in/out) | pass p50/p99 ms sat | pass p50/p99 ms, Q queued "
+    "| Q | light jobs done / sent, Q queued | added ms light p50/p99 | added ms light p50/p99, Q queued "
     "| CPU cores sat |"
 )
 
@@ -629,6 +656,8 @@ def row(r: Result, modelled: float) -> str:
     bp = r.backlog_passes
     backlog = f"{fmt(bp.p50_ms, 1)} / {fmt(bp.p99_ms, 1)}" if bp is not None and bp.working else "n/a"
     cpu = sum(sat.cpu.values()) / max(sat.wall_s, 1e-9)
+    bl = r.backlog_light
+    backlog_done = f"{len(bl.done)} / {len(bl.records)}" if bl is not None else "n/a"
     windows = [r.idle, r.light_window, sw, *([r.backlog_window] if r.backlog_window else [])]
     peak = max(w.connections_peak for w in windows)
     return (
@@ -636,11 +665,13 @@ def row(r: Result, modelled: float) -> str:
         f"| {fmt(r.idle.statements_s)} | {fmt(r.idle.commits_s)} "
         f"| {fmt(r.idle.nats_in_msgs_s)} / {fmt(r.idle.nats_out_msgs_s)} "
         f"| {fmt(r.idle.nats_in_kb_s)} / {fmt(r.idle.nats_out_kb_s)} "
+        f"| {fmt(r.idle.presence_puts_s)} / {fmt(sw.presence_puts_s)} "
         f"| {fmt(sat.achieved)} | {fmt(sw.statements_s)} | {fmt(sw.commits_s)} | {fmt(per_job, 1)} "
         f"| {fmt(sw.nats_in_msgs_s)} / {fmt(sw.nats_out_msgs_s)} "
         f"| {fmt(r.saturation_passes.p50_ms, 1)} / {fmt(r.saturation_passes.p99_ms, 1)} "
-        f"| {backlog} | {r.backlog_queued:,} "
+        f"| {backlog} | {r.backlog_queued:,} | {backlog_done} "
         f"| {fmt(added_ms(r.light, modelled, 50), 1)} / {fmt(added_ms(r.light, modelled, 99), 1)} "
+        f"| {fmt(added_ms(bl, modelled, 50), 1)} / {fmt(added_ms(bl, modelled, 99), 1)} "
         f"| {cpu:.2f} |"
     )
 
@@ -687,6 +718,9 @@ def detail(r: Result, modelled: float) -> str:
             f"p50/p99 ({len(r.backlog_light.done) if r.backlog_light else 0} jobs)"
         )
     out.append(f"  NATS connections: {r.idle.nats_connections}; light-load added latency over {len(r.light.done)} jobs")
+    for name, w in (("idle", r.idle), ("saturation", r.saturation_window)):
+        stored = {k: round(v, 1) for k, v in w.streams_s.items() if v}
+        out.append(f"  JetStream messages stored per second, {name} (presence is {PRESENCE_STREAM}): {stored}")
     out += [f"  note: {n}" for n in r.notes]
     return "\n".join(out)
 

@@ -1,8 +1,9 @@
 """The scheduler, as ``python -m scheduler`` runs it, with each placement pass timed:
 ``bench/fleet_load.py`` runs this in place of the scheduler service. The scheduler
 has no metric of its pass's duration, so this wraps ``Passes.place`` (the whole
-pass: the locked read, the policy, the writes, the events and the dispatches) and
-appends one line per pass to ``BENCH_PASS_LOG``:
+pass: the locked read, the policy, the writes, the events and the dispatches; the
+live samplers come from presence's view, kept from NATS) and appends one line per
+pass to ``BENCH_PASS_LOG``:
 
     <unix time at its end> <seconds> <queued jobs it read, -1: none> <live samplers it read> <jobs placed>
 
@@ -32,10 +33,17 @@ def instrument(path: Path) -> None:
     snapshot = facts.fleet_snapshot
     place = scheduler_passes.Passes.place
 
+    live_samplers = scheduler_passes.Passes.live_samplers
+
     def fleet_snapshot(*args: Any, **kwargs: Any) -> Any:
         seen["queued"] = len(kwargs.get("queued", ()))
-        seen["workers"] = len(kwargs.get("workers", ()))
         return snapshot(*args, **kwargs)
+
+    def counted_samplers(self: scheduler_passes.Passes) -> Any:
+        # The pass's samplers come from presence (NATS), not from a snapshot's rows.
+        workers = live_samplers(self)
+        seen["workers"] = len(workers)
+        return workers
 
     async def timed_place(self: scheduler_passes.Passes) -> int:
         seen.clear()
@@ -46,6 +54,7 @@ def instrument(path: Path) -> None:
         return placed
 
     facts.fleet_snapshot = fleet_snapshot  # type: ignore[assignment]
+    scheduler_passes.Passes.live_samplers = counted_samplers  # type: ignore[method-assign]
     scheduler_passes.Passes.place = timed_place  # type: ignore[method-assign]
 
 
