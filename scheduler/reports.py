@@ -11,7 +11,6 @@ from scheduler.recovery import Fail, Recovery, Requeue
 from services.db.records import JobSummary
 from services.telemetry.metrics import ATTEMPTS_FAILED, JOBS_FINISHED, REQUEUES
 
-
 # The candidates a job's routing keeps: the chosen worker, then the next best.
 # (A fleet of a thousand GPUs would otherwise write a thousand with every job.)
 ROUTING_CANDIDATES = 8
