@@ -284,41 +284,37 @@ def _nearest(
     fleet: Fleet,
     config: PlacementSettings,
 ) -> tuple[Candidate, ...]:
-    """The candidates ``place`` decides from: the workers holding a batch the job
-    may join, then the rest least loaded first (ties by id), stopping where none
-    further can matter. A job can finish on a worker that holds no batch for it no
-    sooner than the work held there (a hot GPU only stretches it) plus its own
-    duration on the fastest worker. Once that passes the best finish found (or,
-    while the best has no room, what a warm worker with room may cost instead:
-    ``spill_within`` times it), no worker further on can be chosen. So a
-    pass over a thousand GPUs scores the few near the front, not all of them.
-    Refused workers keep their candidates (free: each model's are made once a pass)."""
+    """The candidates ``place`` decides from, scoring workers least loaded first
+    (ties by id) and only those that could still be chosen. A job can finish on a
+    worker no sooner than the work held there (a hot GPU only stretches it), plus,
+    unless the worker holds a batch it may join, its own duration on the fastest
+    worker. A worker whose bound passes the best finish found (or, while the best
+    has no room, what a warm worker with room may cost instead: ``spill_within``
+    times it) cannot be chosen, nor can one that would at most tie with a best
+    that has room and loses the tie by id; once the held work alone passes, no
+    worker further on can be. So a pass over a thousand GPUs scores the few near
+    the front, not all of them. Refused workers keep their candidates (free: each
+    model's are made once a pass)."""
     scored: dict[int, Candidate] = {}
     best: Candidate | None = None
+    joinable = near.joinable.get(job.batch_key, set())
+    own_s = fleet.durations.shape_seconds(job.shape, fleet.costs[job.model].step_s_512) / near.fastest
 
-    def consider(i: int) -> None:
-        nonlocal best
-        if workers[i].id in refused:
-            return
-        c = scored[i] = _score(job, workers[i], fleet, config)
+    def beyond(bound: float, worker_id: str) -> bool:
+        if best is None:
+            return False
+        limit = best.finish_s if best.has_room else best.finish_s * max(config.spill_within, 1.0)
+        return bound > limit or (best.has_room and bound == limit and worker_id > best.worker_id)
+
+    for i in near.by_load:
+        worker = workers[i]
+        if beyond(worker.held_work_s, worker.id):
+            break  # and every worker after it, more loaded (or as loaded, a greater id)
+        if worker.id in refused or beyond(worker.held_work_s + (0.0 if i in joinable else own_s), worker.id):
+            continue
+        c = scored[i] = _score(job, worker, fleet, config)
         if c.eligible and (best is None or (c.finish_s, c.worker_id) < (best.finish_s, best.worker_id)):
             best = c
-
-    joinable = near.joinable.get(job.batch_key, ())
-    for i in sorted(joinable):
-        consider(i)
-    own_s = fleet.durations.shape_seconds(job.shape, fleet.costs[job.model].step_s_512) / near.fastest
-    for i in near.by_load:
-        if i in joinable:
-            continue
-        if best is not None:
-            bound = workers[i].held_work_s + own_s
-            limit = best.finish_s if best.has_room else best.finish_s * max(config.spill_within, 1.0)
-            # A worker that can at most tie with a best that has room loses the
-            # tie if its id is greater, and so do the rest of its load (by id).
-            if bound > limit or (best.has_room and bound == limit and workers[i].id > best.worker_id):
-                break
-        consider(i)
     return tuple(refused.get(w.id) or scored[i] for i, w in enumerate(workers) if w.id in refused or i in scored)
 
 

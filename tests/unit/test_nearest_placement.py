@@ -115,3 +115,27 @@ def test_a_jobs_routing_keeps_the_chosen_worker_and_the_next_best() -> None:
     kept = [c["worker_id"] for c in routing["candidates"]]  # type: ignore[attr-defined]
     assert kept[0] == "w0500" and len(kept) == reports.ROUTING_CANDIDATES
     assert kept[1:] == ["w0998", "w0997", "w0995", "w0994", "w0992", "w0991", "w0989"]  # eligible, soonest first
+
+
+def test_a_thousand_busy_workers_each_holding_a_batch_to_join_are_not_all_scored() -> None:
+    key = JobView("k", "sd", 512, 512, 20, 1).batch_key
+    rng = random.Random(5)
+    workers = [
+        WorkerView(
+            f"w{i:04d}",
+            frozenset({"sd"}),
+            frozenset({"sd"}),
+            24 * GB,
+            4 * GB,
+            held_jobs=2,
+            held_work_s=rng.uniform(1.0, 20.0),
+            held_capabilities=frozenset({"image"}),
+            open_batches=((key, 2),),
+        )
+        for i in range(1000)
+    ]
+    jobs = [JobView(f"j{i:02d}", "sd", 512, 512, 20, 1, queued_at=float(i)) for i in range(64)]
+    placements = placement.plan(jobs, workers, Fleet(COSTS), SETTINGS[0], now=100.0)
+    assert all(p.worker_id is not None for p in placements)
+    # The front evens out as jobs join the least loaded: still a small share of 64,000.
+    assert sum(len(p.candidates) for p in placements) < 64 * 1000 // 5
