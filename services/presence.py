@@ -137,7 +137,6 @@ class Presence:
                 log.warning("cannot register, retrying in %.1fs: %s", backoff.next_s, exc)
                 await backoff.wait(stop)
                 continue
-            self.plan = registration.plan
             self.started_at = time.time()
             await self.beat()  # heard of at once, not an interval later
             if registration.requeued:

@@ -141,7 +141,6 @@ class FakeWorkers:
 
     requeued: tuple[str, ...] = ()
     handed_back: list[str] = field(default_factory=list)
-    plan: WarmPlan = field(default_factory=lambda: WarmPlan(None, ()))
     register_outage: Outage = field(default_factory=Outage)
     registered: list[tuple[WorkerHeartbeat, str]] = field(default_factory=list)
     deregistered: list[tuple[str, str]] = field(default_factory=list)
@@ -149,7 +148,7 @@ class FakeWorkers:
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration:
         self.register_outage.check()
         self.registered.append((hb, incarnation))
-        return Registration(self.plan, self.requeued)
+        return Registration(self.requeued)
 
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]:
         self.deregistered.append((worker_id, incarnation))

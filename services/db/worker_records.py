@@ -77,10 +77,9 @@ class WarmPlan:
 
 @dataclass(frozen=True)
 class Registration:
-    """What a worker learns when it starts: its warm plan, and the jobs an earlier
-    incarnation of it held that went back to the queue."""
+    """What a worker learns when it starts: the jobs an earlier incarnation of it
+    held that went back to the queue. (Its warm plan it reads from presence.)"""
 
-    plan: WarmPlan
     requeued: tuple[str, ...]
 
 

@@ -47,13 +47,13 @@ async def test_it_registers_once_the_database_is_back_and_publishes_the_requeued
     h = Harness()
     h.workers.register_outage.calls = 2
     h.workers.requeued = ("j1", "j2")
-    h.workers.plan = WarmPlan("tiny", ("tiny",))
+    h.board.stored_plan = WarmPlan("tiny", ("tiny",))
     assert await asyncio.wait_for(h.presence.register(asyncio.Event()), 10.0)
     assert h.workers.register_outage.tried == 3
     [(hb, incarnation)] = h.workers.registered
     assert hb.status == WorkerStatus.STARTING and incarnation == h.presence.incarnation
-    assert h.presence.plan == WarmPlan("tiny", ("tiny",))
     assert h.statuses() == [WorkerStatus.STARTING]  # heard of at once, on NATS
+    assert h.presence.plan == WarmPlan("tiny", ("tiny",))  # read back with that heartbeat
     assert [(e.job_id, e.attempt, e.status) for e in h.events.published] == [("j1", 0, None), ("j2", 0, None)]
     assert h.events.work_calls == 1
 

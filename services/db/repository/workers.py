@@ -16,7 +16,7 @@ from services.db.records import AttemptFailure
 from services.db.repository.database import Area, fetch_all, fetch_one
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, STARTED, WorkerKind, WorkerStatus
-from services.db.worker_records import WORKER_COLUMNS, Registration, WarmPlan, WorkerHeartbeat, WorkerRecord
+from services.db.worker_records import WORKER_COLUMNS, Registration, WorkerHeartbeat, WorkerRecord
 
 _HELD = [st.value for st in HELD]
 # The worker registered recently, by the database's clock.
@@ -64,10 +64,6 @@ def _values(hb: WorkerHeartbeat, incarnation: str) -> dict[str, Any]:
     }
 
 
-def _plan(row: DictRow) -> WarmPlan:
-    return WarmPlan(row["primary_model"], tuple(row["planned_models"] or ()))
-
-
 class Workers(Area):
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration:
         """A worker process starts: records it under a new incarnation. The jobs an
@@ -96,12 +92,11 @@ class Workers(Area):
                 requeued = sorted(changed)
             row = await fetch_one(
                 conn,
-                _INSERT + f" ON CONFLICT (id) DO UPDATE SET {_SET_HEARTBEAT}, started_at = now() "
-                "RETURNING primary_model, planned_models",
+                _INSERT + f" ON CONFLICT (id) DO UPDATE SET {_SET_HEARTBEAT}, started_at = now() RETURNING id",
                 _values(hb, incarnation),
             )
             assert row is not None
-            return Registration(_plan(row), tuple(requeued))
+            return Registration(tuple(requeued))
 
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]:
         """The worker stops: marked gone, and whatever it still holds goes back to
