@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import uuid
 from datetime import UTC, datetime
 
 from scheduler.job_gauges import job_gauges_loop
@@ -42,13 +43,22 @@ class Scheduler:
         registry: ModelRegistry,
         *,
         stale_after_s: float,
+        heartbeat_interval_s: float = 1.0,
         mesh: MeshIdentity | None = None,
     ) -> None:
         self.settings = settings
         self.stale_after_s = stale_after_s
         self.repo = repo
         self.bus = bus
-        self.presence = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER))
+        # This replica beats in the presence bucket as often as workers do, and its
+        # view expects to hear something at least every few beats: a watch that stops
+        # delivering (its NATS server cut off, unnoticed yet) must not age the fleet.
+        self.beat_every_s = heartbeat_interval_s
+        self.replica = uuid.uuid4().hex[:12]
+        self.presence = PresenceView(
+            (WorkerKind.SAMPLER, WorkerKind.DECODER),
+            expect_within_s=min(stale_after_s / 2, 3 * heartbeat_interval_s),
+        )
         self.board = BoardOnConnection(lambda: bus.nc, replicas=bus.replicas, create=True)
         self.passes = Passes(
             settings,
@@ -140,6 +150,16 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.plan_interval_s)
 
+    async def canary_loop(self, stop: asyncio.Event) -> None:
+        """Beats in the presence bucket, for this replica's own view to hear."""
+        while not stop.is_set():
+            try:
+                await (await self.board()).canary(self.replica)
+            except BusError as exc:
+                log.debug("no beat in the presence bucket: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.beat_every_s)
+
     async def run(self, stop: asyncio.Event) -> None:
         try:
             await self.passes.events.on_work(self._wake)
@@ -147,6 +167,7 @@ class Scheduler:
             log.warning("not woken by work events (placing every %.3fs): %s", self.settings.interval_s, exc)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(follow(self.presence, self.bus.nc, self.board, stop))
+            tg.create_task(self.canary_loop(stop))
             tg.create_task(self.placement_loop(stop))
             tg.create_task(self.recovery_loop(stop))
             tg.create_task(self.planning_loop(stop))
@@ -184,7 +205,15 @@ async def serve(kernel: KernelSettings, settings: SchedulerSettings, stop: async
 
     async def work() -> None:
         log.info("scheduler running (health on port %d)", server.port)
-        scheduler = Scheduler(settings, repo, nats.bus, registry, stale_after_s=kernel.worker_stale_after_s, mesh=mesh)
+        scheduler = Scheduler(
+            settings,
+            repo,
+            nats.bus,
+            registry,
+            stale_after_s=kernel.worker_stale_after_s,
+            heartbeat_interval_s=kernel.heartbeat_interval_s,
+            mesh=mesh,
+        )
         await scheduler.run(stop)
 
     return await host(parts, work, stop)

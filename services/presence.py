@@ -94,6 +94,8 @@ class WorkerRegistry(Protocol):
 
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration: ...
 
+    async def heartbeat(self, worker_id: str, incarnation: str) -> None: ...
+
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]: ...
 
 
@@ -166,7 +168,21 @@ class Presence:
             self.superseded.set()
             self.on_superseded()
         except BusError as exc:
-            log.warning("heartbeat failed: %s", exc)
+            await self._beat_in_database(exc)
+
+    async def _beat_in_database(self, why: BusError) -> None:
+        """NATS cannot take the heartbeat: PostgreSQL is told instead, so that the
+        scheduler does not take this worker for dead while its NATS is away."""
+        try:
+            await self.workers.heartbeat(self.worker_id, self.incarnation)
+        except WorkerSuperseded as exc:
+            log.error("%s; stopping", exc)
+            self.superseded.set()
+            self.on_superseded()
+        except StoreError as exc:
+            log.warning("heartbeat failed on NATS (%s) and in the database (%s)", why, exc)
+        else:
+            log.warning("heartbeat failed on NATS, told the database instead: %s", why)
 
     async def set_status(self, status: WorkerStatus) -> None:
         """Changes the reported status and says so at once."""

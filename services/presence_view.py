@@ -28,7 +28,7 @@ from nats.js.kv import KeyValue
 
 from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS
-from services.bus.presence_board import PLAN, Announcement, PresenceBoard, decode_plan
+from services.bus.presence_board import CANARY, PLAN, Announcement, PresenceBoard, decode_plan
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerRecord
 from services.errors import BusError
@@ -82,9 +82,19 @@ def record_of(announcement: Announcement, plan: WarmPlan | None, *, live: bool, 
 class PresenceView:
     """What the heartbeats of ``kinds`` say, folded in as they arrive."""
 
-    def __init__(self, kinds: Collection[WorkerKind], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        kinds: Collection[WorkerKind],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        expect_within_s: float | None = None,
+    ) -> None:
         self.kinds = frozenset(kinds)
         self.clock = clock
+        # Something (a scheduler's own beat, ``CANARY``) arrives at least this often:
+        # a watch silent for longer has stopped, and the view is unsettled until a
+        # new one catches up. None: nothing is expected (a quiet bucket is quiet).
+        self.expect_within_s = expect_within_s
         self._seen: dict[str, Seen] = {}
         self._plans: dict[str, WarmPlan] = {}
         self._settled_since: float | None = None
@@ -97,6 +107,8 @@ class PresenceView:
         """One entry of the bucket: a heartbeat, a plan, or a deletion (value None).
         ``age_s``: how long ago it was written, for values that predate the watch."""
         kind, _, worker_id = key.partition(".")
+        if kind == CANARY:
+            return
         if kind == PLAN:
             if value is None:
                 self._plans.pop(worker_id, None)
@@ -219,8 +231,10 @@ async def follow(
 
 
 async def _fold(view: PresenceView, nc: nats.NATS, watcher: KeyValue.KeyWatcher, stop: asyncio.Event) -> None:
-    """One watch, until ``stop`` or until NATS was away (then the caller starts over)."""
+    """One watch, until ``stop``, or until NATS was away or the watch fell silent
+    for longer than the view expects (then the caller starts over)."""
     initial = True
+    heard_at = view.clock()
     while not stop.is_set():
         if not nc.is_connected:
             view.unsettled()
@@ -228,10 +242,15 @@ async def _fold(view: PresenceView, nc: nats.NATS, watcher: KeyValue.KeyWatcher,
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), POLL_S)
             return
+        if view.expect_within_s is not None and view.clock() - heard_at > view.expect_within_s:
+            view.unsettled()
+            log.warning("presence: nothing heard for %.1fs; watching afresh", view.clock() - heard_at)
+            return
         try:
             entry = await watcher.updates(timeout=POLL_S)
         except (TimeoutError, nats.errors.TimeoutError):
             continue
+        heard_at = view.clock()
         if entry is None:  # the bucket's latest values are all in
             initial = False
             view.settled()

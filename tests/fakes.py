@@ -144,11 +144,15 @@ class FakeWorkers:
     register_outage: Outage = field(default_factory=Outage)
     registered: list[tuple[WorkerHeartbeat, str]] = field(default_factory=list)
     deregistered: list[tuple[str, str]] = field(default_factory=list)
+    beats_here: list[tuple[str, str]] = field(default_factory=list)  # heartbeats NATS could not take
 
     async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration:
         self.register_outage.check()
         self.registered.append((hb, incarnation))
         return Registration(self.requeued)
+
+    async def heartbeat(self, worker_id: str, incarnation: str) -> None:
+        self.beats_here.append((worker_id, incarnation))
 
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]:
         self.deregistered.append((worker_id, incarnation))

@@ -58,6 +58,16 @@ def plan_key(worker_id: str) -> str:
     return f"{PLAN}.{worker_id}"
 
 
+# A scheduler replica's own beat in the bucket: its view of the bucket expects to
+# see it, so a watch that stopped delivering (its NATS server cut off, not yet
+# noticed) is told apart from a quiet fleet.
+CANARY = "scheduler"
+
+
+def canary_key(replica: str) -> str:
+    return f"{CANARY}.{replica}"
+
+
 @dataclass(frozen=True)
 class Announcement:
     """What one heartbeat puts under the worker's key."""
@@ -196,6 +206,12 @@ class PresenceBoard:
             await self.kv.put(plan_key(worker_id), encode_plan(plan))
         except BUS_ERRORS as exc:
             raise BusError(f"cannot store the warm plan of {worker_id}: {exc}") from exc
+
+    async def canary(self, replica: str) -> None:
+        try:
+            await self.kv.put(canary_key(replica), b"{}")
+        except BUS_ERRORS as exc:
+            raise BusError(f"cannot beat in the presence bucket: {exc}") from exc
 
     async def watch(self, keys: str = ">") -> KeyValue.KeyWatcher:
         """Every key's latest value, then each change as it is written."""

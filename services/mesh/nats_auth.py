@@ -19,7 +19,7 @@ from pathlib import Path
 
 from services.bus.dispatch import DISPATCH_PREFIX, DISPATCH_STREAM, check_worker_id, consumer_name
 from services.bus.events import JOB_PREFIX, SAMPLER_PUBLISHER_PREFIX, WORK_SUBJECT
-from services.bus.presence_board import PLAN, plan_key, worker_key
+from services.bus.presence_board import CANARY, PLAN, plan_key, worker_key
 from services.bus.presence_board import STREAM as PRESENCE_STREAM
 from services.bus.presence_board import SUBJECT_PREFIX as PRESENCE_PREFIX
 from services.db.states import WorkerKind
@@ -72,6 +72,7 @@ def permissions(user: str) -> dict[str, dict[str, list[str]]]:
                     WORK_SUBJECT,
                     "$JS.API.>",
                     f"{PRESENCE_PREFIX}.{PLAN}.*",
+                    f"{PRESENCE_PREFIX}.{CANARY}.*",
                     f"$JS.FC.{PRESENCE_STREAM}.>",
                 ]
             },

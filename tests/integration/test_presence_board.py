@@ -57,7 +57,7 @@ def opener(nc: nats.NATS) -> Callable[[], Awaitable[PresenceBoard]]:
 async def test_a_view_follows_heartbeats_plans_and_stops(nats_server: EmbeddedNats) -> None:
     worker, scheduler = await nats.connect(nats_server.url), await nats.connect(nats_server.url)
     stop = asyncio.Event()
-    view = PresenceView((WorkerKind.SAMPLER,))
+    view = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER))  # as the scheduler's: the whole bucket
     following = asyncio.create_task(follow(view, scheduler, opener(scheduler), stop))
     try:
         board = await PresenceBoard.open(worker.jetstream())
@@ -132,4 +132,30 @@ async def test_a_bucket_made_with_other_settings_is_used_as_it_is(nats_server: E
         await board.announce(announcement("w1", "inc-1"))
         assert [w.id for w in await read_once(nc, stale_after_s=10)] == ["w1"]
     finally:
+        await nc.close()
+
+
+async def test_a_view_that_hears_nothing_for_longer_than_it_expects_is_unsettled(nats_server: EmbeddedNats) -> None:
+    nc = await nats.connect(nats_server.url)
+    stop = asyncio.Event()
+    view = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER), expect_within_s=1.0)
+    following = asyncio.create_task(follow(view, nc, opener(nc), stop))
+    board = await PresenceBoard.open(nc.jetstream())
+
+    async def beat() -> None:
+        while not stop.is_set():
+            await board.canary("replica-1")
+            await asyncio.sleep(0.2)
+
+    try:
+        await until(lambda: view.settled_for(0), "the view settled")
+        # Nothing written for longer than it expects: a silent watch is not a quiet fleet.
+        await until(lambda: not view.settled_for(0), "the view unsettled by the silence")
+        beating = asyncio.create_task(beat())
+        await until(lambda: view.settled_for(2.0), "the view settled for 2 s while the canary beats")
+        assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == []  # a canary is no worker
+    finally:
+        stop.set()
+        await following
+        await beating
         await nc.close()

@@ -100,8 +100,11 @@ async def test_a_heartbeat_that_fails_is_tried_again_at_the_next_one() -> None:
     h = Harness()
     h.board.errors.append(BusError("NATS is away"))
     await h.presence.beat()
+    # Meanwhile the database was told, so that the worker is not taken for dead.
+    assert h.workers.beats_here == [("w1", h.presence.incarnation)]
     await h.presence.beat()
     assert len(h.board.beats) == 2 and not h.presence.superseded.is_set()
+    assert len(h.workers.beats_here) == 1  # NATS took the second
 
 
 async def test_a_superseded_worker_stops_heartbeating_and_says_so() -> None:

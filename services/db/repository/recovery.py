@@ -17,6 +17,7 @@ from psycopg.rows import DictRow
 from services.db.records import JOB_COLUMNS, AttemptFailure, JobRecord
 from services.db.repository.database import SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import end, requeue
+from services.db.repository.workers import FRESH
 from services.db.states import HELD, STARTED, JobStatus, WorkerStatus
 from services.db.worker_records import DeadWorker
 
@@ -100,10 +101,13 @@ async def _dead_workers(
     conn: AsyncConnection[DictRow], heard: Mapping[str, float] | None, stale_after_s: float
 ) -> list[DeadWorker]:
     fresh = sorted(w for w, age in (heard or {}).items() if age <= stale_after_s)
+    # Alive: heard on NATS lately, or registered or heartbeat here lately (a worker
+    # whose NATS was away falls back to telling PostgreSQL).
     rows = await fetch_all(
         conn,
-        "SELECT id, status FROM workers WHERE status = %(gone)s OR (%(judge)s AND id <> ALL(%(fresh)s)) ORDER BY id",
-        {"gone": WorkerStatus.GONE.value, "judge": heard is not None, "fresh": fresh},
+        "SELECT id, status FROM workers WHERE status = %(gone)s"
+        f" OR (%(judge)s AND id <> ALL(%(fresh)s) AND NOT ({FRESH})) ORDER BY id",
+        {"gone": WorkerStatus.GONE.value, "judge": heard is not None, "fresh": fresh, "stale_after_s": stale_after_s},
     )
     return [DeadWorker(r["id"], _why_dead(r["status"], (heard or {}).get(r["id"]))) for r in rows]
 

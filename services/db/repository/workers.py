@@ -1,7 +1,8 @@
 """The worker registry, the durable part: each worker registers once per start (an
 incarnation, which fences the jobs an earlier one held) and deregisters when it
 stops. Heartbeats and liveness live on NATS (``services.bus.presence_board``);
-``last_heartbeat`` here is when the worker last registered."""
+``last_heartbeat`` here is when the worker last registered, or last heartbeat while
+NATS could not take its heartbeats."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from services.db.repository.database import Area, fetch_all, fetch_one
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, STARTED, WorkerKind, WorkerStatus
 from services.db.worker_records import WORKER_COLUMNS, Registration, WorkerHeartbeat, WorkerRecord
+from services.errors import WorkerSuperseded
 
 _HELD = [st.value for st in HELD]
-# The worker registered recently, by the database's clock.
+# The worker registered, or heartbeat here, recently, by the database's clock.
 FRESH = "last_heartbeat > now() - make_interval(secs => %(stale_after_s)s)"
 _HEARTBEAT_COLUMNS = (
     "kind",
@@ -97,6 +99,22 @@ class Workers(Area):
             )
             assert row is not None
             return Registration(tuple(requeued))
+
+    async def heartbeat(self, worker_id: str, incarnation: str) -> None:
+        """A heartbeat written to PostgreSQL: only while NATS cannot take the worker's
+        heartbeats (its server cut off, a failover), so that the scheduler does not
+        take a worker for dead because its NATS is away. Raises WorkerSuperseded if
+        a newer process took this worker's id."""
+        async with self.db.connection() as conn:
+            mine = await fetch_one(
+                conn,
+                "UPDATE workers SET last_heartbeat = now() WHERE id = %s AND incarnation = %s RETURNING id",
+                (worker_id, incarnation),
+            )
+            if mine is None:
+                holder = await fetch_one(conn, "SELECT incarnation FROM workers WHERE id = %s", (worker_id,))
+                if holder is not None:
+                    raise WorkerSuperseded(f"worker {worker_id} was taken over by incarnation {holder['incarnation']}")
 
     async def deregister(self, worker_id: str, incarnation: str) -> list[str]:
         """The worker stops: marked gone, and whatever it still holds goes back to
