@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
 
 from scheduler.passes import learn_run_times, recover_stalled
@@ -197,6 +198,14 @@ async def test_non_retryable_failure_fails_at_once(repo: Repository, workers) ->
     assert await repo.attempts.fail(job_id, attempt, W1, "bad input", retryable=False, now=now()) == JobStatus.FAILED
 
 
+def age_registration(repo_url: str, worker_id: str, seconds: float) -> None:
+    """As if the worker registered (or last heartbeat in the database) ``seconds`` ago."""
+    with psycopg.connect(repo_url) as conn:
+        conn.execute(
+            "UPDATE workers SET last_heartbeat = now() - make_interval(secs => %s) WHERE id = %s", (seconds, worker_id)
+        )
+
+
 # Presence has just heard from both workers.
 BOTH_HEARD = {W1: 0.5, W2: 0.5}
 
@@ -214,11 +223,19 @@ async def test_recovery_requeues_from_a_silent_worker_only_when_heartbeats_may_b
     job_id = await submit(repo)
     attempt = await schedule(repo, job_id, W1)
     await repo.attempts.start(job_id, attempt, W1, now=now())
-    # Presence last heard from W1 30 s ago; not yet to be judged, then judged.
+    silent = {W1: 30.0, W2: 0.5}  # presence last heard from W1 30 s ago
+    # Just registered: the registry's own time keeps it alive.
+    assert await recovery_pass(repo, heard=silent, stale_after_s=10) == []
+    age_registration(repo.db.url, W1, 30)
+    # Not yet to be judged (presence not settled), then heard lately: alive.
     assert await recovery_pass(repo, heard=None, stale_after_s=10) == []
-    assert (await repo.jobs.get(job_id)).status == JobStatus.RUNNING
     assert await recovery_pass(repo, heard={W1: 9.0, W2: 0.5}, stale_after_s=10) == []
-    assert len(await recovery_pass(repo, heard={W1: 30.0, W2: 0.5}, stale_after_s=10) or []) == 1
+    # Its NATS away, it heartbeat in the database instead: alive.
+    await repo.workers.heartbeat(W1, workers[W1])
+    assert await recovery_pass(repo, heard=silent, stale_after_s=10) == []
+    assert (await repo.jobs.get(job_id)).status == JobStatus.RUNNING
+    age_registration(repo.db.url, W1, 30)
+    assert len(await recovery_pass(repo, heard=silent, stale_after_s=10) or []) == 1
     job = await repo.jobs.get(job_id)
     assert (job.status, job.failures) == (JobStatus.QUEUED, 1)
     assert job.attempt_log[0].error.startswith("no heartbeat for 3")
