@@ -7,6 +7,8 @@ one interpreter, the kernel's settings.
 
     python -m bench.fleet_host      # run by bench/fleet_load.py as a supervised child
 
+Not a benchmark of its own: ``bench/fleet_load.py --smoke`` runs it in CI.
+
 ``BENCH_FLEET_IDS`` names the worker ids (comma-separated); ``BENCH_FLEET_RAMP_S``
 spreads their starts over that many seconds (a thousand samplers registering in
 the same instant is a thundering herd no real fleet sees). SIGTERM drains them all,

@@ -8,7 +8,8 @@ pass to ``BENCH_PASS_LOG``:
     <unix time at its end> <seconds> <queued jobs it read, -1: none> <live samplers it read> <jobs placed>
 
 A pass that read no queued job (nothing queued, or another replica held the lock)
-has -1 for its queued jobs; the harness keeps those apart."""
+has -1 for its queued jobs; the harness keeps those apart. Not a benchmark of its
+own: ``bench/fleet_load.py --smoke`` runs it in CI."""
 
 from __future__ import annotations
 

@@ -3,13 +3,14 @@ fleet, as ``scheduler.snapshot`` has the simulator know its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from scheduler import snapshot
+from scheduler.policy import ModelCost
 from services.db import counts, records, tenant_records, worker_records
-from services.db.states import JobStatus
+from services.db.states import JobStatus, WorkerStatus
 
 _HOLDING = {
     JobStatus.RUNNING: snapshot.Holding.RUNNING,
@@ -114,3 +115,15 @@ def fleet_snapshot(
         dead=tuple(dead),
         tenants=tuple(tenants),
     )
+
+
+def window_models(workers: Sequence[snapshot.Worker], costs: Mapping[str, ModelCost]) -> list[str]:
+    """The models whose queued jobs a pass reads: those a live sampler serves, and
+    those of a capability none serves (so that their jobs are told they wait for
+    it). A job of a model no live sampler serves, of a capability others do,
+    waits out of the pass's sight: a backlog of them must not fill a tenant's
+    window and hide the jobs behind it that could run."""
+    ready = [w for w in workers if w.state == WorkerStatus.READY]
+    served = {m for w in ready for m in w.models}
+    capabilities = {c for w in ready for c in (w.capabilities or {costs[m].capability for m in w.models if m in costs})}
+    return sorted(m for m, cost in costs.items() if m in served or cost.capability not in capabilities)

@@ -19,8 +19,9 @@ from scheduler.costs import costs_from
 from scheduler.estimates import Durations
 from scheduler.learning import durations_from, fold_run_times
 from scheduler.policy import ModelCost, Placement
-from scheduler.recovery import Expire, Fail, Recovery, RecoveryConfig, Requeue
+from scheduler.recovery import Recovery, RecoveryConfig
 from scheduler.snapshot import TenantUsage, Worker
+from scheduler.stalled import recover_stalled
 from scheduler.suspend_requests import Preempter
 from scheduler.views import JobViews
 from services.bus.dispatch import Bus, Dispatch
@@ -30,8 +31,7 @@ from services.config.placement import check_names
 from services.config.sections import SchedulerSettings
 from services.db.records import Assignment, JobSummary
 from services.db.repository import Repository
-from services.db.repository.recovery import RecoveryPass
-from services.db.states import JobStatus, WorkerKind, WorkerStatus
+from services.db.states import JobStatus, WorkerKind
 from services.db.worker_records import WarmPlan, WorkerRecord
 from services.errors import BusError
 from services.mesh.rpc import MeshIdentity
@@ -99,7 +99,7 @@ class Passes:
             limit=self.settings.batch,
             max_attempts=self.settings.max_attempts,
             now=now,
-            models=window_models(workers, self.costs),
+            models=facts.window_models(workers, self.costs),
         ) as read:
             if read is None or not read.queued:
                 return 0
@@ -258,36 +258,6 @@ class Passes:
         return forgotten
 
 
-def window_models(workers: Sequence[Worker], costs: Mapping[str, ModelCost]) -> list[str]:
-    """The models whose queued jobs a pass reads: those a live sampler serves, and
-    those of a capability none serves (so that their jobs are told they wait for
-    it). A job of a model no live sampler serves, of a capability others do,
-    waits out of the pass's sight: a backlog of them must not fill a tenant's
-    window and hide the jobs behind it that could run."""
-    ready = [w for w in workers if w.state == WorkerStatus.READY]
-    served = {m for w in ready for m in w.models}
-    capabilities = {c for w in ready for c in (w.capabilities or {costs[m].capability for m in w.models if m in costs})}
-    return sorted(m for m, cost in costs.items() if m in served or cost.capability not in capabilities)
-
-
-async def recover_stalled(
-    repo: Repository, config: RecoveryConfig, *, stale_after_s: float, heard: Mapping[str, float] | None
-) -> list[Recovery] | None:
-    """One recovery pass: the stalled jobs as a snapshot, the policy's decisions,
-    carried out; None if another replica holds the lock. ``heard``: presence's
-    ages of the workers (None: not to be judged now)."""
-    async with repo.recovery.recovery_pass(
-        heard=heard,
-        stale_after_s=stale_after_s,
-        max_attempts=config.max_attempts,
-        shortest_timeout_s=config.shortest_timeout_s,
-    ) as found:
-        if found is None:
-            return None
-        fleet = facts.fleet_snapshot(found.now, stalled=found.jobs, dead=found.dead)
-        return await apply(found, driver.recover(fleet, config))
-
-
 async def learn_run_times(repo: Repository, costs: Mapping[str, ModelCost], *, limit: int) -> int | None:
     """One learning pass: folds up to ``limit`` recorded run times into the stored
     estimates; returns how many, or None if another replica is learning."""
@@ -299,31 +269,3 @@ async def learn_run_times(repo: Repository, costs: Mapping[str, ModelCost], *, l
         shapes, speeds = fold_run_times(costs, learning.shapes, learning.speeds, learning.facts)
         await learning.store(shapes, speeds, now=datetime.now(UTC))
         return len(learning.facts)
-
-
-async def apply(found: RecoveryPass, actions: Sequence[Recovery]) -> list[Recovery]:
-    """Carries out the recovery policy's decisions, each only while its job is
-    still where the decision found it; returns those carried out."""
-    by_id = {j.id: j for j in found.jobs}
-    done: list[Recovery] = []
-    requeues: list[Requeue] = []
-    for action in actions:
-        job = by_id.get(action.job_id)
-        if job is None or job.attempt != action.attempt:
-            continue
-        if isinstance(action, Requeue):
-            if job.status == action.status:
-                requeues.append(action)
-        elif isinstance(action, Fail):
-            if job.status == action.status and await found.end(
-                job.id, job.attempt, JobStatus.FAILED, action.reason, action.failure
-            ):
-                done.append(action)
-        elif isinstance(action, Expire):
-            if job.status == JobStatus.QUEUED and await found.end(
-                job.id, job.attempt, JobStatus.EXPIRED, "deadline passed while queued"
-            ):
-                done.append(action)
-    changed = await found.requeue([(a.job_id, a.attempt, a.failure) for a in requeues])
-    done += [a for a in requeues if a.job_id in changed]
-    return sorted(done, key=lambda a: a.job_id)

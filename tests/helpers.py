@@ -17,7 +17,7 @@ from services.config.sections import KernelSettings, Settings
 from services.db.worker_records import WorkerRecord
 from services.mesh.nats_auth import NatsCredentials
 from services.ops.stack import LocalStack
-from services.presence_view import presence_now
+from services.presence_read import presence_now
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Server

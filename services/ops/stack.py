@@ -237,7 +237,7 @@ class LocalStack:
         from services.db.states import WorkerKind, WorkerStatus
         from services.errors import BusError
         from services.mesh.nats_auth import NatsCredentials
-        from services.presence_view import presence_now
+        from services.presence_read import presence_now
         from services.rpc.client import gateway_channel
 
         want = len(self.sampler_ids()) if samplers is None else samplers

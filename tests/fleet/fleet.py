@@ -30,7 +30,7 @@ from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
-from services.presence_view import presence_now
+from services.presence_read import presence_now
 from tests.fleet.network import Host, Network
 from tests.fleet.postgres_ha import PostgresHA
 from tests.fleet.probes import gateway_up

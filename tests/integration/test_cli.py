@@ -129,7 +129,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
 def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> None:
     from services.errors import BusError
     from services.ops.embedded_nats import EmbeddedNats
-    from services.presence_view import presence_now
+    from services.presence_read import presence_now
     from tests.conftest import fresh_database
 
     nats_server = EmbeddedNats(tmp_path)

@@ -20,7 +20,8 @@ from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
 from services.errors import WorkerSuperseded
 from services.ops.embedded_nats import EmbeddedNats
-from services.presence_view import PresenceView, follow, read_once
+from services.presence_read import read_once
+from services.presence_view import PresenceView, follow
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,9 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
-from scheduler.passes import learn_run_times, recover_stalled
+from scheduler.passes import learn_run_times
 from scheduler.recovery import Recovery, RecoveryConfig
+from scheduler.stalled import recover_stalled
 from services.db.migrate import upgrade
 from services.db.records import Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Standing, StepReport

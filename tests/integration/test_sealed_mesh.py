@@ -33,7 +33,7 @@ from services.mesh.pki import CertificateAuthority, CertPaths
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
-from services.presence_view import read_once
+from services.presence_read import read_once
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc, vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc

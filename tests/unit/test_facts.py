@@ -42,7 +42,6 @@ import pytest
 from scheduler import driver, facts
 from scheduler.estimates import Durations, Learned
 from scheduler.learning import durations_from
-from scheduler.passes import window_models
 from scheduler.policy import Fleet, ModelCost
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
@@ -480,7 +479,7 @@ def test_a_pass_reads_the_jobs_of_served_models_and_of_capabilities_none_serves(
         return Worker(wid, state, frozenset(models), frozenset(), 0, 0, 1.0, 0.0, frozenset())
 
     # xl: no live sampler serves it, but image work is served: its backlog stays out of sight.
-    assert window_models([sampler("a", {"sd"})], costs) == ["sd", "vid"]
+    assert facts.window_models([sampler("a", {"sd"})], costs) == ["sd", "vid"]
     # A draining sampler serves nothing; none at all: every job is read (and told what it waits for).
-    assert window_models([sampler("a", {"sd", "xl", "vid"}, WorkerStatus.DRAINING)], costs) == ["sd", "vid", "xl"]
-    assert window_models([], costs) == ["sd", "vid", "xl"]
+    assert facts.window_models([sampler("a", {"sd", "xl", "vid"}, WorkerStatus.DRAINING)], costs) == ["sd", "vid", "xl"]
+    assert facts.window_models([], costs) == ["sd", "vid", "xl"]

@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from scheduler.forecast import Submitted, forecast
-from scheduler.placement import eviction_cost, off_share, place
+from scheduler.placement import place
 from scheduler.policy import Candidate, Fleet, JobView, ModelCost, Placement, WorkerView, order_queue
 from scheduler.preemption import RunningView, choose_preemptions
+from scheduler.scoring import eviction_cost, off_share
 from scheduler.warm_planner import GpuView, plan_warm_sets
 from services.config.placement import Lane, PlacementSettings, PreemptionSettings
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler import placement, reports
+from scheduler import placement, reports, scoring
 from scheduler.estimates import Durations, Learned
 from scheduler.policy import Candidate, Fleet, JobView, WorkerView
 from services.config.placement import Lane, PlacementSettings
@@ -70,7 +70,7 @@ def every_worker(
     fleet: Fleet,
     config: PlacementSettings,
 ) -> tuple[Candidate, ...]:
-    return tuple(refused.get(w.id) or placement._score(job, w, fleet, config) for w in workers)
+    return tuple(refused.get(w.id) or scoring.admitted(job, w, fleet, config) for w in workers)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from scheduler.estimates import Durations, Learned
-from scheduler.placement import capped_out, eviction_cost, place, plan
+from scheduler.placement import place, plan
 from scheduler.policy import (
     Candidate,
     Fleet,
@@ -24,6 +24,7 @@ from scheduler.policy import (
     order_queue,
     thermal_factor,
 )
+from scheduler.scoring import capped_out, eviction_cost
 from services.config.placement import Lane, PlacementSettings
 from services.db.states import WorkerStatus
 
