@@ -98,8 +98,6 @@ class PresenceView:
         self._seen: dict[str, Seen] = {}
         self._plans: dict[str, WarmPlan] = {}
         self._settled_since: float | None = None
-        self.version = 0  # raised by every change folded in
-        self.changed = asyncio.Event()
 
     # -- folding in -----------------------------------------------------------------
 
@@ -132,8 +130,6 @@ class PresenceView:
             if announcement.heartbeat.kind not in self.kinds or announcement.heartbeat.id != worker_id:
                 return
             self._remember(worker_id, announcement, self.clock() - max(0.0, age_s))
-        self.version += 1
-        self.changed.set()
 
     def _remember(self, worker_id: str, announcement: Announcement, at: float) -> None:
         heard = datetime.fromtimestamp(time.time() - (self.clock() - at), UTC)
@@ -196,13 +192,9 @@ class PresenceView:
         return [w for w in self.all(kind, stale_after_s=stale_after_s) if w.live and w.status == WorkerStatus.READY]
 
     def get(self, worker_id: str) -> WorkerRecord | None:
+        """The worker as last heard (marked live whatever its age); None: never heard of."""
         seen = self._seen.get(worker_id)
-        if seen is None:
-            return None
-        [record] = [
-            w for w in self.all(seen.announcement.heartbeat.kind, stale_after_s=float("inf")) if w.id == worker_id
-        ]
-        return record
+        return None if seen is None else seen.record
 
     def plan(self, worker_id: str) -> WarmPlan | None:
         return self._plans.get(worker_id)
