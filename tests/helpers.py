@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 import urllib.request
@@ -179,3 +180,24 @@ def workers_heard(kernel: KernelSettings, *, stale_after_s: float = 10.0) -> dic
     """Every worker in the stack's presence bucket now, by id, as the operator reads it."""
     operator = NatsCredentials.of(kernel.mesh_dir, "operator", "operator") if kernel.mesh_dir else None
     return {w.id: w for w in presence_now(kernel.nats_servers, credentials=operator, stale_after_s=stale_after_s)}
+
+
+def announce_fake_samplers(kernel: KernelSettings, warm: dict[str, tuple[str, ...]]) -> None:
+    """Fake samplers (worker id -> its warm models) heard of once on NATS, as a real
+    one announces itself; they serve ``tiny``. Each stays live for the stack's
+    ``worker_stale_after_s``. Their registration in PostgreSQL is the caller's."""
+    from services.bus.presence_board import Announcement, PresenceBoard
+    from services.db.states import WorkerKind
+    from services.db.worker_records import WorkerHeartbeat
+
+    async def announce() -> None:
+        nc = await nats_as_operator(kernel)
+        try:
+            board = await PresenceBoard.open(nc.jetstream())
+            for worker_id, models in warm.items():
+                hb = WorkerHeartbeat(worker_id, WorkerKind.SAMPLER, "127.0.0.1:1", "fake", ("tiny",), models)
+                await board.announce(Announcement(hb, "fake", time.time()))
+        finally:
+            await nc.close()
+
+    asyncio.run(announce())

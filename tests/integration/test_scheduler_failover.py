@@ -30,16 +30,13 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from services.bus.dispatch import DISPATCH_STREAM
-from services.bus.presence_board import Announcement, PresenceBoard
 from services.config.sections import KernelSettings
 from services.db.repository import IDLE_IN_TRANSACTION_MS, SCHEDULER_LOCK
-from services.db.states import WorkerKind
-from services.db.worker_records import WorkerHeartbeat
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.ops.supervisor import Child
 from tests.conftest import make_stack
-from tests.helpers import env_of, nats_as_operator, wait_for
+from tests.helpers import announce_fake_samplers, env_of, nats_as_operator, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -118,18 +115,7 @@ def seed_workers(conn: psycopg.Connection, kernel: KernelSettings) -> None:
             (w, json.dumps(["tiny"]), json.dumps(["tiny"] if w != "fake-c" else [])),
         )
 
-    async def announce() -> None:
-        nc = await nats_as_operator(kernel)
-        try:
-            board = await PresenceBoard.open(nc.jetstream())
-            for w in WORKERS:
-                warm = ("tiny",) if w != "fake-c" else ()
-                hb = WorkerHeartbeat(w, WorkerKind.SAMPLER, "127.0.0.1:1", "fake", ("tiny",), warm)
-                await board.announce(Announcement(hb, "fake", time.time()))
-        finally:
-            await nc.close()
-
-    asyncio.run(announce())
+    announce_fake_samplers(kernel, {w: ("tiny",) if w != "fake-c" else () for w in WORKERS})
 
 
 def insert_jobs(conn: psycopg.Connection, n: int) -> list[str]:

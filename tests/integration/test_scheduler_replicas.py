@@ -17,7 +17,7 @@ from services.bus.dispatch import DISPATCH_STREAM
 from services.config.sections import KernelSettings
 from services.ops.stack import LocalStack
 from tests.conftest import make_stack
-from tests.helpers import env_of, metrics_text, nats_as_operator, wait_for
+from tests.helpers import announce_fake_samplers, env_of, metrics_text, nats_as_operator, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -25,7 +25,9 @@ JOBS = 400
 WORKERS = ["fake-a", "fake-b", "fake-c"]
 
 
-def seed(conn: psycopg.Connection) -> None:
+def seed(conn: psycopg.Connection, kernel: KernelSettings) -> None:
+    """Fake samplers, registered and heard of on NATS as real ones are, and the jobs."""
+    announce_fake_samplers(kernel, {w: ("tiny",) if w != "fake-c" else () for w in WORKERS})
     for w in WORKERS:
         conn.execute(
             "INSERT INTO workers (id, kind, address, device, status, models, warm_models, telemetry, started_at,"
@@ -95,7 +97,7 @@ def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, mode
         with psycopg.connect(db_url, autocommit=True) as conn:
             wait_for(lambda: schedulers_connected(conn), lambda n: n == 2, timeout=60, what="both schedulers")
         with psycopg.connect(db_url) as conn:
-            seed(conn)
+            seed(conn, stack.settings.kernel)
 
         def queued() -> int:
             with psycopg.connect(db_url) as conn:
