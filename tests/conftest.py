@@ -14,6 +14,7 @@ from services.db.repository import Repository
 from services.db.repository.database import libpq_url
 from services.models.builtins import BUILTINS, ensure_builtin
 from services.ops.embedded import EmbeddedPostgres
+from services.ops.embedded_nats import EmbeddedNats
 from services.ops.postgres_as_root import discard_clusters_of
 from services.ops.stack import LocalStack
 from tests.helpers import env_of
@@ -38,6 +39,15 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostg
     yield pg
     pg.stop()
     pg.discard()  # as root, the cluster lives outside the temporary directory
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A nats-server with JetStream of the test's own, on a free port."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

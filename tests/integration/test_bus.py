@@ -4,8 +4,6 @@ follows its settings, and a forgotten worker leaves nothing on the stream."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -13,14 +11,6 @@ from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.ops.embedded_nats import EmbeddedNats
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 async def test_existing_consumer_is_updated_to_new_settings(nats_server: EmbeddedNats) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,14 +64,6 @@ def database_url(postgres: EmbeddedPostgres) -> str:
     url = fresh_database(postgres)
     upgrade(url)
     return url
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(tmp_path / "nats")
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ is back and has caught up."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import nats
 import pytest
@@ -26,14 +25,6 @@ from services.presence_view import PresenceView, follow
 pytestmark = pytest.mark.integration
 
 WITHIN_S = 10.0
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    server = EmbeddedNats(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 def announcement(worker_id: str, incarnation: str, status: WorkerStatus = WorkerStatus.READY) -> Announcement:
