@@ -68,6 +68,18 @@ def fresh_database(pg: EmbeddedPostgres) -> str:
 
 
 @pytest.fixture
+async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
+    """A repository on a fresh, migrated database."""
+    url = fresh_database(postgres)
+    upgrade(url)
+    r = Repository(url, pool_size=2)
+    try:
+        yield r
+    finally:
+        await r.close()
+
+
+@pytest.fixture
 async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository, Repository]]:
     """Two repositories (two replicas' pools) on a fresh, migrated database."""
     url = fresh_database(postgres)

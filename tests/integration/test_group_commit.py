@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import pytest
 
 from services.coalesce import Coalescer
-from services.db.migrate import upgrade
 from services.db.records import MAX_IDEMPOTENCY_KEY, ImageRecord, JobRecord, NewJob
 from services.db.repository import Repository, Result
 from services.errors import StoreError
-from services.ops.embedded import EmbeddedPostgres
-from tests.conftest import fresh_database
 from tests.records import new_job
 
 pytestmark = pytest.mark.integration
@@ -32,17 +28,6 @@ pytestmark = pytest.mark.integration
 WORKER = "host-gpu0"
 CALLERS = 40
 IMAGE = ImageRecord(0, b"png", "image/png", 64, 64, 1)
-
-
-@pytest.fixture
-async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
-    url = fresh_database(postgres)
-    upgrade(url)
-    r = Repository(url, pool_size=2)
-    try:
-        yield r
-    finally:
-        await r.close()
 
 
 async def next_xid(repo: Repository) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -15,14 +15,11 @@ import pytest
 from scheduler.passes import learn_run_times
 from scheduler.recovery import Recovery, RecoveryConfig
 from scheduler.stalled import recover_stalled
-from services.db.migrate import upgrade
 from services.db.records import Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Standing, StepReport
 from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerHeartbeat
-from services.ops.embedded import EmbeddedPostgres
-from tests.conftest import fresh_database
 from tests.records import new_job
 
 pytestmark = pytest.mark.integration
@@ -33,17 +30,6 @@ IMAGE = ImageRecord(0, b"png", "image/png", 64, 64, 1)
 
 def now() -> datetime:
     return datetime.now(UTC)
-
-
-@pytest.fixture
-async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
-    url = fresh_database(postgres)
-    upgrade(url)
-    r = Repository(url, pool_size=2)
-    try:
-        yield r
-    finally:
-        await r.close()
 
 
 def heartbeat(worker_id: str) -> WorkerHeartbeat:
