@@ -145,6 +145,12 @@ class JobRow(Base):
     # gpu_seconds times price, once settled: what its tenant paid.
     credits_charged: Mapped[float | None] = mapped_column(Float)
     settled_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # The prompt as expanded at submit (services.safety's expanders), which its images
+    # are made from on every attempt; NULL: not expanded.
+    expanded_prompt: Mapped[str | None] = mapped_column(Text)
+    # What the image filter's flag does to its outputs, decided at submit from its
+    # tenant's or its lane's policy: "block", "blur" or "flag"; '': not checked.
+    output_policy: Mapped[str] = mapped_column(String(8), nullable=False, server_default=text("''"))
 
     __table_args__ = (
         Index("ix_jobs_queue", "priority", "created_at", postgresql_where=text("status = 'QUEUED'")),
@@ -189,6 +195,11 @@ class JobImageRow(Base):
     width: Mapped[int] = mapped_column(Integer, nullable=False)
     height: Mapped[int] = mapped_column(Integer, nullable=False)
     seed: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    # The image filter's NSFW score in [0, 1]; NULL: not checked.
+    nsfw_score: Mapped[float | None] = mapped_column(Float)
+    # '': passed or not checked; "flagged" (kept as made), "blurred", or "blocked"
+    # (its bytes never stored: ``data`` is empty).
+    verdict: Mapped[str] = mapped_column(String(8), nullable=False, server_default=text("''"))
 
 
 class JobInputRow(Base):

@@ -52,6 +52,11 @@ class TenantRow(Base):
     rate_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # The UTC day its daily credits were last given (NULL: never).
     credits_day: Mapped[date | None] = mapped_column(Date)
+    # What the image filter's flag does to its jobs' outputs: "block", "blur" or
+    # "flag"; NULL: its lane's default.
+    output_policy: Mapped[str | None] = mapped_column(String(8))
+    # Its prompts are expanded unless a request says otherwise.
+    expand_prompts: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
 

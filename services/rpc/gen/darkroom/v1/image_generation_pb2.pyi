@@ -45,7 +45,7 @@ OUTPUT_FORMAT_WEBP: OutputFormat
 OUTPUT_FORMAT_MP4: OutputFormat
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength", "previews")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength", "previews", "expand_prompt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class SubmitJobRequest(_message.Message):
     MASK_FIELD_NUMBER: _ClassVar[int]
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     PREVIEWS_FIELD_NUMBER: _ClassVar[int]
+    EXPAND_PROMPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -84,7 +85,8 @@ class SubmitJobRequest(_message.Message):
     mask: bytes
     strength: float
     previews: int
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ..., previews: _Optional[int] = ...) -> None: ...
+    expand_prompt: bool
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ..., previews: _Optional[int] = ..., expand_prompt: _Optional[bool] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "status", "estimated_start_time", "estimated_finish_time", "deduplicated")
@@ -151,7 +153,7 @@ class StageDurations(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., schedule_seconds: _Optional[float] = ..., dispatch_seconds: _Optional[float] = ..., sample_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., store_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type", "width", "height", "seed", "frames", "fps")
+    __slots__ = ("data", "mime_type", "width", "height", "seed", "frames", "fps", "nsfw_score", "verdict")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +161,8 @@ class Image(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    NSFW_SCORE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
     width: int
@@ -166,7 +170,9 @@ class Image(_message.Message):
     seed: int
     frames: int
     fps: float
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
+    nsfw_score: float
+    verdict: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., nsfw_score: _Optional[float] = ..., verdict: _Optional[str] = ...) -> None: ...
 
 class RoutingCandidate(_message.Message):
     __slots__ = ("worker_id", "score_seconds", "eligible", "note")
@@ -217,7 +223,7 @@ class Suspension(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for", "expanded_prompt", "output_policy")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +257,8 @@ class Job(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
+    EXPANDED_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_POLICY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -284,7 +292,9 @@ class Job(_message.Message):
     strength: float
     task: str
     waiting_for: str
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ...) -> None: ...
+    expanded_prompt: str
+    output_policy: str
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ..., expanded_prompt: _Optional[str] = ..., output_policy: _Optional[str] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -293,7 +303,7 @@ class StreamJobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ImageChunk(_message.Message):
-    __slots__ = ("index", "offset", "data", "last", "mime_type", "width", "height", "seed", "frames", "fps")
+    __slots__ = ("index", "offset", "data", "last", "mime_type", "width", "height", "seed", "frames", "fps", "nsfw_score", "verdict")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +314,8 @@ class ImageChunk(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    NSFW_SCORE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     index: int
     offset: int
     data: bytes
@@ -314,7 +326,9 @@ class ImageChunk(_message.Message):
     seed: int
     frames: int
     fps: float
-    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
+    nsfw_score: float
+    verdict: str
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., mime_type: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., seed: _Optional[int] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., nsfw_score: _Optional[float] = ..., verdict: _Optional[str] = ...) -> None: ...
 
 class JobEvent(_message.Message):
     __slots__ = ("job_id", "status", "progress", "image_chunk", "terminal", "suspended", "resumed", "preview")
@@ -571,3 +585,47 @@ class GetStatsResponse(_message.Message):
     usage: TenantUsage
     lanes: _containers.RepeatedCompositeFieldContainer[LaneQueue]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., totals: _Optional[_Union[GlobalStats, _Mapping]] = ..., usage: _Optional[_Union[TenantUsage, _Mapping]] = ..., lanes: _Optional[_Iterable[_Union[LaneQueue, _Mapping]]] = ...) -> None: ...
+
+class ModerationInput(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: bytes
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ...) -> None: ...
+
+class ModerateRequest(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[ModerationInput]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[ModerationInput, _Mapping]]] = ...) -> None: ...
+
+class ModerationResult(_message.Message):
+    __slots__ = ("flagged", "categories", "category_scores")
+    class CategoriesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bool
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bool] = ...) -> None: ...
+    class CategoryScoresEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_SCORES_FIELD_NUMBER: _ClassVar[int]
+    flagged: bool
+    categories: _containers.ScalarMap[str, bool]
+    category_scores: _containers.ScalarMap[str, float]
+    def __init__(self, flagged: _Optional[bool] = ..., categories: _Optional[_Mapping[str, bool]] = ..., category_scores: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ModerateResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ModerationResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ModerationResult, _Mapping]]] = ...) -> None: ...

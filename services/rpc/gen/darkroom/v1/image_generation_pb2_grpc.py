@@ -72,6 +72,11 @@ class ImageGenerationStub:
                 request_serializer=darkroom_dot_v1_dot_image__generation__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Moderate = channel.unary_unary(
+                '/darkroom.v1.ImageGeneration/Moderate',
+                request_serializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateRequest.SerializeToString,
+                response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateResponse.FromString,
+                _registered_method=True)
 
 
 class ImageGenerationServicer:
@@ -128,6 +133,14 @@ class ImageGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Moderate(self, request, context):
+        """Checks texts and images against the content policy, as a submit and the image
+        filter would, without submitting anything: a client may check before it pays.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ImageGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +178,11 @@ def add_ImageGenerationServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.GetStatsRequest.FromString,
                     response_serializer=darkroom_dot_v1_dot_image__generation__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Moderate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Moderate,
+                    request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateRequest.FromString,
+                    response_serializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +377,33 @@ class ImageGeneration:
             '/darkroom.v1.ImageGeneration/GetStats',
             darkroom_dot_v1_dot_image__generation__pb2.GetStatsRequest.SerializeToString,
             darkroom_dot_v1_dot_image__generation__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Moderate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.v1.ImageGeneration/Moderate',
+            darkroom_dot_v1_dot_image__generation__pb2.ModerateRequest.SerializeToString,
+            darkroom_dot_v1_dot_image__generation__pb2.ModerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

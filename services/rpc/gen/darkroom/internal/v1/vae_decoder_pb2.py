@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&darkroom/internal/v1/vae_decoder.proto\x12\x14\x64\x61rkroom.internal.v1\"`\n\tDecodeJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\r\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x0b\n\x03\x66ps\x18\x05 \x01(\x02\"|\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07latents\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12-\n\x04jobs\x18\x05 \x03(\x0b\x32\x1f.darkroom.internal.v1.DecodeJob\"\xa6\x01\n\x0b\x44\x65\x63odeChunk\x12\x0b\n\x03job\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x11\n\tmime_type\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0e\n\x06\x66rames\x18\n \x01(\r\"\\\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x0e\n\x06job_id\x18\x05 \x01(\t\"0\n\x0e\x45ncodeResponse\x12\x0f\n\x07latents\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r2\xb5\x01\n\nVaeDecoder\x12R\n\x06\x44\x65\x63ode\x12#.darkroom.internal.v1.DecodeRequest\x1a!.darkroom.internal.v1.DecodeChunk0\x01\x12S\n\x06\x45ncode\x12#.darkroom.internal.v1.EncodeRequest\x1a$.darkroom.internal.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&darkroom/internal/v1/vae_decoder.proto\x12\x14\x64\x61rkroom.internal.v1\"w\n\tDecodeJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06images\x18\x02 \x01(\r\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x13\n\x0btraceparent\x18\x04 \x01(\t\x12\x0b\n\x03\x66ps\x18\x05 \x01(\x02\x12\x15\n\routput_policy\x18\x06 \x01(\t\"|\n\rDecodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07latents\x18\x02 \x01(\x0c\x12\r\n\x05shape\x18\x03 \x03(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12-\n\x04jobs\x18\x05 \x03(\x0b\x32\x1f.darkroom.internal.v1.DecodeJob\"\xdf\x01\n\x0b\x44\x65\x63odeChunk\x12\x0b\n\x03job\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0c\n\x04last\x18\x05 \x01(\x08\x12\r\n\x05width\x18\x06 \x01(\r\x12\x0e\n\x06height\x18\x07 \x01(\r\x12\x11\n\tmime_type\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x0e\n\x06\x66rames\x18\n \x01(\r\x12\x17\n\nnsfw_score\x18\x0b \x01(\x02H\x00\x88\x01\x01\x12\x0f\n\x07verdict\x18\x0c \x01(\tB\r\n\x0b_nsfw_score\"\\\n\rEncodeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05image\x18\x02 \x01(\x0c\x12\r\n\x05width\x18\x03 \x01(\r\x12\x0e\n\x06height\x18\x04 \x01(\r\x12\x0e\n\x06job_id\x18\x05 \x01(\t\"0\n\x0e\x45ncodeResponse\x12\x0f\n\x07latents\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r2\xb5\x01\n\nVaeDecoder\x12R\n\x06\x44\x65\x63ode\x12#.darkroom.internal.v1.DecodeRequest\x1a!.darkroom.internal.v1.DecodeChunk0\x01\x12S\n\x06\x45ncode\x12#.darkroom.internal.v1.EncodeRequest\x1a$.darkroom.internal.v1.EncodeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,15 +32,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'darkroom.internal.v1.vae_de
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEJOB']._serialized_start=64
-  _globals['_DECODEJOB']._serialized_end=160
-  _globals['_DECODEREQUEST']._serialized_start=162
-  _globals['_DECODEREQUEST']._serialized_end=286
-  _globals['_DECODECHUNK']._serialized_start=289
-  _globals['_DECODECHUNK']._serialized_end=455
-  _globals['_ENCODEREQUEST']._serialized_start=457
-  _globals['_ENCODEREQUEST']._serialized_end=549
-  _globals['_ENCODERESPONSE']._serialized_start=551
-  _globals['_ENCODERESPONSE']._serialized_end=599
-  _globals['_VAEDECODER']._serialized_start=602
-  _globals['_VAEDECODER']._serialized_end=783
+  _globals['_DECODEJOB']._serialized_end=183
+  _globals['_DECODEREQUEST']._serialized_start=185
+  _globals['_DECODEREQUEST']._serialized_end=309
+  _globals['_DECODECHUNK']._serialized_start=312
+  _globals['_DECODECHUNK']._serialized_end=535
+  _globals['_ENCODEREQUEST']._serialized_start=537
+  _globals['_ENCODEREQUEST']._serialized_end=629
+  _globals['_ENCODERESPONSE']._serialized_start=631
+  _globals['_ENCODERESPONSE']._serialized_end=679
+  _globals['_VAEDECODER']._serialized_start=682
+  _globals['_VAEDECODER']._serialized_end=863
 # @@protoc_insertion_point(module_scope)

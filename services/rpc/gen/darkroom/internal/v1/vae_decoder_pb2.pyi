@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeJob(_message.Message):
-    __slots__ = ("job_id", "images", "mime_type", "traceparent", "fps")
+    __slots__ = ("job_id", "images", "mime_type", "traceparent", "fps", "output_policy")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_POLICY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     images: int
     mime_type: str
     traceparent: str
     fps: float
-    def __init__(self, job_id: _Optional[str] = ..., images: _Optional[int] = ..., mime_type: _Optional[str] = ..., traceparent: _Optional[str] = ..., fps: _Optional[float] = ...) -> None: ...
+    output_policy: str
+    def __init__(self, job_id: _Optional[str] = ..., images: _Optional[int] = ..., mime_type: _Optional[str] = ..., traceparent: _Optional[str] = ..., fps: _Optional[float] = ..., output_policy: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("model", "latents", "shape", "dtype", "jobs")
@@ -35,7 +37,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., latents: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[DecodeJob, _Mapping]]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("job", "index", "offset", "data", "last", "width", "height", "mime_type", "error", "frames")
+    __slots__ = ("job", "index", "offset", "data", "last", "width", "height", "mime_type", "error", "frames", "nsfw_score", "verdict")
     JOB_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,8 @@ class DecodeChunk(_message.Message):
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    NSFW_SCORE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
     job: int
     index: int
     offset: int
@@ -56,7 +60,9 @@ class DecodeChunk(_message.Message):
     mime_type: str
     error: str
     frames: int
-    def __init__(self, job: _Optional[int] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., mime_type: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ...) -> None: ...
+    nsfw_score: float
+    verdict: str
+    def __init__(self, job: _Optional[int] = ..., index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., mime_type: _Optional[str] = ..., error: _Optional[str] = ..., frames: _Optional[int] = ..., nsfw_score: _Optional[float] = ..., verdict: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("model", "image", "width", "height", "job_id")
