@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from services.config.fields import Codec, Section, SettingsError, setting
 from services.config.http import HttpSettings
 from services.config.placement import PlacementSettings, PreemptionSettings
+from services.config.safety import SafetySettings
 from services.config.workers import DecoderSettings, SamplerSettings
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ class KernelSettings(Section):
     )
     liveness_file: str = setting("", "The file a supervised child touches to show it is alive; set by its supervisor.")
     restarts: int = setting(0, "How often the supervisor has restarted this child; set by it.", at_least=0)
+    safety: SafetySettings = setting(doc="The prompt and image filters.", factory=SafetySettings)
 
     def check(self) -> None:
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
