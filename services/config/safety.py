@@ -75,3 +75,47 @@ class SafetySettings(Section):
     def policy_for(self, lane: str) -> str:
         """The lane's policy: what its jobs' flagged outputs get unless their tenant says otherwise."""
         return dict(self.output_policies).get(lane, "flag")
+
+
+# Which expander the gateway runs: template (no model), model (a causal language
+# model), or off (a request asking for expansion is refused).
+EXPANDERS = ("template", "model", "off")
+
+
+@dataclass(frozen=True)
+class ExpansionSettings(Section):
+    """Prompt expansion at the gateway (services/safety/expansion.py): a prompt made more
+    detailed with phrases of a vocabulary, seeded by the job's seed, once per job."""
+
+    prompt_expander: str = setting(
+        "template",
+        "What expands a prompt that asks for it (SubmitJobRequest.expand_prompt, or its tenant's default): "
+        "template (phrases of the vocabulary drawn by the seed, no model), model (EXPANSION_MODEL, held to the "
+        "vocabulary), or off (a request asking for it is refused).",
+        choices=EXPANDERS,
+    )
+    expansion_model: str = setting(
+        "builtin:tiny-gpt2",
+        "The causal language model of the model expander: a local transformers directory (e.g. SmolLM2-135M's), "
+        "or builtin:tiny-gpt2 (random weights, built into DATA_DIR/models on first use: for tests).",
+    )
+    expansion_vocabulary: str = setting(
+        "",
+        "A file of the words and phrases expansion may add, one per line ('[kind]' starts a kind, '#' a "
+        "comment). Empty: the shipped list (quality, lighting, composition, medium, colour, mood, style).",
+    )
+    expansion_max_phrases: int = setting(6, "The most phrases an expansion adds.", at_least=1, at_most=64)
+    expansion_max_tokens: int = setting(
+        24, "The model expander's most new tokens per expansion (a phrase cut short is dropped).", at_least=1
+    )
+    expansion_top_k: int = setting(
+        8, "The model expander samples each token among the k likeliest the vocabulary allows.", at_least=1
+    )
+    expansion_device: str = setting(
+        "cpu", "Where the model expander runs: cpu, or cuda where the gateway has a GPU.", choices=("cpu", "cuda")
+    )
+    expansion_threads: int = setting(
+        1,
+        "CPU threads the model expander runs on: 1 suits a small model, whose steps are too short to share.",
+        at_least=1,
+    )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from services.config.fields import Codec, Section, SettingsError, setting
 from services.config.http import HttpSettings
 from services.config.placement import PlacementSettings, PreemptionSettings
-from services.config.safety import SafetySettings
+from services.config.safety import ExpansionSettings, SafetySettings
 from services.config.workers import DecoderSettings, SamplerSettings
 
 if TYPE_CHECKING:
@@ -174,6 +174,7 @@ class GatewaySettings(Section):
         at_most=24.0,
     )
     placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
+    expansion: ExpansionSettings = setting(doc="Prompt expansion.", factory=ExpansionSettings)
 
     def check(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
