@@ -18,6 +18,7 @@ from services.errors import FieldViolation, InvalidArgument, PermissionDenied
 from services.generation import GenerationParams, JobInputs
 from services.models.registry import MAX_FPS, ModelRegistry, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.safety.prompt_filter import PromptFilter
 
 MAX_GUIDANCE = 50.0
 MAX_PREVIEWS = 3
@@ -84,6 +85,13 @@ def validate_submit(
         previews=req.previews,
         inputs=JobInputs(image.data, mask.data if mask else None) if image is not None else None,
     )
+
+
+def violates_policy(prompt: str, prompt_filter: PromptFilter | None) -> bool:
+    """Whether the prompt filter (None: off) flags ``prompt``; the caller refuses the
+    submit (ContentPolicyViolation) before anything is stored or charged. Only the
+    prompt: a negative prompt names what to steer away from ("nsfw, nude")."""
+    return prompt_filter is not None and prompt_filter.check(prompt).flagged
 
 
 def _inputs(

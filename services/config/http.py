@@ -50,7 +50,8 @@ class HttpSettings(Section):
         16.0,
         "The gateway's limit on an input image (or mask), read by the HTTP API from the same variable: an edit's "
         "body may hold an image and its mask of this size, and 1 MiB of fields; a larger one is refused (413) as it "
-        "arrives. Every other route's body: 1 MiB.",
+        "arrives. A moderation's body (POST /v1/moderations, its images inline) may be as large again in base64. Every "
+        "other route's body: 1 MiB.",
         env="MAX_INPUT_MB",
         at_least=0.01,
         at_most=24.0,

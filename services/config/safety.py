@@ -56,8 +56,9 @@ class SafetySettings(Section):
     )
     prompt_filter_words: str = setting(
         "",
-        "A file of the operator's own words and phrases to refuse, one per line ('#' starts a comment), added to "
-        "the shipped list. Empty: the shipped list alone.",
+        "A file of the operator's own words and phrases to refuse, one per line ('#' starts a comment; a line "
+        "[sexual] makes the lines after it sexual too, [profanity] profanity only), added to the shipped list "
+        "(docs/safety.md). Empty: the shipped list alone.",
     )
     image_filter: bool = setting(
         True, "Score every output with the NSFW classifier after it is decoded and before it is stored."
