@@ -1,7 +1,8 @@
 """Every error the HTTP API answers, in one place, as OpenAI's error JSON and HTTP
 status, so that OpenAI's SDKs raise their own typed exceptions: the gateway's
-refusals (gRPC status codes with rich details: 400 naming the parameter, 401,
-403, 404, 429 and 503 with Retry-After), a body too large (413), and anything
+refusals (gRPC status codes with rich details: 400 naming the parameter, or
+``content_policy_violation`` for a prompt the content policy refuses, 401, 403,
+404, 429 and 503 with Retry-After), a body too large (413), and anything
 unexpected (500, never a plain-text page). Darkroom's field names become the
 request's parameter names.
 
@@ -18,6 +19,8 @@ import grpc
 from aiohttp import web
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
+
+from services.rpc.status import CONTENT_POLICY_VIOLATION
 
 # (HTTP status, OpenAI error type, code) per gRPC status.
 _BY_CODE = {
@@ -95,6 +98,18 @@ def unauthenticated(message: str) -> HttpError:
     return HttpError(401, message, kind="invalid_request_error", code="invalid_api_key")
 
 
+def withheld(job_id: str, what: str = "outputs") -> HttpError:
+    """A job's outputs all withheld: the image filter flagged them, and its policy
+    blocks what it flags. OpenAI's ``content_policy_violation``; not to be retried
+    (the same request makes the same outputs)."""
+    return HttpError(
+        400,
+        f"job {job_id}: {what} withheld, flagged by the image filter under the content policy",
+        kind="invalid_request_error",
+        code="content_policy_violation",
+    ).after_submit(job_id)
+
+
 def job_ended(job_id: str, status: str, error: str) -> HttpError:
     """A job that ended without its outputs (failed, cancelled, expired)."""
     return HttpError(
@@ -142,14 +157,17 @@ def from_rpc(exc: grpc.aio.AioRpcError) -> HttpError:
     details = _details(exc)
     error = HttpError(status, exc.details() or exc.code().name, kind=kind, code=code)
     for detail in details.details if details is not None else ():
-        bad, retry, quota = (
+        bad, retry, quota, info = (
             error_details_pb2.BadRequest(),
             error_details_pb2.RetryInfo(),
             error_details_pb2.QuotaFailure(),
+            error_details_pb2.ErrorInfo(),
         )
         if detail.Unpack(bad) and bad.field_violations:
             first = bad.field_violations[0]
             error.param = PARAMETERS.get(first.field, first.field)
+        elif detail.Unpack(info) and info.reason == CONTENT_POLICY_VIOLATION:
+            error.code = "content_policy_violation"  # OpenAI's, for a refused prompt
         elif detail.Unpack(retry):
             error.retry_after_s = retry.retry_delay.ToTimedelta().total_seconds()
         elif detail.Unpack(quota) and any("credits" in v.description for v in quota.violations):

@@ -3,9 +3,10 @@ only once the gateway admits the caller.
 
 - Each route that takes a body has a limit: a JSON request (a generation, a
   video) ``JSON_BODY_BYTES``, an edit's form an image and its mask at the
-  gateway's input limit (``DARKROOM_MAX_INPUT_MB``) and the fields around them. A
-  declared ``Content-Length`` over it is refused (413) before a byte of the body is
-  read; a body without one is refused as soon as it passes the limit.
+  gateway's input limit (``DARKROOM_MAX_INPUT_MB``) and the fields around them, a
+  moderation as much again in base64 (its images inline). A declared
+  ``Content-Length`` over it is refused (413) before a byte of the body is read;
+  a body without one is refused as soon as it passes the limit.
 - Before a body is read, the caller's key (or its absence) is shown to the gateway
   with a ``ListModels`` call: while tenants (or ``DARKROOM_API_KEYS``) exist, a
   request without a key, or with a key the gateway does not know, is refused (401)
@@ -36,6 +37,12 @@ MAX_ADMITTED = 4096
 def upload_bytes(max_input_mb: float) -> int:
     """The largest edit's body: an image and its mask of ``max_input_mb`` each, and the form's fields."""
     return 2 * int(max_input_mb * 2**20) + FORM_FIELDS_BYTES
+
+
+def moderation_bytes(max_input_mb: float) -> int:
+    """The largest moderation's body: images of an edit's body in all, in base64 (a
+    third larger), with the texts around them; their bytes then fit one gRPC message."""
+    return 4 * upload_bytes(max_input_mb) // 3
 
 
 class Door:

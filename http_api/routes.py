@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from http_api import files, fleet, images
+from http_api import files, fleet, images, moderations
 from http_api.errors import (
     HttpError,
     bad_request,
@@ -19,9 +19,10 @@ from http_api.errors import (
     job_ended,
     still_running,
     submit_unanswered,
+    withheld,
 )
 from http_api.gateway_client import Gateway, Outputs, default_model
-from http_api.limits import JSON_BODY_BYTES, upload_bytes
+from http_api.limits import JSON_BODY_BYTES, moderation_bytes, upload_bytes
 from http_api.signed_urls import UrlSigner
 from http_api.video_routes import VideoRoutes
 from http_api.wire import (
@@ -59,6 +60,7 @@ class Api:
             web.post("/v1/images/generations", self.generations),
             web.post("/v1/images/edits", self.edits),
             web.get("/v1/models", self.models),
+            web.post("/v1/moderations", self.moderations),
             web.get("/v1/jobs", self.jobs),
             web.get("/v1/jobs/{job_id}", self.job),
             web.get("/v1/jobs/{job_id}/events", self.job_events),
@@ -73,6 +75,7 @@ class Api:
             "/v1/images/generations": JSON_BODY_BYTES,
             "/v1/images/edits": upload_bytes(self.settings.max_input_mb),
             "/v1/videos": JSON_BODY_BYTES,  # a form without files: an input reference is not served
+            "/v1/moderations": moderation_bytes(self.settings.max_input_mb),  # images inline, in base64
         }
 
     async def page(self, request: web.Request) -> web.Response:
@@ -136,6 +139,8 @@ class Api:
         job = done.job
         if job.status != pb.JOB_STATUS_SUCCEEDED:
             raise job_ended(job_id, STATUS_NAMES[job.status], job.error)
+        if not images.returned(done.outputs):
+            raise withheld(job_id)
         finished_at = time.perf_counter()
         now = time.time()
         body = images.images_response(job, done.outputs, asked, lambda i: self._link(request, job.job_id, i, now))
@@ -167,7 +172,9 @@ class Api:
                 job = done.job
                 if job.status != pb.JOB_STATUS_SUCCEEDED:
                     raise job_ended(job_id, STATUS_NAMES[job.status], job.error)
-                for output in done.outputs:
+                if not images.returned(done.outputs):
+                    raise withheld(job_id)
+                for _, output in images.returned(done.outputs):
                     await send_event(response, images.completed_event(job, output, stream))
                 break
         except HttpError as exc:
@@ -180,6 +187,18 @@ class Api:
             await send_error_event(response, error)
         await response.write_eof()
         return response
+
+    async def moderations(self, request: web.Request) -> web.Response:
+        """Texts and images checked as a submit's would be (``moderations``)."""
+        asked = moderations.moderation(await json_body(request))
+        try:
+            found = await self.gateway.stub.Moderate(asked.request, metadata=metadata_of(request), timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc(exc)
+            if error.param is not None:  # the gateway's field, as the caller named it
+                error.param = moderations.param_of(error.param, asked)
+            raise error from None
+        return web.json_response(moderations.response(found.results, asked))
 
     async def models(self, request: web.Request) -> web.Response:
         found = await self.gateway.stub.ListModels(pb.ListModelsRequest(), metadata=metadata_of(request), timeout=30)
@@ -227,9 +246,13 @@ class Api:
             usage=images.usage(job),
         )
         if job.status == pb.JOB_STATUS_SUCCEEDED:
-            # A stream's terminal event carries no images (they came before it in chunks).
-            outputs = len(job.images) or job.num_images
-            body["data"] = [{"url": self._link(request, job.job_id, i, now)} for i in range(outputs)]
+            # A stream's terminal event carries no images (they came before it in chunks);
+            # GetJob's do, and those the image filter blocked get no link.
+            outputs = [i for i, _ in images.returned(job.images)] if job.images else range(job.num_images)
+            body["data"] = [{"url": self._link(request, job.job_id, i, now)} for i in outputs]
+            if job.expanded_prompt:  # as the images response says it (images.images_response)
+                for entry in body["data"]:
+                    entry["revised_prompt"] = job.expanded_prompt
         return body
 
     async def job_events(self, request: web.Request) -> web.StreamResponse:

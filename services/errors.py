@@ -26,6 +26,15 @@ class InvalidArgument(RequestError):
         super().__init__("; ".join(f"{v.field}: {v.description}" for v in violations))
 
 
+class ContentPolicyViolation(InvalidArgument):
+    """A request the content policy refuses (the prompt filter flagged its prompt):
+    it names the field, never what matched, so that the refusal teaches nothing
+    about how to get round the list."""
+
+    def __init__(self, field: str = "prompt") -> None:
+        super().__init__([FieldViolation(field, "violates the content policy")])
+
+
 class NotFound(RequestError):
     pass
 

@@ -1,5 +1,5 @@
 """The one place where Darkroom's exceptions become gRPC status codes, with rich
-details (``BadRequest`` field violations, ``RetryInfo``)."""
+details (``BadRequest`` field violations, ``RetryInfo``, ``ErrorInfo``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from grpc_status import rpc_status
 
 from services.errors import (
     AlreadyExists,
+    ContentPolicyViolation,
     DarkroomError,
     DegenerateOutput,
     InvalidArgument,
@@ -28,6 +29,9 @@ from services.errors import (
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
+# ErrorInfo's domain (the API's package), and the reasons that tell refusals of one code apart.
+DOMAIN = "darkroom.v1"
+CONTENT_POLICY_VIOLATION = "CONTENT_POLICY_VIOLATION"
 
 
 def to_status(exc: BaseException) -> status_pb2.Status:
@@ -41,6 +45,9 @@ def to_status(exc: BaseException) -> status_pb2.Status:
             ]
         )
         status.details.add().Pack(detail)
+        if isinstance(exc, ContentPolicyViolation):
+            # The reason a client (and the HTTP door: OpenAI's content_policy_violation) tells apart.
+            status.details.add().Pack(error_details_pb2.ErrorInfo(reason=CONTENT_POLICY_VIOLATION, domain=DOMAIN))
     elif isinstance(exc, NotFound):
         status = status_pb2.Status(code=code_pb2.NOT_FOUND, message=str(exc))
     elif isinstance(exc, AlreadyExists):

@@ -37,7 +37,8 @@ TENANT_SUBMITS = Counter(
 )
 TENANT_REFUSALS = Counter(
     "darkroom_tenant_refusals",
-    "Calls refused per tenant whose key was known, by reason: cross_tenant, lane, max_jobs, rate or credits.",
+    "Calls refused per tenant whose key was known, by reason: cross_tenant, lane, max_jobs, rate, credits or "
+    "content_policy (a prompt the prompt filter flagged).",
     ["tenant", "reason"],
 )
 TENANT_GPU_SECONDS = Counter(

@@ -12,6 +12,8 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from http_api.errors import from_rpc
+from services.errors import ContentPolicyViolation
+from services.rpc.status import to_status
 
 
 def refusal(code: grpc.StatusCode, *details: object) -> grpc.aio.AioRpcError:
@@ -83,3 +85,17 @@ def test_details_that_are_no_status_are_ignored() -> None:
     trailing = grpc.aio.Metadata(("grpc-status-details-bin", b"\xff\xfe not a status"))
     odd = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailing, details="odd")
     assert from_rpc(odd).status == 400
+
+
+def test_a_content_policy_violation_is_openai_s() -> None:
+    status = to_status(ContentPolicyViolation("prompt"))
+    trailing = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    refused = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailing, status.message)
+    response = from_rpc(refused).response()
+    assert response.status == 400
+    error = json.loads(response.body)["error"]  # type: ignore[arg-type]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "content_policy_violation",
+        "prompt",
+    )

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from google.rpc import code_pb2, error_details_pb2
 
-from services.errors import FieldViolation, InvalidArgument, NotFound, ResourceExhausted, StoreUnavailable
+from services.errors import (
+    ContentPolicyViolation,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    StoreUnavailable,
+)
 from services.rpc.status import to_status
 
 
@@ -27,3 +34,13 @@ def test_other_errors_map_to_their_codes() -> None:
     assert to_status(NotFound("x")).code == code_pb2.NOT_FOUND
     assert to_status(StoreUnavailable("x")).code == code_pb2.UNAVAILABLE
     assert to_status(RuntimeError("secret")).message == "internal error"
+
+
+def test_a_content_policy_violation_names_the_field_and_its_reason_and_nothing_else() -> None:
+    status = to_status(ContentPolicyViolation("prompt"))
+    bad, info = error_details_pb2.BadRequest(), error_details_pb2.ErrorInfo()
+    assert status.code == code_pb2.INVALID_ARGUMENT
+    assert status.details[0].Unpack(bad) and status.details[1].Unpack(info)
+    assert [(v.field, v.description) for v in bad.field_violations] == [("prompt", "violates the content policy")]
+    assert info.reason == "CONTENT_POLICY_VIOLATION" and not info.metadata
+    assert status.message == "prompt: violates the content policy"
