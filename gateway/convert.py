@@ -88,6 +88,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         status=STATUS[job.status],
         model=job.params.model,
         prompt=job.params.prompt,
+        expanded_prompt=job.expanded_prompt or "",
         width=job.params.width,
         height=job.params.height,
         steps=job.params.steps,
@@ -126,6 +127,8 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
                 seed=i.seed,
                 frames=job.params.frames,
                 fps=job.params.fps,
+                nsfw_score=i.nsfw_score,
+                verdict=i.verdict,
             )
             for i in images or []
         ],
@@ -147,6 +150,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         strength=job.params.strength,
         task=job.task.value,
         waiting_for=routing.get("waiting_for", "") if job.status == JobStatus.QUEUED else "",
+        output_policy=job.output_policy,
     )
 
 
@@ -184,6 +188,8 @@ def image_chunks(job: JobRecord, image: ImageRecord) -> list[pb.JobEvent]:
                 seed=image.seed,
                 frames=job.params.frames,
                 fps=job.params.fps,
+                nsfw_score=image.nsfw_score,
+                verdict=image.verdict,
             ),
         )
         for offset, data, last in split(image.data)

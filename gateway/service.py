@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from gateway.expansion import Expansion
 from gateway.servicer import ImageGenerationServicer
 from services.bus.events import Events
 from services.config.fields import SettingsError
@@ -45,6 +46,8 @@ def create_server(
         stale_after_s=kernel.worker_stale_after_s,
         mesh=MeshIdentity.of(kernel.mesh_dir, "gateway"),
         anonymous=anonymous_allowed(settings, http or HttpSettings()),
+        safety=kernel.safety,
+        expansion=Expansion(settings.expansion, kernel.models_dir),
     )
     server = build_server(
         [
@@ -96,6 +99,7 @@ async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio
         Migrations(kernel),
         Closing("database", repo.close),
         OpenAccessCheck(settings, http, repo),
+        servicer.expansion,  # its expander loaded (a model built, the first time) before the port opens
         # The gateway serves without NATS (streams then read the database).
         EventsInBackground(
             kernel,

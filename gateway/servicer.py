@@ -24,22 +24,25 @@ from gateway.convert import (
     worker_stats,
 )
 from gateway.estimates import Estimator
-from gateway.metrics import STREAMS_OPEN, count_refusal, count_submit
+from gateway.expansion import Expansion, asks_expansion
+from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_refusal, count_submit
+from gateway.moderation import Limits, Moderator
 from gateway.streams import follow
 from gateway.usage import tenant_usage
-from gateway.validation import validate_submit
+from gateway.validation import validate_submit, violates_policy
 from scheduler import admission, facts
 from scheduler.costs import costs_from
 from scheduler.views import job_view
 from services import quotas
 from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer
-from services.config.sections import GatewaySettings
+from services.config.safety import SafetySettings
+from services.config.sections import GatewaySettings, KernelSettings
 from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerRecord
-from services.errors import PermissionDenied, QuotaViolation, ResourceExhausted
+from services.errors import ContentPolicyViolation, PermissionDenied, QuotaViolation, ResourceExhausted
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.presence_view import PresenceView
@@ -48,6 +51,8 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import Channels
 from services.rpc.status import stream_errors, unary_errors
+from services.safety import prompt_filter
+from services.safety.verdicts import output_policy
 from services.telemetry import logs
 from services.telemetry.metrics import JOBS_FINISHED
 
@@ -65,8 +70,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         stale_after_s: float,
         mesh: MeshIdentity | None = None,
         anonymous: bool = True,
+        safety: SafetySettings | None = None,
+        expansion: Expansion | None = None,
     ) -> None:
         self.settings = settings
+        # The prompt expander (``gateway.service`` gives it the data directory's models).
+        self.expansion = expansion or Expansion(settings.expansion, KernelSettings().models_dir)
         self.stale_after_s = stale_after_s
         self.repo = repo
         self.registry = registry
@@ -85,6 +94,15 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self._create_limited = Coalescer(self.repo.admission.create_within_limits)
         self._states = Coalescer(self.repo.jobs.states)
         self._results = Coalescer(self.repo.jobs.many_with_images)
+        safety = safety or SafetySettings()
+        self.safety = safety  # the image filter's policies, decided at submit
+        words = prompt_filter.from_settings(safety)
+        # None: submits' prompts go unchecked; Moderate checks texts with the list all the same.
+        self.prompt_filter = words if safety.prompt_filter else None
+        max_input_bytes = int(settings.max_input_mb * 2**20)
+        self.moderator = Moderator(
+            words, Limits(settings.max_prompt_chars, max_input_bytes, safety.image_filter_threshold)
+        )
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
         return sampler_pb2_grpc.SamplerStub(self._channels.to(address))
@@ -112,6 +130,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             new = await asyncio.to_thread(validate) if request.image or request.mask else validate()
         except PermissionDenied as exc:
             raise caller.refused("lane", "SubmitJob", exc) from None
+        tenant_policy = caller.terms.output_policy if caller.terms else None
+        new = replace(new, output_policy=output_policy(self.safety, new.lane, tenant_policy))
+        if violates_policy(request.prompt, self.prompt_filter):
+            count_prompt_refused(new.lane, caller.tenant)
+            raise ContentPolicyViolation("prompt")
+        self.expansion.check(request)
         view = self.estimator.job_view(new)
         eta = await self.estimator.estimate(view, now)
         refusal = admission.admit(new.lane, eta, self.config)
@@ -128,6 +152,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             )
         reserve = await self.estimator.gpu_seconds(view, now) * new.price
         new = spans.with_trace(replace(new, credits_reserved=reserve))
+        new = await self._expanded(caller, request, new)
         job, deduplicated = await self._store(caller, new, now, eta)
         spans.submitted(new, job, deduplicated, start=now)
         count_submit(new.lane, caller.tenant, "deduplicated" if deduplicated else "accepted")
@@ -135,6 +160,17 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             return await self._submitted(job, True, now)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
+
+    async def _expanded(self, caller: Caller, request: pb.SubmitJobRequest, new: NewJob) -> NewJob:
+        """``new`` with its prompt expanded where the request asks for it (or its
+        tenant's default does) and this gateway expands. A resubmit of a job already
+        stored is not expanded again: its job is answered as it was stored."""
+        tenant_default = bool(caller.terms and caller.terms.expand_prompts)
+        if not self.expansion.enabled or not asks_expansion(request, tenant_default):
+            return new
+        if new.idempotency_key and await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key):
+            return new
+        return replace(new, expanded_prompt=await self.expansion.expand(new.params.prompt, new.params.seed))
 
     async def _store(
         self, caller: Caller, new: NewJob, now: datetime, eta: admission.Estimate | None
@@ -179,6 +215,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             response.estimated_start_time.CopyFrom(timestamp(start))
             response.estimated_finish_time.CopyFrom(timestamp(start + timedelta(seconds=eta.run_s)))
         return response
+
+    @unary_errors
+    async def Moderate(self, request: pb.ModerateRequest, context: grpc.aio.ServicerContext) -> pb.ModerateResponse:
+        await self.gate.caller(context, "Moderate")
+        return await self.moderator.moderate(request)
 
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:

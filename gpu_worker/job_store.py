@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
@@ -44,6 +45,15 @@ class OutcomeNotStored(Exception):
 
 def _now() -> datetime:
     return datetime.now(UTC)
+
+
+def as_sampled(job: JobRecord) -> JobRecord:
+    """The job as the sampler runs it: a job whose prompt was expanded at submit is
+    made from the expanded prompt, stored on it, on every attempt and every worker
+    (its conditioning, its prompt cache key, its resumption alike)."""
+    if not job.expanded_prompt:
+        return job
+    return replace(job, params=replace(job.params, prompt=job.expanded_prompt))
 
 
 def _published(dispatch: Dispatch) -> datetime | None:
@@ -78,12 +88,14 @@ class JobStore:
 
     async def start(self, dispatches: Sequence[Dispatch]) -> dict[str, JobRecord]:
         """Marks the attempts RUNNING here, in one statement; the jobs that are, by id
-        (one cancelled, requeued or of a stale attempt is left out)."""
+        (one cancelled, requeued or of a stale attempt is left out), each as it is
+        sampled (``as_sampled``)."""
         requests = [StartRequest(d.job_id, d.attempt, _published(d)) for d in dispatches]
-        return await self._retried(
+        started = await self._retried(
             f"the start of {len(requests)} jobs",
             lambda: self.repo.attempts.start_many(requests, self.worker_id, now=_now()),
         )
+        return {job_id: as_sampled(job) for job_id, job in started.items()}
 
     async def running(self, jobs: Sequence[JobRecord]) -> None:
         await self.events.job(

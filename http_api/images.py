@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import base64
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from http_api.errors import bad_request, quoted
 from http_api.wire import LongInteger
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.safety.verdicts import BLOCKED
 
 FORMATS = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_N = 10
 # OpenAI's own parameters Darkroom takes and does not act on (the model decides).
-# Darkroom's own, beside OpenAI's: seed, steps, negative_prompt, guidance, strength, lane.
+# Darkroom's own, beside OpenAI's: seed, steps, negative_prompt, guidance, strength, lane, expand_prompt.
 IGNORED = ("quality", "style", "background", "moderation", "output_compression", "user", "safety_identifier")
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
 # What a stream's events are named after: OpenAI's image_generation.* and image_edit.*.
@@ -65,6 +66,9 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
     strength = take.number("strength", 0.0, 1.0)
     if strength is not None:
         request.strength = strength
+    expand = take.flag("expand_prompt")
+    if expand is not None:  # unset: the tenant's default
+        request.expand_prompt = expand
     response_format = take.text("response_format") or "b64_json"
     if response_format not in RESPONSE_FORMATS:
         raise bad_request("response_format", f"response_format {response_format!r} is not url or b64_json")
@@ -167,11 +171,15 @@ class Fields:
 
 def images_response(job: pb.Job, outputs: list[pb.Image], asked: Asked, link: Callable[[int], str]) -> dict[str, Any]:
     """OpenAI's images response for a finished job: each output inline or as a
-    signed link; ``usage`` with the job's GPU-seconds and credits."""
+    signed link, those the image filter blocked left out (``returned``); ``usage``
+    with the job's GPU-seconds and credits."""
     data = [
         {"url": link(i)} if asked.response_format == "url" else {"b64_json": base64.b64encode(o.data).decode()}
-        for i, o in enumerate(outputs)
+        for i, o in returned(outputs)
     ]
+    if job.expanded_prompt:  # OpenAI's field for the prompt an image was made from
+        for entry in data:
+            entry["revised_prompt"] = job.expanded_prompt
     fmt = next((name for name, value in FORMATS.items() if value == job.output_format), "png")
     return {
         "created": job.timings.created_time.seconds,
@@ -180,6 +188,12 @@ def images_response(job: pb.Job, outputs: list[pb.Image], asked: Asked, link: Ca
         "size": f"{job.width}x{job.height}",
         "usage": usage(job),
     }
+
+
+def returned(outputs: Sequence[pb.Image]) -> list[tuple[int, pb.Image]]:
+    """The outputs a client gets, with their indexes: all but those the image filter
+    blocked (withheld: no bytes). None of them: OpenAI's content_policy_violation."""
+    return [(i, o) for i, o in enumerate(outputs) if o.verdict != BLOCKED]
 
 
 def partial_event(preview: pb.Preview, index: int, job: pb.Job, stream: str) -> dict[str, Any]:

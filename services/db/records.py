@@ -33,6 +33,12 @@ class NewJob:
     task: Task = Task.TEXT_TO_IMAGE
     previews: int = 0  # rough previews of each image its stream sends while it denoises
     inputs: JobInputs | None = None  # an edit's or upscale's input image (and mask)
+    # The prompt as expanded at submit (services.safety.expansion), which the sampler
+    # makes its images from on every attempt; None: not expanded.
+    expanded_prompt: str | None = None
+    # What the image filter's flag does to its outputs ("block", "blur", "flag"),
+    # decided at submit; "": not checked.
+    output_policy: str = ""
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,8 @@ class JobRecord:
     credits_charged: float | None = None  # once settled
     task: Task = Task.TEXT_TO_IMAGE
     previews: int = 0
+    output_policy: str = ""  # what the image filter's flag does to its outputs; "": not checked
+    expanded_prompt: str | None = None  # what its images are made from, where its prompt was expanded
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobRecord:
@@ -246,6 +254,8 @@ class ImageRecord:
     width: int
     height: int
     seed: int
+    nsfw_score: float | None = None  # the image filter's score; None: not checked
+    verdict: str = ""  # "", "flagged", "blurred" or "blocked" (then ``data`` is empty)
 
 
 JOB_FIELDS = columns(JobRecord)

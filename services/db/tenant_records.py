@@ -23,6 +23,10 @@ class TenantTerms:
     max_jobs: int | None = None
     rate_per_s: float | None = None
     weight: float = 1.0
+    expand_prompts: bool = False  # its prompts are expanded unless a request says otherwise
+    # What the image filter's flag does to its jobs' outputs ("block", "blur",
+    # "flag"); None: its lane's (DARKROOM_OUTPUT_POLICIES).
+    output_policy: str | None = None
 
 
 TERMS = tuple(f.name for f in fields(TenantTerms))

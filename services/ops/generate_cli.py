@@ -79,6 +79,8 @@ def build_request(prompt: str, args: argparse.Namespace):
         request.mask = _read("--mask", args.mask)
     if getattr(args, "strength", None) is not None:
         request.strength = args.strength
+    if getattr(args, "expand", None) is not None:  # unset: the tenant's default
+        request.expand_prompt = args.expand
     return request
 
 
@@ -118,13 +120,20 @@ def generate_into(address: str, prompt: str, args: argparse.Namespace, tls_roots
         print(f"darkroom: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1
     out = Path(args.output)
-    out.write_bytes(images[0].data)
     made = images[0]
+    if made.verdict == "blocked":
+        print(f"darkroom: job {job.job_id}: its output was withheld (the image filter flagged it)", file=sys.stderr)
+        return 1
+    out.write_bytes(made.data)
     frames = f", {job.frames} frames at {job.fps:g} fps" if job.frames > 1 else ""
     print(
         f"darkroom: wrote {out} ({made.width}x{made.height}{frames}, seed {made.seed}, "
         f"{job.model}, job {job.job_id} on {job.worker_id})"
     )
+    if job.expanded_prompt:
+        print(f"darkroom: expanded prompt: {job.expanded_prompt}")
+    if made.verdict:
+        print(f"darkroom: the image filter {made.verdict} it (NSFW score {made.nsfw_score:.2f})")
     return 0
 
 
@@ -152,6 +161,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _gateway_options(gen)
     add_options(gen)
     add_media_options(gen)
+    gen.add_argument(
+        "--expand",
+        action=argparse.BooleanOptionalAction,
+        help="expand the prompt with style phrases before sampling, seeded by --seed (default: the tenant's choice)",
+    )
     gen.set_defaults(func=cmd_generate)
 
     up = sub.add_parser("upscale", help="make an image four times larger through a running gateway")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from services import quotas
+from services.config.safety import OUTPUT_POLICIES
 from services.config.sections import KernelSettings, Settings
 from services.db.repository import Repository
 from services.db.tenant_records import KeyRecord, TenantRecord, TenantTerms
@@ -88,6 +89,20 @@ def _term_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
         default=1.0 if defaults else argparse.SUPPRESS,
         help="its share of its lane against other tenants (default 1)",
     )
+    p.add_argument(
+        "--expand-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=False if defaults else argparse.SUPPRESS,
+        help="expand its jobs' prompts unless a request says otherwise (default: no)",
+    )
+    lane = "its lane's (DARKROOM_OUTPUT_POLICIES)"
+    p.add_argument(
+        "--output-policy",
+        type=_output_policy,
+        default=unset,
+        help="what the image filter's flag does to its jobs' outputs: block (withheld), blur, or flag (returned as "
+        f"made, marked); default: {lane}" + ("" if defaults else f"; 'lane' for {lane}"),
+    )
 
 
 def _at_least(low: float, kind: Callable[[str], Any] = float, *, unlimited: bool = True) -> Callable[[str], Any]:
@@ -103,6 +118,14 @@ def _at_least(low: float, kind: Callable[[str], Any] = float, *, unlimited: bool
         return value
 
     return parse
+
+
+def _output_policy(text: str) -> str | None:
+    if text.lower() == "lane":
+        return None
+    if text not in OUTPUT_POLICIES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(OUTPUT_POLICIES)} (or 'lane')")
+    return text
 
 
 def _finite(text: str) -> float:
@@ -172,7 +195,16 @@ async def _create_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
     if not _NAME.fullmatch(args.name):
         raise ValueError(f"tenant name {args.name!r}: use 1 to 64 letters, digits, '.', '_' or '-'")
     _check_lane(args.lane, settings)
-    terms = TenantTerms(args.lane, args.credits, args.daily_credits, args.max_jobs, args.rate, args.weight)
+    terms = TenantTerms(
+        args.lane,
+        args.credits,
+        args.daily_credits,
+        args.max_jobs,
+        args.rate,
+        args.weight,
+        expand_prompts=args.expand_prompts,
+        output_policy=args.output_policy,
+    )
     tenant = await repo.tenants.create(args.name, terms, actor=_actor(), now=datetime.now(UTC))
     _print_tenant(tenant, await repo.credits.held([tenant.name]))
     return 0
@@ -188,6 +220,8 @@ async def _update_tenant(args: argparse.Namespace, settings: Settings, repo: Rep
             ("max_jobs", "max_jobs"),
             ("rate", "rate_per_s"),
             ("weight", "weight"),
+            ("expand_prompts", "expand_prompts"),
+            ("output_policy", "output_policy"),
         )
         if hasattr(args, option) and not (option == "lane" and args.lane is None)
     }
@@ -277,6 +311,8 @@ def _print_tenant(tenant: TenantRecord, held: dict[str, float]) -> None:
     print(
         f"tenant {tenant.name}: lane {t.lane}, credits {credits}, daily credits {limit(t.daily_credits)}, "
         f"max jobs {limit(t.max_jobs)}, rate {limit(t.rate_per_s)}{'/s' if t.rate_per_s else ''}, weight {t.weight:g}"
+        f"{', prompts expanded' if t.expand_prompts else ''}"
+        f", output policy {t.output_policy or 'of its lane'}"
     )
 
 

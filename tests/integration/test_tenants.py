@@ -303,6 +303,26 @@ def test_admin_actions_are_recorded_with_who_did_what(stack: LocalStack, keys: d
         f"keys create key {key_id}: role=admin",
     ]
     assert actions[-1] == f"{actor}: tenants create: lane=free, credits=None, daily_credits=None, max_jobs=50, " + (
-        "rate_per_s=None, weight=1.0"
+        "rate_per_s=None, weight=1.0, expand_prompts=False, output_policy=None"
     )
     assert fresh not in shown and keys["cats"] not in shown
+
+
+def test_a_tenants_output_policy_overrides_its_lanes_from_its_next_submit(
+    stack: LocalStack, keys: dict[str, str]
+) -> None:
+    """Decided at submit and stored on the job: the free lane's (block) until the
+    tenant has its own, and its lane's again once that is cleared."""
+    client = stub(stack)
+    cats = as_key(keys["cats"])
+
+    def policy() -> str:
+        return client.GetJob(pb.GetJobRequest(job_id=client.SubmitJob(job(), metadata=cats).job_id), metadata=cats).output_policy
+
+    assert policy() == "block"
+    assert darkroom(stack, "tenants", "update", "cats", "--output-policy", "hide", check=False).returncode == 2
+    shown = darkroom(stack, "tenants", "update", "cats", "--output-policy", "blur").stdout
+    assert "output policy blur" in shown
+    wait_for(policy, lambda p: p == "blur", timeout=5, what="the tenant's own policy at submit")
+    darkroom(stack, "tenants", "update", "cats", "--output-policy", "lane")
+    wait_for(policy, lambda p: p == "block", timeout=5, what="the lane's policy again")
