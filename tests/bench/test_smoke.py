@@ -33,6 +33,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "http_overhead": ("| path | median s | p90 s |",),
     "media": ("| model | size | frames | steps |",),
     "placement": ("| policy | load | jobs/s |",),
+    "prompt_filter": ("| prompts | characters, mean | p50 µs | p99 µs |", "| prompt | filter | p50 ms | p99 ms |"),
     "preemption": ("| round | suspended after s |",),
     "tracing": ("| hook | no endpoint | endpoint |",),
     "gpu": (
@@ -43,6 +44,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
     "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
+    "expansion": ("| expander | model | load s |",),
 }
 
 
