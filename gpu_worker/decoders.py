@@ -85,6 +85,7 @@ def decode_request(jobs: Sequence[tuple[JobRecord, torch.Tensor]], traceparents:
                 mime_type=mime_type_of(job.output_format),
                 traceparent=traceparent or "",
                 fps=job.params.fps,
+                output_policy=job.output_policy,
             )
             for (job, latents), traceparent in zip(jobs, traceparents, strict=True)
         ],
@@ -228,6 +229,9 @@ class Decoders:
                 out[job.id] = DecoderFailed(f"decoder {decoder.id}: {refused[n]}")
             elif got != list(range(job.params.num_images)):
                 out[job.id] = DecoderFailed(f"decoder {decoder.id} returned images {got} of {job.params.num_images}")
+            elif job.output_policy and not all(meta[(n, i)].HasField("nsfw_score") for i in got):
+                # A decoder that knows no image filter (an older one, mid-upgrade): never returned unchecked.
+                out[job.id] = DecoderFailed(f"decoder {decoder.id} returned images the image filter did not check")
             else:
                 out[job.id] = [
                     ImageRecord(
@@ -237,6 +241,8 @@ class Decoders:
                         width=meta[(n, i)].width,
                         height=meta[(n, i)].height,
                         seed=(job.params.seed + i) % 2**63,
+                        nsfw_score=meta[(n, i)].nsfw_score if meta[(n, i)].HasField("nsfw_score") else None,
+                        verdict=meta[(n, i)].verdict,
                     )
                     for i in range(job.params.num_images)
                 ]

@@ -47,6 +47,7 @@ from services.presence_view import PresenceView, follow
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Server, build_server
 from services.rpc.status import unary_errors
+from services.safety.image_filter import image_filter_of
 from services.telemetry.gpu import Telemetry
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,10 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     server = create_server(settings, tracker, mesh)
     local = None
     if settings.local_decode_fallback or settings.decode_locally:
-        local = LocalDecoder(VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device))
+        local = LocalDecoder(
+            VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device),
+            await image_filter_of(kernel.safety),  # what it decodes, it checks as a decoder service does
+        )
     decoder_presence = PresenceView((WorkerKind.DECODER,))
     decoders = Decoders(
         decoder_presence,

@@ -45,6 +45,6 @@ class SimDenoiser:
         stopping = [m.stopping for m in members]
         finished = sim.sleep_steps(spec, key.width, key.height, key.steps, stopping, on_step, [r.step for r in runs])
         return [
-            sim.latents(r.member.params) if done else checkpoints.stopped(r)
+            sim.latents(r.member.params, spec.sim_image) if done else checkpoints.stopped(r)
             for r, done in zip(runs, finished, strict=True)
         ]

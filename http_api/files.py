@@ -7,11 +7,12 @@ import time
 
 from aiohttp import web
 
-from http_api.errors import HttpError, bad_request, not_found
+from http_api.errors import HttpError, bad_request, not_found, withheld
 from http_api.signed_urls import UrlSigner, malformed
 from http_api.wire import job_id_of
 from services.db.repository import Repository
 from services.errors import StoreError
+from services.safety.verdicts import BLOCKED
 
 
 async def serve(request: web.Request, signer: UrlSigner, repo: Repository | None) -> web.Response:
@@ -35,4 +36,6 @@ async def serve(request: web.Request, signer: UrlSigner, repo: Repository | None
     output = next((o for o in outputs if o.index == int(index)), None)
     if output is None:
         raise not_found("output")
+    if output.verdict == BLOCKED:
+        raise withheld(job_id, f"output {index}")
     return web.Response(body=output.data, content_type=output.mime_type, headers={"Cache-Control": "private"})

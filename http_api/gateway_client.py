@@ -169,6 +169,8 @@ def _image(output: _Output) -> pb.Image:
         seed=c.seed,
         frames=c.frames,
         fps=c.fps,
+        nsfw_score=c.nsfw_score if c.HasField("nsfw_score") else None,
+        verdict=c.verdict,
     )
 
 

@@ -9,10 +9,11 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from http_api import videos
-from http_api.errors import HttpError, bad_request, not_found
+from http_api.errors import HttpError, bad_request, not_found, withheld
 from http_api.gateway_client import Gateway, default_model
 from http_api.wire import fields_of, job_id_of, key_of
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.safety.verdicts import BLOCKED
 
 ENDED = (pb.JOB_STATUS_SUCCEEDED, pb.JOB_STATUS_FAILED, pb.JOB_STATUS_CANCELLED, pb.JOB_STATUS_EXPIRED)
 # GET /v1/videos looks for the caller's videos among this many of its latest jobs.
@@ -97,6 +98,8 @@ class VideoRoutes:
             raise HttpError(
                 404, f"the video is {status}, not completed", kind="invalid_request_error", code="not_ready"
             )
+        if job.images[0].verdict == BLOCKED:
+            raise withheld(job.job_id, "video")
         return web.Response(body=job.images[0].data, content_type=job.images[0].mime_type)
 
     async def _video_job(self, request: web.Request) -> pb.Job:

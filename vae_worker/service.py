@@ -1,7 +1,9 @@
 """The VAE decoder service: ``VaeDecoder.Decode`` turns the latents of a sampler's
 batch of jobs into PNG, JPEG or WebP images (a video model's into MP4 or animated
 WebP videos) and streams each back in chunks as soon as it is encoded;
-``VaeDecoder.Encode`` turns an edit's input image into latents. Concurrent requests are decoded in batches too
+``VaeDecoder.Encode`` turns an edit's input image into latents. Each output of a job
+with an output policy is scored by the image filter (``vae_worker.output_checks``)
+and sent as its verdict has it: as made, blurred, or not at all. Concurrent requests are decoded in batches too
 (``vae_worker.decode_batches``); the heartbeat carries the decoder's load, from which
 samplers pick the decoder that will finish first."""
 
@@ -14,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+import numpy as np
 
 from services.bus.dispatch import check_worker_id, host_token
 from services.bus.events import Events
@@ -37,10 +40,13 @@ from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_p
 from services.rpc.gen.darkroom.internal.v1.vae_decoder_pb2 import DecodeJob
 from services.rpc.server import Server, build_server
 from services.rpc.status import stream_errors, unary_errors
+from services.safety.image_filter import NO_FILTER, image_filter_of, unchecked
+from services.safety.verdicts import BLURRED, Judged, verdict
 from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
 from vae_worker import spans
 from vae_worker.decode_batches import DecodeBatcher
+from vae_worker.output_checks import OutputChecks
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +57,10 @@ ENCODE_TOGETHER_BELOW_PIXELS = 1024 * 1024
 
 
 class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
-    def __init__(self, batcher: DecodeBatcher) -> None:
+    def __init__(self, batcher: DecodeBatcher, checks: OutputChecks | None = None) -> None:
         self.batcher = batcher
+        # None: the image filter is off here; a job whose outputs are to be checked fails.
+        self.checks = checks
 
     @stream_errors
     async def Decode(
@@ -71,29 +79,75 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
             start += job.images
             what = "video" if video else "image"
             fault = next((f"{what} {i}: {image.fault}" for i, image in enumerate(own) if image.fault), "")
+            if not fault and job.output_policy and self.checks is None:
+                fault = NO_FILTER
             if fault:
                 log.warning("job %s: %s", job.job_id or "?", fault, extra=logs.job_fields(job.job_id))
                 spans.decoded(job.traceparent, job.job_id, start_ns=started_ns, error=fault)
                 yield vae_decoder_pb2.DecodeChunk(job=index, last=True, error=fault)
             else:
                 sliced.append((index, job, own))
-        async for index, job, image_index, image, mime_type, data in _encoded(sliced, dict(enumerate(jobs))):
-            height, width = image.pixels.shape[-3:-1]
-            frames = image.pixels.shape[0] if video else 1
-            for offset, part, last in split(data):
-                yield vae_decoder_pb2.DecodeChunk(
-                    job=index,
-                    index=image_index,
-                    offset=offset,
-                    data=part,
-                    last=last,
-                    width=width,
-                    height=height,
-                    mime_type=mime_type,
-                    frames=frames,
-                )
-            if image_index == job.images - 1:
-                spans.decoded(job.traceparent, job.job_id, start_ns=started_ns)
+        # Scored while they are encoded (and while the next batch decodes); nothing
+        # of a checked output is sent before its verdict.
+        checked = {(index, i): n for n, (index, i) in enumerate(_checked(sliced))}
+        scoring = None
+        if checked and self.checks is not None:
+            pixels = [image.pixels for _, job, own in sliced if job.output_policy for image in own]  # as in checked
+            scoring = asyncio.ensure_future(self.checks.scores(pixels))
+        refused: set[int] = set()
+        try:
+            async for index, job, image_index, image, mime_type, data in _encoded(sliced, dict(enumerate(jobs))):
+                if index in refused:
+                    continue
+                score = None
+                if scoring is not None and (index, image_index) in checked:
+                    try:
+                        score = (await scoring)[checked[(index, image_index)]]
+                    except Exception as exc:
+                        # Failed closed: every job still to be checked fails (to be
+                        # retried elsewhere), none is sent unchecked.
+                        error = f"the image filter failed: {type(exc).__name__}: {exc}"
+                        log.exception("%s", error)
+                        for failing in sorted({i for i, _ in checked} - refused):
+                            refused.add(failing)
+                            yield vae_decoder_pb2.DecodeChunk(job=failing, last=True, error=error)
+                        continue
+                judged = await self._judged(image.pixels, job.output_policy, score)
+                if judged.pixels is None:
+                    data = b""
+                elif judged.pixels is not image.pixels:
+                    data = await asyncio.to_thread(encode_output, judged.pixels, mime_type, job.fps)
+                height, width = image.pixels.shape[-3:-1]
+                frames = image.pixels.shape[0] if video else 1
+                for offset, part, last in split(data):
+                    yield vae_decoder_pb2.DecodeChunk(
+                        job=index,
+                        index=image_index,
+                        offset=offset,
+                        data=part,
+                        last=last,
+                        width=width,
+                        height=height,
+                        mime_type=mime_type,
+                        frames=frames,
+                        nsfw_score=judged.nsfw_score,
+                        verdict=judged.verdict,
+                    )
+                if image_index == job.images - 1:
+                    spans.decoded(job.traceparent, job.job_id, start_ns=started_ns)
+        finally:
+            if scoring is not None:
+                scoring.cancel()
+
+    async def _judged(self, pixels: np.ndarray, policy: str, score: float | None) -> Judged:
+        """The output as its verdict has it returned; a blur (PIL, tens of ms at 1024
+        px) off the event loop."""
+        if self.checks is None or score is None:
+            return unchecked(pixels)
+        image_filter = self.checks.filter
+        if verdict(policy, score, image_filter.threshold) == BLURRED:
+            return await asyncio.to_thread(image_filter.judge, pixels, policy, score)
+        return image_filter.judge(pixels, policy, score)
 
     @unary_errors
     async def Encode(
@@ -140,6 +194,11 @@ def check_jobs(jobs: Sequence[DecodeJob], images: int, *, video: bool = False) -
     return [(job, check_mime_type(job.mime_type, video=video)) for job in jobs]
 
 
+def _checked(sliced: list[tuple[int, DecodeJob, list[DecodedImage]]]) -> list[tuple[int, int]]:
+    """(job, image) of each output to be checked, in order."""
+    return [(index, i) for index, job, own in sliced if job.output_policy for i in range(len(own))]
+
+
 async def _encoded(
     sliced: list[tuple[int, DecodeJob, list[DecodedImage]]], jobs: dict[int, tuple[DecodeJob, str]]
 ) -> AsyncIterator[tuple[int, DecodeJob, int, DecodedImage, str, bytes]]:
@@ -178,9 +237,15 @@ def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBa
 DECODER_CALLERS = {"darkroom.internal.v1.VaeDecoder": frozenset({"sampler"})}
 
 
-def create_server(settings: DecoderSettings, batcher: DecodeBatcher, mesh: MeshIdentity | None = None) -> Server:
-    """The VaeDecoder gRPC server (not started); port 0 picks a free port."""
-    servicer = VaeDecoderServicer(batcher)
+def create_server(
+    settings: DecoderSettings,
+    batcher: DecodeBatcher,
+    mesh: MeshIdentity | None = None,
+    checks: OutputChecks | None = None,
+) -> Server:
+    """The VaeDecoder gRPC server (not started); port 0 picks a free port.
+    ``checks``: the image filter (None: off, and jobs to be checked fail)."""
+    servicer = VaeDecoderServicer(batcher, checks)
     return build_server(
         [
             (
@@ -201,6 +266,8 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
     engine = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
+    image_filter = await image_filter_of(kernel.safety)
+    checks = OutputChecks(image_filter) if image_filter is not None else None
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-decoder-{settings.port or os.getpid()}")
     repo = Repository(
         kernel.database_url,
@@ -209,7 +276,7 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
         pooled=kernel.database_pooled,
     )
     batcher = batcher_for(settings, engine)
-    server = create_server(settings, batcher, MeshIdentity.of(kernel.mesh_dir, "decoder"))
+    server = create_server(settings, batcher, MeshIdentity.of(kernel.mesh_dir, "decoder"), checks)
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
     heartbeat = Heartbeat(WorkerKind.DECODER, worker_id, address, engine, telemetry, kernel.restarts, batcher.telemetry)

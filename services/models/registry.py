@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import tomllib
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +120,9 @@ class ModelSpec:
     default_fps: float = 0.0
     # The guidance scale of a request that gives none.
     default_guidance: float = 7.5
+    # A sim model's picture (a path; relative: to the registry's directory): its
+    # outputs are that picture, resized to the job's size, whatever the seed (tests).
+    sim_image: str = ""
 
     @property
     def vram_bytes(self) -> int:
@@ -215,6 +218,13 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     spec = ModelSpec(name=name, **{"capability": FAMILY_DEFAULTS[family][2], **table, "family": family})
     if (spec.family == ModelFamily.SIM) != (spec.source == BUILTIN_SIM):
         raise ModelError(f"model {name!r}: the sim family, and only it, has source {BUILTIN_SIM!r}")
+    if spec.sim_image:
+        if spec.family != ModelFamily.SIM:
+            raise ModelError(f"model {name!r}: only a sim model has a sim_image")
+        image = path.parent / Path(spec.sim_image).expanduser()
+        if not image.is_file():
+            raise ModelError(f"model {name!r}: sim_image {image} is not a file")
+        spec = replace(spec, sim_image=str(image))
     if spec.source.startswith("builtin:") and spec.source != BUILTIN_SIM and spec.source not in BUILTINS:
         raise ModelError(f"model {name!r}: unknown source {spec.source!r}; builtins: {', '.join(sorted(BUILTINS))}")
     if spec.attention not in ATTENTION:

@@ -6,7 +6,10 @@ never stands in for a real model anywhere else: nothing in the default registry 
 registry's ``step_ms_512``, scaled by pixels, as the scheduler's first estimates
 are) and returns small latents drawn from the job's seed; a sim decoder turns
 latents into pixels with a fixed projection, so the real decoder path (batching,
-output checks, encoding, streaming) runs on them at almost no cost."""
+output checks, encoding, streaming) runs on them at almost no cost. A sim model
+may name a picture (``ModelSpec.sim_image``): its latents are then that picture's,
+the same for every seed, so that tests can have a known output go through the
+whole stack (the image filter's, tests/fixtures/flagged.png)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from services.models.registry import ModelSpec
@@ -49,8 +53,11 @@ def step_seconds(spec: ModelSpec, width: int, height: int) -> float:
     return spec.step_s_512 * width * height / (512 * 512)
 
 
-def latents(job: SimJob) -> torch.Tensor:
-    """The job's latents, (num_images, 4, height/8, width/8), drawn from its seeds."""
+def latents(job: SimJob, image: str = "") -> torch.Tensor:
+    """The job's latents, (num_images, 4, height/8, width/8), drawn from its seeds;
+    or, given a picture's path, the picture's (``image_latents``) for each image."""
+    if image:
+        return image_latents(image, job.width, job.height).expand(job.num_images, -1, -1, -1).clone()
     out = []
     for i in range(job.num_images):
         generator = torch.Generator().manual_seed((job.seed + i) % 2**63)
@@ -95,6 +102,20 @@ def sleep_steps(
             done[i] += 1
             on_step(i, done[i], steps)
     return running
+
+
+def image_latents(path: str, width: int, height: int) -> torch.Tensor:
+    """The latents (1, 4, height/8, width/8) that ``decode`` turns into the picture at
+    ``path`` resized to width x height: each 8x8 block's mean colour mapped back
+    through the projection (its least-squares inverse, exact for colours it can
+    make). A picture drawn in 8x8 blocks at that size comes back as it is."""
+    from PIL import Image
+
+    with Image.open(path) as opened:
+        cells = opened.convert("RGB").resize((width // SCALE, height // SCALE), Image.Resampling.BOX)
+    rgb = torch.from_numpy(np.asarray(cells, dtype=np.float32)) / 127.5 - 1.0  # (h, w, 3) in [-1, 1]
+    z = rgb @ torch.linalg.pinv(_TO_RGB)  # (h, w, 4): z @ _TO_RGB == rgb
+    return z.permute(2, 0, 1).unsqueeze(0).contiguous()
 
 
 def decode(latents_: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ class GeneratedImage:
     width: int
     height: int
     seed: int
+    nsfw_score: float | None = None  # the image filter's; None: not checked
+    verdict: str = ""  # "", "flagged", "blurred" or "blocked" (then ``data`` is empty)
 
 
 class JobFailed(RuntimeError):
@@ -77,7 +79,15 @@ def collect_stream(
                 meta[chunk.index] = chunk
         elif kind == "terminal":
             images = [
-                GeneratedImage(bytes(parts[i]), meta[i].mime_type, meta[i].width, meta[i].height, meta[i].seed)
+                GeneratedImage(
+                    bytes(parts[i]),
+                    meta[i].mime_type,
+                    meta[i].width,
+                    meta[i].height,
+                    meta[i].seed,
+                    meta[i].nsfw_score if meta[i].HasField("nsfw_score") else None,
+                    meta[i].verdict,
+                )
                 for i in sorted(meta)
             ]
             return event.terminal, images

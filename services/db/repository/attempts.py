@@ -178,11 +178,11 @@ class Attempts(Area):
                 WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
                 RETURNING j.id, r.busy_s
             ), images AS (
-                INSERT INTO job_images (job_id, "index", data, mime_type, width, height, seed)
+                INSERT INTO job_images (job_id, "index", data, mime_type, width, height, seed, nsfw_score, verdict)
                 SELECT i.* FROM unnest(%(image_jobs)s::varchar[], %(indexes)s::int[], %(datas)s::bytea[],
                                        %(mime_types)s::varchar[], %(widths)s::int[], %(heights)s::int[],
-                                       %(seeds)s::bigint[])
-                     AS i(job_id, "index", data, mime_type, width, height, seed)
+                                       %(seeds)s::bigint[], %(nsfw_scores)s::float8[], %(verdicts)s::varchar[])
+                     AS i(job_id, "index", data, mime_type, width, height, seed, nsfw_score, verdict)
                 WHERE i.job_id IN (SELECT id FROM stored)
             ), counted AS (
                 UPDATE workers SET
@@ -208,6 +208,8 @@ class Attempts(Area):
                 "widths": [i.width for _, i in images],
                 "heights": [i.height for _, i in images],
                 "seeds": [i.seed for _, i in images],
+                "nsfw_scores": [i.nsfw_score for _, i in images],
+                "verdicts": [i.verdict for _, i in images],
             },
         )
         return {row["id"] for row in rows}

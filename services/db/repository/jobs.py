@@ -28,7 +28,7 @@ from services.generation import JobInputs
 
 _WITH_IMAGES = f"""
 SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,
-       i.height AS image_height, i.seed AS image_seed
+       i.height AS image_height, i.seed AS image_seed, i.nsfw_score, i.verdict
 FROM jobs j LEFT JOIN job_images i ON i.job_id = j.id
 WHERE j.id = ANY(%s) ORDER BY j.id, i."index"
 """
@@ -90,6 +90,8 @@ class Jobs(Area):
                         r["image_width"],
                         r["image_height"],
                         r["image_seed"],
+                        r["nsfw_score"],
+                        r["verdict"],
                     )
                 )
         return [found.get(job_id) for job_id in job_ids]
