@@ -10,8 +10,11 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from http_api import images
+from http_api.errors import withheld
 from services.config.fields import SettingsError
 from services.config.safety import SafetySettings
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.safety import image_filter as image_filter_module
 from services.safety.image_filter import ImageFilter, ImageFilterUnavailable, check_outputs, image_filter_of
 from services.safety.metrics import OUTPUTS_FLAGGED
@@ -151,3 +154,18 @@ async def test_a_filter_that_cannot_load_keeps_its_process_from_starting(monkeyp
     with pytest.raises(SettingsError, match=r"cannot load .*no model file.*DARKROOM_IMAGE_FILTER=false"):
         await image_filter_of(SafetySettings())
     assert await image_filter_of(SafetySettings(image_filter=False)) is None
+
+
+def test_the_http_door_leaves_blocked_outputs_out_and_refuses_a_request_with_none_left() -> None:
+    job = pb.Job(job_id="j", width=64, height=64, output_format=pb.OUTPUT_FORMAT_PNG)
+    outputs = [
+        pb.Image(data=b"a", verdict="flagged", nsfw_score=0.9),
+        pb.Image(data=b"", verdict="blocked", nsfw_score=0.95),
+        pb.Image(data=b"c", nsfw_score=0.01),
+    ]
+    body = images.images_response(job, outputs, images.Asked(response_format="url"), lambda i: f"/files/j/{i}")
+    assert body["data"] == [{"url": "/files/j/0"}, {"url": "/files/j/2"}]  # each link names its own output
+    assert images.returned([outputs[1]]) == []
+    refusal = withheld("j")
+    assert (refusal.status, refusal.code, refusal.should_retry) == (400, "content_policy_violation", False)
+    assert refusal.body()["job_id"] == "j"

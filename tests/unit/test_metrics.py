@@ -29,6 +29,7 @@ from services.db.counts import LaneCount
 from services.db.states import JobStatus
 from services.errors import StoreUnavailable
 from services.ops.children import MetricsPorts, child, metrics_target
+from services.safety import metrics as safety_metrics
 from services.telemetry import metrics, tenant_metrics
 from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
 from services.telemetry.metrics import Target, observe_gpu, serve_metrics, write_targets
@@ -44,7 +45,15 @@ SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_s
 
 
 # Where metrics are defined: the shared ones, then each service's own.
-METRIC_MODULES = (metrics, tenant_metrics, gateway_metrics, scheduler_metrics, sampler_metrics, decoder_metrics)
+METRIC_MODULES = (
+    metrics,
+    tenant_metrics,
+    safety_metrics,
+    gateway_metrics,
+    scheduler_metrics,
+    sampler_metrics,
+    decoder_metrics,
+)
 
 
 def defined() -> list[MetricWrapperBase]:
