@@ -247,9 +247,10 @@ class PromptFilter:
         self._phrases: dict[str, list[tuple[tuple[str, ...], Categories]]] = {}
         self._by_length: dict[int, list[str]] = {}  # for a word with a '*' in it
         self._trie: dict[str, Any] = {}
+        self._pairs: set[str] = set()  # the first two letters of the trie's words
         for entry in entries:
             if entry.spelled:
-                _insert(self._trie, entry.key, entry.categories)
+                self._insert(entry.key, entry.categories)
             elif len(entry.words) > 1:
                 self._phrases.setdefault(entry.words[0], []).append((entry.words, entry.categories))
             else:
@@ -258,7 +259,7 @@ class PromptFilter:
             if word.isalpha():
                 self._by_length.setdefault(len(word), []).append(word)
                 if len(word) <= MAX_SPELLED:
-                    _insert(self._trie, word, categories)
+                    self._insert(word, categories)
 
     @classmethod
     def shipped(cls, operator_words: str | Path = "") -> PromptFilter:
@@ -314,12 +315,23 @@ class PromptFilter:
     @staticmethod
     def _phrase(words: list[str], i: int, phrases: list[tuple[tuple[str, ...], Categories]]) -> Categories:
         found: Categories = frozenset()
+        after = words[i + 1] if i + 1 < len(words) else ""
         for phrase, categories in phrases:
+            # Most fail on their second word, cheaply (a phrase's last word may be a plural).
+            if after != phrase[1] and (len(phrase) > 2 or _stem(after) != phrase[1]):
+                continue
             there = words[i : i + len(phrase)]
             last = there[-1]
             if len(there) == len(phrase) and there[:-1] == list(phrase[:-1]) and phrase[-1] in (last, _stem(last)):
                 found |= categories
         return found
+
+    def _insert(self, word: str, categories: Categories) -> None:
+        node = self._trie
+        for c in word:
+            node = node.setdefault(c, {})
+        node[_END] = node.get(_END, frozenset()) | categories
+        self._pairs.add(word[:2])
 
     def _spelled_out(self, letters: str) -> Categories:
         """What a word spelled out letter by letter holds: any stretch of it (the
@@ -328,6 +340,8 @@ class PromptFilter:
         found: Categories = frozenset()
         if letters.isalpha():  # nothing to read two ways: one walk from each letter
             for start in range(len(letters) - 1):
+                if letters[start : start + 2] not in self._pairs:  # most letters start no listed word
+                    continue
                 node = self._trie
                 for at in range(start, len(letters)):
                     child = node.get(letters[at])
@@ -351,13 +365,6 @@ class PromptFilter:
                     if child is not None:
                         stack.append((child, at + 1))
         return found
-
-
-def _insert(trie: dict[str, Any], word: str, categories: Categories) -> None:
-    node = trie
-    for c in word:
-        node = node.setdefault(c, {})
-    node[_END] = node.get(_END, frozenset()) | categories
 
 
 def _plain(word: str, table: dict[str, Categories]) -> Categories:

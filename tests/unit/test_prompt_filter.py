@@ -129,7 +129,9 @@ def test_innocent_prompts_pass(shipped: PromptFilter, prompt: str) -> None:
     assert not shipped.check(prompt).flagged
 
 
-@pytest.mark.parametrize("prompt", ["a blow job", "golden shower", "hand job", "2 girls 1 cup", "a deep throat"])
+@pytest.mark.parametrize(
+    "prompt", ["a blow job", "blow jobs", "golden shower", "hand job", "2 girls 1 cup", "a deep throat", "g-spot"]
+)
 def test_phrases_match_word_by_word(shipped: PromptFilter, prompt: str) -> None:
     assert categories(shipped, prompt) == BOTH
 
