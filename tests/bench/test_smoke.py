@@ -45,6 +45,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
     "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
     "expansion": ("| expander | model | load s |",),
+    "image_filter": ("| model | size | device | decoder ms/image, filter off |",),
 }
 
 
