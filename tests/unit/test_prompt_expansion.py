@@ -248,3 +248,42 @@ def test_expansion_is_the_same_in_another_process_whatever_its_hash_seed(tiny_gp
             timeout=120,
         )
         assert json.loads(out.stdout.splitlines()[-1]) == here
+
+
+# -- asking for it, on each door ---------------------------------------------------------
+
+
+def test_a_request_that_says_nothing_takes_its_tenants_default() -> None:
+    from gateway.expansion import asks_expansion
+    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+    assert asks_expansion(pb.SubmitJobRequest(), True) and not asks_expansion(pb.SubmitJobRequest(), False)
+    assert not asks_expansion(pb.SubmitJobRequest(expand_prompt=False), True)
+    assert asks_expansion(pb.SubmitJobRequest(expand_prompt=True), False)
+
+
+def test_the_http_body_and_the_cli_leave_expand_prompt_unset_unless_they_say() -> None:
+    import argparse
+
+    from http_api.images import generation
+    from services.ops.generate_cli import build_request
+
+    assert not generation({"prompt": "x"})[0].HasField("expand_prompt")
+    said = generation({"prompt": "x", "expand_prompt": False})[0]
+    assert said.HasField("expand_prompt") and not said.expand_prompt
+    assert generation({"prompt": "x", "expand_prompt": "true"}, form=True)[0].expand_prompt
+    options = {"model": None, "negative_prompt": "", "width": None, "height": None, "steps": None, "seed": 3}
+    for expand in (None, True, False):
+        request = build_request("x", argparse.Namespace(**options, guidance=None, output="x.png", expand=expand))
+        assert request.HasField("expand_prompt") == (expand is not None) and request.expand_prompt == bool(expand)
+
+
+def test_the_images_response_gives_each_image_the_prompt_it_was_made_from() -> None:
+    from http_api.images import Asked, images_response
+    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+    outputs = [pb.Image(data=b"png", width=64, height=64), pb.Image(data=b"png", width=64, height=64)]
+    expanded = images_response(pb.Job(expanded_prompt="a cat, bokeh"), outputs, Asked(), lambda i: "")
+    assert [d["revised_prompt"] for d in expanded["data"]] == ["a cat, bokeh"] * 2
+    plain = images_response(pb.Job(), outputs, Asked(), lambda i: "")
+    assert all("revised_prompt" not in d for d in plain["data"])
