@@ -6,17 +6,27 @@ one classifier call per batch, fail-closed without a classifier)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from PIL import Image
 
 from http_api import images
 from http_api.errors import withheld
 from services.config.fields import SettingsError
 from services.config.safety import SafetySettings
+from services.models import sim
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.safety import image_filter as image_filter_module
-from services.safety.image_filter import ImageFilter, ImageFilterUnavailable, check_outputs, image_filter_of
+from services.safety.image_filter import (
+    ImageFilter,
+    ImageFilterUnavailable,
+    check_outputs,
+    image_filter_of,
+    load_image_filter,
+)
 from services.safety.metrics import OUTPUTS_FLAGGED
 from services.safety.verdicts import (
     BLOCKED,
@@ -30,6 +40,7 @@ from services.safety.verdicts import (
     verdict,
 )
 
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "flagged.png"
 SAFETY = SafetySettings(output_policies=(("free", "block"), ("paid", "blur")))
 
 
@@ -169,3 +180,16 @@ def test_the_http_door_leaves_blocked_outputs_out_and_refuses_a_request_with_non
     refusal = withheld("j")
     assert (refusal.status, refusal.code, refusal.should_retry) == (400, "content_policy_violation", False)
     assert refusal.body()["job_id"] == "j"
+
+
+def test_the_fixture_is_flagged_and_a_sim_model_decodes_its_latents_back_to_it_exactly() -> None:
+    with Image.open(FIXTURE) as opened:
+        fixture = np.asarray(opened.convert("RGB"))
+    z = sim.image_latents(str(FIXTURE), 128, 128)
+    assert z.shape == (1, 4, 16, 16)
+    decoded = ((sim.decode(z) / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)  # as the decoder makes pixels
+    assert np.array_equal(decoded[0].permute(1, 2, 0).numpy(), fixture)
+    image_filter = load_image_filter(SafetySettings())
+    assert image_filter is not None
+    [score] = image_filter.scores([fixture])
+    assert score >= 0.9
