@@ -313,19 +313,19 @@ def test_a_tenants_output_policy_overrides_its_lanes_from_its_next_submit(
 ) -> None:
     """Decided at submit and stored on the job: the free lane's (block) until the
     tenant has its own, and its lane's again once that is cleared."""
-    darkroom(stack, "tenants", "create", "owls", "--lane", "free")
-    owls = as_key(darkroom(stack, "keys", "create", "owls").stdout.strip().splitlines()[-1])
+    darkroom(stack, "tenants", "create", "moths", "--lane", "free")
+    moths = as_key(darkroom(stack, "keys", "create", "moths").stdout.strip().splitlines()[-1])
     client = stub(stack)
 
     def policy() -> str:
-        job_id = client.SubmitJob(job(prompt="an owl"), metadata=owls).job_id
-        client.CancelJob(pb.CancelJobRequest(job_id=job_id), metadata=owls)  # only its policy matters
-        return client.GetJob(pb.GetJobRequest(job_id=job_id), metadata=owls).output_policy
+        job_id = client.SubmitJob(job(prompt="a moth"), metadata=moths).job_id
+        client.CancelJob(pb.CancelJobRequest(job_id=job_id), metadata=moths)  # only its policy matters
+        return client.GetJob(pb.GetJobRequest(job_id=job_id), metadata=moths).output_policy
 
     assert policy() == "block"
-    assert darkroom(stack, "tenants", "update", "owls", "--output-policy", "hide", check=False).returncode == 2
-    shown = darkroom(stack, "tenants", "update", "owls", "--output-policy", "blur").stdout
+    assert darkroom(stack, "tenants", "update", "moths", "--output-policy", "hide", check=False).returncode == 2
+    shown = darkroom(stack, "tenants", "update", "moths", "--output-policy", "blur").stdout
     assert "output policy blur" in shown
     wait_for(policy, lambda p: p == "blur", timeout=5, what="the tenant's own policy at submit")
-    darkroom(stack, "tenants", "update", "owls", "--output-policy", "lane")
+    darkroom(stack, "tenants", "update", "moths", "--output-policy", "lane")
     wait_for(policy, lambda p: p == "block", timeout=5, what="the lane's policy again")
