@@ -194,11 +194,12 @@ def _decode(pipe: Any, latents: torch.Tensor) -> None:
 
 
 def _job(case: Case, batch: int) -> Any:
-    """A JobRecord as ``decode_request`` reads one: its id, model, output format, images, fps."""
+    """A JobRecord as ``decode_request`` reads one: its id, model, output format, images,
+    fps, and output policy (building the request costs the same whatever the policy)."""
     from types import SimpleNamespace
 
     params = SimpleNamespace(model=case.model, num_images=batch, fps=0.0)
-    return SimpleNamespace(id="bench", output_format="png", params=params)
+    return SimpleNamespace(id="bench", output_format="png", output_policy="", params=params)
 
 
 # -- the stack -------------------------------------------------------------------------
