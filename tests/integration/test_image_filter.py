@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import base64
 import io
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,31 @@ def test_the_openai_sdk_gets_the_image_or_a_content_policy_violation(stack: Loca
         sdk.images.generate(model="flagged", prompt="a test card", size="128x128", extra_body={"lane": "free"})
     assert refused.value.code == "content_policy_violation"
     assert refused.value.status_code == 400
+
+
+def darkroom_generate(stack: LocalStack, model: str, prompt: str, out: Path) -> subprocess.CompletedProcess[str]:
+    args = ["generate", prompt, "--gateway", stack.gateway_address, "--model", model, "-o", str(out), "--seed", "5"]
+    command = [sys.executable, "-m", "services.ops.cli", *args, "--width", "128", "--height", "128"]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_darkroom_generate_says_what_the_filters_did(stack: LocalStack, tmp_path: Path) -> None:
+    # The open stack's jobs run in the lowest lane, free, whose flagged outputs are blocked.
+    withheld = darkroom_generate(stack, "flagged", "a test card", tmp_path / "flagged.png")
+    assert withheld.returncode == 1, withheld.stderr
+    assert "withheld (the image filter flagged it)" in withheld.stderr
+    assert not (tmp_path / "flagged.png").exists()
+
+    refused = darkroom_generate(stack, "plain", "a f*cking test card", tmp_path / "refused.png")
+    assert refused.returncode == 1
+    assert "INVALID_ARGUMENT" in refused.stderr and "violates the content policy" in refused.stderr
+    assert "f*cking" not in refused.stderr and "fuck" not in refused.stderr  # never which word
+    assert not (tmp_path / "refused.png").exists()
+
+    passed = darkroom_generate(stack, "plain", "a test card", tmp_path / "plain.png")
+    assert passed.returncode == 0, passed.stderr
+    assert pixels_of((tmp_path / "plain.png").read_bytes()).shape == (128, 128, 3)
+    assert "image filter" not in passed.stdout
 
 
 def test_with_the_filter_off_nothing_is_scored(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> None:
