@@ -30,6 +30,13 @@ from tests.fleet.network import Host
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 PG_AUTOCTL = "/usr/bin/pg_autoctl"
 PORT = 5432
+# What psql says while a server is stopping or starting: the statement never ran.
+_RESTARTING = (
+    "the database system is shutting down",
+    "the database system is starting up",
+    "Connection refused",
+    "No such file or directory",  # its socket, while it is stopped
+)
 DATABASE = "darkroom"
 APP_USER = "darkroom"
 SYSTEM_USER = "postgres"  # PostgreSQL refuses to run as root
@@ -122,6 +129,19 @@ class Node:
             _as_postgres([str(PG_BIN / "psql"), "-X", "-At", "-p", str(PORT), "-d", database, "-c", statement]),
             env=self.env(),
         )
+
+    def sql_once_up(self, statement: str, *, timeout: float = 60) -> str:
+        """``sql``, waiting out a restart of the server: pg_autoctl restarts a new
+        node's PostgreSQL as it applies its settings, and a statement sent meanwhile
+        meets "the database system is shutting down" (it never ran: it is sent again)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.sql(statement)
+            except RuntimeError as exc:
+                if time.monotonic() > deadline or not any(s in str(exc) for s in _RESTARTING):
+                    raise
+            time.sleep(0.2)
 
 
 class PostgresHA:
@@ -218,12 +238,12 @@ class PostgresHA:
         node.autoctl("config", "set", "replication.password", self._replication_password)
         node.autoctl("config", "set", "timeout.network_partition_timeout", str(NETWORK_PARTITION_S))
         if primary:
-            node.sql(f"ALTER USER pgautofailover_replicator PASSWORD '{self._replication_password}'")
-            node.sql(f"CREATE ROLE {APP_USER} LOGIN PASSWORD '{self.app_password}'")
-            node.sql(f"ALTER DATABASE {DATABASE} OWNER TO {APP_USER}")
+            node.sql_once_up(f"ALTER USER pgautofailover_replicator PASSWORD '{self._replication_password}'")
+            node.sql_once_up(f"CREATE ROLE {APP_USER} LOGIN PASSWORD '{self.app_password}'")
+            node.sql_once_up(f"ALTER DATABASE {DATABASE} OWNER TO {APP_USER}")
             # pg_basebackup (as pg_autoctl 2.0 runs it) waits for a spread checkpoint,
             # paced at 0.1 s a dirty buffer: one now leaves it nearly none to write.
-            node.sql("CHECKPOINT")
+            node.sql_once_up("CHECKPOINT")
         subnet = f"{node.host.address.rsplit('.', 1)[0]}.0/24"
         rules = [
             f"hostssl {DATABASE} {APP_USER} {subnet} scram-sha-256",
@@ -235,8 +255,8 @@ class PostgresHA:
         with open(hba, "a") as f:
             f.writelines(rule + "\n" for rule in rules if rule not in hba.read_text())
         for setting in ("wal_sender_timeout", "wal_receiver_timeout"):
-            node.sql(f"ALTER SYSTEM SET {setting} = '{REPLICATION_TIMEOUT}'")
-        node.sql("SELECT pg_reload_conf()")
+            node.sql_once_up(f"ALTER SYSTEM SET {setting} = '{REPLICATION_TIMEOUT}'")
+        node.sql_once_up("SELECT pg_reload_conf()")
         if not primary:
             self._wait(lambda: self.state(self.nodes[0].host.name) == "primary", "a primary with its standby")
 
