@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from services.config.fields import Codec, Section, SettingsError, setting
 from services.config.http import HttpSettings
+from services.config.model_store import ModelStoreSettings
 from services.config.placement import PlacementSettings, PreemptionSettings
 from services.config.safety import ExpansionSettings, SafetySettings
 from services.config.workers import DecoderSettings, SamplerSettings
@@ -117,6 +118,9 @@ class KernelSettings(Section):
     liveness_file: str = setting("", "The file a supervised child touches to show it is alive; set by its supervisor.")
     restarts: int = setting(0, "How often the supervisor has restarted this child; set by it.", at_least=0)
     safety: SafetySettings = setting(doc="The prompt and image filters.", factory=SafetySettings)
+    model_store: ModelStoreSettings = setting(
+        doc="The tiered model store: the object store, each host's cache, the peers.", factory=ModelStoreSettings
+    )
 
     def check(self) -> None:
         if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
@@ -127,6 +131,13 @@ class KernelSettings(Section):
     @property
     def models_dir(self) -> Path:
         return self.data_dir / "models"
+
+    @property
+    def model_cache_dir(self) -> Path:
+        """The host's cache of ``store:`` models."""
+        return Path(self.model_store.model_cache_dir).expanduser() if self.model_store.model_cache_dir else (
+            self.data_dir / "model-cache"
+        )
 
     @property
     def nats_servers(self) -> list[str]:

@@ -1,0 +1,57 @@
+"""The tiered model store's settings (``services/models/store``): the object store
+that holds every model version (the truth), each host's disk cache in front of it,
+and the peers asked before it. docs/operations.md explains the three tiers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.config.fields import Section, SettingsError, setting
+
+
+@dataclass(frozen=True)
+class ModelStoreSettings(Section):
+    """Where ``store:`` models come from and where a host keeps them."""
+
+    model_store_url: str = setting(
+        "",
+        "The S3-compatible object store holding the models pushed with `darkroom models push`, as "
+        "http://host:port or https://host:port; empty: no store (a registry naming a store: source is refused). "
+        "`darkroom up --model-store` starts one and sets it.",
+    )
+    model_store_bucket: str = setting("darkroom-models", "The store's bucket.")
+    model_store_region: str = setting("us-east-1", "The store's region, as its S3 signatures name it.")
+    model_store_access_key: str = setting("", "The store's access key id; empty: requests are not signed.")
+    model_store_secret_key: str = setting("", "The store's secret access key.")
+    model_cache_dir: str = setting(
+        "",
+        "The host's model cache: blobs by digest and each model version's directory, shared by the samplers of "
+        "the host (one download per host). Empty: DATA_DIR/model-cache.",
+    )
+    model_cache_gb: float = setting(
+        200.0,
+        "The most the cache holds, in GB; past it the least recently used models that no sampler holds are "
+        "evicted.",
+        at_least=0.001,
+    )
+    model_fetch_streams: int = setting(
+        8, "Ranged reads in flight at once while a blob is fetched from the store.", at_least=1, at_most=256
+    )
+    model_fetch_range_mb: int = setting(
+        16, "The size of each ranged read from the store, in MB.", at_least=1, at_most=1024
+    )
+    model_peers: bool = setting(
+        True,
+        "Ask the peers (other hosts' samplers, over the mesh) that hold a blob before the object store; off: the "
+        "store alone.",
+    )
+
+    def check(self) -> None:
+        if self.model_store_url and not self.model_store_url.startswith(("http://", "https://")):
+            raise SettingsError(
+                f"DARKROOM_MODEL_STORE_URL={self.model_store_url!r}: must start with http:// or https://"
+            )
+        if bool(self.model_store_access_key) != bool(self.model_store_secret_key):
+            raise SettingsError(
+                "DARKROOM_MODEL_STORE_ACCESS_KEY and DARKROOM_MODEL_STORE_SECRET_KEY are set together, or neither"
+            )
