@@ -8,36 +8,35 @@ keeps global state and is slow), less the ordinary words ``prompt_words.EXCLUDED
 names, with ``prompt_words.ADDED``, and the operator's own file. A verdict never
 says which word matched.
 
-Text and list are compared after the same normalisation:
-- Unicode NFKC (fullwidth, circled and mathematical letters become plain), case
-  folding, accents and other combining marks stripped, invisible characters
-  (zero-width spaces and joiners, soft hyphens) dropped, Cyrillic and Greek
-  letters that look Latin read as Latin;
-- leetspeak: 0 o, 1 i or l, 3 e, 4 a, 5 s, 7 t, 8 b, 9 g, @ a, $ s, ! i, | i or l,
-  + t, a * inside a word any letter; a word of digits alone is a number, never
-  folded ("455 horsepower");
-- a word spelled out letter by letter ("s e x", "s.e.x", "f-u-c-k") is read
-  joined;
-- three or more of a letter read as one or two ("fuuuck", "sexxx");
-- a plural read as its singular too ("dicks", "sexes").
-
+Text and list are compared after the same normalisation (``services.safety.prompt_text``).
 Words are matched whole, phrases word by word: "Scunthorpe", "class", "cockpit",
 "therapist" and "grape" hold listed words and are not refused."""
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
-import math
 import re
-import unicodedata
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from services.config.fields import SettingsError
 from services.config.safety import SafetySettings
+from services.safety.prompt_text import (
+    ASCII_SPELLED,
+    ASCII_WORD,
+    LEET,
+    MAX_SPELLED,
+    NOT_WORD,
+    RUN,
+    SPELLED,
+    WORD,
+    normalised,
+    readings,
+    stem,
+    words_of,
+)
 from services.safety.prompt_words import ADDED, EXCLUDED, SEXUAL
 
 PROFANITY, SEXUAL_CATEGORY = "profanity", "sexual"
@@ -45,66 +44,6 @@ PROFANITY, SEXUAL_CATEGORY = "profanity", "sexual"
 CATEGORIES = (PROFANITY, SEXUAL_CATEGORY)
 _SECTION = re.compile(r"\[(\w+)\]")
 
-# Characters no one sees: dropped, so "s\u200bex" reads "sex".
-_INVISIBLE = dict.fromkeys(
-    (
-        0x00AD,
-        0x034F,
-        0x061C,
-        0x115F,
-        0x1160,
-        0x17B4,
-        0x17B5,
-        0x3164,
-        0xFEFF,
-        0xFFA0,
-        *range(0x180B, 0x1810),
-        *range(0x200B, 0x2010),
-        *range(0x202A, 0x202F),
-        *range(0x2060, 0x2070),
-        *range(0xFE00, 0xFE10),
-        *range(0xE0000, 0xE0080),
-    )
-)
-# Cyrillic and Greek letters drawn as Latin ones (after case folding).
-_LOOKALIKES = str.maketrans(
-    {
-        **dict(zip("авсеёһіјкмнорѕтухԁӏ", "abceehijkmhopstyxdl", strict=True)),
-        **dict(zip("αβεηικνορστυχɡ", "abenikvopstuxg", strict=True)),
-    }
-)
-_MARKS = re.compile("[\u0300-\u036f\u0483-\u0489\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]+")
-# A word: letters and digits, and the symbols leetspeak writes letters with; a
-# '!', '|' or '*' at its ends is punctuation ("shit!", "*fuck*"), not a letter.
-_WORD = re.compile(r"[\w@$+€](?:[\w@$!|+*€]*[\w@$+€])?")
-# Two or more words of one letter each: a word spelled out ("s e x", "f-u-c-k").
-_SPELLED = re.compile(r"(?<!\w)\w(?!\w)(?:\W+\w(?!\w))+")
-# The same for ASCII text (most prompts), which they scan twice as fast.
-_ASCII_WORD = re.compile(_WORD.pattern, re.ASCII)
-_ASCII_SPELLED = re.compile(_SPELLED.pattern, re.ASCII)
-_NOT_WORD = re.compile(r"\W+")
-_LEET = {
-    "0": "o",
-    "1": "il",
-    "3": "e",
-    "4": "a",
-    "5": "s",
-    "7": "t",
-    "8": "b",
-    "9": "g",
-    "@": "a",
-    "$": "s",
-    "!": "i",
-    "|": "il",
-    "+": "t",
-    "€": "e",
-}
-_RUN = re.compile(r"(.)\1{2,}")
-# Readings tried of one word at most: past it, the first reading of each symbol alone.
-MAX_READINGS = 64
-# The longest word looked for where a prompt spells one out letter by letter.
-MAX_SPELLED = 12
-_SIBILANT = ("s", "x", "z", "ch", "sh")
 _END = ""  # a trie node's key for the categories of the word ending there
 
 Categories = frozenset[str]
@@ -122,43 +61,6 @@ class Verdict:
 
 
 PASSED = Verdict()
-
-
-def normalised(text: str) -> str:
-    """``text`` as it is compared with the list: the module's normalisation up to
-    leetspeak, and '_' a space, as between words."""
-    text = unicodedata.normalize("NFKC", text).casefold().replace("_", " ")
-    if text.isascii():
-        return text
-    text = text.translate(_INVISIBLE).translate(_LOOKALIKES)
-    return _MARKS.sub("", unicodedata.normalize("NFD", text))
-
-
-def words_of(text: str) -> list[str]:
-    """The words of ``text``, normalised."""
-    return _WORD.findall(normalised(text))
-
-
-def readings(word: str) -> Iterator[str]:
-    """``word`` with each leetspeak symbol read as each letter it may be (at most
-    MAX_READINGS of them); a word without one is its only reading."""
-    if word.isalpha() or word.isdigit():
-        yield word
-        return
-    options = [_LEET.get(c, c) for c in word]
-    if math.prod(len(o) for o in options) > MAX_READINGS:
-        options = [o[0] for o in options]
-    for letters in itertools.product(*options):
-        yield "".join(letters)
-
-
-def _stem(word: str) -> str | None:
-    """``word``'s singular, if it reads as a plural."""
-    if word.endswith("es") and word[:-2].endswith(_SIBILANT):
-        return word[:-2]
-    if word.endswith("s") and not word.endswith("ss") and len(word) > 3:
-        return word[:-1]
-    return None
 
 
 @dataclass(frozen=True)
@@ -273,7 +175,7 @@ class PromptFilter:
     def check(self, text: str) -> Verdict:
         text = normalised(text)
         ascii = text.isascii()
-        words = (_ASCII_WORD if ascii else _WORD).findall(text)
+        words = (ASCII_WORD if ascii else WORD).findall(text)
         unique = set(words)
         found: set[str] = set()
         for word in unique & self._words.keys():
@@ -283,18 +185,18 @@ class PromptFilter:
                 if not word.isdigit():  # a number is no word: "455 horsepower"
                     found |= self._symbols(word)
             elif word[-1] == "s":
-                found |= self._words.get(_stem(word) or "", frozenset())
-        if _RUN.search(text):
+                found |= self._words.get(stem(word) or "", frozenset())
+        if RUN.search(text):
             for word in unique:
-                if word.isalpha() and _RUN.search(word):
+                if word.isalpha() and RUN.search(word):
                     found |= _plain(word, self._words)
         starting = unique & self._phrases.keys()
         if starting:
             for i, word in enumerate(words):
                 if word in starting:
                     found |= self._phrase(words, i, self._phrases[word])
-        for spelled in (_ASCII_SPELLED if ascii else _SPELLED).finditer(text):
-            found |= self._spelled_out(_NOT_WORD.sub("", spelled.group()))
+        for spelled in (ASCII_SPELLED if ascii else SPELLED).finditer(text):
+            found |= self._spelled_out(NOT_WORD.sub("", spelled.group()))
         return Verdict(frozenset(found)) if found else PASSED
 
     def _symbols(self, word: str) -> Categories:
@@ -309,7 +211,7 @@ class PromptFilter:
 
     def _starred(self, word: str) -> Categories:
         """A word with a '*' inside ("f*ck"): any listed word of its length it could be."""
-        pattern = re.compile("".join("." if c == "*" else f"[{re.escape(c + _LEET.get(c, ''))}]" for c in word))
+        pattern = re.compile("".join("." if c == "*" else f"[{re.escape(c + LEET.get(c, ''))}]" for c in word))
         return next((self._words[w] for w in self._by_length.get(len(word), ()) if pattern.fullmatch(w)), frozenset())
 
     @staticmethod
@@ -318,11 +220,11 @@ class PromptFilter:
         after = words[i + 1] if i + 1 < len(words) else ""
         for phrase, categories in phrases:
             # Most fail on their second word, cheaply (a phrase's last word may be a plural).
-            if after != phrase[1] and (len(phrase) > 2 or _stem(after) != phrase[1]):
+            if after != phrase[1] and (len(phrase) > 2 or stem(after) != phrase[1]):
                 continue
             there = words[i : i + len(phrase)]
             last = there[-1]
-            if len(there) == len(phrase) and there[:-1] == list(phrase[:-1]) and phrase[-1] in (last, _stem(last)):
+            if len(there) == len(phrase) and there[:-1] == list(phrase[:-1]) and phrase[-1] in (last, stem(last)):
                 found |= categories
         return found
 
@@ -360,7 +262,7 @@ class PromptFilter:
                 if at == len(letters):
                     continue
                 c = letters[at]
-                for option in c + _LEET.get(c, ""):
+                for option in c + LEET.get(c, ""):
                     child = node.get(option)
                     if child is not None:
                         stack.append((child, at + 1))
@@ -373,14 +275,14 @@ def _plain(word: str, table: dict[str, Categories]) -> Categories:
     hit = table.get(word)
     if hit:
         return hit
-    stem = _stem(word)
-    if stem is not None:
-        hit = table.get(stem)
+    singular = stem(word)
+    if singular is not None:
+        hit = table.get(singular)
         if hit:
             return hit
-    if _RUN.search(word):
-        for collapsed in (_RUN.sub(r"\1", word), _RUN.sub(r"\1\1", word)):
-            hit = table.get(collapsed) or table.get(_stem(collapsed) or "")
+    if RUN.search(word):
+        for collapsed in (RUN.sub(r"\1", word), RUN.sub(r"\1\1", word)):
+            hit = table.get(collapsed) or table.get(stem(collapsed) or "")
             if hit:
                 return hit
     return frozenset()
