@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 
     certs_cli.add_commands(sub, lambda args: certs_cli.run(args, _settings(args)))
 
+    from services.ops import models_cli
+
+    models_cli.add_commands(sub, lambda args: models_cli.run(args, _settings(args)))
+
     tiny = sub.add_parser("build-tiny-model", help="build the tiny random-weight model into a directory")
     tiny.add_argument("path")
     tiny.set_defaults(func=cmd_build_tiny_model)

@@ -1,0 +1,276 @@
+"""The one client of the model store's bucket (any S3-compatible endpoint): blobs by
+digest, manifests by name and version, and the concurrent ranged reads a host's
+cache fetches blobs with. The driver's errors become ``ModelStoreError`` here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import obstore
+from obstore.exceptions import BaseError
+from obstore.store import S3Store
+
+if TYPE_CHECKING:
+    from obstore import ObjectMeta
+    from obstore.store import ClientConfig
+
+from services.config.model_store import ModelStoreSettings
+from services.errors import ModelError
+from services.models.store.manifest import (
+    Manifest,
+    blob_key,
+    check_name,
+    latest_key,
+    manifest_key,
+)
+
+_MB = 1024 * 1024
+# A store that does not answer fails a command in seconds, not after the
+# driver's default three minutes of retries.
+_RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=20)}
+
+
+class ModelStoreError(ModelError):
+    """The model store is not configured, cannot be reached, or refused a request."""
+
+
+class ModelNotInStore(ModelStoreError):
+    """No such model, or no such version of it, in the store."""
+
+
+@dataclass(frozen=True)
+class StoredVersion:
+    name: str
+    version: str
+    total_bytes: int
+    files: int
+    latest: bool
+
+
+@dataclass(frozen=True)
+class Removal:
+    versions: tuple[str, ...]
+    blobs_deleted: int
+    bytes_deleted: int
+    blobs_kept: int  # still referenced by another version or model
+
+
+class ObjectStore:
+    def __init__(
+        self, store: S3Store, *, url: str, bucket: str, fetch_streams: int = 8, fetch_range_bytes: int = 16 * _MB
+    ) -> None:
+        self._store = store
+        self.url = url
+        self.bucket = bucket
+        self.fetch_streams = fetch_streams
+        self.fetch_range_bytes = fetch_range_bytes
+
+    @classmethod
+    def from_settings(cls, settings: ModelStoreSettings) -> ObjectStore:
+        if not settings.model_store_url:
+            raise ModelStoreError("no model store is configured: set DARKROOM_MODEL_STORE_URL (and its credentials)")
+        options: ClientConfig = {"allow_http": True, "connect_timeout": timedelta(seconds=5)}
+        credentials: dict[str, Any] = {}
+        if settings.model_store_access_key:
+            credentials = {
+                "access_key_id": settings.model_store_access_key,
+                "secret_access_key": settings.model_store_secret_key,
+            }
+        else:
+            credentials = {"skip_signature": True}
+        store = S3Store(
+            settings.model_store_bucket,
+            endpoint=settings.model_store_url,
+            region=settings.model_store_region,
+            client_options=options,
+            retry_config=_RETRY,  # type: ignore[arg-type]
+            virtual_hosted_style_request=False,
+            **credentials,
+        )
+        return cls(
+            store,
+            url=settings.model_store_url,
+            bucket=settings.model_store_bucket,
+            fetch_streams=settings.model_fetch_streams,
+            fetch_range_bytes=settings.model_fetch_range_mb * _MB,
+        )
+
+    @contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        try:
+            yield
+        except (BaseError, OSError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelStoreError(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
+
+    def _exists(self, key: str) -> bool:
+        with self._errors(f"looking for {key}"):
+            try:
+                obstore.head(self._store, key)
+                return True
+            except FileNotFoundError:
+                return False
+
+    # Blobs.
+
+    def has_blob(self, digest: str) -> bool:
+        return self._exists(blob_key(digest))
+
+    def put_blob(self, digest: str, path: Path) -> None:
+        """Uploads the file at ``path`` as the blob ``digest`` (streamed, in parts);
+        the caller hashed it. An object appears whole or not at all."""
+        with self._errors(f"uploading {path} as blob {digest}"):
+            obstore.put(self._store, blob_key(digest), Path(path))
+
+    async def read_blob(
+        self,
+        digest: str,
+        size: int,
+        dest_fd: int,
+        *,
+        offset: int = 0,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        """Writes bytes [offset, size) of blob ``digest`` into the open file
+        ``dest_fd`` at their own offsets, as ranged reads ``fetch_streams`` at a
+        time, ``fetch_range_bytes`` each: no more than those ranges are held in
+        memory. ``on_bytes(n)`` after each range written. The digest is not
+        checked here: the cache checks the whole file."""
+        if not 0 <= offset <= size:
+            raise ValueError(f"offset {offset} is outside blob {digest} of {size} bytes")
+        starts = iter(range(offset, size, self.fetch_range_bytes))
+        key = blob_key(digest)
+
+        async def fetch_ranges() -> None:
+            # Each stream takes the next range when it has written its last.
+            for start in starts:
+                end = min(start + self.fetch_range_bytes, size)
+                with self._errors(f"reading blob {digest} bytes {start}-{end}"):
+                    data = await obstore.get_range_async(self._store, key, start=start, end=end)
+                if len(data) != end - start:
+                    raise ModelStoreError(
+                        f"model store {self.url}: blob {digest} gave {len(data)} bytes for range {start}-{end}"
+                    )
+                await asyncio.to_thread(_pwrite_all, dest_fd, memoryview(data), start)
+                if on_bytes is not None:
+                    on_bytes(end - start)
+
+        streams = min(self.fetch_streams, max(1, -(-(size - offset) // self.fetch_range_bytes)))
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the rest
+                for _ in range(streams):
+                    group.create_task(fetch_ranges())
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None  # the first failure; the rest are of the same cause
+
+    # Manifests.
+
+    def latest_version(self, name: str) -> str | None:
+        check_name("model name", name)
+        with self._errors(f"reading the latest version of {name}"):
+            try:
+                return bytes(obstore.get(self._store, latest_key(name)).bytes()).decode().strip() or None
+            except FileNotFoundError:
+                return None
+
+    def read_manifest(self, name: str, version: str | None = None) -> Manifest:
+        """The manifest of ``name:version`` (the latest when None)."""
+        check_name("model name", name)
+        if version is None:
+            version = self.latest_version(name)
+            if version is None:
+                raise ModelNotInStore(f"model {name!r} is not in the model store {self.url} (bucket {self.bucket})")
+        check_name("version", version)
+        with self._errors(f"reading the manifest of {name}:{version}"):
+            try:
+                raw = bytes(obstore.get(self._store, manifest_key(name, version)).bytes())
+            except FileNotFoundError:
+                raise ModelNotInStore(
+                    f"model {name}:{version} is not in the model store {self.url} (bucket {self.bucket})"
+                ) from None
+        manifest = Manifest.from_json(raw)
+        if (manifest.name, manifest.version) != (name, version):
+            raise ModelStoreError(
+                f"the manifest at {manifest_key(name, version)} is of {manifest.name}:{manifest.version}"
+            )
+        return manifest
+
+    def has_manifest(self, name: str, version: str) -> bool:
+        return self._exists(manifest_key(name, version))
+
+    def write_manifest(self, manifest: Manifest, *, latest: bool = True) -> None:
+        """Writes the manifest (after its blobs: a manifest names only stored
+        blobs), then, with ``latest``, points the model's latest at it."""
+        with self._errors(f"writing the manifest of {manifest.name}:{manifest.version}"):
+            obstore.put(self._store, manifest_key(manifest.name, manifest.version), manifest.to_json())
+            if latest:
+                obstore.put(self._store, latest_key(manifest.name), manifest.version.encode())
+
+    def _manifest_objects(self) -> list[ObjectMeta]:
+        """Every stored manifest object (``manifests/<name>/<version>.json``)."""
+        with self._errors("listing the manifests"):
+            objects = [o for chunk in obstore.list(self._store, prefix="manifests/") for o in chunk]
+        return [o for o in objects if o["path"].endswith(".json") and o["path"].count("/") == 2]
+
+    def list_models(self) -> list[StoredVersion]:
+        """Every version of every model, by name then by when it was pushed."""
+        listed = []
+        objects = sorted(self._manifest_objects(), key=lambda o: (o["path"].split("/")[1], o["last_modified"]))
+        latest: dict[str, str | None] = {}
+        for o in objects:
+            name, version = o["path"].split("/")[1], o["path"].split("/")[2].removesuffix(".json")
+            if name not in latest:
+                latest[name] = self.latest_version(name)
+            manifest = self.read_manifest(name, version)
+            files = len(manifest.files)
+            listed.append(StoredVersion(name, version, manifest.total_bytes, files, latest[name] == version))
+        return listed
+
+    def remove(self, name: str, version: str | None = None) -> Removal:
+        """Removes ``name:version`` (every version of ``name`` when None), then the
+        blobs only they referenced. A removed latest points at the version pushed
+        last of those that remain. Not meant to race a push of the same blobs."""
+        check_name("model name", name)
+        objects = self._manifest_objects()
+        mine = sorted((o for o in objects if o["path"].split("/")[1] == name), key=lambda o: o["last_modified"])
+        versions = [o["path"].split("/")[2].removesuffix(".json") for o in mine]
+        doomed = versions if version is None else [v for v in versions if v == check_name("version", version)]
+        if not doomed:
+            what = name if version is None else f"{name}:{version}"
+            raise ModelNotInStore(f"model {what} is not in the model store {self.url} (bucket {self.bucket})")
+        removed_blobs: dict[str, int] = {}
+        for v in doomed:
+            removed_blobs.update(self.read_manifest(name, v).blobs())
+        with self._errors(f"removing {name}"):
+            obstore.delete(self._store, [manifest_key(name, v) for v in doomed])
+            remaining = [v for v in versions if v not in doomed]
+            if remaining:
+                if self.latest_version(name) in doomed:
+                    obstore.put(self._store, latest_key(name), remaining[-1].encode())
+            else:
+                obstore.delete(self._store, latest_key(name))
+        # Garbage collection by reference: what the manifests left still name is kept.
+        referenced: set[str] = set()
+        for o in self._manifest_objects():
+            other, other_version = o["path"].split("/")[1], o["path"].split("/")[2].removesuffix(".json")
+            referenced.update(self.read_manifest(other, other_version).blobs())
+        unreferenced = {d: s for d, s in removed_blobs.items() if d not in referenced}
+        with self._errors(f"deleting the blobs of {name}"):
+            if unreferenced:
+                obstore.delete(self._store, [blob_key(d) for d in unreferenced])
+        return Removal(
+            tuple(doomed), len(unreferenced), sum(unreferenced.values()), len(removed_blobs) - len(unreferenced)
+        )
+
+
+def _pwrite_all(fd: int, data: memoryview, position: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, position)
+        data, position = data[written:], position + written

@@ -1,0 +1,110 @@
+"""Pushing a model's directory (a diffusers directory, or a builtin built for it)
+to the store as ``NAME[:VERSION]``: every file hashed (SHA-256, streamed), only the
+blobs the store lacks uploaded, then the manifest and the model's latest.
+
+A version not given is the first 12 hex digits of the SHA-256 of the files' list
+(each file's path, size and digest, sorted by path; ``content_version``): the same
+bytes always push as the same version, and any change makes another.
+
+A registry entry then names the pushed model with ``source = "store:NAME"`` (the
+latest version when the sampler resolves it) or ``source = "store:NAME:VERSION"``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.errors import ModelError
+from services.models.builtins import BUILTINS, ensure_builtin
+from services.models.store.manifest import BlobRef, Manifest, parse_reference
+from services.models.store.objects import ObjectStore
+
+_CHUNK = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class PushResult:
+    manifest: Manifest
+    uploaded: dict[str, int]  # digest -> size: the blobs this push stored
+    present: dict[str, int]  # the blobs the store already held
+
+    @property
+    def uploaded_bytes(self) -> int:
+        return sum(self.uploaded.values())
+
+    @property
+    def present_bytes(self) -> int:
+        return sum(self.present.values())
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def scan_directory(root: Path) -> tuple[BlobRef, ...]:
+    """Every regular file under ``root`` (symlinks followed), by relative path.
+    Hidden scratch files (a leading '.') are a builder's leftovers, not the model."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ModelError(f"{root} is not a directory")
+    found = []
+    for directory, subdirs, names in os.walk(root, followlinks=True):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for name in sorted(names):
+            path = Path(directory) / name
+            if name.startswith(".") or not path.is_file():
+                continue
+            found.append(BlobRef(path.relative_to(root).as_posix(), path.stat().st_size, file_digest(path)))
+    if not found:
+        raise ModelError(f"{root} holds no files")
+    return tuple(sorted(found, key=lambda f: f.path))
+
+
+def content_version(files: tuple[BlobRef, ...]) -> str:
+    """The version a push names when none is given: its files' list, hashed."""
+    listing = json.dumps([[f.path, f.size, f.digest] for f in sorted(files, key=lambda f: f.path)])
+    return hashlib.sha256(listing.encode()).hexdigest()[:12]
+
+
+def source_directory(source: str, models_dir: Path) -> Path:
+    """The directory a push reads: ``source`` itself, or a builtin (``builtin:NAME``)
+    built once into ``models_dir/NAME``, where `darkroom up` builds it too."""
+    builtin = BUILTINS.get(source)
+    if builtin is not None:
+        return ensure_builtin(builtin, models_dir / source.removeprefix("builtin:"))
+    if source.startswith("builtin:"):
+        raise ModelError(f"unknown builtin {source!r}; builtins: {', '.join(sorted(BUILTINS))}")
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"{source}: no such directory")
+    return path
+
+
+def push_directory(
+    store: ObjectStore, root: Path, reference: str, *, entry: Mapping[str, Any] | None = None
+) -> PushResult:
+    """Pushes ``root`` as ``reference`` (``NAME[:VERSION]``). The name is checked
+    and the files hashed before the store is touched."""
+    name, version = parse_reference(reference)
+    files = scan_directory(root)
+    manifest = Manifest(name, version or content_version(files), files, dict(entry or {}))
+    by_digest = {f.digest: f for f in files}
+    uploaded: dict[str, int] = {}
+    present: dict[str, int] = {}
+    for digest, ref in by_digest.items():
+        if store.has_blob(digest):
+            present[digest] = ref.size
+            continue
+        store.put_blob(digest, Path(root) / ref.path)
+        uploaded[digest] = ref.size
+    store.write_manifest(manifest)
+    return PushResult(manifest, uploaded, present)

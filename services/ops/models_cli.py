@@ -1,0 +1,82 @@
+"""``darkroom models``: push a model's directory (or a builtin) to the model store,
+list what it holds, remove a version or a model. The store is the one
+DARKROOM_MODEL_STORE_URL (and its credentials) names."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from services.config.sections import Settings
+from services.errors import ModelError
+from services.models.store.manifest import parse_reference
+from services.models.store.objects import ObjectStore
+from services.models.store.push import push_directory, source_directory
+
+
+def add_commands(sub: Any, run: Any) -> None:
+    models = sub.add_parser("models", help="push, list and remove models in the model store")
+    actions = models.add_subparsers(dest="models_command", required=True)
+    push = actions.add_parser("push", help="upload a diffusers directory or a builtin as NAME[:VERSION]")
+    push.add_argument("source", metavar="DIR_OR_BUILTIN", help="a model's directory, or builtin:NAME")
+    push.add_argument("reference", metavar="NAME[:VERSION]", help="default version: 12 hex digits of its files' digest")
+    listing = actions.add_parser("list", help="every version of every model in the store")
+    rm = actions.add_parser("rm", help="remove a version (NAME:VERSION) or every version (NAME); unshared blobs go")
+    rm.add_argument("reference", metavar="NAME[:VERSION]")
+    for p in (push, listing, rm):
+        p.add_argument("--data-dir", help="where builtins are built (DATA_DIR/models)")
+        p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        if args.models_command == "push":
+            return _push(args, settings)
+        if args.models_command == "list":
+            return _list(settings)
+        return _rm(args, settings)
+    except ModelError as exc:
+        print(f"darkroom models: {exc}", file=sys.stderr)
+        return 1
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _push(args: argparse.Namespace, settings: Settings) -> int:
+    parse_reference(args.reference)  # a bad name is refused before anything is built or read
+    store = ObjectStore.from_settings(settings.kernel.model_store)
+    root = source_directory(args.source, settings.kernel.models_dir)
+    result = push_directory(store, root, args.reference)
+    m = result.manifest
+    print(f"pushed {m.name}:{m.version} from {root}: {len(m.files)} files, {_mb(m.total_bytes)}")
+    print(f"uploaded {len(result.uploaded)} blobs ({_mb(result.uploaded_bytes)}); ", end="")
+    print(f"{len(result.present)} already in the store ({_mb(result.present_bytes)})")
+    print(m.version)  # last: what a script reads
+    return 0
+
+
+def _list(settings: Settings) -> int:
+    store = ObjectStore.from_settings(settings.kernel.model_store)
+    listed = store.list_models()
+    if not listed:
+        print(f"no models in {store.url} (bucket {store.bucket})")
+        return 0
+    print(f"{'NAME':<24} {'VERSION':<16} {'FILES':>5} {'SIZE':>12}  LATEST")
+    for v in listed:
+        print(f"{v.name:<24} {v.version:<16} {v.files:>5} {_mb(v.total_bytes):>12}  {'*' if v.latest else ''}")
+    return 0
+
+
+def _rm(args: argparse.Namespace, settings: Settings) -> int:
+    name, version = parse_reference(args.reference)
+    store = ObjectStore.from_settings(settings.kernel.model_store)
+    removal = store.remove(name, version)
+    print(f"removed {', '.join(f'{name}:{v}' for v in removal.versions)}")
+    print(
+        f"deleted {removal.blobs_deleted} blobs ({_mb(removal.bytes_deleted)}); "
+        f"kept {removal.blobs_kept} that other versions use"
+    )
+    return 0
