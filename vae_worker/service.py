@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -25,13 +25,11 @@ from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
-from services.errors import FieldViolation, InvalidArgument
 from services.mesh.nats_auth import DECODER_USER, NatsCredentials
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
-from services.models.encoding import check_mime_type, encode_output
+from services.models.encoding import encode_output
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
-from services.models.video_encoding import check_video
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
 from services.presence import Heartbeat, Presence
@@ -47,13 +45,9 @@ from services.telemetry.gpu import Telemetry
 from vae_worker import spans
 from vae_worker.decode_batches import DecodeBatcher
 from vae_worker.output_checks import OutputChecks
+from vae_worker.requests import check_encode, check_jobs, encoded, outputs_to_check
 
 log = logging.getLogger(__name__)
-
-
-# A request with fewer pixels than this is encoded in one go, off the event loop: a
-# thread hop per small image would cost more than its encoding.
-ENCODE_TOGETHER_BELOW_PIXELS = 1024 * 1024
 
 
 class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
@@ -89,14 +83,14 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
                 sliced.append((index, job, own))
         # Scored while they are encoded (and while the next batch decodes); nothing
         # of a checked output is sent before its verdict.
-        checked = {(index, i): n for n, (index, i) in enumerate(_checked(sliced))}
+        checked = {(index, i): n for n, (index, i) in enumerate(outputs_to_check(sliced))}
         scoring = None
         if checked and self.checks is not None:
             pixels = [image.pixels for _, job, own in sliced if job.output_policy for image in own]  # as in checked
             scoring = asyncio.ensure_future(self.checks.scores(pixels))
         refused: set[int] = set()
         try:
-            async for index, job, image_index, image, mime_type, data in _encoded(sliced, dict(enumerate(jobs))):
+            async for index, job, image_index, image, mime_type, data in encoded(sliced, dict(enumerate(jobs))):
                 if index in refused:
                     continue
                 score = None
@@ -161,72 +155,6 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
             )
         array = latents.contiguous().numpy()
         return vae_decoder_pb2.EncodeResponse(latents=array.astype("<f4").tobytes(), shape=list(array.shape))
-
-
-# The largest input an Encode takes, on each side.
-MAX_ENCODE_SIDE = 4096
-
-
-def check_encode(request: vae_decoder_pb2.EncodeRequest) -> None:
-    bad = []
-    if not request.image:
-        bad.append(FieldViolation("image", "is required"))
-    for name in ("width", "height"):
-        side = getattr(request, name)
-        if not 8 <= side <= MAX_ENCODE_SIDE or side % 8:
-            bad.append(FieldViolation(name, f"{side} is not a multiple of 8 within 8..{MAX_ENCODE_SIDE}"))
-    if bad:
-        raise InvalidArgument(bad)
-
-
-def check_jobs(jobs: Sequence[DecodeJob], images: int, *, video: bool = False) -> list[tuple[DecodeJob, str]]:
-    """Each job with the MIME type it is encoded in; InvalidArgument when the jobs do
-    not account for the latents' images (or videos) exactly."""
-    if not jobs:
-        raise InvalidArgument([FieldViolation("jobs", "name at least one job")])
-    if any(job.images < 1 for job in jobs) or sum(job.images for job in jobs) != images:
-        raise InvalidArgument(
-            [FieldViolation("jobs", f"their images ({[j.images for j in jobs]}) must add up to the {images} latents")]
-        )
-    if video:
-        for job in jobs:
-            check_video(check_mime_type(job.mime_type, video=True), 2, 2, job.fps)
-    return [(job, check_mime_type(job.mime_type, video=video)) for job in jobs]
-
-
-def _checked(sliced: list[tuple[int, DecodeJob, list[DecodedImage]]]) -> list[tuple[int, int]]:
-    """(job, image) of each output to be checked, in order."""
-    return [(index, i) for index, job, own in sliced if job.output_policy for i in range(len(own))]
-
-
-async def _encoded(
-    sliced: list[tuple[int, DecodeJob, list[DecodedImage]]], jobs: dict[int, tuple[DecodeJob, str]]
-) -> AsyncIterator[tuple[int, DecodeJob, int, DecodedImage, str, bytes]]:
-    """Each image of each job encoded in its job's format, as soon as it is: small
-    ones together in one thread, large ones each in its own (PIL compresses outside
-    the GIL), in the order they finish."""
-    todo = [(index, job, i, image, jobs[index][1]) for index, job, own in sliced for i, image in enumerate(own)]
-    pixels = sum(image.pixels[..., 0].size for *_, image, _ in todo)  # a video's frames' too
-    if pixels < ENCODE_TOGETHER_BELOW_PIXELS:
-        datas = await asyncio.to_thread(
-            lambda: [encode_output(image.pixels, mime, job.fps) for _, job, _, image, mime in todo]
-        )
-        for item, data in zip(todo, datas, strict=True):
-            yield (*item, data)
-        return
-
-    async def one(n: int) -> tuple[int, bytes]:
-        _, job, _, image, mime_type = todo[n]
-        return n, await asyncio.to_thread(encode_output, image.pixels, mime_type, job.fps)
-
-    encodings = [asyncio.ensure_future(one(n)) for n in range(len(todo))]
-    try:
-        for next_done in asyncio.as_completed(encodings):
-            n, data = await next_done
-            yield (*todo[n], data)
-    finally:
-        for task in encodings:
-            task.cancel()
 
 
 def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBatcher:
