@@ -1,0 +1,249 @@
+"""A host's model cache (``layout``): resolving a model version into a directory
+``from_pretrained`` loads from (safetensors memory-mapped straight from the
+blobs: the directory's files are hard links to them), holding it while it is
+loaded, evicting the least recently used versions no sampler holds, and checking
+every blob's digest again on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from services.errors import ModelError
+from services.models.host_cache import blobs as blob_fetch
+from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict
+from services.models.host_cache.layout import HELD, USED, Layout
+from services.models.host_cache.locks import acquire, lock_now, locked
+from services.models.host_cache.metrics import CORRUPT_BLOBS, EVICTIONS, LOOKUPS
+from services.models.host_cache.sources import SourceChain
+from services.models.store.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+# Blobs of one version fetched at once (each from one source, the store's own reads concurrent).
+BLOBS_AT_ONCE = 4
+
+
+class ManifestReader(Protocol):
+    """The object store, as far as manifests go (``ObjectStore.read_manifest``)."""
+
+    def read_manifest(self, name: str, version: str | None) -> Manifest: ...  # or async
+
+
+@dataclass(eq=False)
+class HeldModel:
+    """A model version's directory, kept from eviction until ``release`` (a shared
+    lock on its ``.held``, which dies with the process)."""
+
+    path: Path
+    manifest: Manifest
+    _fd: int | None = field(repr=False)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> HeldModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class HostCache:
+    def __init__(self, root: Path, *, capacity_bytes: int, manifests: ManifestReader, sources: SourceChain) -> None:
+        self.layout = Layout(Path(root))
+        self.layout.make()
+        self.capacity_bytes = capacity_bytes
+        self.manifests = manifests
+        self.sources = sources
+        self.host_id = self.layout.host_id()
+        # Bytes this cache object fetched, by source kind (the metrics count every cache of the process).
+        self.fetched: collections.Counter[str] = collections.Counter()
+
+    async def resolve(self, name: str, version: str | None = None) -> Path:
+        """The version's directory, fetched first where it is not complete (not held after)."""
+        with await self.acquire(name, version) as held:
+            return held.path
+
+    async def acquire(self, name: str, version: str | None = None) -> HeldModel:
+        """The version's directory, complete, held until released."""
+        manifest = await self.manifest(name, version)
+        model_dir = self.layout.model(manifest.name, manifest.version)
+        missing = {d: s for d, s in manifest.blobs().items() if not blob_fetch.is_complete(self.layout.blob(d), s)}
+        if missing:
+            await self.evict(need_bytes=sum(missing.values()))
+        async with locked(self.layout.cache_lock, shared=True):
+            if _built(model_dir, manifest) and not missing:
+                LOOKUPS.labels(result="hit").inc()
+            else:
+                LOOKUPS.labels(result="miss").inc()
+                await self._fetch_all(manifest)
+                async with locked(self.layout.model_lock(manifest.name, manifest.version)):
+                    if not _built(model_dir, manifest):
+                        self._build(model_dir, manifest)
+            hold = await acquire(model_dir / HELD, shared=True)
+            os.utime(model_dir / USED)
+        await self.evict()
+        return HeldModel(model_dir, manifest, hold)
+
+    async def manifest(self, name: str, version: str | None) -> Manifest:
+        """From the store (a copy kept); the copy when the store cannot be read."""
+        try:
+            read = self.manifests.read_manifest
+            manifest = await (read(name, version) if inspect.iscoroutinefunction(read) else asyncio.to_thread(read, name, version))
+        except (ModelError, OSError) as exc:
+            kept = self._kept_manifest(name, version)
+            if kept is None:
+                raise
+            log.warning("cannot read %s:%s from the store (%s); using the cache's copy", name, version, exc)
+            return kept
+        if manifest.name != name or (version is not None and manifest.version != version):
+            raise ModelError(f"the store answered {name}:{version} with {manifest.name}:{manifest.version}")
+        _write_atomically(self.layout.manifest(name, manifest.version), manifest.to_json())
+        if version is None:
+            _write_atomically(self.layout.latest(name), manifest.version.encode())
+        return manifest
+
+    def _kept_manifest(self, name: str, version: str | None) -> Manifest | None:
+        try:
+            if version is None:
+                version = self.layout.latest(name).read_text().strip()
+            return Manifest.from_json(self.layout.manifest(name, version).read_bytes())
+        except (FileNotFoundError, ModelError):
+            return None
+
+    async def _fetch_all(self, manifest: Manifest) -> None:
+        gate = asyncio.Semaphore(BLOBS_AT_ONCE)
+
+        async def one(digest: str, size: int) -> None:
+            async with gate:
+                await blob_fetch.ensure_blob(self.layout, digest, size, self.sources, self.fetched)
+
+        async with asyncio.TaskGroup() as tg:
+            for digest, size in manifest.blobs().items():
+                tg.create_task(one(digest, size))
+
+    def _build(self, model_dir: Path, manifest: Manifest) -> None:
+        """The directory built aside, then renamed into place: a sampler sees it whole or not at all."""
+        if model_dir.exists():
+            log.warning("%s is incomplete or damaged; rebuilding it", model_dir)
+            self._discard(model_dir)
+        building = model_dir.parent / f".build-{manifest.version}-{uuid.uuid4().hex}"
+        building.mkdir(parents=True)
+        try:
+            for ref in manifest.files:
+                target = building / ref.path
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(self.layout.blob(ref.digest), target)
+            (building / HELD).touch()
+            (building / USED).touch()
+            os.rename(building, model_dir)
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+
+    def _discard(self, model_dir: Path) -> None:
+        gone = self.layout.trash / uuid.uuid4().hex
+        os.rename(model_dir, gone)  # a sampler that has its files open (mapped) keeps them
+        shutil.rmtree(gone, ignore_errors=True)
+
+    # -- eviction -------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        versions = []
+        for model_dir in sorted(self.layout.root.glob("models/*/*")):
+            if model_dir.name.startswith("."):
+                continue
+            manifest = self._kept_manifest(model_dir.parent.name, model_dir.name)
+            if manifest is None:
+                continue
+            free = lock_now(model_dir / HELD)
+            if free is not None:
+                os.close(free)
+            try:
+                used = (model_dir / USED).stat().st_mtime
+            except FileNotFoundError:
+                used = 0.0
+            versions.append(
+                CachedVersion(manifest.name, manifest.version, used, free is None, frozenset(manifest.blobs()))
+            )
+        sizes = {p.name: p.stat().st_size for p in (self.layout.root / "blobs" / "sha256").iterdir()}
+        return Snapshot(versions, sizes)
+
+    async def evict(self, need_bytes: int = 0) -> list[str]:
+        """Makes room (``need_bytes`` more within the capacity) if no resolve is under
+        way on the host (else the next resolve does); the versions evicted."""
+        cache = lock_now(self.layout.cache_lock)
+        if cache is None:
+            return []
+        try:
+            evicted = []
+            for victim in to_evict(self.snapshot(), self.capacity_bytes, need_bytes):
+                model_dir = self.layout.model(victim.name, victim.version)
+                hold = lock_now(model_dir / HELD)
+                if hold is None:
+                    continue  # held since the snapshot
+                try:
+                    self._discard(model_dir)
+                finally:
+                    os.close(hold)
+                EVICTIONS.inc()
+                evicted.append(f"{victim.name}:{victim.version}")
+                log.info("evicted %s:%s from the host's model cache", victim.name, victim.version)
+            self._drop_unlinked_blobs()
+            return evicted
+        finally:
+            os.close(cache)
+
+    def _drop_unlinked_blobs(self) -> None:
+        """Blobs no model directory links (a link count of one) are deleted."""
+        for blob in (self.layout.root / "blobs" / "sha256").iterdir():
+            if blob.stat().st_nlink == 1:
+                blob.unlink()
+
+    async def verify(self) -> list[str]:
+        """Every complete blob hashed again; a corrupt one is deleted with the
+        directories that link it (fetched again at the next resolve). The corrupt digests."""
+        async with locked(self.layout.cache_lock):
+            corrupt = []
+            for blob in sorted((self.layout.root / "blobs" / "sha256").iterdir()):
+                fd = os.open(blob, os.O_RDONLY)
+                try:
+                    actual = await asyncio.to_thread(blob_fetch.sha256_of, fd)
+                finally:
+                    os.close(fd)
+                if actual != blob.name:
+                    corrupt.append(blob.name)
+            for version in self.snapshot().versions:
+                if version.blobs & set(corrupt):
+                    self._discard(self.layout.model(version.name, version.version))
+            for digest in corrupt:
+                CORRUPT_BLOBS.labels(source="cache").inc()
+                log.warning("blob %s in the host's model cache is corrupt; deleted", digest)
+                self.layout.blob(digest).unlink(missing_ok=True)
+            return corrupt
+
+
+def _built(model_dir: Path, manifest: Manifest) -> bool:
+    """Built, and every file of the size the manifest says."""
+    return (
+        all(blob_fetch.is_complete(model_dir / ref.path, ref.size) for ref in manifest.files)
+        and (model_dir / HELD).exists()
+    )
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fresh = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    fresh.write_bytes(data)
+    os.replace(fresh, path)

@@ -1,0 +1,75 @@
+"""The host cache's pure parts: which versions eviction takes, and paths made only
+from checked names and digests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.errors import ModelError
+from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict, unreferenced
+from services.models.host_cache.layout import Layout
+
+A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
+
+
+def version(name: str, used: float, blobs: set[str], *, held: bool = False) -> CachedVersion:
+    return CachedVersion(name, "1", used, held, frozenset(blobs))
+
+
+def test_nothing_is_evicted_within_the_capacity() -> None:
+    snap = Snapshot([version("m", 1.0, {A})], {A: 10})
+    assert to_evict(snap, capacity_bytes=10) == []
+
+
+def test_the_least_recently_used_go_first_until_the_new_bytes_fit() -> None:
+    old, mid, new = version("old", 1.0, {A}), version("mid", 2.0, {B}), version("new", 3.0, {C})
+    snap = Snapshot([new, old, mid], {A: 10, B: 10, C: 10})
+    assert to_evict(snap, capacity_bytes=30, need_bytes=5) == [old]
+    assert to_evict(snap, capacity_bytes=30, need_bytes=15) == [old, mid]
+
+
+def test_a_held_version_is_never_evicted_even_if_the_cache_stays_over() -> None:
+    held, other = version("held", 1.0, {A}, held=True), version("other", 2.0, {B})
+    snap = Snapshot([held, other], {A: 100, B: 10})
+    assert to_evict(snap, capacity_bytes=50) == [other]
+
+
+def test_a_blob_shared_with_a_remaining_version_frees_nothing() -> None:
+    # "v1" and "v2" share A (90 bytes): evicting v1 frees only B; v2 must go too.
+    v1, v2 = version("v1", 1.0, {A, B}), version("v2", 2.0, {A, C})
+    snap = Snapshot([v1, v2], {A: 90, B: 5, C: 5})
+    assert to_evict(snap, capacity_bytes=96) == [v1]
+    assert to_evict(snap, capacity_bytes=50) == [v1, v2]
+
+
+def test_unreferenced_blobs_count_as_free_already() -> None:
+    snap = Snapshot([version("m", 1.0, {A})], {A: 10, D: 100})
+    assert unreferenced(snap) == {D}
+    assert to_evict(snap, capacity_bytes=10) == []
+
+
+@pytest.mark.parametrize("digest", ["../" + "a" * 61, "A" * 64, "a" * 63, "a" * 64 + "/x", ""])
+def test_a_blob_path_is_made_only_from_a_sha256_digest(tmp_path: Path, digest: str) -> None:
+    layout = Layout(tmp_path)
+    with pytest.raises(ModelError):
+        layout.blob(digest)
+    with pytest.raises(ModelError):
+        layout.partial(digest)
+
+
+@pytest.mark.parametrize("name", ["..", "../etc", "a/b", ".hidden", ""])
+def test_a_model_path_is_made_only_from_a_checked_name(tmp_path: Path, name: str) -> None:
+    layout = Layout(tmp_path)
+    with pytest.raises(ModelError):
+        layout.model(name, "1")
+    with pytest.raises(ModelError):
+        layout.model("m", name)
+
+
+def test_the_host_id_is_made_once_per_cache_directory(tmp_path: Path) -> None:
+    first, again, other = Layout(tmp_path / "h1"), Layout(tmp_path / "h1"), Layout(tmp_path / "h2")
+    first.make()
+    other.make()
+    assert first.host_id() == again.host_id() != other.host_id()
