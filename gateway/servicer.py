@@ -17,18 +17,15 @@ from gateway.auth import Caller, Gatekeeper
 from gateway.convert import (
     STATUS,
     job_message,
-    lanes_message,
     models_message,
     timestamp,
-    totals_message,
-    worker_stats,
 )
 from gateway.estimates import Estimator
 from gateway.expansion import Expansion, asks_expansion
 from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_refusal, count_submit
 from gateway.moderation import Limits, Moderator
 from gateway.streams import follow
-from gateway.usage import tenant_usage
+from gateway.usage import fleet_stats, tenant_usage
 from gateway.validation import validate_submit, violates_policy
 from scheduler import admission, facts
 from scheduler.costs import costs_from
@@ -40,8 +37,7 @@ from services.config.safety import SafetySettings
 from services.config.sections import GatewaySettings, KernelSettings
 from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
 from services.db.repository import Repository
-from services.db.states import JobStatus, WorkerKind, WorkerStatus
-from services.db.worker_records import WorkerRecord
+from services.db.states import JobStatus, WorkerKind
 from services.errors import ContentPolicyViolation, PermissionDenied, QuotaViolation, ResourceExhausted
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
@@ -293,32 +289,5 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         usage = await tenant_usage(self.repo, caller, datetime.now(UTC))
         if not caller.admin:
             return pb.GetStatsResponse(usage=usage)
-        stale_s = self.stale_after_s
-        # What each worker says of itself from presence; what it has done, from the database.
-        done = {w.id: w for kind in WorkerKind for w in await self.repo.workers.all(kind, stale_after_s=stale_s)}
-        workers = [
-            with_counts(w, done.get(w.id))
-            for kind in WorkerKind
-            for w in self.presence.all(kind, stale_after_s=stale_s)
-        ]
-        held = await self.repo.scheduling.held_per_worker()
-        running = await self.repo.scheduling.running_per_worker()
-        totals = await self.repo.jobs.totals()
-        return pb.GetStatsResponse(
-            workers=[
-                worker_stats(w, held.get(w.id, 0), running.get(w.id, ()))
-                for w in workers
-                if w.status != WorkerStatus.GONE
-            ],
-            totals=totals_message(totals),
-            usage=usage,
-            lanes=lanes_message(await self.repo.jobs.counts_by_lane(), datetime.now(UTC)),
-        )
-
-
-def with_counts(worker: WorkerRecord, counted: WorkerRecord | None) -> WorkerRecord:
-    """A worker as presence says, with the jobs it completed and failed and its busy
-    time as the database counted them."""
-    if counted is None:
-        return worker
-    return replace(worker, completed=counted.completed, errors=counted.errors, busy_seconds=counted.busy_seconds)
+        workers, totals, lanes = await fleet_stats(self.repo, self.presence, self.stale_after_s)
+        return pb.GetStatsResponse(workers=workers, totals=totals, usage=usage, lanes=lanes)

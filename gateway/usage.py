@@ -1,12 +1,19 @@
-"""What a tenant reads of itself in GetStats: its jobs, credits and today's usage."""
+"""What GetStats answers: a tenant's jobs, credits and today's usage; and, to an
+admin, every worker as presence says with what the database counted of it, the
+job totals and the lanes."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from dataclasses import replace
+from datetime import UTC, datetime
 
 from gateway.auth import Caller
+from gateway.convert import lanes_message, totals_message, worker_stats
 from services import quotas
 from services.db.repository import Repository
+from services.db.states import WorkerKind, WorkerStatus
+from services.db.worker_records import WorkerRecord
+from services.presence_view import PresenceView
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 
@@ -34,3 +41,26 @@ async def tenant_usage(repo: Repository, caller: Caller, now: datetime) -> pb.Te
         if terms.daily_credits is not None:
             usage.daily_credits = terms.daily_credits
     return usage
+
+
+async def fleet_stats(
+    repo: Repository, presence: PresenceView, stale_s: float
+) -> tuple[list[pb.WorkerStats], pb.GlobalStats, list[pb.LaneQueue]]:
+    """Every worker not gone, the job totals and the lanes, for an admin."""
+    # What each worker says of itself from presence; what it has done, from the database.
+    done = {w.id: w for kind in WorkerKind for w in await repo.workers.all(kind, stale_after_s=stale_s)}
+    workers = [with_counts(w, done.get(w.id)) for kind in WorkerKind for w in presence.all(kind, stale_after_s=stale_s)]
+    held = await repo.scheduling.held_per_worker()
+    running = await repo.scheduling.running_per_worker()
+    live = [w for w in workers if w.status != WorkerStatus.GONE]
+    stats = [worker_stats(w, held.get(w.id, 0), running.get(w.id, ())) for w in live]
+    totals = totals_message(await repo.jobs.totals())
+    return stats, totals, lanes_message(await repo.jobs.counts_by_lane(), datetime.now(UTC))
+
+
+def with_counts(worker: WorkerRecord, counted: WorkerRecord | None) -> WorkerRecord:
+    """A worker as presence says, with the jobs it completed and failed and its busy
+    time as the database counted them."""
+    if counted is None:
+        return worker
+    return replace(worker, completed=counted.completed, errors=counted.errors, busy_seconds=counted.busy_seconds)
