@@ -10,6 +10,7 @@ import pytest
 from services.errors import ModelError
 from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict, unreferenced
 from services.models.host_cache.layout import Layout
+from services.models.host_cache.origin import Lease, Step, next_step
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
 
@@ -73,3 +74,30 @@ def test_the_host_id_is_made_once_per_cache_directory(tmp_path: Path) -> None:
     first.make()
     other.make()
     assert first.host_id() == again.host_id() != other.host_id()
+
+
+# -- the origin lease's decision ----------------------------------------------------
+
+
+def step(lease: Lease | None, *, peers_have: bool = False, waited_s: float = 0.0) -> Step:
+    return next_step(peers_have=peers_have, lease=lease, own_host="me", waited_s=waited_s, patience_s=60.0)
+
+
+def test_a_blob_a_peer_announces_comes_from_the_peer_whoever_holds_the_lease() -> None:
+    assert step(None, peers_have=True) is Step.PEERS
+    assert step(Lease("other", done=False), peers_have=True) is Step.PEERS
+
+
+def test_no_lease_takes_it() -> None:
+    assert step(None) is Step.TAKE
+
+
+def test_another_hosts_lease_is_waited_on_until_the_patience_runs_out() -> None:
+    assert step(Lease("other", done=False), waited_s=59.0) is Step.WAIT
+    assert step(Lease("other", done=True), waited_s=59.0) is Step.WAIT  # done: its announcement is coming
+    assert step(Lease("other", done=False), waited_s=60.0) is Step.STORE
+
+
+def test_this_hosts_own_unfinished_lease_is_a_dead_samplers_and_taken_over() -> None:
+    assert step(Lease("me", done=False)) is Step.TAKE
+    assert step(Lease("me", done=True), waited_s=1.0) is Step.WAIT

@@ -100,7 +100,10 @@ class HostCache:
         """From the store (a copy kept); the copy when the store cannot be read."""
         try:
             read = self.manifests.read_manifest
-            manifest = await (read(name, version) if inspect.iscoroutinefunction(read) else asyncio.to_thread(read, name, version))
+            if inspect.iscoroutinefunction(read):
+                manifest = await read(name, version)
+            else:  # a blocking client's call, off the event loop
+                manifest = await asyncio.to_thread(read, name, version)
         except (ModelError, OSError) as exc:
             kept = self._kept_manifest(name, version)
             if kept is None:

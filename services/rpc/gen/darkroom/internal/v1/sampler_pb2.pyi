@@ -31,3 +31,17 @@ class SamplerSuspendResponse(_message.Message):
     WAS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     was_running: bool
     def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
+
+class ReadBlobRequest(_message.Message):
+    __slots__ = ("digest", "offset")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    offset: int
+    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class BlobChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

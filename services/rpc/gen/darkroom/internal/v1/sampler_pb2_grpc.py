@@ -151,3 +151,89 @@ class Sampler:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class BlobCacheStub:
+    """Served by each sampler too: the blobs of its host's model cache (complete and
+    verified ones only), to the samplers of other hosts, so that a model's bytes
+    come from the object store about once however many hosts load it. The caller
+    verifies the blob's SHA-256 itself.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ReadBlob = channel.unary_stream(
+                '/darkroom.internal.v1.BlobCache/ReadBlob',
+                request_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.ReadBlobRequest.SerializeToString,
+                response_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.BlobChunk.FromString,
+                _registered_method=True)
+
+
+class BlobCacheServicer:
+    """Served by each sampler too: the blobs of its host's model cache (complete and
+    verified ones only), to the samplers of other hosts, so that a model's bytes
+    come from the object store about once however many hosts load it. The caller
+    verifies the blob's SHA-256 itself.
+    """
+
+    def ReadBlob(self, request, context):
+        """The blob's bytes from `offset` to its end, in chunks of about 1 MB;
+        NOT_FOUND where this host's cache does not hold it complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_BlobCacheServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ReadBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlob,
+                    request_deserializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.ReadBlobRequest.FromString,
+                    response_serializer=darkroom_dot_internal_dot_v1_dot_sampler__pb2.BlobChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'darkroom.internal.v1.BlobCache', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('darkroom.internal.v1.BlobCache', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class BlobCache:
+    """Served by each sampler too: the blobs of its host's model cache (complete and
+    verified ones only), to the samplers of other hosts, so that a model's bytes
+    come from the object store about once however many hosts load it. The caller
+    verifies the blob's SHA-256 itself.
+    """
+
+    @staticmethod
+    def ReadBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/darkroom.internal.v1.BlobCache/ReadBlob',
+            darkroom_dot_internal_dot_v1_dot_sampler__pb2.ReadBlobRequest.SerializeToString,
+            darkroom_dot_internal_dot_v1_dot_sampler__pb2.BlobChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,148 @@
+"""Peers: each sampler serves its host cache's complete blobs to other hosts
+(``BlobCache.ReadBlob``, over the sealed mesh), and a host asks the peers that
+announce a blob (presence: ``model_cache`` in a sampler's heartbeat telemetry)
+before the object store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.db.states import WorkerKind
+from services.db.worker_records import WorkerRecord
+from services.errors import ModelError
+from services.models.host_cache.layout import Layout
+from services.models.host_cache.metrics import PEER_BYTES_SERVED
+from services.models.host_cache.sources import BlobSourceFailed
+from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
+from services.rpc.server import Channels
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 2**20
+# A peer that sends nothing for this long is given up (the fetch resumes elsewhere).
+PEER_IDLE_S = 10.0
+SERVICE = "darkroom.internal.v1.BlobCache"
+# In a sealed mesh only samplers (other hosts' caches) may read blobs.
+BLOB_CACHE_CALLERS = {SERVICE: frozenset({"sampler"})}
+
+
+class BlobCacheServicer(sampler_pb2_grpc.BlobCacheServicer):
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+
+    async def ReadBlob(
+        self, request: sampler_pb2.ReadBlobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[sampler_pb2.BlobChunk]:
+        try:
+            path = self.layout.blob(request.digest)
+        except ModelError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            fd = os.open(path, os.O_RDONLY)  # only ``blobs/``: complete and verified
+        except FileNotFoundError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"blob {request.digest} is not in this host's cache")
+        try:
+            size = os.fstat(fd).st_size
+            if request.offset > size:
+                await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past {size}")
+            position = request.offset
+            while position < size:
+                data = await asyncio.to_thread(os.pread, fd, CHUNK_BYTES, position)
+                if not data:
+                    break
+                position += len(data)
+                PEER_BYTES_SERVED.inc(len(data))
+                yield sampler_pb2.BlobChunk(data=data)
+        finally:
+            os.close(fd)
+
+
+def add_to_server(layout: Layout) -> tuple[Callable[[grpc.aio.Server], None], str]:
+    """A registration for ``services.rpc.server.build_server``."""
+    servicer = BlobCacheServicer(layout)
+    return (lambda s: sampler_pb2_grpc.add_BlobCacheServicer_to_server(servicer, s), SERVICE)
+
+
+class PeerSource:
+    """One peer's cache, read in order from ``offset`` (its bytes are written as they come)."""
+
+    kind = "peer"
+
+    def __init__(self, address: str, channels: Channels, *, idle_s: float = PEER_IDLE_S) -> None:
+        self.address = address
+        self.channels = channels
+        self.idle_s = idle_s
+
+    async def fetch(self, digest: str, size: int, dest_fd: int, offset: int) -> None:
+        stub = sampler_pb2_grpc.BlobCacheStub(self.channels.to(self.address))
+        call = stub.ReadBlob(sampler_pb2.ReadBlobRequest(digest=digest, offset=offset))
+        position = offset
+        try:
+            stream = aiter(call)
+            while position < size:
+                try:
+                    chunk = await asyncio.wait_for(anext(stream), self.idle_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise BlobSourceFailed(f"peer {self.address} sent nothing for {self.idle_s:.0f}s") from None
+                if position + len(chunk.data) > size:
+                    raise BlobSourceFailed(f"peer {self.address} sent more than the blob's {size} bytes")
+                await asyncio.to_thread(_pwrite_all, dest_fd, chunk.data, position)
+                position += len(chunk.data)
+        except grpc.aio.AioRpcError as exc:
+            raise BlobSourceFailed(f"peer {self.address}: {exc.code().name}: {exc.details()}") from exc
+        finally:
+            call.cancel()
+        if position < size:
+            raise BlobSourceFailed(f"peer {self.address} ended the blob at {position} of {size} bytes")
+
+
+def _pwrite_all(fd: int, data: bytes, position: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, position)
+        view, position = view[written:], position + written
+
+
+@dataclass(frozen=True)
+class CacheAnnouncement:
+    """What a sampler's heartbeat says of its host's cache (telemetry ``model_cache``)."""
+
+    host: str
+    blobs: frozenset[str]
+
+    def telemetry(self) -> dict[str, Any]:
+        return {"model_cache": {"host": self.host, "blobs": sorted(self.blobs)}}
+
+    @classmethod
+    def of(cls, worker: WorkerRecord) -> CacheAnnouncement | None:
+        body = worker.telemetry.get("model_cache")
+        if not isinstance(body, dict) or not isinstance(body.get("host"), str):
+            return None
+        return cls(body["host"], frozenset(str(d) for d in body.get("blobs", ())))
+
+
+def holders(workers: Sequence[WorkerRecord], digest: str, own_host: str) -> list[WorkerRecord]:
+    """The live samplers of other hosts that announce ``digest``: one per host (its
+    samplers share one cache), the least busy first, ties shuffled so that hosts
+    fetching at once spread over them."""
+    by_host: dict[str, WorkerRecord] = {}
+    for worker in workers:
+        announced = CacheAnnouncement.of(worker)
+        if worker.kind != WorkerKind.SAMPLER or not worker.live or announced is None:
+            continue
+        if announced.host == own_host or digest not in announced.blobs or not worker.address:
+            continue
+        by_host.setdefault(announced.host, worker)
+    found = list(by_host.values())
+    random.shuffle(found)
+    return sorted(found, key=lambda w: int(w.telemetry.get("inflight") or 0))
