@@ -19,6 +19,7 @@ import torch
 from gpu_worker.metrics import MODEL_LOAD_SECONDS
 from gpu_worker.residency import DoesNotFit, Resident, victims
 from services.errors import ModelError
+from services.models.host_cache import loading as host_cache_loading
 from services.models.loader import Loaded
 from services.models.registry import ModelRegistry, ModelSpec
 
@@ -153,6 +154,7 @@ class ModelCache:
             return
         self.on_drop(name)
         del held
+        host_cache_loading.release(name)  # a store: model's version may leave the host's disk now
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.info("dropped %s", name)
