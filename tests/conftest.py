@@ -104,16 +104,20 @@ def make_stack(
     return LocalStack(settings, cpu_workers=samplers, durable=False, http=http)
 
 
+def running(stack: LocalStack) -> Iterator[LocalStack]:
+    """``stack`` started, for a fixture to ``yield from``; stopped after."""
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+
+
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
 ) -> Iterator[LocalStack]:
-    s = make_stack(tmp_path_factory.mktemp("stack"), postgres, models_dir)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from running(make_stack(tmp_path_factory.mktemp("stack"), postgres, models_dir))
 
 
 FAULT_TABLE_HEADER = (
@@ -135,3 +139,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for summary in SUMMARIES:
         for note in summary.notes:
             terminalreporter.write_line(f"- {summary.scenario}: {note}")
+
+
+@pytest.fixture(scope="session")
+def model_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3 server (seaweedfs's ``weed mini``) for the model store, with its
+    bucket made: ``.env()`` points a client at it, ``.sent_bytes()`` counts what it served."""
+    from services.ops.model_store import EmbeddedModelStore
+
+    store = EmbeddedModelStore(tmp_path_factory.mktemp("model-store"))
+    store.start()
+    try:
+        yield store
+    finally:
+        store.stop()

@@ -28,7 +28,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.safety.image_filter import OpenNsfw
-from tests.conftest import make_stack
+from tests.conftest import make_stack, running
 from tests.helpers import stub
 from tests.integration.test_tenants import as_key, darkroom, metric_samples
 
@@ -45,12 +45,7 @@ SKIN = (224, 172, 140)
 def stack(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
 ) -> Iterator[LocalStack]:
-    s = make_stack(tmp_path_factory.mktemp("content-policy"), postgres, models_dir, http=True)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from running(make_stack(tmp_path_factory.mktemp("content-policy"), postgres, models_dir, http=True))
 
 
 @pytest.fixture(scope="module")

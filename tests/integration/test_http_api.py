@@ -40,7 +40,7 @@ from services.models.video_encoding import probe_video
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from tests.conftest import make_stack
+from tests.conftest import make_stack, running
 from tests.helpers import png_size, stub, wait_for
 from tests.integration.test_tenants import darkroom
 from tests.needs import require
@@ -65,12 +65,7 @@ FLAGS = [
 def stack(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
 ) -> Iterator[LocalStack]:
-    s = make_stack(tmp_path_factory.mktemp("http"), postgres, models_dir, http=True)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from running(make_stack(tmp_path_factory.mktemp("http"), postgres, models_dir, http=True))
 
 
 def client(stack: LocalStack, key: str = "anything: the gateway is open") -> openai.OpenAI:

@@ -30,7 +30,7 @@ from http_api.limits import JSON_BODY_BYTES, upload_bytes
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from tests.conftest import make_stack
+from tests.conftest import make_stack, running
 from tests.helpers import count_jobs, stub, wait_for
 from tests.integration.test_tenants import darkroom
 
@@ -134,12 +134,7 @@ def json_text(body: Any) -> bytes:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
 ) -> Iterator[LocalStack]:
-    s = make_stack(tmp_path_factory.mktemp("http-fuzz"), postgres, models_dir, http=True)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from running(make_stack(tmp_path_factory.mktemp("http-fuzz"), postgres, models_dir, http=True))
 
 
 @pytest.fixture(scope="module")

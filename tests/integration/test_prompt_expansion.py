@@ -30,7 +30,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.safety.lm_expansion import ModelExpander
 from services.safety.vocabulary import Vocabulary, words_of
-from tests.conftest import fresh_database, make_stack
+from tests.conftest import fresh_database, make_stack, running
 from tests.helpers import stub, wait_for, wait_terminal
 from tests.integration.test_tenants import as_key, darkroom
 
@@ -42,12 +42,8 @@ VOCABULARY = Vocabulary.shipped()
 def stack(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
 ) -> Iterator[LocalStack]:
-    s = make_stack(tmp_path_factory.mktemp("expansion"), postgres, models_dir, http=True, prompt_expander="model")
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    tmp = tmp_path_factory.mktemp("expansion")
+    yield from running(make_stack(tmp, postgres, models_dir, http=True, prompt_expander="model"))
 
 
 def job(prompt: str, **fields: object) -> pb.SubmitJobRequest:
