@@ -41,6 +41,8 @@ FAMILY_DEFAULTS = {
 EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
 ATTENTION = frozenset({"", "sdpa", "flash", "efficient", "cudnn", "eager"})
 QUANTIZE = frozenset({"", "int8", "fp8"})
+# A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
+STORE_PREFIX = "store:"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
 # Frames per second a video may ask for.
@@ -227,6 +229,8 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         spec = replace(spec, sim_image=str(image))
     if spec.source.startswith("builtin:") and spec.source != BUILTIN_SIM and spec.source not in BUILTINS:
         raise ModelError(f"model {name!r}: unknown source {spec.source!r}; builtins: {', '.join(sorted(BUILTINS))}")
+    if spec.source.startswith(STORE_PREFIX):
+        store_reference(spec)  # a well-formed NAME[:VERSION]; the store itself is asked when it loads
     if spec.attention not in ATTENTION:
         raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
     if spec.quantize not in QUANTIZE:
@@ -294,6 +298,19 @@ def scheduler_class(spec: ModelSpec) -> type[Any]:
             "(or its optional dependencies are not installed)"
         )
     return found
+
+
+def store_reference(spec: ModelSpec) -> tuple[str, str | None] | None:
+    """``(name, version or None for the latest)`` of a model whose source is
+    ``store:NAME[:VERSION]`` (pushed with `darkroom models push`); None for any other."""
+    if not spec.source.startswith(STORE_PREFIX):
+        return None
+    from services.models.store.manifest import parse_reference
+
+    try:
+        return parse_reference(spec.source.removeprefix(STORE_PREFIX))
+    except ModelError as exc:
+        raise ModelError(f"model {spec.name!r}: source {spec.source!r}: {exc}") from None
 
 
 def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, Any]]:
