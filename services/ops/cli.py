@@ -34,7 +34,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from services.ops.data_lock import DataDirLocked
     from services.ops.stack import LocalStack
 
-    stack = LocalStack(_settings(args), cpu_workers=args.cpu_workers, decoders=args.decoders, http=True)
+    stack = LocalStack(
+        _settings(args),
+        cpu_workers=args.cpu_workers,
+        decoders=args.decoders,
+        http=True,
+        model_store=getattr(args, "model_store", False),
+    )
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
@@ -47,6 +53,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         data_dir = stack.settings.kernel.data_dir
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
         print(f"darkroom: OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
+        if stack.model_store is not None:
+            print(
+                f"darkroom: model store (S3) on {stack.model_store.url}, bucket {stack.model_store.bucket}", flush=True
+            )
         _print_metrics(stack.metrics_targets(), data_dir)
         if args.demo_prompt is not None:
             return generate_cli.generate_into(stack.gateway_address, args.demo_prompt, args, stack.gateway_roots())
@@ -133,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--http-port", type=int, help="HTTP API port (default 8080; 0: a free one)")
     up.add_argument("--cpu-workers", type=int, default=1, help="sampler processes when there is no GPU")
     up.add_argument("--decoders", type=int, default=1, help="VAE decoder processes")
+    up.add_argument(
+        "--model-store",
+        action="store_true",
+        help="start a local S3 server (seaweedfs) for store: models, unless DARKROOM_MODEL_STORE_URL names one",
+    )
     up.set_defaults(func=cmd_up, demo_prompt=None)
 
     sup = sub.add_parser(

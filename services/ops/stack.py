@@ -18,7 +18,7 @@ from pathlib import Path
 from services.config.fields import SettingsError
 from services.config.sections import Settings
 from services.mesh.nats_auth import sampler_user
-from services.mesh.secrets import ensure_certificates
+from services.mesh.secrets import ensure_certificates, password
 from services.ops.backends import BackendMetrics, SupervisedBackend
 from services.ops.children import (
     MetricsPorts,
@@ -31,6 +31,7 @@ from services.ops.children import (
 from services.ops.data_lock import DataDirLock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
+from services.ops.model_store import EmbeddedModelStore
 from services.ops.orphans import stop_nats_servers
 from services.ops.processes import free_port
 from services.ops.supervisor import Child, Supervisor
@@ -39,7 +40,14 @@ from services.telemetry.metrics import Target, targets_path, write_targets
 
 class LocalStack:
     def __init__(
-        self, settings: Settings, *, cpu_workers: int = 1, decoders: int = 1, durable: bool = True, http: bool = False
+        self,
+        settings: Settings,
+        *,
+        cpu_workers: int = 1,
+        decoders: int = 1,
+        durable: bool = True,
+        http: bool = False,
+        model_store: bool = False,
     ) -> None:
         self.settings = settings
         self.cpu_workers = cpu_workers
@@ -48,6 +56,9 @@ class LocalStack:
         self.http = http  # the HTTP API too (`darkroom up`)
         self.postgres: EmbeddedPostgres | None = None
         self.nats: EmbeddedNats | None = None
+        # `up --model-store`: a local S3 server for `store:` models, unless DARKROOM_MODEL_STORE_URL names one.
+        self.start_model_store = model_store
+        self.model_store: EmbeddedModelStore | None = None
         self.supervisor = Supervisor(restart_policy(settings))
         self.log_dir = settings.kernel.data_dir / "logs"
         self.metrics_ports = MetricsPorts(settings.kernel.metrics_port)
@@ -107,7 +118,16 @@ class LocalStack:
             stop_nats_servers(self.nats.config_path)  # orphans on its store, as above
             self.nats.start()
             self.settings = self.settings.with_env({"DARKROOM_NATS_URL": self.nats.url})
-        for name, backend in (("postgres", self.postgres), ("nats", self.nats)):
+        if self.start_model_store and not self.settings.kernel.model_store.model_store_url:
+            secrets = Path(self.settings.kernel.mesh_dir)
+            self.model_store = EmbeddedModelStore(
+                data / "model-store",
+                bucket=self.settings.kernel.model_store.model_store_bucket,
+                secret_key=password(secrets / "model-store.secret"),  # made once, kept with the others
+            )
+            self.model_store.start()
+            self.settings = self.settings.with_env(self.model_store.env())
+        for name, backend in (("postgres", self.postgres), ("nats", self.nats), ("model-store", self.model_store)):
             if backend is not None:
                 self.supervisor.watch(SupervisedBackend(name, backend, self.backend_metrics))
         from services.db.migrate import upgrade
@@ -287,6 +307,8 @@ class LocalStack:
         self.backend_metrics.close()
         if self.nats is not None:
             self.nats.stop()
+        if self.model_store is not None:
+            self.model_store.stop()
         if self.postgres is not None:
             self.postgres.stop()
         self.lock.release()

@@ -225,3 +225,25 @@ def test_the_cli_pushes_lists_and_removes(model_store: Any, tmp_path: Path) -> N
     failed = darkroom(down, "push", str(root), "cli-down")
     assert failed.returncode != 0 and "model store http://127.0.0.1" in failed.stderr
     assert "cli-down" not in darkroom(env, "list").stdout
+
+
+def test_up_with_a_model_store_starts_one_and_points_its_children_at_it(
+    tmp_path: Path, postgres: Any, models_dir: Path
+) -> None:
+    from tests.conftest import make_stack
+
+    stack = make_stack(tmp_path / "stack", postgres, models_dir)
+    stack.start_model_store = True  # what `darkroom up --model-store` asks for
+    try:
+        stack.start_backends()
+        assert stack.model_store is not None and stack.model_store.running
+        settings = stack.settings.kernel.model_store
+        assert settings.model_store_url == stack.model_store.url and settings.model_store_secret_key
+        assert stack.settings.to_env()["DARKROOM_MODEL_STORE_URL"] == stack.model_store.url  # what children read
+        pushed = push_directory(
+            ObjectStore.from_settings(settings), write_model(tmp_path / "m", {"w.bin": b"up"}), "up-model"
+        )
+        assert ObjectStore.from_settings(settings).read_manifest("up-model") == pushed.manifest
+    finally:
+        stack.stop()
+    assert stack.model_store is not None and not stack.model_store.running
