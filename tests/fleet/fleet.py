@@ -15,10 +15,8 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import grpc
 import psycopg
@@ -31,16 +29,14 @@ from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
 from services.presence_read import presence_now
+from tests.fleet.keyed import FLEET_API_KEY, with_key
+from tests.fleet.model_store import FleetModelStore, write_registry
 from tests.fleet.network import Host, Network
 from tests.fleet.postgres_ha import PostgresHA
 from tests.fleet.probes import gateway_up
 from tests.helpers import env_of
 
 NATS_PORT, ROUTE_PORT, GATEWAY_PORT = 4222, 6222, 50051
-# The fleet's gateways listen on addresses other hosts reach, so they are closed as
-# an operator's would be: an admin key of DARKROOM_API_KEYS, which every client
-# call here presents.
-FLEET_API_KEY = "fleet-admin-key"
 # Failures noticed in seconds (as the fault suite's stacks), and calls that give
 # up on a silent peer rather than wait for TCP's own minutes.
 FLEET_SETTINGS: dict[str, object] = {
@@ -97,6 +93,11 @@ class Fleet:
         self.pg_monitor, *self.pg_nodes = add("pgmon"), add("pg1"), add("pg2")
         self.control = [add("ctl1"), add("ctl2")]
         self.gpus = [add("gpu1"), add("gpu2")]
+        # After the first hosts, so that their addresses stay as they were: the model
+        # store, and GPU hosts the store scenarios start (their NATS users declared now).
+        self.model_store = FleetModelStore(add("store"), self.root)
+        self.spare_gpus = [add(f"gpu{i}") for i in (3, 4, 5, 6)]
+        self.registry = write_registry(self.root / "registry.toml")
         self.logs = self.root / "logs"
         self.operator = self.root / "operator"  # the CA and every password: the operator's, on no host
         self.ca.save(self.operator)
@@ -123,7 +124,7 @@ class Fleet:
         return f"{gpu.name}-cpu0"  # darkroom supervise: the host's name and the device
 
     def nats_users(self) -> list[str]:
-        return [*CONTROL_USERS, *(sampler_user(self.worker_id(g)) for g in self.gpus)]
+        return [*CONTROL_USERS, *(sampler_user(self.worker_id(g)) for g in [*self.gpus, *self.spare_gpus])]
 
     def mesh_dir(self, host: Host | None, roles: list[str], nats_users: list[str]) -> Path:
         """The host's own secrets (None: the test process's, the operator's client):
@@ -153,7 +154,8 @@ class Fleet:
                 database_url=self.postgres.database_url(mesh / "pgpass", mesh / "ca.pem"),
                 nats_url=self.nats_url,
                 mesh_dir=mesh,
-                **{**FLEET_SETTINGS, **settings},
+                model_registry=self.registry,
+                **{**FLEET_SETTINGS, **self.model_store.settings(), **settings},
             ),
         }
 
@@ -166,6 +168,7 @@ class Fleet:
     # Starting
 
     def start(self) -> None:
+        self.model_store.spawn(self.logs)
         self.postgres.start()
         self._start_nats()
         self._migrate()
@@ -177,13 +180,24 @@ class Fleet:
             )
             self._add(host, "gateway", [*cli, "gateway"], env)
             self._add(host, "scheduler", [*cli, "scheduler"], self.service_env(host, mesh, scheduler_host=host.address))
+        self.model_store.wait_serving()
         for host in self.gpus:
-            user = sampler_user(self.worker_id(host))
-            mesh = self.mesh_dir(host, ["sampler", "decoder"], [user, DECODER_USER])
-            env = self.service_env(host, mesh, sampler_host=host.address, decoder_host=host.address)
-            args = [sys.executable, "-m", "services.ops.cli", "supervise", "--cpu-workers", "1", "--decoders", "1"]
-            self._add(host, "supervise", args, env)
+            self.start_gpu(host)
         self.wait_ready()
+
+    def start_gpu(self, host: Host, *, decoders: int = 1, **settings: object) -> Service:
+        """``darkroom supervise`` on the GPU host: a CPU sampler and ``decoders``."""
+        user = sampler_user(self.worker_id(host))
+        mesh = self.mesh_dir(host, ["sampler", "decoder"], [user, DECODER_USER])
+        env = self.service_env(host, mesh, sampler_host=host.address, decoder_host=host.address, **settings)
+        args = ["supervise", "--cpu-workers", "1", "--decoders", str(decoders)]
+        return self._add(host, "supervise", [sys.executable, "-m", "services.ops.cli", *args], env)
+
+    def stop_gpu(self, host: Host) -> None:
+        """Stops (drains) the host's supervise; the fleet no longer watches it."""
+        service = self.services.pop(f"{host.name}/supervise", None)
+        if service is not None:
+            service.stop()
 
     def _start_nats(self) -> None:
         for host in self.nats:
@@ -275,33 +289,3 @@ class Fleet:
     def stop(self) -> None:
         for service in reversed(list(self.services.values())):
             service.stop()
-
-
-class _CallDetails(NamedTuple):
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: Any
-    wait_for_ready: bool | None
-    compression: Any
-
-
-class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    """Every call with ``authorization: Bearer FLEET_API_KEY``."""
-
-    def _keyed(self, details: Any) -> _CallDetails:
-        metadata = [*(details.metadata or ()), ("authorization", f"Bearer {FLEET_API_KEY}")]
-        return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
-        )
-
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        return continuation(self._keyed(details), request)
-
-    def intercept_unary_stream(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        return continuation(self._keyed(details), request)
-
-
-def with_key(channel: grpc.Channel) -> grpc.Channel:
-    """``channel``, each call presenting the fleet's key."""
-    return grpc.intercept_channel(channel, _Bearer())

@@ -1,0 +1,277 @@
+"""The fleet's model store: a host of its own running a real S3 server (seaweedfs's
+``weed mini``), the registry every service reads (the shipped models and a
+``store:`` one), and what the store scenarios read as an operator would: the
+store's sent-bytes counter, the manifest pushed, and each GPU host's cache."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.db.states import WorkerStatus
+from services.errors import BusError
+from services.models import registry
+from services.models.store.manifest import Manifest
+from services.ops.model_store import store_sent_bytes, weed_binary
+from tests.fleet.network import Host
+from tests.helpers import env_of
+
+if TYPE_CHECKING:
+    from tests.fleet.fleet import Fleet
+
+BUCKET = "darkroom-models"
+ACCESS_KEY, SECRET_KEY = "fleet-store", "fleet-store-secret"
+# The model the store scenarios push: the shipped tiny one and a padding file of
+# seeded random bytes, so that a transfer is long enough to measure and to cut.
+STORE_MODEL = "tiny-store"
+PADDING_BYTES = 64 * 1024 * 1024
+# Every port named (in a namespace of its own fixed ones are free): each of weed's
+# servers also binds a gRPC port, by default its port + 10000.
+WEED_PORTS = {
+    "master.port": 9333,
+    "master.port.grpc": 19333,
+    "volume.port": 8080,
+    "volume.port.grpc": 18080,
+    "filer.port": 8888,
+    "filer.port.grpc": 18888,
+    "s3.port": 8333,
+    "s3.port.grpc": 18333,
+    "admin.port": 23646,
+    "admin.port.grpc": 33646,
+    "s3.port.iceberg": 0,
+    "s3.port.lance": 0,
+    "metricsPort": 9327,
+}
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def write_registry(path: Path) -> Path:
+    """The shipped registry and ``tiny-store``: the tiny model's entry, its weights
+    from the store (the latest version pushed)."""
+    shipped = Path(registry.__file__).with_name("default_registry.toml")
+    tiny = tomllib.loads(shipped.read_text())["models"]["tiny"]
+    table = {k: v for k, v in tiny.items() if k not in ("source", "default")}
+    lines = [f"[models.{STORE_MODEL}]", f'source = "store:{STORE_MODEL}"']
+    lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(shipped.read_text() + "\n" + "\n".join(lines) + "\n")
+    return path
+
+
+class FleetModelStore:
+    """``weed mini`` on ``host``: S3 at ``url``, its bucket made, writes signed."""
+
+    def __init__(self, host: Host, root: Path) -> None:
+        self.host = host
+        self.data = root / "hosts" / host.name / "weed"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pushed: Pushed | None = None  # the store model, once the operator pushed it
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host.address}:{WEED_PORTS['s3.port']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host.address}:{WEED_PORTS['metricsPort']}/metrics"
+
+    def settings(self) -> dict[str, object]:
+        """The settings that point a service (or the operator's CLI) at it."""
+        return {
+            "model_store_url": self.url,
+            "model_store_bucket": BUCKET,
+            "model_store_access_key": ACCESS_KEY,
+            "model_store_secret_key": SECRET_KEY,
+        }
+
+    def spawn(self, logs: Path) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        address = self.host.address
+        args = [
+            weed_binary(), "mini", f"-dir={self.data}", f"-ip={address}", f"-ip.bind={address}",
+            f"-bucket={BUCKET}", "-webdav=false", "-master.telemetry=false",
+            f"-filer.localSocket={self.data / 'filer.sock'}", f"-s3.localSocket={self.data / 's3.sock'}",
+            *(f"-{flag}={port}" for flag, port in WEED_PORTS.items()),
+        ]  # fmt: skip
+        # Its S3 identity: without it writes are refused and the bucket is not made.
+        env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+        self.proc = self.host.spawn(args, env=env, log=logs / f"{self.host.name}-weed.log")
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        """Until S3 answers for the bucket (an unsigned HEAD: 403 once it exists)."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"weed mini on {self.host.name} exited {self.proc.returncode}")
+            try:
+                urllib.request.urlopen(urllib.request.Request(f"{self.url}/{BUCKET}", method="HEAD"), timeout=1)
+                return
+            except urllib.error.HTTPError as exc:
+                if exc.code in (401, 403):
+                    return
+                last = f"HTTP {exc.code}"
+            except OSError as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise TimeoutError(f"the fleet's model store at {self.url} not serving after {timeout}s: {last}")
+
+    def sent_bytes(self) -> int:
+        """What its S3 server has sent for the bucket (its Prometheus counter)."""
+        return store_sent_bytes(self.metrics_url, BUCKET)
+
+    def cli(self, *args: str, env: dict[str, str]) -> str:
+        """``darkroom models ARGS`` from the test process, the operator's machine."""
+        done = subprocess.run(
+            [sys.executable, "-m", "services.ops.cli", "models", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"darkroom models {' '.join(args)} exited {done.returncode}: {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def manifest(self, name: str, version: str) -> tuple[Manifest, int]:
+        """The version's manifest as the store holds it, and its size in bytes."""
+        from services.config.model_store import ModelStoreSettings
+        from services.models.store.objects import ObjectStore
+
+        store = ObjectStore.from_settings(ModelStoreSettings(**self.settings()))  # type: ignore[arg-type]
+        manifest = store.read_manifest(name, version)
+        return manifest, len(manifest.to_json())
+
+
+def padded_model(tiny: Path, into: Path, seed: int = 34) -> Path:
+    """A copy of the tiny model's directory with ``padding.bin`` (seeded random bytes)."""
+    if into.exists():
+        shutil.rmtree(into)
+    shutil.copytree(tiny, into, symlinks=False)
+    with open(into / "padding.bin", "wb") as out:
+        rng = random.Random(seed)
+        for _ in range(PADDING_BYTES // (1 << 20)):
+            out.write(rng.randbytes(1 << 20))
+    return into
+
+
+def cache_dir(root: Path, host: Host) -> Path:
+    """The host's model cache (DARKROOM_MODEL_CACHE_DIR's default: DATA_DIR/model-cache)."""
+    return root / "hosts" / host.name / "data" / "model-cache"
+
+
+def cached_digests(root: Path, host: Host, name: str, version: str) -> dict[str, str]:
+    """Each file of the version's directory in the host's cache, by path, and the
+    SHA-256 of its bytes as they lie there."""
+    model = cache_dir(root, host) / "models" / name / version
+    found = {}
+    for directory, _subdirs, names in os.walk(model):
+        for file in names:
+            path = Path(directory) / file
+            if file.startswith("."):
+                continue  # the cache's own markers (.held, .used)
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    digest.update(chunk)
+            found[path.relative_to(model).as_posix()] = digest.hexdigest()
+    return found
+
+
+def manifest_digests(manifest: Manifest) -> dict[str, str]:
+    return {f.path: f.digest for f in manifest.files}
+
+
+def partial_bytes(root: Path, host: Host) -> dict[str, int]:
+    """The blobs being fetched into the host's cache, and the bytes each has so far."""
+    partial = cache_dir(root, host) / "partial"
+    try:
+        return {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
+    except FileNotFoundError:
+        return {}
+
+
+# The store scenarios' GPU hosts: the store model pinned (loaded before the host
+# reports ready), decoded by the sampler itself (no decoder service asks the store
+# for the model's VAE elsewhere), and the sampler's metrics where the test reads them.
+SAMPLER_METRICS_PORT = 9100
+
+
+def start_store_gpu(fleet: Fleet, host: Host) -> None:
+    fleet.start_gpu(
+        host,
+        decoders=0,
+        preload_models=(STORE_MODEL,),
+        decode_locally=True,
+        metrics_port=SAMPLER_METRICS_PORT,
+        metrics_host=host.address,
+    )
+
+
+def holding(fleet: Fleet, model: str) -> set[str]:
+    """The live, ready workers that presence says hold ``model`` loaded."""
+    try:
+        heard = fleet.workers_heard()
+    except BusError:
+        return set()
+    return {w.id for w in heard if w.live and w.status == WorkerStatus.READY and model in w.warm_models}
+
+
+_FETCHED = re.compile(r'^darkroom_model_cache_fetched_bytes_total\{source="(\w+)"\}\s+(\S+)$', re.M)
+
+
+def fetched_bytes(host: Host) -> dict[str, int]:
+    """The bytes the host's sampler fetched into its cache, by source (peer, store)."""
+    url = f"http://{host.address}:{SAMPLER_METRICS_PORT}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {source: int(float(value)) for source, value in _FETCHED.findall(text)}
+
+
+@dataclass(frozen=True)
+class Pushed:
+    manifest: Manifest
+    manifest_bytes: int  # what a host reads to resolve it: the manifest and the latest version's name
+
+    @property
+    def blob_bytes(self) -> int:
+        return sum(self.manifest.blobs().values())
+
+    @property
+    def padding_digest(self) -> str:
+        return next(f.digest for f in self.manifest.files if f.path == "padding.bin")
+
+
+def push_store_model(fleet: Fleet, tiny: Path) -> Pushed:
+    """The operator pushes the padded tiny model with ``darkroom models push`` (once a fleet)."""
+    store = fleet.model_store
+    if store.pushed is None:
+        model = padded_model(tiny, fleet.operator / STORE_MODEL)
+        env = {**os.environ, **env_of(data_dir=fleet.operator / "data", **store.settings())}
+        version = store.cli("push", str(model), STORE_MODEL, env=env).strip().splitlines()[-1]
+        manifest, size = store.manifest(STORE_MODEL, version)
+        store.pushed = Pushed(manifest, size + len(version))
+    return store.pushed
