@@ -318,6 +318,11 @@ def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, An
     builtin = BUILTINS.get(spec.source)
     if builtin is not None:
         return str(ensure_builtin(builtin, models_dir / spec.name)), {"local_files_only": True}
+    stored = store_reference(spec)
+    if stored is not None:
+        from services.models.host_cache import loading  # the store's client is loaded only where used
+
+        return str(loading.model_dir(spec.name, *stored)), {"local_files_only": True}
     local = Path(spec.source).expanduser()
     if local.is_dir():
         return str(local), {"local_files_only": True}
