@@ -106,6 +106,12 @@ class EmbeddedModelStore(ManagedProcess):
         log.close()
         self._wait_until_serving(timeout)
 
+    def stop(self, timeout: float = 5.0) -> None:
+        # weed mini's volume server can take 15 s to stop once it served traffic; by
+        # then S3 and the filer (the metadata) have stopped, and the volume's files
+        # hold every acknowledged write, so a kill after a short grace loses nothing.
+        super().stop(timeout)
+
     def _wait_until_serving(self, timeout: float) -> None:
         """Until S3 answers for the bucket (the port listens a little before the
         bucket exists): any HTTP answer to a HEAD of it but 404 or a 5xx."""

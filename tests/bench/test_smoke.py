@@ -46,6 +46,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
     "expansion": ("| expander | model | load s |",),
     "image_filter": ("| model | size | device | decoder ms/image, filter off |",),
+    "model_store": ("| source | blobs | GB | streams | range MB |",),
 }
 
 
