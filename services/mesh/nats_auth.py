@@ -2,7 +2,8 @@
 and a user per service with the subjects it may use. A sampler's user is its
 own (``sampler-WORKER_ID``): it may consume only its own dispatch subject, read
 replies only on its own inbox, and publish only job events, and never the
-dispatch stream, another worker's consumer or the stream's messages.
+dispatch stream, another worker's consumer or the stream's messages. It may also
+take the model store's origin leases (a bucket of their own).
 
 Each user publishes job events under its own name only
 (``darkroom.job.<job id>.<user>``): a gateway that hears one knows who published
@@ -25,6 +26,8 @@ from services.bus.presence_board import SUBJECT_PREFIX as PRESENCE_PREFIX
 from services.db.states import WorkerKind
 from services.mesh.pki import CertPaths
 from services.mesh.secrets import nats_password_path, password, read_nats_password
+from services.models.host_cache.origin import STREAM as ORIGIN_STREAM
+from services.models.host_cache.origin import SUBJECT_PREFIX as ORIGIN_PREFIX
 
 SAMPLER_USER_PREFIX = SAMPLER_PUBLISHER_PREFIX  # a sampler publishes under its user's name
 # The decoders' one user: they publish their heartbeats and nothing else.
@@ -32,6 +35,21 @@ DECODER_USER = "decoder"
 # The users a sealed NATS has before its samplers are known.
 CONTROL_USERS = ("scheduler", "gateway", "operator", DECODER_USER)
 _PRESENCE_API = f"$JS.API.%s.{PRESENCE_STREAM}"
+# The model store's origin leases (``services.models.host_cache.origin``): a bucket of
+# its own, which any sampler may make and whose keys (one per blob) any may take.
+_ORIGIN_API = f"$JS.API.%s.{ORIGIN_STREAM}"
+
+
+def _origin_leases() -> list[str]:
+    """Binding to the bucket (made by the first sampler), taking, refreshing, marking
+    and deleting a lease (publishes on its key), and reading one (direct or not)."""
+    return [
+        _ORIGIN_API % "STREAM.INFO",
+        _ORIGIN_API % "STREAM.CREATE",
+        f"{ORIGIN_PREFIX}.origin.*",
+        f"{_ORIGIN_API % 'DIRECT.GET'}.>",
+        _ORIGIN_API % "STREAM.MSG.GET",
+    ]
 
 
 def _presence_watch() -> list[str]:
@@ -101,6 +119,7 @@ def permissions(user: str) -> dict[str, dict[str, list[str]]]:
                     f"{_PRESENCE_API % 'DIRECT.GET'}.{PRESENCE_PREFIX}.{plan_key(worker_id)}",
                     _PRESENCE_API % "STREAM.MSG.GET",
                     *_presence_watch(),
+                    *_origin_leases(),
                 ]
             },
             "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
