@@ -1,6 +1,7 @@
 """The sampler's own part of its heartbeat (``services.presence.Heartbeat`` sends
 it with its card's telemetry): its jobs in flight, the models it holds, measured
-as they loaded, and how busy denoising keeps it."""
+as they loaded, how busy denoising keeps it, and (where there is a model store)
+the blobs in its host's cache, which other hosts may fetch from it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.metrics import WORKER_INFLIGHT
+from gpu_worker.model_store import CachedBlobs
 from gpu_worker.tracker import JobTracker
 
 
@@ -17,10 +19,14 @@ class SamplerLoad:
     worker_id: str
     engine: SamplerEngine
     tracker: JobTracker
+    cache: CachedBlobs | None = None
 
     def __call__(self) -> dict[str, Any]:
         inflight = len(self.tracker.running())
         WORKER_INFLIGHT.labels(worker=self.worker_id).set(inflight)
         # Measured, for the scheduler's costs: bytes and load seconds per model; and
         # whether its GPU waits for the host (``gpu_worker.busy``).
-        return {"inflight": inflight, "models": self.engine.footprints(), **self.engine.busy.reading().telemetry()}
+        own = {"inflight": inflight, "models": self.engine.footprints(), **self.engine.busy.reading().telemetry()}
+        if self.cache is not None:
+            own.update(self.cache.telemetry())  # ``model_cache``: what peers may ask this host for
+        return own

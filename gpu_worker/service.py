@@ -24,7 +24,9 @@ from gpu_worker.engine import SamplerEngine
 from gpu_worker.heartbeat import SamplerLoad
 from gpu_worker.job_store import JobStore
 from gpu_worker.local_decode import LocalDecoder
+from gpu_worker.model_store import SamplerModelStore
 from gpu_worker.plan_follower import follow_plan
+from gpu_worker.prefetch import Prefetcher
 from gpu_worker.runner import JobRunner
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
@@ -38,6 +40,7 @@ from services.db.states import WorkerKind, WorkerStatus
 from services.mesh.nats_auth import NatsCredentials, sampler_user
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
+from services.models.host_cache import peers
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
@@ -90,15 +93,25 @@ class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
 
 
 # Who may call a sampler, where the mesh is sealed: the scheduler suspends, the
-# gateway cancels.
-SAMPLER_CALLERS = {"darkroom.internal.v1.Sampler": frozenset({"scheduler", "gateway"})}
+# gateway cancels, other hosts' samplers read the blobs of its host's model cache.
+SAMPLER_CALLERS = {"darkroom.internal.v1.Sampler": frozenset({"scheduler", "gateway"}), **peers.BLOB_CACHE_CALLERS}
 
 
-def create_server(settings: SamplerSettings, tracker: JobTracker, mesh: MeshIdentity | None = None) -> Server:
-    """The Sampler gRPC server (not started); port 0 picks a free port."""
+def create_server(
+    settings: SamplerSettings,
+    tracker: JobTracker,
+    mesh: MeshIdentity | None = None,
+    model_store: SamplerModelStore | None = None,
+) -> Server:
+    """The Sampler gRPC server (not started); port 0 picks a free port. With a
+    model store, it serves its host cache's blobs to peers too."""
     servicer = SamplerServicer(tracker)
+    blobs = [peers.add_to_server(model_store.cache.layout)] if model_store is not None else []
     return build_server(
-        [(lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s), "darkroom.internal.v1.Sampler")],
+        [
+            (lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s), "darkroom.internal.v1.Sampler"),
+            *blobs,
+        ],
         settings.host,
         settings.port,
         mesh=mesh,
@@ -165,7 +178,8 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     )
     tracker = JobTracker()
     mesh = MeshIdentity.of(kernel.mesh_dir, "sampler")
-    server = create_server(settings, tracker, mesh)
+    model_store = SamplerModelStore.of(kernel, mesh)  # None without a store: nothing changes
+    server = create_server(settings, tracker, mesh, model_store)
     local = None
     if settings.local_decode_fallback or settings.decode_locally:
         local = LocalDecoder(
@@ -191,7 +205,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     )
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
-    load = SamplerLoad(worker_id, engine, tracker)
+    load = SamplerLoad(worker_id, engine, tracker, model_store.announced if model_store is not None else None)
     heartbeat = Heartbeat(WorkerKind.SAMPLER, worker_id, address, engine, telemetry, kernel.restarts, load)
     # In a sealed mesh only the scheduler may create the bucket; a sampler waits for it.
     board = BoardOnConnection(lambda: events.nc, replicas=kernel.nats_replicas, create=credentials is None)
@@ -216,20 +230,36 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         GrpcServer(server, grace_s=kernel.shutdown_grace_s),
         Registered(presence),
     ]
+    if model_store is not None:
+        parts.insert(4, Closing("peer channels", model_store.close))
 
     async def work() -> int:
         log.info("sampler %s on %s listening on %s", worker_id, device, address)
-        watching = asyncio.create_task(follow(decoder_presence, nats.bus.nc, board, stop))
+        watching = [asyncio.create_task(follow(decoder_presence, nats.bus.nc, board, stop))]
+        prefetch = Prefetcher(registry, None)
+        if model_store is not None:
+            watching.append(asyncio.create_task(model_store.follow(nats.bus.nc, board, stop)))
+            # Before any load (the preloads among them): store models resolve through it.
+            await model_store.install(nats.bus.nc.jetstream())
+            prefetch = Prefetcher(registry, model_store.cache.resolve)
         try:
-            return await _work(settings, kernel.shutdown_grace_s, stop, nats.bus, presence, runner)
+            return await _work(settings, kernel.shutdown_grace_s, stop, nats.bus, presence, runner, prefetch)
         finally:
-            watching.cancel()
+            for task in watching:
+                task.cancel()
+            await prefetch.close()
 
     return await host(parts, work, stop)
 
 
 async def _work(
-    settings: SamplerSettings, grace_s: float, stop: asyncio.Event, bus: Bus, presence: Presence, runner: JobRunner
+    settings: SamplerSettings,
+    grace_s: float,
+    stop: asyncio.Event,
+    bus: Bus,
+    presence: Presence,
+    runner: JobRunner,
+    prefetch: Prefetcher,
 ) -> int:
     """Warms up and runs jobs until stopped (a drain) or unfit; the exit code."""
     engine = runner.engine
@@ -239,7 +269,7 @@ async def _work(
         runner,
         ConsumerSettings(settings.dispatch_ack_wait_s, settings.dispatch_max_ack_pending),
         registry=engine.registry,
-        on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up),
+        on_idle=lambda: follow_plan(presence.plan, engine, on_drop=runner.forget_warm_up, prefetch=prefetch),
         batch_wait_s=settings.batch_wait_ms / 1000.0,
         max_in_hand=settings.dispatch_max_ack_pending,
         busy=engine.busy,
