@@ -30,15 +30,14 @@ class ModelStoreSettings(Section):
     )
     model_cache_gb: float = setting(
         200.0,
-        "The most the cache holds, in GB; past it the least recently used models that no sampler holds are "
-        "evicted.",
+        "The most the cache holds, in GB; past it the least recently used models that no sampler holds are evicted.",
         at_least=0.001,
     )
     model_fetch_streams: int = setting(
-        8, "Ranged reads in flight at once while a blob is fetched from the store.", at_least=1, at_most=256
+        8, "Ranged reads in flight at once while a blob is fetched from the store or a peer.", at_least=1, at_most=256
     )
     model_fetch_range_mb: int = setting(
-        16, "The size of each ranged read from the store, in MB.", at_least=1, at_most=1024
+        16, "The size of each ranged read from the store or a peer, in MB.", at_least=1, at_most=1024
     )
     model_peers: bool = setting(
         True,

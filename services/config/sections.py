@@ -135,8 +135,10 @@ class KernelSettings(Section):
     @property
     def model_cache_dir(self) -> Path:
         """The host's cache of ``store:`` models."""
-        return Path(self.model_store.model_cache_dir).expanduser() if self.model_store.model_cache_dir else (
-            self.data_dir / "model-cache"
+        return (
+            Path(self.model_store.model_cache_dir).expanduser()
+            if self.model_store.model_cache_dir
+            else (self.data_dir / "model-cache")
         )
 
     @property

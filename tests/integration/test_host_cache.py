@@ -5,6 +5,7 @@ refetched and never kept, peers before the store, a peer cut mid-transfer."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing
 import os
 import uuid
@@ -178,20 +179,22 @@ async def test_a_peer_sending_wrong_bytes_is_discarded_and_the_store_gives_them(
 
 
 class CuttingServicer(BlobCacheServicer):
-    """Host A's real servicer, whose server is stopped after two chunks of a blob."""
+    """Host A's real servicer, whose server is stopped after two chunks of the big
+    blob (read as one range or several)."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, big: str) -> None:
         super().__init__(layout)
+        self.big = big
         self.server: Any = None
+        self.sent = 0
 
     async def ReadBlob(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        sent = 0
         async for chunk in super().ReadBlob(request, context):
-            yield chunk
-            sent += 1
-            if sent == 2:
+            if request.digest == self.big and self.sent == 2:  # the third is never sent
                 asyncio.get_running_loop().create_task(self.server.grpc.stop(0))
                 await asyncio.sleep(30)
+            self.sent += request.digest == self.big
+            yield chunk
 
 
 async def test_a_peer_cut_mid_transfer_is_finished_from_the_store(model_store: Any, tmp_path: Path) -> None:
@@ -199,7 +202,8 @@ async def test_a_peer_cut_mid_transfer_is_finished_from_the_store(model_store: A
     name, files = pushed(store, tmp_path)
     layout_a = Layout(tmp_path / "host-a")
     await cache_of(layout_a.root, store).resolve(name, "1")
-    servicer = CuttingServicer(layout_a)
+    big_digest = hashlib.sha256(files["unet/diffusion_pytorch_model.safetensors"]).hexdigest()
+    servicer = CuttingServicer(layout_a, big_digest)
     registration = (lambda s: sampler_pb2_grpc.add_BlobCacheServicer_to_server(servicer, s), "BlobCache")
     servicer.server = server = build_server([registration], "127.0.0.1", 0)
     await server.grpc.start()

@@ -63,7 +63,11 @@ class FleetSources:
     def for_channels(cls, store: Any, channels: Channels, **kwargs: Any) -> FleetSources:
         from services.models.host_cache.peers import PeerSource
 
-        return cls(store, peer_source=lambda address: PeerSource(address, channels), **kwargs)
+        # Peers are read as the store is: as many ranges at once, of the same size.
+        def peer_source(address: str) -> PeerSource:
+            return PeerSource(address, channels, streams=store.fetch_streams, range_bytes=store.fetch_range_bytes)
+
+        return cls(store, peer_source=peer_source, **kwargs)
 
     async def __call__(self, digest: str, size: int) -> AsyncIterator[BlobSource]:
         tried: set[str] = set()

@@ -27,6 +27,11 @@ from services.rpc.server import Channels
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 2**20
+# A fetch from a peer reads ranges of a blob on several streams at once: one
+# stream's TLS and protobuf work leave a peer's link and cores idle (here, with
+# mutual TLS on loopback: 97 MB/s on one stream, 220 MB/s on eight).
+PEER_STREAMS = 8
+PEER_RANGE_BYTES = 16 * 2**20
 # A peer that sends nothing for this long is given up (the fetch resumes elsewhere).
 PEER_IDLE_S = 10.0
 SERVICE = "darkroom.internal.v1.BlobCache"
@@ -54,8 +59,9 @@ class BlobCacheServicer(sampler_pb2_grpc.BlobCacheServicer):
             if request.offset > size:
                 await context.abort(grpc.StatusCode.OUT_OF_RANGE, f"offset {request.offset} is past {size}")
             position = request.offset
-            while position < size:
-                data = await asyncio.to_thread(os.pread, fd, CHUNK_BYTES, position)
+            end = min(size, request.offset + request.length) if request.length else size
+            while position < end:
+                data = await asyncio.to_thread(os.pread, fd, min(CHUNK_BYTES, end - position), position)
                 if not data:
                     break
                 position += len(data)
@@ -72,38 +78,77 @@ def add_to_server(layout: Layout) -> tuple[Callable[[grpc.aio.Server], None], st
 
 
 class PeerSource:
-    """One peer's cache, read in order from ``offset`` (its bytes are written as they come)."""
+    """One peer's cache, read as ranges on ``streams`` streams at once, each written
+    where it belongs. A failure cuts the file back to the bytes complete from the
+    start (a resumed fetch goes on from there)."""
 
     kind = "peer"
 
-    def __init__(self, address: str, channels: Channels, *, idle_s: float = PEER_IDLE_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        channels: Channels,
+        *,
+        idle_s: float = PEER_IDLE_S,
+        streams: int = PEER_STREAMS,
+        range_bytes: int = PEER_RANGE_BYTES,
+    ) -> None:
         self.address = address
         self.channels = channels
         self.idle_s = idle_s
+        self.streams = streams
+        self.range_bytes = range_bytes
 
     async def fetch(self, digest: str, size: int, dest_fd: int, offset: int) -> None:
         stub = sampler_pb2_grpc.BlobCacheStub(self.channels.to(self.address))
-        call = stub.ReadBlob(sampler_pb2.ReadBlobRequest(digest=digest, offset=offset))
-        position = offset
+        ranges = [(start, min(start + self.range_bytes, size)) for start in range(offset, size, self.range_bytes)]
+        todo = iter(ranges)
+        done: set[int] = set()
+
+        async def stream() -> None:
+            for start, end in todo:
+                await self._read_range(stub, digest, start, end, dest_fd)
+                done.add(start)
+
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the rest
+                for _ in range(min(self.streams, len(ranges))):
+                    group.create_task(stream())
+        except BaseException as exc:
+            complete = offset
+            for start, end in ranges:
+                if start not in done:
+                    break
+                complete = end
+            os.ftruncate(dest_fd, complete)
+            if isinstance(exc, BaseExceptionGroup):
+                raise exc.exceptions[0] from None  # the first failure; the rest are of the same cause
+            raise
+
+    async def _read_range(
+        self, stub: sampler_pb2_grpc.BlobCacheStub, digest: str, start: int, end: int, dest_fd: int
+    ) -> None:
+        call = stub.ReadBlob(sampler_pb2.ReadBlobRequest(digest=digest, offset=start, length=end - start))
+        position = start
         try:
             stream = aiter(call)
-            while position < size:
+            while position < end:
                 try:
                     chunk = await asyncio.wait_for(anext(stream), self.idle_s)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
                     raise BlobSourceFailed(f"peer {self.address} sent nothing for {self.idle_s:.0f}s") from None
-                if position + len(chunk.data) > size:
-                    raise BlobSourceFailed(f"peer {self.address} sent more than the blob's {size} bytes")
+                if position + len(chunk.data) > end:
+                    raise BlobSourceFailed(f"peer {self.address} sent more than bytes {start}-{end} of the blob")
                 await asyncio.to_thread(_pwrite_all, dest_fd, chunk.data, position)
                 position += len(chunk.data)
         except grpc.aio.AioRpcError as exc:
             raise BlobSourceFailed(f"peer {self.address}: {exc.code().name}: {exc.details()}") from exc
         finally:
             call.cancel()
-        if position < size:
-            raise BlobSourceFailed(f"peer {self.address} ended the blob at {position} of {size} bytes")
+        if position < end:
+            raise BlobSourceFailed(f"peer {self.address} ended bytes {start}-{end} of the blob at {position}")
 
 
 def _pwrite_all(fd: int, data: bytes, position: int) -> None:

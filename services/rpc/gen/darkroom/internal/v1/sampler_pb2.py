@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"darkroom/internal/v1/sampler.proto\x12\x14\x64\x61rkroom.internal.v1\"&\n\x14SamplerCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x15SamplerCancelResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"H\n\x15SamplerSuspendRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"-\n\x16SamplerSuspendResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"1\n\x0fReadBlobRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"\x19\n\tBlobChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xd8\x01\n\x07Sampler\x12\x64\n\tCancelJob\x12*.darkroom.internal.v1.SamplerCancelRequest\x1a+.darkroom.internal.v1.SamplerCancelResponse\x12g\n\nSuspendJob\x12+.darkroom.internal.v1.SamplerSuspendRequest\x1a,.darkroom.internal.v1.SamplerSuspendResponse2a\n\tBlobCache\x12T\n\x08ReadBlob\x12%.darkroom.internal.v1.ReadBlobRequest\x1a\x1f.darkroom.internal.v1.BlobChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"darkroom/internal/v1/sampler.proto\x12\x14\x64\x61rkroom.internal.v1\"&\n\x14SamplerCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x15SamplerCancelResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"H\n\x15SamplerSuspendRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"-\n\x16SamplerSuspendResponse\x12\x13\n\x0bwas_running\x18\x01 \x01(\x08\"A\n\x0fReadBlobRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"\x19\n\tBlobChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x32\xd8\x01\n\x07Sampler\x12\x64\n\tCancelJob\x12*.darkroom.internal.v1.SamplerCancelRequest\x1a+.darkroom.internal.v1.SamplerCancelResponse\x12g\n\nSuspendJob\x12+.darkroom.internal.v1.SamplerSuspendRequest\x1a,.darkroom.internal.v1.SamplerSuspendResponse2a\n\tBlobCache\x12T\n\x08ReadBlob\x12%.darkroom.internal.v1.ReadBlobRequest\x1a\x1f.darkroom.internal.v1.BlobChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLERSUSPENDRESPONSE']._serialized_start=220
   _globals['_SAMPLERSUSPENDRESPONSE']._serialized_end=265
   _globals['_READBLOBREQUEST']._serialized_start=267
-  _globals['_READBLOBREQUEST']._serialized_end=316
-  _globals['_BLOBCHUNK']._serialized_start=318
-  _globals['_BLOBCHUNK']._serialized_end=343
-  _globals['_SAMPLER']._serialized_start=346
-  _globals['_SAMPLER']._serialized_end=562
-  _globals['_BLOBCACHE']._serialized_start=564
-  _globals['_BLOBCACHE']._serialized_end=661
+  _globals['_READBLOBREQUEST']._serialized_end=332
+  _globals['_BLOBCHUNK']._serialized_start=334
+  _globals['_BLOBCHUNK']._serialized_end=359
+  _globals['_SAMPLER']._serialized_start=362
+  _globals['_SAMPLER']._serialized_end=578
+  _globals['_BLOBCACHE']._serialized_start=580
+  _globals['_BLOBCACHE']._serialized_end=677
 # @@protoc_insertion_point(module_scope)

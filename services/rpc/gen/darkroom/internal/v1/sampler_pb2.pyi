@@ -33,12 +33,14 @@ class SamplerSuspendResponse(_message.Message):
     def __init__(self, was_running: _Optional[bool] = ...) -> None: ...
 
 class ReadBlobRequest(_message.Message):
-    __slots__ = ("digest", "offset")
+    __slots__ = ("digest", "offset", "length")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
     digest: str
     offset: int
-    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    length: int
+    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class BlobChunk(_message.Message):
     __slots__ = ("data",)
