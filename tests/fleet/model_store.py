@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from services.db.states import WorkerStatus
 from services.errors import BusError
 from services.models import registry
+from services.models.host_cache.peers import CacheAnnouncement
 from services.models.store.manifest import Manifest
 from services.ops.model_store import store_sent_bytes, weed_binary
 from tests.fleet.network import Host
@@ -240,6 +241,29 @@ def holding(fleet: Fleet, model: str) -> set[str]:
     return {w.id for w in heard if w.live and w.status == WorkerStatus.READY and model in w.warm_models}
 
 
+def announcing(fleet: Fleet, digest: str) -> list[Host]:
+    """The hosts whose live samplers announce ``digest`` in their cache (presence)."""
+    by_address = {h.address: h for h in fleet.network}
+    found: dict[str, Host] = {}
+    for worker in fleet.workers_heard():
+        announced = CacheAnnouncement.of(worker)
+        if worker.live and announced is not None and digest in announced.blobs:
+            host = by_address[worker.address.rsplit(":", 1)[0]]
+            found[host.name] = host
+    return [found[name] for name in sorted(found)]
+
+
+def sending_to(hosts: list[Host], to: Host) -> Host | None:
+    """Which of ``hosts`` is sending to ``to`` now, as ``ss`` on each shows it: the
+    one whose connections to it hold the most bytes not yet acknowledged."""
+    unacked = {}
+    for host in hosts:
+        lines = host.run(["ss", "-tnH", "state", "established", "dst", to.address]).splitlines()
+        unacked[host.name] = sum(int(line.split()[1]) for line in lines if line.strip())
+    busiest = max(unacked, key=lambda name: unacked[name], default=None)
+    return next(h for h in hosts if h.name == busiest) if busiest and unacked[busiest] else None
+
+
 _FETCHED = re.compile(r'^darkroom_model_cache_fetched_bytes_total\{source="(\w+)"\}\s+(\S+)$', re.M)
 
 
@@ -275,3 +299,10 @@ def push_store_model(fleet: Fleet, tiny: Path) -> Pushed:
         manifest, size = store.manifest(STORE_MODEL, version)
         store.pushed = Pushed(manifest, size + len(version))
     return store.pushed
+
+
+def peer_bytes_kept(root: Path, host: Host, peer: Host) -> list[int]:
+    """What the host's sampler log says it kept of each transfer from ``peer`` it gave up."""
+    log = root / "hosts" / host.name / "data" / "logs" / "sampler-0.log"
+    pattern = re.compile(rf"peer {re.escape(peer.address)}:\d+ [^;]*; (\d+) of \d+ bytes kept")
+    return [int(n) for n in pattern.findall(log.read_text(errors="replace"))]
