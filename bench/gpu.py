@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from services.models import speed
-from services.models.registry import DEFAULT_REGISTRY, ModelFamily, ModelRegistry, ModelSpec, resolve_source
+from services.models.registry import DEFAULT_REGISTRY, ModelFamily, ModelRegistry, ModelSpec
+from services.models.sources import resolve_source
 
 
 @dataclass(frozen=True)

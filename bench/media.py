@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from services.models.registry import ModelRegistry, resolve_source
+from services.models.registry import ModelRegistry
+from services.models.sources import resolve_source
 
 
 @dataclass(frozen=True)

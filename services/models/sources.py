@@ -1,0 +1,30 @@
+"""Where ``from_pretrained`` finds a model of the registry: a builtin built into the
+models directory on first use, a version of the model store resolved in the
+host's cache, a local directory, or a hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from services.errors import ModelError
+from services.models.builtins import BUILTINS, ensure_builtin
+from services.models.registry import ModelSpec, store_reference
+
+
+def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` loads the model from, and how."""
+    builtin = BUILTINS.get(spec.source)
+    if builtin is not None:
+        return str(ensure_builtin(builtin, models_dir / spec.name)), {"local_files_only": True}
+    stored = store_reference(spec)
+    if stored is not None:
+        from services.models.host_cache import loading  # the store's client is loaded only where used
+
+        return str(loading.model_dir(spec.name, *stored)), {"local_files_only": True}
+    local = Path(spec.source).expanduser()
+    if local.is_dir():
+        return str(local), {"local_files_only": True}
+    if spec.source.startswith(("/", ".", "~")):
+        raise ModelError(f"model {spec.name!r}: directory {spec.source} does not exist")
+    return spec.source, {}
