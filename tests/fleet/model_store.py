@@ -299,10 +299,3 @@ def push_store_model(fleet: Fleet, tiny: Path) -> Pushed:
         manifest, size = store.manifest(STORE_MODEL, version)
         store.pushed = Pushed(manifest, size + len(version))
     return store.pushed
-
-
-def peer_bytes_kept(root: Path, host: Host, peer: Host) -> list[int]:
-    """What the host's sampler log says it kept of each transfer from ``peer`` it gave up."""
-    log = root / "hosts" / host.name / "data" / "logs" / "sampler-0.log"
-    pattern = re.compile(rf"peer {re.escape(peer.address)}:\d+ [^;]*; (\d+) of \d+ bytes kept")
-    return [int(n) for n in pattern.findall(log.read_text(errors="replace"))]

@@ -145,6 +145,16 @@ class Host:
             self.run(["iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
                       "--queue-num", "0", "--queue-bypass"])  # fmt: skip
 
+    def limit_rate(self, mbit: float) -> None:
+        """What this host sends held to ``mbit`` megabits a second by a token bucket
+        (``tc tbf``), every packet passing in order; 0: unlimited. Unlike a delay, a
+        bulk transfer keeps flowing, only slower (and its packets are not held by a
+        process of ours, which a flood of them stalls)."""
+        subprocess.run(self.command(["tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
+        if mbit:
+            self.run(["tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
+                      "rate", f"{mbit}mbit", "burst", "64kb", "latency", "500ms"])  # fmt: skip
+
     def _clear_impairment(self) -> None:
         if self.network.has_netem:
             subprocess.run(self.command(["tc", "qdisc", "del", "dev", "eth0", "root"]), capture_output=True)
