@@ -30,10 +30,12 @@ from tests.fleet.network import Host
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 PG_AUTOCTL = "/usr/bin/pg_autoctl"
 PORT = 5432
-# What psql says while a server is stopping or starting: the statement never ran.
+# What psql says while a server is stopping or starting: the statement never ran,
+# or was cut off as the server stopped (the statements sent again are idempotent).
 _RESTARTING = (
     "the database system is shutting down",
     "the database system is starting up",
+    "terminating connection due to administrator command",
     "Connection refused",
     "No such file or directory",  # its socket, while it is stopped
 )
@@ -133,7 +135,9 @@ class Node:
     def sql_once_up(self, statement: str, *, timeout: float = 60) -> str:
         """``sql``, waiting out a restart of the server: pg_autoctl restarts a new
         node's PostgreSQL as it applies its settings, and a statement sent meanwhile
-        meets "the database system is shutting down" (it never ran: it is sent again)."""
+        meets "the database system is shutting down" (it never ran: it is sent again),
+        or is cut off by the stop (it may have run: every statement sent so is
+        idempotent)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -239,7 +243,10 @@ class PostgresHA:
         node.autoctl("config", "set", "timeout.network_partition_timeout", str(NETWORK_PARTITION_S))
         if primary:
             node.sql_once_up(f"ALTER USER pgautofailover_replicator PASSWORD '{self._replication_password}'")
-            node.sql_once_up(f"CREATE ROLE {APP_USER} LOGIN PASSWORD '{self.app_password}'")
+            node.sql_once_up(
+                f"DO $$ BEGIN CREATE ROLE {APP_USER} LOGIN PASSWORD '{self.app_password}'; "
+                "EXCEPTION WHEN duplicate_object THEN NULL; END $$"
+            )
             node.sql_once_up(f"ALTER DATABASE {DATABASE} OWNER TO {APP_USER}")
             # pg_basebackup (as pg_autoctl 2.0 runs it) waits for a spread checkpoint,
             # paced at 0.1 s a dirty buffer: one now leaves it nearly none to write.
