@@ -1,7 +1,9 @@
 """Download throughput from the model store: a model pushed to a local seaweedfs
 (``weed mini`` on loopback), then every blob fetched with ``ObjectStore.read_blob``
 (concurrent ranged reads written at their offsets) into files, as a host's cache
-fetches them. Target: at least 500 MB/s.
+fetches them. Target: at least 500 MB/s. Then the same blobs from a peer: a host
+cache serving them over mutual TLS (``BlobCache.ReadBlob``), fetched as ranges on
+as many streams.
 
     python bench/model_store.py                        # builtin:sd15-random (built on first use, ~2-4 GB)
     python bench/model_store.py --synthetic-gb 2       # seeded random blobs instead of a model
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -64,6 +67,41 @@ async def fetch_all(store: ObjectStore, manifest: Manifest, into: Path) -> int:
             os.close(fd)
         fetched += size
     return fetched
+
+
+async def fetch_from_peer(manifest: Manifest, root: Path, into: Path, streams: int, range_bytes: int) -> float:
+    """Every blob of ``manifest`` served from a host cache holding ``root``'s files
+    (``BlobCache.ReadBlob`` over mutual TLS, as between two hosts' samplers) and
+    fetched into ``into`` by a ``PeerSource``; the seconds it took."""
+    from services.mesh.rpc import MeshIdentity
+    from services.mesh.secrets import ensure_certificates
+    from services.models.host_cache.layout import Layout
+    from services.models.host_cache.peers import BLOB_CACHE_CALLERS, PeerSource, add_to_server
+    from services.rpc.server import Channels, build_server
+
+    layout = Layout(into / "peer-cache")
+    layout.make()
+    for ref in manifest.files:
+        if not layout.blob(ref.digest).exists():
+            shutil.copyfile(root / ref.path, layout.blob(ref.digest))
+    ensure_certificates(into / "mesh", hosts=["127.0.0.1"], roles=("sampler",))
+    mesh = MeshIdentity(into / "mesh", "sampler")
+    server = build_server([add_to_server(layout)], "127.0.0.1", 0, mesh=mesh, roles=BLOB_CACHE_CALLERS)
+    await server.grpc.start()
+    channels = Channels(mesh)
+    try:
+        peer = PeerSource(f"127.0.0.1:{server.port}", channels, streams=streams, range_bytes=range_bytes)
+        started = time.perf_counter()
+        for digest, size in manifest.blobs().items():
+            fd = os.open(into / digest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                await peer.fetch(digest, size, fd, 0)
+            finally:
+                os.close(fd)
+        return time.perf_counter() - started
+    finally:
+        await channels.close()
+        await server.grpc.stop(0)
 
 
 def main() -> int:
@@ -132,6 +170,13 @@ def main() -> int:
                 for f in into.iterdir():  # the next round writes afresh
                     f.unlink()
             print(f"\nmedian download throughput: {statistics.median(rates):.0f} MB/s (target: at least 500 MB/s)")
+            into = work / "from-peer"
+            into.mkdir()
+            seconds = asyncio.run(fetch_from_peer(manifest, Path(root), into, args.streams, args.range_mb * MB))
+            print(
+                f"from a peer (mutual TLS, {args.streams} streams of {args.range_mb} MB ranges): "
+                f"{sum(manifest.blobs().values()) / 1e6 / seconds:.0f} MB/s ({seconds:.2f} s)"
+            )
         finally:
             server.stop()
     return 0
