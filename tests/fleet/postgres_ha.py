@@ -44,24 +44,27 @@ APP_USER = "darkroom"
 SYSTEM_USER = "postgres"  # PostgreSQL refuses to run as root
 
 # Failover in seconds rather than the defaults' minute. The order matters. A
-# primary cut off demotes itself once it has neither the monitor nor a standby
-# for NETWORK_PARTITION_S, and it sees its standby gone only when the standby's
-# replication connection times out (wal_sender_timeout: PostgreSQL's default of a
-# minute would leave it a primary that long). The monitor promotes the standby
-# only primary_demote_timeout after it found the primary unhealthy: longer than
-# both with room for the keeper's loop, whose calls to a monitor it cannot reach
-# time out one by one, so that two primaries never serve at once. 15 s was too
-# little on a loaded 2-core machine (the old primary still served after the
-# promotion, once in five runs): pg_auto_failover's own default, 30 s.
-NETWORK_PARTITION_S = 4
-REPLICATION_TIMEOUT = "3s"
+# primary cut off demotes itself once it has had neither the monitor nor a standby
+# for network_partition_timeout (pg_autoctl's default, 20 s: version 2.0 reads it
+# only as it starts, and a `config set` on a running keeper changes nothing). It
+# counts from the last time it saw its standby after losing the monitor, and sees
+# the standby gone only when its replication connection times out
+# (wal_sender_timeout); a keeper that never saw the standby then, the connection
+# gone before its first check of the partition, never demotes itself at all (twice
+# on 2026-11-27 with 3 s, the first check 4 s after the cut): 8 s outlasts that
+# check, and the old primary stops about 8 + 20 s after the cut. The monitor
+# promotes the standby only primary_demote_timeout after it found the primary
+# unhealthy: longer than both with room for the keeper's loop, whose calls to a
+# monitor it cannot reach time out one by one, so that two primaries never serve
+# at once (30 s left 3 s to spare on 2026-11-27).
+REPLICATION_TIMEOUT = "8s"
 MONITOR_SETTINGS = {
     "pgautofailover.health_check_period": "1000",
     "pgautofailover.health_check_timeout": "1000",
     "pgautofailover.health_check_max_retries": "1",
     "pgautofailover.health_check_retry_delay": "500",
     "pgautofailover.node_considered_unhealthy_timeout": "3000",
-    "pgautofailover.primary_demote_timeout": "30000",
+    "pgautofailover.primary_demote_timeout": "45000",
     "pgautofailover.startup_grace_period": "2000",
 }
 
@@ -240,7 +243,6 @@ class PostgresHA:
         want = "secondary" if not primary else "single"
         self._wait(lambda: self.state(node.host.name) in (want, "primary"), f"{node.host.name} {want}", proc=proc)
         node.autoctl("config", "set", "replication.password", self._replication_password)
-        node.autoctl("config", "set", "timeout.network_partition_timeout", str(NETWORK_PARTITION_S))
         if primary:
             node.sql_once_up(f"ALTER USER pgautofailover_replicator PASSWORD '{self._replication_password}'")
             node.sql_once_up(
