@@ -30,11 +30,12 @@ from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary
 from services.presence_read import presence_now
 from tests.fleet.keyed import FLEET_API_KEY, with_key
-from tests.fleet.model_store import FleetModelStore, write_registry
+from tests.fleet.model_store import STORE_MODEL, FleetModelStore
 from tests.fleet.network import Host, Network
 from tests.fleet.postgres_ha import PostgresHA
 from tests.fleet.probes import gateway_up
 from tests.helpers import env_of
+from tests.store_registry import write_store_registry
 
 NATS_PORT, ROUTE_PORT, GATEWAY_PORT = 4222, 6222, 50051
 # Failures noticed in seconds (as the fault suite's stacks), and calls that give
@@ -97,7 +98,7 @@ class Fleet:
         # store, and GPU hosts the store scenarios start (their NATS users declared now).
         self.model_store = FleetModelStore(add("store"), self.root)
         self.spare_gpus = [add(f"gpu{i}") for i in (3, 4, 5, 6)]
-        self.registry = write_registry(self.root / "registry.toml")
+        self.registry = write_store_registry(self.root / "registry.toml", STORE_MODEL)
         self.logs = self.root / "logs"
         self.operator = self.root / "operator"  # the CA and every password: the operator's, on no host
         self.ca.save(self.operator)

@@ -1,7 +1,8 @@
 """The fleet's model store: a host of its own running a real S3 server (seaweedfs's
-``weed mini``), the registry every service reads (the shipped models and a
-``store:`` one), and what the store scenarios read as an operator would: the
-store's sent-bytes counter, the manifest pushed, and each GPU host's cache."""
+``weed mini``), the model the registry names from it (``STORE_MODEL``; the
+registry is ``tests.store_registry``'s), and what the store scenarios read as an
+operator would: the store's sent-bytes counter, the manifest pushed, and each GPU
+host's cache."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 
 from services.db.states import WorkerStatus
 from services.errors import BusError
-from services.models import registry
 from services.models.host_cache.peers import CacheAnnouncement
 from services.models.store.manifest import Manifest
 from services.ops.model_store import store_sent_bytes, weed_binary
@@ -55,31 +54,6 @@ WEED_PORTS = {
     "s3.port.lance": 0,
     "metricsPort": 9327,
 }
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML for {value!r}")
-
-
-def write_registry(path: Path) -> Path:
-    """The shipped registry and ``tiny-store``: the tiny model's entry, its weights
-    from the store (the latest version pushed)."""
-    shipped = Path(registry.__file__).with_name("default_registry.toml")
-    tiny = tomllib.loads(shipped.read_text())["models"]["tiny"]
-    table = {k: v for k, v in tiny.items() if k not in ("source", "default")}
-    lines = [f"[models.{STORE_MODEL}]", f'source = "store:{STORE_MODEL}"']
-    lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(shipped.read_text() + "\n" + "\n".join(lines) + "\n")
-    return path
 
 
 class FleetModelStore:
