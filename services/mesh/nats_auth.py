@@ -125,8 +125,19 @@ def permissions(user: str) -> dict[str, dict[str, list[str]]]:
             "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
         }
     if user == DECODER_USER:
+        decoders = f"{PRESENCE_PREFIX}.{WorkerKind.DECODER.value}.*"
         return {
-            "publish": {"allow": [f"{PRESENCE_PREFIX}.{WorkerKind.DECODER.value}.*", _PRESENCE_API % "STREAM.INFO"]},
+            "publish": {
+                "allow": [
+                    decoders,
+                    _PRESENCE_API % "STREAM.INFO",
+                    # Reading its own heartbeat back, after an update whose answer was
+                    # lost (``PresenceBoard.announce``): without it, every later
+                    # heartbeat fails and the decoder drops out of presence.
+                    f"{_PRESENCE_API % 'DIRECT.GET'}.{decoders}",
+                    _PRESENCE_API % "STREAM.MSG.GET",
+                ]
+            },
             "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
         }
     raise ValueError(f"NATS user {user!r}: scheduler, gateway, operator, decoder or sampler-WORKER_ID")

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import nats
 import pytest
 from nats.js.api import KeyValueConfig
 
-from services.bus.presence_board import BUCKET, Announcement, PresenceBoard
+from services.bus.connection import connect_nats
+from services.bus.presence_board import BUCKET, Announcement, PresenceBoard, worker_key
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
 from services.errors import WorkerSuperseded
+from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials
+from services.mesh.secrets import ensure_certificates
 from services.ops.embedded_nats import EmbeddedNats
 from services.presence_read import read_once
 from services.presence_view import PresenceView, follow
@@ -156,3 +160,33 @@ async def test_a_view_that_hears_nothing_for_longer_than_it_expects_is_unsettled
         if beating is not None:
             await beating
         await nc.close()
+
+
+async def test_a_decoder_whose_heartbeat_answer_was_lost_goes_on_in_a_sealed_nats(tmp_path: Path) -> None:
+    """An update whose answer was lost leaves the decoder's revision behind; its next
+    heartbeat reads its own key back and goes on. In a sealed NATS the decoders'
+    user may read it (it once could not: every later heartbeat failed, and the
+    decoder dropped out of presence after a NATS node was cut off)."""
+    mesh_dir = tmp_path / "mesh"
+    ensure_certificates(mesh_dir, hosts=["127.0.0.1", "localhost"])
+    server = EmbeddedNats(tmp_path / "nats", mesh_dir=mesh_dir, users=list(CONTROL_USERS))
+    server.start()
+    url = f"tls://127.0.0.1:{server.port}"
+    as_scheduler = NatsCredentials.of(mesh_dir, "scheduler", "scheduler")
+    scheduler = await connect_nats([url], name="scheduler", credentials=as_scheduler)
+    as_decoder = NatsCredentials.of(mesh_dir, "decoder", DECODER_USER)
+    decoder = await connect_nats([url], name="decoder", credentials=as_decoder)
+    try:
+        await PresenceBoard.open(scheduler.jetstream())  # only the scheduler may make the bucket
+        board = await PresenceBoard.open(decoder.jetstream(timeout=2), create=False, patience_s=5)
+        hb = WorkerHeartbeat("host-decoder-0", WorkerKind.DECODER, "127.0.0.1:1", "cpu", ("tiny",), ())
+        beat = Announcement(hb, "inc-1", 1_700_000_000.0)
+        await board.announce(beat)
+        await board.kv.put(worker_key(WorkerKind.DECODER, hb.id), beat.encode())  # its write, the answer lost
+        await board.announce(beat)  # reads its key back: its own incarnation, so it goes on
+        [record] = await read_once(scheduler, stale_after_s=10)
+        assert (record.id, record.kind, record.live) == (hb.id, WorkerKind.DECODER, True)
+    finally:
+        await decoder.close()
+        await scheduler.close()
+        server.stop()
