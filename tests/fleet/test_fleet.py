@@ -312,8 +312,8 @@ def test_a_peer_cut_off_mid_transfer(fleet: Fleet, models_dir: Path) -> None:
         summary = check("fleet: a peer cut off mid-transfer", fleet.pg_url, load, fault_at=fault_at)
         summary.notes.append(
             f"{peer.name} (of {len(holders)} peers holding it, each held to {PEER_RATE_MBIT} Mbit/s) cut with "
-            f"{at_cut / 1e6:.1f} of {size / 1e6:.1f} MB of a blob sent; {fresh.name} held the model {loaded_s:.1f} s "
-            f"after the cut, having fetched {fetched.get('peer', 0) / 1e6:.1f} MB from peers and "
+            f"{at_cut / 1e6:.1f} of {size / 1e6:.1f} MB of a blob reached; {fresh.name} held the model "
+            f"{loaded_s:.1f} s after the cut, having fetched {fetched.get('peer', 0) / 1e6:.1f} MB from peers and "
             f"{fetched.get('store', 0) / 1e6:.1f} MB from the store (the store sent {sent / 1e6:.1f} MB)"
         )
     finally:

@@ -11,6 +11,7 @@ from services.errors import ModelError
 from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict, unreferenced
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import Lease, Step, next_step
+from services.models.host_cache.peers import contiguous
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
 
@@ -101,3 +102,16 @@ def test_another_hosts_lease_is_waited_on_until_the_patience_runs_out() -> None:
 def test_this_hosts_own_unfinished_lease_is_a_dead_samplers_and_taken_over() -> None:
     assert step(Lease("me", done=False)) is Step.TAKE
     assert step(Lease("me", done=True), waited_s=1.0) is Step.WAIT
+
+
+def test_a_cut_fetch_keeps_the_bytes_unbroken_from_the_start_to_the_byte() -> None:
+    ranges = [(0, 16), (16, 32), (32, 40)]
+    # No range finished: the first one's bytes are kept, the others' (beyond a hole) are not.
+    assert contiguous(ranges, {0: 5, 16: 30, 32: 39}, 0) == 5
+    # The first finished: on to as far as the second got.
+    assert contiguous(ranges, {0: 16, 16: 20, 32: 40}, 0) == 20
+    # A hole after a finished range stops the count there.
+    assert contiguous(ranges, {0: 16, 16: 16, 32: 40}, 0) == 16
+    assert contiguous(ranges, {0: 16, 16: 32, 32: 40}, 0) == 40
+    # A resumed fetch counts from where it began.
+    assert contiguous([(10, 16), (16, 20)], {10: 10, 16: 18}, 10) == 10

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,8 +79,9 @@ def add_to_server(layout: Layout) -> tuple[Callable[[grpc.aio.Server], None], st
 
 class PeerSource:
     """One peer's cache, read as ranges on ``streams`` streams at once, each written
-    where it belongs. A failure cuts the file back to the bytes complete from the
-    start (a resumed fetch goes on from there)."""
+    where it belongs. A failure cuts the file back to the bytes contiguous from the
+    start, counted to the byte: the ranges complete in order, then as far as the
+    first unfinished one got (a resumed fetch goes on from there)."""
 
     kind = "peer"
 
@@ -103,30 +104,30 @@ class PeerSource:
         stub = sampler_pb2_grpc.BlobCacheStub(self.channels.to(self.address))
         ranges = [(start, min(start + self.range_bytes, size)) for start in range(offset, size, self.range_bytes)]
         todo = iter(ranges)
-        done: set[int] = set()
+        reached = {start: start for start, _ in ranges}  # each range's bytes written so far
 
         async def stream() -> None:
             for start, end in todo:
-                await self._read_range(stub, digest, start, end, dest_fd)
-                done.add(start)
+                await self._read_range(stub, digest, start, end, dest_fd, reached)
 
         try:
             async with asyncio.TaskGroup() as group:  # one failure cancels the rest
                 for _ in range(min(self.streams, len(ranges))):
                     group.create_task(stream())
         except BaseException as exc:
-            complete = offset
-            for start, end in ranges:
-                if start not in done:
-                    break
-                complete = end
-            os.ftruncate(dest_fd, complete)
+            os.ftruncate(dest_fd, contiguous(ranges, reached, offset))
             if isinstance(exc, BaseExceptionGroup):
                 raise exc.exceptions[0] from None  # the first failure; the rest are of the same cause
             raise
 
     async def _read_range(
-        self, stub: sampler_pb2_grpc.BlobCacheStub, digest: str, start: int, end: int, dest_fd: int
+        self,
+        stub: sampler_pb2_grpc.BlobCacheStub,
+        digest: str,
+        start: int,
+        end: int,
+        dest_fd: int,
+        reached: dict[int, int],
     ) -> None:
         call = stub.ReadBlob(sampler_pb2.ReadBlobRequest(digest=digest, offset=start, length=end - start))
         position = start
@@ -143,12 +144,24 @@ class PeerSource:
                     raise BlobSourceFailed(f"peer {self.address} sent more than bytes {start}-{end} of the blob")
                 await asyncio.to_thread(_pwrite_all, dest_fd, chunk.data, position)
                 position += len(chunk.data)
+                reached[start] = position
         except grpc.aio.AioRpcError as exc:
             raise BlobSourceFailed(f"peer {self.address}: {exc.code().name}: {exc.details()}") from exc
         finally:
             call.cancel()
         if position < end:
             raise BlobSourceFailed(f"peer {self.address} ended bytes {start}-{end} of the blob at {position}")
+
+
+def contiguous(ranges: Sequence[tuple[int, int]], reached: Mapping[int, int], offset: int) -> int:
+    """How far the bytes run unbroken from ``offset``: each range in order, as far as
+    it got, stopping at the first one not finished."""
+    complete = offset
+    for start, end in ranges:
+        complete = reached.get(start, start)
+        if complete < end:
+            break
+    return complete
 
 
 def _pwrite_all(fd: int, data: bytes, position: int) -> None:
