@@ -1,6 +1,7 @@
 """What a job asks a model to make, typed once: the gateway builds it from the
 request, the database stores it, the scheduler places it by its shape, and the
-sampler runs it. Jobs of one ``BatchKey`` may run as one batch."""
+sampler runs it. Jobs of one ``BatchKey`` may start as one batch; a job may join a
+running batch of its ``JoinKey`` at a step boundary (continuous batching)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,22 @@ class BatchKey:
     guidance_scale: float
     frames: int = 1
 
+    @property
+    def join_key(self) -> JoinKey:
+        return JoinKey(self.model, self.width, self.height, self.frames)
+
+
+@dataclass(frozen=True, order=True)
+class JoinKey:
+    """Jobs of one join key can share one call of their model's network whatever
+    their steps, guidance and seeds: one model, one latent size. A job joins a
+    running batch of its join key at the batch's next step boundary."""
+
+    model: str
+    width: int
+    height: int
+    frames: int = 1
+
 
 @dataclass(frozen=True)
 class JobShape:
@@ -46,6 +63,10 @@ class JobShape:
     @property
     def key(self) -> BatchKey:
         return BatchKey(self.model, self.width, self.height, self.steps, self.guidance_scale, self.frames)
+
+    @property
+    def join_key(self) -> JoinKey:
+        return self.key.join_key
 
     @property
     def pixels(self) -> int:
@@ -87,6 +108,10 @@ class GenerationParams:
     @property
     def key(self) -> BatchKey:
         return self.shape.key
+
+    @property
+    def join_key(self) -> JoinKey:
+        return self.shape.join_key
 
     @property
     def is_video(self) -> bool:
