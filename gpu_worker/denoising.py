@@ -110,3 +110,14 @@ def check_output(latents: torch.Tensor, min_std: float) -> None:
         std = float(image.float().std())
         if std < min_std:
             raise BadOutput(f"image {i} is degenerate: latent standard deviation {std:.2e} < {min_std:.0e}")
+
+
+def checked_output(latents: torch.Tensor, min_std: float) -> MemberResult:
+    """A member's final latents read back to the host, or the BadOutput they are;
+    checked on the host, which then costs the device nothing."""
+    host = latents.to("cpu", torch.float32)
+    try:
+        check_output(host, min_std)
+    except BadOutput as exc:
+        return exc
+    return host

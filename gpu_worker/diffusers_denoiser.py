@@ -3,12 +3,12 @@ of jobs; each family (``unet_denoiser``, ``wan_denoiser``, ``upscale_denoiser``)
 says how its pipeline loads, what shape its latents have, how a prompt is encoded
 and how one step's noise is predicted.
 
-Each member keeps its own noise (its seeds), its own noise-scheduler state, its own
-progress and its own stop: a cancelled or timed-out member leaves at the next step
-and the rest go on. On a GPU the network's calls of the members at the same step
-are fused into one; on a CPU each member's call runs on its own rows, because CPU
-kernels block matrix products differently for different batch sizes and only then
-is a batched output exactly the one the job would get alone.
+Each member keeps its own noise (its seeds), noise-scheduler state, steps, guidance
+scale, progress and stop: a cancelled or timed-out member leaves at the next step
+and the rest go on, and a job may join a running batch at a step boundary and leave
+when its own steps are done (``running_batch``). On a GPU the members' network calls
+of a step are fused into one (``step_groups``); on a CPU each member's call runs on
+its own rows, the only way its output is exactly the one it would get alone.
 
 A member given a checkpoint starts from its step, with its own step index, beside
 members that start from 0; an edit starts at the step its strength gives, from its
@@ -26,7 +26,6 @@ at its end; a test runs the loop on the meta device, where any read back fails."
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +34,13 @@ from typing import Any
 import torch
 
 from gpu_worker.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
-from gpu_worker.denoising import BadOutput, BatchMember, MemberInputs, MemberResult, check_output
+from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult, checked_output
 from gpu_worker.network_calls import NetworkCalls, warm_up_buckets
 from gpu_worker.noise_schedulers import HOST, host_scheduler, keep_unmasked, start_from_input
 from gpu_worker.prompts import Conditioning, PromptCache, prompt_key
-from services.generation import BatchKey, GenerationParams
+from gpu_worker.running_batch import RunningBatch
+from gpu_worker.step_groups import guided_noise, step_groups, takes_generator
+from services.generation import GenerationParams
 from services.models import loader, speed
 from services.models.loader import Loaded
 from services.models.registry import ModelSpec, scheduler_class
@@ -137,29 +138,34 @@ class DiffusersDenoiser:
         return None  # an upscaler's: its input
 
     def sample(
-        self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        members: Sequence[BatchMember],
+        checkpoints: MemberCheckpoints,
+        joins: RunningBatch | None = None,
     ) -> list[MemberResult]:
-        runs = self.denoise(pipe, spec, members, checkpoints)
+        runs = self.denoise(pipe, spec, members, checkpoints, joins)
         for run in runs:
-            if run.result is None and run.state is not None:
-                # The one read back a member needs; its check then costs the device nothing.
-                latents = run.state.latents.to(HOST, torch.float32)
-                try:
-                    check_output(latents, spec.min_output_std)
-                    run.result = latents
-                except BadOutput as exc:
-                    run.result = exc
+            _read_back(run, spec)
         return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
 
     def denoise(
-        self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        members: Sequence[BatchMember],
+        checkpoints: MemberCheckpoints,
+        joins: RunningBatch | None = None,
     ) -> list[DiffusersRun]:
-        """The members prepared and stepped to their ends, their latents left on the
-        device: nothing read back but what a member's boundaries ask for."""
+        """The members (and those that join at a step boundary) prepared and stepped
+        to their ends. Without ``joins`` their latents are left on the device: nothing
+        is read back but what a member's boundaries ask for; with it, each member's
+        latents are read back as it leaves and handed out at once."""
         calls = NetworkCalls(speed.SpeedOptions.of(spec, self.device), self._max_rows(spec))
         with torch.inference_mode():
             runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
-            self._denoise(pipe, members[0].params.key, [r for r in runs if r.result is None], checkpoints, calls)
+            self._denoise(pipe, spec, runs, checkpoints, calls, joins)
         return runs
 
     def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember, checkpoints: MemberCheckpoints) -> DiffusersRun:
@@ -215,32 +221,39 @@ class DiffusersDenoiser:
     def _denoise(
         self,
         pipe: Any,
-        key: BatchKey,
+        spec: ModelSpec,
         runs: list[DiffusersRun],
         checkpoints: MemberCheckpoints,
         calls: NetworkCalls,
+        joins: RunningBatch | None,
     ) -> None:
         """Steps every run to its end, one step of each per round, each at its own
-        step index: a resumed member finishes before a fresh one beside it."""
-        if not runs:
-            return
-        takes_generator = "generator" in inspect.signature(_state(runs[0]).scheduler.step).parameters
-        checkpoints.mark(runs)
+        step index (a resumed member finishes before a fresh one beside it); at each
+        boundary the members offered to ``joins`` come in, and those done leave."""
+        checkpoints.mark([r for r in runs if r.result is None])
+        left: set[int] = set()
         while True:
-            active = [r for r in runs if r.result is None and r.step < r.total]
-            for r in active:
-                if r.member.stopping.is_set():
+            for r in runs:
+                if r.result is None and r.step < r.total and r.member.stopping.is_set():
                     r.result = checkpoints.stopped(r)
-            active = [r for r in active if r.result is None]
+            self._leave(spec, [r for r in runs if id(r) not in left and _done(r)], left, joins)
+            active = [r for r in runs if not _done(r)]
+            if joins is not None:
+                joined = joins.joining() if active else joins.close()
+                for member in joined:
+                    runs.append(self._prepare(pipe, spec, member, checkpoints))
+                    checkpoints.mark(runs[-1:])
+                if joined:
+                    continue  # a joiner may have failed or stopped before its first step
+                joins.stepped(max((r.total - r.step for r in active), default=0))
             if not active:
                 return
-            for group in self._groups(active):
-                t = _state(group[0]).scheduler.timesteps[group[0].step]
-                network_t = group[0].network_timesteps[group[0].step]
-                noise = self._predict(pipe, group, t, network_t, key.guidance_scale, calls)
+            for group in step_groups(active, fuse=self.fuse_batches):
+                noise = guided_noise(self, pipe, group, calls)
                 for r, eps in zip(group, noise, strict=True):
                     state = _state(r)
-                    extra = {"generator": state.generators} if takes_generator else {}
+                    t = state.scheduler.timesteps[r.step]
+                    extra = {"generator": state.generators} if takes_generator(state.scheduler) else {}
                     state.latents = state.scheduler.step(eps, t, state.latents, **extra, return_dict=False)[0]
                     keep_unmasked(state, r.step)
             for r in active:
@@ -250,48 +263,24 @@ class DiffusersDenoiser:
                     r.member.on_preview(r.step, r.total, _state(r).latents.detach().to("cpu", torch.float32))
                 checkpoints.stepped(r)
 
-    def _groups(self, active: list[DiffusersRun]) -> list[list[DiffusersRun]]:
-        """The runs that share one network call. Members of a batch share a model,
-        its scheduler class and their steps, so the same step index is the same
-        timestep; comparing indices spares a device sync per member."""
-        if not self.fuse_batches:
-            return [[r] for r in active]
-        by_step: dict[int, list[DiffusersRun]] = {}
-        for r in active:
-            by_step.setdefault(r.step, []).append(r)
-        return list(by_step.values())
+    def _leave(self, spec: ModelSpec, done: list[DiffusersRun], left: set[int], joins: RunningBatch | None) -> None:
+        """Members done at this boundary leave: with ``joins``, read back and handed out now."""
+        if joins is None or not done:
+            return
+        for r in done:
+            _read_back(r, spec)
+            left.add(id(r))
+        joins.leave([(r.member, r.result if r.result is not None else RuntimeError("no result")) for r in done])
 
-    def _predict(
-        self,
-        pipe: Any,
-        group: list[DiffusersRun],
-        t: torch.Tensor,
-        network_t: torch.Tensor,
-        guidance: float,
-        calls: NetworkCalls,
-    ) -> list[torch.Tensor]:
-        """The guided noise prediction of each run in ``group``, from one network call;
-        ``t`` is the step's timestep on the host (for the schedulers), ``network_t``
-        the same on the device."""
-        states = [_state(r) for r in group]
-        scaled = [
-            self.model_input(r, s.scheduler.scale_model_input(s.latents, t)) for r, s in zip(group, states, strict=True)
-        ]
-        sizes = [s.latents.shape[0] for s in states]
-        x = torch.cat(scaled)
-        c = Conditioning.stack([r.conditioning.rows(s.latents.shape[0]) for r, s in zip(group, states, strict=True)])
-        rows = x.shape[0]
-        x, c = calls.padded(x, c)
-        cfg = guidance > 1.0
-        if cfg:
-            x = torch.cat([x, x])
-            c = Conditioning.stack([c.negative(), c])
-        with speed.network_call(calls.options):
-            out = speed.owned(self.call_network(pipe, x, network_t, c, group), calls.options)
-        if cfg:
-            uncond, cond = out.chunk(2)
-            out = uncond + guidance * (cond - uncond)
-        return list(out[:rows].split(sizes))
+
+def _done(run: DiffusersRun) -> bool:
+    return run.result is not None or run.step >= run.total
+
+
+def _read_back(run: DiffusersRun, spec: ModelSpec) -> None:
+    """The one read back a member needs, once, as it ends."""
+    if run.result is None and run.state is not None:
+        run.result = checked_output(run.state.latents, spec.min_output_std)
 
 
 def _state(run: MemberRun) -> LoopState:

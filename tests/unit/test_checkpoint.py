@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker import checkpoint_format
+from gpu_worker import checkpoint_format, diffusers_denoiser
 from gpu_worker.checkpoint_capture import CheckpointPolicy
 from gpu_worker.checkpoint_format import Checkpoint, CheckpointMismatch, Snapshot
 from gpu_worker.denoising import BatchMember, JobSuspended
@@ -135,11 +135,12 @@ def test_a_suspended_member_leaves_its_batch_and_resumes_beside_a_fresh_job(mode
     assert resumed.steps == list(range(3, STEPS + 1)) and beside.steps == list(range(1, STEPS + 1))
 
 
-def test_fused_batches_share_a_unet_call_only_at_the_same_step(
+def test_fused_batches_share_one_unet_call_at_different_steps(
     models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The GPU's path, on the CPU: a fused call's arithmetic differs in the last bits,
-    # so the images are close, not equal.
+    # so the images are close, not equal. Members at other steps share the call, each
+    # row at its own timestep.
     scheduler = "DPMSolverMultistepScheduler"
     a, b = job(31), job(32)
     eng = engine(models_dir, scheduler)
@@ -150,16 +151,16 @@ def test_fused_batches_share_a_unet_call_only_at_the_same_step(
     assert isinstance(denoiser, UNetDenoiser)
     denoiser.fuse_batches = True
     calls: list[list[int]] = []
-    predict = denoiser._predict
+    predict = diffusers_denoiser.guided_noise
 
-    def spy(pipe: Any, group: list[Any], *args: Any) -> list[torch.Tensor]:
+    def spy(denoiser: Any, pipe: Any, group: list[Any], *args: Any) -> list[torch.Tensor]:
         calls.append([r.step for r in group])
-        return predict(pipe, group, *args)
+        return predict(denoiser, pipe, group, *args)
 
-    monkeypatch.setattr(denoiser, "_predict", spy)
+    monkeypatch.setattr(diffusers_denoiser, "guided_noise", spy)
     results = run(fused, Member(a, resume=ckpt), Member(b))
-    # Rounds 1-4: the resumed member at steps 2-5, the fresh one at 0-3, apart.
-    assert calls == [[2], [0], [3], [1], [4], [2], [5], [3], [4], [5]]
+    # The resumed member at steps 2-5 beside the fresh one at 0-3, in one call a round.
+    assert calls == [[2, 0], [3, 1], [4, 2], [5, 3], [4], [5]]
     calls.clear()
     run(fused, Member(a), Member(b))
     assert calls == [[s, s] for s in range(STEPS)]

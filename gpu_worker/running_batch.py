@@ -1,0 +1,112 @@
+"""A batch on the device that jobs join at a step boundary and leave as each one
+finishes: continuous batching. Shared by the event loop, which offers members (jobs
+already RUNNING, their prompts encoded and inputs made), and the sampling thread,
+which takes them in at its next step boundary and hands each member's result out
+as it leaves, so that its latents go to decode at once while the rest go on.
+
+The room is counted in images: the members in the loop and those waiting to join
+stay within the model's ``max_batch``. Closing is atomic with taking, so a member
+offered as the loop ends either joins or is refused, never lost."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_worker.denoising import BatchMember, MemberResult
+from services.generation import JoinKey
+
+# Members that left at one step boundary, with what each came out with.
+Cohort = list[tuple[BatchMember, MemberResult]]
+
+
+@dataclass(frozen=True)
+class OpenSeats:
+    """A running batch's room, as a sampler's heartbeat tells the scheduler."""
+
+    key: JoinKey
+    rows: int  # images in it (or joining it) now
+    free_rows: int  # images it can still take
+    steps_left: int  # the most steps any member has left: when it ends if nothing joins
+
+    def telemetry(self) -> dict[str, Any]:
+        return {
+            "model": self.key.model,
+            "width": self.key.width,
+            "height": self.key.height,
+            "frames": self.key.frames,
+            "rows": self.rows,
+            "free_rows": self.free_rows,
+            "steps_left": self.steps_left,
+        }
+
+
+class RunningBatch:
+    def __init__(
+        self, key: JoinKey, max_rows: int, members: Sequence[BatchMember], on_leave: Callable[[Cohort], None]
+    ) -> None:
+        self.key = key
+        self.max_rows = max_rows
+        self._on_leave = on_leave
+        self._lock = threading.Lock()
+        self._rows = sum(m.params.num_images for m in members)
+        self._waiting: list[BatchMember] = []
+        self._closed = False
+        self._steps_left = max((m.params.steps for m in members), default=0)
+
+    # -- the event loop --------------------------------------------------------------
+
+    def offer(self, members: Sequence[BatchMember]) -> bool:
+        """Whether ``members`` (all of them) will join at the next step boundary:
+        False once the batch has ended or when they do not fit."""
+        rows = sum(m.params.num_images for m in members)
+        with self._lock:
+            if self._closed or any(m.params.join_key != self.key for m in members) or self._rows + rows > self.max_rows:
+                return False
+            self._waiting.extend(members)
+            self._rows += rows
+            self._steps_left = max(self._steps_left, *(m.params.steps for m in members))
+            return True
+
+    def free_rows(self) -> int:
+        with self._lock:
+            return 0 if self._closed else self.max_rows - self._rows
+
+    def seats(self) -> OpenSeats | None:
+        """Its room now, or None when it has none (or has ended)."""
+        with self._lock:
+            if self._closed or self._rows >= self.max_rows:
+                return None
+            return OpenSeats(self.key, self._rows, self.max_rows - self._rows, self._steps_left)
+
+    # -- the sampling thread -----------------------------------------------------------
+
+    def joining(self) -> list[BatchMember]:
+        """The members offered since the last boundary: they join now."""
+        with self._lock:
+            taken, self._waiting = self._waiting, []
+            return taken
+
+    def stepped(self, steps_left: int) -> None:
+        with self._lock:
+            self._steps_left = steps_left
+
+    def leave(self, cohort: Cohort) -> None:
+        """Members that left at this boundary: their room frees, their results go out."""
+        if not cohort:
+            return
+        with self._lock:
+            self._rows -= sum(m.params.num_images for m, _ in cohort)
+        self._on_leave(cohort)
+
+    def close(self) -> list[BatchMember]:
+        """The loop has no member left: what was offered meanwhile (the loop goes on
+        with it), or nothing, and the batch has ended (later offers are refused)."""
+        with self._lock:
+            if self._waiting:
+                taken, self._waiting = self._waiting, []
+                return taken
+            self._closed = True
+            return []

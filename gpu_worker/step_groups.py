@@ -1,0 +1,108 @@
+"""How one step of a batch's members becomes network calls: which members share a
+call, and each row's timestep and guidance scale in it. Members may differ in their
+steps, noise scheduler state and guidance (a job that joined a running batch is at
+its own step), so a fused call carries a timestep and a guidance scale per row;
+where all members agree it carries one of each, exactly as a batch of one key did."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gpu_worker.checkpoint_capture import LoopState
+from gpu_worker.network_calls import NetworkCalls
+from gpu_worker.prompts import Conditioning
+from services.models import speed
+
+if TYPE_CHECKING:
+    from gpu_worker.diffusers_denoiser import DiffusersDenoiser, DiffusersRun
+
+
+def step_groups(active: list[DiffusersRun], *, fuse: bool) -> list[list[DiffusersRun]]:
+    """The runs that share one network call: on an accelerator those of one guidance
+    mode (with guidance the call doubles its rows, without it does not); on a CPU
+    each run alone, since CPU kernels block matrix products differently for other
+    batch sizes, and only alone is a member's output exactly its solo one."""
+    if not fuse:
+        return [[r] for r in active]
+    guided = [r for r in active if r.member.params.guidance_scale > 1.0]
+    unguided = [r for r in active if r.member.params.guidance_scale <= 1.0]
+    return [group for group in (guided, unguided) if group]
+
+
+def guided_noise(
+    denoiser: DiffusersDenoiser, pipe: Any, group: list[DiffusersRun], calls: NetworkCalls
+) -> list[torch.Tensor]:
+    """The guided noise prediction of each run in ``group`` (one guidance mode),
+    from one network call at each run's own timestep and guidance scale."""
+    states = [_state(r) for r in group]
+    scaled = [
+        denoiser.model_input(r, s.scheduler.scale_model_input(s.latents, s.scheduler.timesteps[r.step]))
+        for r, s in zip(group, states, strict=True)
+    ]
+    sizes = [s.latents.shape[0] for s in states]
+    x = torch.cat(scaled)
+    c = Conditioning.stack([r.conditioning.rows(n) for r, n in zip(group, sizes, strict=True)])
+    rows = x.shape[0]
+    x, c = calls.padded(x, c)
+    t = network_timesteps(group, sizes, len(x))
+    guidance = [r.member.params.guidance_scale for r in group]
+    cfg = guidance[0] > 1.0
+    if cfg:
+        x = torch.cat([x, x])
+        c = Conditioning.stack([c.negative(), c])
+        t = t if t.dim() == 0 else torch.cat([t, t])
+    with speed.network_call(calls.options):
+        out = speed.owned(denoiser.call_network(pipe, x, t, c, group), calls.options)
+    if cfg:
+        uncond, cond = out.chunk(2)
+        out = uncond + row_scales(guidance, sizes, len(uncond), out) * (cond - uncond)
+    return list(out[:rows].split(sizes))
+
+
+def network_timesteps(group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int) -> torch.Tensor:
+    """The timestep the network takes for ``group``'s ``rows`` (padding included):
+    one, on the device, where every run is at the same timestep; else one per row,
+    gathered on the device (the host decides from its own tables, never reading the
+    device back), padding rows given the last."""
+    host = [float(_timesteps(r)[r.step]) for r in group]
+    if all(t == host[0] for t in host):
+        return group[0].network_timesteps[group[0].step]
+    per_row = [r.network_timesteps[r.step : r.step + 1].expand(n) for r, n in zip(group, sizes, strict=True)]
+    t = torch.cat(per_row)
+    return torch.cat([t, t[-1:].expand(rows - len(t))]) if rows > len(t) else t
+
+
+def row_scales(guidance: Sequence[float], sizes: Sequence[int], rows: int, like: torch.Tensor) -> float | torch.Tensor:
+    """Each row's guidance scale, shaped to multiply ``like``'s rows: one number where
+    every member has the same (a batch of one key), else a column on the device."""
+    if all(g == guidance[0] for g in guidance):
+        return guidance[0]
+    scales = [g for g, n in zip(guidance, sizes, strict=True) for _ in range(n)]
+    scales += [scales[-1]] * (rows - len(scales))
+    column = torch.tensor(scales, dtype=like.dtype).to(like.device, non_blocking=True)
+    return column.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+_TAKES_GENERATOR: dict[str, bool] = {}
+
+
+def takes_generator(scheduler: Any) -> bool:
+    """Whether the scheduler's ``step`` draws noise (and so takes the member's generators)."""
+    name = type(scheduler).__qualname__
+    known = _TAKES_GENERATOR.get(name)
+    if known is None:
+        known = _TAKES_GENERATOR[name] = "generator" in inspect.signature(scheduler.step).parameters
+    return known
+
+
+def _state(run: DiffusersRun) -> LoopState:
+    assert run.state is not None
+    return run.state
+
+
+def _timesteps(run: DiffusersRun) -> torch.Tensor:
+    return _state(run).scheduler.timesteps
