@@ -189,6 +189,17 @@ def partial_bytes(root: Path, host: Host) -> dict[str, int]:
         return {}
 
 
+def head_written(root: Path, host: Host, digest: str, head: int = 64 * 2**10) -> bool:
+    """Whether the partial blob's first ``head`` bytes have come (the padding is
+    seeded random bytes: all zeros is a hole not yet written), so that a fetch cut
+    now keeps bytes from the start."""
+    try:
+        with (cache_dir(root, host) / "partial" / digest).open("rb") as f:
+            return any(f.read(head))
+    except FileNotFoundError:
+        return False
+
+
 # The store scenarios' GPU hosts: the store model pinned (loaded before the host
 # reports ready), decoded by the sampler itself (no decoder service asks the store
 # for the model's VAE elsewhere), and the sampler's metrics where the test reads them.

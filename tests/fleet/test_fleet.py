@@ -24,6 +24,7 @@ from tests.fleet.model_store import (
     cache_dir,
     cached_digests,
     fetched_bytes,
+    head_written,
     holding,
     manifest_digests,
     partial_bytes,
@@ -283,6 +284,12 @@ def test_a_peer_cut_off_mid_transfer(fleet: Fleet, models_dir: Path) -> None:
             lambda n: 0 < n < size,
             timeout=180,
             what=f"{fresh.name} fetching the padding blob from a peer",
+        )
+        wait_for(
+            lambda: head_written(fleet.root, fresh, padding),
+            bool,
+            timeout=60,
+            what=f"{fresh.name} holding the padding blob's first bytes",
         )
         peer = wait_for(lambda: sending_to(holders, fresh), bool, timeout=30, what=f"the peer sending to {fresh.name}")
         assert peer is not None
