@@ -14,6 +14,7 @@ from typing import Any
 
 from scheduler.estimates import REFERENCE_PIXELS
 from scheduler.policy import ModelCost
+from scheduler.simulator import curve
 from services.config.fields import SettingsError, naming_tables
 from services.config.placement import PlacementSettings, PreemptionSettings, check_names
 
@@ -42,15 +43,27 @@ class SimModel:
     # (batching gains nothing).
     max_batch: int = 1
     batch_efficiency: tuple[float, ...] = ()
+    # Or the curve as measured (instead of batch_efficiency): images per second at
+    # some batch sizes, from 1 up; the factors are interpolated between (``curve``).
+    curve_images: tuple[int, ...] = ()
+    curve_images_per_s: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.curve_images or self.curve_images_per_s:
+            if self.batch_efficiency:
+                raise ValueError("give batch_efficiency or curve_images and curve_images_per_s, not both")
+            curve.check_curve(self.curve_images, self.curve_images_per_s)
 
     def batch_factor(self, images: int) -> float:
-        curve = self.batch_efficiency
-        if not curve:
+        if self.curve_images:
+            return curve.batch_factor(self.curve_images, self.curve_images_per_s, images)
+        factors = self.batch_efficiency
+        if not factors:
             return float(images)
-        if images <= len(curve):
-            return curve[images - 1]
-        slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
-        return curve[-1] + slope * (images - len(curve))
+        if images <= len(factors):
+            return factors[images - 1]
+        slope = factors[-1] - factors[-2] if len(factors) > 1 else factors[-1]
+        return factors[-1] + slope * (images - len(factors))
 
     def cost(self) -> ModelCost:
         return ModelCost(
