@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         sc = replace(sc, duration_s=args.duration_s)
     if args.gpus:
         first = sc.gpus[0]
-        sc = replace(sc, gpus=tuple(replace(first, id=f"{first.id}-{i}") for i in range(args.gpus)))
+        gpus = tuple(replace(first, id=f"{first.id}-{i}") for i in range(args.gpus))
+        sc = replace(sc, name=f"{sc.name}, as {args.gpus} x {first.id}", gpus=gpus)
     seeds = range(sc.seed, sc.seed + args.seeds)
     started = time.monotonic()
     figures = run_all(sc, seeds)

@@ -125,9 +125,8 @@ class _Run:
                 if self.events and self.events[0][:2] == (now, ARRIVAL):
                     continue  # jobs that arrive together start together, as one pass's dispatches do
                 for gpu in self.gpus:
-                    if gpu.key is None:
+                    if gpu.key is None:  # idle: it starts a batch if anything is queued
                         self._boundary(gpu, now)
-                        break
             else:
                 self._boundary(self.gpus[which], now, stepped=True)
         return StepRun(self.mode, tuple(self.finished), now, self.busy_s, len(self.gpus))

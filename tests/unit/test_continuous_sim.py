@@ -27,16 +27,20 @@ STEP_1, STEP_2 = 0.1, 0.125
 JOBS = {f"s{n}": {"model": "img", "width": 512, "height": 512, "steps": n} for n in (4, 10)}
 
 
-@pytest.fixture
-def one_gpu(tmp_path: Path) -> scenarios.Scenario:
+def fleet(tmp_path: Path, *gpu_ids: str) -> scenarios.Scenario:
     data = fleets.scenario(
         models={"img": {**MODEL, **CURVE}},
         jobs=JOBS,
         darkroom={"lanes": fleets.LANES},
         phases=[{"start_s": 0, "weights": {"s10": 1}}],
-        gpus=[fleets.gpu("g", 1.0, 24, "img")],
+        gpus=[fleets.gpu(g, 1.0, 24, "img") for g in gpu_ids],
     )
-    return scenarios.load(fleets.write(tmp_path / "one.toml", data))
+    return scenarios.load(fleets.write(tmp_path / "fleet.toml", data))
+
+
+@pytest.fixture
+def one_gpu(tmp_path: Path) -> scenarios.Scenario:
+    return fleet(tmp_path, "g")
 
 
 def jobs(sc: scenarios.Scenario, *arrivals: tuple[float, str]) -> list[TraceJob]:
@@ -81,6 +85,14 @@ def test_a_full_batch_has_no_seat_until_a_member_leaves(one_gpu: scenarios.Scena
     # max_batch 2: the third joins when the 4-step job leaves, and runs beside the
     # 10-step one, whose last 2 steps are alone.
     assert done == pytest.approx({0: 4 * STEP_2, 2: 8 * STEP_2, 1: 8 * STEP_2 + 2 * STEP_1})
+
+
+def test_jobs_arriving_together_past_one_batch_start_on_every_idle_gpu(tmp_path: Path) -> None:
+    two = fleet(tmp_path, "a", "b")
+    for mode in Mode:
+        run = simulate(two, jobs(two, *[(0.0, "s4")] * 3), mode)
+        assert {f.job: f.gpu for f in run.finished} == {0: "a", 1: "a", 2: "b"}
+        assert {f.job: f.finish_s for f in run.finished} == pytest.approx({0: 4 * STEP_2, 1: 4 * STEP_2, 2: 4 * STEP_1})
 
 
 def test_the_curve_is_interpolated_between_measured_sizes_and_extended_past_them() -> None:
