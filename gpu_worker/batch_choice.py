@@ -30,6 +30,29 @@ def next_batch(inbox: Sequence[Batchable], max_rows: Callable[[Hashable], int]) 
     return chosen, rows >= limit
 
 
+class Joinable(Protocol):
+    @property
+    def join_key(self) -> Hashable | None: ...  # None: runs alone
+
+    @property
+    def rows(self) -> int: ...
+
+
+def joiners(inbox: Sequence[Joinable], key: Hashable, free_rows: int) -> list[int]:
+    """Indexes into ``inbox`` of the jobs that join the running batch of join key
+    ``key`` with ``free_rows`` images of room: from the oldest, while each is of its
+    key and fits. The first that is not stops the count, so that a batch that keeps
+    taking jobs in never starves older work of another shape (that work waits for
+    the batch to end, then runs)."""
+    chosen: list[int] = []
+    for i, pending in enumerate(inbox):
+        if pending.join_key != key or pending.rows > free_rows:
+            break
+        chosen.append(i)
+        free_rows -= pending.rows
+    return chosen
+
+
 class PassArrivals:
     """How many of the jobs each scheduling pass sent this worker have not arrived:
     jobs placed together are published together, and a worker waits for the rest

@@ -30,7 +30,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from gpu_worker.acks import Acks
-from gpu_worker.batch_choice import PassArrivals, next_batch
+from gpu_worker.batch_choice import PassArrivals, joiners, next_batch
 from gpu_worker.busy import BusyClock
 from gpu_worker.outcomes import Outcome, Started
 from gpu_worker.runner import JobRunner, SampledBatch
@@ -38,7 +38,7 @@ from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.errors import BusError, MalformedDispatch
-from services.generation import BatchKey
+from services.generation import BatchKey, JoinKey
 from services.models.registry import ModelRegistry
 from services.telemetry import logs
 
@@ -61,6 +61,10 @@ class InHand:
     key: BatchKey | None  # None: its job could not be read; it runs alone
     rows: int
     arrived: float
+
+    @property
+    def join_key(self) -> JoinKey | None:
+        return self.key.join_key if self.key is not None else None
 
 
 class DispatchConsumer:
@@ -90,6 +94,8 @@ class DispatchConsumer:
         self._starting = 0  # dispatches taken out of hand whose batch has not finished sampling
         self._sampling: asyncio.Task[None] | None = None  # the batch on the device
         self._finishing: set[asyncio.Task[None]] = set()
+        # The jobs of the batch on the device not out of it yet, by their Started's identity.
+        self._in_batch: dict[int, tuple[InHand, Started]] = {}
         self._passes = PassArrivals()
         # Set whenever what a batch could be formed from changes: dispatches arrived,
         # the device freed, room in hand.
@@ -134,6 +140,12 @@ class DispatchConsumer:
             self._changed.clear()
             wait_s = FETCH_WAIT_S
             if self._in_hand:
+                joining = self._joiners()
+                if joining:
+                    batch = [self._in_hand[i] for i in joining]
+                    self._in_hand = [p for i, p in enumerate(self._in_hand) if i not in joining]
+                    await self._join(batch)
+                    continue
                 chosen, full = next_batch(self._in_hand, self._max_rows)
                 now = time.monotonic()
                 wait_s = max(
@@ -216,29 +228,60 @@ class DispatchConsumer:
     def _work_changed(self) -> None:
         self.busy.work(bool(self._in_hand) or self._starting > 0)
 
+    def _joiners(self) -> list[int]:
+        """Indexes in hand of the jobs that join the batch on the device now."""
+        seats = self.runner.seats()
+        if seats is None:
+            return []
+        return joiners(self._in_hand, seats.key, seats.free_rows)
+
     async def _run_batch(self, batch: list[InHand]) -> None:
         """Starts the batch while the previous one samples, then samples it as soon as
         the device is free."""
+        started = await self._start(batch)
+        if started:
+            await self._on_device_next(started)
+
+    async def _join(self, batch: list[InHand]) -> None:
+        """Starts jobs that join the batch on the device at its next step boundary;
+        if it ended (or filled) meanwhile, they run as the next batch."""
+        started = await self._start(batch, backpressure=False)
+        if not started:
+            return
+        for pair in started:
+            self._in_batch[id(pair[1])] = pair
+        if self.runner.join([s for _, s in started]):
+            return
+        for _, job in started:
+            del self._in_batch[id(job)]
+        await self._on_device_next(started)
+
+    async def _on_device_next(self, started: list[tuple[InHand, Started]]) -> None:
+        if self._sampling is not None:
+            await self._sampling
+        self._sampling = asyncio.create_task(self._sample(started))
+        self._sampling.add_done_callback(lambda _: self._changed.set())
+
+    async def _start(self, batch: list[InHand], *, backpressure: bool = True) -> list[tuple[InHand, Started]]:
+        """Starts the dispatches' jobs (RUNNING, inputs made, prompts encoded): those
+        that started, counted as starting until they are out of their batch; the rest
+        settled."""
         self._starting += len(batch)
         self._work_changed()
         try:
-            started = await self._start(batch)
+            started = await self._start_jobs(batch, backpressure)
         except BaseException:
             self._starting -= len(batch)
             self._work_changed()
             raise
-        if not started:
-            self._starting -= len(batch)
-            self._work_changed()
-            return
-        if self._sampling is not None:
-            await self._sampling
-        self._sampling = asyncio.create_task(self._sample(started, len(batch)))
-        self._sampling.add_done_callback(lambda _: self._changed.set())
+        self._starting -= len(batch) - len(started)
+        self._work_changed()
+        return started
 
-    async def _start(self, batch: list[InHand]) -> list[tuple[InHand, Started]]:
-        # Backpressure: decoding and storing may not fall further behind than this.
-        while len(self._finishing) >= MAX_FINISHING:
+    async def _start_jobs(self, batch: list[InHand], backpressure: bool) -> list[tuple[InHand, Started]]:
+        # Backpressure: decoding and storing may not fall further behind than this
+        # (a joiner adds to a batch already bounded by its model's size).
+        while backpressure and len(self._finishing) >= MAX_FINISHING:
             await asyncio.wait(self._finishing, return_when=asyncio.FIRST_COMPLETED)
         started: list[tuple[InHand, Started]] = []
         try:
@@ -260,24 +303,33 @@ class DispatchConsumer:
             await self.runner.prepare([s for _, s in started])
         return started
 
-    async def _sample(self, started: list[tuple[InHand, Started]], taken: int) -> None:
-        jobs = [s for _, s in started]
+    async def _sample(self, started: list[tuple[InHand, Started]]) -> None:
+        for pair in started:
+            self._in_batch[id(pair[1])] = pair
         try:
-            sampled = await self.runner.sample(jobs)
+            await self.runner.sample([s for _, s in started], self._out_of_batch)
         except Exception as exc:
-            # A defect, not the jobs' own: each attempt fails with it (and, in a row,
-            # makes the worker unfit); the loop goes on.
-            extra = logs.jobs_fields(j.job.id for j in jobs)
-            log.exception("sampling %d jobs failed unexpectedly", len(jobs), extra=extra)
-            for job in jobs:
+            # A defect, not the jobs' own: each attempt still in the batch fails with
+            # it (and, in a row, makes the worker unfit); the loop goes on.
+            stranded = [job for _, job in self._in_batch.values()]
+            extra = logs.jobs_fields(j.job.id for j in stranded)
+            log.exception("sampling %d jobs failed unexpectedly", len(stranded), extra=extra)
+            for job in stranded:
                 job.result = exc
-            sampled = SampledBatch(0.0, sum(j.job.params.num_images for j in jobs), learnable=False)
-        finally:
-            self._starting -= taken
-            self._work_changed()
-        task = asyncio.create_task(self._finish(started, sampled))
-        self._finishing.add(task)
-        task.add_done_callback(self._finishing.discard)
+            if stranded:
+                self._out_of_batch(stranded, SampledBatch(learnable=False))
+
+    def _out_of_batch(self, jobs: list[Started], sampled: SampledBatch) -> None:
+        """Jobs out of the batch on the device (its seats free for others): decoded
+        and stored in the background."""
+        pairs = [self._in_batch.pop(id(job)) for job in jobs if id(job) in self._in_batch]
+        self._starting -= len(pairs)
+        self._work_changed()
+        self._changed.set()
+        if pairs:
+            task = asyncio.create_task(self._finish(pairs, sampled))
+            self._finishing.add(task)
+            task.add_done_callback(self._finishing.discard)
 
     async def _finish(self, started: list[tuple[InHand, Started]], sampled: SampledBatch) -> None:
         try:

@@ -22,6 +22,7 @@ from services.models.registry import ModelSpec
 
 if TYPE_CHECKING:
     from gpu_worker.checkpoint_capture import MemberCheckpoints
+    from gpu_worker.running_batch import RunningBatch
 
 # What a member comes out with: its latents (num_images, C, H/8, W/8), or a video
 # model's (num_videos, C, latent frames, H/8, W/8), on the CPU; or what ended it.
@@ -92,13 +93,22 @@ class Denoiser(ModelLoader, Protocol):
         """What a warm-up generation takes besides its prompt (an upscaler: an input image)."""
         ...
 
+    # Whether its loop takes members in from a ``RunningBatch`` at step boundaries.
+    takes_joiners: bool
+
     def sample(
-        self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+        self,
+        model: Any,
+        spec: ModelSpec,
+        members: Sequence[BatchMember],
+        checkpoints: MemberCheckpoints,
+        joins: RunningBatch | None = None,
     ) -> list[MemberResult]:
-        """Runs the members (one batch key) together; per member, its latents or what
-        ended it: JobSuspended or JobInterrupted once its ``stopping`` was set,
-        BadOutput, or the error of its own inputs. An error of the batch as a whole
-        (the model, the device) is raised."""
+        """Runs the members (one join key) together, and those offered to ``joins``
+        from the next step boundary on; per member, its latents or what ended it:
+        JobSuspended or JobInterrupted once its ``stopping`` was set, BadOutput, or
+        the error of its own inputs. An error of the batch as a whole (the model,
+        the device) is raised."""
         ...
 
 

@@ -57,6 +57,7 @@ class DiffusersDenoiser:
     """A family of diffusers pipelines whose denoising network is ``network_name``."""
 
     loads_weights = True
+    takes_joiners = True  # a running batch takes jobs in at its step boundaries
     network_name = "unet"
 
     def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
@@ -245,7 +246,7 @@ class DiffusersDenoiser:
                     checkpoints.mark(runs[-1:])
                 if joined:
                     continue  # a joiner may have failed or stopped before its first step
-                joins.stepped(max((r.total - r.step for r in active), default=0))
+                joins.stepped([r.member for r in active], max((r.total - r.step for r in active), default=0))
             if not active:
                 return
             for group in step_groups(active, fuse=self.fuse_batches):

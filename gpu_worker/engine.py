@@ -21,6 +21,7 @@ from gpu_worker.denoising import BatchMember, Denoiser, MemberInputs, MemberResu
 from gpu_worker.metrics import COLD_LOADS
 from gpu_worker.model_cache import ModelCache
 from gpu_worker.prompts import PromptCache
+from gpu_worker.running_batch import RunningBatch
 from gpu_worker.sim_denoiser import SimDenoiser
 from gpu_worker.unet_denoiser import UNetDenoiser
 from gpu_worker.upscale_denoiser import UpscaleDenoiser
@@ -135,15 +136,21 @@ class SamplerEngine:
             raise result
         return result
 
-    def sample_batch(self, members: Sequence[BatchMember]) -> list[MemberResult]:
-        """Runs the members' denoising loops together. Returns, per member, its
-        latents (num_images, C, H/8, W/8; a video's with its latent frames after C)
-        on the CPU, or what ended it: JobSuspended or JobInterrupted once its
-        ``stopping`` was set, BadOutput, or the error of its own inputs. An error
-        of the batch as a whole (the model, the device) is raised."""
-        keys = {m.params.key for m in members}
+    def takes_joiners(self, model: str) -> bool:
+        """Whether a running batch of ``model`` takes jobs in at a step boundary."""
+        return self.denoiser_for(self.registry.get(model)).takes_joiners
+
+    def sample_batch(self, members: Sequence[BatchMember], joins: RunningBatch | None = None) -> list[MemberResult]:
+        """Runs the members' denoising loops together, and those offered to ``joins``
+        from their next step boundary on. Returns, per member (the joiners after the
+        rest), its latents (num_images, C, H/8, W/8; a video's with its latent frames
+        after C) on the CPU, or what ended it: JobSuspended or JobInterrupted once its
+        ``stopping`` was set, BadOutput, or the error of its own inputs; with
+        ``joins`` each also goes out as it leaves. An error of the batch as a whole
+        (the model, the device) is raised."""
+        keys = {m.params.join_key for m in members}
         if len(keys) != 1:
-            raise ValueError(f"a batch holds jobs of one shape, not {len(keys)}")
+            raise ValueError(f"a batch holds jobs of one model and size, not {len(keys)}")
         model = keys.pop().model
         spec = self.registry.get(model)
         if model not in self.models:  # a job waits for this load
@@ -152,7 +159,7 @@ class SamplerEngine:
             loaded = self.models.get(model)
             checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
             with self.busy.denoising():
-                return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints)
+                return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints, joins)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Its device's work on its denoising stream (from whichever thread): the

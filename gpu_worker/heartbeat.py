@@ -1,10 +1,11 @@
 """The sampler's own part of its heartbeat (``services.presence.Heartbeat`` sends
 it with its card's telemetry): its jobs in flight, the models it holds, measured
-as they loaded, how busy denoising keeps it, and (where there is a model store)
+as they loaded, how busy denoising keeps it, the room in the batch it runs, and (where there is a model store)
 the blobs in its host's cache, which other hosts may fetch from it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,9 @@ class SamplerLoad:
     engine: SamplerEngine
     tracker: JobTracker
     cache: CachedBlobs | None = None
+    # The room of the batch on the device (``JobRunner.open_seats``): placement may
+    # send it jobs of its model and size, to join at its next step boundary.
+    open_seats: Callable[[], list[dict[str, Any]]] | None = None
 
     def __call__(self) -> dict[str, Any]:
         inflight = len(self.tracker.running())
@@ -27,6 +31,8 @@ class SamplerLoad:
         # Measured, for the scheduler's costs: bytes and load seconds per model; and
         # whether its GPU waits for the host (``gpu_worker.busy``).
         own = {"inflight": inflight, "models": self.engine.footprints(), **self.engine.busy.reading().telemetry()}
+        if self.open_seats is not None:
+            own["open_seats"] = self.open_seats()
         if self.cache is not None:
             own.update(self.cache.telemetry())  # ``model_cache``: what peers may ask this host for
         return own

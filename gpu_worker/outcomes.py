@@ -54,6 +54,12 @@ class Started:
     writer: PeriodicCheckpointWriter | None = None  # stores its periodic checkpoints
     prepared: bool = False  # its input image and prompt made ready (``JobRunner.prepare``)
     inputs: MemberInputs | BaseException | None = None  # its input image as its model takes it, or what kept it
+    # Once sampled: its time in its batch, the images beside it (its own included,
+    # on average over its steps), and, if it joined a running batch at a step
+    # boundary, the images already in it then (None: it began its batch).
+    sampled_s: float = 0.0
+    batch_rows: int = 0
+    joined_rows: int | None = None
 
 
 class OutcomeRecorder:

@@ -14,18 +14,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 import torch
 
 from gpu_worker import spans
+from gpu_worker.batch_sampling import BatchSampling
 from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
 from gpu_worker.decoders import Decoders
-from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult
+from gpu_worker.denoising import BatchMember, MemberInputs
 from gpu_worker.edit_inputs import EditInputs
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.failures import FailureStreak
@@ -34,6 +35,7 @@ from gpu_worker.metrics import BATCH_IMAGES
 from gpu_worker.outcomes import Decoded, Outcome, OutcomeRecorder, Started
 from gpu_worker.previews import preview_steps
 from gpu_worker.progress import BatchProgress
+from gpu_worker.running_batch import OpenSeats
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
@@ -46,11 +48,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SampledBatch:
-    seconds: float  # the GPU's time on the batch: free for the next once its latents are out
-    rows: int  # images in it
-    learnable: bool  # its model was warm: the time says how long such batches take
-    # Recording its jobs DECODING, under way while they decode: their outcomes wait for it.
+    """Members of a batch that left it at one step boundary (or all of a batch that
+    takes no joiners), their latents or what ended them on each (``Started``)."""
+
+    learnable: bool  # their model was warm and they ran whole: their times say how long such runs take
+    # Recording them DECODING, under way while they decode: their outcomes wait for it.
     recorded: asyncio.Future[None] | None = None
+
+
+# Where the runner hands members out as they leave their batch, on the event loop.
+OnSampled = Callable[[list[Started], SampledBatch], None]
 
 
 class JobRunner:
@@ -72,10 +79,15 @@ class JobRunner:
         self.outcomes = OutcomeRecorder(store, self.failures)
         self.edit_inputs = EditInputs(store, decoders)
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
+        self._sampling: BatchSampling | None = None  # the batch on the device
 
     @property
     def unfit(self) -> bool:
         return self.failures.unfit
+
+    def is_warm(self, model: str) -> bool:
+        """Whether ``model`` has run a job since it loaded."""
+        return model in self._warmed_up
 
     def warmed_up(self, model: str) -> None:
         self._warmed_up.add(model)
@@ -132,40 +144,66 @@ class JobRunner:
             # The batch encodes them as it starts, where a bad prompt fails its job alone.
             log.debug("prompts not encoded ahead: %s", exc, extra=logs.jobs_fields(s.job.id for s in batch))
 
-    async def sample(self, batch: Sequence[Started]) -> SampledBatch:
-        """Runs the batch's denoising loops together and leaves each member's latents
-        (or what ended it) on it; the members with latents are then recorded
-        DECODING, together, while the batch goes on to decode."""
+    async def sample(self, batch: Sequence[Started], on_sampled: OnSampled) -> None:
+        """Runs the batch's denoising loops together, and those of the jobs that
+        ``join`` it at a step boundary. Each member goes to ``on_sampled`` as it
+        leaves, with the others that left at that boundary, its latents (or what
+        ended it) on it, and is recorded DECODING with them while they decode; every
+        member goes out exactly once, whatever becomes of the batch."""
         model = batch[0].job.params.model
-        was_warm = model in self._warmed_up
-        loop = asyncio.get_running_loop()
         if not all(s.prepared for s in batch):
             await self.prepare([s for s in batch if not s.prepared])
         # A job whose input could not be made fails (or waits) alone; the rest run.
-        runnable = [s for s in batch if not isinstance(s.inputs, BaseException)]
-        progress = BatchProgress(self.store, self.store.events, loop)
-        members = [self._member(s, loop, progress) for s in runnable]
-        began_at = datetime.now(UTC)
-        began = time.perf_counter()
-        results = dict(zip((s.job.id for s in runnable), await self._sample(runnable, members), strict=True))
-        seconds = time.perf_counter() - began
-        for started in batch:
-            own = started.inputs
-            started.result = own if isinstance(own, BaseException) else results[started.job.id]
+        unmade = [s for s in batch if isinstance(s.inputs, BaseException)]
+        for started in unmade:
+            started.result = started.inputs if isinstance(started.inputs, BaseException) else None
             started.watch.sampled = True
-            started.sampling_at = began_at
-        rows = sum(s.job.params.num_images for s in batch)
-        BATCH_IMAGES.labels(model=model).observe(rows)
-        spans.sampled(batch, seconds=seconds, rows=rows, worker_id=self.worker_id)
-        sampled = [s for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
+        if unmade:
+            on_sampled(unmade, SampledBatch(learnable=False))
+        runnable = [s for s in batch if s not in unmade]
+        if not runnable:
+            return
+        sampling = BatchSampling(self, model, asyncio.get_running_loop(), on_sampled)
+        self._sampling = sampling
+        try:
+            await sampling.run(runnable)
+        finally:
+            self._sampling = None
+
+    def join(self, batch: Sequence[Started]) -> bool:
+        """Whether the jobs (started, prepared) join the batch on the device at its
+        next step boundary; False when none runs, it has ended, or they do not fit."""
+        sampling = self._sampling
+        if sampling is None or any(isinstance(s.inputs, BaseException) or not s.prepared for s in batch):
+            return False
+        return sampling.join(batch)
+
+    def seats(self) -> OpenSeats | None:
+        """The room of the batch on the device: jobs of its model and size it takes now."""
+        sampling = self._sampling
+        return sampling.seats() if sampling is not None else None
+
+    def open_seats(self) -> list[dict[str, Any]]:
+        """``seats`` for the heartbeat."""
+        seats = self.seats()
+        return [seats.telemetry()] if seats is not None else []
+
+    def sampled(self, cohort: list[Started], *, model: str, was_warm: bool) -> SampledBatch:
+        """Members that left their batch: observed, traced, and those with latents
+        recorded DECODING (under way while they decode)."""
+        first = cohort[0]
+        BATCH_IMAGES.labels(model=model).observe(first.batch_rows)
+        spans.sampled(cohort, seconds=first.sampled_s, rows=first.batch_rows, worker_id=self.worker_id)
+        with_latents = [s for s in cohort if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
         recorded = None
-        if sampled:
+        if with_latents:
             self._warmed_up.add(model)
-            recorded = asyncio.ensure_future(self._decoding(sampled, began_at))
-        # A batch that loaded or warmed up its model says little about how long
-        # batches take; nor does one that resumed a job part of the way through.
-        whole = all(s.resume is None and s.job.params.first_step() == 0 for s in batch)
-        return SampledBatch(seconds, rows, learnable=was_warm and whole, recorded=recorded)
+            began_at = min(s.sampling_at or datetime.now(UTC) for s in with_latents)
+            recorded = asyncio.ensure_future(self._decoding(with_latents, began_at))
+        # A run that loaded or warmed up its model says little about how long runs
+        # take; nor does one that resumed a job part of the way through.
+        whole = all(s.resume is None and s.job.params.first_step() == 0 for s in cohort)
+        return SampledBatch(learnable=was_warm and whole, recorded=recorded)
 
     async def _inputs(self, batch: Sequence[Started]) -> dict[str, MemberInputs | BaseException]:
         """Each edit's and upscale's input, as its model takes it, or what kept it from it."""
@@ -174,28 +212,7 @@ class JobRunner:
         except Exception as exc:  # the database stayed away: the outcome says so
             return {s.job.id: exc for s in batch if s.job.params.image_digest}
 
-    async def _sample(self, batch: Sequence[Started], members: list[BatchMember]) -> list[MemberResult]:
-        """The members' results. If the batch as a whole fails, its members run again
-        one by one, so that a job that broke it fails alone."""
-        if not members:
-            return []
-        try:
-            return await asyncio.to_thread(self.engine.sample_batch, members)
-        except Exception as exc:
-            if len(members) == 1:
-                return [exc]
-            extra = logs.jobs_fields(s.job.id for s in batch)
-            log.warning("a batch of %d failed (%s); running its jobs one by one", len(batch), exc, extra=extra)
-        results: list[MemberResult] = []
-        for member in members:
-            try:
-                [result] = await asyncio.to_thread(self.engine.sample_batch, [member])
-            except Exception as alone:
-                result = alone
-            results.append(result)
-        return results
-
-    def _member(self, started: Started, loop: asyncio.AbstractEventLoop, batch: BatchProgress) -> BatchMember:
+    def member(self, started: Started, loop: asyncio.AbstractEventLoop, batch: BatchProgress) -> BatchMember:
         """The job as a batch member: its steps reported, its periodic checkpoints stored."""
         job, watch = started.job, started.watch
         resumed_from = started.resume.step if started.resume is not None else 0
@@ -227,10 +244,10 @@ class JobRunner:
     # -- decode and finish -----------------------------------------------------------
 
     async def finish(self, batch: Sequence[Started], sampled: SampledBatch) -> list[Outcome]:
-        """Takes a sampled batch's jobs to their stored outcomes, per job in order:
-        decoded (the batch in one call) and SUCCEEDED, or failed, cancelled, handed
-        back or suspended as each one's result says. The batch's time is learned
-        once, from its first member, under its rows."""
+        """Takes members that left their batch together to their stored outcomes, per
+        job in order: decoded (in one call) and SUCCEEDED, or failed, cancelled,
+        handed back or suspended as each one's result says. Their run time is
+        learned once, from the first, under the images it ran beside."""
         latents = [(s.job, s.result) for s in batch if isinstance(s.result, torch.Tensor) and not s.watch.discards_work]
         decoded = await self.decoders.decode_many(latents) if latents else {}
         decoded_at = datetime.now(UTC)
@@ -238,16 +255,19 @@ class JobRunner:
             await sampled.recorded  # DECODING before SUCCEEDED, in the database and on the stream
         outcomes = []
         for i, started in enumerate(batch):
-            # What its result will say, but its images: what the batch measured.
+            images = started.job.params.num_images
+            rows = max(started.batch_rows, images)
+            # What its result will say, but its images: what its run measured.
             result = Result(
                 started.job.id,
                 started.job.attempt,
                 (),
                 decoded_at,
                 # Shared by images: a job of two images in a batch of four used half of it.
-                busy_s=sampled.seconds * started.job.params.num_images / sampled.rows,
-                run_seconds=sampled.seconds if sampled.learnable and i == 0 else None,
-                batch_rows=sampled.rows,
+                busy_s=started.sampled_s * images / rows,
+                run_seconds=started.sampled_s if sampled.learnable and i == 0 else None,
+                batch_rows=rows,
+                joined_rows=started.joined_rows,
             )
             outcomes.append(self._finish_one(started, decoded.get(started.job.id), result))
         return list(await asyncio.gather(*outcomes))

@@ -11,6 +11,7 @@ offered as the loop ends either joins or is refused, never lost."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,20 +56,27 @@ class RunningBatch:
         self._waiting: list[BatchMember] = []
         self._closed = False
         self._steps_left = max((m.params.steps for m in members), default=0)
+        now = time.perf_counter()
+        # Per member (by identity): when it came in, and the images of each step it ran in.
+        self._joined_at: dict[int, float] = {id(m): now for m in members}
+        self._rows_run: dict[int, list[int]] = {}
 
     # -- the event loop --------------------------------------------------------------
 
-    def offer(self, members: Sequence[BatchMember]) -> bool:
-        """Whether ``members`` (all of them) will join at the next step boundary:
-        False once the batch has ended or when they do not fit."""
+    def offer(self, members: Sequence[BatchMember]) -> int | None:
+        """The images already in the batch if ``members`` (all of them) will join it
+        at its next step boundary; None once the batch has ended, or when they do
+        not fit."""
         rows = sum(m.params.num_images for m in members)
         with self._lock:
-            if self._closed or any(m.params.join_key != self.key for m in members) or self._rows + rows > self.max_rows:
-                return False
+            fits = self._rows + rows <= self.max_rows
+            if self._closed or not fits or any(m.params.join_key != self.key for m in members):
+                return None
+            before = self._rows
             self._waiting.extend(members)
             self._rows += rows
             self._steps_left = max(self._steps_left, *(m.params.steps for m in members))
-            return True
+            return before
 
     def free_rows(self) -> int:
         with self._lock:
@@ -87,11 +95,24 @@ class RunningBatch:
         """The members offered since the last boundary: they join now."""
         with self._lock:
             taken, self._waiting = self._waiting, []
+            now = time.perf_counter()
+            self._joined_at.update((id(m), now) for m in taken)
             return taken
 
-    def stepped(self, steps_left: int) -> None:
+    def stepped(self, members: Sequence[BatchMember], steps_left: int) -> None:
+        """A step of ``members`` begins (the most steps any has left: ``steps_left``)."""
+        rows = sum(m.params.num_images for m in members)
         with self._lock:
             self._steps_left = steps_left
+            for m in members:
+                self._rows_run.setdefault(id(m), []).append(rows)
+
+    def ran(self, member: BatchMember) -> tuple[float, int]:
+        """When ``member`` came in (``time.perf_counter``), and the images of its
+        batch over the steps it ran, on average (its own if it ran none)."""
+        with self._lock:
+            rows = self._rows_run.get(id(member)) or [member.params.num_images]
+            return self._joined_at.get(id(member), time.perf_counter()), round(sum(rows) / len(rows))
 
     def leave(self, cohort: Cohort) -> None:
         """Members that left at this boundary: their room frees, their results go out."""
@@ -107,6 +128,16 @@ class RunningBatch:
         with self._lock:
             if self._waiting:
                 taken, self._waiting = self._waiting, []
+                now = time.perf_counter()
+                self._joined_at.update((id(m), now) for m in taken)
                 return taken
             self._closed = True
             return []
+
+    def shut(self) -> list[BatchMember]:
+        """The batch failed as a whole: it takes no one more; the members offered
+        that never came in."""
+        with self._lock:
+            self._closed = True
+            taken, self._waiting = self._waiting, []
+            return taken

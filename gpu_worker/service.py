@@ -205,7 +205,10 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     )
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
-    load = SamplerLoad(worker_id, engine, tracker, model_store.announced if model_store is not None else None)
+    store = JobStore(repo, events, worker_id, outcome_retry_s=settings.outcome_retry_s)
+    runner = JobRunner(store, engine, decoders, tracker, unfit_after_failures=settings.unhealthy_after_failures)
+    announced = model_store.announced if model_store is not None else None
+    load = SamplerLoad(worker_id, engine, tracker, announced, open_seats=runner.open_seats)
     heartbeat = Heartbeat(WorkerKind.SAMPLER, worker_id, address, engine, telemetry, kernel.restarts, load)
     # In a sealed mesh only the scheduler may create the bucket; a sampler waits for it.
     board = BoardOnConnection(lambda: events.nc, replicas=kernel.nats_replicas, create=credentials is None)
@@ -219,8 +222,6 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         on_superseded=stop.set,
         reads_plan=True,
     )
-    store = JobStore(repo, events, worker_id, outcome_retry_s=settings.outcome_retry_s)
-    runner = JobRunner(store, engine, decoders, tracker, unfit_after_failures=settings.unhealthy_after_failures)
     parts: list[Part] = [
         Metrics(kernel, "sampler"),
         Migrations(kernel),

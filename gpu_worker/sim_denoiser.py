@@ -9,6 +9,7 @@ from typing import Any
 
 from gpu_worker.checkpoint_capture import MemberCheckpoints, MemberRun
 from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult
+from gpu_worker.running_batch import RunningBatch
 from services.generation import GenerationParams
 from services.models import sim
 from services.models.loader import Loaded
@@ -17,6 +18,7 @@ from services.models.registry import ModelSpec
 
 class SimDenoiser:
     loads_weights = False
+    takes_joiners = False  # a batch sleeps its steps in one call
 
     def load(self, spec: ModelSpec) -> Loaded:
         return Loaded(spec, 0, 0.0)  # nothing to load: a sim model only sleeps
@@ -28,8 +30,15 @@ class SimDenoiser:
         return None
 
     def sample(
-        self, model: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
+        self,
+        model: Any,
+        spec: ModelSpec,
+        members: Sequence[BatchMember],
+        checkpoints: MemberCheckpoints,
+        joins: RunningBatch | None = None,
     ) -> list[MemberResult]:
+        if joins is not None:
+            raise ValueError("a sim batch takes no joiners")
         key = members[0].params.key
         runs = [MemberRun.fresh(m, spec.scheduler, key.steps) for m in members]
         for run in runs:

@@ -50,3 +50,5 @@ class Result:
     # of a batch), and the images in that batch.
     run_seconds: float | None = None
     batch_rows: int | None = None
+    # Images already running in the batch it joined at a step boundary; None: it began its batch.
+    joined_rows: int | None = None

@@ -98,6 +98,8 @@ class JobRow(Base):
     # Images in the batch the successful attempt ran in, its own included: the
     # shape ``run_seconds`` (kept on one member of the batch) is learned under.
     batch_rows: Mapped[int | None] = mapped_column(Integer)
+    # Images already running in the batch it joined at a step boundary; NULL: it began its batch.
+    joined_rows: Mapped[int | None] = mapped_column(Integer)
     learned: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     worker_id: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))

@@ -140,6 +140,7 @@ class JobRecord:
     attempt_log: tuple[AttemptFailure, ...] = ()
     output_format: str = "png"
     batch_rows: int | None = None
+    joined_rows: int | None = None  # images running in the batch it joined mid-way; None: it began one
     dispatched_at: datetime | None = None
     decoded_at: datetime | None = None
     trace_context: str | None = None

@@ -13,7 +13,8 @@ from typing import cast
 from gpu_worker.acks import REDELIVER_AFTER_S
 from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.outcomes import Outcome, Started
-from gpu_worker.runner import JobRunner, SampledBatch
+from gpu_worker.runner import JobRunner, OnSampled, SampledBatch
+from gpu_worker.running_batch import OpenSeats
 from gpu_worker.tracker import JobWatch
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.generation import JobShape
@@ -36,6 +37,11 @@ class FakeRunner:
         self.release = asyncio.Event()
         self.release.set()
         self.finishing: list[str] = []
+        self.device = asyncio.Event()  # set: a batch's sampling ends at once
+        self.device.set()
+        self.sampling: list[Started] = []
+        self.takes_joiners = True
+        self.joined: list[str] = []
 
     async def start(self, dispatches: Sequence[Dispatch]) -> dict[str, Started | Outcome]:
         self.batches.append([d.job_id for d in dispatches])
@@ -49,8 +55,27 @@ class FakeRunner:
     async def prepare(self, batch: Sequence[Started]) -> None:
         pass
 
-    async def sample(self, batch: Sequence[Started]) -> SampledBatch:
-        return SampledBatch(0.01, len(batch), learnable=False)
+    async def sample(self, batch: Sequence[Started], on_sampled: OnSampled) -> None:
+        self.sampling = [*batch]
+        try:
+            await self.device.wait()
+            on_sampled(self.sampling, SampledBatch(learnable=False))
+        finally:
+            self.sampling = []
+
+    def seats(self) -> OpenSeats | None:
+        """Room for two more images of the running batch's model and size, while one runs."""
+        if not self.sampling or not self.takes_joiners:
+            return None
+        rows = sum(s.job.params.num_images for s in self.sampling)
+        return OpenSeats(self.sampling[0].job.params.join_key, rows, max(2 - rows + 1, 0), 4) if rows < 3 else None
+
+    def join(self, batch: Sequence[Started]) -> bool:
+        if not self.sampling:
+            return False
+        self.joined.extend(s.job.id for s in batch)
+        self.sampling.extend(batch)
+        return True
 
     async def finish(self, batch: Sequence[Started], sampled: SampledBatch) -> list[Outcome]:
         self.finishing.extend(s.job.id for s in batch)
@@ -151,3 +176,34 @@ async def test_an_unfit_runner_ends_the_loop() -> None:
     h.runner.unfit = True
     h.sub.wake()
     await asyncio.wait_for(h.task, 5.0)
+
+
+async def test_a_job_of_the_running_batchs_model_and_size_joins_it_whatever_its_steps() -> None:
+    h = Harness()
+    h.runner.device.clear()
+    first, joiner = msg("first"), msg("joiner", shape=B)
+    h.sub.deliver(first)
+    await eventually(lambda: [s.job.id for s in h.runner.sampling] == ["first"], "the first batch on the device")
+    # Another number of steps: another batch key, the same join key.
+    h.sub.deliver(joiner)
+    await eventually(lambda: h.runner.joined == ["joiner"], "the job joining the running batch")
+    assert h.runner.batches == [["first"], ["joiner"]], "started on its own, then offered to the batch"
+    assert joiner.settled == [], "not acked before its outcome"
+    h.runner.device.set()
+    await eventually(lambda: first.settled == joiner.settled == ["ack"], "both acked once stored")
+    await h.stopped()
+
+
+async def test_a_job_of_another_size_waits_and_stops_later_joiners_jumping_ahead() -> None:
+    h = Harness()
+    h.runner.device.clear()
+    msgs = [msg("first"), msg("other", shape=JobShape("tiny", 128, 128, 4, 7.5, 1)), msg("later")]
+    h.sub.deliver(msgs[0])
+    await eventually(lambda: bool(h.runner.sampling), "the first batch on the device")
+    h.sub.deliver(*msgs[1:])  # in hand together: the older one of another size first
+    await eventually(lambda: len(h.consumer._in_hand) == 2, "both in hand")
+    h.runner.device.set()
+    await eventually(lambda: all(m.settled == ["ack"] for m in msgs), "all acked")
+    assert h.runner.joined == [], "the later job did not join past the older one of another size"
+    assert h.runner.batches == [["first"], ["other"], ["later"]]
+    await h.stopped()

@@ -20,7 +20,8 @@ from gpu_worker.denoising import BadOutput, BatchMember, JobSuspended, MemberRes
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.job_store import JobStore
 from gpu_worker.outcomes import Outcome, Started
-from gpu_worker.runner import JobRunner
+from gpu_worker.runner import JobRunner, SampledBatch
+from gpu_worker.running_batch import RunningBatch
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import ImageRecord, JobRecord
@@ -56,7 +57,11 @@ class ScriptedEngine:
         self.whole = whole
         self.batches: list[list[str]] = []  # the prompts of each call
 
-    def sample_batch(self, members: Sequence[BatchMember]) -> list[MemberResult]:
+    def takes_joiners(self, model: str) -> bool:
+        return False  # its members all leave together, at its end
+
+    def sample_batch(self, members: Sequence[BatchMember], joins: RunningBatch | None = None) -> list[MemberResult]:
+        assert joins is None
         self.batches.append([m.params.prompt for m in members])
         self.whole(members)
         return [self.each(m) for m in members]
@@ -114,7 +119,16 @@ class Harness:
         started = await self.start(*job_ids)
         before(started)
         batch = list(started.values())
-        return await self.runner.finish(batch, await self.runner.sample(batch))
+        outcomes: dict[str, Outcome] = {}
+        for jobs, sampled in await self.sample(batch):
+            outcomes.update(zip((s.job.id for s in jobs), await self.runner.finish(jobs, sampled), strict=True))
+        return [outcomes[s.job.id] for s in batch]
+
+    async def sample(self, batch: list[Started]) -> list[tuple[list[Started], SampledBatch]]:
+        """The batch sampled: its members as they came out, with what their sampling was."""
+        out: list[tuple[list[Started], SampledBatch]] = []
+        await self.runner.sample(batch, lambda jobs, sampled: out.append((jobs, sampled)))
+        return out
 
 
 async def test_an_outcome_is_retried_while_the_database_is_away() -> None:
@@ -159,7 +173,8 @@ async def test_a_batch_that_fails_whole_reruns_one_by_one_and_the_bad_job_fails_
     assert await h.run("a", "p", "b") == [Outcome.STORED] * 3
     assert h.engine.batches == [["a fox", "poison", "a hen"], ["a fox"], ["poison"], ["a hen"]]
     assert h.repo.attempts.failed == [("p", "RuntimeError: CUDA error: device-side assert triggered", True)]
-    assert sorted(r.job_id for r in h.repo.attempts.finished[0]) == ["a", "b"]
+    # Each rerun goes out (to decode and store) as it ends.
+    assert [[r.job_id for r in f] for f in h.repo.attempts.finished] == [["a"], ["b"]]
 
 
 async def test_a_cancelled_member_stores_cancelled_and_the_rest_finish() -> None:
@@ -182,14 +197,15 @@ async def test_each_member_is_charged_its_images_share_of_its_batch_s_sampling_t
     started = await h.start("one", "three", "gone")
     started["gone"].watch.stop(StopReason.CANCELLED)
     batch = list(started.values())
-    sampled = await h.runner.sample(batch)
-    await h.runner.finish(batch, sampled)
+    [(jobs, sampled)] = await h.sample(batch)
+    await h.runner.finish(jobs, sampled)
     [finished] = h.repo.attempts.finished
     shares = {r.job_id: r.busy_s for r in finished}
     assert shares["one"] > 0 and shares["three"] == pytest.approx(3 * shares["one"])
     # A member cancelled part of the way is charged for its place in the batch too.
     assert h.repo.attempts.charged["gone"] == pytest.approx(shares["one"])
-    assert sum(shares.values()) + h.repo.attempts.charged["gone"] == pytest.approx(sampled.seconds)
+    assert sum(shares.values()) + h.repo.attempts.charged["gone"] == pytest.approx(started["one"].sampled_s)
+    assert {s.batch_rows for s in batch} == {5}
 
 
 async def test_a_preempted_member_stores_its_checkpoint_and_goes_back_to_the_queue() -> None:

@@ -1,0 +1,124 @@
+"""One batch on the device, as its runner sees it: its members, the jobs that join it
+at a step boundary, and each member handed out as it leaves, with how long it ran
+and beside how many images. A batch whose model's loop takes no joiners (the sim
+family) hands all its members out together at its end.
+
+If the batch fails as a whole (its model, the device), the members still in it run
+again one by one, so that a job that broke it fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from gpu_worker.denoising import BatchMember, MemberResult
+from gpu_worker.outcomes import Started
+from gpu_worker.progress import BatchProgress
+from gpu_worker.running_batch import OpenSeats, RunningBatch
+from services.telemetry import logs
+
+if TYPE_CHECKING:
+    from gpu_worker.runner import JobRunner, OnSampled
+
+log = logging.getLogger(__name__)
+
+
+class BatchSampling:
+    def __init__(self, runner: JobRunner, model: str, loop: asyncio.AbstractEventLoop, on_sampled: OnSampled) -> None:
+        self.runner = runner
+        self.engine = runner.engine
+        self.model = model
+        self.loop = loop
+        self.on_sampled = on_sampled
+        self.was_warm = runner.is_warm(model)
+        self.progress = BatchProgress(runner.store, runner.store.events, loop)
+        self._members: dict[int, tuple[BatchMember, Started]] = {}  # by the member's identity: not out yet
+        self._running: RunningBatch | None = None
+        self._began = time.perf_counter()
+        self._rows = 0
+        self._count = 0  # members it ever had
+
+    async def run(self, batch: Sequence[Started]) -> None:
+        members = [self._add(s, self.runner.member(s, self.loop, self.progress)) for s in batch]
+        self._rows = sum(m.params.num_images for m in members)
+        if self.engine.takes_joiners(self.model):
+            spec = self.engine.registry.get(self.model)
+            key = members[0].params.join_key
+            self._running = RunningBatch(key, spec.max_batch, members, self._left_from_thread)
+        self._began = time.perf_counter()
+        try:
+            results = await asyncio.to_thread(self.engine.sample_batch, members, self._running)
+        except Exception as exc:
+            if self._running is not None:
+                self._running.shut()
+            await self._one_by_one(exc)
+            return
+        if self._running is None:
+            self._left(list(zip(members, results, strict=True)))
+        # With joiners, each went out as it left: those hand-offs were queued on the
+        # loop before this thread's end was, so they have all run by now.
+        self._left([(m, RuntimeError("the batch ended without it")) for m, _ in list(self._members.values())])
+
+    def join(self, batch: Sequence[Started]) -> bool:
+        if self._running is None:
+            return False
+        members = [self.runner.member(s, self.loop, self.progress) for s in batch]
+        before = self._running.offer(members)
+        if before is None:
+            return False
+        for member, started in zip(members, batch, strict=True):
+            self._add(started, member)
+            started.joined_rows = before
+        return True
+
+    def seats(self) -> OpenSeats | None:
+        return self._running.seats() if self._running is not None else None
+
+    def _add(self, started: Started, member: BatchMember) -> BatchMember:
+        self._members[id(member)] = (member, started)
+        self._count += 1
+        return member
+
+    def _left_from_thread(self, cohort: list[tuple[BatchMember, MemberResult]]) -> None:
+        self.loop.call_soon_threadsafe(self._left, cohort)
+
+    def _left(self, cohort: Sequence[tuple[BatchMember, MemberResult]]) -> None:
+        """Members that left at one boundary: their results on them, and out."""
+        now = time.perf_counter()
+        wall = datetime.now(UTC)
+        out: list[Started] = []
+        for member, result in cohort:
+            entry = self._members.pop(id(member), None)
+            if entry is None:
+                continue  # out already
+            started = entry[1]
+            began, rows = self._running.ran(member) if self._running is not None else (self._began, self._rows)
+            started.result = result
+            started.watch.sampled = True
+            started.sampled_s = max(now - began, 0.0)
+            started.batch_rows = max(rows, member.params.num_images)
+            started.sampling_at = wall - timedelta(seconds=started.sampled_s)
+            out.append(started)
+        if out:
+            self.on_sampled(out, self.runner.sampled(out, model=self.model, was_warm=self.was_warm))
+
+    async def _one_by_one(self, exc: Exception) -> None:
+        remaining = list(self._members.values())
+        if self._count == 1:
+            self._left([(m, exc) for m, _ in remaining])
+            return
+        extra = logs.jobs_fields(s.job.id for _, s in remaining)
+        log.warning("a batch of %d failed (%s); running its jobs one by one", self._count, exc, extra=extra)
+        self._running = None  # each runs alone: its own time and rows
+        for member, _ in remaining:
+            self._began, self._rows = time.perf_counter(), member.params.num_images
+            result: MemberResult
+            try:
+                [result] = await asyncio.to_thread(self.engine.sample_batch, [member])
+            except Exception as alone:
+                result = alone
+            self._left([(member, result)])
