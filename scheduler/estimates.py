@@ -7,6 +7,10 @@ the worker's speed. Both are running means that turn into exponential averages
 after ``WARMUP`` observations, so they follow a GPU that slows down (heat, a
 noisy neighbour) without forgetting everything at once.
 
+A step's time at each batch size (``Durations.step_seconds``) comes from the same
+shapes: what a job joining a running batch costs depends on how a step grows
+with the batch, not on any one shape.
+
 Pure: a frozen table in, a new entry out. The scheduler and the simulator read
 the same table; workers record how long each job ran, and the scheduler folds
 those run times in and stores the table, so estimates survive restarts.
@@ -14,7 +18,8 @@ those run times in and stores the table, so estimates survive restarts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -85,10 +90,52 @@ class Durations:
     @cached_property
     def _batch_sizes(self) -> dict[tuple[str, int, int], list[tuple[int, float]]]:
         sizes: dict[tuple[str, int, int], list[tuple[int, float]]] = {}
+        for shape, learned in self._learned_shapes:
+            sizes.setdefault((shape.model, shape.pixels, shape.steps), []).append((shape.batch, learned.mean))
+        return sizes
+
+    @cached_property
+    def _learned_shapes(self) -> list[tuple[Shape, Learned]]:
+        shapes = []
         for key, learned in self.shapes.items():
             model, pixels, steps, batch = key.rsplit("|", 3)
-            sizes.setdefault((model, int(pixels), int(steps)), []).append((int(batch), learned.mean))
-        return sizes
+            shapes.append((Shape(model, int(pixels), int(steps), int(batch)), learned))
+        return shapes
+
+    def step_seconds(self, model: str, pixels: int, batch: int, step_s_512: float) -> float:
+        """One denoising step of a batch of ``batch`` outputs of ``pixels`` each, on a
+        speed-1.0 worker: learned from the shapes of that batch size whatever their
+        steps (seconds over steps, weighted by how often each was seen: a member of
+        a batch joined mid-way records its own steps and the batch's mean size);
+        between learned batch sizes, linear in the batch (``along_batch``); with
+        none learned for the model and size, the registry's first estimate."""
+        memo = self._step_memo
+        known = memo.get((model, pixels, batch, step_s_512))
+        if known is None:
+            learned = self._step_times.get((model, pixels))
+            known = (
+                along_batch(learned, batch) if learned else default_seconds(Shape(model, pixels, 1, batch), step_s_512)
+            )
+            memo[(model, pixels, batch, step_s_512)] = known
+        return known
+
+    @cached_property
+    def _step_memo(self) -> dict[tuple[str, int, int, float], float]:
+        return {}
+
+    @cached_property
+    def _step_times(self) -> dict[tuple[str, int], list[tuple[int, float]]]:
+        """(batch size, seconds per step) learned per model and size, by batch size."""
+        sums: dict[tuple[str, int], dict[int, tuple[float, int]]] = {}
+        for shape, learned in self._learned_shapes:
+            if shape.steps > 0 and shape.batch > 0 and learned.count > 0:
+                by_batch = sums.setdefault((shape.model, shape.pixels), {})
+                total, count = by_batch.get(shape.batch, (0.0, 0))
+                by_batch[shape.batch] = (total + learned.mean / shape.steps * learned.count, count + learned.count)
+        return {
+            key: [(batch, total / count) for batch, (total, count) in sorted(by_batch.items())]
+            for key, by_batch in sums.items()
+        }
 
     @cached_property
     def _speed_scale(self) -> float:
@@ -104,6 +151,27 @@ class Durations:
 
     def seconds(self, shape: Shape, step_s_512: float, worker_id: str, declared_speed: float = 1.0) -> float:
         return self.shape_seconds(shape, step_s_512) / self.speed(worker_id, declared_speed)
+
+
+def along_batch(learned: Sequence[tuple[int, float]], batch: int) -> float:
+    """A step's time at ``batch`` from (batch size, step time) learned, by batch
+    size: linear between the learned sizes around it. Outside them, along the
+    line through the two nearest, kept between a step that costs the same
+    whatever the batch and one that grows in proportion to it (each image
+    costing what it does at the nearest learned size): a batch's step never
+    costs less than a smaller batch's, nor an image less than in a bigger
+    batch. With one size learned, in proportion: no batching gain is assumed
+    before one is measured."""
+    for (b0, s0), (b1, s1) in itertools.pairwise(learned):
+        if b0 <= batch <= b1:
+            return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+    nearest_b, nearest_s = learned[0] if batch < learned[0][0] else learned[-1]
+    proportional = nearest_s * batch / nearest_b
+    if len(learned) == 1:
+        return proportional
+    (b0, s0), (b1, s1) = learned[:2] if batch < learned[0][0] else learned[-2:]
+    line = s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+    return min(max(line, min(nearest_s, proportional)), max(nearest_s, proportional))
 
 
 @dataclass(frozen=True)

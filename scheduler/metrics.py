@@ -29,7 +29,8 @@ QUEUE_WAIT = Histogram(
 )
 PLACEMENTS = Counter(
     "darkroom_placements",
-    "Jobs the scheduler placed, by kind: warm (its model loaded there), cold (it must load), batch (joins a batch).",
+    "Jobs the scheduler placed, by kind: warm (its model loaded there), cold (it must load), batch (joins a batch"
+    " waiting there), seat (joins the batch running there at its next step).",
     ["kind"],
 )
 PREEMPTIONS = Counter(

@@ -17,15 +17,22 @@ batch a worker holds but has not started costs that worker only what the batch
 grows by (from the learned durations of each batch size), and takes no place in
 its backlog: so compatible jobs gather on one GPU and batches form across the
 fleet, where the learned durations say a bigger batch costs less per image.
+
+Open seats: a job of the join key (model and size) of a batch a worker runs now,
+where its heartbeat says that batch has room, joins it at its next step
+(``scheduler.seats``): it finishes after its own steps at the bigger batch's step
+time, waiting for nothing held there, and the worker's held work grows by what the
+bigger step costs the other members. The pass uses the seat up, so no two jobs
+count on its last room.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from scheduler.nearness import Nearness, nearest
 from scheduler.policy import (
     Candidate,
     Fleet,
@@ -35,11 +42,11 @@ from scheduler.policy import (
     job_seconds,
     joining_seconds,
     order_queue,
+    seat_join,
 )
 from scheduler.scoring import admitted, eviction_cost, refusal
 from services.config.placement import PlacementSettings
 from services.db.states import WorkerStatus
-from services.generation import BatchKey
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ def place(
     if near is None or job.failed_on:
         candidates = tuple(refused.get(w.id) or admitted(job, w, fleet, config) for w in workers)
     else:
-        candidates = _nearest(job, workers, near, refused, fleet, config)
+        candidates = nearest(job, workers, near, refused, fleet, config)
     if job.failed_on:
         # A retry goes to another GPU (the one that failed it may be broken),
         # unless none other can take it.
@@ -125,85 +132,6 @@ def place(
     )
 
 
-def _nearest(
-    job: JobView,
-    workers: Sequence[WorkerView],
-    near: Nearness,
-    refused: Mapping[str, Candidate],
-    fleet: Fleet,
-    config: PlacementSettings,
-) -> tuple[Candidate, ...]:
-    """The candidates ``place`` decides from, scoring workers least loaded first
-    (ties by id) and only those that could still be chosen. A job can finish on a
-    worker no sooner than the work held there (a hot GPU only stretches it), plus,
-    unless the worker holds a batch it may join, its own duration on the fastest
-    worker. A worker whose bound passes the best finish found (or, while the best
-    has no room, what a warm worker with room may cost instead: ``spill_within``
-    times it) cannot be chosen, nor can one that would at most tie with a best
-    that has room and loses the tie by id; once the held work alone passes, no
-    worker further on can be. So a pass over a thousand GPUs scores the few near
-    the front, not all of them. Refused workers keep their candidates (free: each
-    model's are made once a pass)."""
-    scored: dict[int, Candidate] = {}
-    best: Candidate | None = None
-    joinable = near.joinable.get(job.batch_key, set())
-    own_s = fleet.durations.shape_seconds(job.shape, fleet.costs[job.model].step_s_512) / near.fastest
-
-    def beyond(bound: float, worker_id: str) -> bool:
-        if best is None:
-            return False
-        limit = best.finish_s if best.has_room else best.finish_s * max(config.spill_within, 1.0)
-        return bound > limit or (best.has_room and bound == limit and worker_id > best.worker_id)
-
-    for i in near.by_load:
-        worker = workers[i]
-        if beyond(worker.held_work_s, worker.id):
-            break  # and every worker after it, more loaded (or as loaded, a greater id)
-        if worker.id in refused or beyond(worker.held_work_s + (0.0 if i in joinable else own_s), worker.id):
-            continue
-        c = scored[i] = admitted(job, worker, fleet, config)
-        if c.eligible and (best is None or (c.finish_s, c.worker_id) < (best.finish_s, best.worker_id)):
-            best = c
-    return tuple(refused.get(w.id) or scored[i] for i, w in enumerate(workers) if w.id in refused or i in scored)
-
-
-@dataclass
-class Nearness:
-    """What lets a pass score only the workers near the front for each job: the
-    workers' indices by held work (then id), those holding a batch open for each
-    batch key, and the fastest worker's speed. Kept up to date as the pass gives
-    workers jobs."""
-
-    workers: list[WorkerView]
-    fastest: float
-    by_load: list[int] = field(init=False)
-    joinable: dict[BatchKey, set[int]] = field(init=False)
-    _keys: list[tuple[float, str, int]] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._keys = sorted((w.held_work_s, w.id, i) for i, w in enumerate(self.workers))
-        self.by_load = [i for _, _, i in self._keys]
-        self.joinable = {}
-        for i, w in enumerate(self.workers):
-            self._open(i, w)
-
-    def changed(self, i: int, before: WorkerView, after: WorkerView) -> None:
-        at = bisect.bisect_left(self._keys, (before.held_work_s, before.id, i))
-        del self._keys[at]
-        del self.by_load[at]
-        at = bisect.bisect_left(self._keys, (after.held_work_s, after.id, i))
-        self._keys.insert(at, (after.held_work_s, after.id, i))
-        self.by_load.insert(at, i)
-        for key, _ in before.open_batches:
-            self.joinable.get(key, set()).discard(i)
-        self._open(i, after)
-
-    def _open(self, i: int, w: WorkerView) -> None:
-        for key, rows in w.open_batches:
-            if rows:
-                self.joinable.setdefault(key, set()).add(i)
-
-
 def plan(
     jobs: Sequence[JobView],
     workers: Sequence[WorkerView],
@@ -214,10 +142,10 @@ def plan(
     exhaustive: Callable[[JobView], bool] = lambda job: False,
 ) -> list[Placement]:
     """Places queued jobs in priority order, each seeing the work (placed or
-    reserved) of the ones before it. Each job is scored on the workers that could
-    take it soonest (``_nearest``); one left waiting that ``exhaustive`` says may
-    have running work suspended for it is scored on every worker, because
-    preemption weighs them all."""
+    reserved) of the ones before it. Each job is scored on the workers that
+    could take it soonest (``scheduler.nearness``); one left waiting that
+    ``exhaustive`` says may have running work suspended for it is scored on
+    every worker, because preemption weighs them all."""
     ordered = order_queue([j for j in jobs], config, now=now)
     waiting = Counter(fleet.costs[j.model].capability for j in ordered if j.model in fleet.costs)
     wanted = Counter(j.model for j in ordered)
@@ -261,6 +189,10 @@ def plan(
 
 def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PlacementSettings, *, placed: bool) -> WorkerView:
     cost = fleet.costs[job.model]
+    seated = seat_join(job, w, fleet) if placed else None
+    if seated is not None:
+        seat = seated.seat.joined(job.num_images, job.steps)
+        return replace(w, held_work_s=w.held_work_s + seated.growth_s, open_seats=w.seats_with(seated.seat, seat))
     joining = joining_seconds(job, w, fleet) if placed else None
     if joining is not None:
         rows = w.open_rows(job.batch_key) + job.num_images

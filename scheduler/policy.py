@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from scheduler.estimates import Durations, Shape
+from scheduler.seats import OpenSeat
 from services.config.placement import PlacementSettings
 from services.db.states import WorkerStatus
-from services.generation import BatchKey
+from services.generation import BatchKey, JoinKey
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,10 @@ class JobView:
     def batch_key(self) -> BatchKey:
         return BatchKey(self.model, self.width, self.height, self.steps, self.guidance_scale, self.frames)
 
+    @cached_property  # placement asks for it once for each worker a job is scored on
+    def join_key(self) -> JoinKey:
+        return JoinKey(self.model, self.width, self.height, self.frames)
+
 
 @dataclass(frozen=True)
 class WorkerView:
@@ -78,6 +83,8 @@ class WorkerView:
     open_batches: tuple[tuple[BatchKey, int], ...] = ()
     # The kinds of work it serves ("image", "video", "upscale"); None: its models'.
     capabilities: frozenset[str] | None = None
+    # Room in the batch it runs now: a job of a seat's join key joins at the next step.
+    open_seats: tuple[OpenSeat, ...] = ()
 
     def serves(self, capability: str) -> bool:
         return self.capabilities is None or capability in self.capabilities
@@ -89,6 +96,14 @@ class WorkerView:
         """Its open batches, ``key``'s now of ``rows`` images."""
         return tuple(sorted({**dict(self.open_batches), key: rows}.items()))
 
+    def seat_for(self, key: JoinKey, images: int) -> OpenSeat | None:
+        """The seat a job of ``key`` and ``images`` images takes here, if any has room."""
+        return next((s for s in self.open_seats if s.takes(key, images)), None)
+
+    def seats_with(self, taken: OpenSeat, now: OpenSeat) -> tuple[OpenSeat, ...]:
+        """Its open seats, ``taken`` now ``now``."""
+        return tuple(now if s == taken else s for s in self.open_seats)
+
 
 class PlacementKind(enum.StrEnum):
     """What a worker has to do to take a job."""
@@ -96,6 +111,7 @@ class PlacementKind(enum.StrEnum):
     WARM = "warm"  # its model is loaded there
     COLD = "cold"  # it loads the model first
     BATCH = "batch"  # it joins a batch the worker holds
+    SEAT = "seat"  # it joins the batch the worker runs, at its next step
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,41 @@ def joining_seconds(job: JobView, worker: WorkerView, fleet: Fleet) -> float | N
         return None
     growth = batch_seconds(job, rows + job.num_images, worker, fleet) - batch_seconds(job, rows, worker, fleet)
     return max(growth, 0.0) if growth <= job_seconds(job, worker, fleet) else None
+
+
+def step_seconds(job: JobView, rows: int, worker: WorkerView, fleet: Fleet) -> float:
+    """One step of a batch of ``rows`` images of ``job``'s join key on ``worker``."""
+    durations = fleet.durations
+    step_s = durations.step_seconds(job.model, job.pixels, rows, fleet.costs[job.model].step_s_512)
+    return step_s / durations.speed(worker.id, worker.speed)
+
+
+@dataclass(frozen=True)
+class SeatJoin:
+    """``job`` joining the batch ``worker`` runs, at its next step boundary."""
+
+    seat: OpenSeat  # the seat it takes, as it was
+    finish_s: float  # from now until the job is done
+    growth_s: float  # what the worker's held work grows by
+
+
+def seat_join(job: JobView, worker: WorkerView, fleet: Fleet) -> SeatJoin | None:
+    """What taking an open seat on ``worker`` means for ``job``, if one takes it.
+    It waits for the step under way (counted whole: the heartbeat is not that
+    fresh), then runs its own steps at the bigger batch's step time (members
+    leaving as they finish only speed it up). The batch's other members slow by
+    the bigger step while they share it; one with more steps than the batch has
+    left runs on alone after they leave."""
+    seat = worker.seat_for(job.join_key, job.num_images)
+    if seat is None:
+        return None
+    step_now = step_seconds(job, seat.rows, worker, fleet)
+    step_with = step_seconds(job, seat.rows + job.num_images, worker, fleet)
+    shared = min(job.steps, seat.steps_left)
+    growth = shared * max(step_with - step_now, 0.0)
+    if job.steps > seat.steps_left:
+        growth += (job.steps - seat.steps_left) * step_seconds(job, job.num_images, worker, fleet)
+    return SeatJoin(seat, step_now + job.steps * step_with, growth)
 
 
 def effective_priority(job: JobView, config: PlacementSettings, *, now: float) -> float:

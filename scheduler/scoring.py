@@ -4,7 +4,8 @@ there (``scheduler.placement`` decides from these).
 The estimate is the work already held there, loading its model if it is not warm
 (and reloading whatever must be evicted for it), its own learned duration at that
 worker's measured speed, all scaled up on a hot GPU; or the job's growth of a batch
-it may join there. Workers that are draining, unhealthy, cannot serve or fit the
+it may join there; or, where the batch running there has a seat for it, its own
+steps in that batch from the next step on. Workers that are draining, unhealthy, cannot serve or fit the
 model, or that would break a per-capability cap are not candidates."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from scheduler.policy import (
     WorkerView,
     job_seconds,
     joining_seconds,
+    seat_join,
     thermal_factor,
 )
 from services.config.placement import PlacementSettings
@@ -136,6 +138,11 @@ def admitted(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSe
     # The seed's thermal rule: a hot GPU's wait counts more (2x at 80 C), which
     # steers work to cooler GPUs before the learned speed shows the throttling.
     heat = thermal_factor(worker.temperature_c, config)
+    seated = seat_join(job, worker, fleet)
+    if seated is not None:
+        # It waits for none of the work held there: it runs beside the batch under way.
+        note = f"joins its running batch of {seated.seat.rows} at the next step"
+        return Candidate(worker.id, True, seated.finish_s, note, has_room=True, kind=PlacementKind.SEAT)
     joining = joining_seconds(job, worker, fleet)
     if joining is not None:
         rows = worker.open_rows(job.batch_key)

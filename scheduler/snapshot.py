@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler.seats import OpenSeat
 from services.db.counts import SubmittedCount
 from services.db.records import JobRecord
 from services.db.states import WorkerStatus
@@ -84,6 +85,8 @@ class Worker:
     measured: tuple[tuple[str, int, float], ...] = ()
     # The kinds of work it serves; None: its models'.
     capabilities: frozenset[str] | None = None
+    # Room in the batch it runs now, as its last heartbeat said.
+    open_seats: tuple[OpenSeat, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,10 @@ def _batch_view(held: HeldWork) -> policy.JobView:
 def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -> policy.WorkerView:
     """``worker`` with the work it holds, in the order given: what it runs, then
     what waits there (loading a model it does not have before the first job
-    that needs it); jobs of one key wait as batches still open to more. Work it
-    decodes holds its GPU no longer, but its model stays in use."""
+    that needs it); jobs of one key wait as batches still open to more, unless
+    the batch it runs has a seat for them: sent to join it, they take the seat
+    at its next step and add only what they cost it. Work it decodes holds its
+    GPU no longer, but its model stays in use."""
     view = policy.WorkerView(
         id=worker.id,
         models=worker.models,
@@ -88,6 +90,7 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         state=worker.state,
         planned_models=worker.planned_models,
         capabilities=worker.capabilities,
+        open_seats=worker.open_seats,
     )
     work, slots = worker.loading_s, 0
     for h in held:
@@ -105,16 +108,23 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         if h.key.model not in warm:
             work += fleet.costs[h.key.model].load_s
             warm.add(h.key.model)
+    queued = []
     for h in waiting:
+        seated = policy.seat_join(replace(_batch_view(h), num_images=h.images), view, fleet)
+        if seated is not None:
+            work += seated.growth_s
+            view = replace(view, open_seats=view.seats_with(seated.seat, seated.seat.joined(h.images, h.key.steps)))
+            continue
         batches, seconds = policy.queued_batches(_batch_view(h), h.images, view, fleet)
         work += seconds
         slots += batches
+        queued.append(h)
     return replace(
         view,
         held_jobs=slots,
         held_work_s=work,
         held_capabilities=frozenset(fleet.costs[h.key.model].capability for h in held),
-        open_batches=tuple(sorted((h.key, h.images) for h in waiting)),
+        open_batches=tuple(sorted((h.key, h.images) for h in queued)),
     )
 
 

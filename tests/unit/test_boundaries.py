@@ -44,6 +44,7 @@ PURE = GATEWAY_USES | {
     "scheduler.estimates",
     "scheduler.forecast",
     "scheduler.preemption",
+    "scheduler.seats",
     "scheduler.snapshot",
     "scheduler.warm_planner",
 }

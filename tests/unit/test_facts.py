@@ -348,7 +348,7 @@ def test_workers_and_what_they_hold_are_the_same(sim_world: Simulated) -> None:
     produced = production(workers=WORKERS, held=HELD, running=RUNNING)
     assert simulated.workers == produced.workers
     assert [w.id for w in produced.workers] == ["fast", "slow", "small"]
-    exercised(produced.workers, but=("state", "loading_s", "measured"))
+    exercised(produced.workers, but=("state", "loading_s", "measured", "open_seats"))
     assert progress_free(simulated.held) == progress_free(produced.held)
     # fast: A's 1 s left, C's model load 3 s, the batches of 4 (8 s) and 1 (2.5 s)
     # of B1-B3, C's 1.25 s; slow: 12 steps of 2 s.

@@ -1,8 +1,8 @@
-"""A pass scores each job only on the workers near the front (scheduler.placement's
-``_nearest``), so that a thousand GPUs cost a pass what a few do. It must decide
+"""A pass scores each job only on the workers near the front (scheduler.nearness's
+``nearest``), so that a thousand GPUs cost a pass what a few do. It must decide
 exactly what scoring every worker decides: checked here on random fleets and
-queues (loads, speeds, heat, warm models, open batches, caps, failed attempts,
-latency targets), seeded, against a pass that scores every worker."""
+queues (loads, speeds, heat, warm models, open batches, open seats in running
+batches, caps, failed attempts, latency targets), seeded, against a pass that scores every worker."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler import placement, reports, scoring
+from scheduler import nearness, placement, reports, scoring
 from scheduler.estimates import Durations, Learned
 from scheduler.policy import Candidate, Fleet, JobView, WorkerView
+from scheduler.seats import OpenSeat
 from services.config.placement import Lane, PlacementSettings
 from services.db.states import WorkerStatus
+from services.generation import JoinKey
 from tests.unit.test_policy import COSTS, GB
 
 SETTINGS = (
@@ -42,6 +44,11 @@ def random_worker(rng: random.Random, i: int) -> WorkerView:
         state=rng.choice([WorkerStatus.READY] * 6 + [WorkerStatus.DRAINING]),
         planned_models=frozenset(rng.sample(sorted(COSTS), rng.randint(0, 1))),
         open_batches=((key, rng.randint(1, 3)),) if rng.random() < 0.2 else (),
+        open_seats=tuple(
+            OpenSeat(JoinKey(m, 512, 512), rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 20))
+            for m in sorted(warm)
+            if rng.random() < 0.3
+        ),
     )
 
 
@@ -65,7 +72,7 @@ def random_job(rng: random.Random, i: int, workers: list[WorkerView]) -> JobView
 def every_worker(
     job: JobView,
     workers: list[WorkerView],
-    near: placement.Nearness,
+    near: nearness.Nearness,
     refused: dict[str, Candidate],
     fleet: Fleet,
     config: PlacementSettings,
@@ -84,7 +91,7 @@ def test_scoring_the_nearest_decides_as_scoring_every_worker(seed: int, monkeypa
 
     nearest = placement.plan(jobs, workers, fleet, config, now=10.0)
     with monkeypatch.context() as patched:
-        patched.setattr(placement, "_nearest", every_worker)
+        patched.setattr(placement, "nearest", every_worker)
         everything = placement.plan(jobs, workers, fleet, config, now=10.0)
 
     def decided(p: placement.Placement) -> tuple[object, ...]:
