@@ -17,7 +17,7 @@ from scheduler.snapshot import FleetSnapshot, HeldWork, Holding, Progress, Queue
 from scheduler.warm_planner import GpuView
 from services.config.placement import PlacementSettings
 from services.db.counts import SubmittedCount
-from services.generation import BatchKey
+from services.generation import JoinKey
 
 
 def job_view(job: QueuedJob, placement: PlacementSettings, costs: Mapping[str, policy.ModelCost]) -> policy.JobView:
@@ -72,13 +72,34 @@ def _batch_view(held: HeldWork) -> policy.JobView:
     )
 
 
+def _running_s(members: Sequence[HeldWork], worker: policy.WorkerView, fleet: policy.Fleet) -> float:
+    """What is left of the batch that ``members`` (running work of one join key)
+    run in on ``worker``. Jobs of other steps that joined it share its steps and
+    leave as they finish: each stretch until the next leaves runs at the step
+    time of the images still in it. Its members' progress is seen at one moment,
+    so what else comes before its next step is the batch's, not each member's."""
+    if len(members) == 1:
+        [h] = members
+        return remaining_s(policy.batch_seconds(_batch_view(h), h.images, worker, fleet), h.progress)
+    job = _batch_view(members[0])
+    by_end = sorted((h.key.steps * (1.0 - h.progress.done), h.images) for h in members)
+    rows = sum(images for _, images in by_end)
+    seconds, gone = 0.0, 0.0
+    for left, images in by_end:
+        seconds += (left - gone) * policy.step_seconds(job, rows, worker, fleet)
+        gone, rows = left, rows - images
+    pending = max(h.progress.pending_s for h in members)
+    return max(seconds + pending - min(h.progress.elapsed_s for h in members), 0.0)
+
+
 def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -> policy.WorkerView:
-    """``worker`` with the work it holds, in the order given: what it runs, then
-    what waits there (loading a model it does not have before the first job
-    that needs it); jobs of one key wait as batches still open to more, unless
-    the batch it runs has a seat for them: sent to join it, they take the seat
-    at its next step and add only what they cost it. Work it decodes holds its
-    GPU no longer, but its model stays in use."""
+    """``worker`` with the work it holds, in the order given: what it runs (one
+    batch per join key: ``_running_s``), then what waits there (loading a model
+    it does not have before the first job that needs it); jobs of one key wait
+    as batches still open to more, unless the batch it runs has a seat for
+    them: sent to join it, they take the seat at its next step and add only
+    what they cost it. Work it decodes holds its GPU no longer, but its model
+    stays in use."""
     view = policy.WorkerView(
         id=worker.id,
         models=worker.models,
@@ -93,10 +114,13 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         open_seats=worker.open_seats,
     )
     work, slots = worker.loading_s, 0
+    running: dict[JoinKey, list[HeldWork]] = {}
     for h in held:
         if h.holding == Holding.RUNNING:
-            work += remaining_s(policy.batch_seconds(_batch_view(h), h.images, view, fleet), h.progress)
-            slots += 1
+            running.setdefault(h.key.join_key, []).append(h)
+    for members in running.values():
+        work += _running_s(members, view, fleet)
+        slots += 1
     warm, waiting = set(worker.warm_models), []
     for h in held:
         if h.holding == Holding.RESUMING:
@@ -145,9 +169,9 @@ def running_views(
     never chosen to make room."""
     speeds = {w.id: w.speed for w in snapshot.workers}
     placement = placement or PlacementSettings()
-    rows: dict[tuple[str, BatchKey], int] = {}
+    rows: dict[tuple[str, JoinKey], int] = {}  # a worker runs the jobs of one join key as one batch
     for job in snapshot.running:
-        key = (job.worker_id, job.shape.key)
+        key = (job.worker_id, job.shape.join_key)
         rows[key] = rows.get(key, 0) + job.shape.num_images
     views = []
     for job in snapshot.running:
@@ -155,7 +179,7 @@ def running_views(
         cost = fleet.costs.get(shape.model)
         step_s = left_s = math.inf
         if cost is not None and shape.steps > 0:
-            batch = rows[(job.worker_id, shape.key)]
+            batch = rows[(job.worker_id, shape.join_key)]
             view = policy.JobView(job.id, shape.model, shape.width, shape.height, shape.steps, batch)
             worker = policy.WorkerView(
                 job.worker_id, frozenset(), frozenset(), 0, 0, speed=speeds.get(job.worker_id, 1.0)

@@ -195,3 +195,15 @@ def test_jobs_sent_to_join_take_their_seats_before_the_next_pass_counts_them() -
     assert view.open_seats == (OpenSeat(SD_KEY, rows=5, free_rows=1, steps_left=20),)
     assert view.open_batches == ((BatchKey("sd", 512, 512, 30, 7.5), 2),)
     assert view.held_jobs == 2
+
+
+def test_jobs_of_other_steps_running_in_one_batch_share_its_steps() -> None:
+    def group(steps: int, images: int, done: float) -> HeldGroup:
+        return HeldGroup("a", JobStatus.RUNNING, BatchKey("sd", 512, 512, steps, 7.5), images, images, 1, done)
+
+    # 2 images with 10 of 20 steps left and 1 joined with 30 to go: 10 steps of 3
+    # images (0.07 s), then 20 of the last one alone (0.05 s); one batch, one slot.
+    held = [group(20, 2, 0.5), group(30, 1, 0.0)]
+    [view] = worker_views(facts.fleet_snapshot(datetime.now(UTC), workers=[worker_record("a")], held=held), FLEET)
+    assert view.held_work_s == pytest.approx(10 * 0.07 + 20 * 0.05)
+    assert view.held_jobs == 1
