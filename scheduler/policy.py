@@ -212,8 +212,8 @@ def seat_join(job: JobView, worker: WorkerView, fleet: Fleet) -> SeatJoin | None
     It waits for the step under way (counted whole: the heartbeat is not that
     fresh), then runs its own steps at the bigger batch's step time (members
     leaving as they finish only speed it up). The batch's other members slow by
-    the bigger step while they share it; one with more steps than the batch has
-    left runs on alone after they leave."""
+    the bigger step while they share it; a joiner with more steps than the batch
+    has left runs on alone after they leave, which the worker's work grows by too."""
     seat = worker.seat_for(job.join_key, job.num_images)
     if seat is None:
         return None
