@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -28,12 +28,20 @@ log = logging.getLogger(__name__)
 
 
 class BatchSampling:
-    def __init__(self, runner: JobRunner, model: str, loop: asyncio.AbstractEventLoop, on_sampled: OnSampled) -> None:
+    def __init__(
+        self,
+        runner: JobRunner,
+        model: str,
+        loop: asyncio.AbstractEventLoop,
+        on_sampled: OnSampled,
+        on_seats: Callable[[], None],
+    ) -> None:
         self.runner = runner
         self.engine = runner.engine
         self.model = model
         self.loop = loop
         self.on_sampled = on_sampled
+        self.on_seats = on_seats
         self.was_warm = runner.is_warm(model)
         self.progress = BatchProgress(runner.store, runner.store.events, loop)
         self._members: dict[int, tuple[BatchMember, Started]] = {}  # by the member's identity: not out yet
@@ -49,6 +57,7 @@ class BatchSampling:
             spec = self.engine.registry.get(self.model)
             key = members[0].params.join_key
             self._running = RunningBatch(key, spec.max_batch, members, self._left_from_thread)
+            self.on_seats()
         self._began = time.perf_counter()
         try:
             results = await asyncio.to_thread(self.engine.sample_batch, members, self._running)

@@ -307,7 +307,7 @@ class DispatchConsumer:
         for pair in started:
             self._in_batch[id(pair[1])] = pair
         try:
-            await self.runner.sample([s for _, s in started], self._out_of_batch)
+            await self.runner.sample([s for _, s in started], self._out_of_batch, self._changed.set)
         except Exception as exc:
             # A defect, not the jobs' own: each attempt still in the batch fails with
             # it (and, in a row, makes the worker unfit); the loop goes on.

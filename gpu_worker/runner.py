@@ -144,12 +144,15 @@ class JobRunner:
             # The batch encodes them as it starts, where a bad prompt fails its job alone.
             log.debug("prompts not encoded ahead: %s", exc, extra=logs.jobs_fields(s.job.id for s in batch))
 
-    async def sample(self, batch: Sequence[Started], on_sampled: OnSampled) -> None:
+    async def sample(
+        self, batch: Sequence[Started], on_sampled: OnSampled, on_seats: Callable[[], None] = lambda: None
+    ) -> None:
         """Runs the batch's denoising loops together, and those of the jobs that
         ``join`` it at a step boundary. Each member goes to ``on_sampled`` as it
         leaves, with the others that left at that boundary, its latents (or what
         ended it) on it, and is recorded DECODING with them while they decode; every
-        member goes out exactly once, whatever becomes of the batch."""
+        member goes out exactly once, whatever becomes of the batch. ``on_seats``:
+        the batch has begun taking jobs in."""
         model = batch[0].job.params.model
         if not all(s.prepared for s in batch):
             await self.prepare([s for s in batch if not s.prepared])
@@ -163,7 +166,7 @@ class JobRunner:
         runnable = [s for s in batch if s not in unmade]
         if not runnable:
             return
-        sampling = BatchSampling(self, model, asyncio.get_running_loop(), on_sampled)
+        sampling = BatchSampling(self, model, asyncio.get_running_loop(), on_sampled, on_seats)
         self._sampling = sampling
         try:
             await sampling.run(runnable)

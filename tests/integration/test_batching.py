@@ -1,6 +1,8 @@
 """Batching through the gRPC API, on real processes: compatible jobs submitted
 together run as one batch on the sampler, each gets the image it would get alone,
-and a cancelled member leaves the batch without stopping the others."""
+a job submitted while a batch runs joins it at a step boundary (continuous
+batching) and still gets its solo image, and a cancelled member leaves the batch
+without stopping the others."""
 
 from __future__ import annotations
 
@@ -45,12 +47,13 @@ def test_compatible_jobs_run_as_one_batch_and_each_gets_its_solo_image(batching_
         pb.SubmitJobRequest(**SHAPE, prompt="a blue door", seed=12, num_images=2),
         pb.SubmitJobRequest(**SHAPE, prompt="a red door", seed=13, negative_prompt="blur"),
     ]
-    odd = pb.SubmitJobRequest(**{**SHAPE, "steps": 9}, prompt="another shape", seed=14)
+    odd = pb.SubmitJobRequest(**{**SHAPE, "width": 96}, prompt="another size", seed=14)
     ids = submit_together(client, [*requests, odd])
     jobs = [wait_terminal(client, job_id) for job_id in ids]
     assert [j.status for j in jobs] == [pb.JOB_STATUS_SUCCEEDED] * 4, [j.error for j in jobs]
     assert [j.batch_images for j in jobs[:3]] == [4, 4, 4]  # 1 + 2 + 1 images, one batch
-    assert jobs[3].batch_images == 1  # a different number of steps runs on its own
+    assert jobs[3].batch_images == 1  # another size shares no network call: it runs on its own
+    assert [j.joined_batch_images for j in jobs] == [0] * 4
 
     # Alone, one after the other, each job gives exactly the same image bytes.
     for request, batched in zip(requests, jobs[:3], strict=True):
@@ -58,6 +61,37 @@ def test_compatible_jobs_run_as_one_batch_and_each_gets_its_solo_image(batching_
         assert solo.status == pb.JOB_STATUS_SUCCEEDED
         assert solo.batch_images == (request.num_images or 1)
         assert [i.data for i in solo.images] == [i.data for i in batched.images]
+
+
+def test_a_job_submitted_while_a_batch_of_four_runs_joins_it_and_gets_its_solo_image(
+    batching_stack: LocalStack,
+) -> None:
+    client = stub(batching_stack)
+    long: dict[str, Any] = {**SHAPE, "width": 128, "height": 128, "steps": 40}
+    ids = submit_together(client, [pb.SubmitJobRequest(**long, prompt=f"runner {i}", seed=20 + i) for i in range(4)])
+    wait_for(
+        lambda: [client.GetJob(pb.GetJobRequest(job_id=i)) for i in ids],
+        lambda js: all(j.status == pb.JOB_STATUS_RUNNING and j.progress.step >= 2 for j in js),
+        timeout=60,
+        what="the four jobs running together",
+    )
+    # Its own steps, guidance and seed: only the model and size must match.
+    late = pb.SubmitJobRequest(**{**long, "steps": 12, "guidance_scale": 5.0}, prompt="a late fox", seed=99)
+    joined = wait_terminal(client, client.SubmitJob(late).job_id)
+    assert joined.status == pb.JOB_STATUS_SUCCEEDED, joined.error
+    assert joined.joined_batch_images == 4, "it joined the running batch of four"
+    assert joined.batch_images == 5
+    batch = [wait_terminal(client, job_id) for job_id in ids]
+    assert [j.status for j in batch] == [pb.JOB_STATUS_SUCCEEDED] * 4
+    assert [j.joined_batch_images for j in batch] == [0] * 4
+    # It left as its 12 steps were done, while the batch went on with its 40.
+    left = joined.timings.decoding_time.ToDatetime()
+    assert all(left < j.timings.decoding_time.ToDatetime() for j in batch)
+
+    solo = wait_terminal(client, client.SubmitJob(late).job_id)
+    assert solo.status == pb.JOB_STATUS_SUCCEEDED
+    assert (solo.batch_images, solo.joined_batch_images) == (1, 0)
+    assert [i.data for i in solo.images] == [i.data for i in joined.images]
 
 
 def test_a_cancelled_member_leaves_and_the_rest_of_the_batch_finishes(batching_stack: LocalStack) -> None:
@@ -78,4 +112,5 @@ def test_a_cancelled_member_leaves_and_the_rest_of_the_batch_finishes(batching_s
         job = wait_terminal(client, job_id)
         assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
         assert len(job.images) == 1
-        assert job.batch_images == 3  # they ran in the batch the cancelled job left
+        # Images beside them over their steps, on average: the cancelled job left early.
+        assert job.batch_images == 2

@@ -7,7 +7,7 @@ already started get their outcomes first."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from gpu_worker.acks import REDELIVER_AFTER_S
@@ -55,8 +55,11 @@ class FakeRunner:
     async def prepare(self, batch: Sequence[Started]) -> None:
         pass
 
-    async def sample(self, batch: Sequence[Started], on_sampled: OnSampled) -> None:
+    async def sample(
+        self, batch: Sequence[Started], on_sampled: OnSampled, on_seats: Callable[[], None] = lambda: None
+    ) -> None:
         self.sampling = [*batch]
+        on_seats()
         try:
             await self.device.wait()
             on_sampled(self.sampling, SampledBatch(learnable=False))

@@ -223,7 +223,7 @@ class Suspension(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for", "expanded_prompt", "output_policy")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for", "expanded_prompt", "output_policy", "joined_batch_images")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class Job(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _ClassVar[int]
     EXPANDED_PROMPT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_POLICY_FIELD_NUMBER: _ClassVar[int]
+    JOINED_BATCH_IMAGES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -294,7 +295,8 @@ class Job(_message.Message):
     waiting_for: str
     expanded_prompt: str
     output_policy: str
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ..., expanded_prompt: _Optional[str] = ..., output_policy: _Optional[str] = ...) -> None: ...
+    joined_batch_images: int
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ..., expanded_prompt: _Optional[str] = ..., output_policy: _Optional[str] = ..., joined_batch_images: _Optional[int] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)
