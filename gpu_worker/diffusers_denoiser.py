@@ -49,8 +49,10 @@ from services.models.registry import ModelSpec, scheduler_class
 @dataclass
 class DiffusersRun(MemberRun):
     conditioning: Conditioning = field(default_factory=Conditioning.empty)
-    # Its scheduler's timesteps on the device, for the network: copied once.
+    # Its scheduler's timesteps and its guidance scale on the device, for a network
+    # call it shares with members at other steps or of other guidance: copied once.
     network_timesteps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    network_guidance: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 class DiffusersDenoiser:
@@ -176,6 +178,7 @@ class DiffusersDenoiser:
         state = self._fresh_state(pipe, spec, params)
         run = DiffusersRun.fresh(member, type(state.scheduler).__name__, len(state.scheduler.timesteps), state)
         run.network_timesteps = state.scheduler.timesteps.to(self.device)
+        run.network_guidance = torch.tensor([params.guidance_scale], dtype=self.network(pipe).dtype).to(self.device)
         resumed = Resumption.STEP
         if member.resume is not None:
             latents = (self.latent_shape(pipe, params), self.network(pipe).dtype)

@@ -49,8 +49,7 @@ def guided_noise(
     rows = x.shape[0]
     x, c = calls.padded(x, c)
     t = network_timesteps(group, sizes, len(x))
-    guidance = [r.member.params.guidance_scale for r in group]
-    cfg = guidance[0] > 1.0
+    cfg = group[0].member.params.guidance_scale > 1.0
     if cfg:
         x = torch.cat([x, x])
         c = Conditioning.stack([c.negative(), c])
@@ -59,7 +58,7 @@ def guided_noise(
         out = speed.owned(denoiser.call_network(pipe, x, t, c, group), calls.options)
     if cfg:
         uncond, cond = out.chunk(2)
-        out = uncond + row_scales(guidance, sizes, len(uncond), out) * (cond - uncond)
+        out = uncond + row_scales(group, sizes, len(uncond), out) * (cond - uncond)
     return list(out[:rows].split(sizes))
 
 
@@ -76,15 +75,19 @@ def network_timesteps(group: Sequence[DiffusersRun], sizes: Sequence[int], rows:
     return torch.cat([t, t[-1:].expand(rows - len(t))]) if rows > len(t) else t
 
 
-def row_scales(guidance: Sequence[float], sizes: Sequence[int], rows: int, like: torch.Tensor) -> float | torch.Tensor:
+def row_scales(
+    group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int, like: torch.Tensor
+) -> float | torch.Tensor:
     """Each row's guidance scale, shaped to multiply ``like``'s rows: one number where
-    every member has the same (a batch of one key), else a column on the device."""
+    every member has the same (a batch of one key), else a column gathered on the
+    device from each member's own, padding rows given the last."""
+    guidance = [r.member.params.guidance_scale for r in group]
     if all(g == guidance[0] for g in guidance):
         return guidance[0]
-    scales = [g for g, n in zip(guidance, sizes, strict=True) for _ in range(n)]
-    scales += [scales[-1]] * (rows - len(scales))
-    column = torch.tensor(scales, dtype=like.dtype).to(like.device, non_blocking=True)
-    return column.reshape(-1, *([1] * (like.dim() - 1)))
+    column = torch.cat([r.network_guidance.expand(n) for r, n in zip(group, sizes, strict=True)])
+    if rows > len(column):
+        column = torch.cat([column, column[-1:].expand(rows - len(column))])
+    return column.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
 
 _TAKES_GENERATOR: dict[str, bool] = {}

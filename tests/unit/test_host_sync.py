@@ -4,7 +4,7 @@ queue for the host fails: reading a device value (``.item()``, ``bool()``, an in
 into a host table, ``nonzero``), a copy back to the host, or mixing host tables with
 device tensors (a device mismatch on CUDA). The miniatures' real networks run, with
 each noise scheduler their families use, guidance, a fused batch of members of
-different sizes, an edit and an inpainting member."""
+different sizes and one of other steps and guidance, an edit and an inpainting member."""
 
 from __future__ import annotations
 
@@ -92,14 +92,18 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
     assert denoiser.network(pipe).device.type == "meta"
     size = spec.default_width
 
-    def params(seed: int, images: int = 1, **extra: Any) -> GenerationParams:
-        return GenerationParams(model, "a lighthouse", "", size, size, STEPS, guidance, seed, images, **extra)
+    def params(
+        seed: int, images: int = 1, steps: int = STEPS, scale: float = guidance, **extra: Any
+    ) -> GenerationParams:
+        return GenerationParams(model, "a lighthouse", "", size, size, steps, scale, seed, images, **extra)
 
-    requests = [params(1), params(2, images=2)]
-    inputs: list[MemberInputs | None] = [None, None]
+    # The third, of other steps and guidance, shares each call at its own timestep
+    # and guidance scale (as a job that joined the batch would).
+    requests = [params(1), params(2, images=2), params(5, steps=STEPS + 2, scale=guidance + 1.5 if guidance > 1 else 1)]
+    inputs: list[MemberInputs | None] = [None, None, None]
     if spec.upscales:
         image = torch.zeros(1, 3, size // 4, size // 4, device=META)
-        inputs = [MemberInputs(image=image), MemberInputs(image=image)]
+        inputs = [MemberInputs(image=image)] * 3
     elif spec.edits:
         image_latents = torch.zeros(1, 4, size // 8, size // 8, device=META)
         mask = torch.ones(1, 1, size // 8, size // 8, device=META)

@@ -103,9 +103,9 @@ def test_progress_reaches_every_member_at_every_step(engine: SamplerEngine) -> N
     assert seen == [[1, 2, 3, 4, 5, 6]] * 2
 
 
-def test_a_batch_holds_one_shape(engine: SamplerEngine) -> None:
-    other = GenerationParams("tiny", "x", "", 64, 64, 7, 7.5, 1, 1)
-    with pytest.raises(ValueError, match="one shape"):
+def test_a_batch_holds_one_model_and_size(engine: SamplerEngine) -> None:
+    other = GenerationParams("tiny", "x", "", 96, 64, 6, 7.5, 1, 1)
+    with pytest.raises(ValueError, match="one model and size"):
         engine.sample_batch([member(JOBS[0]), member(other)])
 
 
