@@ -54,8 +54,9 @@ class SamplerSettings(Section):
     )
     batch_wait_ms: float = setting(
         0.0,
-        "How long it waits, holding a partial batch, for more jobs of its shape; it always waits for the jobs the "
-        "same scheduling pass sent it, so 0 batches what was queued together and delays nothing else.",
+        "How long it waits, holding a partial batch, for more jobs of its shape before the batch starts; it always "
+        "waits for the jobs the same scheduling pass sent it, so 0 batches what was queued together and delays "
+        "nothing else. A job of a running batch's model and size never waits: it joins at the next step.",
         at_least=0.0,
     )
     prompt_cache_mb: int = setting(64, "Prompt embeddings it keeps (MiB), least recently used first out.", at_least=0)
