@@ -48,7 +48,7 @@ def guided_noise(
     c = Conditioning.stack([r.conditioning.rows(n) for r, n in zip(group, sizes, strict=True)])
     rows = x.shape[0]
     x, c = calls.padded(x, c)
-    t = network_timesteps(group, sizes, len(x))
+    t = network_timesteps(group, sizes, len(x), per_row=calls.options.compile)
     cfg = group[0].member.params.guidance_scale > 1.0
     if cfg:
         x = torch.cat([x, x])
@@ -62,16 +62,19 @@ def guided_noise(
     return list(out[:rows].split(sizes))
 
 
-def network_timesteps(group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int) -> torch.Tensor:
+def network_timesteps(
+    group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int, *, per_row: bool = False
+) -> torch.Tensor:
     """The timestep the network takes for ``group``'s ``rows`` (padding included):
-    one, on the device, where every run is at the same timestep; else one per row,
-    gathered on the device (the host decides from its own tables, never reading the
-    device back), padding rows given the last."""
+    one, on the device, where every run is at the same timestep (unless ``per_row``:
+    a compiled network, warmed up with one per row, always takes one per row, so a
+    joiner never costs it a recompilation); else one per row, gathered on the device
+    (the host decides from its own tables, never reading the device back), padding
+    rows given the last."""
     host = [float(_timesteps(r)[r.step]) for r in group]
-    if all(t == host[0] for t in host):
+    if not per_row and all(t == host[0] for t in host):
         return group[0].network_timesteps[group[0].step]
-    per_row = [r.network_timesteps[r.step : r.step + 1].expand(n) for r, n in zip(group, sizes, strict=True)]
-    t = torch.cat(per_row)
+    t = torch.cat([r.network_timesteps[r.step : r.step + 1].expand(n) for r, n in zip(group, sizes, strict=True)])
     return torch.cat([t, t[-1:].expand(rows - len(t))]) if rows > len(t) else t
 
 

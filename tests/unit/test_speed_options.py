@@ -124,6 +124,9 @@ def test_compile_happens_as_the_model_loads_and_never_on_a_job(
     got = [latents(e, p) for p in JOBS]
     together = JOBS[:2]  # one batch key: the same guidance
     batch = e.sample_batch([BatchMember(p, lambda step, total: None, threading.Event()) for p in together])
+    # Members of other steps and guidance share a batch (as a job that joined one would).
+    mixed = [replace(JOBS[0], steps=JOBS[0].steps + 2, guidance_scale=3.0), JOBS[1]]
+    e.sample_batch([BatchMember(p, lambda step, total: None, threading.Event()) for p in mixed])
     assert compilations.graphs == warmed, "a job compiled the network again"
     assert largest_difference(got, plain) < TOLERANCE
     assert all(isinstance(b, torch.Tensor) for b in batch)
