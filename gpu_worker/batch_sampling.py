@@ -53,7 +53,7 @@ class BatchSampling:
     async def run(self, batch: Sequence[Started]) -> None:
         members = [self._add(s, self.runner.member(s, self.loop, self.progress)) for s in batch]
         self._rows = sum(m.params.num_images for m in members)
-        if self.engine.takes_joiners(self.model):
+        if self.runner.continuous_batching and self.engine.takes_joiners(self.model):
             spec = self.engine.registry.get(self.model)
             key = members[0].params.join_key
             self._running = RunningBatch(key, spec.max_batch, members, self._left_from_thread)
@@ -66,10 +66,10 @@ class BatchSampling:
                 self._running.shut()
             await self._one_by_one(exc)
             return
-        if self._running is None:
-            self._left(list(zip(members, results, strict=True)))
         # With joiners, each went out as it left: those hand-offs were queued on the
-        # loop before this thread's end was, so they have all run by now.
+        # loop before this thread's end was, so they have all run by now. The rest
+        # (all, from a loop that takes no joiners) go out together.
+        self._left([(m, r) for m, r in zip(members, results, strict=False) if id(m) in self._members])
         self._left([(m, RuntimeError("the batch ended without it")) for m, _ in list(self._members.values())])
 
     def join(self, batch: Sequence[Started]) -> bool:

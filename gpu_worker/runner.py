@@ -69,8 +69,11 @@ class JobRunner:
         tracker: JobTracker,
         *,
         unfit_after_failures: int,
+        continuous_batching: bool = True,
     ) -> None:
         self.store = store
+        # A running batch takes jobs of its model and size in at its step boundaries.
+        self.continuous_batching = continuous_batching
         self.engine = engine
         self.decoders = decoders
         self.tracker = tracker

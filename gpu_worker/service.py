@@ -15,7 +15,6 @@ import contextlib
 import logging
 import os
 
-import grpc
 import torch
 
 from gpu_worker.consumer import DispatchConsumer
@@ -28,6 +27,7 @@ from gpu_worker.model_store import SamplerModelStore
 from gpu_worker.plan_follower import follow_plan
 from gpu_worker.prefetch import Prefetcher
 from gpu_worker.runner import JobRunner
+from gpu_worker.servicer import create_server
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
@@ -40,16 +40,12 @@ from services.db.states import WorkerKind, WorkerStatus
 from services.mesh.nats_auth import NatsCredentials, sampler_user
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
-from services.models.host_cache import peers
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
 from services.presence import Heartbeat, Presence
 from services.presence_view import PresenceView, follow
-from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
-from services.rpc.server import Server, build_server
-from services.rpc.status import unary_errors
 from services.safety.image_filter import image_filter_of
 from services.telemetry.gpu import Telemetry
 
@@ -65,58 +61,6 @@ def default_worker_id(device: torch.device) -> str:
     index = device.index or 0
     physical = visible[index].strip() if index < len(visible) and visible[index].strip() else str(index)
     return f"{host_token()}-gpu{physical}"
-
-
-class SamplerServicer(sampler_pb2_grpc.SamplerServicer):
-    def __init__(self, tracker: JobTracker) -> None:
-        self.tracker = tracker
-
-    @unary_errors
-    async def CancelJob(
-        self, request: sampler_pb2.SamplerCancelRequest, context: grpc.aio.ServicerContext
-    ) -> sampler_pb2.SamplerCancelResponse:
-        watch = self.tracker.get(request.job_id)
-        if watch is None or watch.finished_at is not None:
-            return sampler_pb2.SamplerCancelResponse(was_running=False)
-        watch.stop(StopReason.CANCELLED)
-        return sampler_pb2.SamplerCancelResponse(was_running=True)
-
-    @unary_errors
-    async def SuspendJob(
-        self, request: sampler_pb2.SamplerSuspendRequest, context: grpc.aio.ServicerContext
-    ) -> sampler_pb2.SamplerSuspendResponse:
-        watch = self.tracker.get(request.job_id)
-        if watch is None or watch.attempt != request.attempt or watch.finished_at is not None or watch.sampled:
-            return sampler_pb2.SamplerSuspendResponse(was_running=False)
-        watch.stop(StopReason.PREEMPTED, request.reason or "preempted")
-        return sampler_pb2.SamplerSuspendResponse(was_running=True)
-
-
-# Who may call a sampler, where the mesh is sealed: the scheduler suspends, the
-# gateway cancels, other hosts' samplers read the blobs of its host's model cache.
-SAMPLER_CALLERS = {"darkroom.internal.v1.Sampler": frozenset({"scheduler", "gateway"}), **peers.BLOB_CACHE_CALLERS}
-
-
-def create_server(
-    settings: SamplerSettings,
-    tracker: JobTracker,
-    mesh: MeshIdentity | None = None,
-    model_store: SamplerModelStore | None = None,
-) -> Server:
-    """The Sampler gRPC server (not started); port 0 picks a free port. With a
-    model store, it serves its host cache's blobs to peers too."""
-    servicer = SamplerServicer(tracker)
-    blobs = [peers.add_to_server(model_store.cache.layout)] if model_store is not None else []
-    return build_server(
-        [
-            (lambda s: sampler_pb2_grpc.add_SamplerServicer_to_server(servicer, s), "darkroom.internal.v1.Sampler"),
-            *blobs,
-        ],
-        settings.host,
-        settings.port,
-        mesh=mesh,
-        roles=SAMPLER_CALLERS,
-    )
 
 
 async def _drain(
@@ -206,7 +150,14 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
     store = JobStore(repo, events, worker_id, outcome_retry_s=settings.outcome_retry_s)
-    runner = JobRunner(store, engine, decoders, tracker, unfit_after_failures=settings.unhealthy_after_failures)
+    runner = JobRunner(
+        store,
+        engine,
+        decoders,
+        tracker,
+        unfit_after_failures=settings.unhealthy_after_failures,
+        continuous_batching=settings.continuous_batching,
+    )
     announced = model_store.announced if model_store is not None else None
     load = SamplerLoad(worker_id, engine, tracker, announced, open_seats=runner.open_seats)
     heartbeat = Heartbeat(WorkerKind.SAMPLER, worker_id, address, engine, telemetry, kernel.restarts, load)

@@ -59,6 +59,12 @@ class SamplerSettings(Section):
         "nothing else. A job of a running batch's model and size never waits: it joins at the next step.",
         at_least=0.0,
     )
+    continuous_batching: bool = setting(
+        True,
+        "A running batch takes jobs of its model and size (any steps, guidance, seed) in at its step boundaries, and "
+        "each member leaves when its own steps are done; false: a batch runs as it started (batch-at-start), and its "
+        "heartbeat offers no open seats.",
+    )
     prompt_cache_mb: int = setting(64, "Prompt embeddings it keeps (MiB), least recently used first out.", at_least=0)
     local_decode_fallback: bool = setting(False, "It decodes its own latents when no decoder service can.")
     decode_locally: bool = setting(

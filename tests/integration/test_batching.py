@@ -17,7 +17,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import stub, wait_for, wait_terminal, workers_heard
 
 pytestmark = pytest.mark.integration
 
@@ -67,13 +67,24 @@ def test_a_job_submitted_while_a_batch_of_four_runs_joins_it_and_gets_its_solo_i
     batching_stack: LocalStack,
 ) -> None:
     client = stub(batching_stack)
-    long: dict[str, Any] = {**SHAPE, "width": 128, "height": 128, "steps": 40}
+    long: dict[str, Any] = {**SHAPE, "width": 128, "height": 128, "steps": 60}
     ids = submit_together(client, [pb.SubmitJobRequest(**long, prompt=f"runner {i}", seed=20 + i) for i in range(4)])
     wait_for(
         lambda: [client.GetJob(pb.GetJobRequest(job_id=i)) for i in ids],
         lambda js: all(j.status == pb.JOB_STATUS_RUNNING and j.progress.step >= 2 for j in js),
         timeout=60,
         what="the four jobs running together",
+    )
+    # The sampler's heartbeat tells the scheduler the batch has room for that model and size.
+    kernel = batching_stack.settings.kernel
+    wait_for(
+        lambda: [s for w in workers_heard(kernel).values() if w.kind == "sampler" for s in w.telemetry["open_seats"]],
+        lambda seats: any(
+            (s["model"], s["width"], s["height"], s["rows"]) == ("tiny", 128, 128, 4) and s["free_rows"] > 0
+            for s in seats
+        ),
+        timeout=30,
+        what="the running batch's open seats in presence",
     )
     # Its own steps, guidance and seed: only the model and size must match.
     late = pb.SubmitJobRequest(**{**long, "steps": 12, "guidance_scale": 5.0}, prompt="a late fox", seed=99)
@@ -84,7 +95,7 @@ def test_a_job_submitted_while_a_batch_of_four_runs_joins_it_and_gets_its_solo_i
     batch = [wait_terminal(client, job_id) for job_id in ids]
     assert [j.status for j in batch] == [pb.JOB_STATUS_SUCCEEDED] * 4
     assert [j.joined_batch_images for j in batch] == [0] * 4
-    # It left as its 12 steps were done, while the batch went on with its 40.
+    # It left as its 12 steps were done, while the batch went on with its 60.
     left = joined.timings.decoding_time.ToDatetime()
     assert all(left < j.timings.decoding_time.ToDatetime() for j in batch)
 

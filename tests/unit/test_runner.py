@@ -56,12 +56,15 @@ class ScriptedEngine:
         self.each = each
         self.whole = whole
         self.batches: list[list[str]] = []  # the prompts of each call
+        self.joins: list[RunningBatch | None] = []  # what each call was given to take joiners from
+
+    takes_joiners_too = False  # True: as a diffusers loop's, its batch takes joiners
 
     def takes_joiners(self, model: str) -> bool:
-        return False  # its members all leave together, at its end
+        return self.takes_joiners_too
 
     def sample_batch(self, members: Sequence[BatchMember], joins: RunningBatch | None = None) -> list[MemberResult]:
-        assert joins is None
+        self.joins.append(joins)
         self.batches.append([m.params.prompt for m in members])
         self.whole(members)
         return [self.each(m) for m in members]
@@ -90,6 +93,7 @@ class Harness:
         *,
         outcome_retry_s: float = 5.0,
         unfit_after: int = 3,
+        continuous_batching: bool = True,
     ) -> None:
         self.repo = FakeRepository()
         self.events = RecordedEvents()
@@ -102,6 +106,7 @@ class Harness:
             cast(Decoders, self.decoders),
             JobTracker(),
             unfit_after_failures=unfit_after,
+            continuous_batching=continuous_batching,
         )
 
     def submit(self, job_id: str, prompt: str = "a fox", images: int = 1) -> None:
@@ -268,3 +273,16 @@ async def test_a_progress_write_that_learns_of_a_cancel_stops_the_job(monkeypatc
     assert h.repo.attempts.progress_calls == [("c", 1, 4)]
     assert any(e.progress and (e.step, e.total) == (1, 4) for e in h.events.published)
     assert h.repo.attempts.cancelled == ["c"]
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+async def test_a_batch_takes_joiners_only_where_continuous_batching_is_on(continuous: bool) -> None:
+    engine = ScriptedEngine()
+    engine.takes_joiners_too = True
+    h = Harness(engine, continuous_batching=continuous)
+    h.submit("a")
+    assert await h.run("a") == [Outcome.STORED]
+    [joins] = engine.joins
+    assert (joins is not None) is continuous
+    assert h.events.statuses("a")[-1] == JobStatus.SUCCEEDED
+    assert h.runner.seats() is None, "no batch on the device"
