@@ -204,8 +204,7 @@ class JobRunner:
         recorded = None
         if with_latents:
             self._warmed_up.add(model)
-            began_at = min(s.sampling_at or datetime.now(UTC) for s in with_latents)
-            recorded = asyncio.ensure_future(self._decoding(with_latents, began_at))
+            recorded = asyncio.ensure_future(self._decoding(with_latents))
         # A run that loaded or warmed up its model says little about how long runs
         # take; nor does one that resumed a job part of the way through.
         whole = all(s.resume is None and s.job.params.first_step() == 0 for s in cohort)
@@ -240,12 +239,18 @@ class JobRunner:
             on_preview=progress.on_preview,
         )
 
-    async def _decoding(self, sampled: Sequence[Started], began_at: datetime) -> None:
+    async def _decoding(self, sampled: Sequence[Started]) -> None:
+        """Records them DECODING, each with when its own sampling began (members that
+        joined the batch at one boundary together)."""
         now = datetime.now(UTC)
-        marked = await self.store.decoding([s.job for s in sampled], now, began_at)
+        by_start: dict[datetime, list[Started]] = {}
         for s in sampled:
-            if s.job.id in marked:
-                s.decoding_at = now
+            by_start.setdefault(s.sampling_at or now, []).append(s)
+        for began_at, group in by_start.items():
+            marked = await self.store.decoding([s.job for s in group], now, began_at)
+            for s in group:
+                if s.job.id in marked:
+                    s.decoding_at = now
 
     # -- decode and finish -----------------------------------------------------------
 

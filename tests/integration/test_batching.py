@@ -98,6 +98,8 @@ def test_a_job_submitted_while_a_batch_of_four_runs_joins_it_and_gets_its_solo_i
     # It left as its 12 steps were done, while the batch went on with its 60.
     left = joined.timings.decoding_time.ToDatetime()
     assert all(left < j.timings.decoding_time.ToDatetime() for j in batch)
+    # Its sampling began when it joined, after theirs.
+    assert all(joined.timings.started_time.ToDatetime() > j.timings.started_time.ToDatetime() for j in batch)
 
     solo = wait_terminal(client, client.SubmitJob(late).job_id)
     assert solo.status == pb.JOB_STATUS_SUCCEEDED
