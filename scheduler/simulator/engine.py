@@ -17,6 +17,10 @@ attempt, as production's fencing token counts it). A resumed job runs alone (on
 any GPU), paying ``resume_s`` (reading its checkpoint back) on top of its remaining
 steps and any model load.
 
+Continuous batching (``continuous=True``; off, every batch runs as formed when
+it starts): jobs placed on a GPU join its running batch at a step boundary and
+leave when their own steps are done (``joining``).
+
 Here: the event loop and what each event does to the world; how a batch is made
 up, timed and stopped at a step boundary is in ``batches``.
 """
@@ -25,20 +29,24 @@ from __future__ import annotations
 
 import heapq
 
+from scheduler.simulator import joining
 from scheduler.simulator.batches import compute_s, make_room, stop_boundary, take_riders
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.simulator.trace import TraceJob
 from scheduler.simulator.world import Gpu, Job, Policy, Result
 
 # Event kinds, in the order they are handled at the same instant.
-DONE, FAIL, RECOVER, ARRIVAL, TICK, SUSPENDED = range(6)
+DONE, FAIL, RECOVER, ARRIVAL, TICK, SUSPENDED, BOUNDARY = range(7)
 
 
 class Simulation:
-    def __init__(self, scenario: Scenario, policy: Policy, trace: list[TraceJob], *, load: float) -> None:
+    def __init__(
+        self, scenario: Scenario, policy: Policy, trace: list[TraceJob], *, load: float, continuous: bool = False
+    ) -> None:
         self.scenario = scenario
         self.policy = policy
         self.load = load
+        self.continuous = continuous
         self.gpus = {g.id: Gpu(g, int(g.vram_gb * GIB)) for g in scenario.gpus}
         self.vram_gb = {name: m.vram_gb for name, m in scenario.models.items()}
         self.pending: list[Job] = []
@@ -90,6 +98,8 @@ class Simulation:
         return frozenset(m for m in self.scenario.models if self.fits(gpu, m))
 
     def _start_next(self, gpu: Gpu, now: float) -> None:
+        if gpu.stepped is not None:
+            joining.offer(self, gpu, now)
         if not gpu.idle:
             return
         if not gpu.queue:
@@ -111,8 +121,11 @@ class Simulation:
                 member.cold = True
             self.cold_loads += 1
         gpu.loaded[job.model] = now
-        run = compute_s(job, riders, model, images, self.speed(gpu, now))
         resume_s = self.scenario.resume_s if job.done else 0.0
+        if self.continuous:
+            joining.start(self, gpu, (job, *riders), load_s, resume_s, now)
+            return
+        run = compute_s(job, riders, model, images, self.speed(gpu, now))
         gpu.running, gpu.riders, gpu.running_since, gpu.run_s = job, riders, now, load_s + resume_s + run
         gpu.run_load_s, gpu.run_resume_s = load_s, resume_s
         gpu.busy_until = now + load_s + resume_s + run
@@ -141,13 +154,19 @@ class Simulation:
             return
         for job in batch:
             job.suspend_requested = True
-        stop = stop_boundary(gpu, now)
+        # Continuous: no steps for all, each member's are counted at the stop.
+        stop = (joining.stop_boundary if gpu.stepped is not None else stop_boundary)(gpu, now)
         if stop is None:
             return
         steps, boundary = stop
         gpu.busy_until = boundary + self.scenario.checkpoint_s
         gpu.generation += 1  # its DONE will not come
-        self._push(gpu.busy_until, SUSPENDED, (gpu.id, gpu.generation, steps / batch[0].trace.type.steps))
+        self._push(gpu.busy_until, SUSPENDED, (gpu.id, gpu.generation, steps))
+
+    def wake(self, gpu: Gpu, at: float) -> None:
+        """``gpu``'s continuous batch changes next at ``at``: its earlier wake is void."""
+        gpu.generation += 1
+        self._push(at, BOUNDARY, (gpu.id, gpu.generation))
 
     def assign(self, job: Job, gpu_id: str, now: float) -> None:
         gpu = self.gpus[gpu_id]
@@ -181,6 +200,11 @@ class Simulation:
                 self._push(now + self.scenario.plan_interval_s, TICK, None)
             elif kind == SUSPENDED:
                 self._suspended(payload, now)
+            elif kind == BOUNDARY:
+                assert isinstance(payload, tuple)
+                gpu = self.gpus[payload[0]]
+                if payload[1] == gpu.generation and joining.boundary(self, gpu, now):
+                    self._start_next(gpu, now)  # its batch ended
             # Events at the same instant settle before the policy looks.
             if self.events and self.events[0][0] == now:
                 continue
@@ -238,13 +262,15 @@ class Simulation:
         assert isinstance(payload, tuple)
         gpu_id: str = payload[0]
         generation: int = payload[1]
-        share: float = payload[2]
+        steps: int | None = payload[2]
         gpu = self.gpus[gpu_id]
         if generation != gpu.generation:
             return
-        batch = gpu.batch
+        # Continuous: each member's share done is counted at the stop.
+        batch = joining.stop(self, gpu, now - self.scenario.checkpoint_s) if gpu.stepped is not None else gpu.batch
         for job in batch:
-            job.done = job.resumed_from + share
+            if steps is not None:
+                job.done = job.resumed_from + steps / batch[0].trace.type.steps
             job.preemptions += 1
             job.suspend_requested, job.suspended_at = False, now
             self.pending.append(job)
@@ -268,7 +294,7 @@ class Simulation:
             self.pending.append(job)
         self.pending.sort(key=lambda j: j.queued_at)
         gpu.queue.clear()
-        gpu.running, gpu.riders, gpu.preloading, gpu.up = None, [], None, False
+        gpu.running, gpu.riders, gpu.stepped, gpu.preloading, gpu.up = None, [], None, None, False
         gpu.loaded.clear()
         gpu.generation += 1
         self.up_s += now - self.up_since[gpu_id]

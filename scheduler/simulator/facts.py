@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from scheduler import snapshot
+from scheduler.simulator import joining
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.world import Gpu, Job
 from services.db.counts import SubmittedCount
@@ -59,13 +60,17 @@ class WorldFacts:
             planned_models=gpu.planned,
             primary_model=primary,
             loading_s=gpu.busy_until - now if gpu.preloading is not None else 0.0,
+            open_seats=joining.open_seats(gpu, now),
         )
 
     @staticmethod
-    def progress(gpu: Gpu, now: float) -> snapshot.Progress:
-        """The running batch's: its share done when it began, and the load and
-        checkpoint read it paid first."""
+    def progress(gpu: Gpu, jobs: list[Job], now: float) -> snapshot.Progress:
+        """Of ``jobs`` of the running batch: their share done when it began, and the
+        load and checkpoint read it paid first; in a continuous batch, each
+        member's own steps (``joining.progress``)."""
         assert gpu.running is not None
+        if gpu.stepped is not None:
+            return joining.progress(gpu, jobs, now)
         return snapshot.Progress(
             done=gpu.running.resumed_from,
             elapsed_s=now - gpu.running_since,
@@ -76,8 +81,11 @@ class WorldFacts:
         """What ``gpu`` holds: its running batch, then its queue as it will run it,
         jobs of one type as batches (at the first of them), a resumed job alone."""
         held = []
-        if gpu.running is not None:
-            held.append(self._work(gpu, gpu.batch, snapshot.Holding.RUNNING, self.progress(gpu, now)))
+        # A continuous batch's members of other steps are held apart, as production's
+        # records group them (by batch key, the most advanced one's progress).
+        running = _by_batch_key(gpu.batch) if gpu.stepped is not None else [gpu.batch] if gpu.batch else []
+        for jobs in running:
+            held.append(self._work(gpu, jobs, snapshot.Holding.RUNNING, self.progress(gpu, jobs, now)))
         groups: dict[tuple[str, int, int, int], list[Job]] = {}
         order: list[Job | list[Job]] = []
         for job in gpu.queue:
@@ -111,8 +119,8 @@ class WorldFacts:
         for gpu in sim.live():
             if gpu.running is None:
                 continue
-            progress = self.progress(gpu, now)
             for job in gpu.batch:
+                progress = self.progress(gpu, [job], now)
                 t = job.trace.type
                 running.append(
                     snapshot.RunningJob(
@@ -144,3 +152,13 @@ class WorldFacts:
     def submitted(job: Job, *, newer: bool = False, backlog: bool = False) -> SubmittedCount:
         t = job.trace.type
         return SubmittedCount(t.model, t.width, t.height, t.steps, t.batch, job.trace.lane, newer, 1, backlog)
+
+
+def _by_batch_key(jobs: list[Job]) -> list[list[Job]]:
+    """``jobs`` grouped by batch key (model, size and steps), each group where its
+    first job is."""
+    groups: dict[tuple[str, int, int, int], list[Job]] = {}
+    for job in jobs:
+        t = job.trace.type
+        groups.setdefault((t.model, t.width, t.height, t.steps), []).append(job)
+    return list(groups.values())

@@ -91,7 +91,9 @@ class IdealPolicy:
         ]
         return min(candidates, key=lambda g: (-(g.busy_until - now), g.id), default=None)
 
-    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+    def on_done(
+        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+    ) -> None:
         pass
 
     def on_tick(self, sim: Simulation, now: float) -> None:

@@ -70,9 +70,12 @@ class DarkroomPolicy:
         by_id = {str(j.id): j for j in sim.pending}
         return [(by_id[p.job_id], p.worker_id) for p in decision.placed if p.worker_id is not None]
 
-    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+    def on_done(
+        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+    ) -> None:
+        # The images it ran beside: a batch's own, or a continuous batch's on average.
+        images = rows or sum(j.trace.type.batch for j in batch)
         if self.tenants:
-            images = sum(j.trace.type.batch for j in batch)
             half_life = self.config.fair_share_half_life_s
             for job in batch:  # each its images' share of the batch's time, as the samplers charge
                 usage = self.usage.get(job.trace.tenant) or TenantUsage(job.trace.tenant, at=now)
@@ -82,7 +85,7 @@ class DarkroomPolicy:
             return  # a resumed run is part of a job (and a checkpoint read): nothing to learn from
         # Learned as the scheduler learns from workers: once per batch, under its images.
         t = batch[0].trace.type
-        shape = Shape(t.model, t.width * t.height, t.steps, sum(j.trace.type.batch for j in batch))
+        shape = Shape(t.model, t.width * t.height, t.steps, images)
         cost = self.costs[batch[0].model]
         obs = observe(self.durations, shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
         self.durations = with_observation(self.durations, shape, gpu.id, obs)
@@ -122,7 +125,9 @@ class _Immediate:
                 sim.assign(job, self.pick(sim, job, able).id, now)
         return []  # assigned one by one: each pick sees the queues the last one left
 
-    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+    def on_done(
+        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+    ) -> None:
         pass
 
     def on_tick(self, sim: Simulation, now: float) -> None:
@@ -215,7 +220,9 @@ class LoadRatio:
                 sim.assign(job, best.id, now)
         return []
 
-    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
+    def on_done(
+        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+    ) -> None:
         pass
 
     def on_tick(self, sim: Simulation, now: float) -> None:

@@ -34,6 +34,7 @@ class Job:
     suspended_at: float | None = None  # its latest suspension
     # GPUs that failed while running it, as production's attempt log records them.
     failed_on: frozenset[str] = frozenset()
+    joined: bool = False  # it joined a batch already running (continuous batching)
 
     @property
     def id(self) -> int:
@@ -45,6 +46,35 @@ class Job:
 
 
 @dataclass
+class Member:
+    """A job in a batch that others join at step boundaries (continuous batching)."""
+
+    job: Job
+    steps_left: int  # at the batch's latest boundary
+    stepping: bool  # False: offered, it joins at the next boundary
+    joined_at: float = 0.0  # when it began stepping
+    # Its steps so far and their images, summed: the batch's mean size it ran in.
+    steps_run: int = 0
+    row_steps: int = 0
+
+
+@dataclass
+class SteppedBatch:
+    """A GPU's running batch under continuous batching: it steps from ``since``
+    (its latest boundary, or when its compute begins) at ``step_s`` a step while
+    its members stay as they are."""
+
+    members: list[Member]
+    max_rows: int  # the model's max_batch
+    since: float
+    step_s: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return sum(m.job.trace.type.batch for m in self.members)
+
+
+@dataclass
 class Gpu:
     spec: SimGpu
     vram_total: int
@@ -53,6 +83,7 @@ class Gpu:
     queue: deque[Job] = field(default_factory=deque)
     running: Job | None = None
     riders: list[Job] = field(default_factory=list)  # the rest of the running batch
+    stepped: SteppedBatch | None = None  # the running batch, when jobs join it at its steps
     running_since: float = 0.0
     run_s: float = 0.0  # how long the running batch takes, its load included
     run_load_s: float = 0.0  # the load part of it
@@ -61,7 +92,9 @@ class Gpu:
     preloading: str | None = None
     planned: frozenset[str] = frozenset()
     busy_s: float = 0.0
-    generation: int = 0  # bumped on failure: events of a dead incarnation are dropped
+    # Bumped when its pending event no longer holds (it failed, a batch suspends or
+    # changes): events of an earlier generation are dropped.
+    generation: int = 0
 
     @property
     def id(self) -> str:
@@ -104,8 +137,12 @@ class Policy(Protocol):
         """Assignments of pending jobs to GPUs; jobs not named stay pending."""
         ...
 
-    def on_done(self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float) -> None:
-        """``batch``: the jobs that ran together, ``run_s`` their time (without a load)."""
+    def on_done(
+        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+    ) -> None:
+        """``batch``: the jobs that ran together (or left a continuous batch
+        together), ``run_s`` the time of the first (without a load), ``rows`` the
+        images of the batch it ran in, on average over its steps (None: ``batch``'s)."""
         ...
 
     def on_tick(self, sim: Simulation, now: float) -> None: ...
