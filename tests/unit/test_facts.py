@@ -12,9 +12,12 @@ all exact in binary so that times and durations compare exactly), at ``NOW`` =
 BASE + 11.5:
 
 * ``fast`` (speed 2, 24 GiB, img loaded, planned img+up) runs paid job A (img
-  1024x1024, 20 steps of 0.125 s) started at 10.0: 12 steps done. It holds B1 (1
-  image), B2 and B3 (2 images each), free jobs of A's batch key: 5 rows, two
-  batches of img's ``max_batch`` 4; and paid C of "up", which it must load.
+  1024x1024, 20 steps of 0.125 s) started at 10.0: 12 steps done. Its samplers
+  batch continuously: A's batch has a seat for 3 more images of its join key, 8
+  steps left. It holds paid C of "up", which it must load, then B1 (1 image), B2
+  and B3 (2 images each), free jobs of A's batch key: 5 rows, two batches of
+  img's ``max_batch`` 4, which C ahead of them keeps from joining A (a sampler
+  takes joiners from the head of what it holds).
 * ``slow`` (speed 0.5, vid loaded) runs free video job D, resumed at 5.0 from a
   checkpoint at half of its 30 steps (suspended once, at 4.0): its checkpoint read
   (0.5 s) and 3 steps of 2 s done, so 18 steps of 30; a suspension is asked for.
@@ -43,6 +46,7 @@ from scheduler import driver, facts
 from scheduler.estimates import Durations, Learned
 from scheduler.learning import durations_from
 from scheduler.policy import Fleet, ModelCost
+from scheduler.seats import OpenSeat
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
 from scheduler.simulator.engine import Simulation
@@ -55,7 +59,7 @@ from scheduler.views import job_view, running_views, worker_views
 from services.db.counts import SubmittedCount
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJobRecord
 from services.db.states import JobStatus, WorkerStatus
-from services.generation import BatchKey, JobShape
+from services.generation import BatchKey, JobShape, JoinKey
 from tests import fleets
 from tests.records import new_job, summary, worker_record
 
@@ -159,7 +163,7 @@ def simulated(tmp_path: Path) -> Simulated:
     assert policy.costs == COSTS
     policy.durations = Durations(shapes={k: Learned(mean, n) for k, (mean, n) in ESTIMATES.items()})
     policy.primaries = {"fast": "img", "slow": "vid"}
-    sim = Simulation(sc, policy, [], load=0.5)
+    sim = Simulation(sc, policy, [], load=0.5, continuous=True)
     sim.gpus["fast"].planned = frozenset({"img", "up"})
     sim.gpus["slow"].planned = frozenset({"vid"})
     sim.gpus["small"].planned = frozenset({"img"})
@@ -178,7 +182,7 @@ def simulated(tmp_path: Path) -> Simulated:
     suspended(jobs[F], at_s=9.0, done=0.25)
     sim.assign(jobs[D], "slow", BASE + 5.0)
     sim.assign(jobs[A], "fast", BASE + 10.0)
-    for name in (B1, B2, B3, C):
+    for name in (C, B1, B2, B3):
         sim.assign(jobs[name], "fast", BASE + 10.875)
     sim.suspend("slow", NOW)
     assert sim.gpus["fast"].running is jobs[A] and sim.gpus["slow"].running is jobs[D]
@@ -247,8 +251,8 @@ IMG = BatchKey("img", 1024, 1024, 20, 7.5)
 IMG_SHAPE = JobShape("img", 1024, 1024, 20, 7.5, 1)
 HELD = [
     HeldGroup("fast", JobStatus.RUNNING, IMG, jobs=1, images=1, largest=1, done=12 / 20),
-    HeldGroup("fast", JobStatus.SCHEDULED, IMG, jobs=3, images=5, largest=2, done=0.0),
     HeldGroup("fast", JobStatus.SCHEDULED, BatchKey("up", 512, 512, 20, 7.5), jobs=1, images=1, largest=1, done=0.0),
+    HeldGroup("fast", JobStatus.SCHEDULED, IMG, jobs=3, images=5, largest=2, done=0.0),
     HeldGroup("slow", JobStatus.RUNNING, BatchKey("vid", 512, 512, 30, 7.5), jobs=1, images=1, largest=1, done=18 / 30),
 ]
 RUNNING = [
@@ -256,6 +260,7 @@ RUNNING = [
     RunningJobRecord(D, 2, "slow", "free", 0, JobShape("vid", 512, 512, 30, 7.5, 1), 18, 1, True, at(5.0)),
 ]
 ALL = ("img", "vid", "up")
+IMG_SEAT = {"model": "img", "width": 1024, "height": 1024, "frames": 1}
 WORKERS = [
     worker_record(
         "fast",
@@ -268,6 +273,7 @@ WORKERS = [
         planned_models=("img", "up"),
         primary_model="img",
         capabilities=("image", "upscale", "video"),
+        telemetry={"open_seats": [{**IMG_SEAT, "rows": 1, "free_rows": 3, "steps_left": 8}]},
     ),
     worker_record(
         "slow",
@@ -348,7 +354,9 @@ def test_workers_and_what_they_hold_are_the_same(sim_world: Simulated) -> None:
     produced = production(workers=WORKERS, held=HELD, running=RUNNING)
     assert simulated.workers == produced.workers
     assert [w.id for w in produced.workers] == ["fast", "slow", "small"]
-    exercised(produced.workers, but=("state", "loading_s", "measured", "open_seats"))
+    exercised(produced.workers, but=("state", "loading_s", "measured"))
+    seat = OpenSeat(JoinKey("img", 1024, 1024), rows=1, free_rows=3, steps_left=8)
+    assert [w.open_seats for w in simulated.workers] == [(seat,), (), ()]
     assert progress_free(simulated.held) == progress_free(produced.held)
     # fast: A's 1 s left, C's model load 3 s, the batches of 4 (8 s) and 1 (2.5 s)
     # of B1-B3, C's 1.25 s; slow: 12 steps of 2 s.
