@@ -91,6 +91,9 @@ def test_a_job_submitted_while_a_batch_of_four_runs_joins_it_and_gets_its_solo_i
     joined = wait_terminal(client, client.SubmitJob(late).job_id)
     assert joined.status == pb.JOB_STATUS_SUCCEEDED, joined.error
     assert joined.joined_batch_images == 4, "it joined the running batch of four"
+    # The scheduler placed it there for the seat the heartbeat offered.
+    chosen = [c for c in joined.routing.candidates if c.worker_id == joined.routing.worker_id]
+    assert [c.note for c in chosen] == ["joins its running batch of 4 at the next step"], joined.routing
     assert joined.batch_images == 5
     batch = [wait_terminal(client, job_id) for job_id in ids]
     assert [j.status for j in batch] == [pb.JOB_STATUS_SUCCEEDED] * 4

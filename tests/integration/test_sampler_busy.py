@@ -55,9 +55,9 @@ def test_a_saturated_sampler_spends_97_percent_of_its_time_denoising(busy_stack:
     assert [j.status for j in jobs] == [pb.JOB_STATUS_SUCCEEDED] * JOBS, [j.error for j in jobs]
     assert max(j.batch_images for j in jobs) == 8, "the backlog ran in full batches"
 
-    # The account reaches the gateway with the sampler's next heartbeat; a batch's
-    # jobs went to decoding together.
-    batches = len({j.timings.decoding_time.ToDatetime() for j in jobs})
+    # The account reaches the gateway with the sampler's next heartbeat. A batch's
+    # first members began sampling together; the rest joined it at a step boundary.
+    batches = len({j.timings.started_time.ToDatetime() for j in jobs if j.joined_batch_images == 0})
     stats = wait_for(
         lambda: sampler_stats(client),
         lambda w: w.denoised_batches == batches,

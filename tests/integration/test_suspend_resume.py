@@ -137,8 +137,9 @@ def test_an_urgent_job_preempts_long_best_effort_work_which_resumes_with_the_sam
     client = stub(stack)
     stack.wait_ready(60)  # both samplers, whatever the test before did to them
     samplers = len(stack.sampler_ids())
-    # Of different steps, so that they cannot share a batch (and a GPU).
-    requests = [{**LONG, "steps": LONG["steps"] + i, "seed": 20 + i} for i in range(samplers)]
+    # Of different sizes, so that they cannot share a batch (and a GPU): one of other
+    # steps would join the first's batch at a step boundary.
+    requests = [{**LONG, "width": LONG["width"] + 64 * i, "seed": 20 + i} for i in range(samplers)]
     longs = [client.SubmitJob(pb.SubmitJobRequest(**r, lane="free")).job_id for r in requests]
     running = [running_past(client, job_id, 3) for job_id in longs]
     assert len({j.worker_id for j in running}) == samplers, "every GPU is busy with best-effort work"
