@@ -1,7 +1,7 @@
 """The discrete-event simulator: GPUs that load models, run jobs from their own
-FIFO (the head job and the later ones of its type, up to the model's batch size,
-as one batch, timed by the model's batch-efficiency curve), heat up, slow down and fail; a trace of arrivals; and a
-placement policy that decides where queued jobs go after every event.
+FIFO (the head job and the later ones of its type, up to the model's batch size, as
+one batch, timed by the model's batch curve), heat up, slow down and fail; a trace of
+arrivals; and a placement policy that decides where queued jobs go after every event.
 
 Every policy sees the same worker behaviour, so only placement differs: a GPU
 loads a job's model when the job starts if it is not loaded (a cold load the job
@@ -17,12 +17,10 @@ attempt, as production's fencing token counts it). A resumed job runs alone (on
 any GPU), paying ``resume_s`` (reading its checkpoint back) on top of its remaining
 steps and any model load.
 
-Continuous batching (``continuous=True``; off, every batch runs as formed when
-it starts): jobs placed on a GPU join its running batch at a step boundary and
-leave when their own steps are done (``joining``).
-
-Here: the event loop and what each event does to the world; how a batch is made
-up, timed and stopped at a step boundary is in ``batches``.
+With ``continuous=True`` jobs placed on a GPU join its running batch at a step
+boundary and leave when their own steps are done (``joining``). Here: the event loop
+and what each event does to the world; how a batch is made up, timed and stopped at
+a step boundary is in ``batches``.
 """
 
 from __future__ import annotations
