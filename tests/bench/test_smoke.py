@@ -34,6 +34,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "media": ("| model | size | frames | steps |",),
     "placement": ("| policy | load | jobs/s |",),
     "continuous_batching": ("| load | mode | img/s |", "| load | p50 at-start / continuous |"),
+    "continuous_stack": ("| load | mode | offered jobs/s |", "| load | p50 at-start / continuous |"),
     "prompt_filter": ("| prompts | characters, mean | p50 µs | p99 µs |", "| prompt | filter | p50 ms | p99 ms |"),
     "preemption": ("| round | suspended after s |",),
     "tracing": ("| hook | no endpoint | endpoint |",),
