@@ -89,12 +89,10 @@ class DeviceBatches:
         started = await self._start(batch, backpressure=False)
         if not started:
             return
-        for pair in started:
-            self._in_batch[id(pair[1])] = pair
         if self.runner.join([s for _, s in started]):
+            # In the batch now: they come out of it (on this loop) no sooner than this returns.
+            self._in_batch.update((id(job), (pending, job)) for pending, job in started)
             return
-        for _, job in started:
-            del self._in_batch[id(job)]
         await self._on_device_next(started)
 
     async def _on_device_next(self, started: list[tuple[InHand, Started]]) -> None:
