@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from gpu_worker.denoising import BatchMember, MemberResult
 from gpu_worker.outcomes import Started
 from gpu_worker.progress import BatchProgress
-from gpu_worker.running_batch import OpenSeats, RunningBatch
+from gpu_worker.running_batch import RunningBatch
+from services.seats import OpenSeat
 from services.telemetry import logs
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class BatchSampling:
             started.joined_rows = before
         return True
 
-    def seats(self) -> OpenSeats | None:
+    def seats(self) -> OpenSeat | None:
         return self._running.seats() if self._running is not None else None
 
     def _add(self, started: Started, member: BatchMember) -> BatchMember:

@@ -17,9 +17,9 @@ from nats.aio.msg import Msg
 from gpu_worker.acks import Acks
 from gpu_worker.outcomes import Outcome, Started
 from gpu_worker.runner import JobRunner, SampledBatch
-from gpu_worker.running_batch import OpenSeats
 from services.bus.dispatch import Dispatch
 from services.generation import BatchKey, JoinKey
+from services.seats import OpenSeat
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class DeviceBatches:
         """Nothing starting, on the device or finishing."""
         return not self.starting and not self._finishing
 
-    def seats(self) -> OpenSeats | None:
+    def seats(self) -> OpenSeat | None:
         """The room of the batch on the device."""
         return self.runner.seats()
 

@@ -35,12 +35,12 @@ from gpu_worker.metrics import BATCH_IMAGES
 from gpu_worker.outcomes import Decoded, Outcome, OutcomeRecorder, Started
 from gpu_worker.previews import preview_steps
 from gpu_worker.progress import BatchProgress
-from gpu_worker.running_batch import OpenSeats
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
 from services.db.repository import Result
 from services.models.registry import DEFAULT_TIMEOUT_S, ModelFamily
+from services.seats import OpenSeat
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class JobRunner:
             return False
         return sampling.join(batch)
 
-    def seats(self) -> OpenSeats | None:
+    def seats(self) -> OpenSeat | None:
         """The room of the batch on the device: jobs of its model and size it takes now."""
         sampling = self._sampling
         return sampling.seats() if sampling is not None else None

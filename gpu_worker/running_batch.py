@@ -13,35 +13,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from gpu_worker.denoising import BatchMember, MemberResult
 from services.generation import JoinKey
+from services.seats import OpenSeat
 
 # Members that left at one step boundary, with what each came out with.
 Cohort = list[tuple[BatchMember, MemberResult]]
-
-
-@dataclass(frozen=True)
-class OpenSeats:
-    """A running batch's room, as a sampler's heartbeat tells the scheduler."""
-
-    key: JoinKey
-    rows: int  # images in it (or joining it) now
-    free_rows: int  # images it can still take
-    steps_left: int  # the most steps any member has left: when it ends if nothing joins
-
-    def telemetry(self) -> dict[str, Any]:
-        return {
-            "model": self.key.model,
-            "width": self.key.width,
-            "height": self.key.height,
-            "frames": self.key.frames,
-            "rows": self.rows,
-            "free_rows": self.free_rows,
-            "steps_left": self.steps_left,
-        }
 
 
 class RunningBatch:
@@ -82,12 +60,12 @@ class RunningBatch:
         with self._lock:
             return 0 if self._closed else self.max_rows - self._rows
 
-    def seats(self) -> OpenSeats | None:
+    def seats(self) -> OpenSeat | None:
         """Its room now, or None when it has none (or has ended)."""
         with self._lock:
             if self._closed or self._rows >= self.max_rows:
                 return None
-            return OpenSeats(self.key, self._rows, self.max_rows - self._rows, self._steps_left)
+            return OpenSeat(self.key, self._rows, self.max_rows - self._rows, self._steps_left)
 
     # -- the sampling thread -----------------------------------------------------------
 

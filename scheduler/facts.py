@@ -9,10 +9,9 @@ from typing import Any
 
 from scheduler import snapshot
 from scheduler.policy import ModelCost
-from scheduler.seats import OpenSeat
 from services.db import counts, records, tenant_records, worker_records
 from services.db.states import JobStatus, WorkerStatus
-from services.generation import JoinKey
+from services.seats import OpenSeat
 
 _HOLDING = {
     JobStatus.RUNNING: snapshot.Holding.RUNNING,
@@ -47,29 +46,13 @@ def measured(telemetry: Mapping[str, Any]) -> tuple[tuple[str, int, float], ...]
     )
 
 
-_SEAT_COUNTS = ("width", "height", "frames", "rows", "free_rows", "steps_left")
-
-
 def open_seats(telemetry: Mapping[str, Any]) -> tuple[OpenSeat, ...]:
-    """The room a sampler reports in the batch it runs (``"open_seats"``). An
-    entry that is not what a sampler sends is passed over: a sampler of another
-    version must not stop the pass, and no seat only costs a job the join."""
+    """The room a sampler reports in the batch it runs (``"open_seats"``); entries
+    that are not what a sampler sends are passed over (``OpenSeat.of``)."""
     reported = telemetry.get("open_seats")
     if not isinstance(reported, list):
         return ()
-    return tuple(seat for entry in reported if (seat := _open_seat(entry)) is not None)
-
-
-def _open_seat(entry: object) -> OpenSeat | None:
-    if not isinstance(entry, dict) or not isinstance(model := entry.get("model"), str) or not model:
-        return None
-    counts = [n for name in _SEAT_COUNTS if isinstance(n := entry.get(name), int) and not isinstance(n, bool)]
-    if len(counts) < len(_SEAT_COUNTS):
-        return None
-    width, height, frames, rows, free_rows, steps_left = counts
-    if min(width, height, frames, rows, free_rows, steps_left) < 1:
-        return None  # no room, or a batch with nothing left to run
-    return OpenSeat(JoinKey(model, width, height, frames), rows, free_rows, steps_left)
+    return tuple(seat for entry in reported if (seat := OpenSeat.of(entry)) is not None)
 
 
 def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:

@@ -20,7 +20,7 @@ fleet, where the learned durations say a bigger batch costs less per image.
 
 Open seats: a job of the join key (model and size) of a batch a worker runs now,
 where its heartbeat says that batch has room, joins it at its next step
-(``scheduler.seats``): it finishes after its own steps at the bigger batch's step
+(``services.seats``): it finishes after its own steps at the bigger batch's step
 time, waiting for nothing held there, and the worker's held work grows by what the
 bigger step costs the other members. The pass uses the seat up, so no two jobs
 count on its last room.

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from scheduler.estimates import Durations, Shape
-from scheduler.seats import OpenSeat
 from services.config.placement import PlacementSettings
 from services.db.states import WorkerStatus
 from services.generation import BatchKey, JoinKey
+from services.seats import OpenSeat
 
 
 @dataclass(frozen=True)

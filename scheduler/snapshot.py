@@ -12,12 +12,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from scheduler.seats import OpenSeat
 from services.db.counts import SubmittedCount
 from services.db.records import JobRecord
 from services.db.states import WorkerStatus
 from services.db.worker_records import DeadWorker
 from services.generation import BatchKey, JobShape
+from services.seats import OpenSeat
 
 
 @dataclass(frozen=True)

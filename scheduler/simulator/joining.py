@@ -23,10 +23,10 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from scheduler.seats import OpenSeat
 from scheduler.simulator.world import Gpu, Job, Member, SteppedBatch
 from scheduler.snapshot import Progress
 from services.generation import JoinKey
+from services.seats import OpenSeat
 
 if TYPE_CHECKING:
     from scheduler.simulator.engine import Simulation

@@ -44,7 +44,6 @@ PURE = GATEWAY_USES | {
     "scheduler.estimates",
     "scheduler.forecast",
     "scheduler.preemption",
-    "scheduler.seats",
     "scheduler.snapshot",
     "scheduler.warm_planner",
 }

@@ -14,11 +14,11 @@ from gpu_worker.acks import REDELIVER_AFTER_S
 from gpu_worker.consumer import DispatchConsumer
 from gpu_worker.outcomes import Outcome, Started
 from gpu_worker.runner import JobRunner, OnSampled, SampledBatch
-from gpu_worker.running_batch import OpenSeats
 from gpu_worker.tracker import JobWatch
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.generation import JobShape
 from services.models.registry import ModelRegistry
+from services.seats import OpenSeat
 from tests.fakes import FakeDispatches, FakeMsg, eventually
 from tests.records import new_job, record
 
@@ -66,12 +66,12 @@ class FakeRunner:
         finally:
             self.sampling = []
 
-    def seats(self) -> OpenSeats | None:
+    def seats(self) -> OpenSeat | None:
         """Room for two more images of the running batch's model and size, while one runs."""
         if not self.sampling or not self.takes_joiners:
             return None
         rows = sum(s.job.params.num_images for s in self.sampling)
-        return OpenSeats(self.sampling[0].job.params.join_key, rows, max(2 - rows + 1, 0), 4) if rows < 3 else None
+        return OpenSeat(self.sampling[0].job.params.join_key, rows, max(2 - rows + 1, 0), 4) if rows < 3 else None
 
     def join(self, batch: Sequence[Started]) -> bool:
         if not self.sampling:

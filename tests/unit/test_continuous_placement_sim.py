@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.seats import OpenSeat
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.facts import WorldFacts
@@ -19,6 +18,7 @@ from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.trace import TraceJob
 from scheduler.simulator.world import Gpu, Job
 from services.generation import JoinKey
+from services.seats import OpenSeat
 from tests import fleets
 
 # One 512 px step takes 0.1 s alone and 0.125 s in a batch of two (2 / 1.6 images per second).

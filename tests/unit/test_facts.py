@@ -46,7 +46,6 @@ from scheduler import driver, facts
 from scheduler.estimates import Durations, Learned
 from scheduler.learning import durations_from
 from scheduler.policy import Fleet, ModelCost
-from scheduler.seats import OpenSeat
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
 from scheduler.simulator.engine import Simulation
@@ -60,6 +59,7 @@ from services.db.counts import SubmittedCount
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJobRecord
 from services.db.states import JobStatus, WorkerStatus
 from services.generation import BatchKey, JobShape, JoinKey
+from services.seats import OpenSeat
 from tests import fleets
 from tests.records import new_job, summary, worker_record
 

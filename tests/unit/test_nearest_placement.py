@@ -14,10 +14,10 @@ import pytest
 from scheduler import nearness, placement, reports, scoring
 from scheduler.estimates import Durations, Learned
 from scheduler.policy import Candidate, Fleet, JobView, WorkerView
-from scheduler.seats import OpenSeat
 from services.config.placement import Lane, PlacementSettings
 from services.db.states import WorkerStatus
 from services.generation import JoinKey
+from services.seats import OpenSeat
 from tests.unit.test_policy import COSTS, GB
 
 SETTINGS = (

@@ -19,12 +19,12 @@ from scheduler.estimates import Durations, Learned, Shape
 from scheduler.placement import plan
 from scheduler.policy import Fleet, JobView, ModelCost, PlacementKind, WorkerView, seat_join
 from scheduler.scoring import score
-from scheduler.seats import OpenSeat
 from scheduler.views import worker_views
 from services.config.placement import Lane, PlacementSettings
 from services.db.records import HeldGroup
 from services.db.states import JobStatus
 from services.generation import BatchKey, JoinKey
+from services.seats import OpenSeat
 from tests.records import worker_record
 
 GB = 1024**3
@@ -207,3 +207,9 @@ def test_jobs_of_other_steps_running_in_one_batch_share_its_steps() -> None:
     [view] = worker_views(facts.fleet_snapshot(datetime.now(UTC), workers=[worker_record("a")], held=held), FLEET)
     assert view.held_work_s == pytest.approx(10 * 0.07 + 20 * 0.05)
     assert view.held_jobs == 1
+
+
+def test_what_a_sampler_reports_the_scheduler_reads_back_as_it_was() -> None:
+    seat = OpenSeat(JoinKey("sd", 512, 768, 1), rows=3, free_rows=5, steps_left=17)
+    assert OpenSeat.of(seat.telemetry()) == seat
+    assert facts.open_seats({"open_seats": [seat.telemetry()]}) == (seat,)
