@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.stack_run import BenchStack
 from scheduler.simulator.report import percentile
 from services.models.registry import ModelRegistry
 from services.models.sources import resolve_source
@@ -117,37 +118,22 @@ class Run:
         return sum(j.batch_images for j in self.jobs) / len(self.jobs)
 
 
-class Stack:
+class Stack(BenchStack):
     """The whole stack on this machine, one sampler, batching one way."""
 
     def __init__(self, root: Path, name: str, models: Path, profile: Profile, device: str, continuous: str) -> None:
-        from services.config.sections import Settings
-        from services.ops.stack import LocalStack
-
         data = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))  # a fresh stack each run, --data-dir or not
         (data / "models").symlink_to(models.resolve(), target_is_directory=True)  # built once, for both
         self.profile = profile
         env = {
             "DARKROOM_DATA_DIR": str(data),
-            "DARKROOM_GATEWAY_PORT": "0",
             "DARKROOM_DEVICE": device,
             "DARKROOM_PRELOAD_MODELS": profile.model,
-            "DARKROOM_LOG_LEVEL": "WARNING",
             "DARKROOM_CONTINUOUS_BATCHING": continuous,
         }
         if profile.model not in ModelRegistry.load().models:  # an on-request preset (sd15-random)
             env["DARKROOM_PRESETS"] = profile.model
-        self.stack = LocalStack(Settings.from_env(env), cpu_workers=1, decoders=1, durable=False)
-
-    def __enter__(self) -> Stack:
-        from tests.helpers import stub
-
-        self.stack.start(timeout=1800)
-        self.client = stub(self.stack)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.stop()
+        super().__init__(env)
 
     def request(self, steps: int, seed: int, prompt: str) -> Any:
         from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb

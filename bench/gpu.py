@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.stack_run import BenchStack
 from services.models import speed
 from services.models.registry import DEFAULT_REGISTRY, ModelFamily, ModelRegistry, ModelSpec
 from services.models.sources import resolve_source
@@ -239,7 +240,7 @@ class Round:
         }
 
 
-class Stack:
+class Stack(BenchStack):
     """The whole stack on this machine, serving the cases' models and their option variants."""
 
     def __init__(
@@ -251,32 +252,16 @@ class Stack:
         data: Path,
         decode_locally: bool,
     ) -> None:
-        from services.config.sections import Settings
-        from services.ops.stack import LocalStack
-
-        settings = Settings.from_env(
+        super().__init__(
             {
                 "DARKROOM_DATA_DIR": str(data),
-                "DARKROOM_GATEWAY_PORT": "0",
                 "DARKROOM_DEVICE": device.type,
                 "DARKROOM_MODEL_REGISTRY": str(registry),
                 "DARKROOM_PRESETS": ",".join(presets),
                 "DARKROOM_PRELOAD_MODELS": ",".join(preload),
-                "DARKROOM_LOG_LEVEL": "WARNING",
                 "DARKROOM_DECODE_LOCALLY": "true" if decode_locally else "false",
             }
         )
-        self.stack = LocalStack(settings, cpu_workers=1, decoders=1, durable=False)
-
-    def __enter__(self) -> Stack:
-        from tests.helpers import stub
-
-        self.stack.start(timeout=1800)
-        self.client = stub(self.stack)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.stop()
 
     def round(self, model: str, case: Case, jobs: int, seed: int) -> Round:
         """``jobs`` jobs of one shape submitted at once (seeds differ), waited for to the end."""
