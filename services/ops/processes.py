@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import signal
 import socket
 import subprocess
@@ -109,10 +110,40 @@ def spawn(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     return _SPAWNER.popen(args, **kwargs)
 
 
+# Where free ports are looked for: below the kernel's ephemeral range. A port the
+# kernel hands out for port 0 comes from that range, which is also where outgoing
+# connections take their source ports, so one may take it (and keep it, a
+# long-lived connection) before the service it was picked for binds it.
+_LOWEST_PORT = 10000
+
+
 def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on or connects from now, outside the
+    ephemeral range where the kernel can; a kernel-picked one where no room is left
+    below that range."""
+    first_ephemeral = _ephemeral_ports()[0]
+    for _ in range(64):
+        if first_ephemeral <= _LOWEST_PORT:
+            break
+        port = _LOWEST_PORT + secrets.randbelow(first_ephemeral - _LOWEST_PORT)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use: another
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(n) for n in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 def wait_for_port(port: int, *, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
