@@ -56,10 +56,6 @@ class RunningBatch:
             self._steps_left = max(self._steps_left, *(m.params.steps for m in members))
             return before
 
-    def free_rows(self) -> int:
-        with self._lock:
-            return 0 if self._closed else self.max_rows - self._rows
-
     def seats(self) -> OpenSeat | None:
         """Its room now, or None when it has none (or has ended)."""
         with self._lock:
@@ -72,10 +68,14 @@ class RunningBatch:
     def joining(self) -> list[BatchMember]:
         """The members offered since the last boundary: they join now."""
         with self._lock:
-            taken, self._waiting = self._waiting, []
-            now = time.perf_counter()
-            self._joined_at.update((id(m), now) for m in taken)
-            return taken
+            return self._take_waiting()
+
+    def _take_waiting(self) -> list[BatchMember]:
+        """Under the lock: the members waiting to join, in from now on."""
+        taken, self._waiting = self._waiting, []
+        now = time.perf_counter()
+        self._joined_at.update((id(m), now) for m in taken)
+        return taken
 
     def stepped(self, members: Sequence[BatchMember], steps_left: int) -> None:
         """A step of ``members`` begins (the most steps any has left: ``steps_left``)."""
@@ -105,10 +105,7 @@ class RunningBatch:
         with it), or nothing, and the batch has ended (later offers are refused)."""
         with self._lock:
             if self._waiting:
-                taken, self._waiting = self._waiting, []
-                now = time.perf_counter()
-                self._joined_at.update((id(m), now) for m in taken)
-                return taken
+                return self._take_waiting()
             self._closed = True
             return []
 
