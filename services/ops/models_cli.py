@@ -21,6 +21,9 @@ def add_commands(sub: Any, run: Any) -> None:
     push = actions.add_parser("push", help="upload a diffusers directory or a builtin as NAME[:VERSION]")
     push.add_argument("source", metavar="DIR_OR_BUILTIN", help="a model's directory, or builtin:NAME")
     push.add_argument("reference", metavar="NAME[:VERSION]", help="default version: 12 hex digits of its files' digest")
+    push.add_argument(
+        "--force", action="store_true", help="replace a version the store holds with other content (hosts follow)"
+    )
     listing = actions.add_parser("list", help="every version of every model in the store")
     rm = actions.add_parser("rm", help="remove a version (NAME:VERSION) or every version (NAME); unshared blobs go")
     rm.add_argument("reference", metavar="NAME[:VERSION]")
@@ -49,8 +52,10 @@ def _push(args: argparse.Namespace, settings: Settings) -> int:
     parse_reference(args.reference)  # a bad name is refused before anything is built or read
     store = ObjectStore.from_settings(settings.kernel.model_store)
     root = source_directory(args.source, settings.kernel.models_dir)
-    result = push_directory(store, root, args.reference)
+    result = push_directory(store, root, args.reference, force=args.force)
     m = result.manifest
+    if result.replaced is not None:
+        print(f"replaced {m.name}:{m.version} (manifest sha256 {result.replaced.digest[:12]}, now {m.digest[:12]})")
     print(f"pushed {m.name}:{m.version} from {root}: {len(m.files)} files, {_mb(m.total_bytes)}")
     print(f"uploaded {len(result.uploaded)} blobs ({_mb(result.uploaded_bytes)}); ", end="")
     print(f"{len(result.present)} already in the store ({_mb(result.present_bytes)})")

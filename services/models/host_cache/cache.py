@@ -20,11 +20,12 @@ from typing import Protocol
 from services.errors import ModelError
 from services.models.host_cache import blobs as blob_fetch
 from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict
-from services.models.host_cache.layout import HELD, USED, Layout
+from services.models.host_cache.layout import BUILT_FROM, HELD, USED, Layout
 from services.models.host_cache.locks import acquire, lock_now, locked
 from services.models.host_cache.metrics import CORRUPT_BLOBS, EVICTIONS, LOOKUPS
 from services.models.host_cache.sources import SourceChain
 from services.models.store.manifest import Manifest
+from services.models.store.objects import ModelNotInStore, ModelStoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +84,13 @@ class HostCache:
         if missing:
             await self.evict(need_bytes=sum(missing.values()))
         async with locked(self.layout.cache_lock, shared=True):
-            if _built(model_dir, manifest) and not missing:
+            if _built(self.layout, model_dir, manifest) and not missing:
                 LOOKUPS.labels(result="hit").inc()
             else:
                 LOOKUPS.labels(result="miss").inc()
                 await self._fetch_all(manifest)
                 async with locked(self.layout.model_lock(manifest.name, manifest.version)):
-                    if not _built(model_dir, manifest):
+                    if not _built(self.layout, model_dir, manifest):
                         self._build(model_dir, manifest)
             hold = await acquire(model_dir / HELD, shared=True)
             os.utime(model_dir / USED)
@@ -97,14 +98,20 @@ class HostCache:
         return HeldModel(model_dir, manifest, hold)
 
     async def manifest(self, name: str, version: str | None) -> Manifest:
-        """From the store (a copy kept); the copy when the store cannot be read."""
+        """From the store (a copy kept); the copy only when the store cannot be
+        reached. A version the store says it does not hold was removed: the copy
+        and its directory go too (its blobs with the next eviction), so a model
+        withdrawn from the store stops loading, and being offered to peers, here."""
         try:
             read = self.manifests.read_manifest
             if inspect.iscoroutinefunction(read):
                 manifest = await read(name, version)
             else:  # a blocking client's call, off the event loop
                 manifest = await asyncio.to_thread(read, name, version)
-        except (ModelError, OSError) as exc:
+        except ModelNotInStore:
+            await self._forget(name, version)
+            raise
+        except (ModelStoreUnavailable, OSError) as exc:
             kept = self._kept_manifest(name, version)
             if kept is None:
                 raise
@@ -124,6 +131,25 @@ class HostCache:
             return Manifest.from_json(self.layout.manifest(name, version).read_bytes())
         except (FileNotFoundError, ModelError):
             return None
+
+    async def _forget(self, name: str, version: str | None) -> None:
+        """Drops the kept copy of ``name:version`` (of what latest pointed at, for
+        None) and its directory, even if a sampler holds it: what it has loaded
+        stays in its memory, nothing loads it again."""
+        async with locked(self.layout.cache_lock, shared=True):
+            if version is None:
+                latest = self.layout.latest(name)
+                try:
+                    version = latest.read_text().strip()
+                except FileNotFoundError:
+                    return
+                latest.unlink(missing_ok=True)
+            self.layout.manifest(name, version).unlink(missing_ok=True)
+            model_dir = self.layout.model(name, version)
+            async with locked(self.layout.model_lock(name, version)):
+                if model_dir.exists():
+                    self._discard(model_dir)
+                    log.warning("%s:%s was removed from the model store; dropped from the host's cache", name, version)
 
     async def _fetch_all(self, manifest: Manifest) -> None:
         gate = asyncio.Semaphore(BLOBS_AT_ONCE)
@@ -148,6 +174,7 @@ class HostCache:
                 target = building / ref.path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 os.link(self.layout.blob(ref.digest), target)
+            (building / BUILT_FROM).write_text(manifest.digest)
             (building / HELD).touch()
             (building / USED).touch()
             os.rename(building, model_dir)
@@ -237,12 +264,17 @@ class HostCache:
             return corrupt
 
 
-def _built(model_dir: Path, manifest: Manifest) -> bool:
-    """Built, and every file of the size the manifest says."""
-    return (
-        all(blob_fetch.is_complete(model_dir / ref.path, ref.size) for ref in manifest.files)
-        and (model_dir / HELD).exists()
-    )
+def _built(layout: Layout, model_dir: Path, manifest: Manifest) -> bool:
+    """Built from this very manifest, every file its blob itself: sizes alone would
+    take a version pushed again with other bytes of the same sizes (a fine-tune)
+    for the one already built."""
+    try:
+        if (model_dir / BUILT_FROM).read_text() != manifest.digest or not (model_dir / HELD).exists():
+            return False
+        linked = (os.path.samestat(os.stat(model_dir / f.path), os.stat(layout.blob(f.digest))) for f in manifest.files)
+        return all(linked)
+    except FileNotFoundError:
+        return False
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

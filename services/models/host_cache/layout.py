@@ -7,6 +7,7 @@ point outside the cache.
   models/<name>/<version>/...     the version's directory: hard links to blobs
   models/<name>/<version>/.held   shared-locked by each sampler holding it loaded
   models/<name>/<version>/.used   its mtime: when it was last resolved (LRU)
+  models/<name>/<version>/.manifest-sha256  the digest of the manifest it was built from
   manifests/<name>/<version>.json the manifest it was built from (the store may be away)
   manifests/<name>/latest         the version "latest" last resolved to
   locks/                          one lock file per blob and per version, and the cache's
@@ -24,6 +25,7 @@ from services.models.store.manifest import DIGEST, check_name
 
 HELD = ".held"
 USED = ".used"
+BUILT_FROM = ".manifest-sha256"
 
 
 def check_digest(digest: str) -> str:

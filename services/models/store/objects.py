@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import obstore
-from obstore.exceptions import BaseError
+from obstore.exceptions import AlreadyExistsError, BaseError, PermissionDeniedError, UnauthenticatedError
 from obstore.store import S3Store
 
 if TYPE_CHECKING:
@@ -41,8 +41,17 @@ class ModelStoreError(ModelError):
     """The model store is not configured, cannot be reached, or refused a request."""
 
 
+class ModelStoreUnavailable(ModelStoreError):
+    """The store could not be reached, or failed to answer (not a refusal): a host
+    may go on with the copy of a manifest it kept."""
+
+
 class ModelNotInStore(ModelStoreError):
     """No such model, or no such version of it, in the store."""
+
+
+class ModelVersionExists(ModelStoreError):
+    """A push of a version the store holds with other content, not forced."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,10 @@ class ObjectStore:
             yield
         except (BaseError, OSError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ModelStoreError(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
+            # A refusal (these credentials may not) is an answer; anything else is the store being away.
+            refused = isinstance(exc, PermissionDeniedError | UnauthenticatedError)
+            error = ModelStoreError if refused else ModelStoreUnavailable
+            raise error(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
 
     def _exists(self, key: str) -> bool:
         with self._errors(f"looking for {key}"):
@@ -202,16 +214,30 @@ class ObjectStore:
             )
         return manifest
 
-    def has_manifest(self, name: str, version: str) -> bool:
-        return self._exists(manifest_key(name, version))
+    def read_manifest_if_present(self, name: str, version: str) -> Manifest | None:
+        try:
+            return self.read_manifest(name, version)
+        except ModelNotInStore:
+            return None
 
-    def write_manifest(self, manifest: Manifest, *, latest: bool = True) -> None:
+    def point_latest(self, name: str, version: str) -> None:
+        with self._errors(f"pointing the latest version of {name} at {version}"):
+            obstore.put(self._store, latest_key(name), check_name("version", version).encode())
+
+    def write_manifest(self, manifest: Manifest, *, replace: bool = False) -> None:
         """Writes the manifest (after its blobs: a manifest names only stored
-        blobs), then, with ``latest``, points the model's latest at it."""
+        blobs), then points the model's latest at it. Without
+        ``replace`` the version must be new: the write is conditional, so of two
+        pushes of one version at once the second is refused, not silently lost."""
+        key = manifest_key(manifest.name, manifest.version)
         with self._errors(f"writing the manifest of {manifest.name}:{manifest.version}"):
-            obstore.put(self._store, manifest_key(manifest.name, manifest.version), manifest.to_json())
-            if latest:
-                obstore.put(self._store, latest_key(manifest.name), manifest.version.encode())
+            try:
+                obstore.put(self._store, key, manifest.to_json(), mode="overwrite" if replace else "create")
+            except AlreadyExistsError:
+                raise ModelVersionExists(
+                    f"{manifest.name}:{manifest.version} was pushed by someone else meanwhile; push again to compare"
+                ) from None
+        self.point_latest(manifest.name, manifest.version)
 
     def _manifest_objects(self) -> list[ObjectMeta]:
         """Every stored manifest object (``manifests/<name>/<version>.json``)."""

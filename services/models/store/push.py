@@ -2,6 +2,8 @@
 to the store as ``NAME[:VERSION]``: every file hashed (SHA-256, streamed), only the
 blobs the store lacks uploaded, then the manifest and the model's latest.
 
+A version pushed again with other content is refused unless forced (``--force``).
+
 A version not given is the first 12 hex digits of the SHA-256 of the files' list
 (each file's path, size and digest, sorted by path; ``content_version``): the same
 bytes always push as the same version, and any change makes another.
@@ -22,7 +24,7 @@ from typing import Any
 from services.errors import ModelError
 from services.models.builtins import BUILTINS, ensure_builtin
 from services.models.store.manifest import BlobRef, Manifest, parse_reference
-from services.models.store.objects import ObjectStore
+from services.models.store.objects import ModelVersionExists, ObjectStore
 
 _CHUNK = 4 * 1024 * 1024
 
@@ -32,6 +34,7 @@ class PushResult:
     manifest: Manifest
     uploaded: dict[str, int]  # digest -> size: the blobs this push stored
     present: dict[str, int]  # the blobs the store already held
+    replaced: Manifest | None = None  # the version's other content, which a forced push replaced
 
     @property
     def uploaded_bytes(self) -> int:
@@ -90,13 +93,30 @@ def source_directory(source: str, models_dir: Path) -> Path:
 
 
 def push_directory(
-    store: ObjectStore, root: Path, reference: str, *, entry: Mapping[str, Any] | None = None
+    store: ObjectStore,
+    root: Path,
+    reference: str,
+    *,
+    entry: Mapping[str, Any] | None = None,
+    force: bool = False,
 ) -> PushResult:
     """Pushes ``root`` as ``reference`` (``NAME[:VERSION]``). The name is checked
-    and the files hashed before the store is touched."""
+    and the files hashed before the store is touched.
+
+    A version is what its manifest says, everywhere: pushing a version the store
+    holds with other content (a fine-tune pushed over ``mymodel:prod``) is refused
+    unless ``force``, and a forced push is a new manifest digest that every host's
+    cache sees and rebuilds from. The same content again changes nothing but latest."""
     name, version = parse_reference(reference)
     files = scan_directory(root)
     manifest = Manifest(name, version or content_version(files), files, dict(entry or {}))
+    existing = store.read_manifest_if_present(name, manifest.version)
+    if existing is not None and existing.digest != manifest.digest and not force:
+        raise ModelVersionExists(
+            f"{name}:{manifest.version} is already in the store with other content (manifest sha256 "
+            f"{existing.digest[:12]}, this push's {manifest.digest[:12]}): push it as another version, or "
+            "with --force to replace it (every host then loads the new content)"
+        )
     by_digest = {f.digest: f for f in files}
     uploaded: dict[str, int] = {}
     present: dict[str, int] = {}
@@ -106,5 +126,9 @@ def push_directory(
             continue
         store.put_blob(digest, Path(root) / ref.path)
         uploaded[digest] = ref.size
-    store.write_manifest(manifest)
-    return PushResult(manifest, uploaded, present)
+    if existing is None or existing.digest != manifest.digest:
+        store.write_manifest(manifest, replace=existing is not None)
+    else:
+        store.point_latest(manifest.name, manifest.version)
+    replaced = existing if existing is not None and existing.digest != manifest.digest else None
+    return PushResult(manifest, uploaded, present, replaced)

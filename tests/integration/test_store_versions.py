@@ -1,0 +1,124 @@
+"""What a host's cache serves after the store changes under it, against a real S3
+server (seaweedfs): a version pushed again with other bytes of the same sizes is
+refused unless forced, and a forced one is what every host then loads; a version
+removed from the store is gone from the hosts that cached it, while a store that
+cannot be reached still leaves them the copy they kept."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.config.model_store import ModelStoreSettings
+from services.errors import ModelError
+from services.models.host_cache import HostCache
+from services.models.host_cache.sources import store_only
+from services.models.store.objects import ModelNotInStore, ModelStoreError, ObjectStore
+from services.models.store.push import push_directory
+from services.ops.processes import free_port
+
+
+def client(model_store: Any, **env: str) -> ObjectStore:
+    return ObjectStore.from_settings(ModelStoreSettings.from_env({**model_store.env(), **env}))
+
+
+def write_model(root: Path, weights: bytes) -> Path:
+    (root / "unet").mkdir(parents=True, exist_ok=True)
+    (root / "model_index.json").write_bytes(b'{"_class_name": "Test"}')
+    (root / "unet" / "w.bin").write_bytes(weights)
+    return root
+
+
+def cache_of(root: Path, store: ObjectStore) -> HostCache:
+    return HostCache(root, capacity_bytes=10**9, manifests=store, sources=store_only(store))
+
+
+def darkroom(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "services.ops.cli", "models", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+async def test_a_version_pushed_again_with_other_bytes_is_refused_unless_forced_then_served_everywhere(
+    model_store: Any, tmp_path: Path
+) -> None:
+    store = client(model_store)
+    name = f"finetune{uuid.uuid4().hex[:6]}"
+    v1 = b"weights-v1" * 10_000
+    v2 = b"weights-v2" * 10_000  # a fine-tune: every file of the same size
+    first = push_directory(store, write_model(tmp_path / "v1", v1), f"{name}:prod")
+    host = cache_of(tmp_path / "host", store)
+    assert (await host.resolve(name, "prod") / "unet" / "w.bin").read_bytes() == v1
+
+    with pytest.raises(ModelError, match=rf"{name}:prod is already in the store with other content.*--force"):
+        push_directory(store, write_model(tmp_path / "v2", v2), f"{name}:prod")
+    assert store.read_manifest(name, "prod") == first.manifest  # nothing moved
+    assert push_directory(store, tmp_path / "v1", f"{name}:prod").uploaded == {}  # the same bytes: a no-op
+
+    forced = push_directory(store, tmp_path / "v2", f"{name}:prod", force=True)
+    assert store.read_manifest(name, "prod").digest == forced.manifest.digest != first.manifest.digest
+    new_blob = next(f.digest for f in forced.manifest.files if f.path == "unet/w.bin")
+
+    held = await host.acquire(name, "prod")
+    try:
+        weights = held.path / "unet" / "w.bin"
+        assert weights.read_bytes() == v2
+        assert weights.stat().st_ino == host.layout.blob(new_blob).stat().st_ino  # the new blob, kept
+    finally:
+        held.release()
+    fetched = host.fetched["store"]
+    assert (await host.resolve(name, None) / "unet" / "w.bin").read_bytes() == v2
+    await host.evict()
+    assert host.layout.blob(new_blob).exists()
+    assert (await host.resolve(name, "prod") / "unet" / "w.bin").read_bytes() == v2
+    assert host.fetched["store"] == fetched  # fetched once, not at every load
+
+
+def test_the_cli_refuses_to_replace_a_version_without_force(model_store: Any, tmp_path: Path) -> None:
+    env = {**os.environ, **model_store.env(), "DARKROOM_DATA_DIR": str(tmp_path / "data")}
+    name = f"cli{uuid.uuid4().hex[:6]}"
+    assert darkroom(env, "push", str(write_model(tmp_path / "a", b"a" * 1000)), f"{name}:1").returncode == 0
+    refused = darkroom(env, "push", str(write_model(tmp_path / "b", b"b" * 1000)), f"{name}:1")
+    assert refused.returncode == 1 and "--force" in refused.stderr, refused.stderr
+    forced = darkroom(env, "push", "--force", str(tmp_path / "b"), f"{name}:1")
+    assert forced.returncode == 0, forced.stderr
+    assert "replaced" in forced.stdout
+    weights = client(model_store).read_manifest(name, "1").files[1]
+    assert (weights.path, weights.digest) == ("unet/w.bin", hashlib.sha256(b"b" * 1000).hexdigest())
+
+
+async def test_a_version_removed_from_the_store_is_gone_from_a_host_that_cached_it(
+    model_store: Any, tmp_path: Path
+) -> None:
+    store = client(model_store)
+    name = f"withdrawn{uuid.uuid4().hex[:6]}"
+    pushed = push_directory(store, write_model(tmp_path / "m", b"bad weights" * 1000), f"{name}:1")
+    host = cache_of(tmp_path / "host", store)
+    model_dir = await host.resolve(name, None)  # by "latest", as a registry's `store:NAME` does
+    store.remove(name)
+
+    for version in (None, "1"):
+        with pytest.raises(ModelNotInStore):
+            await host.resolve(name, version)
+    assert not model_dir.exists()
+    assert not host.layout.manifest(name, "1").exists() and not host.layout.latest(name).exists()
+    await host.evict()
+    assert not any(host.layout.blob(d).exists() for d in pushed.manifest.blobs())  # what peers were offered
+
+
+async def test_a_store_that_cannot_be_reached_leaves_a_host_its_kept_copy(model_store: Any, tmp_path: Path) -> None:
+    store = client(model_store)
+    name = f"kept{uuid.uuid4().hex[:6]}"
+    push_directory(store, write_model(tmp_path / "m", b"kept" * 1000), f"{name}:1")
+    model_dir = await cache_of(tmp_path / "host", store).resolve(name, None)
+    away = client(model_store, DARKROOM_MODEL_STORE_URL=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ModelStoreError):
+        away.read_manifest(name, None)
+    assert await cache_of(tmp_path / "host", away).resolve(name, None) == model_dir
+    assert await cache_of(tmp_path / "host", away).resolve(name, "1") == model_dir
