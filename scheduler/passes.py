@@ -198,7 +198,8 @@ class Passes:
         ``scheduler.recovery``. ``judge_heartbeats`` False: right after the
         database was away, when every heartbeat looks stale."""
         judging = judge_heartbeats and self.presence.settled_for(self.stale_after_s)
-        heard = self.presence.ages() if judging else None
+        # Samplers alone hold jobs; a decoder's heartbeat, whatever its id, keeps none alive.
+        heard = self.presence.ages(WorkerKind.SAMPLER) if judging else None
         done = await recover_stalled(self.repo, self.recovery, stale_after_s=self.stale_after_s, heard=heard)
         if done is None:
             return None
@@ -247,12 +248,13 @@ class Passes:
         gone_for = self.settings.worker_forget_after_s
         if not self.presence.settled_for(0.0):
             return []  # who was heard from lately is unknown while NATS is away
-        heard_from = self.presence.fresh(stale_after_s=gone_for)
         forgotten = []
-        for worker_id in await self.repo.workers.forgettable(gone_for_s=gone_for, heard_from=heard_from):
-            await self.bus.forget_worker(worker_id)
-            if await self.repo.workers.forget(worker_id, gone_for_s=gone_for):
-                forgotten.append(worker_id)
+        for kind in WorkerKind:
+            heard_from = self.presence.fresh(kind, stale_after_s=gone_for)
+            for worker_id in await self.repo.workers.forgettable(kind, gone_for_s=gone_for, heard_from=heard_from):
+                await self.bus.forget_worker(worker_id)
+                if await self.repo.workers.forget(worker_id, gone_for_s=gone_for):
+                    forgotten.append(worker_id)
         if forgotten:
             log.info("forgot workers gone for good: %s", ", ".join(forgotten))
         return forgotten

@@ -90,6 +90,11 @@ class WorkerSuperseded(DarkroomError):
     """A newer process registered under this worker's id: this one must stop."""
 
 
+class WorkerIdTaken(DarkroomError):
+    """A worker of another kind is registered under this worker's id: two kinds
+    sharing an id would answer for each other's presence and jobs."""
+
+
 class MalformedDispatch(BusError):
     """A dispatch message that cannot be read: it is dropped, never retried."""
 

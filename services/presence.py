@@ -25,9 +25,10 @@ from typing import Any, Protocol
 from services.backoff import Backoff
 from services.bus.events import Events, JobEvent
 from services.bus.presence_board import Announcement
+from services.config.fields import SettingsError
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
-from services.errors import BusError, StoreError, WorkerSuperseded
+from services.errors import BusError, StoreError, WorkerIdTaken, WorkerSuperseded
 from services.models.registry import ModelRegistry
 from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
@@ -130,11 +131,14 @@ class Presence:
 
     async def register(self, stop: asyncio.Event) -> bool:
         """Registers this incarnation, waiting for the database if it is away.
-        False if ``stop`` was set first."""
+        False if ``stop`` was set first. Raises SettingsError if a worker of the
+        other kind holds this worker's id: waiting would not change that."""
         backoff = Backoff()
         while not stop.is_set():
             try:
                 registration = await self.workers.register(self.heartbeat(self.status), self.incarnation)
+            except WorkerIdTaken as exc:
+                raise SettingsError(f"{exc}: give each worker its own DARKROOM_WORKER_ID") from exc
             except StoreError as exc:
                 log.warning("cannot register, retrying in %.1fs: %s", backoff.next_s, exc)
                 await backoff.wait(stop)

@@ -9,7 +9,13 @@ arrived: no two hosts' clocks are compared, except once, for the values already
 in the bucket when the watch starts (their age is the server's timestamp against
 this host's clock, never less than zero). A view that has not watched for a
 while (just started, or NATS was away) says so (``settled_for``): whoever
-declares workers dead must wait until it has."""
+declares workers dead must wait until it has.
+
+A worker is known by its kind and id together, its kind the key's: the decoders
+share one NATS user, which may write any ``decoder.*`` key, so what is written
+under ``decoder.gpu-7`` is decoder gpu-7's or nothing, never sampler gpu-7's (a
+heartbeat of another kind than its key's is refused, and a deletion drops only
+its key's worker)."""
 
 from __future__ import annotations
 
@@ -20,7 +26,6 @@ import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import nats
 import nats.errors
@@ -32,9 +37,6 @@ from services.bus.presence_board import CANARY, PLAN, Announcement, PresenceBoar
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerRecord
 from services.errors import BusError
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +97,8 @@ class PresenceView:
         # a watch silent for longer has stopped, and the view is unsettled until a
         # new one catches up. None: nothing is expected (a quiet bucket is quiet).
         self.expect_within_s = expect_within_s
-        self._seen: dict[str, Seen] = {}
-        self._plans: dict[str, WarmPlan] = {}
+        self._seen: dict[tuple[WorkerKind, str], Seen] = {}
+        self._plans: dict[str, WarmPlan] = {}  # by sampler id: only samplers have plans
         self._settled_since: float | None = None
 
     # -- folding in -----------------------------------------------------------------
@@ -104,37 +106,47 @@ class PresenceView:
     def fold(self, key: str, value: bytes | None, *, age_s: float = 0.0) -> None:
         """One entry of the bucket: a heartbeat, a plan, or a deletion (value None).
         ``age_s``: how long ago it was written, for values that predate the watch."""
-        kind, _, worker_id = key.partition(".")
-        if kind == CANARY:
+        prefix, _, worker_id = key.partition(".")
+        if prefix == CANARY:
             return
-        if kind == PLAN:
-            if value is None:
-                self._plans.pop(worker_id, None)
-            else:
-                try:
-                    self._plans[worker_id] = decode_plan(value)
-                except ValueError as exc:
-                    log.warning("presence: %s under %s", exc, key)
-                    return
-            seen = self._seen.get(worker_id)
-            if seen is not None:
-                self._remember(worker_id, seen.announcement, seen.at)
-        elif value is None:
-            self._seen.pop(worker_id, None)
+        if prefix == PLAN:
+            self._fold_plan(key, worker_id, value)
+            return
+        kind = next((k for k in self.kinds if k.value == prefix), None)
+        if kind is None:
+            return
+        if value is None:
+            self._seen.pop((kind, worker_id), None)
+            return
+        try:
+            announcement = Announcement.decode(value)
+        except ValueError as exc:
+            log.warning("presence: %s under %s", exc, key)
+            return
+        hb = announcement.heartbeat
+        if (hb.kind, hb.id) != (kind, worker_id):
+            log.warning("presence: a heartbeat of %s %s under %s, refused", hb.kind.value, hb.id, key)
+            return
+        self._remember(kind, worker_id, announcement, self.clock() - max(0.0, age_s))
+
+    def _fold_plan(self, key: str, worker_id: str, value: bytes | None) -> None:
+        if value is None:
+            self._plans.pop(worker_id, None)
         else:
             try:
-                announcement = Announcement.decode(value)
+                self._plans[worker_id] = decode_plan(value)
             except ValueError as exc:
                 log.warning("presence: %s under %s", exc, key)
                 return
-            if announcement.heartbeat.kind not in self.kinds or announcement.heartbeat.id != worker_id:
-                return
-            self._remember(worker_id, announcement, self.clock() - max(0.0, age_s))
+        seen = self._seen.get((WorkerKind.SAMPLER, worker_id))
+        if seen is not None:
+            self._remember(WorkerKind.SAMPLER, worker_id, seen.announcement, seen.at)
 
-    def _remember(self, worker_id: str, announcement: Announcement, at: float) -> None:
+    def _remember(self, kind: WorkerKind, worker_id: str, announcement: Announcement, at: float) -> None:
         heard = datetime.fromtimestamp(time.time() - (self.clock() - at), UTC)
-        record = record_of(announcement, self._plans.get(worker_id), live=True, heard_at=heard)
-        self._seen[worker_id] = Seen(announcement, at, record)
+        plan = self._plans.get(worker_id) if kind == WorkerKind.SAMPLER else None
+        record = record_of(announcement, plan, live=True, heard_at=heard)
+        self._seen[(kind, worker_id)] = Seen(announcement, at, record)
 
     @property
     def keys(self) -> str:
@@ -161,29 +173,27 @@ class PresenceView:
 
     # -- reading ----------------------------------------------------------------------
 
-    def age_s(self, worker_id: str) -> float | None:
+    def age_s(self, kind: WorkerKind, worker_id: str) -> float | None:
         """Seconds since the worker's last heartbeat arrived; None: never heard of."""
-        seen = self._seen.get(worker_id)
+        seen = self._seen.get((kind, worker_id))
         return None if seen is None else self.clock() - seen.at
 
-    def ages(self) -> dict[str, float]:
-        """Every worker the view knows, with the seconds since its last heartbeat arrived."""
+    def ages(self, kind: WorkerKind) -> dict[str, float]:
+        """Every worker of ``kind`` the view knows, by id, with the seconds since its
+        last heartbeat arrived."""
         now = self.clock()
-        return {wid: now - s.at for wid, s in self._seen.items()}
+        return {wid: now - s.at for (k, wid), s in self._seen.items() if k == kind}
 
-    def fresh(self, *, stale_after_s: float) -> dict[str, float]:
-        """Every worker heard from within ``stale_after_s``, with its age."""
-        now = self.clock()
-        return {wid: now - s.at for wid, s in self._seen.items() if now - s.at <= stale_after_s}
+    def fresh(self, kind: WorkerKind, *, stale_after_s: float) -> dict[str, float]:
+        """Every worker of ``kind`` heard from within ``stale_after_s``, by id, with its age."""
+        return {wid: age for wid, age in self.ages(kind).items() if age <= stale_after_s}
 
     def all(self, kind: WorkerKind, *, stale_after_s: float) -> list[WorkerRecord]:
         """Every worker of ``kind`` the bucket knows, by id, each marked live or not."""
         now = self.clock()
         out = []
-        for wid in sorted(self._seen):
-            seen = self._seen[wid]
-            if seen.record.kind != kind:
-                continue
+        for wid in sorted(wid for k, wid in self._seen if k == kind):
+            seen = self._seen[(kind, wid)]
             out.append(seen.record if now - seen.at <= stale_after_s else replace(seen.record, live=False))
         return out
 
@@ -191,9 +201,9 @@ class PresenceView:
         """Workers of ``kind`` that take work: ready, with a recent heartbeat."""
         return [w for w in self.all(kind, stale_after_s=stale_after_s) if w.live and w.status == WorkerStatus.READY]
 
-    def get(self, worker_id: str) -> WorkerRecord | None:
+    def get(self, kind: WorkerKind, worker_id: str) -> WorkerRecord | None:
         """The worker as last heard (marked live whatever its age); None: never heard of."""
-        seen = self._seen.get(worker_id)
+        seen = self._seen.get((kind, worker_id))
         return None if seen is None else seen.record
 
     def plan(self, worker_id: str) -> WarmPlan | None:

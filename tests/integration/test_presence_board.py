@@ -2,29 +2,36 @@
 services/presence_view.py): a view following the bucket hears heartbeats and plans
 as they are written and a worker's stop; a newer incarnation of a worker id makes
 the older one's next heartbeat fail as superseded; a view started later still
-knows what the bucket held, aged; and a view that lost NATS is unsettled until it
-is back and has caught up."""
+knows what the bucket held, aged; a view that lost NATS is unsettled until it
+is back and has caught up; and in a sealed NATS, what the decoders' user writes
+under a decoder key never speaks for, nor silences, a sampler of the same id."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import nats
 import pytest
 from nats.js.api import KeyValueConfig
 
+from scheduler.recovery import RecoveryConfig
+from scheduler.stalled import recover_stalled
 from services.bus.connection import connect_nats
 from services.bus.presence_board import BUCKET, Announcement, PresenceBoard, worker_key
-from services.db.states import WorkerKind, WorkerStatus
+from services.db.repository import Repository
+from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
 from services.errors import WorkerSuperseded
-from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials
+from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials, sampler_user
 from services.mesh.secrets import ensure_certificates
 from services.ops.embedded_nats import EmbeddedNats
 from services.presence_read import read_once
 from services.presence_view import PresenceView, follow
+from tests.integration.test_repository import age_registration, schedule, submit
 
 pytestmark = pytest.mark.integration
 
@@ -108,12 +115,14 @@ async def test_a_view_started_later_knows_the_bucket_and_waits_out_an_outage(nat
     view = PresenceView((WorkerKind.SAMPLER,))
     following = asyncio.create_task(follow(view, nc, opener(nc), stop))
     try:
-        await until(lambda: view.get("w1") is not None and view.settled_for(0), "w1 from the bucket")
+        await until(
+            lambda: view.get(WorkerKind.SAMPLER, "w1") is not None and view.settled_for(0), "w1 from the bucket"
+        )
         nats_server.stop()
         await until(lambda: not view.settled_for(0), "the view unsettled while NATS is away")
         nats_server.start()
         await until(lambda: view.settled_for(0), "the view settled again")
-        assert view.get("w1") is not None  # file storage: the bucket outlived the restart
+        assert view.get(WorkerKind.SAMPLER, "w1") is not None  # file storage: the bucket outlived the restart
     finally:
         stop.set()
         await following
@@ -162,20 +171,35 @@ async def test_a_view_that_hears_nothing_for_longer_than_it_expects_is_unsettled
         await nc.close()
 
 
-async def test_a_decoder_whose_heartbeat_answer_was_lost_goes_on_in_a_sealed_nats(tmp_path: Path) -> None:
+@pytest.fixture
+def sealed_nats(tmp_path: Path) -> Iterator[Callable[[str, str], Awaitable[nats.NATS]]]:
+    """A sealed nats-server of the test's own (the control users and sampler
+    ``SAMPLER_ID``'s); yields how to connect to it as (role, user)."""
+    mesh_dir = tmp_path / "mesh"
+    ensure_certificates(mesh_dir, hosts=["127.0.0.1", "localhost"])
+    server = EmbeddedNats(tmp_path / "nats", mesh_dir=mesh_dir, users=[*CONTROL_USERS, sampler_user(SAMPLER_ID)])
+    server.start()
+
+    async def connect(role: str, user: str) -> nats.NATS:
+        url = f"tls://127.0.0.1:{server.port}"
+        return await connect_nats([url], name=user, credentials=NatsCredentials.of(mesh_dir, role, user))
+
+    yield connect
+    server.stop()
+
+
+SAMPLER_ID = "gpu-7"
+
+
+async def test_a_decoder_whose_heartbeat_answer_was_lost_goes_on_in_a_sealed_nats(
+    sealed_nats: Callable[[str, str], Awaitable[nats.NATS]],
+) -> None:
     """An update whose answer was lost leaves the decoder's revision behind; its next
     heartbeat reads its own key back and goes on. In a sealed NATS the decoders'
     user may read it (it once could not: every later heartbeat failed, and the
     decoder dropped out of presence after a NATS node was cut off)."""
-    mesh_dir = tmp_path / "mesh"
-    ensure_certificates(mesh_dir, hosts=["127.0.0.1", "localhost"])
-    server = EmbeddedNats(tmp_path / "nats", mesh_dir=mesh_dir, users=list(CONTROL_USERS))
-    server.start()
-    url = f"tls://127.0.0.1:{server.port}"
-    as_scheduler = NatsCredentials.of(mesh_dir, "scheduler", "scheduler")
-    scheduler = await connect_nats([url], name="scheduler", credentials=as_scheduler)
-    as_decoder = NatsCredentials.of(mesh_dir, "decoder", DECODER_USER)
-    decoder = await connect_nats([url], name="decoder", credentials=as_decoder)
+    scheduler = await sealed_nats("scheduler", "scheduler")
+    decoder = await sealed_nats("decoder", DECODER_USER)
     try:
         await PresenceBoard.open(scheduler.jetstream())  # only the scheduler may make the bucket
         board = await PresenceBoard.open(decoder.jetstream(timeout=2), create=False, patience_s=5)
@@ -189,4 +213,51 @@ async def test_a_decoder_whose_heartbeat_answer_was_lost_goes_on_in_a_sealed_nat
     finally:
         await decoder.close()
         await scheduler.close()
-        server.stop()
+
+
+async def test_the_decoders_user_neither_speaks_for_nor_silences_a_sampler(
+    sealed_nats: Callable[[str, str], Awaitable[nats.NATS]], repo: Repository
+) -> None:
+    """The decoders' NATS user may write and delete any ``decoder.*`` key. Under
+    ``decoder.gpu-7`` it neither changes what the scheduler's view says of sampler
+    gpu-7 (a sampler's heartbeat there is refused; a decoder's is a decoder's) nor,
+    deleting it, makes recovery take gpu-7 for dead and fail its running job."""
+    scheduler = await sealed_nats("scheduler", "scheduler")
+    sampler = await sealed_nats("sampler", sampler_user(SAMPLER_ID))
+    decoder = await sealed_nats("decoder", DECODER_USER)
+    stop = asyncio.Event()
+    view = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER))  # the scheduler's
+    following = asyncio.create_task(follow(view, scheduler, opener(scheduler), stop))
+    try:
+        await PresenceBoard.open(scheduler.jetstream())
+        own = await PresenceBoard.open(sampler.jetstream(timeout=2), create=False, patience_s=5)
+        real = replace(announcement(SAMPLER_ID, "inc-1").heartbeat, telemetry={"cached": ["tiny"]})
+        await own.announce(Announcement(real, "inc-1", 1_700_000_000.0))
+        await until(lambda: len(view.live(WorkerKind.SAMPLER, stale_after_s=10)) == 1, "gpu-7 live")
+        [before] = view.all(WorkerKind.SAMPLER, stale_after_s=10)
+
+        board = await PresenceBoard.open(decoder.jetstream(timeout=2), create=False, patience_s=5)
+        forged = replace(real, address="10.6.6.6:1", telemetry={"cached": ["evil"]})
+        await board.kv.put(worker_key(WorkerKind.DECODER, SAMPLER_ID), Announcement(forged, "x", 0.0).encode())
+        await board.announce(Announcement(replace(forged, kind=WorkerKind.DECODER), "x", 0.0))
+        await until(lambda: len(view.all(WorkerKind.DECODER, stale_after_s=10)) == 1, "a decoder named gpu-7")
+        assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == [before]
+
+        await board.kv.delete(worker_key(WorkerKind.DECODER, SAMPLER_ID))
+        await until(lambda: view.all(WorkerKind.DECODER, stale_after_s=10) == [], "the decoder named gpu-7 deleted")
+        assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == [before]
+
+        # Recovery, as the scheduler runs it, with gpu-7 heard only on NATS.
+        await repo.workers.register(real, "inc-1")
+        job_id = await submit(repo)
+        attempt = await schedule(repo, job_id, SAMPLER_ID)
+        await repo.attempts.start(job_id, attempt, SAMPLER_ID, now=datetime.now(UTC))
+        age_registration(repo.db.url, SAMPLER_ID, 30)
+        heard = view.ages(WorkerKind.SAMPLER)
+        assert await recover_stalled(repo, RecoveryConfig(), stale_after_s=10, heard=heard) == []
+        assert (await repo.jobs.get(job_id)).status == JobStatus.RUNNING
+    finally:
+        stop.set()
+        await following
+        for nc in (decoder, sampler, scheduler):
+            await nc.close()

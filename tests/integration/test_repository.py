@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -20,6 +21,7 @@ from services.db.repository import Repository, Standing, StepReport
 from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerHeartbeat
+from services.errors import WorkerIdTaken
 from tests.records import new_job
 
 pytestmark = pytest.mark.integration
@@ -150,6 +152,33 @@ async def test_new_incarnation_requeues_what_the_old_one_held(repo: Repository, 
     again = await schedule(repo, started, W2)
     assert (await repo.workers.register(heartbeat(W2), workers[W2])).requeued == ()
     assert (await repo.jobs.get(started)).attempt == again
+
+
+async def test_a_worker_id_a_worker_of_the_other_kind_holds_is_refused_at_registration(
+    repo: Repository, workers
+) -> None:
+    """A sampler and a decoder given the same id: the second to register is refused,
+    and the first keeps its row and what it holds."""
+    job_id = await submit(repo)
+    attempt = await schedule(repo, job_id, W1)
+    await repo.attempts.start(job_id, attempt, W1, now=now())
+    decoder = replace(heartbeat(W1), kind=WorkerKind.DECODER, address="10.6.6.6:1")
+    with pytest.raises(WorkerIdTaken, match=f"{W1}.*sampler"):
+        await repo.workers.register(decoder, str(uuid.uuid4()))
+    sampler = await repo.workers.get(W1)
+    assert sampler is not None and (sampler.kind, sampler.address) == (WorkerKind.SAMPLER, "127.0.0.1:1")
+    job = await repo.jobs.get(job_id)
+    assert (job.status, job.attempt, job.worker_id) == (JobStatus.RUNNING, attempt, W1)
+
+
+async def test_workers_gone_for_good_are_found_kind_by_kind(repo: Repository, workers) -> None:
+    decoder = replace(heartbeat("host-decoder-0"), kind=WorkerKind.DECODER)
+    await repo.workers.register(decoder, str(uuid.uuid4()))
+    for worker_id in (W1, W2, decoder.id):
+        age_registration(repo.db.url, worker_id, 120)
+    # A decoder heard from under W2's id does not keep sampler W2 from being forgotten.
+    assert await repo.workers.forgettable(WorkerKind.SAMPLER, gone_for_s=60, heard_from=[W1]) == [W2]
+    assert await repo.workers.forgettable(WorkerKind.DECODER, gone_for_s=60, heard_from=[W2]) == [decoder.id]
 
 
 async def test_deregister_hands_back_without_counting(repo: Repository, workers) -> None:

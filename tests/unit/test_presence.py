@@ -2,15 +2,19 @@
 registers once the database is back and publishes the jobs an earlier run held,
 heartbeats on its interval with the status it is in (never through the registry),
 follows the warm plan stored for it, says a change of status at once, stops when a
-newer process took its id, and deregisters publishing the jobs it handed back."""
+newer process took its id, deregisters publishing the jobs it handed back, and
+stops as misconfigured when a worker of the other kind holds its id."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from services.config.fields import SettingsError
 from services.db.states import WorkerKind, WorkerStatus
-from services.db.worker_records import WarmPlan, WorkerHeartbeat
-from services.errors import BusError, WorkerSuperseded
+from services.db.worker_records import Registration, WarmPlan, WorkerHeartbeat
+from services.errors import BusError, WorkerIdTaken, WorkerSuperseded
 from services.presence import Presence
 from tests.fakes import FakeBoard, FakeWorkers, RecordedEvents
 
@@ -123,3 +127,16 @@ async def test_deregistering_publishes_the_jobs_handed_back() -> None:
     assert h.statuses() == [WorkerStatus.GONE]  # said on NATS before the database hears it
     assert [(e.job_id, e.status) for e in h.events.published] == [("j3", None)]
     assert h.events.work_calls == 1
+
+
+class IdOfASampler(FakeWorkers):
+    async def register(self, hb: WorkerHeartbeat, incarnation: str) -> Registration:
+        raise WorkerIdTaken(f"worker id {hb.id} is registered as a sampler")
+
+
+async def test_an_id_a_worker_of_the_other_kind_holds_stops_it_as_a_bad_setting() -> None:
+    h = Harness()
+    h.presence.workers = IdOfASampler()
+    with pytest.raises(SettingsError, match=r"w1 is registered as a sampler.*DARKROOM_WORKER_ID"):
+        await asyncio.wait_for(h.presence.register(asyncio.Event()), 5.0)  # not retried as an outage
+    assert h.board.beats == []  # never heard of on NATS

@@ -5,6 +5,8 @@ the samplers they are for, and nothing judged until the view has settled."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.bus.presence_board import Announcement, decode_plan, encode_plan, plan_key, worker_key
@@ -70,8 +72,8 @@ def test_a_worker_is_live_until_its_heartbeats_stop_arriving() -> None:
     clock.now += 4
     assert [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w2"]
     assert [(w.id, w.live) for w in view.all(WorkerKind.SAMPLER, stale_after_s=10)] == [("w1", False), ("w2", True)]
-    assert view.fresh(stale_after_s=10) == {"w2": 4.0}
-    assert view.ages() == {"w1": 12.0, "w2": 4.0}
+    assert view.fresh(WorkerKind.SAMPLER, stale_after_s=10) == {"w2": 4.0}
+    assert view.ages(WorkerKind.SAMPLER) == {"w1": 12.0, "w2": 4.0}
 
 
 def test_only_ready_workers_take_work_and_a_stopped_one_says_so() -> None:
@@ -90,7 +92,7 @@ def test_values_older_than_the_watch_count_their_age() -> None:
     view = PresenceView((WorkerKind.SAMPLER,), clock=clock)
     put(view, announcement("w1"), age_s=30)
     put(view, announcement("w2"), age_s=-5)  # a server clock ahead of this host's: never younger than now
-    assert view.age_s("w1") == 30 and view.age_s("w2") == 0
+    assert view.age_s(WorkerKind.SAMPLER, "w1") == 30 and view.age_s(WorkerKind.SAMPLER, "w2") == 0
     assert [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["w2"]
 
 
@@ -102,7 +104,7 @@ def test_a_plan_is_merged_into_its_sampler_and_a_deletion_forgets() -> None:
     assert (w1.primary_model, w1.planned_models) == ("tiny", ("tiny",))
     assert view.plan("w1") == WarmPlan("tiny", ("tiny",))
     view.fold(worker_key(WorkerKind.SAMPLER, "w1"), None)
-    assert view.get("w1") is None and view.age_s("w1") is None
+    assert view.get(WorkerKind.SAMPLER, "w1") is None and view.age_s(WorkerKind.SAMPLER, "w1") is None
 
 
 def test_other_kinds_malformed_values_and_borrowed_keys_are_ignored() -> None:
@@ -134,3 +136,35 @@ def test_nothing_is_judged_until_the_view_has_settled_for_long_enough() -> None:
 def test_a_view_of_one_kind_watches_only_that_kinds_keys() -> None:
     assert PresenceView((WorkerKind.DECODER,)).keys == "decoder.>"
     assert PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER)).keys == ">"  # and the plans
+
+
+def test_a_decoder_key_never_speaks_for_a_sampler_of_the_same_id() -> None:
+    """The decoders' NATS user may write any ``decoder.*`` key: what it writes
+    under ``decoder.gpu-7`` is a decoder's, or nothing, never sampler gpu-7's."""
+    clock = Clock()
+    view = PresenceView((WorkerKind.SAMPLER, WorkerKind.DECODER), clock=clock)
+    put(view, announcement("gpu-7"))
+    view.fold(plan_key("gpu-7"), encode_plan(WarmPlan("tiny", ("tiny",))))
+    [sampler] = view.all(WorkerKind.SAMPLER, stale_after_s=10)
+    forged = replace(announcement("gpu-7").heartbeat, address="10.6.6.6:1", telemetry={"cached": ["evil"]})
+    decoder_key = worker_key(WorkerKind.DECODER, "gpu-7")
+    clock.now += 1
+    # A sampler's heartbeat under a decoder's key: refused.
+    view.fold(decoder_key, Announcement(forged, "forged", 0.0).encode())
+    assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == [sampler]
+    assert view.all(WorkerKind.DECODER, stale_after_s=10) == []
+    # A decoder's heartbeat with the sampler's id: a decoder of that id, apart from the sampler.
+    view.fold(decoder_key, Announcement(replace(forged, kind=WorkerKind.DECODER), "forged", 0.0).encode())
+    assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == [sampler]
+    [decoder] = view.all(WorkerKind.DECODER, stale_after_s=10)
+    assert (decoder.id, decoder.address, decoder.planned_models) == ("gpu-7", "10.6.6.6:1", ())
+    assert view.ages(WorkerKind.SAMPLER) == {"gpu-7": 1.0}  # the decoder's beat is not the sampler's
+    # Its deletion: the decoder goes, the sampler stays, heard from as it was.
+    view.fold(decoder_key, None)
+    assert view.all(WorkerKind.DECODER, stale_after_s=10) == []
+    assert [w.id for w in view.live(WorkerKind.SAMPLER, stale_after_s=10)] == ["gpu-7"]
+    assert view.ages(WorkerKind.SAMPLER) == {"gpu-7": 1.0}
+    assert view.ages(WorkerKind.DECODER) == {}
+    # The sampler's own key still speaks for it.
+    view.fold(worker_key(WorkerKind.SAMPLER, "gpu-7"), None)
+    assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == []

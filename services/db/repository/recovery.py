@@ -18,7 +18,7 @@ from services.db.records import JOB_COLUMNS, AttemptFailure, JobRecord
 from services.db.repository.database import SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import end, requeue
 from services.db.repository.workers import FRESH
-from services.db.states import HELD, STARTED, JobStatus, WorkerStatus
+from services.db.states import HELD, STARTED, JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import DeadWorker
 
 _STALLED = f"""
@@ -47,10 +47,11 @@ class Recoveries(Area):
         of attempts, started longer ago than ``shortest_timeout_s``), locked, with
         the dead workers and the database's clock, for the caller to requeue or
         end them; None if another replica holds the lock. ``heard``: how many
-        seconds ago presence last heard from each worker it knows; a registered
-        worker not heard from within ``stale_after_s`` is dead. None: heartbeats
-        cannot be judged now (presence has not watched long enough, or the
-        database was away), so only workers that said they stopped count as dead."""
+        seconds ago presence last heard from each sampler it knows (samplers
+        alone hold jobs); a registered sampler not heard from within
+        ``stale_after_s`` is dead. None: heartbeats cannot be judged now
+        (presence has not watched long enough, or the database was away), so
+        only samplers that said they stopped count as dead."""
         async with self.db.tx() as conn:
             if not await try_lock(conn, SCHEDULER_LOCK):
                 yield None
@@ -105,9 +106,15 @@ async def _dead_workers(
     # whose NATS was away falls back to telling PostgreSQL).
     rows = await fetch_all(
         conn,
-        "SELECT id, status FROM workers WHERE status = %(gone)s"
-        f" OR (%(judge)s AND id <> ALL(%(fresh)s) AND NOT ({FRESH})) ORDER BY id",
-        {"gone": WorkerStatus.GONE.value, "judge": heard is not None, "fresh": fresh, "stale_after_s": stale_after_s},
+        "SELECT id, status FROM workers WHERE kind = %(sampler)s AND (status = %(gone)s"
+        f" OR (%(judge)s AND id <> ALL(%(fresh)s) AND NOT ({FRESH}))) ORDER BY id",
+        {
+            "sampler": WorkerKind.SAMPLER.value,
+            "gone": WorkerStatus.GONE.value,
+            "judge": heard is not None,
+            "fresh": fresh,
+            "stale_after_s": stale_after_s,
+        },
     )
     return [DeadWorker(r["id"], _why_dead(r["status"], (heard or {}).get(r["id"]))) for r in rows]
 

@@ -1,6 +1,8 @@
 """The worker registry, the durable part: each worker registers once per start (an
 incarnation, which fences the jobs an earlier one held) and deregisters when it
-stops. Heartbeats and liveness live on NATS (``services.bus.presence_board``);
+stops. A worker id is one worker's, whatever its kind: a sampler and a decoder
+given the same id would answer for each other (the jobs held, the heartbeats), so
+the second to register is refused. Heartbeats and liveness live on NATS (``services.bus.presence_board``);
 ``last_heartbeat`` here is when the worker last registered, or last heartbeat while
 NATS could not take its heartbeats."""
 
@@ -18,7 +20,7 @@ from services.db.repository.database import Area, fetch_all, fetch_one
 from services.db.repository.requeue import requeue
 from services.db.states import HELD, STARTED, WorkerKind, WorkerStatus
 from services.db.worker_records import WORKER_COLUMNS, Registration, WorkerHeartbeat, WorkerRecord
-from services.errors import WorkerSuperseded
+from services.errors import WorkerIdTaken, WorkerSuperseded
 
 _HELD = [st.value for st in HELD]
 # The worker registered, or heartbeat here, recently, by the database's clock.
@@ -71,9 +73,12 @@ class Workers(Area):
         """A worker process starts: records it under a new incarnation. The jobs an
         earlier incarnation of the same worker held go back to the queue at once
         (a started one with its attempt counted), rather than wait behind a
-        heartbeat that looks fresh."""
+        heartbeat that looks fresh. Raises WorkerIdTaken if a worker of another
+        kind holds the id."""
         async with self.db.tx() as conn:
-            earlier = await fetch_one(conn, "SELECT incarnation FROM workers WHERE id = %s FOR UPDATE", (hb.id,))
+            earlier = await fetch_one(conn, "SELECT incarnation, kind FROM workers WHERE id = %s FOR UPDATE", (hb.id,))
+            if earlier is not None and earlier["kind"] != hb.kind.value:
+                raise WorkerIdTaken(f"worker id {hb.id} is registered as a {earlier['kind']}, not a {hb.kind.value}")
             requeued: list[str] = []
             if earlier is not None and earlier["incarnation"] != incarnation:
                 held = await _held(conn, hb.id)
@@ -142,17 +147,18 @@ class Workers(Area):
         row = await self.db.one(f"SELECT {WORKER_COLUMNS} FROM workers WHERE id = %s", (worker_id,))
         return WorkerRecord.of(row) if row is not None else None
 
-    async def forgettable(self, *, gone_for_s: float, heard_from: Collection[str]) -> list[str]:
-        """Workers registered longer ago than ``gone_for_s``, not among those
-        ``heard_from`` since (presence says who), holding no job: gone for good."""
+    async def forgettable(self, kind: WorkerKind, *, gone_for_s: float, heard_from: Collection[str]) -> list[str]:
+        """Workers of ``kind`` registered longer ago than ``gone_for_s``, not among
+        those of that kind ``heard_from`` since (presence says who), holding no job:
+        gone for good."""
         rows = await self.db.all(
             f"""
             SELECT id FROM workers w
-            WHERE NOT ({FRESH}) AND id <> ALL(%(heard)s)
+            WHERE kind = %(kind)s AND NOT ({FRESH}) AND id <> ALL(%(heard)s)
               AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.worker_id = w.id AND jobs.status = ANY(%(held)s))
             ORDER BY id
             """,
-            {"stale_after_s": gone_for_s, "held": _HELD, "heard": sorted(heard_from)},
+            {"kind": kind.value, "stale_after_s": gone_for_s, "held": _HELD, "heard": sorted(heard_from)},
         )
         return [row["id"] for row in rows]
 
