@@ -26,7 +26,7 @@ from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_refusal, c
 from gateway.moderation import Limits, Moderator
 from gateway.streams import follow
 from gateway.usage import fleet_stats, tenant_usage
-from gateway.validation import validate_submit, violates_policy
+from gateway.validation import under_output_policy, validate_submit, violates_policy
 from scheduler import admission, facts
 from scheduler.costs import costs_from
 from scheduler.views import job_view
@@ -127,7 +127,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         except PermissionDenied as exc:
             raise caller.refused("lane", "SubmitJob", exc) from None
         tenant_policy = caller.terms.output_policy if caller.terms else None
-        new = replace(new, output_policy=output_policy(self.safety, new.lane, tenant_policy))
+        new = under_output_policy(new, output_policy(self.safety, new.lane, tenant_policy))
         if violates_policy(request.prompt, self.prompt_filter):
             count_prompt_refused(new.lane, caller.tenant)
             raise ContentPolicyViolation("prompt")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
 from gateway.convert import UPSCALE, generation_params
@@ -19,6 +20,7 @@ from services.generation import GenerationParams, JobInputs
 from services.models.registry import MAX_FPS, ModelRegistry, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.safety.prompt_filter import PromptFilter
+from services.safety.verdicts import previews_allowed
 
 MAX_GUIDANCE = 50.0
 MAX_PREVIEWS = 3
@@ -85,6 +87,14 @@ def validate_submit(
         previews=req.previews,
         inputs=JobInputs(image.data, mask.data if mask else None) if image is not None else None,
     )
+
+
+def under_output_policy(new: NewJob, policy: str) -> NewJob:
+    """``new`` to be checked under ``policy`` (decided at submit, stored on the job):
+    its previews dropped, without a refusal, where the policy withholds or blurs
+    flagged outputs. Previews are a stream's extra, and a client of one tenant works
+    unchanged under another's policy (an OpenAI client's ``partial_images`` too)."""
+    return replace(new, output_policy=policy, previews=new.previews if previews_allowed(policy) else 0)
 
 
 def violates_policy(prompt: str, prompt_filter: PromptFilter | None) -> bool:

@@ -33,7 +33,7 @@ from gpu_worker.failures import FailureStreak
 from gpu_worker.job_store import JobStore, OutcomeNotStored
 from gpu_worker.metrics import BATCH_IMAGES
 from gpu_worker.outcomes import Decoded, Outcome, OutcomeRecorder, Started
-from gpu_worker.previews import preview_steps
+from gpu_worker.previews import job_preview_steps
 from gpu_worker.progress import BatchProgress
 from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
@@ -235,7 +235,7 @@ class JobRunner:
             on_checkpoint=started.writer.offer,
             suspend=lambda: watch.suspending,
             inputs=inputs if isinstance(inputs, MemberInputs) else None,
-            preview_at=preview_steps(job.params.steps, job.previews),
+            preview_at=job_preview_steps(job),
             on_preview=progress.on_preview,
         )
 

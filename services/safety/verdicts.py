@@ -1,8 +1,9 @@
 """What the image filter's score does to an output, as plain data: the policy a
-job is checked under (decided at submit), the verdict a score comes to under it,
-and what is encoded of an output once judged (as made, blurred, or nothing). The
-decoder service and a sampler decoding its own latents both judge through
-``judged``, so an output is treated the same wherever it is decoded."""
+job is checked under (decided at submit), whether it may have previews, the
+verdict a score comes to under it, and what is encoded of an output once judged
+(as made, blurred, or nothing). The decoder service and a sampler decoding its
+own latents both judge through ``judged``, so an output is treated the same
+wherever it is decoded."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def output_policy(safety: SafetySettings, lane: str, tenant_policy: str | None) 
     if not safety.image_filter:
         return ""
     return tenant_policy or safety.policy_for(lane)
+
+
+def previews_allowed(policy: str) -> bool:
+    """Whether a job checked under ``policy`` may have rough previews of its images
+    sent while they denoise. A preview is never scored (it leaves mid-denoising,
+    before there is an output to score), so only where every output leaves as made
+    whatever its score: not checked, or "flag". Under "block" or "blur" a preview
+    would show what the filter withholds or blurs."""
+    return policy in ("", "flag")
 
 
 def check_policy(policy: str) -> str:

@@ -48,6 +48,9 @@ from tests.needs import require
 pytestmark = pytest.mark.integration
 
 SMALL = {"steps": 2, "seed": 7}
+# A lane whose outputs leave as made (policy "flag"): the free lane, where an open
+# stack's jobs run, blocks flagged outputs, and its jobs get no previews.
+PREVIEWED = {"lane": "paid"}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # As the machines here need it: no sandbox as root, no GPU, and nothing reaching out.
 FLAGS = [
@@ -252,7 +255,12 @@ def test_the_fleet_and_the_recent_jobs(stack: LocalStack) -> None:
 
 def test_a_streamed_generation_sends_partial_images_then_the_image(stack: LocalStack) -> None:
     stream = client(stack).images.generate(
-        model="tiny", prompt="a fox", size="64x64", stream=True, partial_images=2, extra_body={"steps": 30, "seed": 3}
+        model="tiny",
+        prompt="a fox",
+        size="64x64",
+        stream=True,
+        partial_images=2,
+        extra_body={"steps": 30, "seed": 3, **PREVIEWED},
     )
     events = list(stream)
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
@@ -275,7 +283,7 @@ def test_a_streamed_edit_sends_image_edit_events(stack: LocalStack) -> None:
         prompt="at night",
         stream=True,
         partial_images=1,
-        extra_body={"steps": 30, "seed": 3, "strength": 1.0},
+        extra_body={"steps": 30, "seed": 3, "strength": 1.0, **PREVIEWED},
     )
     events = list(stream)
     assert [e.type for e in events] == ["image_edit.partial_image", "image_edit.completed"]

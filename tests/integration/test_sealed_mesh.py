@@ -337,8 +337,8 @@ async def test_a_stream_shows_only_what_the_holder_of_its_attempt_publishes(stac
     async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
         client = image_generation_pb2_grpc.ImageGenerationStub(channel)
         request = pb.SubmitJobRequest(
-            model="tiny", prompt="held", width=128, height=128, steps=steps, previews=3, seed=7
-        )
+            model="tiny", prompt="held", width=128, height=128, steps=steps, previews=3, seed=7, lane="paid"
+        )  # the paid lane's outputs leave as made ("flag"): its jobs may have previews
         job_id = (await client.SubmitJob(request)).job_id
         forging = asyncio.Event()
         seen: list[tuple[bool, pb.JobEvent]] = []  # (heard after forging began, the event)
