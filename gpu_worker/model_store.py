@@ -80,7 +80,12 @@ class SamplerModelStore:
         self.fleet: FleetSources | None = None
         if self.use_peers:
             self.fleet = FleetSources.for_channels(
-                self.store, self.channels, peers_of=self.peers_of, leases=None, host=host_id
+                self.store,
+                self.channels,
+                peer_min_bytes_per_s=settings.model_peer_min_mbps * 1e6,
+                peers_of=self.peers_of,
+                leases=None,
+                host=host_id,
             )
         capacity = int(settings.model_cache_gb * 1e9)
         sources = self.fleet or store_only(self.store)

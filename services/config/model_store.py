@@ -4,7 +4,7 @@ and the peers asked before it. docs/operations.md explains the three tiers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.config.fields import Section, SettingsError, setting
 
@@ -21,8 +21,19 @@ class ModelStoreSettings(Section):
     )
     model_store_bucket: str = setting("darkroom-models", "The store's bucket.")
     model_store_region: str = setting("us-east-1", "The store's region, as its S3 signatures name it.")
-    model_store_access_key: str = setting("", "The store's access key id; empty: requests are not signed.")
-    model_store_secret_key: str = setting("", "The store's secret access key.")
+    model_store_access_key: str = setting(
+        "",
+        "The access key id samplers and decoders read the store with: an identity that may read and list the "
+        "bucket, nothing more (docs/security.md). Empty: requests are not signed.",
+    )
+    model_store_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_ACCESS_KEY.")
+    model_store_writer_access_key: str = setting(
+        "",
+        "The access key id `darkroom models push` and `rm` sign with: an identity that may also write the "
+        "bucket. The operator's alone: `darkroom up` and `darkroom supervise` give it to no service. Empty: "
+        "they sign with DARKROOM_MODEL_STORE_ACCESS_KEY.",
+    )
+    model_store_writer_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY.")
     model_cache_dir: str = setting(
         "",
         "The host's model cache: blobs by digest and each model version's directory, shared by the samplers of "
@@ -44,13 +55,32 @@ class ModelStoreSettings(Section):
         "Ask the peers (other hosts' samplers, over the mesh) that hold a blob before the object store; off: the "
         "store alone.",
     )
+    model_peer_min_mbps: float = setting(
+        1.0,
+        "The least a peer must send, in MB/s on average after its first 10 s, before a fetch gives it up and goes "
+        "on from the next peer or the store with the bytes it has; 0: no minimum (a peer idle for 10 s is still "
+        "given up).",
+        at_least=0.0,
+    )
 
     def check(self) -> None:
         if self.model_store_url and not self.model_store_url.startswith(("http://", "https://")):
             raise SettingsError(
                 f"DARKROOM_MODEL_STORE_URL={self.model_store_url!r}: must start with http:// or https://"
             )
-        if bool(self.model_store_access_key) != bool(self.model_store_secret_key):
-            raise SettingsError(
-                "DARKROOM_MODEL_STORE_ACCESS_KEY and DARKROOM_MODEL_STORE_SECRET_KEY are set together, or neither"
-            )
+        for prefix, access, secret in (
+            ("DARKROOM_MODEL_STORE_", self.model_store_access_key, self.model_store_secret_key),
+            ("DARKROOM_MODEL_STORE_WRITER_", self.model_store_writer_access_key, self.model_store_writer_secret_key),
+        ):
+            if bool(access) != bool(secret):
+                raise SettingsError(f"{prefix}ACCESS_KEY and {prefix}SECRET_KEY are set together, or neither")
+
+    def as_writer(self) -> ModelStoreSettings:
+        """These settings signing as the writer (what pushes and removes), where one is set."""
+        if not self.model_store_writer_access_key:
+            return self
+        return replace(
+            self,
+            model_store_access_key=self.model_store_writer_access_key,
+            model_store_secret_key=self.model_store_writer_secret_key,
+        )

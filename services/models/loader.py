@@ -51,11 +51,12 @@ def load(
     cls: Any, spec: ModelSpec, models_dir: Path, device: torch.device, *, dtype: torch.dtype, **kwargs: Any
 ) -> Loaded:
     """``cls.from_pretrained`` for ``spec``, moved to ``device``."""
+    # Building a builtin model (on first use) constructs modules too; fetching a
+    # store model is a download, which other loads of the process need not wait for.
+    source, source_kwargs = resolve_source(spec, models_dir, building=_LOADING)
+    if spec.variant:
+        source_kwargs["variant"] = spec.variant
     with _LOADING:
-        # Building a builtin model (on first use) constructs modules too.
-        source, source_kwargs = resolve_source(spec, models_dir)
-        if spec.variant:
-            source_kwargs["variant"] = spec.variant
         started = time.perf_counter()
         try:
             value = cls.from_pretrained(source, torch_dtype=dtype, **source_kwargs, **kwargs)

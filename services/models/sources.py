@@ -4,6 +4,7 @@ host's cache, a local directory, or a hub id."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,16 @@ from services.models.builtins import BUILTINS, ensure_builtin
 from services.models.registry import ModelSpec, store_reference
 
 
-def resolve_source(spec: ModelSpec, models_dir: Path) -> tuple[str, dict[str, Any]]:
-    """Where ``from_pretrained`` loads the model from, and how."""
+def resolve_source(
+    spec: ModelSpec, models_dir: Path, *, building: AbstractContextManager[Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` loads the model from, and how. A builtin is built
+    under ``building`` (building one constructs modules, as a load does); a store
+    model's fetch, a network wait of up to minutes, is under no lock of the caller's."""
     builtin = BUILTINS.get(spec.source)
     if builtin is not None:
-        return str(ensure_builtin(builtin, models_dir / spec.name)), {"local_files_only": True}
+        with building or nullcontext():
+            return str(ensure_builtin(builtin, models_dir / spec.name)), {"local_files_only": True}
     stored = store_reference(spec)
     if stored is not None:
         from services.models.host_cache import loading  # the store's client is loaded only where used

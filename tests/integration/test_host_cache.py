@@ -1,6 +1,7 @@
 """The host model cache against a real object store (seaweedfs) and real peers
 (gRPC over mutual TLS): verified blobs, one fetch per host, resume, corrupt bytes
-refetched and never kept, peers before the store, a peer cut mid-transfer."""
+refetched and never kept, peers before the store, a peer cut mid-transfer or
+trickling under the minimum rate."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import hashlib
 import multiprocessing
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from services.mesh.secrets import ensure_certificates
 from services.models.host_cache import HostCache
 from services.models.host_cache.fleet import FleetSources
 from services.models.host_cache.layout import Layout
-from services.models.host_cache.peers import BLOB_CACHE_CALLERS, BlobCacheServicer, add_to_server
+from services.models.host_cache.peers import BLOB_CACHE_CALLERS, BlobCacheServicer, PeerSource, add_to_server
 from services.models.host_cache.sources import store_only
 from services.models.store.objects import ObjectStore
 from services.models.store.push import push_directory
@@ -216,3 +218,52 @@ async def test_a_peer_cut_mid_transfer_is_finished_from_the_store(model_store: A
     big = len(files["unet/diffusion_pytorch_model.safetensors"])
     assert 0 < host_b.fetched["peer"] < big + 1000
     assert host_b.fetched["peer"] + host_b.fetched["store"] == big + 1000
+
+
+class TricklingServicer(BlobCacheServicer):
+    """Host A's real servicer, sending the big blob in small chunks, a chunk a tenth
+    of a second: never idle, and about 50 KB/s (its 5 MB would take 100 s)."""
+
+    def __init__(self, layout: Layout, big: str) -> None:
+        super().__init__(layout)
+        self.big = big
+
+    async def ReadBlob(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        async for chunk in super().ReadBlob(request, context):
+            if request.digest != self.big:
+                yield chunk
+                continue
+            for at in range(0, len(chunk.data), 5000):
+                await asyncio.sleep(0.1)
+                yield type(chunk)(data=chunk.data[at : at + 5000])
+
+
+async def test_a_peer_that_trickles_is_given_up_for_the_store(model_store: Any, tmp_path: Path) -> None:
+    store = object_store(model_store)
+    name, files = pushed(store, tmp_path)
+    layout_a = Layout(tmp_path / "host-a")
+    await cache_of(layout_a.root, store).resolve(name, "1")
+    big = files["unet/diffusion_pytorch_model.safetensors"]
+    servicer = TricklingServicer(layout_a, hashlib.sha256(big).hexdigest())
+    registration = (lambda s: sampler_pb2_grpc.add_BlobCacheServicer_to_server(servicer, s), "BlobCache")
+    server = build_server([registration], "127.0.0.1", 0)
+    await server.grpc.start()
+    channels = Channels()
+    address = f"127.0.0.1:{server.port}"
+    sources = FleetSources(
+        store,
+        peer_source=lambda a: PeerSource(a, channels, idle_s=1.0, min_bytes_per_s=MB, range_bytes=MB),
+        peers_of=lambda d: [address],
+        leases=None,
+        host="b",
+    )
+    started = time.monotonic()
+    try:
+        host_b = cache_of(tmp_path / "host-b", store, sources)
+        assert_model(await host_b.resolve(name, "1"), files)
+    finally:
+        await channels.close()
+        await server.grpc.stop(0)
+    assert time.monotonic() - started < 60  # the trickle alone takes 100 s
+    assert 0 < host_b.fetched["peer"] < len(big)
+    assert host_b.fetched["peer"] + host_b.fetched["store"] == len(big) + 1000

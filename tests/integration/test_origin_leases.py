@@ -6,6 +6,8 @@ taken over; and a sealed NATS lets a sampler's user do all of it."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import os
 import time
 from collections.abc import AsyncIterator
@@ -14,13 +16,16 @@ from pathlib import Path
 import pytest
 
 from services.bus.connection import connect_nats
+from services.errors import ModelError
 from services.mesh.nats_auth import CONTROL_USERS, NatsCredentials, sampler_user
 from services.mesh.pki import ROLES
 from services.mesh.secrets import ensure_certificates
 from services.models.host_cache import origin
+from services.models.host_cache.blobs import ensure_blob
 from services.models.host_cache.fleet import FleetSources
+from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import Lease, OriginLeases
-from services.models.host_cache.sources import BlobSourceFailed, StoreSource
+from services.models.host_cache.sources import BlobSource, BlobSourceFailed, StoreSource
 from services.ops.embedded_nats import EmbeddedNats
 
 pytestmark = pytest.mark.integration
@@ -52,8 +57,8 @@ async def test_one_host_takes_the_lease_and_the_other_sees_it_held_then_done(two
     assert revision is not None
     assert await b.take(DIGEST) is None  # create is atomic: one holder
     assert await b.read(DIGEST) == Lease("host-a", done=False)
-    async with a.holding(DIGEST, revision):
-        pass
+    async with a.holding(DIGEST, revision) as claim:
+        claim.verified = True
     assert await b.read(DIGEST) == Lease("host-a", done=True)
     assert await b.take(DIGEST) is None
 
@@ -96,7 +101,7 @@ class CountingStore:
         os.pwrite(dest_fd, self.data[offset:], offset)
 
 
-class AnnouncedPeer:
+class AnnouncedPeer(BlobSource):
     kind = "peer"
 
     def __init__(self, data: bytes, served: list[str]) -> None:
@@ -105,6 +110,34 @@ class AnnouncedPeer:
     async def fetch(self, digest: str, size: int, dest_fd: int, offset: int) -> None:
         self.served.append(digest)
         os.pwrite(dest_fd, self.data[offset:], offset)
+
+
+async def test_bytes_that_fail_their_check_let_the_lease_go_not_mark_it_done(
+    two_hosts: list[OriginLeases], tmp_path: Path
+) -> None:
+    """The lease holder's store read gave rotten bytes: it never announces the blob,
+    so the lease must not say it will; another host takes it at once, not after
+    waiting out its patience."""
+    a, b = two_hosts
+    data = os.urandom(4096)
+    digest = hashlib.sha256(data).hexdigest()
+    rotten = CountingStore(b"\0" * len(data))
+    chain = FleetSources(
+        rotten,
+        peer_source=lambda address: AnnouncedPeer(data, []),
+        peers_of=lambda d: [],
+        leases=a,
+        host=a.host,
+        patience_s=1.0,
+        poll_s=0.05,
+    )
+    layout = Layout(tmp_path / "host-a")
+    layout.make()
+    with pytest.raises(ModelError, match="no source could give it"):
+        await ensure_blob(layout, digest, len(data), chain, collections.Counter())
+    assert rotten.reads == 2  # once under the lease, once more under it taken again
+    assert await b.read(digest) is None
+    assert await b.take(digest) is not None
 
 
 async def _first_that_gives(sources: FleetSources, digest: str, size: int, fd: int) -> str:
@@ -179,8 +212,8 @@ async def test_a_sealed_nats_lets_a_samplers_user_take_and_release_leases(tmp_pa
         assert revision is not None
         assert await b.take(DIGEST) is None
         assert await b.read(DIGEST) == Lease("host-a", done=False)
-        async with a.holding(DIGEST, revision):
-            pass
+        async with a.holding(DIGEST, revision) as claim:
+            claim.verified = True
         assert await b.read(DIGEST) == Lease("host-a", done=True)
         taken = await b.take(OTHER)
         assert taken is not None

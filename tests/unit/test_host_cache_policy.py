@@ -11,7 +11,7 @@ from services.errors import ModelError
 from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict, unreferenced
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import Lease, Step, next_step
-from services.models.host_cache.peers import contiguous
+from services.models.host_cache.peers import contiguous, rate_deadline
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
 
@@ -115,3 +115,13 @@ def test_a_cut_fetch_keeps_the_bytes_unbroken_from_the_start_to_the_byte() -> No
     assert contiguous(ranges, {0: 16, 16: 32, 32: 40}, 0) == 40
     # A resumed fetch counts from where it began.
     assert contiguous([(10, 16), (16, 20)], {10: 10, 16: 18}, 10) == 10
+
+
+def test_a_peer_is_given_up_when_its_average_falls_under_the_minimum_past_the_grace() -> None:
+    # 10 MB/s with a grace of 10 s: nothing yet, given up at 10 s (the idle limit's moment).
+    assert rate_deadline(100.0, 0, grace_s=10.0, min_bytes_per_s=10e6) == 110.0
+    # 50 MB in: it may wait 5 s more than that before falling under the line.
+    assert rate_deadline(100.0, 50_000_000, grace_s=10.0, min_bytes_per_s=10e6) == 115.0
+    # A fast start buys time against a later trickle, bounded by what it sent.
+    assert rate_deadline(0.0, 10**9, grace_s=10.0, min_bytes_per_s=10e6) == 110.0
+    assert rate_deadline(0.0, 10**9, grace_s=10.0, min_bytes_per_s=0.0) is None  # no minimum set

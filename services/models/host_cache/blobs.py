@@ -75,9 +75,18 @@ def _bytes_kept(fd: int, size: int) -> int:
 
 
 async def _fetch_from(source: BlobSource, digest: str, size: int, fd: int, fetched: collections.Counter[str]) -> bool:
-    """Whether ``source`` completed the blob with the right bytes. A resumed fetch
-    that fails its check is tried once more from the start, since the bytes kept
-    may be the ones at fault (another source's, or a crash's)."""
+    """Whether ``source`` completed the blob with the right bytes, checked inside the
+    source's claim (an origin lease is done only once the bytes passed)."""
+    async with source.claim(digest) as claim:
+        claim.verified = await _fetch_checked(source, digest, size, fd, fetched)
+    return claim.verified
+
+
+async def _fetch_checked(
+    source: BlobSource, digest: str, size: int, fd: int, fetched: collections.Counter[str]
+) -> bool:
+    """A resumed fetch that fails its check is tried once more from the start,
+    since the bytes kept may be the ones at fault (another source's, or a crash's)."""
 
     for _ in range(2):
         offset = _bytes_kept(fd, size)

@@ -8,11 +8,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from services.errors import BusError
 from services.models.host_cache.origin import OriginLeases, Step, next_step
-from services.models.host_cache.sources import BlobSource, StoreSource
+from services.models.host_cache.peers import PEER_MIN_BYTES_PER_S, PeerSource
+from services.models.host_cache.sources import BlobSource, Claim, StoreSource
 from services.rpc.server import Channels
 
 log = logging.getLogger(__name__)
@@ -23,8 +25,10 @@ POLL_S = 0.5
 STORE_TRIES = 2
 
 
-class LeasedStoreSource:
-    """The store, read under this host's origin lease (released or marked done after)."""
+class LeasedStoreSource(BlobSource):
+    """The store, read under this host's origin lease: held while the cache fetches
+    and checks the bytes, marked done only if they passed (the other hosts then
+    wait for this one to announce the blob), let go if not (one takes it at once)."""
 
     kind = "store"
 
@@ -32,8 +36,10 @@ class LeasedStoreSource:
         self.store, self.leases, self.revision = store, leases, revision
 
     async def fetch(self, digest: str, size: int, dest_fd: int, offset: int) -> None:
-        async with self.leases.holding(digest, self.revision):
-            await self.store.fetch(digest, size, dest_fd, offset)
+        await self.store.fetch(digest, size, dest_fd, offset)
+
+    def claim(self, digest: str) -> AbstractAsyncContextManager[Claim]:
+        return self.leases.holding(digest, self.revision)
 
 
 class FleetSources:
@@ -60,12 +66,18 @@ class FleetSources:
         self.poll_s = poll_s
 
     @classmethod
-    def for_channels(cls, store: Any, channels: Channels, **kwargs: Any) -> FleetSources:
-        from services.models.host_cache.peers import PeerSource
-
+    def for_channels(
+        cls, store: Any, channels: Channels, *, peer_min_bytes_per_s: float = PEER_MIN_BYTES_PER_S, **kwargs: Any
+    ) -> FleetSources:
         # Peers are read as the store is: as many ranges at once, of the same size.
         def peer_source(address: str) -> PeerSource:
-            return PeerSource(address, channels, streams=store.fetch_streams, range_bytes=store.fetch_range_bytes)
+            return PeerSource(
+                address,
+                channels,
+                min_bytes_per_s=peer_min_bytes_per_s,
+                streams=store.fetch_streams,
+                range_bytes=store.fetch_range_bytes,
+            )
 
         return cls(store, peer_source=peer_source, **kwargs)
 

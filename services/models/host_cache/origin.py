@@ -26,6 +26,7 @@ from nats.js.kv import KeyValue
 
 from services.bus.connection import BUS_ERRORS
 from services.errors import BusError
+from services.models.host_cache.sources import Claim
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +110,20 @@ class OriginLeases:
             raise BusError(f"taking the origin lease of {digest}: {exc}") from exc
 
     @contextlib.asynccontextmanager
-    async def holding(self, digest: str, revision: int) -> AsyncIterator[None]:
-        """Refreshed while the body fetches; marked done if it succeeds (the others
-        wait for the announcement, not take it), deleted if not (one takes it now)."""
+    async def holding(self, digest: str, revision: int) -> AsyncIterator[Claim]:
+        """Refreshed while the body fetches and checks the blob; marked done if the
+        body set ``verified`` (the others wait for the announcement, not take it),
+        deleted if not (one takes it now)."""
         refresh = asyncio.create_task(self._refresh(digest, revision))
-        ok = False
+        claim = Claim()
         try:
-            yield
-            ok = True
+            yield claim
         finally:
             refresh.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await refresh
             with contextlib.suppress(*BUS_ERRORS, KeyWrongLastSequenceError):
-                if ok:
+                if claim.verified:
                     await self.kv.put(lease_key(digest), f"{DONE}{self.host}".encode())
                 else:
                     await self.kv.delete(lease_key(digest))

@@ -20,7 +20,7 @@ from services.db.worker_records import WorkerRecord
 from services.errors import ModelError
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.metrics import PEER_BYTES_SERVED
-from services.models.host_cache.sources import BlobSourceFailed
+from services.models.host_cache.sources import BlobSource, BlobSourceFailed
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.server import Channels
 
@@ -34,6 +34,10 @@ PEER_STREAMS = 8
 PEER_RANGE_BYTES = 16 * 2**20
 # A peer that sends nothing for this long is given up (the fetch resumes elsewhere).
 PEER_IDLE_S = 10.0
+# A peer that sends, but slower than this on average past its first PEER_IDLE_S, is
+# given up too: a trickle never trips the idle limit. Low, so that a slow home link
+# is not left for a store that may be slower still (DARKROOM_MODEL_PEER_MIN_MBPS).
+PEER_MIN_BYTES_PER_S = 1e6
 SERVICE = "darkroom.internal.v1.BlobCache"
 # In a sealed mesh only samplers (other hosts' caches) may read blobs.
 BLOB_CACHE_CALLERS = {SERVICE: frozenset({"sampler"})}
@@ -77,11 +81,13 @@ def add_to_server(layout: Layout) -> tuple[Callable[[grpc.aio.Server], None], st
     return (lambda s: sampler_pb2_grpc.add_BlobCacheServicer_to_server(servicer, s), SERVICE)
 
 
-class PeerSource:
+class PeerSource(BlobSource):
     """One peer's cache, read as ranges on ``streams`` streams at once, each written
-    where it belongs. A failure cuts the file back to the bytes contiguous from the
-    start, counted to the byte: the ranges complete in order, then as far as the
-    first unfinished one got (a resumed fetch goes on from there)."""
+    where it belongs, given up if it idles for ``idle_s`` or falls under
+    ``min_bytes_per_s`` (``rate_deadline``). A failure cuts the file back to the
+    bytes contiguous from the start, counted to the byte: the ranges complete in
+    order, then as far as the first unfinished one got (a resumed fetch goes on
+    from there)."""
 
     kind = "peer"
 
@@ -91,12 +97,14 @@ class PeerSource:
         channels: Channels,
         *,
         idle_s: float = PEER_IDLE_S,
+        min_bytes_per_s: float = PEER_MIN_BYTES_PER_S,
         streams: int = PEER_STREAMS,
         range_bytes: int = PEER_RANGE_BYTES,
     ) -> None:
         self.address = address
         self.channels = channels
         self.idle_s = idle_s
+        self.min_bytes_per_s = min_bytes_per_s
         self.streams = streams
         self.range_bytes = range_bytes
 
@@ -105,17 +113,32 @@ class PeerSource:
         ranges = [(start, min(start + self.range_bytes, size)) for start in range(offset, size, self.range_bytes)]
         todo = iter(ranges)
         reached = {start: start for start, _ in ranges}  # each range's bytes written so far
+        loop = asyncio.get_running_loop()
+        started = loop.time()
 
         async def stream() -> None:
             for start, end in todo:
-                await self._read_range(stub, digest, start, end, dest_fd, reached)
+                await self._read_range(stub, digest, start, end, dest_fd, reached, paced)
+
+        def paced() -> None:
+            gained = sum(reached[start] - start for start, _ in ranges)
+            pace.reschedule(rate_deadline(started, gained, grace_s=self.idle_s, min_bytes_per_s=self.min_bytes_per_s))
 
         try:
-            async with asyncio.TaskGroup() as group:  # one failure cancels the rest
-                for _ in range(min(self.streams, len(ranges))):
-                    group.create_task(stream())
+            async with asyncio.timeout(None) as pace:
+                paced()
+                async with asyncio.TaskGroup() as group:  # one failure cancels the rest
+                    for _ in range(min(self.streams, len(ranges))):
+                        group.create_task(stream())
         except BaseException as exc:
-            os.ftruncate(dest_fd, contiguous(ranges, reached, offset))
+            kept = contiguous(ranges, reached, offset)
+            os.ftruncate(dest_fd, kept)
+            if isinstance(exc, TimeoutError):
+                gained = sum(reached[start] - start for start, _ in ranges)
+                raise BlobSourceFailed(
+                    f"peer {self.address} gave {gained} bytes in {loop.time() - started:.1f}s, under the minimum "
+                    f"{self.min_bytes_per_s / 1e6:g} MB/s"
+                ) from None
             if isinstance(exc, BaseExceptionGroup):
                 raise exc.exceptions[0] from None  # the first failure; the rest are of the same cause
             raise
@@ -128,6 +151,7 @@ class PeerSource:
         end: int,
         dest_fd: int,
         reached: dict[int, int],
+        on_bytes: Callable[[], None],
     ) -> None:
         call = stub.ReadBlob(sampler_pb2.ReadBlobRequest(digest=digest, offset=start, length=end - start))
         position = start
@@ -145,12 +169,22 @@ class PeerSource:
                 await asyncio.to_thread(_pwrite_all, dest_fd, chunk.data, position)
                 position += len(chunk.data)
                 reached[start] = position
+                on_bytes()
         except grpc.aio.AioRpcError as exc:
             raise BlobSourceFailed(f"peer {self.address}: {exc.code().name}: {exc.details()}") from exc
         finally:
             call.cancel()
         if position < end:
             raise BlobSourceFailed(f"peer {self.address} ended bytes {start}-{end} of the blob at {position}")
+
+
+def rate_deadline(started: float, gained: int, *, grace_s: float, min_bytes_per_s: float) -> float | None:
+    """When a fetch that began at ``started`` and has ``gained`` bytes falls under
+    ``min_bytes_per_s`` on average past its first ``grace_s``, if nothing more
+    comes; None: no minimum."""
+    if min_bytes_per_s <= 0:
+        return None
+    return started + grace_s + gained / min_bytes_per_s
 
 
 def contiguous(ranges: Sequence[tuple[int, int]], reached: Mapping[int, int], offset: int) -> int:

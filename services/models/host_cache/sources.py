@@ -6,8 +6,11 @@ the cache checks the digest of what it wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.errors import ModelError
@@ -17,11 +20,23 @@ class BlobSourceFailed(ModelError):
     """A source could not give the blob (away, cut off mid-transfer, does not hold it)."""
 
 
+@dataclass
+class Claim:
+    """What a fetch holds of a blob for the fleet while the cache fetches and checks
+    it (an origin lease), told at the end whether the bytes passed their digest."""
+
+    verified: bool = False
+
+
 class BlobSource(Protocol):
     # What the metrics count its bytes as: "peer" or "store".
     kind: str
 
     async def fetch(self, digest: str, size: int, dest_fd: int, offset: int) -> None: ...
+
+    def claim(self, digest: str) -> AbstractAsyncContextManager[Claim]:
+        """Held around a fetch and the check of its bytes; most sources claim nothing."""
+        return contextlib.nullcontext(Claim())
 
 
 # The sources to try for one blob (digest, size), in order; asked lazily, so that
@@ -29,7 +44,7 @@ class BlobSource(Protocol):
 SourceChain = Callable[[str, int], AsyncIterator[BlobSource]]
 
 
-class StoreSource:
+class StoreSource(BlobSource):
     """The object store (``ObjectStore.read_blob``: concurrent ranged reads, written
     where they belong, so a failure may leave holes: the file is cut back to where
     this fetch started)."""
