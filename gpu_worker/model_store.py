@@ -7,6 +7,7 @@ configured."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -19,13 +20,14 @@ import nats
 from services.bus.presence_board import PresenceBoard
 from services.config.sections import KernelSettings
 from services.db.states import WorkerKind
-from services.errors import BusError
+from services.errors import BusError, ModelError
 from services.mesh.rpc import MeshIdentity
 from services.models.host_cache import HostCache, loading, peers
 from services.models.host_cache.fleet import FleetSources
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import OriginLeases
 from services.models.host_cache.sources import store_only
+from services.models.host_cache.verification import verify_if_due
 from services.models.store.objects import ObjectStore
 from services.presence_view import PresenceView, follow
 from services.rpc.server import Channels
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 # A directory's mtime moves in coarse ticks: a blob added in the tick of the last
 # listing may leave it as it was. One changed this recently is listed at each beat.
 SETTLED_NS = 2 * 10**9
+# How often a sampler looks whether its host's cache is due a verification.
+VERIFY_POLL_S = 600.0
 
 
 @dataclass
@@ -72,6 +76,7 @@ class SamplerModelStore:
         self.store = ObjectStore.from_settings(settings)
         self.use_peers = settings.model_peers
         self.stale_after_s = kernel.worker_stale_after_s
+        self.verify_every_s = settings.model_cache_verify_hours * 3600
         self.samplers = PresenceView((WorkerKind.SAMPLER,))
         # The host's identity first: the peers and the leases are asked on its behalf.
         layout = Layout(kernel.model_cache_dir)
@@ -120,6 +125,28 @@ class SamplerModelStore:
                 log.warning("no origin leases (%s): this host reads the store without them", exc)
         loading.install(self.cache, asyncio.get_running_loop())
         log.info("host model cache %s (host %s) installed", self.cache.layout.root, self.cache.host_id)
+
+    async def verify_periodically(self, stop: asyncio.Event) -> None:
+        """Hashes the host cache again every ``verify_every_s`` (one sampler of the
+        host at a time: the others find it done), until ``stop``."""
+        if self.verify_every_s <= 0:
+            return
+        while not stop.is_set():
+            try:
+                found = await verify_if_due(self.cache.layout, self.verify_every_s, time.time())
+            except (OSError, ModelError) as exc:
+                log.warning("cannot verify the host model cache: %s", exc)
+            else:
+                if found is not None:
+                    log.info(
+                        "verified the host model cache: %d blobs (%.1f GB), corrupt %s, dropped %s",
+                        found.checked,
+                        found.checked_bytes / 1e9,
+                        found.corrupt or "none",
+                        found.dropped or "none",
+                    )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), min(self.verify_every_s, VERIFY_POLL_S))
 
     async def close(self) -> None:
         await self.channels.close()

@@ -191,6 +191,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         prefetch = Prefetcher(registry, None)
         if model_store is not None:
             watching.append(asyncio.create_task(model_store.follow(nats.bus.nc, board, stop)))
+            watching.append(asyncio.create_task(model_store.verify_periodically(stop)))
             # Before any load (the preloads among them): store models resolve through it.
             await model_store.install(nats.bus.nc.jetstream())
             prefetch = Prefetcher(registry, model_store.cache.resolve)

@@ -29,9 +29,9 @@ class ModelStoreSettings(Section):
     model_store_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_ACCESS_KEY.")
     model_store_writer_access_key: str = setting(
         "",
-        "The access key id `darkroom models push` and `rm` sign with: an identity that may also write the "
-        "bucket. The operator's alone: `darkroom up` and `darkroom supervise` give it to no service. Empty: "
-        "they sign with DARKROOM_MODEL_STORE_ACCESS_KEY.",
+        "The access key id `darkroom models` (push, rm, list) signs with: an identity that may also write the "
+        "bucket. The operator's alone: `darkroom up` and `darkroom supervise` give it to no service. Empty: it "
+        "signs with DARKROOM_MODEL_STORE_ACCESS_KEY.",
     )
     model_store_writer_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY.")
     model_cache_dir: str = setting(
@@ -43,6 +43,13 @@ class ModelStoreSettings(Section):
         200.0,
         "The most the cache holds, in GB; past it the least recently used models that no sampler holds are evicted.",
         at_least=0.001,
+    )
+    model_cache_verify_hours: float = setting(
+        24.0,
+        "How often a host's cache is hashed again whole (by one of its samplers): a blob that rotted on disk is "
+        "deleted with the directories linking it and fetched again at the next load; 0: never (`darkroom models "
+        "verify` checks at once).",
+        at_least=0.0,
     )
     model_fetch_streams: int = setting(
         8, "Ranged reads in flight at once while a blob is fetched from the store or a peer.", at_least=1, at_most=256
@@ -76,7 +83,7 @@ class ModelStoreSettings(Section):
                 raise SettingsError(f"{prefix}ACCESS_KEY and {prefix}SECRET_KEY are set together, or neither")
 
     def as_writer(self) -> ModelStoreSettings:
-        """These settings signing as the writer (what pushes and removes), where one is set."""
+        """These settings signing as the writer (`darkroom models`), where one is set."""
         if not self.model_store_writer_access_key:
             return self
         return replace(

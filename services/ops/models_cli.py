@@ -1,15 +1,20 @@
 """``darkroom models``: push a model's directory (or a builtin) to the model store,
 list what it holds, remove a version or a model. The store is the one
-DARKROOM_MODEL_STORE_URL (and its credentials) names."""
+DARKROOM_MODEL_STORE_URL (and its credentials) names; push, list and rm sign as its
+writer (DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY) where one is set. ``verify`` hashes
+this host's cache of it (DARKROOM_MODEL_CACHE_DIR) again."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from typing import Any
 
 from services.config.sections import Settings
 from services.errors import ModelError
+from services.models.host_cache.layout import Layout
+from services.models.host_cache.verification import verify
 from services.models.store.manifest import parse_reference
 from services.models.store.objects import ObjectStore
 from services.models.store.push import push_directory, source_directory
@@ -27,7 +32,10 @@ def add_commands(sub: Any, run: Any) -> None:
     listing = actions.add_parser("list", help="every version of every model in the store")
     rm = actions.add_parser("rm", help="remove a version (NAME:VERSION) or every version (NAME); unshared blobs go")
     rm.add_argument("reference", metavar="NAME[:VERSION]")
-    for p in (push, listing, rm):
+    verify = actions.add_parser(
+        "verify", help="hash this host's model cache again; drop what fails (fetched again at the next load)"
+    )
+    for p in (push, listing, rm, verify):
         p.add_argument("--data-dir", help="where builtins are built (DATA_DIR/models)")
         p.set_defaults(func=run)
 
@@ -38,6 +46,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             return _push(args, settings)
         if args.models_command == "list":
             return _list(settings)
+        if args.models_command == "verify":
+            return _verify(settings)
         return _rm(args, settings)
     except ModelError as exc:
         print(f"darkroom models: {exc}", file=sys.stderr)
@@ -50,7 +60,7 @@ def _mb(n: int) -> str:
 
 def _push(args: argparse.Namespace, settings: Settings) -> int:
     parse_reference(args.reference)  # a bad name is refused before anything is built or read
-    store = ObjectStore.from_settings(settings.kernel.model_store)
+    store = ObjectStore.from_settings(settings.kernel.model_store.as_writer())
     root = source_directory(args.source, settings.kernel.models_dir)
     result = push_directory(store, root, args.reference, force=args.force)
     m = result.manifest
@@ -64,7 +74,7 @@ def _push(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _list(settings: Settings) -> int:
-    store = ObjectStore.from_settings(settings.kernel.model_store)
+    store = ObjectStore.from_settings(settings.kernel.model_store.as_writer())
     listed = store.list_models()
     if not listed:
         print(f"no models in {store.url} (bucket {store.bucket})")
@@ -77,7 +87,7 @@ def _list(settings: Settings) -> int:
 
 def _rm(args: argparse.Namespace, settings: Settings) -> int:
     name, version = parse_reference(args.reference)
-    store = ObjectStore.from_settings(settings.kernel.model_store)
+    store = ObjectStore.from_settings(settings.kernel.model_store.as_writer())
     removal = store.remove(name, version)
     print(f"removed {', '.join(f'{name}:{v}' for v in removal.versions)}")
     print(
@@ -85,3 +95,18 @@ def _rm(args: argparse.Namespace, settings: Settings) -> int:
         f"kept {removal.blobs_kept} that other versions use"
     )
     return 0
+
+
+def _verify(settings: Settings) -> int:
+    """Exit 1 when something was corrupt (and dropped), as fsck says it corrected errors."""
+    layout = Layout(settings.kernel.model_cache_dir)
+    if not (layout.root / "blobs" / "sha256").is_dir():
+        print(f"no model cache at {layout.root}")
+        return 0
+    found = asyncio.run(verify(layout))
+    print(f"checked {found.checked} blobs ({_mb(found.checked_bytes)}) in {layout.root}")
+    for digest in found.corrupt:
+        print(f"corrupt: blob {digest}, deleted")
+    for version in found.dropped:
+        print(f"dropped {version}: it linked a corrupt blob; fetched again at its next load")
+    return 1 if found.corrupt else 0

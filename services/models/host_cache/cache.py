@@ -1,8 +1,8 @@
 """A host's model cache (``layout``): resolving a model version into a directory
 ``from_pretrained`` loads from (safetensors memory-mapped straight from the
 blobs: the directory's files are hard links to them), holding it while it is
-loaded, evicting the least recently used versions no sampler holds, and checking
-every blob's digest again on demand."""
+loaded, and evicting the least recently used versions no sampler holds
+(``verification`` checks every blob's digest again)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from services.models.host_cache import blobs as blob_fetch
 from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict
 from services.models.host_cache.layout import BUILT_FROM, HELD, USED, Layout
 from services.models.host_cache.locks import acquire, lock_now, locked
-from services.models.host_cache.metrics import CORRUPT_BLOBS, EVICTIONS, LOOKUPS
+from services.models.host_cache.metrics import EVICTIONS, LOOKUPS
 from services.models.host_cache.sources import SourceChain
 from services.models.store.manifest import Manifest
 from services.models.store.objects import ModelNotInStore, ModelStoreUnavailable
@@ -148,7 +148,7 @@ class HostCache:
             model_dir = self.layout.model(name, version)
             async with locked(self.layout.model_lock(name, version)):
                 if model_dir.exists():
-                    self._discard(model_dir)
+                    self.layout.discard(model_dir)
                     log.warning("%s:%s was removed from the model store; dropped from the host's cache", name, version)
 
     async def _fetch_all(self, manifest: Manifest) -> None:
@@ -166,7 +166,7 @@ class HostCache:
         """The directory built aside, then renamed into place: a sampler sees it whole or not at all."""
         if model_dir.exists():
             log.warning("%s is incomplete or damaged; rebuilding it", model_dir)
-            self._discard(model_dir)
+            self.layout.discard(model_dir)
         building = model_dir.parent / f".build-{manifest.version}-{uuid.uuid4().hex}"
         building.mkdir(parents=True)
         try:
@@ -181,11 +181,6 @@ class HostCache:
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
-
-    def _discard(self, model_dir: Path) -> None:
-        gone = self.layout.trash / uuid.uuid4().hex
-        os.rename(model_dir, gone)  # a sampler that has its files open (mapped) keeps them
-        shutil.rmtree(gone, ignore_errors=True)
 
     # -- eviction -------------------------------------------------------------------
 
@@ -224,7 +219,7 @@ class HostCache:
                 if hold is None:
                     continue  # held since the snapshot
                 try:
-                    self._discard(model_dir)
+                    self.layout.discard(model_dir)
                 finally:
                     os.close(hold)
                 EVICTIONS.inc()
@@ -240,28 +235,6 @@ class HostCache:
         for blob in (self.layout.root / "blobs" / "sha256").iterdir():
             if blob.stat().st_nlink == 1:
                 blob.unlink()
-
-    async def verify(self) -> list[str]:
-        """Every complete blob hashed again; a corrupt one is deleted with the
-        directories that link it (fetched again at the next resolve). The corrupt digests."""
-        async with locked(self.layout.cache_lock):
-            corrupt = []
-            for blob in sorted((self.layout.root / "blobs" / "sha256").iterdir()):
-                fd = os.open(blob, os.O_RDONLY)
-                try:
-                    actual = await asyncio.to_thread(blob_fetch.sha256_of, fd)
-                finally:
-                    os.close(fd)
-                if actual != blob.name:
-                    corrupt.append(blob.name)
-            for version in self.snapshot().versions:
-                if version.blobs & set(corrupt):
-                    self._discard(self.layout.model(version.name, version.version))
-            for digest in corrupt:
-                CORRUPT_BLOBS.labels(source="cache").inc()
-                log.warning("blob %s in the host's model cache is corrupt; deleted", digest)
-                self.layout.blob(digest).unlink(missing_ok=True)
-            return corrupt
 
 
 def _built(layout: Layout, model_dir: Path, manifest: Manifest) -> bool:

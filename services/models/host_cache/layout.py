@@ -10,12 +10,15 @@ point outside the cache.
   models/<name>/<version>/.manifest-sha256  the digest of the manifest it was built from
   manifests/<name>/<version>.json the manifest it was built from (the store may be away)
   manifests/<name>/latest         the version "latest" last resolved to
-  locks/                          one lock file per blob and per version, and the cache's
+  locks/                          one lock file per blob and per version, the cache's, verifying's
+  trash/                          directories being deleted
+  verified                        its mtime: when every blob was last hashed again
   host-id                         this host's identity among peers (one per cache dir)"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +70,13 @@ class Layout:
     @property
     def trash(self) -> Path:
         return self.root / "trash"
+
+    def discard(self, model_dir: Path) -> None:
+        """A version's directory moved out of sight, then deleted: a sampler that has
+        its files open (mapped) keeps them."""
+        gone = self.trash / uuid.uuid4().hex
+        os.rename(model_dir, gone)
+        shutil.rmtree(gone, ignore_errors=True)
 
     def make(self) -> None:
         for sub in ("blobs/sha256", "partial", "models", "manifests", "locks", "trash"):
