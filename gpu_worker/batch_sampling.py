@@ -3,6 +3,10 @@ at a step boundary, and each member handed out as it leaves, with how long it ra
 and beside how many images. A batch whose model's loop takes no joiners (the sim
 family) hands all its members out together at its end.
 
+Its clock starts, and its seats open, when denoising begins: the load of a cold
+model before it (a store download may take minutes) is the operator's time, shown
+in ``darkroom_model_load_seconds``, never charged to the jobs that waited for it.
+
 If the batch fails as a whole (its model, the device), the members still in it run
 again one by one, so that a job that broke it fails alone."""
 
@@ -47,7 +51,7 @@ class BatchSampling:
         self.progress = BatchProgress(runner.store, runner.store.events, loop)
         self._members: dict[int, tuple[BatchMember, Started]] = {}  # by the member's identity: not out yet
         self._running: RunningBatch | None = None
-        self._began = time.perf_counter()
+        self._began: float | None = None  # when denoising began; None: not yet (its model loading)
         self._rows = 0
         self._count = 0  # members it ever had
 
@@ -58,10 +62,8 @@ class BatchSampling:
             spec = self.engine.registry.get(self.model)
             key = members[0].params.join_key
             self._running = RunningBatch(key, spec.max_batch, members, self._left_from_thread)
-            self.on_seats()
-        self._began = time.perf_counter()
         try:
-            results = await asyncio.to_thread(self.engine.sample_batch, members, self._running)
+            results = await asyncio.to_thread(self.engine.sample_batch, members, self._running, self._denoising)
         except Exception as exc:
             if self._running is not None:
                 self._running.shut()
@@ -93,6 +95,13 @@ class BatchSampling:
         self._count += 1
         return member
 
+    def _denoising(self) -> None:
+        """In the sampling thread: the model is loaded and the first step begins."""
+        self._began = time.perf_counter()
+        if self._running is not None:
+            self._running.begin()
+            self.loop.call_soon_threadsafe(self.on_seats)
+
     def _left_from_thread(self, cohort: list[tuple[BatchMember, MemberResult]]) -> None:
         self.loop.call_soon_threadsafe(self._left, cohort)
 
@@ -106,7 +115,11 @@ class BatchSampling:
             if entry is None:
                 continue  # out already
             started = entry[1]
-            began, rows = self._running.ran(member) if self._running is not None else (self._began, self._rows)
+            if self._running is not None:
+                began, rows = self._running.ran(member)
+            else:
+                # Not begun (its model did not load): it ran for no time.
+                began, rows = (self._began if self._began is not None else now), self._rows
             started.result = result
             started.watch.sampled = True
             started.sampled_s = max(now - began, 0.0)
@@ -125,10 +138,10 @@ class BatchSampling:
         log.warning("a batch of %d failed (%s); running its jobs one by one", self._count, exc, extra=extra)
         self._running = None  # each runs alone: its own time and rows
         for member, _ in remaining:
-            self._began, self._rows = time.perf_counter(), member.params.num_images
+            self._began, self._rows = None, member.params.num_images
             result: MemberResult
             try:
-                [result] = await asyncio.to_thread(self.engine.sample_batch, [member])
+                [result] = await asyncio.to_thread(self.engine.sample_batch, [member], None, self._denoising)
             except Exception as alone:
                 result = alone
             self._left([(member, result)])

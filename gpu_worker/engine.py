@@ -140,14 +140,20 @@ class SamplerEngine:
         """Whether a running batch of ``model`` takes jobs in at a step boundary."""
         return self.denoiser_for(self.registry.get(model)).takes_joiners
 
-    def sample_batch(self, members: Sequence[BatchMember], joins: RunningBatch | None = None) -> list[MemberResult]:
+    def sample_batch(
+        self,
+        members: Sequence[BatchMember],
+        joins: RunningBatch | None = None,
+        on_denoising: Callable[[], None] = lambda: None,
+    ) -> list[MemberResult]:
         """Runs the members' denoising loops together, and those offered to ``joins``
         from their next step boundary on. Returns, per member (the joiners after the
         rest), its latents (num_images, C, H/8, W/8; a video's with its latent frames
         after C) on the CPU, or what ended it: JobSuspended or JobInterrupted once its
         ``stopping`` was set, BadOutput, or the error of its own inputs; with
         ``joins`` each also goes out as it leaves. An error of the batch as a whole
-        (the model, the device) is raised."""
+        (the model, the device) is raised. ``on_denoising``: called (in this thread)
+        once the model is loaded, as its first step begins."""
         keys = {m.params.join_key for m in members}
         if len(keys) != 1:
             raise ValueError(f"a batch holds jobs of one model and size, not {len(keys)}")
@@ -159,6 +165,7 @@ class SamplerEngine:
             loaded = self.models.get(model)
             checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
             with self.busy.denoising():
+                on_denoising()
                 return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints, joins)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:

@@ -37,7 +37,8 @@ COLD_LOADS = Counter(
 )
 MODEL_LOAD_SECONDS = Histogram(
     "darkroom_model_load_seconds",
-    "How long a sampler took to load a model into memory.",
+    "How long a sampler waited for a model to load into memory, its download from the model store included: "
+    "time no job is charged.",
     ["model"],
     buckets=LOAD_BUCKETS,
 )

@@ -6,7 +6,11 @@ as it leaves, so that its latents go to decode at once while the rest go on.
 
 The room is counted in images: the members in the loop and those waiting to join
 stay within the model's ``max_batch``. Closing is atomic with taking, so a member
-offered as the loop ends either joins or is refused, never lost."""
+offered as the loop ends either joins or is refused, never lost.
+
+It has room to offer, and its first members' time runs, only once it ``begin``s
+denoising: loading its model (a store download may take minutes) is the
+operator's time, and a joiner sent then would wait behind the load."""
 
 from __future__ import annotations
 
@@ -34,9 +38,10 @@ class RunningBatch:
         self._waiting: list[BatchMember] = []
         self._closed = False
         self._steps_left = max((m.params.steps for m in members), default=0)
-        now = time.perf_counter()
+        self._first = [id(m) for m in members]
+        self._began = False
         # Per member (by identity): when it came in, and the images of each step it ran in.
-        self._joined_at: dict[int, float] = {id(m): now for m in members}
+        self._joined_at: dict[int, float] = {}
         self._rows_run: dict[int, list[int]] = {}
 
     # -- the event loop --------------------------------------------------------------
@@ -57,13 +62,21 @@ class RunningBatch:
             return before
 
     def seats(self) -> OpenSeat | None:
-        """Its room now, or None when it has none (or has ended)."""
+        """Its room now, or None when it has none (or has not begun, or has ended)."""
         with self._lock:
-            if self._closed or self._rows >= self.max_rows:
+            if not self._began or self._closed or self._rows >= self.max_rows:
                 return None
             return OpenSeat(self.key, self._rows, self.max_rows - self._rows, self._steps_left)
 
     # -- the sampling thread -----------------------------------------------------------
+
+    def begin(self) -> None:
+        """Its model is loaded and its first step begins: its first members' time
+        starts now, and it has room to offer."""
+        now = time.perf_counter()
+        with self._lock:
+            self._began = True
+            self._joined_at.update((member, now) for member in self._first)
 
     def joining(self) -> list[BatchMember]:
         """The members offered since the last boundary: they join now."""
@@ -86,8 +99,9 @@ class RunningBatch:
                 self._rows_run.setdefault(id(m), []).append(rows)
 
     def ran(self, member: BatchMember) -> tuple[float, int]:
-        """When ``member`` came in (``time.perf_counter``), and the images of its
-        batch over the steps it ran, on average (its own if it ran none)."""
+        """When ``member`` came in (``time.perf_counter``; now if it never did: the
+        batch never began), and the images of its batch over the steps it ran, on
+        average (its own if it ran none)."""
         with self._lock:
             rows = self._rows_run.get(id(member)) or [member.params.num_images]
             return self._joined_at.get(id(member), time.perf_counter()), round(sum(rows) / len(rows))

@@ -125,6 +125,8 @@ def test_a_joined_member_suspends_and_resumes_to_its_solo_latents(engine: Sample
 def test_a_batch_takes_no_one_past_its_room_nor_of_another_size() -> None:
     running = params(1, images=2)
     batch = RunningBatch(running.join_key, 4, [member(running)], lambda cohort: None)
+    assert batch.seats() is None, "its model loading: no room to offer yet"
+    batch.begin()
     assert batch.offer([member(params(2, images=3))]) is None, "2 + 3 images > 4"
     assert batch.offer([member(params(3, width=96))]) is None, "another size"
     assert batch.offer([member(params(4, images=2))]) == 2

@@ -63,9 +63,15 @@ class ScriptedEngine:
     def takes_joiners(self, model: str) -> bool:
         return self.takes_joiners_too
 
-    def sample_batch(self, members: Sequence[BatchMember], joins: RunningBatch | None = None) -> list[MemberResult]:
+    def sample_batch(
+        self,
+        members: Sequence[BatchMember],
+        joins: RunningBatch | None = None,
+        on_denoising: Callable[[], None] = lambda: None,
+    ) -> list[MemberResult]:
         self.joins.append(joins)
         self.batches.append([m.params.prompt for m in members])
+        on_denoising()
         self.whole(members)
         return [self.each(m) for m in members]
 
