@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+from prometheus_client import REGISTRY
 
 from gpu_worker.checkpoint_capture import MemberCheckpoints
 from gpu_worker.decoders import Decoders
 from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.job_store import JobStore
-from gpu_worker.metrics import MODEL_LOAD_SECONDS
 from gpu_worker.outcomes import Started
 from gpu_worker.runner import JobRunner, SampledBatch
 from gpu_worker.running_batch import RunningBatch
@@ -117,7 +117,7 @@ class Sampler:
 
 
 def load_seconds(model: str) -> float:
-    return MODEL_LOAD_SECONDS.labels(model=model)._sum.get()  # type: ignore[attr-defined, no-any-return]
+    return REGISTRY.get_sample_value("darkroom_model_load_seconds_sum", {"model": model}) or 0.0
 
 
 async def test_the_first_job_of_a_cold_model_is_charged_its_sampling_alone(tmp_path: Path) -> None:
