@@ -86,6 +86,9 @@ class SamplerEngine:
     def warm_models(self) -> list[str]:
         return self.models.warm_models()
 
+    def mark_stale(self, names: Collection[str]) -> None:
+        self.models.mark_stale(names)
+
     def served_models(self) -> list[str]:
         """The registry's models it serves: of the capabilities it is let serve, and
         small enough for its memory."""

@@ -3,14 +3,18 @@ seconds, for the scheduler's costs), and evicted by ``gpu_worker.residency``'s r
 when a new one needs the room, within a memory budget; pinned models go last.
 
 Loads run in a worker thread, one at a time; ``footprints`` and ``warm_models`` are
-read from the event loop and never wait for a load."""
+read from the event loop and never wait for a load.
+
+A model whose store version changed under it (removed, or pushed again with other
+content) is marked stale: it counts as not loaded, and its next use drops it and
+loads it afresh, between batches, never under a batch that runs it."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -70,12 +74,18 @@ class ModelCache:
         self._held: dict[str, _Held] = {}
         self._measured: dict[str, int] = {}  # bytes of each model loaded here, even if evicted since
         self._lock = threading.RLock()
+        self._stale: set[str] = set()  # added to from the event loop, which never waits for ``_lock``
 
     def __contains__(self, name: str) -> bool:
-        return name in self._held
+        return name in self._held and name not in self._stale
 
     def warm_models(self) -> list[str]:
-        return sorted(self._held)
+        return sorted(name for name in list(self._held) if name not in self._stale)
+
+    def mark_stale(self, names: Collection[str]) -> None:
+        """These loaded models are not what their source now holds: each is loaded
+        afresh at its next use."""
+        self._stale.update(name for name in names if name in self._held)
 
     def footprints(self) -> dict[str, dict[str, float]]:
         """Measured bytes and load seconds of each loaded model, for the scheduler."""
@@ -85,6 +95,9 @@ class ModelCache:
     def get(self, name: str) -> Any:
         """The model, loaded first if it is not held (evicting others to make room)."""
         with self._lock:
+            if name in self._stale:
+                log.info("%s changed in the model store; loading it afresh", name)
+                self._drop(name)
             held = self._held.get(name)
             if held is not None:
                 held.last_used = time.monotonic()
@@ -152,6 +165,7 @@ class ModelCache:
             self._drop(victim)
 
     def _drop(self, name: str) -> None:
+        self._stale.discard(name)
         held = self._held.pop(name, None)
         if held is None:
             return

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,8 @@ from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import OriginLeases
 from services.models.host_cache.sources import store_only
 from services.models.host_cache.verification import verify_if_due
-from services.models.store.objects import ObjectStore
+from services.models.store.manifest import Manifest
+from services.models.store.objects import ModelNotInStore, ObjectStore
 from services.presence_view import PresenceView, follow
 from services.rpc.server import Channels
 
@@ -40,6 +41,29 @@ log = logging.getLogger(__name__)
 SETTLED_NS = 2 * 10**9
 # How often a sampler looks whether its host's cache is due a verification.
 VERIFY_POLL_S = 600.0
+# How often a sampler asks the store whether the versions it has loaded changed:
+# a forced push or a removal reaches what it serves within this.
+STALE_CHECK_S = 60.0
+
+
+async def stale_models(cache: HostCache, held: Mapping[str, Manifest]) -> set[str]:
+    """The registry models among ``held`` (each with the manifest it loaded) whose
+    version the store no longer holds as it was: removed (the cache drops its copy),
+    or pushed again with other content. A store that cannot be reached, or refuses,
+    changes nothing."""
+    stale = set()
+    for model, loaded in held.items():
+        try:
+            now = await cache.manifest(loaded.name, loaded.version)
+        except ModelNotInStore:
+            stale.add(model)
+            continue
+        except (ModelError, OSError) as exc:
+            log.warning("cannot check %s:%s in the model store: %s", loaded.name, loaded.version, exc)
+            continue
+        if now.digest != loaded.digest:
+            stale.add(model)
+    return stale
 
 
 @dataclass
@@ -147,6 +171,17 @@ class SamplerModelStore:
                     )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), min(self.verify_every_s, VERIFY_POLL_S))
+
+    async def watch_loaded(self, stop: asyncio.Event, on_stale: Callable[[set[str]], None]) -> None:
+        """Every ``STALE_CHECK_S`` until ``stop``: the loaded store models whose
+        version was removed or pushed again with other content, to ``on_stale``."""
+        while not stop.is_set():
+            stale = await stale_models(self.cache, loading.held())
+            if stale:
+                log.warning("loaded models changed in the model store, to load afresh: %s", sorted(stale))
+                on_stale(stale)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), STALE_CHECK_S)
 
     async def close(self) -> None:
         await self.channels.close()

@@ -192,6 +192,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         if model_store is not None:
             watching.append(asyncio.create_task(model_store.follow(nats.bus.nc, board, stop)))
             watching.append(asyncio.create_task(model_store.verify_periodically(stop)))
+            watching.append(asyncio.create_task(model_store.watch_loaded(stop, engine.mark_stale)))
             # Before any load (the preloads among them): store models resolve through it.
             await model_store.install(nats.bus.nc.jetstream())
             prefetch = Prefetcher(registry, model_store.cache.resolve)

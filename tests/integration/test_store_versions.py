@@ -2,12 +2,15 @@
 server (seaweedfs): a version pushed again with other bytes of the same sizes is
 refused unless forced, and a forced one is what every host then loads; a version
 removed from the store is gone from the hosts that cached it, while a store that
-cannot be reached still leaves them the copy they kept."""
+cannot be reached still leaves them the copy they kept; and a sampler that holds
+such a version in memory loads it afresh, or fails, at its next use."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -15,14 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from gpu_worker.engine import SamplerEngine
+from gpu_worker.model_store import stale_models
 from services.config.model_store import ModelStoreSettings
 from services.errors import ModelError
-from services.models.host_cache import HostCache
+from services.models.host_cache import HostCache, loading
 from services.models.host_cache.sources import store_only
+from services.models.registry import ModelRegistry
 from services.models.store.objects import ModelNotInStore, ModelStoreError, ObjectStore
 from services.models.store.push import push_directory
 from services.ops.processes import free_port
+from tests.store_registry import write_store_registry
 
 
 def client(model_store: Any, **env: str) -> ObjectStore:
@@ -122,3 +130,44 @@ async def test_a_store_that_cannot_be_reached_leaves_a_host_its_kept_copy(model_
         away.read_manifest(name, None)
     assert await cache_of(tmp_path / "host", away).resolve(name, None) == model_dir
     assert await cache_of(tmp_path / "host", away).resolve(name, "1") == model_dir
+
+
+async def test_a_loaded_model_whose_version_changed_in_the_store_is_loaded_afresh(
+    model_store: Any, models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampler holding a version in memory: pushed again with other content (forced),
+    its next use loads the new content; removed, its next use fails, not serves it."""
+    store = client(model_store)
+    name = f"served{uuid.uuid4().hex[:6]}"
+    first = push_directory(store, models_dir / "tiny", f"{name}:prod")
+    registry = ModelRegistry.load(write_store_registry(tmp_path / "registry.toml", "served", f"{name}:prod"))
+    cache = cache_of(tmp_path / "host", store)
+    monkeypatch.setattr(loading, "_installed", None)  # put back after: the installed cache is the process's
+    loading.install(cache, asyncio.get_running_loop())
+    engine = SamplerEngine(registry, models_dir, torch.device("cpu"))
+    try:
+        before = await asyncio.to_thread(engine.load, "served")
+        assert await stale_models(cache, loading.held()) == set()
+
+        changed = tmp_path / "retrained"
+        shutil.copytree(models_dir / "tiny", changed)
+        with (changed / "model_index.json").open("a") as f:
+            f.write("\n")  # other content, the same model
+        second = push_directory(store, changed, f"{name}:prod", force=True)
+        stale = await stale_models(cache, loading.held())
+        assert stale == {"served"}
+        engine.mark_stale(stale)
+        assert engine.warm_models() == []  # placement sees it as cold: its next use loads it
+        after = await asyncio.to_thread(engine.load, "served")
+        assert after is not before and engine.warm_models() == ["served"]
+        assert loading.held()["served"].digest == second.manifest.digest != first.manifest.digest
+        assert await stale_models(cache, loading.held()) == set()
+
+        store.remove(name)
+        engine.mark_stale(await stale_models(cache, loading.held()))
+        with pytest.raises(ModelError, match="not in the model store"):
+            await asyncio.to_thread(engine.load, "served")
+        assert engine.warm_models() == []
+    finally:
+        for model in engine.warm_models():
+            await asyncio.to_thread(engine.unload, model)

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from services.models.host_cache.cache import HeldModel, HostCache
+from services.models.store.manifest import Manifest
 
 _lock = threading.Lock()
 _installed: tuple[HostCache, asyncio.AbstractEventLoop] | None = None
@@ -49,6 +50,12 @@ def model_dir(model: str, name: str, version: str | None) -> Path:
     if previous is not None:
         previous.release()
     return held.path
+
+
+def held() -> dict[str, Manifest]:
+    """The manifest of the version each registry model loaded from the store holds."""
+    with _lock:
+        return {model: h.manifest for model, h in _holds.items()}
 
 
 def release(model: str) -> None:
