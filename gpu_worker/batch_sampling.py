@@ -76,7 +76,7 @@ class BatchSampling:
         self._left([(m, RuntimeError("the batch ended without it")) for m, _ in list(self._members.values())])
 
     def join(self, batch: Sequence[Started]) -> bool:
-        if self._running is None:
+        if self._running is None or not self._still_takes_joiners():
             return False
         members = [self.runner.member(s, self.loop, self.progress) for s in batch]
         before = self._running.offer(members)
@@ -88,7 +88,11 @@ class BatchSampling:
         return True
 
     def seats(self) -> OpenSeat | None:
-        return self._running.seats() if self._running is not None else None
+        return self._running.seats() if self._running is not None and self._still_takes_joiners() else None
+
+    def _still_takes_joiners(self) -> bool:
+        # Asked again at each offer: a model marked stale mid-batch takes no one more.
+        return self.engine.takes_joiners(self.model)
 
     def _add(self, started: Started, member: BatchMember) -> BatchMember:
         self._members[id(member)] = (member, started)

@@ -140,8 +140,10 @@ class SamplerEngine:
         return result
 
     def takes_joiners(self, model: str) -> bool:
-        """Whether a running batch of ``model`` takes jobs in at a step boundary."""
-        return self.denoiser_for(self.registry.get(model)).takes_joiners
+        """Whether a running batch of ``model`` takes jobs in at a step boundary: not
+        once it is stale (its store version changed), so that its batch ends and the
+        next loads it afresh."""
+        return self.denoiser_for(self.registry.get(model)).takes_joiners and not self.models.is_stale(model)
 
     def sample_batch(
         self,

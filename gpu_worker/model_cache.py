@@ -82,6 +82,9 @@ class ModelCache:
     def warm_models(self) -> list[str]:
         return sorted(name for name in list(self._held) if name not in self._stale)
 
+    def is_stale(self, name: str) -> bool:
+        return name in self._stale
+
     def mark_stale(self, names: Collection[str]) -> None:
         """These loaded models are not what their source now holds: each is loaded
         afresh at its next use."""

@@ -156,10 +156,12 @@ async def test_a_loaded_model_whose_version_changed_in_the_store_is_loaded_afres
         second = push_directory(store, changed, f"{name}:prod", force=True)
         stale = await stale_models(cache, loading.held())
         assert stale == {"served"}
+        assert engine.takes_joiners("served")
         engine.mark_stale(stale)
         assert engine.warm_models() == []  # placement sees it as cold: its next use loads it
+        assert not engine.takes_joiners("served")  # a batch running it ends with its members
         after = await asyncio.to_thread(engine.load, "served")
-        assert after is not before and engine.warm_models() == ["served"]
+        assert after is not before and engine.warm_models() == ["served"] and engine.takes_joiners("served")
         assert loading.held()["served"].digest == second.manifest.digest != first.manifest.digest
         assert await stale_models(cache, loading.held()) == set()
 

@@ -6,6 +6,7 @@ the jobs' own make the worker unfit; a progress write's answer stops the job."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -292,3 +293,32 @@ async def test_a_batch_takes_joiners_only_where_continuous_batching_is_on(contin
     assert (joins is not None) is continuous
     assert h.events.statuses("a")[-1] == JobStatus.SUCCEEDED
     assert h.runner.seats() is None, "no batch on the device"
+
+
+async def test_a_batch_whose_model_went_stale_takes_no_one_more() -> None:
+    """Its store version changed mid-batch: the batch ends with its members, and a
+    job of its model runs as the next batch, which loads the model afresh."""
+    on_device, finish = threading.Event(), threading.Event()
+
+    def held(member: BatchMember) -> MemberResult:
+        on_device.set()
+        assert finish.wait(10)
+        return sampled_alike(member)
+
+    engine = ScriptedEngine(each=held)
+    engine.takes_joiners_too = True
+    h = Harness(engine)
+    h.submit("a")
+    h.submit("b")
+    running = asyncio.create_task(h.run("a"))
+    try:
+        assert await asyncio.to_thread(on_device.wait, 10)
+        assert h.runner.seats() is not None
+        engine.takes_joiners_too = False  # as the engine answers for a model marked stale
+        assert h.runner.seats() is None
+        joiner = (await h.start("b"))["b"]
+        await h.runner.prepare([joiner])
+        assert not h.runner.join([joiner])
+    finally:
+        finish.set()
+    assert await running == [Outcome.STORED]
