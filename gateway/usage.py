@@ -4,6 +4,7 @@ job totals and the lanes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -48,14 +49,40 @@ async def fleet_stats(
 ) -> tuple[list[pb.WorkerStats], pb.GlobalStats, list[pb.LaneQueue]]:
     """Every worker not gone, the job totals and the lanes, for an admin."""
     # What each worker says of itself from presence; what it has done, from the database.
-    done = {w.id: w for kind in WorkerKind for w in await repo.workers.all(kind, stale_after_s=stale_s)}
-    workers = [with_counts(w, done.get(w.id)) for kind in WorkerKind for w in presence.all(kind, stale_after_s=stale_s)]
+    seen = [w for kind in WorkerKind for w in presence.all(kind, stale_after_s=stale_s)]
+    counted = [w for kind in WorkerKind for w in await repo.workers.all(kind, stale_after_s=stale_s)]
     held = await repo.scheduling.held_per_worker()
     running = await repo.scheduling.running_per_worker()
-    live = [w for w in workers if w.status != WorkerStatus.GONE]
-    stats = [worker_stats(w, held.get(w.id, 0), running.get(w.id, ())) for w in live]
     totals = totals_message(await repo.jobs.totals())
-    return stats, totals, lanes_message(await repo.jobs.counts_by_lane(), datetime.now(UTC))
+    return (
+        fleet_workers(seen, counted, held, running),
+        totals,
+        lanes_message(await repo.jobs.counts_by_lane(), datetime.now(UTC)),
+    )
+
+
+def fleet_workers(
+    seen: Sequence[WorkerRecord],
+    counted: Sequence[WorkerRecord],
+    held: Mapping[str, int],
+    running: Mapping[str, Sequence[str]],
+) -> list[pb.WorkerStats]:
+    """Every worker presence sees and that is not gone, with what the database
+    counted of it, matched by kind and id: a decoder's heartbeat under a sampler's
+    id shows none of the sampler's jobs (only samplers hold jobs)."""
+    done = {(w.kind, w.id): w for w in counted}
+    stats = []
+    for worker in seen:
+        worker = with_counts(worker, done.get((worker.kind, worker.id)))
+        if worker.status == WorkerStatus.GONE:
+            continue
+        sampler = worker.kind == WorkerKind.SAMPLER
+        stats.append(
+            worker_stats(
+                worker, held.get(worker.id, 0) if sampler else 0, running.get(worker.id, ()) if sampler else ()
+            )
+        )
+    return stats
 
 
 def with_counts(worker: WorkerRecord, counted: WorkerRecord | None) -> WorkerRecord:
