@@ -102,7 +102,7 @@ def first_image(
         "DARKROOM_GATEWAY_PORT": "0",
         "DARKROOM_MODEL_REGISTRY": str(registry),
         "DARKROOM_LOG_LEVEL": "WARNING",
-        **store.env(),
+        **store.reader_env(),  # what its samplers and decoders read with; the push below signs as the writer
     }
     stack = LocalStack(Settings.from_env(env), cpu_workers=1, decoders=1, durable=False)
     stack.start(timeout=600)

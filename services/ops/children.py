@@ -41,12 +41,29 @@ def restart_policy(settings: Settings) -> RestartPolicy:
     )
 
 
+# The services that read the model store: a sampler (its host's cache) and a decoder
+# (a store: model's VAE, from the same cache). They are given its read-only
+# identity (DARKROOM_MODEL_STORE_ACCESS_KEY); the others nothing of the store; the
+# writer's identity no service: it is the operator's `darkroom models`.
+_MODEL_STORE_READERS = frozenset({"sampler", "decoder"})
+_STORE_WRITER = ("MODEL_STORE_WRITER_ACCESS_KEY", "MODEL_STORE_WRITER_SECRET_KEY")
+_STORE_READER = ("MODEL_STORE_URL", "MODEL_STORE_ACCESS_KEY", "MODEL_STORE_SECRET_KEY")
+
+
+def _withheld_model_store(service: str) -> dict[str, str]:
+    """The model store's settings ``service`` is not given, emptied."""
+    names = _STORE_WRITER if service in _MODEL_STORE_READERS else _STORE_WRITER + _STORE_READER
+    return {ENV_PREFIX + name: "" for name in names}
+
+
 def child(settings: Settings, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
     """A supervised process of ``service`` (a key of SERVICE_MODULES) with these
     settings, changed by the ``DARKROOM_*`` variables of ``env`` (checked here,
-    so that a bad one stops the caller), and the rest of ``env`` beside them."""
+    so that a bad one stops the caller), and the rest of ``env`` beside them; of
+    the model store's, only what the service reads it with (``_withheld_model_store``)."""
     env = env or {}
-    own = settings.with_env({k: v for k, v in env.items() if k.startswith(ENV_PREFIX)})
+    changed = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    own = settings.with_env({**changed, **_withheld_model_store(service)})
     others = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
     data = settings.kernel.data_dir
     return Child(

@@ -54,8 +54,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
         print(f"darkroom: OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
         if stack.model_store is not None:
+            from services.ops.model_store import WRITER_SECRET_FILE
+
+            store, secrets = stack.model_store, Path(stack.settings.kernel.mesh_dir)
+            print(f"darkroom: model store (S3) on {store.url}, bucket {store.bucket}", flush=True)
             print(
-                f"darkroom: model store (S3) on {stack.model_store.url}, bucket {stack.model_store.bucket}", flush=True
+                f"darkroom:   `darkroom models` writes it as {store.writer.access_key} "
+                f"(DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY), its secret in {secrets / WRITER_SECRET_FILE}",
+                flush=True,
             )
         _print_metrics(stack.metrics_targets(), data_dir)
         if args.demo_prompt is not None:

@@ -1,17 +1,26 @@
 """A real S3 server for the model store, on one box and in tests: seaweedfs's
 ``weed mini`` (master, volume, filer and S3 gateway in one process) in a data
-directory, with its bucket made and credentials required."""
+directory, with its bucket made and two identities: the writer (the operator's
+`darkroom models push` and `rm`) and the reader (what samplers and decoders get),
+which may not write."""
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 import shutil
+import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from services.config.model_store import ModelStoreSettings
+from services.mesh.pki import write_private
+from services.models.store.objects import ModelStoreError, ObjectStore
 from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn
 
 # Each of weed's servers also binds a gRPC port (by default its port + 10000, which
@@ -33,6 +42,79 @@ _PORTS = (
 )
 
 
+# Where `darkroom up --model-store` keeps the identities' secrets, in the mesh directory.
+WRITER_SECRET_FILE = "model-store-writer.secret"
+READER_SECRET_FILE = "model-store-reader.secret"
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """An S3 identity: the access key id and its secret."""
+
+    access_key: str
+    secret_key: str
+
+    @classmethod
+    def random(cls, access_key: str) -> StoreIdentity:
+        return cls(access_key, secrets.token_urlsafe(24))
+
+
+def write_identities(path: Path, bucket: str, *, writer: StoreIdentity, reader: StoreIdentity) -> Path:
+    """seaweedfs's S3 identities (``-s3.config``, 0600): the writer may read, list and
+    write ``bucket`` (push, re-point latest, remove); the reader may read and list it.
+    Neither may make or delete buckets, nor touch another."""
+
+    def identity(who: StoreIdentity, actions: tuple[str, ...]) -> dict[str, object]:
+        return {
+            "name": who.access_key,
+            "credentials": [{"accessKey": who.access_key, "secretKey": who.secret_key}],
+            "actions": [f"{action}:{bucket}" for action in actions],
+        }
+
+    config = {"identities": [identity(writer, ("Read", "List", "Write")), identity(reader, ("Read", "List"))]}
+    write_private(path, json.dumps(config, indent=2).encode())
+    return path
+
+
+def wait_until_listed(
+    url: str, bucket: str, reader: StoreIdentity, proc: subprocess.Popen[bytes], log_path: Path, timeout: float
+) -> None:
+    """Until the reader lists ``bucket`` at ``url``: S3 answers (an unsigned request
+    gets a 403 whether the bucket exists or not) a little before weed has made it."""
+    settings = ModelStoreSettings(
+        model_store_url=url,
+        model_store_bucket=bucket,
+        model_store_access_key=reader.access_key,
+        model_store_secret_key=reader.secret_key,
+    )
+    store = ObjectStore.from_settings(settings)
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed mini exited with {proc.returncode}; see {log_path}")
+        if _answers(f"{url}/{bucket}"):
+            try:
+                store.list_models()
+                return
+            except ModelStoreError as exc:
+                last = str(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"the model store's S3 at {url} did not serve {bucket} in {timeout}s: {last}; see {log_path}")
+
+
+def _answers(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (before it does, the store's client
+    would retry each request for seconds)."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=1)
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 def weed_binary() -> str:
     candidate = Path(sys.executable).parent / "weed"
     if candidate.exists():
@@ -44,24 +126,25 @@ def weed_binary() -> str:
 
 
 class EmbeddedModelStore(ManagedProcess):
-    """``weed mini`` serving S3 at ``url`` with ``bucket`` made; only requests
-    signed with ``access_key``/``secret_key`` may write. ``host`` is the address it
-    binds and announces (127.0.0.1; a fleet's hosts need one they can reach)."""
+    """``weed mini`` serving S3 at ``url`` with ``bucket`` made; requests signed by
+    ``writer`` may write, by ``reader`` only read (random identities by default).
+    ``host`` is the address it binds and announces (127.0.0.1; a fleet's hosts need
+    one they can reach)."""
 
     def __init__(
         self,
         data_dir: Path,
         *,
         bucket: str = "darkroom-models",
-        access_key: str = "darkroom",
-        secret_key: str = "darkroom-secret",
+        writer: StoreIdentity | None = None,
+        reader: StoreIdentity | None = None,
         host: str = "127.0.0.1",
     ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir)
         self.bucket = bucket
-        self.access_key = access_key
-        self.secret_key = secret_key
+        self.writer = writer or StoreIdentity.random("darkroom-writer")
+        self.reader = reader or StoreIdentity.random("darkroom-reader")
         self.host = host
         self.log_path = self.data_dir / "weed.log"
         self.ports = {flag: free_port() for flag in _PORTS}
@@ -75,16 +158,27 @@ class EmbeddedModelStore(ManagedProcess):
         return f"http://{self.host}:{self.ports['metricsPort']}/metrics"
 
     def env(self) -> dict[str, str]:
-        """The DARKROOM_* variables that point a client (a CLI, a sampler) at it."""
+        """The DARKROOM_* variables that point a client at it as the writer: the
+        operator's `darkroom models`, a test that pushes."""
+        return self._env_of(self.writer)
+
+    def reader_env(self) -> dict[str, str]:
+        """The DARKROOM_* variables that point a sampler or a decoder at it: the reader."""
+        return self._env_of(self.reader)
+
+    def _env_of(self, identity: StoreIdentity) -> dict[str, str]:
         return {
             "DARKROOM_MODEL_STORE_URL": self.url,
             "DARKROOM_MODEL_STORE_BUCKET": self.bucket,
-            "DARKROOM_MODEL_STORE_ACCESS_KEY": self.access_key,
-            "DARKROOM_MODEL_STORE_SECRET_KEY": self.secret_key,
+            "DARKROOM_MODEL_STORE_ACCESS_KEY": identity.access_key,
+            "DARKROOM_MODEL_STORE_SECRET_KEY": identity.secret_key,
         }
 
     def start(self, timeout: float = 60.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        identities = write_identities(
+            self.data_dir / "s3-identities.json", self.bucket, writer=self.writer, reader=self.reader
+        )
         args = [
             weed_binary(),
             "mini",
@@ -93,45 +187,28 @@ class EmbeddedModelStore(ManagedProcess):
             f"-ip.bind={self.host}",
             f"-bucket={self.bucket}",
             "-webdav=false",
+            f"-s3.config={identities}",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
         ]
         (self.data_dir / "weed").mkdir(exist_ok=True)
-        # weed mini reads the S3 identity from the environment: without it, writes
-        # are refused and the bucket is not made.
-        env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        # No AWS_ACCESS_KEY_ID: weed mini would make an identity of it beside the two.
+        env = {"PATH": "/usr/bin:/bin"}
         log = open(self.log_path, "ab")
         self.proc = spawn(
             dying_with_parent(args, self._death_signal), stdout=log, stderr=log, env=env, start_new_session=True
         )
         log.close()
-        self._wait_until_serving(timeout)
+        try:
+            wait_until_listed(self.url, self.bucket, self.reader, self.proc, self.log_path, timeout)
+        except (RuntimeError, TimeoutError):
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 5.0) -> None:
         # weed mini's volume server can take 15 s to stop once it served traffic; by
         # then S3 and the filer (the metadata) have stopped, and the volume's files
         # hold every acknowledged write, so a kill after a short grace loses nothing.
         super().stop(timeout)
-
-    def _wait_until_serving(self, timeout: float) -> None:
-        """Until S3 answers for the bucket (the port listens a little before the
-        bucket exists): any HTTP answer to a HEAD of it but 404 or a 5xx."""
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                urllib.request.urlopen(urllib.request.Request(f"{self.url}/{self.bucket}", method="HEAD"), timeout=1)
-                return
-            except urllib.error.HTTPError as exc:
-                if exc.code in (401, 403):  # an unsigned HEAD of a bucket that exists
-                    return
-                last = f"HTTP {exc.code}"
-            except OSError as exc:
-                last = str(exc)
-            time.sleep(0.1)
-        self.stop()
-        raise TimeoutError(f"the model store's S3 at {self.url} did not serve {self.bucket} in {timeout}s: {last}")
 
     def sent_bytes(self) -> int:
         return store_sent_bytes(self.metrics_url, self.bucket)

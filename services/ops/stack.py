@@ -31,7 +31,7 @@ from services.ops.children import (
 from services.ops.data_lock import DataDirLock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
-from services.ops.model_store import EmbeddedModelStore
+from services.ops.model_store import READER_SECRET_FILE, WRITER_SECRET_FILE, EmbeddedModelStore, StoreIdentity
 from services.ops.orphans import stop_nats_servers
 from services.ops.processes import free_port
 from services.ops.supervisor import Child, Supervisor
@@ -120,13 +120,16 @@ class LocalStack:
             self.settings = self.settings.with_env({"DARKROOM_NATS_URL": self.nats.url})
         if self.start_model_store and not self.settings.kernel.model_store.model_store_url:
             secrets = Path(self.settings.kernel.mesh_dir)
+            # Made once, kept with the others: the writer's for the operator's
+            # `darkroom models`, the reader's for the samplers and decoders.
             self.model_store = EmbeddedModelStore(
                 data / "model-store",
                 bucket=self.settings.kernel.model_store.model_store_bucket,
-                secret_key=password(secrets / "model-store.secret"),  # made once, kept with the others
+                writer=StoreIdentity("darkroom-writer", password(secrets / WRITER_SECRET_FILE)),
+                reader=StoreIdentity("darkroom-reader", password(secrets / READER_SECRET_FILE)),
             )
             self.model_store.start()
-            self.settings = self.settings.with_env(self.model_store.env())
+            self.settings = self.settings.with_env(self.model_store.reader_env())
         for name, backend in (("postgres", self.postgres), ("nats", self.nats), ("model-store", self.model_store)):
             if backend is not None:
                 self.supervisor.watch(SupervisedBackend(name, backend, self.backend_metrics))

@@ -31,7 +31,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory, mesh: Path) -> Path:
     shutil.copytree(K8S, copied)
     for directory, kustomization in kustomizations(copied):
         for generator in kustomization.get("secretGenerator", []):
-            for entry in generator.get("files", []):
+            for entry in [*generator.get("files", []), *generator.get("envs", [])]:
                 path = directory / entry.split("=")[-1]
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(secret_file(path.name, mesh))

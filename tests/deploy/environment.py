@@ -6,6 +6,7 @@ main() hands run_service, beside the kernel's."""
 
 from __future__ import annotations
 
+import base64
 import importlib
 import re
 from collections.abc import Iterator, Mapping
@@ -57,7 +58,11 @@ def container_env(container: dict[str, Any], pod: Pod, docs: list[dict[str, Any]
     with the names its own env list sets."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
-        env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+        if "secretRef" in source:
+            data = one(docs, "Secret", source["secretRef"]["name"]).get("data", {})
+            env.update({key: base64.b64decode(value).decode() for key, value in data.items()})
+        else:
+            env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
     fields = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "status.podIP": "10.1.2.3"}
     for var in container.get("env", []):
         if "value" in var:

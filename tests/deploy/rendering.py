@@ -30,9 +30,20 @@ OVERLAYS = ("single-gpu-box", "fleet")
 NAMESPACE = "darkroom"
 
 
+# The model store's address and reader's identity in the stand-in reader.env.
+READER_ENV = ("https://store.darkroom.test", "darkroom-reader", "a-reader-secret")
+
+
 def secret_file(name: str, mesh: Path) -> bytes:
     """A stand-in for a file the operator makes, by its name: certificates and keys
-    from a real CA, passwords, the link key, the admin key, the NATS users."""
+    from a real CA, passwords, the link key, the admin key, the NATS users, the
+    model store's reader."""
+    if name == "reader.env":
+        url, access_key, secret_key = READER_ENV
+        return (
+            f"DARKROOM_MODEL_STORE_URL={url}\nDARKROOM_MODEL_STORE_ACCESS_KEY={access_key}\n"
+            f"DARKROOM_MODEL_STORE_SECRET_KEY={secret_key}\n"
+        ).encode()
     if name == "url.key":
         return b"0123456789abcdef0123456789abcdef\n"
     if name == "admin.key":

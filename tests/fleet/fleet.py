@@ -156,7 +156,7 @@ class Fleet:
                 nats_url=self.nats_url,
                 mesh_dir=mesh,
                 model_registry=self.registry,
-                **{**FLEET_SETTINGS, **self.model_store.settings(), **settings},
+                **{**FLEET_SETTINGS, **settings},
             ),
         }
 
@@ -190,7 +190,11 @@ class Fleet:
         """``darkroom supervise`` on the GPU host: a CPU sampler and ``decoders``."""
         user = sampler_user(self.worker_id(host))
         mesh = self.mesh_dir(host, ["sampler", "decoder"], [user, DECODER_USER])
-        env = self.service_env(host, mesh, sampler_host=host.address, decoder_host=host.address, **settings)
+        # The store's reader for its samplers and decoders; the control hosts get nothing of the store.
+        store = self.model_store.settings()
+        env = self.service_env(
+            host, mesh, sampler_host=host.address, decoder_host=host.address, **{**store, **settings}
+        )
         args = ["supervise", "--cpu-workers", "1", "--decoders", str(decoders)]
         return self._add(host, "supervise", [sys.executable, "-m", "services.ops.cli", *args], env)
 

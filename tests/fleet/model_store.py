@@ -13,8 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from services.db.states import WorkerStatus
 from services.errors import BusError
 from services.models.host_cache.peers import CacheAnnouncement
 from services.models.store.manifest import Manifest
-from services.ops.model_store import store_sent_bytes, weed_binary
+from services.ops.model_store import StoreIdentity, store_sent_bytes, wait_until_listed, weed_binary, write_identities
 from tests.fleet.network import Host
 from tests.helpers import env_of
 
@@ -32,7 +30,9 @@ if TYPE_CHECKING:
     from tests.fleet.fleet import Fleet
 
 BUCKET = "darkroom-models"
-ACCESS_KEY, SECRET_KEY = "fleet-store", "fleet-store-secret"
+# The operator pushes as the writer; the GPU hosts read as the reader, which may not write.
+WRITER = StoreIdentity("fleet-writer", "fleet-writer-secret")
+READER = StoreIdentity("fleet-reader", "fleet-reader-secret")
 # The model the store scenarios push: the shipped tiny one and a padding file of
 # seeded random bytes, so that a transfer is long enough to measure and to cut.
 STORE_MODEL = "tiny-store"
@@ -57,12 +57,14 @@ WEED_PORTS = {
 
 
 class FleetModelStore:
-    """``weed mini`` on ``host``: S3 at ``url``, its bucket made, writes signed."""
+    """``weed mini`` on ``host``: S3 at ``url``, its bucket made, the writer's and
+    the reader's identities."""
 
     def __init__(self, host: Host, root: Path) -> None:
         self.host = host
         self.data = root / "hosts" / host.name / "weed"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.log: Path | None = None
         self.pushed: Pushed | None = None  # the store model, once the operator pushed it
 
     @property
@@ -74,12 +76,20 @@ class FleetModelStore:
         return f"http://{self.host.address}:{WEED_PORTS['metricsPort']}/metrics"
 
     def settings(self) -> dict[str, object]:
-        """The settings that point a service (or the operator's CLI) at it."""
+        """The settings that point a GPU host's services at it: the reader."""
         return {
             "model_store_url": self.url,
             "model_store_bucket": BUCKET,
-            "model_store_access_key": ACCESS_KEY,
-            "model_store_secret_key": SECRET_KEY,
+            "model_store_access_key": READER.access_key,
+            "model_store_secret_key": READER.secret_key,
+        }
+
+    def operator_settings(self) -> dict[str, object]:
+        """The operator's: the reader's, and the writer's that `darkroom models push` signs with."""
+        return {
+            **self.settings(),
+            "model_store_writer_access_key": WRITER.access_key,
+            "model_store_writer_secret_key": WRITER.secret_key,
         }
 
     def spawn(self, logs: Path) -> None:
@@ -89,30 +99,16 @@ class FleetModelStore:
             weed_binary(), "mini", f"-dir={self.data}", f"-ip={address}", f"-ip.bind={address}",
             f"-bucket={BUCKET}", "-webdav=false", "-master.telemetry=false",
             f"-filer.localSocket={self.data / 'filer.sock'}", f"-s3.localSocket={self.data / 's3.sock'}",
+            f"-s3.config={write_identities(self.data / 's3-identities.json', BUCKET, writer=WRITER, reader=READER)}",
             *(f"-{flag}={port}" for flag, port in WEED_PORTS.items()),
         ]  # fmt: skip
-        # Its S3 identity: without it writes are refused and the bucket is not made.
-        env = {"PATH": "/usr/bin:/bin", "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-        self.proc = self.host.spawn(args, env=env, log=logs / f"{self.host.name}-weed.log")
+        self.log = logs / f"{self.host.name}-weed.log"
+        self.proc = self.host.spawn(args, env={"PATH": "/usr/bin:/bin"}, log=self.log)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        """Until S3 answers for the bucket (an unsigned HEAD: 403 once it exists)."""
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini on {self.host.name} exited {self.proc.returncode}")
-            try:
-                urllib.request.urlopen(urllib.request.Request(f"{self.url}/{BUCKET}", method="HEAD"), timeout=1)
-                return
-            except urllib.error.HTTPError as exc:
-                if exc.code in (401, 403):
-                    return
-                last = f"HTTP {exc.code}"
-            except OSError as exc:
-                last = str(exc)
-            time.sleep(0.2)
-        raise TimeoutError(f"the fleet's model store at {self.url} not serving after {timeout}s: {last}")
+        """Until the reader lists the bucket."""
+        assert self.proc is not None and self.log is not None, "spawn it first"
+        wait_until_listed(self.url, BUCKET, READER, self.proc, self.log, timeout)
 
     def sent_bytes(self) -> int:
         """What its S3 server has sent for the bucket (its Prometheus counter)."""
@@ -279,7 +275,7 @@ def push_store_model(fleet: Fleet, tiny: Path) -> Pushed:
     store = fleet.model_store
     if store.pushed is None:
         model = padded_model(tiny, fleet.operator / STORE_MODEL)
-        env = {**os.environ, **env_of(data_dir=fleet.operator / "data", **store.settings())}
+        env = {**os.environ, **env_of(data_dir=fleet.operator / "data", **store.operator_settings())}
         version = store.cli("push", str(model), STORE_MODEL, env=env).strip().splitlines()[-1]
         manifest, size = store.manifest(STORE_MODEL, version)
         store.pushed = Pushed(manifest, size + len(version))

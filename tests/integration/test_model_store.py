@@ -237,12 +237,12 @@ def test_up_with_a_model_store_starts_one_and_points_its_children_at_it(
     try:
         stack.start_backends()
         assert stack.model_store is not None and stack.model_store.running
-        settings = stack.settings.kernel.model_store
-        assert settings.model_store_url == stack.model_store.url and settings.model_store_secret_key
-        assert stack.settings.to_env()["DARKROOM_MODEL_STORE_URL"] == stack.model_store.url  # what children read
-        pushed = push_directory(
-            ObjectStore.from_settings(settings), write_model(tmp_path / "m", {"w.bin": b"up"}), "up-model"
-        )
+        settings = stack.settings.kernel.model_store  # what its samplers and decoders read: the reader
+        assert settings.model_store_url == stack.model_store.url
+        assert settings.model_store_secret_key == stack.model_store.reader.secret_key
+        assert stack.settings.to_env()["DARKROOM_MODEL_STORE_URL"] == stack.model_store.url
+        operator = ObjectStore.from_settings(ModelStoreSettings.from_env(stack.model_store.env()))
+        pushed = push_directory(operator, write_model(tmp_path / "m", {"w.bin": b"up"}), "up-model")
         assert ObjectStore.from_settings(settings).read_manifest("up-model") == pushed.manifest
     finally:
         stack.stop()

@@ -65,7 +65,7 @@ def store_stack(
 ) -> Iterator[LocalStack]:
     tmp = tmp_path_factory.mktemp("store-stack")
     registry = write_store_registry(tmp / "registry.toml", MODEL, pushed.name)
-    env = model_store.env()
+    env = model_store.reader_env()  # as `darkroom up --model-store` gives its samplers and decoders
     yield from running(
         make_stack(
             tmp / "stack",

@@ -1,0 +1,157 @@
+"""The model store's two identities, against a real S3 server (seaweedfs): the
+reader's (the samplers' and decoders') reads a model but cannot push, re-point
+latest or remove; the writer's stays with the operator's CLI; and `darkroom up
+--model-store` hands the reader to the samplers and decoders only, the writer to
+no service."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.config.model_store import ModelStoreSettings
+from services.config.sections import KernelSettings
+from services.models.store.manifest import Manifest
+from services.models.store.objects import ModelStoreError, ObjectStore
+from services.models.store.push import file_digest, push_directory
+from services.ops.embedded import EmbeddedPostgres
+from tests.conftest import make_stack
+
+pytestmark = pytest.mark.integration
+
+# What seaweedfs answers a request its identity may not make (a 403 or AccessDenied).
+REFUSED = r"(?i)privileges|denied|forbidden"
+STORE_VARIABLES = ("DARKROOM_MODEL_STORE_URL", "DARKROOM_MODEL_STORE_ACCESS_KEY", "DARKROOM_MODEL_STORE_SECRET_KEY")
+
+
+def store_of(env: dict[str, str]) -> ObjectStore:
+    return ObjectStore.from_settings(ModelStoreSettings.from_env(env))
+
+
+def write_model(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def test_the_readers_identity_reads_a_model_but_cannot_push_repoint_or_remove_it(
+    model_store: Any, tmp_path: Path
+) -> None:
+    writer, reader = store_of(model_store.env()), store_of(model_store.reader_env())
+    weights = os.urandom(300_000)
+    # Bytes of its own: the store is the session's, and other modules count what it holds.
+    model = write_model(tmp_path / "m", {"model_index.json": b'{"kept": true}', "w.bin": weights})
+    pushed = push_directory(writer, model, "kept")
+    digest = next(f.digest for f in pushed.manifest.files if f.path == "w.bin")
+
+    assert reader.read_manifest("kept") == pushed.manifest
+    fd = os.open(tmp_path / "fetched", os.O_RDWR | os.O_CREAT)
+    try:
+        asyncio.run(reader.read_blob(digest, len(weights), fd))
+    finally:
+        os.close(fd)
+    assert (tmp_path / "fetched").read_bytes() == weights
+
+    forged = write_model(tmp_path / "forged", {"w.bin": b"not the model"})
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        reader.put_blob(file_digest(forged / "w.bin"), forged / "w.bin")
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        reader.write_manifest(Manifest("kept", "forged", pushed.manifest.files, {}))  # and latest after it
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        push_directory(reader, forged, "kept:forged")
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        reader.remove("kept")
+
+    assert writer.latest_version("kept") == pushed.manifest.version
+    assert [v.version for v in writer.list_models() if v.name == "kept"] == [pushed.manifest.version]
+    assert all(writer.has_blob(d) for d in pushed.manifest.blobs())
+    assert not writer.has_blob(file_digest(forged / "w.bin"))
+    writer.remove("kept")
+
+
+def darkroom_models(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "services.ops.cli", "models", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_reader(
+    model_store: Any, tmp_path: Path
+) -> None:
+    root = write_model(tmp_path / "m", {"model_index.json": b'{"who": 1}', "w.bin": os.urandom(10_000)})
+    reader_only = {**os.environ, **model_store.reader_env(), "DARKROOM_DATA_DIR": str(tmp_path / "data")}
+    refused = darkroom_models(reader_only, "push", str(root), "by-cli")
+    assert refused.returncode == 1 and "model store" in refused.stderr, refused.stderr
+    assert "by-cli" not in darkroom_models(reader_only, "list").stdout  # the reader lists
+
+    writer = model_store.env()
+    operator = {
+        **reader_only,
+        "DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY": writer["DARKROOM_MODEL_STORE_ACCESS_KEY"],
+        "DARKROOM_MODEL_STORE_WRITER_SECRET_KEY": writer["DARKROOM_MODEL_STORE_SECRET_KEY"],
+    }
+    pushed = darkroom_models(operator, "push", str(root), "by-cli")
+    assert pushed.returncode == 0, pushed.stderr
+    assert "by-cli " in darkroom_models(reader_only, "list").stdout
+    assert darkroom_models(reader_only, "rm", "by-cli").returncode == 1
+    removed = darkroom_models(operator, "rm", "by-cli")
+    assert removed.returncode == 0, removed.stderr
+
+
+def test_up_gives_the_reader_to_samplers_and_decoders_and_the_writer_to_no_service(
+    tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
+) -> None:
+    # The operator's own writer in the environment `up` runs in: no child may inherit it.
+    operator_writer = "operator-writer-secret"
+    stack = make_stack(
+        tmp_path / "stack",
+        postgres,
+        models_dir,
+        http=True,
+        model_store_writer_access_key="operator-writer",
+        model_store_writer_secret_key=operator_writer,
+    )
+    stack.start_model_store = True  # what `darkroom up --model-store` asks for
+    try:
+        stack.start()
+        store = stack.model_store
+        assert store is not None
+        writer_file = Path(stack.settings.kernel.mesh_dir) / "model-store-writer.secret"
+        assert stat.S_IMODE(writer_file.stat().st_mode) == 0o600
+        writer_secret = writer_file.read_text().strip()
+        assert writer_secret == store.writer.secret_key
+
+        services = {name: c.service for name, c in stack.services.items()}
+        assert sorted(set(services.values())) == ["decoder", "gateway", "http", "sampler", "scheduler"]
+        for name, c in stack.services.items():
+            values = " ".join(c.env.values())
+            assert writer_secret not in values and operator_writer not in values, name
+            held = {v: c.env.get(v, "") for v in STORE_VARIABLES}
+            if c.service in ("sampler", "decoder"):
+                reader = (store.url, store.reader.access_key, store.reader.secret_key)
+                assert held == dict(zip(STORE_VARIABLES, reader, strict=True)), name
+            else:
+                assert held == dict.fromkeys(STORE_VARIABLES, ""), name
+
+        # A sampler's identity, as its process reads it, may read but not push.
+        sampler = next(c for c in stack.services.values() if c.service == "sampler")
+        as_sampler = ObjectStore.from_settings(KernelSettings.from_env(sampler.env).model_store)
+        model = write_model(tmp_path / "m", {"w.bin": b"weights"})
+        with pytest.raises(ModelStoreError, match=REFUSED):
+            push_directory(as_sampler, model, "from-a-sampler")
+        pushed = push_directory(store_of(store.env()), model, "from-the-operator")
+        assert as_sampler.read_manifest("from-the-operator") == pushed.manifest
+    finally:
+        stack.stop()
