@@ -9,13 +9,16 @@ from __future__ import annotations
 import hashlib
 import io
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from PIL import Image
 
 from services.errors import FieldViolation
 from services.models.registry import ModelSpec
 
+T = TypeVar("T")
 FORMATS = ("PNG", "JPEG", "WEBP")
 # An input's pixels, from its header, before anything decodes it: 4096 x 4096.
 MAX_INPUT_PIXELS = 4096 * 4096
@@ -31,25 +34,39 @@ class InputImage:
 
 def read_input(field: str, data: bytes, *, max_bytes: int) -> InputImage | FieldViolation:
     """The input image in ``data``, or what is wrong with it (named by ``field``)."""
+    found = decode_input(field, data, max_bytes=max_bytes, decode=_size_once_loaded)
+    if isinstance(found, FieldViolation):
+        return found
+    width, height = found
+    return InputImage(data, width, height, hashlib.sha256(data).hexdigest())
+
+
+def decode_input(field: str, data: bytes, *, max_bytes: int, decode: Callable[[Image.Image], T]) -> T | FieldViolation:
+    """What ``decode`` makes of the image in ``data`` once its bytes and header pass
+    (what it decodes must decode whole), or what is wrong with it (named by ``field``)."""
     if len(data) > max_bytes:
         return FieldViolation(field, f"is {len(data)} bytes; the limit is {max_bytes} ({max_bytes / 2**20:g} MiB)")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data), formats=FORMATS)
-            width, height = image.size
-            if width * height > MAX_INPUT_PIXELS:
-                return FieldViolation(
-                    field, f"is {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels (4096x4096) are taken"
-                )
-            if getattr(image, "n_frames", 1) > 1:
-                return FieldViolation(field, "is an animated image; one still image is taken")
-            image.load()
+            with Image.open(io.BytesIO(data), formats=FORMATS) as image:
+                width, height = image.size
+                if width * height > MAX_INPUT_PIXELS:
+                    return FieldViolation(
+                        field, f"is {width}x{height} pixels; at most {MAX_INPUT_PIXELS} pixels (4096x4096) are taken"
+                    )
+                if getattr(image, "n_frames", 1) > 1:
+                    return FieldViolation(field, "is an animated image; one still image is taken")
+                return decode(image)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         return FieldViolation(field, f"claims more than {MAX_INPUT_PIXELS} pixels")
     except Exception as exc:  # Pillow raises many kinds for bad bytes
         return FieldViolation(field, f"is not a PNG, JPEG or WebP image that decodes whole: {exc}")
-    return InputImage(data, width, height, hashlib.sha256(data).hexdigest())
+
+
+def _size_once_loaded(image: Image.Image) -> tuple[int, int]:
+    image.load()
+    return image.size
 
 
 def fit_within(width: int, height: int, spec: ModelSpec) -> tuple[int, int]:

@@ -22,9 +22,10 @@ from gateway.convert import (
 )
 from gateway.estimates import Estimator
 from gateway.expansion import Expansion, asks_expansion
-from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_refusal, count_submit
+from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_submit
 from gateway.moderation import Limits, Moderator
 from gateway.streams import follow
+from gateway.tenant_limits import limited, refused
 from gateway.usage import fleet_stats, tenant_usage
 from gateway.validation import under_output_policy, validate_submit, violates_policy
 from scheduler import admission, facts
@@ -38,7 +39,7 @@ from services.config.sections import GatewaySettings, KernelSettings
 from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind
-from services.errors import ContentPolicyViolation, PermissionDenied, QuotaViolation, ResourceExhausted
+from services.errors import ContentPolicyViolation, PermissionDenied, ResourceExhausted
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.presence_view import PresenceView
@@ -173,26 +174,14 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     ) -> tuple[JobRecord, bool]:
         """The job stored, and whether an earlier submit made it; ResourceExhausted
         if its tenant's limits keep it out."""
-        terms = caller.terms
-        if terms is None or (terms.max_jobs is None and terms.rate_per_s is None and terms.credits is None):
+        if not limited(caller.terms):
             # No credit limit: the job holds nothing (admission decides so on the tenant's row).
             return await self._create((replace(new, credits_reserved=0.0), now))
         outcome = await self._create_limited((new, now))
         if not isinstance(outcome, quotas.Refusal):
             return outcome
         count_submit(new.lane, caller.tenant, "refused")
-        # Counted, not logged: a client at its limit would fill the log.
-        count_refusal(outcome.limit, outcome.tenant)
-        retry_s = outcome.retry_after_s
-        if retry_s is None and outcome.limit == quotas.MAX_JOBS:
-            # A place frees when one of its jobs ends: about one job's run from now.
-            retry_s = max(1.0, eta.run_s if eta else 1.0)
-        when = f"retry in {retry_s:.1f}s" if retry_s is not None else "its daily credits do not cover it"
-        raise ResourceExhausted(
-            f"{outcome.description}; {when}",
-            retry_after_s=retry_s,
-            quota=QuotaViolation(f"tenant:{outcome.tenant}", f"{outcome.limit}: {outcome.description}"),
-        )
+        raise refused(outcome, eta.run_s if eta else None)
 
     async def _state(self, caller: Caller, method: str, job_id: str) -> JobState:
         return caller.own(method, job_id, await self._states(job_id), lambda state: state.tenant)
@@ -214,7 +203,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
 
     @unary_errors
     async def Moderate(self, request: pb.ModerateRequest, context: grpc.aio.ServicerContext) -> pb.ModerateResponse:
-        await self.gate.caller(context, "Moderate")
+        caller = await self.gate.caller(context, "Moderate")
+        self.moderator.check(request)  # a mistake costs no call of the tenant's rate, as a submit's
+        if caller.terms is not None and caller.terms.rate_per_s is not None:
+            refusal = await self.repo.admission.draw(caller.tenant, datetime.now(UTC))
+            if refusal is not None:
+                raise refused(refusal, None)
         return await self.moderator.moderate(request)
 
     @unary_errors

@@ -4,7 +4,8 @@ only once the gateway admits the caller.
 - Each route that takes a body has a limit: a JSON request (a generation, a
   video) ``JSON_BODY_BYTES``, an edit's form an image and its mask at the
   gateway's input limit (``DARKROOM_MAX_INPUT_MB``) and the fields around them, a
-  moderation as much again in base64 (its images inline). A declared
+  moderation its 32 inputs: texts at the gateway's longest, escaped, and images as
+  much as an edit's in base64 (inline). A declared
   ``Content-Length`` over it is refused (413) before a byte of the body is read;
   a body without one is refused as soon as it passes the limit.
 - Before a body is read, the caller's key (or its absence) is shown to the gateway
@@ -25,10 +26,15 @@ from aiohttp import web
 from http_api.errors import too_large
 from http_api.gateway_client import Gateway
 from http_api.wire import key_of
+from services.moderation import MAX_INPUTS
 
 JSON_BODY_BYTES = 2**20
 # An edit's form around its image and mask: the prompt and the other fields.
 FORM_FIELDS_BYTES = 2**20
+# A moderation's part around its text or image (its type, its keys, spaces).
+PART_BYTES = 512
+# A character as JSON may spell it at its longest: past U+FFFF, \ud83d\ude00.
+ESCAPED_CHAR_BYTES = 12
 ADMITTED_FOR_S = 1.0
 # The keys remembered at once; past this, those admitted longest ago are forgotten.
 MAX_ADMITTED = 4096
@@ -39,10 +45,14 @@ def upload_bytes(max_input_mb: float) -> int:
     return 2 * int(max_input_mb * 2**20) + FORM_FIELDS_BYTES
 
 
-def moderation_bytes(max_input_mb: float) -> int:
-    """The largest moderation's body: images of an edit's body in all, in base64 (a
-    third larger), with the texts around them; their bytes then fit one gRPC message."""
-    return 4 * upload_bytes(max_input_mb) // 3
+def moderation_bytes(max_input_mb: float, max_prompt_chars: int) -> int:
+    """The largest moderation's body: its 32 inputs (MAX_INPUTS) as parts, texts at
+    the gateway's longest with every character escaped at its longest, and images of
+    an edit's body in all (two of ``max_input_mb``) in base64, a third larger; their
+    bytes then fit one gRPC message. Parsing it makes no more than a body's values
+    (``wire.MAX_JSON_VALUES``), whatever its size."""
+    parts = MAX_INPUTS * (PART_BYTES + ESCAPED_CHAR_BYTES * max_prompt_chars)
+    return parts + 4 * (2 * int(max_input_mb * 2**20)) // 3
 
 
 class Door:

@@ -11,9 +11,17 @@ parameter), and the gateway's results as OpenAI's moderation object. Pure.
   the highest of its parts', and ``category_applied_input_types`` naming the kinds
   of part (text, image) it was checked on.
 
+Every input is counted (MAX_INPUTS) and measured (``Limits``: the gateway's own)
+before any is converted: a small body must not become a large request.
+
 An image comes in the request as a data: URL: the gateway fetches nothing, so a
 remote URL is refused. ``model`` is taken and not acted on (a client written for
-OpenAI's sends one): the answer names Darkroom's own, MODEL."""
+OpenAI's sends one): the answer names Darkroom's own, MODEL.
+
+The answer holds every category OpenAI's schema requires (a client generated from
+it rejects one without them). Darkroom checks ``sexual`` (texts and images) and
+its own ``profanity`` (texts); each other is false, scored 0, and applied to no
+input (``[]``: how OpenAI says a category was not checked)."""
 
 from __future__ import annotations
 
@@ -27,11 +35,37 @@ from typing import Any
 
 from http_api.errors import bad_request, quoted
 from http_api.images import Fields
+from services.moderation import MAX_INPUTS
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 MODEL = "darkroom-moderation"
+# The categories of OpenAI's moderation object (its OpenAPI schema requires each).
+OPENAI_CATEGORIES = (
+    "harassment",
+    "harassment/threatening",
+    "hate",
+    "hate/threatening",
+    "illicit",
+    "illicit/violent",
+    "self-harm",
+    "self-harm/instructions",
+    "self-harm/intent",
+    "sexual",
+    "sexual/minors",
+    "violence",
+    "violence/graphic",
+)
 _DATA_URL = re.compile(r"data:([^,;]*)((?:;[^,;]*)*),(.*)", re.DOTALL)
 _FIELD = re.compile(r"inputs(?:\[(\d+)\](?:\.(text|image))?)?")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the gateway takes of one input (DARKROOM_MAX_PROMPT_CHARS,
+    DARKROOM_MAX_INPUT_MB), checked here before anything is converted."""
+
+    max_text_chars: int
+    max_image_bytes: int
 
 
 @dataclass(frozen=True)
@@ -43,8 +77,9 @@ class Asked:
     groups: tuple[tuple[int, ...], ...]  # the inputs each result combines, in order
 
 
-def moderation(body: Any) -> Asked:
-    """The request a moderations body asks for; HttpError (400) naming the first bad parameter."""
+def moderation(body: Any, limits: Limits) -> Asked:
+    """The request a moderations body asks for; HttpError (400) naming the first
+    bad parameter. Decodes images' base64: blocking."""
     if not isinstance(body, dict):
         raise bad_request("body", "the body must be a JSON object")
     given = body.get("input")
@@ -52,25 +87,39 @@ def moderation(body: Any) -> Asked:
     take.text("model")
     take.done()
     if isinstance(given, str):
-        return Asked(pb.ModerateRequest(inputs=[_text(given, "input")]), "string", ((0,),))
+        text = _text(given, "input", limits)
+        return Asked(pb.ModerateRequest(inputs=[pb.ModerationInput(text=text)]), "string", ((0,),))
     if not isinstance(given, list) or not given:
         raise bad_request("input", "input is required: a string, an array of strings, or an array of parts")
+    if len(given) > MAX_INPUTS:
+        raise bad_request("input", f"input holds {len(given)} inputs; at most {MAX_INPUTS} are taken")
     if all(isinstance(item, str) for item in given):
-        inputs = [_text(item, f"input[{i}]") for i, item in enumerate(given)]
+        texts = [_text(item, f"input[{i}]", limits) for i, item in enumerate(given)]
+        inputs = [pb.ModerationInput(text=text) for text in texts]
         return Asked(pb.ModerateRequest(inputs=inputs), "strings", tuple((i,) for i in range(len(inputs))))
-    inputs = [_part(item, f"input[{i}]") for i, item in enumerate(given)]
+    parts = [_part(item, f"input[{i}]", limits) for i, item in enumerate(given)]
+    inputs = [
+        pb.ModerationInput(text=value) if kind == "text" else pb.ModerationInput(image=_decoded(value, param))
+        for kind, value, param in parts
+    ]
     return Asked(pb.ModerateRequest(inputs=inputs), "parts", (tuple(range(len(inputs))),))
 
 
-def _text(value: str, param: str) -> pb.ModerationInput:
+def _text(value: str, param: str, limits: Limits) -> str:
+    if len(value) > limits.max_text_chars:
+        raise bad_request(
+            param,
+            f"{param} is {len(value)} characters; the limit is {limits.max_text_chars} (DARKROOM_MAX_PROMPT_CHARS)",
+        )
     try:
         value.encode()
     except UnicodeEncodeError:  # a lone surrogate, as JSON may escape one
         raise bad_request(param, f"{param} is not Unicode text: {quoted(value)}") from None
-    return pb.ModerationInput(text=value)
+    return value
 
 
-def _part(item: Any, param: str) -> pb.ModerationInput:
+def _part(item: Any, param: str, limits: Limits) -> tuple[str, str, str]:
+    """The part's kind, its text or its image's base64, and its parameter; checked, nothing decoded."""
     if not isinstance(item, dict):
         raise bad_request(param, f'{param} must be a part ({{"type": "text" or "image_url", ...}}) like the rest')
     kind = item.get("type")
@@ -78,18 +127,19 @@ def _part(item: Any, param: str) -> pb.ModerationInput:
         text = item.get("text")
         if not isinstance(text, str):
             raise bad_request(f"{param}.text", f"{param}.text must be a string")
-        return _text(text, f"{param}.text")
+        return "text", _text(text, f"{param}.text", limits), f"{param}.text"
     if kind == "image_url":
         image_url = item.get("image_url")
         url = image_url.get("url") if isinstance(image_url, dict) else None
         if not isinstance(url, str):
             raise bad_request(f"{param}.image_url", f'{param}.image_url must be {{"url": "data:image/png;base64,..."}}')
-        return pb.ModerationInput(image=image_bytes(url, f"{param}.image_url"))
+        return "image", _base64_of(url, f"{param}.image_url", limits.max_image_bytes), f"{param}.image_url"
     raise bad_request(f"{param}.type", f"{param}.type {quoted(kind)} is not text or image_url")
 
 
-def image_bytes(url: str, param: str) -> bytes:
-    """The image a data: URL holds; 400 for a remote URL (nothing is fetched) or bad base64."""
+def _base64_of(url: str, param: str, max_bytes: int) -> str:
+    """The base64 a data: URL holds, once the image it spells is within ``max_bytes``;
+    400 for a remote URL (nothing is fetched), another URL, or a larger image."""
     if url.startswith(("http://", "https://")):
         raise bad_request(
             param,
@@ -98,8 +148,17 @@ def image_bytes(url: str, param: str) -> bytes:
     match = _DATA_URL.fullmatch(url)
     if match is None or ";base64" not in match[2]:
         raise bad_request(param, f"{param} is not a base64 data: URL (data:image/png;base64,...): {quoted(url)}")
+    encoded = "".join(match[3].split())
+    size = len(encoded) * 3 // 4 - encoded[-2:].count("=")
+    if size > max_bytes:
+        limit = f"{max_bytes} ({max_bytes / 2**20:g} MiB, DARKROOM_MAX_INPUT_MB)"
+        raise bad_request(param, f"{param} is {size} bytes; the limit is {limit}")
+    return encoded
+
+
+def _decoded(encoded: str, param: str) -> bytes:
     try:
-        return base64.b64decode("".join(match[3].split()), validate=True)
+        return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request(param, f"{param}: the data URL's base64 does not decode") from None
 
@@ -128,9 +187,9 @@ def response(results: Sequence[pb.ModerationResult], asked: Asked) -> dict[str, 
 
 
 def _combined(parts: list[tuple[pb.ModerationResult, str]]) -> dict[str, Any]:
-    categories: dict[str, bool] = {}
-    scores: dict[str, float] = {}
-    applied: dict[str, set[str]] = {}
+    categories = dict.fromkeys(OPENAI_CATEGORIES, False)
+    scores = dict.fromkeys(OPENAI_CATEGORIES, 0.0)
+    applied: dict[str, set[str]] = {name: set() for name in OPENAI_CATEGORIES}
     for result, kind in parts:
         for name, flagged in result.categories.items():
             categories[name] = categories.get(name, False) or flagged

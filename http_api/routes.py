@@ -3,6 +3,7 @@ caller's key), and their answers into OpenAI's shapes (``images``, ``videos``)."
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -53,6 +54,7 @@ class Api:
 
     def __init__(self, settings: HttpSettings, gateway: Gateway, signer: UrlSigner, repo: Repository | None) -> None:
         self.settings, self.gateway, self.signer, self.repo = settings, gateway, signer, repo
+        self.moderation_limits = moderations.Limits(settings.max_prompt_chars, int(settings.max_input_mb * 2**20))
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -75,7 +77,7 @@ class Api:
             "/v1/images/generations": JSON_BODY_BYTES,
             "/v1/images/edits": upload_bytes(self.settings.max_input_mb),
             "/v1/videos": JSON_BODY_BYTES,  # a form without files: an input reference is not served
-            "/v1/moderations": moderation_bytes(self.settings.max_input_mb),  # images inline, in base64
+            "/v1/moderations": moderation_bytes(self.settings.max_input_mb, self.settings.max_prompt_chars),
         }
 
     async def page(self, request: web.Request) -> web.Response:
@@ -190,7 +192,8 @@ class Api:
 
     async def moderations(self, request: web.Request) -> web.Response:
         """Texts and images checked as a submit's would be (``moderations``)."""
-        asked = moderations.moderation(await json_body(request))
+        # Each image's base64 decoded: in a thread, as the body was parsed.
+        asked = await asyncio.to_thread(moderations.moderation, await json_body(request), self.moderation_limits)
         try:
             found = await self.gateway.stub.Moderate(asked.request, metadata=metadata_of(request), timeout=60)
         except grpc.aio.AioRpcError as exc:

@@ -1,11 +1,14 @@
 """What goes over the wire besides the routes' logic: a request's key, its
 idempotency key, its preferences and its body (JSON or a form, each bad one a 400
-naming it, never a 500), and server-sent events written."""
+naming it, never a 500; JSON's values counted before it is parsed, off the event
+loop), and server-sent events written."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +21,12 @@ from services.db.records import MAX_IDEMPOTENCY_KEY
 
 # The longest API key taken.
 MAX_KEY_CHARS = 512
+# The values (strings, numbers, arrays, objects) a JSON body may hold: many times
+# what any route takes (a moderation's 32 parts are about 200), and few enough
+# that parsing a body at its route's limit makes no more Python objects than that.
+MAX_JSON_VALUES = 1024
+# A JSON string, escapes and all, or (group 1) what opens or separates values.
+_JSON_TOKENS = re.compile(rb'"(?:[^"\\]++|\\.)*+"|([\[{,:])', re.DOTALL)
 # The longest integer a JSON body may spell out: any parameter's range fits in far
 # fewer digits, and Python refuses to convert more than 4,300.
 MAX_INTEGER_DIGITS = 40
@@ -42,9 +51,29 @@ def _integer(text: str) -> int | LongInteger:
 
 
 async def json_body(request: web.Request) -> Any:
-    """The body as JSON, read to the route's limit (413 beyond it); 400 naming
-    ``body`` when it is not JSON (bad UTF-8, nested past Python's recursion limit)."""
+    """The body as JSON, read to the route's limit (413 beyond it), parsed in a
+    thread (``parse_json``): a body at a moderation's limit is tens of MiB."""
     raw = await request.read()
+    return await asyncio.to_thread(parse_json, raw)
+
+
+def parse_json(raw: bytes) -> Any:
+    """``raw`` as JSON; 400 naming ``body`` when it holds more than MAX_JSON_VALUES
+    values (told before a value is made: a parser makes an object of each, and a
+    small body can hold millions) or is not JSON (bad UTF-8, nested past Python's
+    recursion limit). Blocking."""
+    # Every value but the first follows a `[`, `{`, `,` or `:` outside a string, so
+    # counting those (each string skipped whole, escapes and all) bounds the values.
+    structural = 0
+    for token in _JSON_TOKENS.finditer(raw):
+        if token.lastindex:
+            structural += 1
+            if structural >= MAX_JSON_VALUES:
+                raise bad_request(
+                    "body",
+                    f"the body holds more than {MAX_JSON_VALUES} JSON values (strings, numbers, arrays, objects); "
+                    "no request takes that many (a moderation: 32 inputs at most)",
+                )
     try:
         return json.loads(raw, parse_int=_integer)
     except (ValueError, RecursionError) as exc:

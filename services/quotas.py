@@ -3,8 +3,9 @@ read of each tenant (its row locked, so every gateway replica decides on the sam
 figures in turn), with the clock passed in.
 
 ``max_jobs`` caps the tenant's jobs queued or running; ``rate_per_s`` is a token
-bucket holding at most one second of submits (at least one), shared by every
-gateway because its state lives on the tenant's row.
+bucket holding at most one second of calls (at least one): submits, and
+moderations, which cost it nothing else; shared by every gateway because its
+state lives on the tenant's row.
 
 ``credits`` is a ledger of GPU-seconds times the model's price
 (docs/operations.md#credits). The *balance* moves only by entries: an operator's
@@ -114,21 +115,32 @@ def admit(
                 Refusal(name, MAX_JOBS, f"tenant {name!r} has {load.active} of its {load.max_jobs} jobs", None)
             )
             continue
-        tokens = load.tokens_now(now)
-        if load.rate_per_s is not None:
-            if tokens < 1.0:
-                wait = (1.0 - tokens) / load.rate_per_s
-                decisions.append(Refusal(name, RATE, f"tenant {name!r} submits {load.rate_per_s:g}/s at most", wait))
-                continue
-            tokens -= 1.0
+        drawn = draw(load, now)
+        if isinstance(drawn, Refusal):
+            decisions.append(drawn)
+            continue
         have = available(load.credits, load.held)
         if have is not None and have < cost:
             decisions.append(_short(load, have, cost, now))
             continue
         held = load.held + reservation(load, cost)
-        after[name] = replace(load, active=load.active + 1, tokens=tokens, tokens_at=now, held=held)
+        after[name] = replace(drawn, active=load.active + 1, held=held)
         decisions.append(None)
     return decisions, after
+
+
+def draw(load: TenantLoad, now: datetime) -> TenantLoad | Refusal:
+    """``load`` with one call drawn from its rate bucket (a submit's, or a
+    moderation's, which costs nothing else), or why not; a load without a rate
+    limit as it is."""
+    if load.rate_per_s is None:
+        return load
+    tokens = load.tokens_now(now)
+    if tokens < 1.0:
+        wait = (1.0 - tokens) / load.rate_per_s
+        about = f"tenant {load.name!r} makes {load.rate_per_s:g} calls a second at most (submits and moderations)"
+        return Refusal(load.name, RATE, about, wait)
+    return replace(load, tokens=tokens - 1.0, tokens_at=now)
 
 
 def reservation(load: TenantLoad | None, cost: float) -> float:

@@ -46,6 +46,13 @@ class HttpSettings(Section):
         env="HTTP_WAIT_S",
         at_least=1.0,
     )
+    max_prompt_chars: int = setting(
+        2000,
+        "The gateway's longest prompt, read by the HTTP API from the same variable: a moderation's text longer than "
+        "this is refused (400) before it is sent on.",
+        env="MAX_PROMPT_CHARS",
+        at_least=1,
+    )
     max_input_mb: float = setting(
         16.0,
         "The gateway's limit on an input image (or mask), read by the HTTP API from the same variable: an edit's "

@@ -5,23 +5,28 @@ CONTENT_POLICY_VIOLATION, and leaves no job and no reservation behind; the same
 prompt through OpenAI's SDK is its BadRequestError with code
 content_policy_violation; a negative prompt of "nsfw, nude" is no refusal; and
 Moderate, on gRPC and as POST /v1/moderations through the SDK, answers texts
-with the filter's categories and images with open_nsfw's score."""
+with the filter's categories and images with open_nsfw's score, over HTTP in
+OpenAI's whole shape; the HTTP door counts and measures inputs before the gateway
+sees any; 32 images of 4096x4096 are scored one at a time at the classifier's size;
+and a call draws on its tenant's rate."""
 
 from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import openai
 import psycopg
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from openai.types import ModerationMultiModalInputParam
 from PIL import Image
 
 from services.ops.embedded import EmbeddedPostgres
@@ -171,13 +176,19 @@ def test_the_sdk_s_moderations_create_parses_darkroom_s_answer(stack: LocalStack
     assert not clean.flagged and clean.categories.sexual is False
     assert flagged.flagged and flagged.categories.sexual is True and flagged.category_scores.sexual == 1.0
     assert (flagged.categories.model_extra or {})["profanity"] is True  # Darkroom's own category, beside OpenAI's
-    assert flagged.categories.violence is None  # not checked, so not answered
+    # Every category OpenAI's schema requires; one not checked is false and applied to no input.
+    assert flagged.categories.violence is False and flagged.category_scores.violence == 0.0
+    assert flagged.category_applied_input_types is not None
+    assert flagged.category_applied_input_types.violence == []
+    assert flagged.category_applied_input_types.sexual == ["text"]
 
     image = png(np.full((256, 256, 3), SKIN, dtype=np.uint8))
     url = "data:image/png;base64," + base64.b64encode(image).decode()
-    parts = client.moderations.create(
-        input=[{"type": "text", "text": "a portrait"}, {"type": "image_url", "image_url": {"url": url}}]
-    )
+    given: list[ModerationMultiModalInputParam] = [
+        {"type": "text", "text": "a portrait"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    parts = client.moderations.create(input=given)
     [together] = parts.results  # an array of parts is one input, as OpenAI answers it
     assert together.category_applied_input_types is not None
     assert together.category_applied_input_types.sexual == ["image", "text"]
@@ -188,5 +199,96 @@ def test_the_sdk_s_moderations_create_parses_darkroom_s_answer(stack: LocalStack
         ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}, "input[1].image_url"),
     ):
         with pytest.raises(openai.BadRequestError) as err:
-            client.moderations.create(input=[{"type": "text", "text": "a"}, part])  # type: ignore[list-item]
+            client.moderations.create(input=[{"type": "text", "text": "a"}, part])  # type: ignore[arg-type]
         assert err.value.param == param
+
+
+def moderate_calls(stack: LocalStack) -> float:
+    """Moderate calls the gateway has answered, whatever their status."""
+    return sum(
+        value
+        for (name, labels), value in metric_samples(stack, "gateway").items()
+        if name == "darkroom_rpc_requests_total" and ("method", "/darkroom.v1.ImageGeneration/Moderate") in labels
+    )
+
+
+def test_the_http_door_refuses_a_flood_of_inputs_before_the_gateway_sees_one(stack: LocalStack, key: str) -> None:
+    before = moderate_calls(stack)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    url = f"{stack.http_url}/v1/moderations"
+    # 1.1 MiB that became 200,000 inputs at the door, before the gateway's cap of 32 was checked.
+    flood = httpx.post(url, content=b'{"input": [' + b'"a",' * 200_000 + b'"a"]}', headers=headers, timeout=60)
+    assert flood.status_code == 400 and flood.json()["error"]["param"] == "body", flood.text[:300]
+    one_too_many = httpx.post(url, json={"input": ["a"] * 33}, headers=headers, timeout=60)
+    assert one_too_many.status_code == 400
+    assert one_too_many.json()["error"]["param"] == "input" and "33 inputs" in one_too_many.json()["error"]["message"]
+    too_long = httpx.post(url, json={"input": ["a", "x" * 2001]}, headers=headers, timeout=60)
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input[1]"
+    assert moderate_calls(stack) == before
+
+
+def peak_rss_growth(pid: int, call: Callable[[], object]) -> int:
+    """How far ``call`` raises process ``pid``'s peak resident memory (VmHWM,
+    reset first through /proc/PID/clear_refs)."""
+    status = Path(f"/proc/{pid}/status")
+
+    def kib(field: str) -> int:
+        [line] = [line for line in status.read_text().splitlines() if line.startswith(field + ":")]
+        return int(line.split()[1])
+
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak, back to what is resident now
+    before = kib("VmRSS")
+    call()
+    return (kib("VmHWM") - before) * 1024
+
+
+def test_a_call_of_32_large_images_holds_one_at_a_time(stack: LocalStack, key: str) -> None:
+    """32 images of 4096x4096 (a 50 KiB PNG each, 48 MiB of pixels) were decoded whole
+    and held together: 1.5 GiB for one call. Each is now brought down to the
+    classifier's input as it is decoded, and scored alone."""
+    client = stub(stack)
+    large = png(np.full((4096, 4096, 3), SKIN, dtype=np.uint8))
+    small = png(np.full((256, 256, 3), SKIN, dtype=np.uint8))
+    [expected] = client.Moderate(
+        pb.ModerateRequest(inputs=[pb.ModerationInput(image=small)]), metadata=as_key(key)
+    ).results
+    request = pb.ModerateRequest(inputs=[pb.ModerationInput(image=large)] * 32)
+    answered: list[pb.ModerateResponse] = []
+    pid = stack.services["gateway"].pid
+    assert pid is not None
+    grown = peak_rss_growth(
+        pid,
+        lambda: answered.append(client.Moderate(request, metadata=as_key(key), timeout=120)),
+    )
+    assert grown < 300 * 2**20, f"the gateway's peak grew {grown / 2**20:.0f} MiB"
+    [response] = answered
+    assert len(response.results) == 32
+    # A uniform image scores as its smaller self: downscaled, the same pixels.
+    assert {round(r.category_scores["sexual"], 5) for r in response.results} == {
+        round(expected.category_scores["sexual"], 5)
+    }
+
+
+def test_moderate_draws_on_its_tenant_s_rate_limit(stack: LocalStack, key: str) -> None:
+    darkroom(stack, "tenants", "create", "larks", "--lane", "free", "--rate", "0.001")
+    larks = darkroom(stack, "keys", "create", "larks").stdout.strip().splitlines()[-1]
+    request = pb.ModerateRequest(inputs=[pb.ModerationInput(text="a heron")])
+    client = stub(stack)
+    with pytest.raises(grpc.RpcError) as err:
+        client.Moderate(pb.ModerateRequest(), metadata=as_key(larks))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # a mistake draws nothing on the bucket
+    client.Moderate(request, metadata=as_key(larks))  # its bucket's one call
+    with pytest.raises(grpc.RpcError) as err:
+        client.Moderate(request, metadata=as_key(larks))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(err.value)  # type: ignore[arg-type]
+    assert status is not None
+    quota = error_details_pb2.QuotaFailure()
+    assert any(d.Unpack(quota) for d in status.details)
+    assert quota.violations[0].subject == "tenant:larks" and "rate" in quota.violations[0].description
+    refused = sdk(stack, larks)
+    with pytest.raises(openai.RateLimitError) as limited:
+        refused.moderations.create(input="a heron")
+    assert int(limited.value.response.headers["Retry-After"]) > 1
+    # Another tenant's bucket is its own: owls have no rate limit.
+    assert len(client.Moderate(request, metadata=as_key(key)).results) == 1

@@ -1,14 +1,20 @@
 """What the HTTP API reads off the wire before its routes' logic: how long a
 request waits and what it gets past that, its idempotency key, and request
 parameters that would have been a 500 (a digit that is no ASCII digit, a JSON
-integer past Python's 4,300 digits, a lone surrogate) as a 400 naming them."""
+integer past Python's 4,300 digits, a lone surrogate) as a 400 naming them; and a
+JSON body's values counted before it is parsed, off the event loop."""
 
 from __future__ import annotations
 
-import pytest
-from aiohttp.test_utils import make_mocked_request
+import json
+import threading
+from typing import Any
 
-from http_api import images, videos
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
+
+from http_api import images, videos, wire
 from http_api.errors import HttpError
 from http_api.wire import LongInteger, _integer, idempotency_key, wait_of
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -96,3 +102,54 @@ def test_a_video_size_is_ascii_digits() -> None:
 def test_a_nul_is_named_before_the_gateway_would_store_it() -> None:
     error = refused({"prompt": "a\x00b"})
     assert error.param == "prompt" and "NUL" in error.message
+
+
+# -- a JSON body: its values counted before it is parsed, and parsed off the event loop --------
+
+
+def forbidden(*args: object, **kwargs: object) -> None:
+    raise AssertionError("reached: the body was parsed before its values were counted")
+
+
+def test_a_body_of_more_json_values_than_any_request_takes_is_refused_before_it_is_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 1.1 MiB that a parser would make 200,000 strings of (and the door, before, 200,000 inputs).
+    flood = b'{"input": [' + b'"a",' * 200_000 + b'"a"]}'
+    deep = b"[" * 100_000 + b"]" * 100_000
+    monkeypatch.setattr(wire.json, "loads", forbidden)
+    for body in (flood, deep):
+        with pytest.raises(HttpError) as refused:
+            wire.parse_json(body)
+        assert (refused.value.status, refused.value.param) == (400, "body")
+        assert f"more than {wire.MAX_JSON_VALUES} JSON values" in refused.value.message
+
+
+def test_what_a_string_holds_is_no_value_of_the_body() -> None:
+    # Commas, brackets, colons and escaped quotes in strings: 32 texts of them are 32 values.
+    texts = ['a, [b]: {"c"}, \\ d' * 100] * 32
+    assert wire.parse_json(json.dumps({"input": texts}).encode()) == {"input": texts}
+    with pytest.raises(HttpError) as refused:
+        wire.parse_json(b'{"input": ["a", }')
+    assert refused.value.param == "body" and "not JSON" in refused.value.message
+
+
+async def test_a_json_body_is_parsed_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[threading.Thread] = []
+    parse = wire.parse_json
+
+    def recorded(raw: bytes) -> Any:
+        threads.append(threading.current_thread())
+        return parse(raw)
+
+    monkeypatch.setattr(wire, "parse_json", recorded)
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.json_response(await wire.json_body(request))
+
+    app = web.Application()
+    app.router.add_post("/", echo)
+    async with TestClient(TestServer(app)) as client:
+        answer = await client.post("/", json={"input": ["a", 1]})
+        assert await answer.json() == {"input": ["a", 1]}
+    assert threads and threads[0] is not threading.main_thread()

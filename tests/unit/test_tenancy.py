@@ -5,7 +5,7 @@ tenants: its own reads are the subject here, not PostgreSQL's)."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -272,3 +272,21 @@ def test_a_refused_submit_spends_neither_credits_nor_a_rate_token() -> None:
     decisions, after = quotas.admit({"cats": load(credits=1.0, rate_per_s=5.0)}, by("cats", 2.0), NOW)
     assert decisions[0] is not None and decisions[0].limit == quotas.CREDITS
     assert after["cats"].credits == 1.0 and after["cats"].held == 0.0 and after["cats"].tokens_at is None
+
+
+def test_a_moderation_draws_on_the_rate_bucket_alone() -> None:
+    """A moderation costs a call of the tenant's rate, as a submit does, and nothing
+    else: no job counted, no credits held, even past them."""
+    spent = quotas.draw(load(rate_per_s=2.0, max_jobs=0, credits=-5.0), NOW)
+    assert isinstance(spent, quotas.TenantLoad)
+    assert spent.tokens == pytest.approx(1.0) and spent.tokens_at == NOW and spent.active == 0 and spent.held == 0.0
+    empty = quotas.draw(spent, NOW)
+    assert isinstance(empty, quotas.TenantLoad)
+    refused = quotas.draw(empty, NOW)
+    assert isinstance(refused, quotas.Refusal) and refused.limit == quotas.RATE
+    assert refused.retry_after_s == pytest.approx(0.5)
+    # A submit and a moderation share the bucket: one second of calls.
+    decisions, _ = quotas.admit({"cats": replace(empty, max_jobs=None, credits=None)}, by("cats"), NOW)
+    assert decisions[0] is not None and decisions[0].limit == quotas.RATE
+    unlimited = load(max_jobs=0)
+    assert quotas.draw(unlimited, NOW) == unlimited

@@ -3,7 +3,8 @@ so that every gateway replica decides on the same figures in turn and 50
 concurrent submits against room (or credits) for 10 let exactly 10 in. A job let
 in holds its ``credits_reserved`` of its tenant's credits from there until it is
 settled (nothing, for a tenant without a credit limit); the day's first submit
-gives the tenant its daily credits, an entry of its ledger."""
+gives the tenant its daily credits, an entry of its ledger. A moderation draws on
+its tenant's rate bucket the same way, and on nothing else."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from datetime import datetime
 from services import quotas
 from services.db.records import JobRecord, NewJob
 from services.db.repository.credits import open_jobs, record
-from services.db.repository.database import Area, fetch_all
+from services.db.repository.database import Area, Row, fetch_all
 from services.db.repository.job_inserts import IdempotencyKey, find_earlier, insert, stored
 from services.db.tenant_records import TOP_UP, CreditEntry, OpenJobs
 
@@ -22,6 +23,7 @@ _LOCK_TENANTS = """
 SELECT name, max_jobs, rate_per_s, rate_tokens, rate_at, credits, daily_credits, credits_day FROM tenants
 WHERE name = ANY(%s) ORDER BY name FOR UPDATE
 """
+_DRAW = "UPDATE tenants SET rate_tokens = %s, rate_at = %s WHERE name = %s"
 _WRITE_BACK = """
 UPDATE tenants SET rate_tokens = %s, rate_at = %s, credits = credits + %s, credits_day = %s WHERE name = %s
 """
@@ -53,21 +55,7 @@ class Admission(Area):
                 if job.idempotency_key:
                     first[key] = job
                 new.append((job, at))
-            loads = {
-                r["name"]: quotas.TenantLoad(
-                    r["name"],
-                    r["max_jobs"],
-                    open_.get(r["name"], OpenJobs()).active,
-                    r["rate_per_s"],
-                    r["rate_tokens"],
-                    r["rate_at"],
-                    r["credits"],
-                    r["daily_credits"],
-                    r["credits_day"],
-                    held=open_.get(r["name"], OpenJobs()).held,
-                )
-                for r in tenants
-            }
+            loads = _loads(tenants, open_)
             decisions, after = quotas.admit(loads, [(job.tenant, job.credits_reserved) for job, _ in new], now)
             refused = {job.id: refusal for (job, _), refusal in zip(new, decisions, strict=True) if refusal}
             # Each job holds what admit held for it: nothing, for a tenant without a limit.
@@ -90,3 +78,38 @@ class Admission(Area):
             if job.id not in inserted and maker is not None and maker.id in refused and job.idempotency_key:
                 refused[job.id] = refused[maker.id]
         return [refused[job.id] if job.id in refused else stored(job, inserted, earlier) for job in jobs]
+
+    async def draw(self, tenant: str, now: datetime) -> quotas.Refusal | None:
+        """One call of ``tenant``'s that is no submit (a moderation) drawn from its
+        rate bucket, under its row's lock as a submit's; or why not (then nothing
+        is drawn)."""
+        async with self.db.tx() as conn:
+            tenants = await fetch_all(conn, _LOCK_TENANTS, ([tenant],))
+            if not tenants:
+                return None
+            load = _loads(tenants, {})[tenant]  # its jobs unread: only the bucket counts
+            drawn = quotas.draw(load, now)
+            if isinstance(drawn, quotas.Refusal):
+                return drawn
+            if drawn != load:
+                await conn.execute(_DRAW, (drawn.tokens, drawn.tokens_at, tenant))
+        return None
+
+
+def _loads(tenants: Sequence[Row], open_: dict[str, OpenJobs]) -> dict[str, quotas.TenantLoad]:
+    """Each tenant's load, from its row and its open jobs."""
+    return {
+        r["name"]: quotas.TenantLoad(
+            r["name"],
+            r["max_jobs"],
+            open_.get(r["name"], OpenJobs()).active,
+            r["rate_per_s"],
+            r["rate_tokens"],
+            r["rate_at"],
+            r["credits"],
+            r["daily_credits"],
+            r["credits_day"],
+            held=open_.get(r["name"], OpenJobs()).held,
+        )
+        for r in tenants
+    }
