@@ -2,7 +2,8 @@
 its tenant's default), and the gateway's one expander, run off the event loop.
 
 It runs at the gateway, once per job, after the request is validated and admitted
-and before the job is stored: the expanded prompt is stored on the job, returned
+(a tenant past its limits is refused before it takes the thread) and before the job
+is stored: the expanded prompt is stored on the job, returned
 to the client, and sampled from on every attempt, so that the image never depends
 on where or how often the job ran. The expander is loaded as the gateway starts
 (a model: read from its directory, or built if it is the builtin), on a thread of

@@ -149,7 +149,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             )
         reserve = await self.estimator.gpu_seconds(view, now) * new.price
         new = spans.with_trace(replace(new, credits_reserved=reserve))
-        new = await self._expanded(caller, request, new)
+        new = await self._expanded(caller, request, new, now, eta)
         job, deduplicated = await self._store(caller, new, now, eta)
         spans.submitted(new, job, deduplicated, start=now)
         count_submit(new.lane, caller.tenant, "deduplicated" if deduplicated else "accepted")
@@ -158,15 +158,24 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
 
-    async def _expanded(self, caller: Caller, request: pb.SubmitJobRequest, new: NewJob) -> NewJob:
+    async def _expanded(
+        self, caller: Caller, request: pb.SubmitJobRequest, new: NewJob, now: datetime, eta: admission.Estimate | None
+    ) -> NewJob:
         """``new`` with its prompt expanded where the request asks for it (or its
         tenant's default does) and this gateway expands. A resubmit of a job already
-        stored is not expanded again: its job is answered as it was stored."""
+        stored is not expanded again: its job is answered as it was stored. A job its
+        tenant's limits refuse now is refused before it takes the one expansion
+        thread; ``_store`` still decides for good (and draws on the limits) after."""
         tenant_default = bool(caller.terms and caller.terms.expand_prompts)
         if not self.expansion.enabled or not asks_expansion(request, tenant_default):
             return new
         if new.idempotency_key and await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key):
             return new
+        if limited(caller.terms):
+            refusal = await self.repo.admission.refusal(new, now)
+            if refusal is not None:
+                count_submit(new.lane, caller.tenant, "refused")
+                raise refused(refusal, eta.run_s if eta else None)
         return replace(new, expanded_prompt=await self.expansion.expand(new.params.prompt, new.params.seed))
 
     async def _store(

@@ -2,8 +2,9 @@
 on the tiny GPT-2: a job that asks has its expanded prompt stored, returned (gRPC,
 the HTTP door's ``revised_prompt``, ``darkroom generate --expand``) and sampled
 from; an idempotent resubmit is answered as stored; a tenant's default applies
-where a request says nothing; and a gateway with expansion off refuses to expand
-before anything is stored."""
+where a request says nothing; a submit its tenant's limits refuse is refused before
+its prompt is expanded; and a gateway with expansion off refuses to expand before
+anything is stored."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from services.safety.lm_expansion import ModelExpander
 from services.safety.vocabulary import Vocabulary, words_of
 from tests.conftest import fresh_database, make_stack, running
 from tests.helpers import stub, wait_for, wait_terminal
-from tests.integration.test_tenants import as_key, darkroom
+from tests.integration.test_tenants import as_key, darkroom, metric_samples
 
 pytestmark = pytest.mark.integration
 VOCABULARY = Vocabulary.shipped()
@@ -131,6 +132,41 @@ def test_a_tenants_default_applies_where_the_request_says_nothing(stack: LocalSt
     # The gateway rereads a tenant's terms within a second.
     wait_for(submitted, lambda expanded: expanded == "", timeout=10, what="the tenant's new default")
     assert submitted(expand_prompt=True).startswith("an owl, ")
+
+
+def expansions(stack: LocalStack) -> float:
+    """Prompts the gateway has expanded."""
+    return metric_samples(stack, "gateway").get(
+        ("darkroom_prompt_expansion_seconds_count", (("expander", "model"),)), 0
+    )
+
+
+@pytest.mark.parametrize(
+    ("tenant", "limits", "let_in"),
+    [("larks", ("--rate", "0.001"), 1), ("terns", ("--credits", "0"), 0)],
+)
+def test_a_submit_its_tenant_s_limits_refuse_is_refused_before_its_prompt_is_expanded(
+    stack: LocalStack, tenant: str, limits: tuple[str, str], let_in: int
+) -> None:
+    """The expansion thread is one for the gateway: a tenant past its rate or its
+    credits no longer holds it for a job its limits then refuse."""
+    darkroom(stack, "tenants", "create", tenant, "--lane", "free", *limits)
+    key = darkroom(stack, "keys", "create", tenant).stdout.strip().splitlines()[-1]
+    client = stub(stack)
+    for _ in range(let_in):
+        client.SubmitJob(job("a heron", expand_prompt=True), metadata=as_key(key))
+    before = expansions(stack)
+    with pytest.raises(grpc.RpcError) as refused:
+        client.SubmitJob(job("a heron", expand_prompt=True), metadata=as_key(key))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(refused.value)  # type: ignore[arg-type]
+    assert status is not None
+    quota = error_details_pb2.QuotaFailure()
+    assert any(d.Unpack(quota) for d in status.details)
+    assert quota.violations[0].subject == f"tenant:{tenant}"
+    assert expansions(stack) == before
+    listed = client.ListJobs(pb.ListJobsRequest(page_size=10), metadata=as_key(key)).jobs
+    assert len(listed) == let_in
 
 
 # -- a gateway that expands nothing ----------------------------------------------------

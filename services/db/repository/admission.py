@@ -4,7 +4,8 @@ concurrent submits against room (or credits) for 10 let exactly 10 in. A job let
 in holds its ``credits_reserved`` of its tenant's credits from there until it is
 settled (nothing, for a tenant without a credit limit); the day's first submit
 gives the tenant its daily credits, an entry of its ledger. A moderation draws on
-its tenant's rate bucket the same way, and on nothing else."""
+its tenant's rate bucket the same way, and on nothing else; and a look at the
+limits, without a lock, comes before a submit's costly work."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from services.db.repository.database import Area, Row, fetch_all
 from services.db.repository.job_inserts import IdempotencyKey, find_earlier, insert, stored
 from services.db.tenant_records import TOP_UP, CreditEntry, OpenJobs
 
-_LOCK_TENANTS = """
+_READ_TENANTS = """
 SELECT name, max_jobs, rate_per_s, rate_tokens, rate_at, credits, daily_credits, credits_day FROM tenants
-WHERE name = ANY(%s) ORDER BY name FOR UPDATE
+WHERE name = ANY(%s) ORDER BY name
 """
+_LOCK_TENANTS = _READ_TENANTS + "FOR UPDATE\n"
 _DRAW = "UPDATE tenants SET rate_tokens = %s, rate_at = %s WHERE name = %s"
 _WRITE_BACK = """
 UPDATE tenants SET rate_tokens = %s, rate_at = %s, credits = credits + %s, credits_day = %s WHERE name = %s
@@ -78,6 +80,16 @@ class Admission(Area):
             if job.id not in inserted and maker is not None and maker.id in refused and job.idempotency_key:
                 refused[job.id] = refused[maker.id]
         return [refused[job.id] if job.id in refused else stored(job, inserted, earlier) for job in jobs]
+
+    async def refusal(self, job: NewJob, now: datetime) -> quotas.Refusal | None:
+        """Why its tenant's limits would keep ``job`` out now, read without a lock and
+        changing nothing: a look before costly work (a prompt's expansion), which
+        ``create_within_limits`` decides for good."""
+        async with self.db.connection() as conn:
+            tenants = await fetch_all(conn, _READ_TENANTS, ([job.tenant],))
+            loads = _loads(tenants, await open_jobs(conn, [job.tenant]))
+        [decision], _ = quotas.admit(loads, [(job.tenant, job.credits_reserved)], now)
+        return decision
 
     async def draw(self, tenant: str, now: datetime) -> quotas.Refusal | None:
         """One call of ``tenant``'s that is no submit (a moderation) drawn from its
