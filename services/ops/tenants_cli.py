@@ -82,7 +82,9 @@ def _term_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
     p.add_argument("--credits", type=_at_least(0.0), default=unset, help=f"{balance}{limit}")
     p.add_argument("--daily-credits", type=_at_least(0.0), default=unset, help=f"{daily}{limit}")
     p.add_argument("--max-jobs", type=_at_least(1, int), default=unset, help=f"jobs queued or running at once{limit}")
-    p.add_argument("--rate", type=_at_least(0.001), default=unset, help=f"calls per second: submits and moderations{limit}")
+    p.add_argument(
+        "--rate", type=_at_least(0.001), default=unset, help=f"calls per second: submits and moderations{limit}"
+    )
     p.add_argument(
         "--weight",
         type=_at_least(0.001, unlimited=False),
