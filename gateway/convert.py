@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from google.protobuf import timestamp_pb2
 
 from gateway.inputs import InputImage, fit_within
+from services import reported
 from services.db.counts import LaneCount, Totals
 from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus, WorkerStatus
@@ -216,23 +217,23 @@ def worker_stats(w: WorkerRecord, processing: int, running: Sequence[str] = ()) 
         warm_models=list(w.warm_models),
         restarts=w.restarts,
         state=(w.status if w.live or w.status == WorkerStatus.GONE else WorkerStatus.UNRESPONSIVE).value,
-        telemetry_source=str(t.get("source", "none")),
-        telemetry_note=str(t.get("unavailable", "")),
-        utilization_pct=float(t.get("utilization_pct", 0.0)),
-        memory_utilization_pct=float(t.get("memory_utilization_pct", 0.0)),
-        power_w=float(t.get("power_w", 0.0)),
-        power_limit_w=float(t.get("power_limit_w", 0.0)),
-        sm_clock_mhz=int(t.get("sm_clock_mhz", 0)),
-        max_sm_clock_mhz=int(t.get("max_sm_clock_mhz", 0)),
-        throttle_reasons=[str(r) for r in t.get("throttle_reasons", ())],
-        queued_images=int(t.get("queued_images", 0)),
+        telemetry_source=reported.text(t, "source", "none"),
+        telemetry_note=reported.text(t, "unavailable"),
+        utilization_pct=reported.number(t, "utilization_pct"),
+        memory_utilization_pct=reported.number(t, "memory_utilization_pct"),
+        power_w=reported.number(t, "power_w"),
+        power_limit_w=reported.number(t, "power_limit_w"),
+        sm_clock_mhz=reported.count(t, "sm_clock_mhz"),
+        max_sm_clock_mhz=reported.count(t, "max_sm_clock_mhz"),
+        throttle_reasons=list(reported.texts(t, "throttle_reasons")),
+        queued_images=reported.count(t, "queued_images"),
         capabilities=list(w.capabilities),
         running_jobs=list(running),
-        denoise_busy_ratio=float(t.get("denoise_busy_ratio", 0.0)),
-        denoising_seconds=float(t.get("denoising_seconds", 0.0)),
-        work_waiting_seconds=float(t.get("work_waiting_seconds", 0.0)),
-        denoised_batches=int(t.get("denoised_batches", 0)),
-        host_gap_seconds=float(t.get("host_gap_seconds", 0.0)),
+        denoise_busy_ratio=reported.number(t, "denoise_busy_ratio"),
+        denoising_seconds=reported.number(t, "denoising_seconds"),
+        work_waiting_seconds=reported.number(t, "work_waiting_seconds"),
+        denoised_batches=reported.count(t, "denoised_batches", most=reported.UINT64),
+        host_gap_seconds=reported.number(t, "host_gap_seconds"),
     )
 
 

@@ -20,6 +20,7 @@ import torch
 
 from gpu_worker import spans
 from gpu_worker.local_decode import Decoded, LocalDecoder
+from services import reported
 from services.db.records import ImageRecord, JobRecord
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
@@ -53,11 +54,11 @@ def estimated_finish_s(decoder: WorkerRecord, megapixels: float, in_flight: floa
     """When ``decoder`` would finish ``megapixels`` more, from its heartbeated load:
     the work it holds (at least ``in_flight``, what this sampler has sent it since)
     times its measured seconds per megapixel. None while its speed is unknown."""
-    speed = decoder.telemetry.get("seconds_per_megapixel")
-    if not speed:
+    speed = reported.number(decoder.telemetry, "seconds_per_megapixel")
+    if speed <= 0:
         return None
-    held = max(float(decoder.telemetry.get("queued_megapixels") or 0.0), in_flight)
-    return (held + megapixels) * float(speed)
+    held = max(reported.number(decoder.telemetry, "queued_megapixels"), in_flight)
+    return (held + megapixels) * speed
 
 
 def fastest_first(decoders: list[WorkerRecord], megapixels: float, in_flight: dict[str, float]) -> list[WorkerRecord]:

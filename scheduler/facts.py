@@ -9,6 +9,7 @@ from typing import Any
 
 from scheduler import snapshot
 from scheduler.policy import ModelCost
+from services import reported as values
 from services.db import counts, records, tenant_records, worker_records
 from services.db.states import JobStatus, WorkerStatus
 from services.seats import OpenSeat
@@ -35,12 +36,13 @@ def queued_job(job: records.JobSummary | records.JobRecord) -> snapshot.QueuedJo
 
 
 def measured(telemetry: Mapping[str, Any]) -> tuple[tuple[str, int, float], ...]:
-    """(model, bytes, load seconds) of each model a sampler reports measuring."""
+    """(model, bytes, load seconds) of each model a sampler reports measuring; a
+    value that is not what a sampler sends counts as unmeasured."""
     reported = telemetry.get("models")
     if not isinstance(reported, dict):
         return ()
     return tuple(
-        (name, int(m.get("bytes", 0)), float(m.get("load_s", 0.0)))
+        (name, values.count(m, "bytes", most=values.UINT64), values.number(m, "load_s"))
         for name, m in reported.items()
         if isinstance(m, dict)
     )

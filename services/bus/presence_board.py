@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import nats
@@ -30,6 +31,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from services import reported
 from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS
 from services.db.states import WorkerKind, WorkerStatus
@@ -84,17 +86,65 @@ class Announcement:
 
     @classmethod
     def decode(cls, data: bytes) -> Announcement:
-        """Raises ValueError on anything malformed."""
+        """Raises ValueError on anything malformed: every field of the type and range
+        a worker sends (``services.reported``), since whoever reads it (the
+        scheduler, a gateway, every sampler) turns them into records, numbers and
+        protobuf messages, and a key's writer may be anyone holding its NATS user."""
         try:
             body = json.loads(data)
-            hb: dict[str, Any] = dict(body["heartbeat"])
-            hb["kind"] = WorkerKind(hb["kind"])
-            hb["status"] = WorkerStatus(hb["status"])
+            hb = body["heartbeat"]
+            if not isinstance(hb, dict) or not isinstance(hb.get("telemetry", {}), dict):
+                raise ValueError("its heartbeat and telemetry must be objects")
+            unknown = set(hb) - _HEARTBEAT_FIELDS
+            if unknown:
+                raise ValueError(f"unknown fields {sorted(unknown)}")
+            for name in ("id", "address", "device"):
+                if not isinstance(hb.get(name), str):
+                    raise ValueError(f"{name} must be a string")
             for name in ("models", "warm_models", "capabilities"):
-                hb[name] = tuple(str(m) for m in hb.get(name, ()))
-            return cls(WorkerHeartbeat(**hb), str(body["incarnation"]), float(body["started_at"]))
-        except (KeyError, TypeError, ValueError) as exc:
+                if not isinstance(hb.get(name, []), list) or len(reported.texts(hb, name)) != len(hb.get(name, [])):
+                    raise ValueError(f"{name} must be a list of strings")
+            started_at = reported.number(body, "started_at", math.nan)
+            if not 0 <= started_at <= _LATEST_START:
+                raise ValueError(f"started_at {body.get('started_at')!r} is no time a worker started at")
+            heartbeat = WorkerHeartbeat(
+                id=hb["id"],
+                kind=WorkerKind(hb["kind"]),
+                address=hb["address"],
+                device=hb["device"],
+                models=reported.texts(hb, "models"),
+                warm_models=reported.texts(hb, "warm_models"),
+                vram_total_bytes=_count(hb, "vram_total_bytes"),
+                vram_used_bytes=_count(hb, "vram_used_bytes"),
+                temperature_c=_number(hb, "temperature_c", 0.0),
+                speed=_number(hb, "speed", 1.0, above=0.0),
+                status=WorkerStatus(hb["status"]),
+                restarts=_count(hb, "restarts", most=reported.UINT32),
+                telemetry=dict(hb.get("telemetry", {})),
+                capabilities=reported.texts(hb, "capabilities"),
+            )
+            return cls(heartbeat, str(body["incarnation"]), started_at)
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             raise ValueError(f"malformed announcement: {exc}") from exc
+
+
+_HEARTBEAT_FIELDS = {f.name for f in fields(WorkerHeartbeat)}
+# Seconds since the epoch past which no worker started (the year 5138).
+_LATEST_START = 1e11
+
+
+def _count(hb: dict[str, Any], name: str, *, most: int = reported.UINT64) -> int:
+    value = reported.count(hb, name, -1, most=most) if name in hb else 0
+    if value < 0:
+        raise ValueError(f"{name} {hb[name]!r} is not a whole number at least 0")
+    return value
+
+
+def _number(hb: dict[str, Any], name: str, default: float, *, above: float = -math.inf) -> float:
+    value = reported.number(hb, name, math.nan) if name in hb else default
+    if not value > above:  # NaN too
+        raise ValueError(f"{name} {hb[name]!r} is not a finite number above {above}")
+    return value
 
 
 def encode_plan(plan: WarmPlan) -> bytes:

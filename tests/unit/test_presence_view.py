@@ -5,13 +5,18 @@ the samplers they are for, and nothing judged until the view has settled."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
+from gateway.convert import worker_stats
+from gpu_worker.decoders import estimated_finish_s
+from scheduler import facts
 from services.bus.presence_board import Announcement, decode_plan, encode_plan, plan_key, worker_key
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
+from services.models.host_cache.peers import holders
 from services.presence_view import PresenceView
 
 
@@ -168,3 +173,73 @@ def test_a_decoder_key_never_speaks_for_a_sampler_of_the_same_id() -> None:
     # The sampler's own key still speaks for it.
     view.fold(worker_key(WorkerKind.SAMPLER, "gpu-7"), None)
     assert view.all(WorkerKind.SAMPLER, stale_after_s=10) == []
+
+
+def mangled(a: Announcement, path: str, value: object) -> bytes:
+    """``a`` encoded with the field at ``path`` ("heartbeat.speed") set to ``value``."""
+    body = json.loads(a.encode())
+    *parents, name = path.split(".")
+    target = body
+    for parent in parents:
+        target = target[parent]
+    target[name] = value
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("started_at", 1e300),  # datetime.fromtimestamp overflows
+        ("started_at", "yesterday"),
+        ("heartbeat.vram_total_bytes", "x"),
+        ("heartbeat.vram_used_bytes", -1),
+        ("heartbeat.restarts", 2**40),  # past the uint32 GetStats sends
+        ("heartbeat.speed", 0),  # a divisor
+        ("heartbeat.temperature_c", True),
+        ("heartbeat.telemetry", [1, 2]),
+        ("heartbeat.models", "tiny"),
+        ("heartbeat.capabilities", [1]),
+        ("heartbeat.id", 7),
+        ("heartbeat.extra", 1),
+        ("heartbeat", []),
+    ],
+)
+def test_a_malformed_heartbeat_is_refused_and_the_view_goes_on(path: str, value: object) -> None:
+    view = PresenceView((WorkerKind.SAMPLER,), clock=Clock())
+    a = announcement("w1")
+    with pytest.raises(ValueError, match="malformed announcement"):
+        Announcement.decode(mangled(a, path, value))
+    view.fold(worker_key(WorkerKind.SAMPLER, "w1"), mangled(a, path, value))
+    assert view.get(WorkerKind.SAMPLER, "w1") is None
+    put(view, a)
+    assert view.get(WorkerKind.SAMPLER, "w1") is not None
+
+
+def test_telemetry_a_worker_would_not_send_is_read_as_unknown_by_everyone_who_reads_it() -> None:
+    """A well-formed heartbeat whose telemetry holds what no worker of this version
+    sends: the scheduler's facts, a sampler's choice of decoder and peer, and an
+    admin's GetStats read each such value as absent, and never fail."""
+    telemetry = {
+        "models": {"tiny": {"bytes": "big", "load_s": float("inf")}},
+        "open_seats": "many",
+        "inflight": "3",
+        "seconds_per_megapixel": "fast",
+        "queued_megapixels": [1],
+        "sm_clock_mhz": -5,
+        "queued_images": 2**40,
+        "throttle_reasons": 7,
+        "utilization_pct": "high",
+        "model_cache": {"host": "h2", "blobs": "ab"},
+    }
+    a = announcement("w1")
+    view = PresenceView((WorkerKind.SAMPLER,), clock=Clock())
+    put(view, replace(a, heartbeat=replace(a.heartbeat, telemetry=telemetry)))
+    record = view.get(WorkerKind.SAMPLER, "w1")
+    assert record is not None
+    fact = facts.worker(record)
+    assert fact.measured == (("tiny", 0, 0.0),) and fact.open_seats == ()
+    assert estimated_finish_s(record, 1.0) is None
+    assert [w.id for w in holders([record], "ab" * 32, "h1")] == []
+    stats = worker_stats(record, 0)
+    assert (stats.sm_clock_mhz, stats.queued_images, list(stats.throttle_reasons)) == (0, 0, [])
+    assert stats.utilization_pct == 0.0

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from services import reported
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
 from services.errors import ModelError
@@ -220,7 +221,7 @@ class CacheAnnouncement:
         body = worker.telemetry.get("model_cache")
         if not isinstance(body, dict) or not isinstance(body.get("host"), str):
             return None
-        return cls(body["host"], frozenset(str(d) for d in body.get("blobs", ())))
+        return cls(body["host"], frozenset(reported.texts(body, "blobs")))
 
 
 def holders(workers: Sequence[WorkerRecord], digest: str, own_host: str) -> list[WorkerRecord]:
@@ -237,4 +238,4 @@ def holders(workers: Sequence[WorkerRecord], digest: str, own_host: str) -> list
         by_host.setdefault(announced.host, worker)
     found = list(by_host.values())
     random.shuffle(found)
-    return sorted(found, key=lambda w: int(w.telemetry.get("inflight") or 0))
+    return sorted(found, key=lambda w: reported.count(w.telemetry, "inflight"))
