@@ -133,7 +133,9 @@ class Gateway:
                     done = outputs.add(event)
                     if done is not None:
                         return done
-                return Finished(await self.get(job_id, key), [])  # the stream ended without its terminal event
+                # The stream ended without its terminal event: the job, with its outputs, as GetJob has it.
+                job = await self.get(job_id, key)
+                return Finished(job, list(job.images))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the wait's own deadline
                     return None
