@@ -42,6 +42,12 @@ _PORTS = (
 )
 
 
+# S3, with its identities, the one HTTP door: no filer or master HTTP API, which
+# would write the bucket with no identity, and no admin UI, which would show the
+# identities' secrets and make new ones. (Their gRPC ports still answer whoever
+# reaches them: docs/security.md.)
+SEALED = ("-disableHttp", "-admin.ui=false")
+
 # Where `darkroom up --model-store` keeps the identities' secrets, in the mesh directory.
 WRITER_SECRET_FILE = "model-store-writer.secret"
 READER_SECRET_FILE = "model-store-reader.secret"
@@ -187,6 +193,7 @@ class EmbeddedModelStore(ManagedProcess):
             f"-ip.bind={self.host}",
             f"-bucket={self.bucket}",
             "-webdav=false",
+            *SEALED,
             f"-s3.config={identities}",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
         ]

@@ -22,7 +22,14 @@ from services.db.states import WorkerStatus
 from services.errors import BusError
 from services.models.host_cache.peers import CacheAnnouncement
 from services.models.store.manifest import Manifest
-from services.ops.model_store import StoreIdentity, store_sent_bytes, wait_until_listed, weed_binary, write_identities
+from services.ops.model_store import (
+    SEALED,
+    StoreIdentity,
+    store_sent_bytes,
+    wait_until_listed,
+    weed_binary,
+    write_identities,
+)
 from tests.fleet.network import Host
 from tests.helpers import env_of
 
@@ -97,7 +104,7 @@ class FleetModelStore:
         address = self.host.address
         args = [
             weed_binary(), "mini", f"-dir={self.data}", f"-ip={address}", f"-ip.bind={address}",
-            f"-bucket={BUCKET}", "-webdav=false", "-master.telemetry=false",
+            f"-bucket={BUCKET}", "-webdav=false", "-master.telemetry=false", *SEALED,
             f"-filer.localSocket={self.data / 'filer.sock'}", f"-s3.localSocket={self.data / 's3.sock'}",
             f"-s3.config={write_identities(self.data / 's3-identities.json', BUCKET, writer=WRITER, reader=READER)}",
             *(f"-{flag}={port}" for flag, port in WEED_PORTS.items()),

@@ -11,6 +11,8 @@ import os
 import stat
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +77,30 @@ def test_the_readers_identity_reads_a_model_but_cannot_push_repoint_or_remove_it
     assert all(writer.has_blob(d) for d in pushed.manifest.blobs())
     assert not writer.has_blob(file_digest(forged / "w.bin"))
     writer.remove("kept")
+
+
+def answer(url: str, data: bytes | None = None, method: str = "GET") -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method), timeout=5) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_no_other_http_port_of_the_store_writes_the_bucket_or_shows_an_identity(model_store: Any) -> None:
+    """S3, with its identities, is the store's one HTTP door: weed's filer API would
+    write any object with no identity, its admin API list the identities' secrets
+    and make new ones."""
+    reader = store_of(model_store.reader_env())
+    filer, admin = (f"http://127.0.0.1:{model_store.ports[p]}" for p in ("filer.port", "admin.port"))
+    forged = answer(f"{filer}/buckets/{model_store.bucket}/manifests/victim/latest", b"forged", "PUT")
+    assert forged[0] == 404
+    assert reader.latest_version("victim") is None
+    for path in ("/api/users", "/api/s3/buckets"):
+        status, body = answer(admin + path)
+        assert status == 404 and model_store.writer.secret_key.encode() not in body, path
+    made = answer(f"{admin}/api/users", b'{"username": "intruder", "actions": ["Admin"]}', "POST")
+    assert made[0] == 404
 
 
 def darkroom_models(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
