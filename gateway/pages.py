@@ -1,5 +1,7 @@
 """``ListJobs``'s paging: what a request asks for, and the page token, an opaque
-string that names where the page before ended (its last job's creation and id)."""
+string that names where the page before ended (its last job's creation and id).
+Counts and lengths are checked before anything is iterated or decoded: a message
+can hold millions of statuses, or megabytes of token."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 200
 _STATUS_OF = {pb.JobStatus.Value(f"JOB_STATUS_{s.value}"): s for s in JobStatus}
+# The most statuses a filter may list: each status once.
+MAX_STATUSES = len(_STATUS_OF)
+# The longest page token taken: one names a time and a job id, well under this.
+MAX_PAGE_TOKEN = 256
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,7 @@ class PageRequest:
 
 def page_request(req: pb.ListJobsRequest) -> PageRequest:
     """What ``req`` asks for, or InvalidArgument naming what is wrong."""
+    _within_bounds(req)
     bad = []
     after = None
     if req.page_token:
@@ -40,7 +47,23 @@ def page_request(req: pb.ListJobsRequest) -> PageRequest:
     if bad:
         raise InvalidArgument(bad)
     size = min(req.page_size, MAX_PAGE_SIZE) if req.page_size else DEFAULT_PAGE_SIZE
-    return PageRequest(size, after, tuple(_STATUS_OF[s] for s in req.statuses))
+    return PageRequest(size, after, tuple(dict.fromkeys(_STATUS_OF[s] for s in req.statuses)))
+
+
+def _within_bounds(req: pb.ListJobsRequest) -> None:
+    """InvalidArgument, before anything is iterated or decoded, for more statuses than
+    there are or a token longer than any this gateway makes."""
+    bad = []
+    if len(req.statuses) > MAX_STATUSES:
+        bad.append(
+            FieldViolation(
+                "statuses", f"lists {len(req.statuses)}; at most {MAX_STATUSES}, each status once, are taken"
+            )
+        )
+    if len(req.page_token) > MAX_PAGE_TOKEN:
+        bad.append(FieldViolation("page_token", "is not a token from ListJobsResponse.next_page_token"))
+    if bad:
+        raise InvalidArgument(bad)
 
 
 def encode(cursor: JobCursor) -> str:

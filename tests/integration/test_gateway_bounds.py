@@ -1,0 +1,97 @@
+"""A cap is checked before the work it bounds (issue 41): a gateway in this process,
+on a fresh database, its tenants and keys made through the repository, asked for
+more than any answer needs. Each is refused at once, naming the field, with a
+message of bounded length, and nothing is read, decoded or remembered for it."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from gateway.service import create_server
+from gateway.servicer import ImageGenerationServicer
+from services import api_keys
+from services.config.sections import GatewaySettings, KernelSettings
+from services.db.migrate import upgrade
+from services.db.repository import Repository
+from services.db.tenant_records import TenantTerms
+from services.models.registry import ModelRegistry
+from services.ops.embedded import EmbeddedPostgres
+from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+from tests.conftest import fresh_database
+
+pytestmark = pytest.mark.integration
+# The longest error message a refusal of an oversized field may carry.
+BOUNDED = 400
+
+
+@dataclass
+class Gateway:
+    client: image_generation_pb2_grpc.ImageGenerationStub
+    servicer: ImageGenerationServicer
+    repo: Repository
+    keys: dict[str, list[tuple[str, str]]]  # each tenant's key, as call metadata
+
+
+@pytest.fixture(scope="module")
+async def gateway(postgres: EmbeddedPostgres) -> AsyncIterator[Gateway]:
+    """Tenants ``cats`` (no limits) and ``larks`` (a rate of one submit in 1,000 s)."""
+    url = fresh_database(postgres)
+    upgrade(url)
+    repo = Repository(url, pool_size=2)
+    now = datetime.now(UTC)
+    keys = {}
+    for name, terms in (("cats", TenantTerms("free")), ("larks", TenantTerms("free", rate_per_s=0.001))):
+        await repo.tenants.create(name, terms, actor="test", now=now)
+        issued = api_keys.new_key()
+        await repo.tenants.add_key(name, issued, admin=False, actor="test", now=now)
+        keys[name] = [("authorization", f"Bearer {issued.key}")]
+    server, servicer = create_server(
+        KernelSettings(database_url=url), GatewaySettings(port=0), repo, ModelRegistry.load()
+    )
+    await server.grpc.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            yield Gateway(image_generation_pb2_grpc.ImageGenerationStub(ch), servicer, repo, keys)
+    finally:
+        await server.grpc.stop(0)
+        await servicer.close()
+        await repo.close()
+
+
+def job(**fields: object) -> pb.SubmitJobRequest:
+    return pb.SubmitJobRequest(**{"model": "tiny", "prompt": "a lark", "width": 64, "height": 64, "steps": 2, **fields})  # type: ignore[arg-type]
+
+
+def fields_named(err: grpc.aio.AioRpcError) -> list[str]:
+    """The fields the refusal's BadRequest names, in order."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "no rich status details"
+    bad = error_details_pb2.BadRequest()
+    assert any(d.Unpack(bad) for d in status.details)
+    return [v.field for v in bad.field_violations]
+
+
+async def test_list_jobs_refuses_more_statuses_than_there_are(gateway: Gateway) -> None:
+    cats = gateway.keys["cats"]
+    queued = (await gateway.client.SubmitJob(job(), metadata=cats)).job_id
+    many = pb.ListJobsRequest(statuses=[pb.JOB_STATUS_QUEUED] * 100_000)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.ListJobs(many, metadata=cats)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fields_named(refused.value) == ["statuses"]
+    assert len(refused.value.details() or "") < BOUNDED
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.ListJobs(pb.ListJobsRequest(page_token="A" * 2**20), metadata=cats)
+    assert fields_named(refused.value) == ["page_token"]
+    # A filter of a few, repeats among them, as before.
+    asked = pb.ListJobsRequest(statuses=[pb.JOB_STATUS_QUEUED, pb.JOB_STATUS_RUNNING, pb.JOB_STATUS_QUEUED])
+    listed = (await gateway.client.ListJobs(asked, metadata=cats)).jobs
+    assert queued in {j.job_id for j in listed} and {j.status for j in listed} == {pb.JOB_STATUS_QUEUED}
