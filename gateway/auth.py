@@ -7,7 +7,8 @@ else such a gateway does not start, and one whose tenants vanish refuses callers
 
 What a key's id finds is kept for ``RECHECK_S`` and then read again, so a key
 revoked, or a tenant changed, is seen by every gateway within a second without a
-read per call."""
+read per call. A key not of the form keys are made in (``services.api_keys``) is
+refused before any read, and nothing of it is remembered."""
 
 from __future__ import annotations
 
@@ -86,6 +87,9 @@ class _Recent(Generic[T]):
         self._values[name] = (now + RECHECK_S, value)
         return value
 
+    def __len__(self) -> int:
+        return len(self._values)
+
 
 class Gatekeeper:
     def __init__(
@@ -103,6 +107,11 @@ class Gatekeeper:
         self._any_tenant = _Recent(lambda _: tenants.any(), clock)
         self._was_open: bool | None = None
 
+    @property
+    def remembered_keys(self) -> int:
+        """How many key ids' holders (or their absence) are remembered now."""
+        return len(self._holders)
+
     async def caller(self, context: grpc.aio.ServicerContext, method: str) -> Caller:
         """The caller of this call, or Unauthenticated (logged and counted)."""
         metadata = dict(context.invocation_metadata() or ())
@@ -114,10 +123,10 @@ class Gatekeeper:
             return Caller(DEFAULT_TENANT, "env", True, default.terms if default else None, peer)
         if not self._env_keys and self._anonymous and await self._open():
             return Caller(DEFAULT_TENANT, "", True, None, peer)
-        key_id = api_keys.key_id_of(key)
+        key_id = api_keys.key_id_of(key)  # None: not of the form keys are made in; looked up never
         holder = await self._holders.get(key_id) if key_id else None
         if holder is None or not api_keys.matches(key, holder.digest):
-            stranger = Caller("", key_id or "", False, None, peer)
+            stranger = Caller("", key_id or api_keys.shown_id(key), False, None, peer)
             raise stranger.refused("missing" if not key else "unknown", method, Unauthenticated(_ASK_FOR_KEY))
         if holder.key.revoked_at is not None:
             stranger = Caller(holder.tenant.name, holder.key.id, False, None, peer)

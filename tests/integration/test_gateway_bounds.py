@@ -95,3 +95,19 @@ async def test_list_jobs_refuses_more_statuses_than_there_are(gateway: Gateway) 
     asked = pb.ListJobsRequest(statuses=[pb.JOB_STATUS_QUEUED, pb.JOB_STATUS_RUNNING, pb.JOB_STATUS_QUEUED])
     listed = (await gateway.client.ListJobs(asked, metadata=cats)).jobs
     assert queued in {j.job_id for j in listed} and {j.status for j in listed} == {pb.JOB_STATUS_QUEUED}
+
+
+async def test_a_key_of_another_form_is_refused_and_nothing_of_it_remembered(gateway: Gateway) -> None:
+    remembered = gateway.servicer.gate.remembered_keys
+    huge = [("authorization", "Bearer drk_" + "a" * 7000 + "_secret")]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.GetStats(pb.GetStatsRequest(), metadata=huge)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert gateway.servicer.gate.remembered_keys == remembered
+    # A key of the right form that no tenant holds: looked up (and its absence
+    # remembered for a moment), refused as before.
+    unknown = [("authorization", f"Bearer {api_keys.new_key().key}")]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.GetStats(pb.GetStatsRequest(), metadata=unknown)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert gateway.servicer.gate.remembered_keys == remembered + 1
