@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from services.config.model_store import ModelStoreSettings
@@ -181,22 +182,28 @@ async def test_a_peer_sending_wrong_bytes_is_discarded_and_the_store_gives_them(
 
 
 class CuttingServicer(BlobCacheServicer):
-    """Host A's real servicer, whose server is stopped after two chunks of the big
-    blob (read as one range or several)."""
+    """Host A's real servicer, whose every stream of the big blob is cut off (ends
+    UNAVAILABLE) once two chunks of it went out, the first of them its first bytes:
+    the ranges after the first wait for it, so that what the host keeps (the bytes
+    unbroken from the start) is never nothing, whichever stream runs first. (The
+    server is not stopped from within its own call: grpcio may crash doing that.)"""
 
     def __init__(self, layout: Layout, big: str) -> None:
         super().__init__(layout)
         self.big = big
-        self.server: Any = None
         self.sent = 0
+        self.head_sent = asyncio.Event()
 
     async def ReadBlob(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        if request.digest == self.big and request.offset > 0:
+            await self.head_sent.wait()
         async for chunk in super().ReadBlob(request, context):
-            if request.digest == self.big and self.sent == 2:  # the third is never sent
-                asyncio.get_running_loop().create_task(self.server.grpc.stop(0))
-                await asyncio.sleep(30)
+            if request.digest == self.big and self.sent >= 2:  # the third is never sent
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the peer went away")
             self.sent += request.digest == self.big
             yield chunk
+            if request.digest == self.big and request.offset == 0:
+                self.head_sent.set()
 
 
 async def test_a_peer_cut_mid_transfer_is_finished_from_the_store(model_store: Any, tmp_path: Path) -> None:
@@ -207,7 +214,7 @@ async def test_a_peer_cut_mid_transfer_is_finished_from_the_store(model_store: A
     big_digest = hashlib.sha256(files["unet/diffusion_pytorch_model.safetensors"]).hexdigest()
     servicer = CuttingServicer(layout_a, big_digest)
     registration = (lambda s: sampler_pb2_grpc.add_BlobCacheServicer_to_server(servicer, s), "BlobCache")
-    servicer.server = server = build_server([registration], "127.0.0.1", 0)
+    server = build_server([registration], "127.0.0.1", 0)
     await server.grpc.start()
     channels = Channels()
     try:
@@ -215,6 +222,7 @@ async def test_a_peer_cut_mid_transfer_is_finished_from_the_store(model_store: A
         assert_model(await host_b.resolve(name, "1"), files)
     finally:
         await channels.close()
+        await server.grpc.stop(None)
     big = len(files["unet/diffusion_pytorch_model.safetensors"])
     assert 0 < host_b.fetched["peer"] < big + 1000
     assert host_b.fetched["peer"] + host_b.fetched["store"] == big + 1000
