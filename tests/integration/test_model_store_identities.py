@@ -119,7 +119,7 @@ def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_read
     root = write_model(tmp_path / "m", {"model_index.json": b'{"who": 1}', "w.bin": os.urandom(10_000)})
     reader_only = {**os.environ, **model_store.reader_env(), "DARKROOM_DATA_DIR": str(tmp_path / "data")}
     refused = darkroom_models(reader_only, "push", str(root), "by-cli")
-    assert refused.returncode == 1 and "model store" in refused.stderr, refused.stderr
+    assert refused.returncode == 1 and "DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY" in refused.stderr, refused.stderr
     assert "by-cli" not in darkroom_models(reader_only, "list").stdout  # the reader lists
 
     writer = model_store.env()

@@ -118,9 +118,12 @@ class ObjectStore:
         except (BaseError, OSError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             # A refusal (these credentials may not) is an answer; anything else is the store being away.
-            refused = isinstance(exc, PermissionDeniedError | UnauthenticatedError)
-            error = ModelStoreError if refused else ModelStoreUnavailable
-            raise error(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
+            if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+                raise ModelStoreError(
+                    f"model store {self.url} (bucket {self.bucket}): {doing}: refused ({first}); pushing and "
+                    "removing need the writer's identity (DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY and _SECRET_KEY)"
+                ) from exc
+            raise ModelStoreUnavailable(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
 
     def _exists(self, key: str) -> bool:
         with self._errors(f"looking for {key}"):
