@@ -41,6 +41,32 @@ def read_input(field: str, data: bytes, *, max_bytes: int) -> InputImage | Field
     return InputImage(data, width, height, hashlib.sha256(data).hexdigest())
 
 
+def read_inputs(
+    image: bytes, mask: bytes, *, max_bytes: int
+) -> tuple[InputImage | None, InputImage | None, list[FieldViolation]]:
+    """An edit's input image and mask (each None where not given, or wrong), and
+    what is wrong with them: each on its own, and a mask not of the image's size."""
+    bad = []
+    read = {}
+    for name, data in (("image", image), ("mask", mask)):
+        if data:
+            found = read_input(name, data, max_bytes=max_bytes)
+            if isinstance(found, FieldViolation):
+                bad.append(found)
+            else:
+                read[name] = found
+    image_read, mask_read = read.get("image"), read.get("mask")
+    if image_read is not None and mask_read is not None:
+        size, wanted = (mask_read.width, mask_read.height), (image_read.width, image_read.height)
+        if size != wanted:
+            bad.append(
+                FieldViolation(
+                    "mask", f"is {size[0]}x{size[1]}; it must be the input image's size, {wanted[0]}x{wanted[1]}"
+                )
+            )
+    return image_read, mask_read, bad
+
+
 def decode_input(field: str, data: bytes, *, max_bytes: int, decode: Callable[[Image.Image], T]) -> T | FieldViolation:
     """What ``decode`` makes of the image in ``data`` once its bytes and header pass
     (what it decodes must decode whole), or what is wrong with it (named by ``field``)."""

@@ -25,9 +25,9 @@ from gateway.expansion import Expansion, asks_expansion
 from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_submit
 from gateway.moderation import Limits, Moderator
 from gateway.streams import follow
-from gateway.tenant_limits import limited, refused
+from gateway.tenant_limits import limited, look_first, refused
 from gateway.usage import fleet_stats, tenant_usage
-from gateway.validation import under_output_policy, validate_submit, violates_policy
+from gateway.validation import Checked, check_submit, read_submit, under_output_policy, violates_policy
 from scheduler import admission, facts
 from scheduler.costs import costs_from
 from scheduler.views import job_view
@@ -96,9 +96,12 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         words = prompt_filter.from_settings(safety)
         # None: submits' prompts go unchecked; Moderate checks texts with the list all the same.
         self.prompt_filter = words if safety.prompt_filter else None
-        max_input_bytes = int(settings.max_input_mb * 2**20)
+        self.max_input_bytes = int(settings.max_input_mb * 2**20)
+        self._check = functools.partial(
+            check_submit, registry=registry, max_prompt_chars=settings.max_prompt_chars, placement=self.config
+        )
         self.moderator = Moderator(
-            words, Limits(settings.max_prompt_chars, max_input_bytes, safety.image_filter_threshold)
+            words, Limits(settings.max_prompt_chars, self.max_input_bytes, safety.image_filter_threshold)
         )
 
     def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
@@ -111,28 +114,18 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
         caller = await self.gate.caller(context, "SubmitJob")
         now = datetime.now(UTC)
-        validate = functools.partial(
-            validate_submit,
-            request,
-            self.registry,
-            max_prompt_chars=self.settings.max_prompt_chars,
-            max_input_bytes=int(self.settings.max_input_mb * 2**20),
-            placement=self.config,
-            now=now,
-            tenant=caller.tenant,
-            tenant_lane=caller.terms.lane if caller.terms else None,
-        )
-        try:
-            # An input image is decoded to be checked: off the event loop.
-            new = await asyncio.to_thread(validate) if request.image or request.mask else validate()
+        tenant_lane = caller.terms.lane if caller.terms else None
+        try:  # every field but the input image's: cheap, before any limit is looked at
+            checked = self._check(request, now=now, tenant=caller.tenant, tenant_lane=tenant_lane)
         except PermissionDenied as exc:
             raise caller.refused("lane", "SubmitJob", exc) from None
-        tenant_policy = caller.terms.output_policy if caller.terms else None
-        new = under_output_policy(new, output_policy(self.safety, new.lane, tenant_policy))
         if violates_policy(request.prompt, self.prompt_filter):
-            count_prompt_refused(new.lane, caller.tenant)
+            count_prompt_refused(checked.lane, caller.tenant)
             raise ContentPolicyViolation("prompt")
         self.expansion.check(request)
+        new = await self._read(caller, request, checked, now)
+        tenant_policy = caller.terms.output_policy if caller.terms else None
+        new = under_output_policy(new, output_policy(self.safety, new.lane, tenant_policy))
         view = self.estimator.job_view(new)
         eta = await self.estimator.estimate(view, now)
         refusal = admission.admit(new.lane, eta, self.config)
@@ -158,6 +151,19 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         await self.events.work()
         return await self._submitted(job, False, now, eta)
 
+    async def _read(self, caller: Caller, request: pb.SubmitJobRequest, checked: Checked, now: datetime) -> NewJob:
+        """The job, its input image and mask read: decoded off the event loop, and
+        only once its tenant's limits would let a job in now (read-only: its rate,
+        its jobs, its credits but for this job's estimate, which the image decides).
+        A resubmit of a job already stored is not looked at: it is never refused."""
+        read = functools.partial(read_submit, request, checked, max_input_bytes=self.max_input_bytes)
+        if not request.image:  # a mask alone is refused by check_submit
+            return read()
+        key = request.idempotency_key
+        if limited(caller.terms) and not (key and await self.repo.jobs.find_by_idempotency_key(caller.tenant, key)):
+            await look_first(self.repo.admission, caller, checked.lane, 0.0, now, None)
+        return await asyncio.to_thread(read)
+
     async def _expanded(
         self, caller: Caller, request: pb.SubmitJobRequest, new: NewJob, now: datetime, eta: admission.Estimate | None
     ) -> NewJob:
@@ -171,11 +177,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             return new
         if new.idempotency_key and await self.repo.jobs.find_by_idempotency_key(caller.tenant, new.idempotency_key):
             return new
-        if limited(caller.terms):
-            refusal = await self.repo.admission.refusal(new, now)
-            if refusal is not None:
-                count_submit(new.lane, caller.tenant, "refused")
-                raise refused(refusal, eta.run_s if eta else None)
+        await look_first(self.repo.admission, caller, new.lane, new.credits_reserved, now, eta.run_s if eta else None)
         return replace(new, expanded_prompt=await self.expansion.expand(new.params.prompt, new.params.seed))
 
     async def _store(

@@ -1,17 +1,19 @@
-"""Checks a ``SubmitJobRequest`` against the model registry. Pure: every violation
-is collected and named by field, before anything is stored. A request with an
-input image decodes it (``gateway.inputs``): a caller on an event loop runs this
-in a thread."""
+"""Checks a ``SubmitJobRequest`` against the model registry, in two steps. Pure:
+violations are collected and named by field, before anything is stored.
+``check_submit`` checks every field that needs no input image read, cheaply, so a
+caller refuses a mistake, or a tenant past its limits, before any decoding;
+``read_submit`` then reads (decodes) the input image and mask (``gateway.inputs``),
+and checks what they decide: a caller on an event loop runs it in a thread."""
 
 from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from gateway.convert import UPSCALE, generation_params
-from gateway.inputs import InputImage, read_input
+from gateway.inputs import InputImage, read_inputs
 from services.config.placement import PlacementSettings
 from services.db.records import MAX_IDEMPOTENCY_KEY, NewJob
 from services.db.tenant_records import DEFAULT_TENANT
@@ -38,6 +40,18 @@ OUTPUT_FORMATS = {
 VIDEO_FORMATS = {pb.OUTPUT_FORMAT_UNSPECIFIED: "mp4", pb.OUTPUT_FORMAT_MP4: "mp4", pb.OUTPUT_FORMAT_WEBP: "webp"}
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A submit with every field checked but its input image and mask (unread)."""
+
+    spec: ModelSpec
+    lane: str
+    priority: int
+    output_format: str
+    deadline: datetime | None
+    tenant: str
+
+
 def validate_submit(
     req: pb.SubmitJobRequest,
     registry: ModelRegistry,
@@ -49,12 +63,35 @@ def validate_submit(
     tenant: str = DEFAULT_TENANT,
     tenant_lane: str | None = None,
 ) -> NewJob:
-    """The job ``req`` asks for, or InvalidArgument naming every field that is wrong.
-    Lanes are ``placement``'s; an empty ``lane`` means the tenant's, or without
-    one the lowest. A lane above the tenant's is PermissionDenied."""
+    """The job ``req`` asks for: ``check_submit``, then ``read_submit``."""
+    checked = check_submit(
+        req,
+        registry,
+        max_prompt_chars=max_prompt_chars,
+        placement=placement,
+        now=now,
+        tenant=tenant,
+        tenant_lane=tenant_lane,
+    )
+    return read_submit(req, checked, max_input_bytes=max_input_bytes)
+
+
+def check_submit(
+    req: pb.SubmitJobRequest,
+    registry: ModelRegistry,
+    *,
+    max_prompt_chars: int,
+    placement: PlacementSettings = DEFAULT_PLACEMENT,
+    now: datetime,
+    tenant: str = DEFAULT_TENANT,
+    tenant_lane: str | None = None,
+) -> Checked:
+    """Every field of ``req`` that needs no input image read, or InvalidArgument
+    naming each that is wrong: cheap, before any limit is looked at or any input
+    decoded. Lanes are ``placement``'s; an empty ``lane`` means the tenant's, or
+    without one the lowest. A lane above the tenant's is PermissionDenied."""
     spec = registry.models.get(req.model)
-    image, mask, bad_inputs = _inputs(req, max_input_bytes)
-    params = generation_params(req, spec, image, mask)
+    params = generation_params(req, spec)  # an edit's size, where the request gives none, is its input's
     lanes = {lane.name: lane.priority for lane in placement.lanes}
     lane = req.lane or tenant_lane or placement.default_lane.name
     output_format = (VIDEO_FORMATS if spec is not None and spec.makes_video else OUTPUT_FORMATS).get(req.output_format)
@@ -62,28 +99,44 @@ def validate_submit(
     bad = [
         *_nul_free(req),
         *_model_and_prompts(req, registry, max_prompt_chars),
-        *bad_inputs,
-        *(_sizes(params, spec) + _media(req, params, spec, image, mask) if spec is not None else []),
+        *(_known_sizes(req, params, spec) + _media(req, params, spec) if spec is not None else []),
         *_the_rest(req, params, lanes, lane, output_format),
     ]
+    if req.mask and not req.image:
+        bad.append(FieldViolation("mask", "needs an input image to inpaint (image)"))
     if deadline is not None and deadline <= now:
         bad.append(FieldViolation("deadline", f"{deadline.isoformat()} has already passed"))
     if bad:
         raise InvalidArgument(bad)
     if tenant_lane is not None and lanes[lane] > lanes.get(tenant_lane, min(lanes.values())):
         raise PermissionDenied(f"lane {lane!r} is above the lane of tenant {tenant!r}, {tenant_lane!r}")
-    assert output_format is not None
+    assert spec is not None and output_format is not None
+    return Checked(spec, lane, lanes[lane], output_format, deadline, tenant)
+
+
+def read_submit(req: pb.SubmitJobRequest, checked: Checked, *, max_input_bytes: int) -> NewJob:
+    """The job ``req`` asks for once ``check_submit`` passed it, its input image and
+    mask read and what they decide checked (an edit's size, an upscale's input), or
+    InvalidArgument naming what is wrong. Reading decodes them: a caller on an event
+    loop runs this in a thread where the request has either."""
+    spec = checked.spec
+    image, mask, bad = read_inputs(req.image, req.mask, max_bytes=max_input_bytes)
+    params = generation_params(req, spec, image, mask)
+    if image is not None:
+        bad += _sizes(params, spec) + (_upscale(req, spec, image) if spec.upscales else [])
+    if bad:
+        raise InvalidArgument(bad)
     return NewJob(
         id=str(uuid.uuid4()),
-        lane=lane,
-        priority=lanes[lane],
+        lane=checked.lane,
+        priority=checked.priority,
         params=params,
         idempotency_key=req.idempotency_key or None,
-        deadline=deadline,
-        output_format=output_format,
-        tenant=tenant,
-        price=registry.get(params.model).price,
-        task=params.task(registry.get(params.model).upscales),
+        deadline=checked.deadline,
+        output_format=checked.output_format,
+        tenant=checked.tenant,
+        price=spec.price,
+        task=params.task(spec.upscales),
         previews=req.previews,
         inputs=JobInputs(image.data, mask.data if mask else None) if image is not None else None,
     )
@@ -102,33 +155,6 @@ def violates_policy(prompt: str, prompt_filter: PromptFilter | None) -> bool:
     submit (ContentPolicyViolation) before anything is stored or charged. Only the
     prompt: a negative prompt names what to steer away from ("nsfw, nude")."""
     return prompt_filter is not None and prompt_filter.check(prompt).flagged
-
-
-def _inputs(
-    req: pb.SubmitJobRequest, max_bytes: int
-) -> tuple[InputImage | None, InputImage | None, list[FieldViolation]]:
-    bad = []
-    read = {}
-    for name in ("image", "mask"):
-        data = getattr(req, name)
-        if not data:
-            continue
-        found = read_input(name, data, max_bytes=max_bytes)
-        if isinstance(found, FieldViolation):
-            bad.append(found)
-        else:
-            read[name] = found
-    if req.mask and not req.image:
-        bad.append(FieldViolation("mask", "needs an input image to inpaint (image)"))
-    image, mask = read.get("image"), read.get("mask")
-    if image is not None and mask is not None and (mask.width, mask.height) != (image.width, image.height):
-        bad.append(
-            FieldViolation(
-                "mask",
-                f"is {mask.width}x{mask.height}; it must be the input image's size, {image.width}x{image.height}",
-            )
-        )
-    return image, mask, bad
 
 
 def _nul_free(req: pb.SubmitJobRequest) -> list[FieldViolation]:
@@ -156,6 +182,13 @@ def _model_and_prompts(req: pb.SubmitJobRequest, registry: ModelRegistry, max_ch
     return bad
 
 
+def _known_sizes(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec) -> list[FieldViolation]:
+    """``_sizes`` of what is known before an input is read: a side the request leaves
+    to its input image is that image's, checked once it is read."""
+    bad = _sizes(params, spec)
+    return bad if not req.image else [v for v in bad if v.field not in ("width", "height") or getattr(req, v.field)]
+
+
 def _sizes(params: GenerationParams, spec: ModelSpec) -> list[FieldViolation]:
     """Size, steps and images within the model's limits."""
     bad = []
@@ -172,18 +205,12 @@ def _sizes(params: GenerationParams, spec: ModelSpec) -> list[FieldViolation]:
     return bad
 
 
-def _media(
-    req: pb.SubmitJobRequest,
-    params: GenerationParams,
-    spec: ModelSpec,
-    image: InputImage | None,
-    mask: InputImage | None,
-) -> list[FieldViolation]:
-    """Frames and fps for a video model; an input image, a mask and a strength
-    where the model takes them."""
+def _media(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec) -> list[FieldViolation]:
+    """Frames and fps for a video model; whether the model takes an input image, a
+    mask and a strength (what the image is checked once it is read)."""
     bad = _frames(req, params, spec)
     if spec.upscales:
-        bad += _upscale(req, spec, image)
+        bad += _upscale(req, spec, None)
     elif req.image and not spec.edits:
         bad.append(FieldViolation("image", f"{spec.name} makes {spec.capability} from text; it takes no input image"))
     if req.mask and not spec.edits:
@@ -227,10 +254,12 @@ def _frames(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec)
 
 
 def _upscale(req: pb.SubmitJobRequest, spec: ModelSpec, image: InputImage | None) -> list[FieldViolation]:
+    """An upscale's input: required, and (``image``, once read) a multiple of 8 whose
+    four times is the size asked for."""
     if not req.image:
         return [FieldViolation("image", f"is required: {spec.name} enlarges an input image four times")]
     if image is None:
-        return []  # its own violation is already named
+        return []  # not read yet, or its own violation is already named
     bad = []
     for name, asked, side in (("width", req.width, image.width), ("height", req.height, image.height)):
         if side % 8:

@@ -111,3 +111,49 @@ async def test_a_key_of_another_form_is_refused_and_nothing_of_it_remembered(gat
         await gateway.client.GetStats(pb.GetStatsRequest(), metadata=unknown)
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert gateway.servicer.gate.remembered_keys == remembered + 1
+
+
+# A PNG's signature and a megabyte that no decoder takes: refused as the image only
+# once something tries to decode it.
+CORRUPT = b"\x89PNG\r\n\x1a\n" + b"\0" * 2**20
+
+
+async def test_a_tenant_past_its_rate_is_refused_before_its_image_is_decoded(gateway: Gateway) -> None:
+    larks = gateway.keys["larks"]
+    await gateway.client.SubmitJob(job(), metadata=larks)  # its bucket's one submit
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.SubmitJob(job(image=CORRUPT, strength=0.5), metadata=larks)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = rpc_status.from_call(refused.value)  # type: ignore[arg-type]
+    assert status is not None
+    quota = error_details_pb2.QuotaFailure()
+    assert any(d.Unpack(quota) for d in status.details)
+    assert quota.violations[0].subject == "tenant:larks" and "rate" in quota.violations[0].description
+    assert len((await gateway.client.ListJobs(pb.ListJobsRequest(), metadata=larks)).jobs) == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("model", {"model": "no-such-model"}),
+        ("prompt", {"prompt": ""}),
+        ("lane", {"lane": "vip"}),
+        ("width", {"width": 100}),
+        ("steps", {"steps": 1000}),
+        ("mask", {"mask": CORRUPT, "image": b""}),
+    ],
+)
+async def test_a_cheap_field_is_named_before_the_image_is_decoded(
+    gateway: Gateway, field: str, change: dict[str, object]
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.SubmitJob(job(**{"image": CORRUPT, **change}), metadata=gateway.keys["cats"])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fields_named(refused.value) == [field]
+
+
+async def test_an_image_is_still_decoded_once_every_other_field_is_right(gateway: Gateway) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gateway.client.SubmitJob(job(image=CORRUPT), metadata=gateway.keys["cats"])
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fields_named(refused.value) == ["image"]

@@ -81,14 +81,15 @@ class Admission(Area):
                 refused[job.id] = refused[maker.id]
         return [refused[job.id] if job.id in refused else stored(job, inserted, earlier) for job in jobs]
 
-    async def refusal(self, job: NewJob, now: datetime) -> quotas.Refusal | None:
-        """Why its tenant's limits would keep ``job`` out now, read without a lock and
-        changing nothing: a look before costly work (a prompt's expansion), which
-        ``create_within_limits`` decides for good."""
+    async def refusal(self, tenant: str, cost: float, now: datetime) -> quotas.Refusal | None:
+        """Why ``tenant``'s limits would keep out a job costing ``cost`` credits now,
+        read without a lock and changing nothing: a look before costly work (an input
+        image's decoding, with a cost of 0 while its estimate is unknown; a prompt's
+        expansion), which ``create_within_limits`` decides for good."""
         async with self.db.connection() as conn:
-            tenants = await fetch_all(conn, _READ_TENANTS, ([job.tenant],))
-            loads = _loads(tenants, await open_jobs(conn, [job.tenant]))
-        [decision], _ = quotas.admit(loads, [(job.tenant, job.credits_reserved)], now)
+            tenants = await fetch_all(conn, _READ_TENANTS, ([tenant],))
+            loads = _loads(tenants, await open_jobs(conn, [tenant]))
+        [decision], _ = quotas.admit(loads, [(tenant, cost)], now)
         return decision
 
     async def draw(self, tenant: str, now: datetime) -> quotas.Refusal | None:
