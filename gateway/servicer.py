@@ -24,6 +24,7 @@ from gateway.estimates import Estimator
 from gateway.expansion import Expansion, asks_expansion
 from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_submit
 from gateway.moderation import Limits, Moderator
+from gateway.names import check_lengths
 from gateway.streams import follow
 from gateway.tenant_limits import limited, look_first, refused
 from gateway.usage import fleet_stats, tenant_usage
@@ -152,10 +153,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         return await self._submitted(job, False, now, eta)
 
     async def _read(self, caller: Caller, request: pb.SubmitJobRequest, checked: Checked, now: datetime) -> NewJob:
-        """The job, its input image and mask read: decoded off the event loop, and
-        only once its tenant's limits would let a job in now (read-only: its rate,
-        its jobs, its credits but for this job's estimate, which the image decides).
-        A resubmit of a job already stored is not looked at: it is never refused."""
+        """The job, its image and mask decoded off the event loop once its tenant's
+        limits would let a job in (read-only; a resubmit of a stored job always)."""
         read = functools.partial(read_submit, request, checked, max_input_bytes=self.max_input_bytes)
         if not request.image:  # a mask alone is refused by check_submit
             return read()
@@ -225,8 +224,9 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     @unary_errors
     async def GetJob(self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext) -> pb.Job:
         caller = await self.gate.caller(context, "GetJob")
-        with logs.about_job(request.job_id):
-            [found] = await self.repo.jobs.many_with_images([request.job_id])
+        check_lengths(request)
+        with logs.about_job(request.job_id):  # another tenant's job is found without its images
+            [found] = await self.repo.jobs.many_with_images([request.job_id], tenant=caller.tenant)
             return job_message(*caller.own("GetJob", request.job_id, found, lambda result: result[0].tenant))
 
     @stream_errors
@@ -234,6 +234,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         self, request: pb.StreamJobRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.JobEvent]:
         caller = await self.gate.caller(context, "StreamJob")
+        check_lengths(request)
         read_state = functools.partial(self._state, caller, "StreamJob")
         read_result = functools.partial(self._result, caller, "StreamJob")
         with logs.about_job(request.job_id):
@@ -247,6 +248,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     @unary_errors
     async def CancelJob(self, request: pb.CancelJobRequest, context: grpc.aio.ServicerContext) -> pb.CancelJobResponse:
         caller = await self.gate.caller(context, "CancelJob")
+        check_lengths(request)
         with logs.about_job(request.job_id):
             await self._state(caller, "CancelJob", request.job_id)
             return await self._cancel(caller, request.job_id)

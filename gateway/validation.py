@@ -14,8 +14,9 @@ from datetime import UTC, datetime
 
 from gateway.convert import UPSCALE, generation_params
 from gateway.inputs import InputImage, read_inputs
+from gateway.names import check_lengths
 from services.config.placement import PlacementSettings
-from services.db.records import MAX_IDEMPOTENCY_KEY, NewJob
+from services.db.records import NewJob
 from services.db.tenant_records import DEFAULT_TENANT
 from services.errors import FieldViolation, InvalidArgument, PermissionDenied
 from services.generation import GenerationParams, JobInputs
@@ -89,7 +90,9 @@ def check_submit(
     """Every field of ``req`` that needs no input image read, or InvalidArgument
     naming each that is wrong: cheap, before any limit is looked at or any input
     decoded. Lanes are ``placement``'s; an empty ``lane`` means the tenant's, or
-    without one the lowest. A lane above the tenant's is PermissionDenied."""
+    without one the lowest. A lane above the tenant's is PermissionDenied. Names
+    longer than any taken are refused first, alone (``gateway.names``)."""
+    check_lengths(req)
     spec = registry.models.get(req.model)
     params = generation_params(req, spec)  # an edit's size, where the request gives none, is its input's
     lanes = {lane.name: lane.priority for lane in placement.lanes}
@@ -277,8 +280,6 @@ def _the_rest(
         bad.append(FieldViolation("guidance_scale", f"{req.guidance_scale} is outside 0..{MAX_GUIDANCE}"))
     if req.HasField("seed") and req.seed > MAX_SEED:
         bad.append(FieldViolation("seed", f"must be at most {MAX_SEED}"))
-    if len(req.idempotency_key) > MAX_IDEMPOTENCY_KEY:
-        bad.append(FieldViolation("idempotency_key", f"is longer than {MAX_IDEMPOTENCY_KEY} characters"))
     if lane not in lanes:
         bad.append(FieldViolation("lane", f"unknown lane {req.lane!r}; known: {', '.join(sorted(lanes))}"))
     if output_format is None:

@@ -17,7 +17,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from http_api.errors import HttpError, bad_request, quoted, unauthenticated
-from services.db.records import MAX_IDEMPOTENCY_KEY
+from services.db.records import MAX_IDEMPOTENCY_KEY, MAX_JOB_ID
 
 # The longest API key taken.
 MAX_KEY_CHARS = 512
@@ -174,7 +174,7 @@ def _seconds(text: str) -> float | None:
 def job_id_of(request: web.Request) -> str:
     """The job named in the path; 404 for one that no job id could be."""
     job_id = request.match_info["job_id"]
-    if not 0 < len(job_id) <= 64 or not (job_id.isascii() and job_id.isprintable()):
+    if not 0 < len(job_id) <= MAX_JOB_ID or not (job_id.isascii() and job_id.isprintable()):
         raise HttpError(404, "no such job", kind="invalid_request_error", code="not_found")
     return job_id
 

@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
 from services.db.base import Base
-from services.db.records import MAX_IDEMPOTENCY_KEY
+from services.db.records import MAX_IDEMPOTENCY_KEY, MAX_LANE_NAME, MAX_MODEL_NAME
 from services.db.tenant_models import AdminActionRow, ApiKeyRow, TenantRow, TenantShareRow, TenantUsageRow
 
 __all__ = [
@@ -53,9 +53,9 @@ class JobRow(Base):
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     status: Mapped[str] = mapped_column(String(16), nullable=False)
-    lane: Mapped[str] = mapped_column(String(32), nullable=False)
+    lane: Mapped[str] = mapped_column(String(MAX_LANE_NAME), nullable=False)
     priority: Mapped[int] = mapped_column(Integer, nullable=False)
-    model: Mapped[str] = mapped_column(String(128), nullable=False)
+    model: Mapped[str] = mapped_column(String(MAX_MODEL_NAME), nullable=False)
     prompt: Mapped[str] = mapped_column(Text, nullable=False)
     negative_prompt: Mapped[str] = mapped_column(Text, nullable=False)
     width: Mapped[int] = mapped_column(Integer, nullable=False)

@@ -15,6 +15,12 @@ from services.generation import BatchKey, GenerationParams, JobInputs, JobShape,
 
 # The longest idempotency key a job is stored with (its column's length): every door checks it.
 MAX_IDEMPOTENCY_KEY = 256
+# The longest job id a call may name (a job's is a UUID, 36 characters), and the
+# longest model and lane names (their columns' lengths): every door checks them
+# before a name reaches a query, a log line or an error message.
+MAX_JOB_ID = 64
+MAX_MODEL_NAME = 128
+MAX_LANE_NAME = 32
 
 
 @dataclass(frozen=True)

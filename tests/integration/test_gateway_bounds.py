@@ -19,6 +19,7 @@ from gateway.servicer import ImageGenerationServicer
 from services import api_keys
 from services.config.sections import GatewaySettings, KernelSettings
 from services.db.migrate import upgrade
+from services.db.records import ImageRecord
 from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
 from services.models.registry import ModelRegistry
@@ -157,3 +158,56 @@ async def test_an_image_is_still_decoded_once_every_other_field_is_right(gateway
         await gateway.client.SubmitJob(job(image=CORRUPT), metadata=gateway.keys["cats"])
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fields_named(refused.value) == ["image"]
+
+
+# A megabyte of name: longer than any id, model, lane or key this gateway takes.
+HUGE = "x" * 2**20
+
+
+async def refusal_of(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call  # type: ignore[misc]
+    return refused.value
+
+
+@pytest.mark.parametrize("method", ["GetJob", "CancelJob", "StreamJob"])
+async def test_a_job_id_past_any_ids_length_is_refused_naming_it(gateway: Gateway, method: str) -> None:
+    client, cats = gateway.client, gateway.keys["cats"]
+    if method == "StreamJob":
+        refused = await refusal_of(anext(aiter(client.StreamJob(pb.StreamJobRequest(job_id=HUGE), metadata=cats))))
+    else:
+        request = getattr(pb, f"{method}Request")(job_id=HUGE)
+        refused = await refusal_of(getattr(client, method)(request, metadata=cats))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fields_named(refused) == ["job_id"]
+    assert len(refused.details() or "") < BOUNDED
+
+
+@pytest.mark.parametrize("field", ["model", "lane", "idempotency_key"])
+async def test_a_submits_name_past_its_length_is_refused_naming_it(gateway: Gateway, field: str) -> None:
+    refused = await refusal_of(gateway.client.SubmitJob(job(**{field: HUGE}), metadata=gateway.keys["cats"]))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fields_named(refused) == [field]
+    assert len(refused.details() or "") < BOUNDED
+
+
+async def test_another_tenants_job_is_not_found_and_its_images_are_never_read(gateway: Gateway) -> None:
+    client, repo = gateway.client, gateway.repo
+    cats, larks = gateway.keys["cats"], gateway.keys["larks"]
+    job_id = (await client.SubmitJob(job(), metadata=cats)).job_id
+    row = await repo.db.one(
+        "UPDATE jobs SET status = 'RUNNING', worker_id = 'w1', attempt = 1 WHERE id = %s RETURNING attempt", (job_id,)
+    )
+    assert row is not None
+    image = ImageRecord(0, b"the cats' picture", "image/png", 64, 64, 1)
+    assert await repo.attempts.finish(job_id, 1, "w1", [image], now=datetime.now(UTC), busy_s=1.0)
+    refused = await refusal_of(client.GetJob(pb.GetJobRequest(job_id=job_id), metadata=larks))
+    assert (refused.code(), refused.details()) == (grpc.StatusCode.NOT_FOUND, f"job {job_id} not found")
+    own = await client.GetJob(pb.GetJobRequest(job_id=job_id), metadata=cats)
+    assert [i.data for i in own.images] == [image.data]
+    # The read GetJob makes for another tenant finds the job (its refusal is logged
+    # as a cross-tenant attempt) and none of its images.
+    [(found, images)] = await repo.jobs.many_with_images([job_id], tenant="larks")  # type: ignore[misc]
+    assert (found.tenant, images) == ("cats", [])
+    [(_, images)] = await repo.jobs.many_with_images([job_id], tenant="cats")  # type: ignore[misc]
+    assert [i.data for i in images] == [image.data]

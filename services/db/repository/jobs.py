@@ -29,9 +29,12 @@ from services.generation import JobInputs
 _WITH_IMAGES = f"""
 SELECT {qualified(JOB_FIELDS, "j")}, i."index" AS image_index, i.data, i.mime_type, i.width AS image_width,
        i.height AS image_height, i.seed AS image_seed, i.nsfw_score, i.verdict
-FROM jobs j LEFT JOIN job_images i ON i.job_id = j.id
-WHERE j.id = ANY(%s) ORDER BY j.id, i."index"
+FROM jobs j LEFT JOIN job_images i ON i.job_id = j.id {{owner}}
+WHERE j.id = ANY(%(ids)s) ORDER BY j.id, i."index"
 """
+_ANY_WITH_IMAGES = _WITH_IMAGES.format(owner="")
+# Another tenant's job found without its images: they are never read.
+_OWN_WITH_IMAGES = _WITH_IMAGES.format(owner="AND j.tenant = %(tenant)s")
 _CANCELLABLE_AT_ONCE = (JobStatus.QUEUED.value, JobStatus.SCHEDULED.value)
 _HELD = [st.value for st in HELD]
 
@@ -73,11 +76,15 @@ class Jobs(Area):
             raise NotFound(f"job {job_id} not found")
         return found
 
-    async def many_with_images(self, job_ids: Sequence[str]) -> list[tuple[JobRecord, list[ImageRecord]] | None]:
+    async def many_with_images(
+        self, job_ids: Sequence[str], *, tenant: str | None = None
+    ) -> list[tuple[JobRecord, list[ImageRecord]] | None]:
         """``get_with_images`` of each job, in order, in one statement; None for a
-        job that does not exist."""
+        job that does not exist. With ``tenant``, the images of that tenant's jobs
+        only: another's is found (to be refused) without them."""
         found: dict[str, tuple[JobRecord, list[ImageRecord]]] = {}
-        for r in await self.db.all(_WITH_IMAGES, (list(job_ids),)):
+        query, params = (_ANY_WITH_IMAGES, {}) if tenant is None else (_OWN_WITH_IMAGES, {"tenant": tenant})
+        for r in await self.db.all(query, {"ids": list(job_ids), **params}):
             if r["id"] not in found:
                 found[r["id"]] = (JobRecord.of(r), [])
             images = found[r["id"]][1]
