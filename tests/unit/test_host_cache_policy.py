@@ -99,6 +99,33 @@ def test_another_hosts_lease_is_waited_on_until_the_patience_runs_out() -> None:
     assert step(Lease("other", done=False), waited_s=60.0) is Step.STORE
 
 
+def test_after_the_peers_that_announced_it_failed_the_store_is_read_once_the_origin_fetch_is_done() -> None:
+    # Waiting for another announcement could take the whole patience (10 minutes).
+    assert (
+        next_step(
+            peers_have=False,
+            lease=Lease("other", done=True),
+            own_host="me",
+            waited_s=1.0,
+            patience_s=600.0,
+            peers_failed=True,
+        )
+        is Step.STORE
+    )
+    # The origin fetch still under way: its holder will announce it soon; wait for it.
+    assert (
+        next_step(
+            peers_have=False,
+            lease=Lease("other", done=False),
+            own_host="me",
+            waited_s=1.0,
+            patience_s=600.0,
+            peers_failed=True,
+        )
+        is Step.WAIT
+    )
+
+
 def test_this_hosts_own_unfinished_lease_is_a_dead_samplers_and_taken_over() -> None:
     assert step(Lease("me", done=False)) is Step.TAKE
     assert step(Lease("me", done=True), waited_s=1.0) is Step.WAIT

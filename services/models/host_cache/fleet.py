@@ -102,6 +102,7 @@ class FleetSources:
                     own_host=self.host,
                     waited_s=time.monotonic() - started,
                     patience_s=self.patience_s,
+                    peers_failed=bool(tried),
                 )
                 if step is Step.TAKE:
                     revision = await self.leases.take(digest, over=lease is not None)

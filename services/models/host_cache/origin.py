@@ -55,13 +55,24 @@ class Step(enum.Enum):
     STORE = "store"  # waited long enough: the store, lease or not
 
 
-def next_step(*, peers_have: bool, lease: Lease | None, own_host: str, waited_s: float, patience_s: float) -> Step:
+def next_step(
+    *,
+    peers_have: bool,
+    lease: Lease | None,
+    own_host: str,
+    waited_s: float,
+    patience_s: float,
+    peers_failed: bool = False,
+) -> Step:
+    """``peers_failed``: peers that announced the blob were tried and gave it not
+    (cut off, too slow, wrong bytes): once the origin fetch is done, waiting for
+    another announcement may take the whole patience, so the store is read."""
     if peers_have:
         return Step.PEERS
     if lease is None or (lease.holder == own_host and not lease.done):
         # Ours but not done: left by a sampler of this host that died (one fetches a blob per host).
         return Step.TAKE
-    if waited_s >= patience_s:
+    if waited_s >= patience_s or (peers_failed and lease.done):
         return Step.STORE
     return Step.WAIT
 
