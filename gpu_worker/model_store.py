@@ -28,8 +28,9 @@ from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import OriginLeases
 from services.models.host_cache.sources import store_only
 from services.models.host_cache.verification import verify_if_due
+from services.models.store.errors import ModelNotInStore
 from services.models.store.manifest import Manifest
-from services.models.store.objects import ModelNotInStore, ObjectStore
+from services.models.store.objects import ObjectStore
 from services.presence_view import PresenceView, follow
 from services.rpc.server import Channels
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from services.config.model_store import ModelStoreSettings
 from services.mesh.pki import write_private
-from services.models.store.objects import ModelStoreError, ObjectStore
+from services.models.store.errors import ModelStoreError
+from services.models.store.objects import ObjectStore
 from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn
 
 # Each of weed's servers also binds a gRPC port (by default its port + 10000, which

@@ -65,12 +65,7 @@ async def test_verify_drops_a_corrupt_blob_and_its_version_and_the_next_resolve_
     cache = HostCache(tmp_path / "host", capacity_bytes=10**9, manifests=store, sources=store_only(store))
     path = await cache.resolve(name, "1")
     assert (await verify(cache.layout)).corrupt == []
-    big = max(cache.layout.complete_blobs(), key=lambda d: cache.layout.blob(d).stat().st_size)
-    fd = os.open(cache.layout.blob(big), os.O_WRONLY)
-    try:
-        os.pwrite(fd, b"rot", MB)  # bit rot on the disk, same size
-    finally:
-        os.close(fd)
+    big = rot(cache)
     found = await verify(cache.layout)
     assert (found.corrupt, found.dropped, found.checked) == ([big], [f"{name}:1"], 2)
     assert not cache.layout.blob(big).exists()

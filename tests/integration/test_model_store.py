@@ -18,8 +18,9 @@ import pytest
 
 from services.config.model_store import ModelStoreSettings
 from services.errors import ModelError
+from services.models.store.errors import ModelNotInStore, ModelStoreError
 from services.models.store.manifest import manifest_key
-from services.models.store.objects import ModelNotInStore, ModelStoreError, ObjectStore
+from services.models.store.objects import ObjectStore
 from services.models.store.push import content_version, file_digest, push_directory, source_directory
 from services.ops.processes import free_port
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -20,11 +18,13 @@ import pytest
 
 from services.config.model_store import ModelStoreSettings
 from services.config.sections import KernelSettings
+from services.models.store.errors import ModelStoreError
 from services.models.store.manifest import Manifest
-from services.models.store.objects import ModelStoreError, ObjectStore
+from services.models.store.objects import ObjectStore
 from services.models.store.push import file_digest, push_directory
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import make_stack
+from tests.integration.test_model_store import darkroom
 
 pytestmark = pytest.mark.integration
 
@@ -103,24 +103,14 @@ def test_no_other_http_port_of_the_store_writes_the_bucket_or_shows_an_identity(
     assert made[0] == 404
 
 
-def darkroom_models(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.ops.cli", "models", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_reader(
     model_store: Any, tmp_path: Path
 ) -> None:
     root = write_model(tmp_path / "m", {"model_index.json": b'{"who": 1}', "w.bin": os.urandom(10_000)})
     reader_only = {**os.environ, **model_store.reader_env(), "DARKROOM_DATA_DIR": str(tmp_path / "data")}
-    refused = darkroom_models(reader_only, "push", str(root), "by-cli")
+    refused = darkroom(reader_only, "push", str(root), "by-cli")
     assert refused.returncode == 1 and "DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY" in refused.stderr, refused.stderr
-    assert "by-cli" not in darkroom_models(reader_only, "list").stdout  # the reader lists
+    assert "by-cli" not in darkroom(reader_only, "list").stdout  # the reader lists
 
     writer = model_store.env()
     operator = {
@@ -128,11 +118,11 @@ def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_read
         "DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY": writer["DARKROOM_MODEL_STORE_ACCESS_KEY"],
         "DARKROOM_MODEL_STORE_WRITER_SECRET_KEY": writer["DARKROOM_MODEL_STORE_SECRET_KEY"],
     }
-    pushed = darkroom_models(operator, "push", str(root), "by-cli")
+    pushed = darkroom(operator, "push", str(root), "by-cli")
     assert pushed.returncode == 0, pushed.stderr
-    assert "by-cli " in darkroom_models(reader_only, "list").stdout
-    assert darkroom_models(reader_only, "rm", "by-cli").returncode == 1
-    removed = darkroom_models(operator, "rm", "by-cli")
+    assert "by-cli " in darkroom(reader_only, "list").stdout
+    assert darkroom(reader_only, "rm", "by-cli").returncode == 1
+    removed = darkroom(operator, "rm", "by-cli")
     assert removed.returncode == 0, removed.stderr
 
 

@@ -11,8 +11,6 @@ import asyncio
 import hashlib
 import os
 import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,9 +25,11 @@ from services.errors import ModelError
 from services.models.host_cache import HostCache, loading
 from services.models.host_cache.sources import store_only
 from services.models.registry import ModelRegistry
-from services.models.store.objects import ModelNotInStore, ModelStoreError, ObjectStore
+from services.models.store.errors import ModelNotInStore, ModelStoreError
+from services.models.store.objects import ObjectStore
 from services.models.store.push import push_directory
 from services.ops.processes import free_port
+from tests.integration.test_model_store import darkroom
 from tests.store_registry import write_store_registry
 
 
@@ -46,11 +46,6 @@ def write_model(root: Path, weights: bytes) -> Path:
 
 def cache_of(root: Path, store: ObjectStore) -> HostCache:
     return HostCache(root, capacity_bytes=10**9, manifests=store, sources=store_only(store))
-
-
-def darkroom(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "services.ops.cli", "models", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
 
 async def test_a_version_pushed_again_with_other_bytes_is_refused_unless_forced_then_served_everywhere(

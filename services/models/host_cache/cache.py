@@ -24,8 +24,8 @@ from services.models.host_cache.layout import BUILT_FROM, HELD, USED, Layout
 from services.models.host_cache.locks import acquire, lock_now, locked
 from services.models.host_cache.metrics import EVICTIONS, LOOKUPS
 from services.models.host_cache.sources import SourceChain
+from services.models.store.errors import ModelNotInStore, ModelStoreUnavailable
 from services.models.store.manifest import Manifest
-from services.models.store.objects import ModelNotInStore, ModelStoreUnavailable
 
 log = logging.getLogger(__name__)
 

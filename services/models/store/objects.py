@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig
 
 from services.config.model_store import ModelStoreSettings
-from services.errors import ModelError
+from services.models.store.errors import (
+    ModelNotInStore,
+    ModelStoreError,
+    ModelStoreUnavailable,
+    ModelVersionExists,
+)
 from services.models.store.manifest import (
     Manifest,
     blob_key,
@@ -35,23 +40,6 @@ _MB = 1024 * 1024
 # A store that does not answer fails a command in seconds, not after the
 # driver's default three minutes of retries.
 _RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=20)}
-
-
-class ModelStoreError(ModelError):
-    """The model store is not configured, cannot be reached, or refused a request."""
-
-
-class ModelStoreUnavailable(ModelStoreError):
-    """The store could not be reached, or failed to answer (not a refusal): a host
-    may go on with the copy of a manifest it kept."""
-
-
-class ModelNotInStore(ModelStoreError):
-    """No such model, or no such version of it, in the store."""
-
-
-class ModelVersionExists(ModelStoreError):
-    """A push of a version the store holds with other content, not forced."""
 
 
 @dataclass(frozen=True)

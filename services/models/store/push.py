@@ -23,8 +23,9 @@ from typing import Any
 
 from services.errors import ModelError
 from services.models.builtins import BUILTINS, ensure_builtin
+from services.models.store.errors import ModelVersionExists
 from services.models.store.manifest import BlobRef, Manifest, parse_reference
-from services.models.store.objects import ModelVersionExists, ObjectStore
+from services.models.store.objects import ObjectStore
 
 _CHUNK = 4 * 1024 * 1024
 
