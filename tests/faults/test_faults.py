@@ -221,8 +221,13 @@ def test_postgres_killed_under_up_is_restarted_by_it_submits_included(make) -> N
     # The postmaster alone, as the OOM killer or `kill -9` would: its backends
     # notice and exit by themselves.
     killed = stack.postgres.proc.pid
+    backends = psutil.Process(killed).children()
     os.kill(killed, signal.SIGKILL)
     fault_at = now()
+    # Submitted once no backend is left to answer (they exit as they notice, within
+    # moments): a submit sent in those moments is stored, and the refusal this row
+    # checks would depend on the race.
+    psutil.wait_procs(backends, timeout=30)
     during = [load.start(width=64, height=64, steps=40) for _ in range(4)]
     wait_for(
         lambda: up_metric(stack, "darkroom_backend_restarts_total", backend="postgres"),
