@@ -10,6 +10,8 @@ from typing import TypeVar
 import grpc
 import nats
 import psycopg
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from PIL import Image
 
 from services.bus.connection import connect_nats
@@ -201,3 +203,13 @@ def announce_fake_samplers(kernel: KernelSettings, warm: dict[str, tuple[str, ..
             await nc.close()
 
     asyncio.run(announce())
+
+
+def quota_failure(error: grpc.RpcError) -> error_details_pb2.QuotaFailure:
+    """The QuotaFailure of a call refused with RESOURCE_EXHAUSTED."""
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None
+    quota = error_details_pb2.QuotaFailure()
+    assert any(d.Unpack(quota) for d in status.details)
+    return quota

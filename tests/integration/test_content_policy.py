@@ -34,7 +34,7 @@ from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.safety.image_filter import OpenNsfw
 from tests.conftest import make_stack, running
-from tests.helpers import stub
+from tests.helpers import quota_failure, stub
 from tests.integration.test_tenants import as_key, darkroom, metric_samples
 
 pytestmark = pytest.mark.integration
@@ -280,11 +280,7 @@ def test_moderate_draws_on_its_tenant_s_rate_limit(stack: LocalStack, key: str) 
     client.Moderate(request, metadata=as_key(larks))  # its bucket's one call
     with pytest.raises(grpc.RpcError) as err:
         client.Moderate(request, metadata=as_key(larks))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    status = rpc_status.from_call(err.value)  # type: ignore[arg-type]
-    assert status is not None
-    quota = error_details_pb2.QuotaFailure()
-    assert any(d.Unpack(quota) for d in status.details)
+    quota = quota_failure(err.value)
     assert quota.violations[0].subject == "tenant:larks" and "rate" in quota.violations[0].description
     refused = sdk(stack, larks)
     with pytest.raises(openai.RateLimitError) as limited:

@@ -32,7 +32,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.safety.lm_expansion import ModelExpander
 from services.safety.vocabulary import Vocabulary, words_of
 from tests.conftest import fresh_database, make_stack, running
-from tests.helpers import stub, wait_for, wait_terminal
+from tests.helpers import quota_failure, stub, wait_for, wait_terminal
 from tests.integration.test_tenants import as_key, darkroom, metric_samples
 
 pytestmark = pytest.mark.integration
@@ -158,11 +158,7 @@ def test_a_submit_its_tenant_s_limits_refuse_is_refused_before_its_prompt_is_exp
     before = expansions(stack)
     with pytest.raises(grpc.RpcError) as refused:
         client.SubmitJob(job("a heron", expand_prompt=True), metadata=as_key(key))
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    status = rpc_status.from_call(refused.value)  # type: ignore[arg-type]
-    assert status is not None
-    quota = error_details_pb2.QuotaFailure()
-    assert any(d.Unpack(quota) for d in status.details)
+    quota = quota_failure(refused.value)
     assert quota.violations[0].subject == f"tenant:{tenant}"
     assert expansions(stack) == before
     listed = client.ListJobs(pb.ListJobsRequest(page_size=10), metadata=as_key(key)).jobs
