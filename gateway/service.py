@@ -9,12 +9,12 @@ from pathlib import Path
 
 from gateway.expansion import Expansion
 from gateway.servicer import ImageGenerationServicer
+from services.bus.credentials import NatsCredentials
 from services.bus.events import Events
 from services.config.fields import SettingsError
 from services.config.http import HttpSettings
 from services.config.sections import GatewaySettings, KernelSettings
 from services.db.repository import Repository
-from services.mesh.nats_auth import NatsCredentials
 from services.mesh.rpc import MeshIdentity, public_server_credentials
 from services.models.registry import ModelRegistry
 from services.open_access import anonymous_allowed, refusal

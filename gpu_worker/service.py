@@ -29,6 +29,7 @@ from gpu_worker.prefetch import Prefetcher
 from gpu_worker.runner import JobRunner
 from gpu_worker.servicer import create_server
 from gpu_worker.tracker import JobTracker, StopReason
+from services.bus.credentials import NatsCredentials
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events
 from services.bus.presence_board import BoardOnConnection
@@ -37,7 +38,7 @@ from services.config.sections import KernelSettings
 from services.config.workers import SamplerSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
-from services.mesh.nats_auth import NatsCredentials, sampler_user
+from services.mesh.nats_auth import sampler_user
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry

@@ -17,13 +17,13 @@ from datetime import UTC, datetime
 from scheduler.job_gauges import job_gauges_loop
 from scheduler.metrics import count_settled
 from scheduler.passes import Passes
+from services.bus.credentials import NatsCredentials
 from services.bus.dispatch import Bus
 from services.bus.presence_board import BoardOnConnection
 from services.config.sections import KernelSettings, SchedulerSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind
 from services.errors import BusError, StoreError
-from services.mesh.nats_auth import NatsCredentials
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, host

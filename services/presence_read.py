@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats
 
 from services.bus.connection import BUS_ERRORS
+from services.bus.credentials import NatsCredentials
 from services.bus.presence_board import PresenceBoard
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
 from services.errors import BusError
 from services.presence_view import PresenceView, entry_age_s
-
-if TYPE_CHECKING:
-    from services.mesh.nats_auth import NatsCredentials
 
 
 async def read_once(nc: nats.NATS, *, stale_after_s: float, timeout_s: float = 5.0) -> list[WorkerRecord]:

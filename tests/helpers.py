@@ -15,10 +15,10 @@ from grpc_status import rpc_status
 from PIL import Image
 
 from services.bus.connection import connect_nats
+from services.bus.credentials import NatsCredentials
 from services.config.fields import ENV_PREFIX
 from services.config.sections import KernelSettings, Settings
 from services.db.worker_records import WorkerRecord
-from services.mesh.nats_auth import NatsCredentials
 from services.ops.stack import LocalStack
 from services.presence_read import presence_now
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from services.bus.credentials import NatsCredentials
 from services.bus.dispatch import check_worker_id, host_token
 from services.bus.events import Events
 from services.bus.presence_board import BoardOnConnection
@@ -25,7 +26,7 @@ from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
-from services.mesh.nats_auth import DECODER_USER, NatsCredentials
+from services.mesh.nats_auth import DECODER_USER
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.encoding import encode_output

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats
 from nats.errors import Error as NatsError
 
 from services.backoff import Backoff
+from services.bus.credentials import NatsCredentials
 from services.errors import BusError
-
-if TYPE_CHECKING:
-    from services.mesh.nats_auth import NatsCredentials
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import logging
 import re
 import socket
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 import nats
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
@@ -21,12 +20,10 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from services.backoff import Backoff
 from services.bus.connection import BUS_ERRORS, connect_nats
+from services.bus.credentials import NatsCredentials
 from services.bus.puller import DispatchPuller
 from services.errors import BusError, MalformedDispatch
 from services.generation import JobShape
-
-if TYPE_CHECKING:
-    from services.mesh.nats_auth import NatsCredentials
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,10 @@ that sampler holds the job's attempt (``gateway/streams.py``)."""
 from __future__ import annotations
 
 import json
-import ssl
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.bus.credentials import inbox_prefix
 from services.bus.dispatch import DISPATCH_PREFIX, DISPATCH_STREAM, check_worker_id, consumer_name
 from services.bus.events import JOB_PREFIX, SAMPLER_PUBLISHER_PREFIX, WORK_SUBJECT
 from services.bus.presence_board import CANARY, PLAN, plan_key, worker_key
@@ -25,7 +24,7 @@ from services.bus.presence_board import STREAM as PRESENCE_STREAM
 from services.bus.presence_board import SUBJECT_PREFIX as PRESENCE_PREFIX
 from services.db.states import WorkerKind
 from services.mesh.pki import CertPaths
-from services.mesh.secrets import nats_password_path, password, read_nats_password
+from services.mesh.secrets import nats_password_path, password
 from services.models.host_cache.origin import STREAM as ORIGIN_STREAM
 from services.models.host_cache.origin import SUBJECT_PREFIX as ORIGIN_PREFIX
 
@@ -67,11 +66,6 @@ def _presence_watch() -> list[str]:
 
 def sampler_user(worker_id: str) -> str:
     return f"{SAMPLER_USER_PREFIX}{check_worker_id(worker_id)}"
-
-
-def inbox_prefix(user: str) -> str:
-    """Where a user's replies come: its own, so that no one else may read them."""
-    return f"_INBOX.{user}"
 
 
 def permissions(user: str) -> dict[str, dict[str, list[str]]]:
@@ -190,44 +184,3 @@ def server_config(
             cluster["tls"] = tls  # routes too: a node presents the nats certificate to its peers
         lines.append("cluster: " + json.dumps(cluster))
     return "\n".join(lines) + "\n"
-
-
-@dataclass(frozen=True)
-class NatsCredentials:
-    """How one service connects: its user, password, TLS context and inbox. The
-    context takes a renewed certificate when ``reload_if_renewed`` is called (at
-    each disconnection): the next connection presents it."""
-
-    user: str
-    password: str
-    tls: ssl.SSLContext
-    paths: CertPaths | None = None
-    _loaded: list[tuple[float, float, float]] = field(default_factory=list, compare=False)
-
-    def reload_if_renewed(self) -> bool:
-        if self.paths is None:
-            return False
-        mtimes = self.paths.mtimes()
-        if self._loaded and self._loaded[0] == mtimes:
-            return False
-        try:
-            self.tls.load_cert_chain(str(self.paths.cert), str(self.paths.key))
-        except (OSError, ssl.SSLError):
-            return False  # half-written: the next disconnection tries again
-        self._loaded[:] = [mtimes]
-        return True
-
-    @property
-    def inbox_prefix(self) -> str:
-        return inbox_prefix(self.user)
-
-    @classmethod
-    def of(cls, mesh_dir: str | Path, role: str, user: str) -> NatsCredentials | None:
-        """``user``'s credentials, presenting ``role``'s certificate; None where the
-        mesh is open."""
-        if not str(mesh_dir):
-            return None
-        paths = CertPaths.of(Path(mesh_dir), role)
-        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(paths.ca))
-        context.load_cert_chain(str(paths.cert), str(paths.key))
-        return cls(user, read_nats_password(Path(mesh_dir), user), context, paths, [paths.mtimes()])

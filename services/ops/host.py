@@ -17,13 +17,13 @@ from typing import Protocol
 import nats
 
 from services.bus.connection import connect_nats
+from services.bus.credentials import NatsCredentials
 from services.bus.dispatch import Bus
 from services.bus.events import Events
 from services.bus.presence_board import BoardOnConnection
 from services.config.sections import KernelSettings
 from services.db.migrate import schema_when_ready, upgrade_when_reachable
 from services.errors import BusError
-from services.mesh.nats_auth import NatsCredentials
 from services.presence import Presence
 from services.presence_view import PresenceView, follow
 from services.rpc.server import Server

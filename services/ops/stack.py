@@ -257,9 +257,9 @@ class LocalStack:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from services.bus.credentials import NatsCredentials
         from services.db.states import WorkerKind, WorkerStatus
         from services.errors import BusError
-        from services.mesh.nats_auth import NatsCredentials
         from services.presence_read import presence_now
         from services.rpc.client import gateway_channel
 

@@ -18,10 +18,11 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from http_api.signed_urls import load_key
+from services.bus.credentials import NatsCredentials
 from services.config.fields import Section
 from services.config.sections import KernelSettings
 from services.config.workers import SamplerSettings
-from services.mesh.nats_auth import NatsCredentials, sampler_user
+from services.mesh.nats_auth import sampler_user
 from services.mesh.rpc import MeshIdentity
 from services.ops import SERVICE_MODULES
 from tests.deploy.environment import container_env, load_settings, service_of

@@ -21,10 +21,11 @@ from pathlib import Path
 import grpc
 import psycopg
 
+from services.bus.credentials import NatsCredentials
 from services.db.states import WorkerStatus
 from services.db.worker_records import WorkerRecord
 from services.errors import BusError
-from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials, sampler_user, server_config
+from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, sampler_user, server_config
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded_nats import nats_server_binary

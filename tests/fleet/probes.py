@@ -14,8 +14,8 @@ import grpc
 import nats
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.bus.credentials import NatsCredentials
 from services.bus.dispatch import DISPATCH_STREAM
-from services.mesh.nats_auth import NatsCredentials
 from tests.faults.harness import Load
 from tests.fleet.postgres_ha import PORT
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from services.bus.connection import connect_nats
+from services.bus.credentials import NatsCredentials
 from services.errors import ModelError
-from services.mesh.nats_auth import CONTROL_USERS, NatsCredentials, sampler_user
+from services.mesh.nats_auth import CONTROL_USERS, sampler_user
 from services.mesh.pki import ROLES
 from services.mesh.secrets import ensure_certificates
 from services.models.host_cache import origin

@@ -21,12 +21,13 @@ from nats.js.api import KeyValueConfig
 from scheduler.recovery import RecoveryConfig
 from scheduler.stalled import recover_stalled
 from services.bus.connection import connect_nats
+from services.bus.credentials import NatsCredentials
 from services.bus.presence_board import BUCKET, Announcement, PresenceBoard, worker_key
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WarmPlan, WorkerHeartbeat
 from services.errors import WorkerSuperseded
-from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, NatsCredentials, sampler_user
+from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, sampler_user
 from services.mesh.secrets import ensure_certificates
 from services.ops.embedded_nats import EmbeddedNats
 from services.presence_read import read_once

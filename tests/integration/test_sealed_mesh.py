@@ -21,6 +21,7 @@ import pytest
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from services.bus.credentials import NatsCredentials, inbox_prefix
 from services.bus.dispatch import DISPATCH_STREAM, consumer_name, dispatch_subject
 from services.bus.presence_board import BUCKET as PRESENCE_BUCKET
 from services.bus.presence_board import STREAM as PRESENCE_STREAM
@@ -28,7 +29,7 @@ from services.bus.presence_board import SUBJECT_PREFIX as PRESENCE_PREFIX
 from services.bus.presence_board import Announcement, PresenceBoard, plan_key, worker_key
 from services.db.states import WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerHeartbeat
-from services.mesh.nats_auth import NatsCredentials, inbox_prefix, sampler_user
+from services.mesh.nats_auth import sampler_user
 from services.mesh.pki import CertificateAuthority, CertPaths
 from services.mesh.secrets import nats_password_path, password
 from services.ops.embedded import EmbeddedPostgres
