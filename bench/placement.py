@@ -48,11 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
 from scheduler.simulator.engine import Simulation
+from scheduler.simulator.fleet import Policy
 from scheduler.simulator.ideal import NAME as IDEAL
 from scheduler.simulator.ideal import IdealPolicy, ideal_scenario
 from scheduler.simulator.policies import POLICIES, SEEDS
 from scheduler.simulator.report import Row, median, seed_table, summarize, sustainable, worst
-from scheduler.simulator.world import Policy
 
 SIMULATOR = scenarios.DEFAULT_SCENARIO.parent
 # The scenarios a plain run benches, the default one last (its figures end the output).

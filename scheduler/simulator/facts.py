@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from scheduler import snapshot
 from scheduler.simulator import joining
-from scheduler.simulator.engine import Simulation
+from scheduler.simulator.fleet import SimFleet
 from scheduler.simulator.world import Gpu, Job
 from services.db.counts import SubmittedCount
 from services.db.states import WorkerStatus
@@ -45,7 +45,7 @@ class WorldFacts:
         return fact
 
     @staticmethod
-    def worker(sim: Simulation, gpu: Gpu, now: float, primary: str | None) -> snapshot.Worker:
+    def worker(sim: SimFleet, gpu: Gpu, now: float, primary: str | None) -> snapshot.Worker:
         served = sim.served(gpu)
         return snapshot.Worker(
             id=gpu.id,
@@ -77,7 +77,7 @@ class WorldFacts:
             pending_s=gpu.run_load_s + gpu.run_resume_s,
         )
 
-    def held(self, sim: Simulation, gpu: Gpu, now: float) -> list[snapshot.HeldWork]:
+    def held(self, sim: SimFleet, gpu: Gpu, now: float) -> list[snapshot.HeldWork]:
         """What ``gpu`` holds: its running batch, then its queue as it will run it,
         jobs of one type as batches (at the first of them), a resumed job alone."""
         held = []
@@ -114,7 +114,7 @@ class WorldFacts:
         key = BatchKey(t.model, t.width, t.height, t.steps, GUIDANCE)
         return snapshot.HeldWork(gpu.id, key, sum(images), max(images), holding, progress)
 
-    def running(self, sim: Simulation, now: float) -> list[snapshot.RunningJob]:
+    def running(self, sim: SimFleet, now: float) -> list[snapshot.RunningJob]:
         running = []
         for gpu in sim.live():
             if gpu.running is None:
@@ -136,9 +136,7 @@ class WorldFacts:
                 )
         return running
 
-    def fleet_snapshot(
-        self, sim: Simulation, now: float, primaries: Mapping[str, str | None]
-    ) -> snapshot.FleetSnapshot:
+    def fleet_snapshot(self, sim: SimFleet, now: float, primaries: Mapping[str, str | None]) -> snapshot.FleetSnapshot:
         """The pending jobs, and every live GPU with what it holds."""
         live = sim.live()
         return snapshot.FleetSnapshot(

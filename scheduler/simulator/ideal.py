@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from scheduler.simulator.engine import Simulation
+from scheduler.simulator.fleet import SimFleet
 from scheduler.simulator.scenario import Scenario
 from scheduler.simulator.world import Gpu, Job
 
@@ -52,7 +52,7 @@ class IdealPolicy:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
 
-    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+    def dispatch(self, sim: SimFleet, now: float) -> list[tuple[Job, str]]:
         live = sorted(sim.live(), key=lambda g: g.id)
         idle = [g for g in live if g.idle and not g.queue]
         # GPUs already asked to suspend free up for waiting latency-bound jobs:
@@ -78,7 +78,7 @@ class IdealPolicy:
         return placed
 
     @staticmethod
-    def _victim(sim: Simulation, job: Job, live: list[Gpu], now: float) -> Gpu | None:
+    def _victim(sim: SimFleet, job: Job, live: list[Gpu], now: float) -> Gpu | None:
         """The GPU fitting ``job``'s model whose running batch is all best effort,
         not yet asked to suspend, with the most work left (ties: lowest id)."""
         candidates = [
@@ -92,9 +92,9 @@ class IdealPolicy:
         return min(candidates, key=lambda g: (-(g.busy_until - now), g.id), default=None)
 
     def on_done(
-        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+        self, sim: SimFleet, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
     ) -> None:
         pass
 
-    def on_tick(self, sim: Simulation, now: float) -> None:
+    def on_tick(self, sim: SimFleet, now: float) -> None:
         pass

@@ -21,15 +21,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from scheduler.simulator.scenario import Scenario
 from scheduler.simulator.world import Gpu, Job, Member, SteppedBatch
 from scheduler.snapshot import Progress
 from services.generation import JoinKey
 from services.seats import OpenSeat
 
-if TYPE_CHECKING:
-    from scheduler.simulator.engine import Simulation
+
+class Stepping(Protocol):
+    """What continuous batching uses of the simulation (``fleet.SimFleet``): the
+    models, a GPU's speed, a wake at a GPU's next change, and the policy told of the
+    jobs that left."""
+
+    scenario: Scenario
+
+    def speed(self, gpu: Gpu, now: float) -> float: ...
+
+    def wake(self, gpu: Gpu, at: float) -> None: ...
+
+    def finished(self, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None) -> None: ...
 
 
 def join_key(job: Job) -> JoinKey:
@@ -37,7 +49,7 @@ def join_key(job: Job) -> JoinKey:
     return JoinKey(t.model, t.width, t.height)
 
 
-def start(sim: Simulation, gpu: Gpu, jobs: Sequence[Job], load_s: float, resume_s: float, now: float) -> None:
+def start(sim: Stepping, gpu: Gpu, jobs: Sequence[Job], load_s: float, resume_s: float, now: float) -> None:
     """``jobs`` start a batch on ``gpu`` at ``now``; its steps begin once its model
     is loaded and a resumed job's checkpoint read."""
     begins = now + load_s + resume_s
@@ -51,7 +63,7 @@ def start(sim: Simulation, gpu: Gpu, jobs: Sequence[Job], load_s: float, resume_
     sim.wake(gpu, _next_change(batch, now))
 
 
-def offer(sim: Simulation, gpu: Gpu, now: float) -> None:
+def offer(sim: Stepping, gpu: Gpu, now: float) -> None:
     """Jobs placed on ``gpu`` while its batch runs: those that can join it do."""
     batch = gpu.stepped
     assert batch is not None
@@ -84,7 +96,7 @@ def _take_joiners(gpu: Gpu, now: float, *, running: bool) -> bool:
     return joined
 
 
-def boundary(sim: Simulation, gpu: Gpu, now: float) -> bool:
+def boundary(sim: Stepping, gpu: Gpu, now: float) -> bool:
     """``gpu``'s batch is at a boundary where it changes: who is done leaves, who
     was offered joins. Whether the batch ended (the GPU is free)."""
     batch = gpu.stepped
@@ -118,7 +130,7 @@ def stop_boundary(gpu: Gpu, now: float) -> tuple[None, float] | None:
     return None, at
 
 
-def stop(sim: Simulation, gpu: Gpu, at: float) -> list[Job]:
+def stop(sim: Stepping, gpu: Gpu, at: float) -> list[Job]:
     """``gpu``'s batch stops at the boundary ``at``: who is done there leaves; the
     rest, returned, keep the share of their steps they did."""
     batch = gpu.stepped
@@ -158,7 +170,7 @@ def progress(gpu: Gpu, jobs: Sequence[Job], now: float) -> Progress:
     return Progress(done=done, elapsed_s=now - batch.since - _steps_between(batch, now) * batch.step_s)
 
 
-def _leave(sim: Simulation, gpu: Gpu, now: float) -> None:
+def _leave(sim: Stepping, gpu: Gpu, now: float) -> None:
     """Counts the steps to ``now`` (a boundary); the members done leave, their
     run learned as a sampler reports it: once, from the first, under the images
     it ran beside on average."""
@@ -182,10 +194,10 @@ def _leave(sim: Simulation, gpu: Gpu, now: float) -> None:
         m.job.finish_s, m.job.done, m.job.suspend_requested = now, 1.0, False
     first = left[0]
     mean_rows = round(first.row_steps / max(first.steps_run, 1))
-    sim.policy.on_done(sim, [m.job for m in left], gpu, now - first.joined_at, now, rows=mean_rows)
+    sim.finished([m.job for m in left], gpu, now - first.joined_at, now, rows=mean_rows)
 
 
-def _step_s(sim: Simulation, gpu: Gpu, now: float) -> float:
+def _step_s(sim: Stepping, gpu: Gpu, now: float) -> float:
     batch = gpu.stepped
     assert batch is not None
     jobs = [m.job for m in batch.members]

@@ -11,8 +11,8 @@ from dataclasses import replace
 from scheduler import driver
 from scheduler.estimates import Durations, Shape, observe, with_observation
 from scheduler.fair_share import charged
-from scheduler.simulator.engine import Simulation
 from scheduler.simulator.facts import WorldFacts
+from scheduler.simulator.fleet import SimFleet
 from scheduler.simulator.scenario import GIB, Scenario
 from scheduler.simulator.world import Gpu, Job
 from scheduler.snapshot import FleetSnapshot, TenantUsage
@@ -45,7 +45,7 @@ class DarkroomPolicy:
         self.tenants = scenario.tenants.light > 0
         self.usage: dict[str, TenantUsage] = {}
 
-    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+    def dispatch(self, sim: SimFleet, now: float) -> list[tuple[Job, str]]:
         preempting = self.preemption.enabled
         if not self.batching and not preempting and not any(g.held <= self.config.backlog_limit for g in sim.live()):
             return []  # no worker has room: the pass could only explain, not place
@@ -71,7 +71,7 @@ class DarkroomPolicy:
         return [(by_id[p.job_id], p.worker_id) for p in decision.placed if p.worker_id is not None]
 
     def on_done(
-        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+        self, sim: SimFleet, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
     ) -> None:
         # The images it ran beside: a batch's own, or a continuous batch's on average.
         images = rows or sum(j.trace.type.batch for j in batch)
@@ -90,7 +90,7 @@ class DarkroomPolicy:
         obs = observe(self.durations, shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
         self.durations = with_observation(self.durations, shape, gpu.id, obs)
 
-    def on_tick(self, sim: Simulation, now: float) -> None:
+    def on_tick(self, sim: SimFleet, now: float) -> None:
         window = sim.scenario.demand_window_s
         submitted = []
         for job in reversed(sim.arrived):
@@ -114,10 +114,10 @@ class _Immediate:
 
     name = ""
 
-    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+    def pick(self, sim: SimFleet, job: Job, gpus: list[Gpu]) -> Gpu:
         raise NotImplementedError
 
-    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+    def dispatch(self, sim: SimFleet, now: float) -> list[tuple[Job, str]]:
         live = sim.live()
         for job in list(sim.pending):
             able = [g for g in live if sim.fits(g, job.model)]
@@ -126,11 +126,11 @@ class _Immediate:
         return []  # assigned one by one: each pick sees the queues the last one left
 
     def on_done(
-        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+        self, sim: SimFleet, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
     ) -> None:
         pass
 
-    def on_tick(self, sim: Simulation, now: float) -> None:
+    def on_tick(self, sim: SimFleet, now: float) -> None:
         pass
 
 
@@ -140,7 +140,7 @@ class RoundRobin(_Immediate):
     def __init__(self, scenario: Scenario) -> None:
         self.turn = itertools.count()
 
-    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+    def pick(self, sim: SimFleet, job: Job, gpus: list[Gpu]) -> Gpu:
         return gpus[next(self.turn) % len(gpus)]
 
 
@@ -153,7 +153,7 @@ class ShortestQueue(_Immediate):
     def __init__(self, scenario: Scenario) -> None:
         pass
 
-    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+    def pick(self, sim: SimFleet, job: Job, gpus: list[Gpu]) -> Gpu:
         return min(gpus, key=lambda g: g.held)
 
 
@@ -167,7 +167,7 @@ class ModelAffinity(_Immediate):
     def __init__(self, scenario: Scenario) -> None:
         self.max_depth = scenario.seeds.max_queue_depth
 
-    def pick(self, sim: Simulation, job: Job, gpus: list[Gpu]) -> Gpu:
+    def pick(self, sim: SimFleet, job: Job, gpus: list[Gpu]) -> Gpu:
         for gpu in gpus:
             if job.model in gpu.loaded and gpu.held < self.max_depth:
                 return gpu
@@ -201,14 +201,14 @@ class LoadRatio:
             if video & self.tags[g.id]
         ]
 
-    def _capable(self, sim: Simulation, job: Job, gpu: Gpu, busy: bool) -> bool:
+    def _capable(self, sim: SimFleet, job: Job, gpu: Gpu, busy: bool) -> bool:
         if job.model not in self.tags[gpu.id] or not sim.fits(gpu, job.model):
             return False
         if job.capability == "video" and busy:
             return gpu.id in self.video_workers[: self.busy_video]
         return True
 
-    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+    def dispatch(self, sim: SimFleet, now: float) -> list[tuple[Job, str]]:
         live = sim.live()
         for job in sorted(sim.pending, key=lambda j: (-j.trace.priority, j.queued_at)):
             busy = len(sim.pending) > 1
@@ -221,11 +221,11 @@ class LoadRatio:
         return []
 
     def on_done(
-        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+        self, sim: SimFleet, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
     ) -> None:
         pass
 
-    def on_tick(self, sim: Simulation, now: float) -> None:
+    def on_tick(self, sim: SimFleet, now: float) -> None:
         pass
 
 

@@ -1,18 +1,14 @@
 """The simulated world's things: a job as it goes through the simulator, a GPU
-with what it has loaded, queued and running, a run's result, and what a placement
-policy must answer to be simulated."""
+with what it has loaded, queued and running, and a run's result. What a placement
+policy must answer to be simulated is ``fleet.Policy``."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 from scheduler.simulator.scenario import GIB, SimGpu
 from scheduler.simulator.trace import TraceJob
-
-if TYPE_CHECKING:
-    from scheduler.simulator.engine import Simulation
 
 
 @dataclass
@@ -128,21 +124,3 @@ class Result:
     up_s: float
     overloaded: bool
     suspensions: int = 0
-
-
-class Policy(Protocol):
-    name: str
-
-    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
-        """Assignments of pending jobs to GPUs; jobs not named stay pending."""
-        ...
-
-    def on_done(
-        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
-    ) -> None:
-        """``batch``: the jobs that ran together (or left a continuous batch
-        together), ``run_s`` the time of the first (without a load), ``rows`` the
-        images of the batch it ran in, on average over its steps (None: ``batch``'s)."""
-        ...
-
-    def on_tick(self, sim: Simulation, now: float) -> None: ...

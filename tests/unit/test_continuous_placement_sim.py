@@ -14,6 +14,7 @@ import pytest
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.facts import WorldFacts
+from scheduler.simulator.fleet import SimFleet
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.trace import TraceJob
 from scheduler.simulator.world import Gpu, Job
@@ -109,15 +110,15 @@ class _SuspendOnSecondTick:
     def __init__(self) -> None:
         self.ticks = 0
 
-    def dispatch(self, sim: Simulation, now: float) -> list[tuple[Job, str]]:
+    def dispatch(self, sim: SimFleet, now: float) -> list[tuple[Job, str]]:
         return [(job, "g") for job in sim.pending]
 
     def on_done(
-        self, sim: Simulation, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
+        self, sim: SimFleet, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None
     ) -> None:
         pass
 
-    def on_tick(self, sim: Simulation, now: float) -> None:
+    def on_tick(self, sim: SimFleet, now: float) -> None:
         self.ticks += 1
         if self.ticks == 2:
             sim.suspend("g", now)
