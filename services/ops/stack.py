@@ -2,12 +2,9 @@
 nats-server (embedded, unless URLs are configured), then the VAE worker, one
 sampler per GPU (or CPU samplers), the scheduler and the gateway. ``darkroom up``
 and the integration tests both use it; which processes a host runs is in
-``services.ops.children``, shared with ``darkroom supervise``.
-
-The stack holds its data directory's lock while it runs (``data_lock``): backends
-found running on it were left by an ``up`` that died, and are stopped cleanly
-before its own start (``orphans``). Its own backends are supervised like its
-children (``backends``), and every process it starts dies with it."""
+``services.ops.children``, shared with ``darkroom supervise``. Here: the services,
+their readiness and their metrics; the backends beneath them and the data
+directory's lock are ``stack_backends``'s. Every process it starts dies with it."""
 
 from __future__ import annotations
 
@@ -15,30 +12,17 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from services.config.fields import SettingsError
 from services.config.sections import Settings
 from services.mesh.nats_auth import sampler_user
-from services.mesh.secrets import ensure_certificates, password
-from services.ops.backends import BackendMetrics, SupervisedBackend
-from services.ops.children import (
-    MetricsPorts,
-    child,
-    host_children,
-    metrics_targets,
-    restart_policy,
-    stop_order,
-)
-from services.ops.data_lock import DataDirLock
-from services.ops.embedded import EmbeddedPostgres
-from services.ops.embedded_nats import EmbeddedNats
-from services.ops.model_store import READER_SECRET_FILE, WRITER_SECRET_FILE, EmbeddedModelStore, StoreIdentity
-from services.ops.orphans import stop_nats_servers
+from services.mesh.secrets import password
+from services.ops.children import MetricsPorts, child, host_children, metrics_targets, stop_order
 from services.ops.processes import free_port
-from services.ops.supervisor import Child, Supervisor
+from services.ops.stack_backends import StackBackends
+from services.ops.supervisor import Child
 from services.telemetry.metrics import Target, targets_path, write_targets
 
 
-class LocalStack:
+class LocalStack(StackBackends):
     def __init__(
         self,
         settings: Settings,
@@ -49,22 +33,12 @@ class LocalStack:
         http: bool = False,
         model_store: bool = False,
     ) -> None:
-        self.settings = settings
+        super().__init__(settings, durable=durable, model_store=model_store)
         self.cpu_workers = cpu_workers
         self.decoders = decoders
-        self.durable = durable
         self.http = http  # the HTTP API too (`darkroom up`)
-        self.postgres: EmbeddedPostgres | None = None
-        self.nats: EmbeddedNats | None = None
-        # `up --model-store`: a local S3 server for `store:` models, unless DARKROOM_MODEL_STORE_URL names one.
-        self.start_model_store = model_store
-        self.model_store: EmbeddedModelStore | None = None
-        self.supervisor = Supervisor(restart_policy(settings))
         self.log_dir = settings.kernel.data_dir / "logs"
         self.metrics_ports = MetricsPorts(settings.kernel.metrics_port)
-        self.lock = DataDirLock(settings.kernel.data_dir)
-        # The stack's own metrics (its backends' restarts), served by `up` itself.
-        self.backend_metrics = BackendMetrics()
         self.own_metrics: Target | None = None
 
     @property
@@ -95,65 +69,6 @@ class LocalStack:
         if system:
             candidates.append(Path(system))
         return b"".join(p.read_bytes() for p in candidates if p.is_file())
-
-    @property
-    def pg_url(self) -> str:
-        """The database URL for psycopg (no SQLAlchemy driver suffix)."""
-        return self.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
-
-    def start_backends(self) -> None:
-        data = self.settings.kernel.data_dir
-        data.mkdir(parents=True, exist_ok=True)
-        self.lock.acquire()
-        if not self.settings.kernel.mesh_dir:
-            # Sealed by default: the CA, a certificate per role, and passwords, made once.
-            ensure_certificates(data / "secrets")
-            self.settings = self.settings.with_env({"DARKROOM_MESH_DIR": str(data / "secrets")})
-        if not self.settings.kernel.database_url:
-            self.postgres = EmbeddedPostgres(data, durable=self.durable, mesh_dir=Path(self.settings.kernel.mesh_dir))
-            self.postgres.start(take_over=True)  # the lock is ours: a server on its data is an orphan
-            self.settings = self.settings.with_env({"DARKROOM_DATABASE_URL": self.postgres.url})
-        if not self.settings.kernel.nats_url:
-            self.nats = EmbeddedNats(data, mesh_dir=Path(self.settings.kernel.mesh_dir))
-            stop_nats_servers(self.nats.config_path)  # orphans on its store, as above
-            self.nats.start()
-            self.settings = self.settings.with_env({"DARKROOM_NATS_URL": self.nats.url})
-        if self.start_model_store and not self.settings.kernel.model_store.model_store_url:
-            secrets = Path(self.settings.kernel.mesh_dir)
-            # Made once, kept with the others: the writer's for the operator's
-            # `darkroom models`, the reader's for the samplers and decoders.
-            self.model_store = EmbeddedModelStore(
-                data / "model-store",
-                bucket=self.settings.kernel.model_store.model_store_bucket,
-                writer=StoreIdentity("darkroom-writer", password(secrets / WRITER_SECRET_FILE)),
-                reader=StoreIdentity("darkroom-reader", password(secrets / READER_SECRET_FILE)),
-            )
-            self.model_store.start()
-            self.settings = self.settings.with_env(self.model_store.reader_env())
-        for name, backend in (("postgres", self.postgres), ("nats", self.nats), ("model-store", self.model_store)):
-            if backend is not None:
-                self.supervisor.watch(SupervisedBackend(name, backend, self.backend_metrics))
-        from services.db.migrate import upgrade
-
-        upgrade(self.settings.kernel.database_url)
-
-    def check_open_access(self) -> None:
-        """Raises SettingsError, naming the fix, where the gateway would refuse to
-        start: open (no tenants, no keys) with a listener off the loopback
-        (``services.open_access``). Said here, before any child starts, rather than
-        by a gateway its supervisor restarts."""
-        from services.open_access import anonymous_allowed, refusal
-
-        gateway, http = self.settings.gateway, self.settings.http
-        if gateway.api_keys or anonymous_allowed(gateway, http):
-            return
-        import psycopg
-
-        with psycopg.connect(self.pg_url, connect_timeout=5) as conn:
-            row = conn.execute("SELECT EXISTS (SELECT 1 FROM tenants)").fetchone()
-        why = refusal(gateway, http, tenants_exist=bool(row and row[0]))
-        if why:
-            raise SettingsError(why)
 
     def metrics_targets(self) -> list[Target]:
         own = [self.own_metrics] if self.own_metrics is not None else []
@@ -221,8 +136,6 @@ class LocalStack:
     def _add_http(self) -> None:
         """The HTTP API, speaking to this stack's gateway, signing links with a key
         kept beside the stack's other secrets."""
-        from services.mesh.secrets import password
-
         secrets = Path(self.settings.kernel.mesh_dir or self.settings.kernel.data_dir / "secrets")
         secrets.mkdir(parents=True, exist_ok=True)
         password(secrets / "http-url.key")  # made once, random, 0600
@@ -307,11 +220,4 @@ class LocalStack:
         # (A stack refused the data directory's lock lists nothing: the targets are another's.)
         if self.lock.held:
             write_targets(targets_path(self.settings.kernel.data_dir), [])
-        self.backend_metrics.close()
-        if self.nats is not None:
-            self.nats.stop()
-        if self.model_store is not None:
-            self.model_store.stop()
-        if self.postgres is not None:
-            self.postgres.stop()
-        self.lock.release()
+        self.stop_backends()
