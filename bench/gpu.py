@@ -50,8 +50,9 @@ import torch
 
 from bench.stack_run import BenchStack
 from services.models import speed
-from services.models.registry import DEFAULT_REGISTRY, ModelFamily, ModelRegistry, ModelSpec
+from services.models.registry import DEFAULT_REGISTRY, ModelRegistry
 from services.models.sources import resolve_source
+from services.models.spec import ModelFamily, ModelSpec
 
 
 @dataclass(frozen=True)

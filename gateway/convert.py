@@ -16,7 +16,8 @@ from services.db.records import ImageRecord, JobRecord, SuspendEvent
 from services.db.states import JobStatus, WorkerStatus
 from services.db.worker_records import WorkerRecord
 from services.generation import GenerationParams
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelSpec
 from services.rpc.chunks import split
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.telemetry import stages

@@ -16,7 +16,7 @@ from typing import TypeVar
 from PIL import Image
 
 from services.errors import FieldViolation
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 T = TypeVar("T")
 FORMATS = ("PNG", "JPEG", "WEBP")

@@ -20,7 +20,8 @@ from services.db.records import NewJob
 from services.db.tenant_records import DEFAULT_TENANT
 from services.errors import FieldViolation, InvalidArgument, PermissionDenied
 from services.generation import GenerationParams, JobInputs
-from services.models.registry import MAX_FPS, ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import MAX_FPS, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.safety.prompt_filter import PromptFilter
 from services.safety.verdicts import previews_allowed

@@ -23,7 +23,7 @@ from gpu_worker import checkpoint_format
 from gpu_worker.checkpoint_format import Checkpoint, CheckpointMismatch, Snapshot
 from gpu_worker.denoising import BatchMember, JobSuspended, MemberResult
 from services.errors import JobInterrupted
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from gpu_worker.checkpoint_format import Checkpoint
 from gpu_worker.model_cache import ModelLoader
 from services.errors import DarkroomError, JobInterrupted
 from services.generation import GenerationParams
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from gpu_worker.checkpoint_capture import MemberCheckpoints

@@ -43,7 +43,7 @@ from gpu_worker.step_groups import guided_noise, step_groups, takes_generator
 from services.generation import GenerationParams
 from services.models import loader, speed
 from services.models.loader import Loaded
-from services.models.registry import ModelSpec, scheduler_class
+from services.models.spec import ModelSpec, scheduler_class
 
 
 @dataclass

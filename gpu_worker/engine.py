@@ -27,7 +27,8 @@ from gpu_worker.unet_denoiser import UNetDenoiser
 from gpu_worker.upscale_denoiser import UpscaleDenoiser
 from gpu_worker.wan_denoiser import WanDenoiser
 from services.generation import GenerationParams
-from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily, ModelSpec
 
 WARM_UP_STEPS = 2
 

@@ -25,7 +25,8 @@ from gpu_worker.residency import DoesNotFit, Resident, victims
 from services.errors import ModelError
 from services.models.host_cache import loading as host_cache_loading
 from services.models.loader import Loaded
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

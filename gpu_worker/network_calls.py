@@ -17,7 +17,7 @@ from gpu_worker.denoising import BatchMember
 from gpu_worker.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models import speed
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from gpu_worker.diffusers_denoiser import DiffusersDenoiser

@@ -13,7 +13,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from services.models.registry import ModelRegistry, store_reference
+from services.models.registry import ModelRegistry
+from services.models.spec import store_reference
 
 log = logging.getLogger(__name__)
 

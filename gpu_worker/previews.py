@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from services.db.records import JobRecord
-from services.models.registry import ModelFamily
+from services.models.spec import ModelFamily
 from services.safety.verdicts import previews_allowed
 
 # (latent channel) x (R, G, B), for latents as the UNet denoises them.

@@ -26,7 +26,7 @@ from gpu_worker.tracker import JobWatch, StopReason
 from services.bus.events import Events, JobEvent
 from services.db.records import JobRecord
 from services.db.repository import Standing, StepReport
-from services.models.registry import ModelFamily
+from services.models.spec import ModelFamily
 
 # The cancel and suspend flags come back with each write.
 PROGRESS_WRITE_EVERY_S = 0.25

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from services.models.registry import ModelFamily
+from services.models.spec import ModelFamily
 
 
 @dataclass(frozen=True)

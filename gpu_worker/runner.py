@@ -39,7 +39,7 @@ from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import JobRecord
 from services.db.repository import Result
-from services.models.registry import DEFAULT_TIMEOUT_S, ModelFamily
+from services.models.spec import DEFAULT_TIMEOUT_S, ModelFamily
 from services.seats import OpenSeat
 from services.telemetry import logs
 

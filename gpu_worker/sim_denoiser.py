@@ -13,7 +13,7 @@ from gpu_worker.running_batch import RunningBatch
 from services.generation import GenerationParams
 from services.models import sim
 from services.models.loader import Loaded
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 
 class SimDenoiser:

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpu_worker.diffusers_denoiser import DiffusersDenoiser
 from services.models import speed
-from services.models.registry import ModelFamily, ModelSpec
+from services.models.spec import ModelFamily, ModelSpec
 from services.models.speed import SpeedOptions
 
 # SD 1.5's pipelines would load a safety checker too; the sampler has no use for one.

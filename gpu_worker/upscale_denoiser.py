@@ -15,7 +15,7 @@ from gpu_worker.denoising import BatchMember, MemberInputs
 from gpu_worker.diffusers_denoiser import DiffusersDenoiser, DiffusersRun
 from gpu_worker.prompts import Conditioning
 from services.generation import GenerationParams
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 # The output's size over the input's (and its latents').
 SCALE = 4

@@ -13,7 +13,7 @@ import torch
 from gpu_worker.diffusers_denoiser import DiffusersDenoiser, DiffusersRun
 from gpu_worker.prompts import Conditioning
 from services.generation import GenerationParams
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 # The prompt length Wan was trained with; its pipeline pads every prompt to it.
 TEXT_LEN = 512

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from scheduler.snapshot import FleetSnapshot
 from services.db.records import AttemptFailure, JobRecord
 from services.db.states import HELD, STARTED, JobStatus
-from services.models.registry import DEFAULT_TIMEOUT_S
+from services.models.spec import DEFAULT_TIMEOUT_S
 
 # How long past its timeout a running job may go before the scheduler takes it back.
 TIMEOUT_GRACE_S = 30.0

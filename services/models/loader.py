@@ -14,8 +14,8 @@ import torch
 
 from services.errors import ModelError
 from services.models.device import DTYPES
-from services.models.registry import ModelSpec
 from services.models.sources import resolve_source
+from services.models.spec import ModelSpec
 
 # One load at a time in a process. ``from_pretrained`` builds modules under a
 # meta-device mode, and torch's mode stack is process-wide, not per thread: two

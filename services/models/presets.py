@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.models.registry import ModelFamily
+from services.models.spec import ModelFamily
 
 PRESET_MARKER = "darkroom_preset.json"
 CLIP_VOCAB = 49408

@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 LATENT_CHANNELS = 4
 # Pixels per latent along each side, as SD's VAEs.

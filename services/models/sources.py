@@ -10,7 +10,7 @@ from typing import Any
 
 from services.errors import ModelError
 from services.models.builtins import BUILTINS, ensure_builtin
-from services.models.registry import ModelSpec, store_reference
+from services.models.spec import ModelSpec, store_reference
 
 
 def resolve_source(

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from services.models.registry import ModelSpec
+from services.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

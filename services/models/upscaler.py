@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from services.models.presets import PRESET_MARKER, _clip_config, _diffusers_version, clip_tokenizer, save_module
-from services.models.registry import ModelFamily
+from services.models.spec import ModelFamily
 
 UPSCALER_TINY_MARKER = "darkroom_tiny_upscaler.json"
 MAX_NOISE_LEVEL = 350

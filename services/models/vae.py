@@ -20,7 +20,8 @@ from PIL import Image
 from services.config.workers import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import loader, sim, speed
-from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily, ModelSpec
 from services.models.video_vae import decode_video
 
 log = logging.getLogger(__name__)

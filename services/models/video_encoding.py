@@ -18,7 +18,7 @@ from av.video.reformatter import ColorPrimaries, ColorRange, Colorspace, ColorTr
 from PIL import Image, ImageSequence
 
 from services.errors import FieldViolation, InvalidArgument
-from services.models.registry import MAX_FPS
+from services.models.spec import MAX_FPS
 
 VIDEO_MIME_TYPES = {"mp4": "video/mp4", "webp": "image/webp"}
 _MP4, _WEBP = VIDEO_MIME_TYPES["mp4"], VIDEO_MIME_TYPES["webp"]

@@ -24,7 +24,8 @@ from gpu_worker.engine import SamplerEngine
 from gpu_worker.unet_denoiser import UNetDenoiser
 from services.errors import JobInterrupted, ModelError
 from services.generation import GenerationParams
-from services.models.registry import ModelFamily, ModelRegistry
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily
 
 STEPS = 6
 CPU = torch.device("cpu")

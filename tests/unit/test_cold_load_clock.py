@@ -33,7 +33,8 @@ from services.db.states import JobStatus
 from services.errors import ModelError
 from services.generation import GenerationParams
 from services.models.loader import Loaded
-from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily, ModelSpec
 from tests.fakes import FakeRepository, RecordedEvents
 from tests.records import new_job, record
 from tests.unit.test_runner import FakeDecoders

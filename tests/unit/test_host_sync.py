@@ -23,7 +23,8 @@ from gpu_worker.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.prompts import Conditioning, prompt_key
 from services.generation import GenerationParams
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelSpec
 
 META = torch.device("meta")
 STEPS = 6

@@ -20,7 +20,8 @@ from gpu_worker.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.running_batch import Cohort, RunningBatch
 from services.generation import GenerationParams
-from services.models.registry import ModelFamily, ModelRegistry
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily
 
 
 def params(seed: int, steps: int = 6, guidance: float = 7.5, images: int = 1, width: int = 64) -> GenerationParams:

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.errors import ModelError
-from services.models.registry import ModelRegistry, store_reference
+from services.models.registry import ModelRegistry
+from services.models.spec import store_reference
 from services.models.store.manifest import BlobRef
 from services.models.store.push import content_version, file_digest, scan_directory
 

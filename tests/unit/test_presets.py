@@ -6,7 +6,8 @@ import pytest
 
 from services.errors import ModelError
 from services.models.presets import parameter_counts
-from services.models.registry import ModelFamily, ModelRegistry
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily
 
 # The published models' counts (diffusers' and transformers' own classes).
 REAL = {

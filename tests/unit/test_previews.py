@@ -10,7 +10,7 @@ from PIL import Image
 
 from gateway.validation import under_output_policy
 from gpu_worker.previews import job_preview_steps, preview_steps, previews
-from services.models.registry import ModelFamily
+from services.models.spec import ModelFamily
 from services.safety.verdicts import previews_allowed
 from tests.records import new_job, record
 

@@ -16,7 +16,8 @@ from gpu_worker.prompts import Conditioning, PromptCache
 from services.errors import JobInterrupted, ModelError
 from services.generation import GenerationParams
 from services.models.loader import module_bytes
-from services.models.registry import ModelFamily, ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily, ModelSpec
 
 
 def request(prompt: str, seed: int, images: int = 1, negative: str = "", model: str = "tiny") -> GenerationParams:

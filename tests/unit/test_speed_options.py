@@ -23,7 +23,8 @@ from gpu_worker.denoising import BatchMember
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models import speed
-from services.models.registry import ModelRegistry, ModelSpec
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelSpec
 from services.models.vae import VaeDecoderEngine
 
 CPU = torch.device("cpu")

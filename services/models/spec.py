@@ -1,0 +1,174 @@
+"""What a model is to Darkroom: its family, and the entry that the model registry
+(``services.models.registry``, a TOML file) holds for it: its source, its limits,
+its first estimates and its options; the noise scheduler and the model-store
+version it names."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from services.errors import ModelError
+
+
+class ModelFamily(enum.StrEnum):
+    """What kind of model it is: how it loads and denoises."""
+
+    SD15 = "sd15"
+    SDXL = "sdxl"
+    TINY = "tiny"  # SD-shaped, built locally with random weights
+    SIM = "sim"  # no weights: it only takes its modelled time
+    WAN = "wan"  # Wan 2.1 text to video
+    SD_X4_UPSCALER = "sd_x4_upscaler"  # Stable Diffusion's x4 upscaler: an image in, 4x its size out
+
+
+# Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
+# and the capability its models have unless the registry says otherwise. Learned
+# durations replace the first after a few jobs.
+FAMILY_DEFAULTS = {
+    ModelFamily.SD15: (25.0, 5.0, "image"),
+    ModelFamily.SDXL: (60.0, 10.0, "image"),
+    ModelFamily.TINY: (30.0, 0.5, "image"),
+    ModelFamily.SIM: (25.0, 1.0, "image"),
+    ModelFamily.WAN: (40.0, 15.0, "video"),
+    ModelFamily.SD_X4_UPSCALER: (40.0, 5.0, "upscale"),
+}
+# The families whose models also edit images (image to image, inpainting).
+EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
+# A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
+STORE_PREFIX = "store:"
+# What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
+BUILTIN_SIM = "builtin:sim"
+# Frames per second a video may ask for.
+MAX_FPS = 120.0
+# A job running longer than this is stopped, unless its model says otherwise.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str
+    family: ModelFamily
+    dtype: str = "float16"
+    vram_mb: int = 4096
+    eviction_priority: int = 0
+    min_size: int = 64
+    max_width: int = 1024
+    max_height: int = 1024
+    default_width: int = 512
+    default_height: int = 512
+    max_steps: int = 150
+    default_steps: int = 25
+    max_images: int = 4
+    # First estimates, before durations are learned; 0 takes the family's default.
+    step_ms_512: float = 0.0
+    load_s: float = 0.0
+    # What kind of work it is; the scheduler's per-capability caps apply to it.
+    capability: str = "image"
+    # A job running longer than this is stopped, and retried or failed.
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    # Weight files to load: "" the default ones, "fp16" the ``*.fp16.*`` variant.
+    variant: str = ""
+    # Images one batch may hold on a GPU (jobs of the same model, size, steps and
+    # guidance run together); 1 turns batching off for the model.
+    max_batch: int = 8
+    # Speed options of its networks (``services.models.speed``): the one switch
+    # ``optimize`` turns on every one that keeps images within tolerance on the
+    # device; or each alone: ``torch.compile`` (warmed up as it loads, batches padded
+    # to buckets), CUDA graphs (compiled with them), the channels-last memory format,
+    # the attention implementation ("" the model's own; "sdpa" PyTorch's, "flash",
+    # "efficient", "cudnn" one SDPA kernel, "eager" the plain one), fused QKV
+    # projections, and weights quantized by torchao ("int8", "fp8": an opt-in that
+    # moves images; ``bench/gpu.py`` reports how far).
+    optimize: bool = False
+    compile: bool = False
+    cuda_graphs: bool = False
+    channels_last: bool = False
+    attention: str = ""
+    fuse_qkv: bool = False
+    quantize: str = ""
+    # An output whose latents vary less than this (standard deviation) is degenerate.
+    min_output_std: float = 1e-3
+    # The noise scheduler: a diffusers scheduler class name such as
+    # "DPMSolverMultistepScheduler", built from the model's own scheduler config;
+    # "" keeps the model's own class.
+    scheduler: str = ""
+    # A running job writes a checkpoint (gpu_worker/checkpoint_capture.py) every so many
+    # steps, or seconds, whichever comes first; 0 turns either off. By default every
+    # 10 s: a crash then costs at most 10 s of a job, and a checkpoint (a few ms,
+    # written while the next steps run) costs well under 1 % of them.
+    checkpoint_every_steps: int = 0
+    checkpoint_every_s: float = 10.0
+    # Credits a tenant pays per GPU-second of its sampling.
+    price: float = 1.0
+    # The model a client gets for its capability when it names none (listed first).
+    default: bool = False
+    # Served only when DARKROOM_PRESETS names it (the full-size random-weight presets).
+    on_request: bool = False
+    # Widths and heights are multiples of this (8 for SD's VAE; 16 for Wan's patches).
+    size_step: int = 8
+    # Video models: frames of a video (frames - 1 a multiple of frames_step, the
+    # VAE's temporal compression), and frames per second of the file.
+    max_frames: int = 1
+    default_frames: int = 1
+    frames_step: int = 1
+    default_fps: float = 0.0
+    # The guidance scale of a request that gives none.
+    default_guidance: float = 7.5
+    # A sim model's picture (a path; relative: to the registry's directory): its
+    # outputs are that picture, resized to the job's size, whatever the seed (tests).
+    sim_image: str = ""
+
+    @property
+    def vram_bytes(self) -> int:
+        return self.vram_mb * 1024 * 1024
+
+    @property
+    def step_s_512(self) -> float:
+        return (self.step_ms_512 or FAMILY_DEFAULTS[self.family][0]) / 1000.0
+
+    @property
+    def load_seconds(self) -> float:
+        return self.load_s or FAMILY_DEFAULTS[self.family][1]
+
+    @property
+    def makes_video(self) -> bool:
+        return self.family == ModelFamily.WAN
+
+    @property
+    def upscales(self) -> bool:
+        return self.family == ModelFamily.SD_X4_UPSCALER
+
+    @property
+    def edits(self) -> bool:
+        return self.family in EDITING_FAMILIES
+
+
+def scheduler_class(spec: ModelSpec) -> type[Any]:
+    """The diffusers noise-scheduler class ``spec.scheduler`` names. Imports diffusers,
+    so the registry does only for models that name one."""
+    import diffusers
+
+    found = getattr(diffusers, spec.scheduler, None) if spec.scheduler.isidentifier() else None
+    # A class whose optional dependencies are missing is a stand-in that is no SchedulerMixin.
+    if not (isinstance(found, type) and issubclass(found, diffusers.SchedulerMixin)):
+        raise ModelError(
+            f"model {spec.name!r}: scheduler {spec.scheduler!r} is not a diffusers noise scheduler class "
+            "(or its optional dependencies are not installed)"
+        )
+    return found
+
+
+def store_reference(spec: ModelSpec) -> tuple[str, str | None] | None:
+    """``(name, version or None for the latest)`` of a model whose source is
+    ``store:NAME[:VERSION]`` (pushed with `darkroom models push`); None for any other."""
+    if not spec.source.startswith(STORE_PREFIX):
+        return None
+    from services.models.store.manifest import parse_reference
+
+    try:
+        return parse_reference(spec.source.removeprefix(STORE_PREFIX))
+    except ModelError as exc:
+        raise ModelError(f"model {spec.name!r}: source {spec.source!r}: {exc}") from None
