@@ -1,13 +1,14 @@
 """The HTTP API's routes: each turns a request into calls to the gateway (with the
-caller's key), and their answers into OpenAI's shapes (``images``, ``videos``)."""
+caller's key), and their answers into OpenAI's shapes (``images``, ``videos``).
+Here: the page, images made and edited (waited for, or streamed), moderations,
+models, the fleet and the files; jobs followed are ``job_routes``', videos
+``video_routes``'."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 from aiohttp import web
@@ -23,6 +24,7 @@ from http_api.errors import (
     withheld,
 )
 from http_api.gateway_client import Gateway, Outputs, default_model
+from http_api.job_routes import STATUS_NAMES, JobRoutes
 from http_api.limits import JSON_BODY_BYTES, moderation_bytes, upload_bytes
 from http_api.signed_urls import UrlSigner
 from http_api.video_routes import VideoRoutes
@@ -30,7 +32,6 @@ from http_api.wire import (
     ACCEPTED,
     form_body,
     idempotency_key,
-    job_id_of,
     json_body,
     key_of,
     metadata_of,
@@ -45,7 +46,6 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
 # The page (no build step, nothing from elsewhere): read once.
 PAGE = (Path(__file__).with_name("page.html")).read_bytes()
-STATUS_NAMES = {value: name.removeprefix("JOB_STATUS_").lower() for name, value in pb.JobStatus.items()}
 
 
 class Api:
@@ -54,6 +54,7 @@ class Api:
 
     def __init__(self, settings: HttpSettings, gateway: Gateway, signer: UrlSigner, repo: Repository | None) -> None:
         self.settings, self.gateway, self.signer, self.repo = settings, gateway, signer, repo
+        self.job_routes = JobRoutes(settings, gateway, signer)
         self.moderation_limits = moderations.Limits(settings.max_prompt_chars, int(settings.max_input_mb * 2**20))
 
     def routes(self) -> list[web.RouteDef]:
@@ -63,11 +64,9 @@ class Api:
             web.post("/v1/images/edits", self.edits),
             web.get("/v1/models", self.models),
             web.post("/v1/moderations", self.moderations),
-            web.get("/v1/jobs", self.jobs),
-            web.get("/v1/jobs/{job_id}", self.job),
-            web.get("/v1/jobs/{job_id}/events", self.job_events),
             web.get("/v1/fleet", self.fleet_view),
             web.get("/v1/files/{job_id}/{index}", self.file),
+            *self.job_routes.routes(),
             *VideoRoutes(self.gateway, self._submit).routes(),
         ]
 
@@ -130,14 +129,18 @@ class Api:
         submitted_at = time.perf_counter()
         job_id = submitted.job_id
         if wait.respond_async and wait.seconds <= 0:
-            return web.json_response(self._job_json(request, job_id, STATUS_NAMES[submitted.status]), status=202)
+            return web.json_response(
+                self.job_routes.job_json(request, job_id, STATUS_NAMES[submitted.status]), status=202
+            )
         if asked.stream:
             return await self._stream(request, job_id, key, stream, wait.seconds)
         done = await self.gateway.finished(job_id, key, wait.seconds)
         if done is None:  # too long to wait for: the caller follows it
             if wait.respond_async:
-                return web.json_response(self._job_body(request, await self.gateway.get(job_id, key)), status=202)
-            raise still_running(job_id, self._job_url(request, job_id), wait.seconds)
+                return web.json_response(
+                    self.job_routes.job_body(request, await self.gateway.get(job_id, key)), status=202
+                )
+            raise still_running(job_id, self.job_routes.job_url(request, job_id), wait.seconds)
         job = done.job
         if job.status != pb.JOB_STATUS_SUCCEEDED:
             raise job_ended(job_id, STATUS_NAMES[job.status], job.error)
@@ -145,7 +148,9 @@ class Api:
             raise withheld(job_id)
         finished_at = time.perf_counter()
         now = time.time()
-        body = images.images_response(job, done.outputs, asked, lambda i: self._link(request, job.job_id, i, now))
+        body = images.images_response(
+            job, done.outputs, asked, lambda i: self.job_routes.link(request, job.job_id, i, now)
+        )
         response = web.json_response(body)
         # What the gateway took, and what answering took here (devtools show it).
         spent = (("submit", submitted_at - began), ("job", finished_at - submitted_at))
@@ -183,7 +188,7 @@ class Api:
             await send_error_event(response, exc.after_submit(job_id))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                error = still_running(job_id, self._job_url(request, job_id), wait_s)
+                error = still_running(job_id, self.job_routes.job_url(request, job_id), wait_s)
             else:
                 error = from_rpc(exc).after_submit(job_id)
             await send_error_event(response, error)
@@ -218,93 +223,10 @@ class Api:
         ]
         return web.json_response({"object": "list", "data": data})
 
-    async def jobs(self, request: web.Request) -> web.Response:
-        """The caller's most recent jobs (``limit``, 20 unless set), newest first."""
-        limit = request.query.get("limit", "20")
-        if not (limit.isascii() and limit.isdigit() and len(limit) <= 3 and 1 <= int(limit) <= 200):
-            raise bad_request("limit", f"limit {limit[:20]!r} is not a whole number within 1..200")
-        page = await self.gateway.stub.ListJobs(
-            pb.ListJobsRequest(page_size=int(limit)), metadata=metadata_of(request), timeout=30
-        )
-        data = [fleet.job_summary(j, STATUS_NAMES[j.status]) for j in page.jobs]
-        return web.json_response({"object": "list", "data": data})
-
     async def fleet_view(self, request: web.Request) -> web.Response:
         """The fleet's workers and queue (for an admin key), and the caller's usage."""
         stats = await self.gateway.stub.GetStats(pb.GetStatsRequest(), metadata=metadata_of(request), timeout=30)
         return web.json_response(fleet.fleet(stats))
 
-    async def job(self, request: web.Request) -> web.Response:
-        job = await self.gateway.get(job_id_of(request), key_of(request))
-        return web.json_response(self._job_body(request, job))
-
-    def _job_body(self, request: web.Request, job: pb.Job) -> dict[str, Any]:
-        body = self._job_json(request, job.job_id, STATUS_NAMES[job.status])
-        now = time.time()
-        body.update(
-            model=job.model,
-            created=job.timings.created_time.seconds,
-            progress={"step": job.progress.step, "total": job.progress.total},
-            error=job.error or None,
-            usage=images.usage(job),
-        )
-        if job.status == pb.JOB_STATUS_SUCCEEDED:
-            # A stream's terminal event carries no images (they came before it in chunks);
-            # GetJob's do, and those the image filter blocked get no link.
-            outputs = [i for i, _ in images.returned(job.images)] if job.images else range(job.num_images)
-            body["data"] = [{"url": self._link(request, job.job_id, i, now)} for i in outputs]
-            if job.expanded_prompt:  # as the images response says it (images.images_response)
-                for entry in body["data"]:
-                    entry["revised_prompt"] = job.expanded_prompt
-        return body
-
-    async def job_events(self, request: web.Request) -> web.StreamResponse:
-        """A job followed as server-sent events: ``darkroom.job.status`` and
-        ``darkroom.job.progress`` as they happen, then ``darkroom.job.done`` with
-        what ``GET /v1/jobs/{id}`` answers at the end. Every step the sampler
-        reports arrives, where polling would see only some."""
-        job_id, key = job_id_of(request), key_of(request)
-        events = self.gateway.events(job_id, key, self.settings.wait_s)
-        try:
-            first = await anext(aiter(events), None)  # an unknown job is a 404, before the stream starts
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc(exc) from None
-        response = await open_events(request)
-
-        async def rest() -> AsyncIterator[pb.JobEvent]:
-            if first is not None:
-                yield first
-            async for event in events:
-                yield event
-
-        try:
-            async for event in rest():
-                kind = event.WhichOneof("event")
-                if kind == "status":
-                    await send_event(response, {"type": "darkroom.job.status", "status": STATUS_NAMES[event.status]})
-                elif kind == "progress":
-                    step, total = event.progress.step, event.progress.total
-                    await send_event(response, {"type": "darkroom.job.progress", "step": step, "total": total})
-                elif kind == "terminal":
-                    body = self._job_body(request, event.terminal)
-                    await send_event(response, {"type": "darkroom.job.done", "job": body})
-                    break
-        except grpc.aio.AioRpcError as exc:
-            await send_error_event(response, from_rpc(exc))
-        await response.write_eof()
-        return response
-
     async def file(self, request: web.Request) -> web.Response:
         return await files.serve(request, self.signer, self.repo)
-
-    def _job_json(self, request: web.Request, job_id: str, status: str) -> dict[str, Any]:
-        return {"id": job_id, "object": "darkroom.job", "status": status, "url": self._job_url(request, job_id)}
-
-    def _job_url(self, request: web.Request, job_id: str) -> str:
-        return f"{self._base(request)}/v1/jobs/{job_id}"
-
-    def _link(self, request: web.Request, job_id: str, index: int, now: float) -> str:
-        return self._base(request) + self.signer.path(job_id, index, now)
-
-    def _base(self, request: web.Request) -> str:
-        return self.settings.public_url.rstrip("/") or f"{request.scheme}://{request.host}"
