@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.stack_run import BenchStack
+from bench.support.stack_run import BenchStack
 from scheduler.simulator.report import percentile
 from services.models.registry import ModelRegistry
 from services.models.sources import resolve_source

@@ -9,7 +9,7 @@ process, the decoder service, a stored result, back to the client. The samplers 
 the ``sim`` model of ``bench/sim_registry.toml`` (services/models/sim.py): 10 ms
 per step at 64 px, so the GPUs' own time is known exactly and far from the limit.
 The stack is ``darkroom up``'s: real processes, a durable PostgreSQL, nats-server
-with file storage. Load comes from ``bench/loadgen.py`` in its own process: jobs
+with file storage. Load comes from ``bench/support/loadgen.py`` in its own process: jobs
 arrive open-loop (Poisson, from the seed) whether or not earlier ones finished.
 
 It prints, in order:
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from bench import loadgen
+from bench.support import loadgen
 from services.config.sections import Settings
 from services.models import sim
 from services.models.registry import ModelRegistry
@@ -208,7 +208,7 @@ def run_load(stack: LocalStack, rate: float, seconds: float, mode: str, seed: in
         config_path.write_text(json.dumps(config.__dict__))
         groups = processes(stack)
         before = cpu_seconds(groups)
-        generator = subprocess.Popen([sys.executable, str(HERE / "loadgen.py"), str(config_path), str(result_path)])
+        generator = subprocess.Popen([sys.executable, loadgen.__file__, str(config_path), str(result_path)])
         groups["loadgen"] = [psutil.Process(generator.pid)]
         spies = start_profiles(groups, seconds, Path(tmp)) if profile else {}
         started = time.perf_counter()

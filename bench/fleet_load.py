@@ -9,10 +9,10 @@ The control plane is ``darkroom up``'s (``LocalStack``): a durable PostgreSQL
 monitoring port), the gateway, scheduler replica(s) and real decoder processes.
 The N samplers are the real sampler service (``gpu_worker.service.serve``:
 presence, JetStream dispatch, job store, events), several to a process
-(``bench/fleet_host.py``), each with its own worker id and NATS user, running the
+(``bench/support/fleet_host.py``), each with its own worker id and NATS user, running the
 ``sim`` model of ``bench/fleet_registry.toml``: no real tensors, only modelled
 time (10 ms for a 64 px step). The scheduler is the real one with each placement
-pass timed (``bench/fleet_scheduler.py``). Load comes from ``bench/loadgen.py``
+pass timed (``bench/support/fleet_scheduler.py``). Load comes from ``bench/support/loadgen.py``
 (open loop, Poisson, from the seed) through the public gRPC API, as in
 ``bench/controlplane.py``.
 
@@ -59,8 +59,8 @@ import psycopg
 
 from bench import controlplane
 from bench.controlplane import KEEPS_UP, Run, percentile, run_load
-from bench.fleet_host import IDS, RAMP
-from bench.fleet_scheduler import PASS_LOG
+from bench.support.fleet_host import IDS, RAMP
+from bench.support.fleet_scheduler import PASS_LOG
 from services.bus.dispatch import host_token
 from services.bus.presence_board import STREAM as PRESENCE_STREAM
 from services.config.sections import Settings
@@ -174,7 +174,7 @@ class FleetStack(LocalStack):
             if i:
                 own["DARKROOM_METRICS_PORT"] = str(self.metrics_ports.next())
             replica = child(self.settings, name if i == 0 else f"{name}-{i}", service, own)
-            replica.module = "bench.fleet_scheduler"
+            replica.module = "bench.support.fleet_scheduler"
             replica.env[PASS_LOG] = str(self.pass_log)
             replica.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
             self.supervisor.add(replica)
@@ -215,7 +215,7 @@ class FleetStack(LocalStack):
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             }
             host = child(self.settings, f"fleet-{h}", "sampler", env)
-            host.module = "bench.fleet_host"
+            host.module = "bench.support.fleet_host"
             host.liveness_path = None  # a host of hundreds may turn its loop slowly: not a hang
             self.supervisor.add(host)
 
@@ -491,7 +491,7 @@ async def submit_backlog(address: str, jobs: int, seed: int, concurrency: int = 
     """Submits ``jobs`` jobs of the held model (no fake serves it: they stay queued)."""
     import grpc
 
-    from bench import loadgen
+    from bench.support import loadgen
     from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 
     config = loadgen.Config(

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.stack_run import BenchStack
+from bench.support.stack_run import BenchStack
 from services.models import speed
 from services.models.registry import DEFAULT_REGISTRY, ModelRegistry
 from services.models.sources import resolve_source

@@ -1,8 +1,10 @@
 """Every benchmark in bench/ runs its ``--smoke`` mode (small sizes, one round, on the
 CPU) and prints the tables its full run prints, so that a benchmark that rots (a
 renamed API, a changed record) fails here rather than the next time someone
-measures. ``bench/loadgen.py`` has no smoke mode of its own: it needs a running
-gateway, and ``controlplane``'s smoke run runs it as a subprocess against one.
+measures. Every ``bench/*.py`` is such a benchmark; what the benchmarks use that is
+not one (the load generator, the fleet's fake samplers' host and timed scheduler, the
+stack a bench runs) is in ``bench/support/``, run by the smoke runs of the benchmarks
+that use it (``controlplane`` runs the load generator against its gateway).
 
 The scripts start what they need themselves (PostgreSQL, NATS, the services)."""
 
@@ -49,6 +51,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "expansion": ("| expander | model | load s |",),
     "image_filter": ("| model | size | device | decoder ms/image, filter off |",),
     "model_store": ("| source | blobs | GB | streams | range MB |",),
+    "cold_start": ("| host | first image (s) | from the store (MB) | from peers (MB) |",),
 }
 
 
@@ -64,6 +67,16 @@ def table_problem(stdout: str, header: str) -> str | None:
     if at + 2 >= len(lines) or not lines[at + 2].startswith("| ") or lines[at + 2].startswith("|---"):
         return f"no data row under {header!r}"
     return None
+
+
+def test_every_benchmark_has_its_smoke_run_here() -> None:
+    """A script in ``bench/`` is a benchmark with ``--smoke``, and its tables are listed
+    above; a helper that is not one goes in ``bench/support/``."""
+    scripts = {path.stem for path in (REPO / "bench").glob("*.py")} - {"__init__"}
+    assert scripts == set(TABLES), (
+        f"bench/ scripts without a smoke run here: {sorted(scripts - set(TABLES))}; "
+        f"listed here but not in bench/: {sorted(set(TABLES) - scripts)}"
+    )
 
 
 @pytest.mark.parametrize(("script", "headers"), list(TABLES.items()), ids=list(TABLES))

@@ -1,7 +1,7 @@
 """The whole stack on this machine for a bench (gateway, scheduler, JetStream,
 PostgreSQL, one sampler, one decoder), from ``DARKROOM_*`` values: started on entry
 with a client to it, stopped on exit. A helper of the benches that run the stack
-(``gpu.py``, ``continuous_stack.py``), not a bench: it has nothing to run, and their
+(``bench/gpu.py``, ``bench/continuous_stack.py``), not a bench: it has nothing to run, and their
 ``--smoke`` runs in CI exercise it."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ id and settings, on the CPU with the ``sim`` model (no tensors worth the name:
 the model sleeps its modelled time). Only the process is shared: one event loop,
 one interpreter, the kernel's settings.
 
-    python -m bench.fleet_host      # run by bench/fleet_load.py as a supervised child
+    python -m bench.support.fleet_host      # run by bench/fleet_load.py as a supervised child
 
 Not a benchmark of its own: ``bench/fleet_load.py --smoke`` runs it in CI.
 
@@ -25,7 +25,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from gpu_worker.service import serve
 from services.config.sections import KernelSettings
@@ -36,7 +36,7 @@ from services.telemetry import logs
 IDS = "BENCH_FLEET_IDS"
 RAMP = "BENCH_FLEET_RAMP_S"
 
-log = logging.getLogger("bench.fleet_host")
+log = logging.getLogger("bench.support.fleet_host")
 
 
 async def one(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.Event, delay_s: float) -> int:

@@ -3,7 +3,7 @@
 the given rate), whether or not earlier ones have finished, and each is followed
 to its last image byte through ``StreamJob`` or by polling ``GetJob``.
 
-    python bench/loadgen.py CONFIG.json RESULT.json
+    python bench/support/loadgen.py CONFIG.json RESULT.json
 
 It writes one record per job: when it was due, when its submit went out (the
 generator's own lag is the difference), how long the submit took, and how long
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import grpc
 
