@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+import torch
 
 from services.config.sections import Settings
 from services.db.migrate import upgrade
@@ -18,6 +20,42 @@ from services.ops.embedded_nats import EmbeddedNats
 from services.ops.postgres_as_root import discard_clusters_of
 from services.ops.stack import LocalStack
 from tests.helpers import env_of
+
+# The end-of-run report: time per directory and the fault scenarios' table.
+pytest_plugins = ["tests.reporting"]
+
+# Modules whose tests, each a few seconds or less with no stack of their own
+# or one shared, make the quick tier beside tests/unit and tests/deploy
+# (`pytest -m "not slow"`, docs/contributing.md); every other stack test is slow.
+QUICK_TIERS = ("tests/unit/", "tests/deploy/")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One torch thread per process: the suite runs several processes at once (the
+    # xdist workers, the stacks' samplers and decoders, the benchmarks), and torch's
+    # own pool in each, one thread per core, oversubscribes the cores and spins
+    # (tests/unit: 94 s with it, 61 s without, on 2 cores under -n 3). A stack's
+    # children get their share of the cores from the stack itself.
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 3 --dist loadgroup``, as the README runs the suite)
+    a module's tests run on one worker one after another, so that its module-scoped
+    stack starts once; a module whose tests share nothing says so
+    (``SHARES_NOTHING = True``) and its tests spread over the workers; modules given
+    one ``xdist_group`` never overlap. Every test outside the quick tier is
+    marked ``slow``."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if item.get_closest_marker("xdist_group") is None and not getattr(module, "SHARES_NOTHING", False):
+            item.add_marker(pytest.mark.xdist_group(module.__name__ if module else item.nodeid.split("::")[0]))
+        path = item.nodeid.split("::")[0]
+        if not path.startswith(QUICK_TIERS) and item.get_closest_marker("quick") is None:
+            item.add_marker(pytest.mark.slow)
+
 
 _db_names = itertools.count()
 # The default registry's miniatures, built once per session.
@@ -58,20 +96,35 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models
 
 
-def fresh_database(pg: EmbeddedPostgres) -> str:
-    """A new, empty database on the shared server: each stack gets its own."""
+def fresh_database(pg: EmbeddedPostgres, *, template: str = "template1") -> str:
+    """A new database on the shared server, a copy of ``template`` (empty by default)."""
     name = f"t{next(_db_names)}"
     with psycopg.connect(libpq_url(pg.url_of("postgres")), autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        conn.execute(f'CREATE DATABASE "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
     return pg.url_of(name)
+
+
+_MIGRATED_TEMPLATE = "darkroom_migrated"
+_templates_made: set[str] = set()
+
+
+def migrated_database(pg: EmbeddedPostgres) -> str:
+    """A new database with the schema at head: a copy of one migrated once per server
+    rather than migrated again (a stack's own upgrade then finds nothing to do)."""
+    if pg.url not in _templates_made:
+        with psycopg.connect(libpq_url(pg.url_of("postgres")), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{_MIGRATED_TEMPLATE}"')
+            conn.execute(f'CREATE DATABASE "{_MIGRATED_TEMPLATE}"')
+        upgrade(pg.url_of(_MIGRATED_TEMPLATE))
+        _templates_made.add(pg.url)
+    return fresh_database(pg, template=_MIGRATED_TEMPLATE)
 
 
 @pytest.fixture
 async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
     """A repository on a fresh, migrated database."""
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     r = Repository(url, pool_size=2)
     try:
         yield r
@@ -82,8 +135,7 @@ async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
 @pytest.fixture
 async def replicas(postgres: EmbeddedPostgres) -> AsyncIterator[tuple[Repository, Repository]]:
     """Two repositories (two replicas' pools) on a fresh, migrated database."""
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     first, second = Repository(url, pool_size=10), Repository(url, pool_size=10)
     try:
         yield first, second
@@ -99,7 +151,7 @@ def make_stack(
     (see ``env_of``); ``http``: with the HTTP API on a free port."""
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "models").symlink_to(models, target_is_directory=True)
-    base = env_of(data_dir=tmp, database_url=fresh_database(pg), gateway_port=0, http_port=0, log_level="INFO")
+    base = env_of(data_dir=tmp, database_url=migrated_database(pg), gateway_port=0, http_port=0, log_level="INFO")
     settings = Settings.from_env({**base, **env_of(**values)})
     return LocalStack(settings, cpu_workers=samplers, durable=False, http=http)
 
@@ -118,27 +170,6 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path
 ) -> Iterator[LocalStack]:
     yield from running(make_stack(tmp_path_factory.mktemp("stack"), postgres, models_dir))
-
-
-FAULT_TABLE_HEADER = (
-    "| scenario | jobs | succeeded | failed (reason) | lost | duplicated | time to recover |\n"
-    "|---|---|---|---|---|---|---|"
-)
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The fault and fleet scenarios' table, as docs/reliability.md and docs/fleet.md show it."""
-    from tests.faults.harness import SUMMARIES
-
-    if not SUMMARIES:
-        return
-    terminalreporter.section("fault injection")
-    terminalreporter.write_line(FAULT_TABLE_HEADER)
-    for summary in SUMMARIES:
-        terminalreporter.write_line(summary.row())
-    for summary in SUMMARIES:
-        for note in summary.notes:
-            terminalreporter.write_line(f"- {summary.scenario}: {note}")
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,8 @@ from services.ops.postgres_as_root import discard_clusters_of
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
+# Each script starts what it needs: under pytest-xdist they spread over the workers.
+SHARES_NOTHING = True
 
 # Per script, the start of each table's header row: the tables its full run prints.
 TABLES: dict[str, tuple[str, ...]] = {

@@ -20,7 +20,7 @@ from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 def submit(tenant: str, key: str | None = None, *, cost: float = 0.0, price: float = 1.0):  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import pytest
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.ops.embedded_nats import EmbeddedNats
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 async def test_existing_consumer_is_updated_to_new_settings(nats_server: EmbeddedNats) -> None:

@@ -12,17 +12,16 @@ from datetime import UTC, datetime
 import psycopg
 import pytest
 
-from services.db.migrate import upgrade
 from services.db.records import RESUMED, SUSPENDED, Assignment, ImageRecord, JobSummary
 from services.db.repository import Repository, Result, Standing, StartRequest, StepReport
 from services.db.states import JobStatus, WorkerKind
 from services.db.tenant_records import DEFAULT_TENANT
 from services.db.worker_records import WorkerHeartbeat
 from services.ops.embedded import EmbeddedPostgres
-from tests.conftest import fresh_database
+from tests.conftest import migrated_database
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 W1, W2 = "host-cpu0", "host-cpu1"
 
@@ -33,8 +32,7 @@ def now() -> datetime:
 
 @pytest.fixture
 async def repo(postgres: EmbeddedPostgres) -> AsyncIterator[Repository]:
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     r = Repository(url, pool_size=2)
     for worker in (W1, W2):
         heartbeat = WorkerHeartbeat(worker, WorkerKind.SAMPLER, f"{worker}:1", "cpu", ("tiny",), ("tiny",))

@@ -31,7 +31,7 @@ from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 DAY1 = datetime(2030, 3, 1, 9, 0, tzinfo=UTC)
 DAY2 = DAY1 + timedelta(days=1)

@@ -27,7 +27,6 @@ from gpu_worker.local_decode import LocalDecoder
 from services.bus.presence_board import Announcement, BoardOnConnection, PresenceBoard
 from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings
-from services.db.migrate import upgrade
 from services.db.records import JobRecord
 from services.db.states import JobStatus, WorkerKind
 from services.db.worker_records import WorkerHeartbeat, WorkerRecord
@@ -40,13 +39,13 @@ from services.ops.processes import free_port
 from services.presence_view import PresenceView, follow
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import channel
-from tests.conftest import fresh_database
+from tests.conftest import migrated_database
 from tests.helpers import env_of
 from tests.integration.test_decoder_service import flat_vae_registry
 from tests.records import new_job, record
 from vae_worker.service import serve
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 T = TypeVar("T")
 STALE_AFTER_S = 10.0
@@ -61,8 +60,7 @@ def data_dir(tmp_path: Path, models_dir: Path) -> Path:
 
 @pytest.fixture
 def database_url(postgres: EmbeddedPostgres) -> str:
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     return url
 
 

@@ -26,7 +26,7 @@ from vae_worker.decode_batches import DecodeBatcher
 from vae_worker.output_checks import OutputChecks
 from vae_worker.service import VaeDecoderServicer, batcher_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 class Fixed:

@@ -28,7 +28,7 @@ from tests.helpers import env_of, wait_for
 from vae_worker.decode_batches import DecodeBatcher
 from vae_worker.service import batcher_for, create_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 CPU = torch.device("cpu")
 

@@ -9,7 +9,7 @@ from services.rpc.client import collect_stream
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.helpers import png_size, stub, wait_terminal
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 def test_submit_and_poll_returns_png_of_requested_size(stack) -> None:

@@ -13,7 +13,7 @@ from services.db.repository import Repository
 from services.db.tenant_records import DEFAULT_TENANT, TenantTerms
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 HALF_LIFE_S = 600.0
 

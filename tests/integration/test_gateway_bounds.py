@@ -18,7 +18,6 @@ from gateway.service import create_server
 from gateway.servicer import ImageGenerationServicer
 from services import api_keys
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.migrate import upgrade
 from services.db.records import ImageRecord
 from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
@@ -26,10 +25,10 @@ from services.models.registry import ModelRegistry
 from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from tests.conftest import fresh_database
+from tests.conftest import migrated_database
 from tests.helpers import quota_failure
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 # The longest error message a refusal of an oversized field may carry.
 BOUNDED = 400
 
@@ -45,8 +44,7 @@ class Gateway:
 @pytest.fixture(scope="module")
 async def gateway(postgres: EmbeddedPostgres) -> AsyncIterator[Gateway]:
     """Tenants ``cats`` (no limits) and ``larks`` (a rate of one submit in 1,000 s)."""
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     repo = Repository(url, pool_size=2)
     now = datetime.now(UTC)
     keys = {}

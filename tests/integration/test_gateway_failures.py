@@ -15,16 +15,15 @@ from grpc_status import rpc_status
 
 from gateway.service import create_server
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.models.registry import ModelRegistry
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.processes import free_port
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
-from tests.conftest import fresh_database
+from tests.conftest import migrated_database
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 Stub = image_generation_pb2_grpc.ImageGenerationStub
 
 
@@ -54,8 +53,7 @@ async def database_away() -> AsyncIterator[image_generation_pb2_grpc.ImageGenera
 async def gateway(
     postgres: EmbeddedPostgres,
 ) -> AsyncIterator[tuple[image_generation_pb2_grpc.ImageGenerationStub, str]]:
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     async for stub in serving(url):
         yield stub, url.replace("postgresql+psycopg://", "postgresql://")
 

@@ -23,7 +23,7 @@ from services.db.repository import Repository, Result
 from services.errors import StoreError
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 WORKER = "host-gpu0"
 CALLERS = 40

@@ -32,6 +32,9 @@ from services.models.store.push import push_directory
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2_grpc
 from services.rpc.server import Channels, build_server
 
+# In the quick tier (pytest -m "not slow": docs/contributing.md).
+pytestmark = pytest.mark.quick
+
 MB = 2**20
 
 

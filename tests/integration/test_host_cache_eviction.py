@@ -23,7 +23,7 @@ from services.models.host_cache.verification import verify, verify_if_due
 from services.models.store.objects import ObjectStore
 from tests.integration.test_host_cache import MB, assert_model, object_store, pushed
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 def blobs_of(store: ObjectStore, name: str) -> set[str]:

@@ -29,7 +29,7 @@ from tests.conftest import fresh_database
 from tests.deploy.rendering import K8S
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 ROLE, PASSWORD = "darkroom_files", "files-secret"
 PNG = b"\x89PNG\r\n\x1a\n" + b"an image" * 8

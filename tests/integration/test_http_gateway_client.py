@@ -7,10 +7,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
 from http_api.gateway_client import Gateway
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
+
+# In the quick tier (pytest -m "not slow": docs/contributing.md).
+pytestmark = pytest.mark.quick
 
 PNG = b"\x89PNG\r\n\x1a\n-an-image"
 

@@ -12,7 +12,7 @@ from grpc_status import rpc_status
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.helpers import count_jobs, stub
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 GOOD: dict[str, Any] = {"model": "tiny", "prompt": "ok", "width": 64, "height": 64, "steps": 2}
 

@@ -69,6 +69,13 @@ def test_learned_duration_survives_gateway_restart(
         assert not gateway.running
         gateway.start()
         stack.wait_ready(60, samplers=1)
+        # The new gateway estimates from the samplers it has heard of: once it has.
+        wait_for(
+            lambda: stub(stack).GetStats(pb.GetStatsRequest()).workers,
+            lambda workers: any(w.worker_id == worker_id for w in workers),
+            timeout=30,
+            what=f"the restarted gateway hearing of {worker_id}",
+        )
 
         reply = stub(stack).SubmitJob(pb.SubmitJobRequest(**JOB, prompt="estimated"))
         assert reply.HasField("estimated_start_time") and reply.HasField("estimated_finish_time")

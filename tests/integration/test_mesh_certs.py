@@ -17,7 +17,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.service import create_server
 from services.config.fields import SettingsError
 from services.config.sections import GatewaySettings, KernelSettings, Settings
-from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.mesh.pki import CertificateAuthority, CertPaths, certificate_role
 from services.mesh.rpc import MeshIdentity
@@ -28,7 +27,7 @@ from services.rpc.client import generate
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.rpc.server import build_server
-from tests.conftest import fresh_database, make_stack
+from tests.conftest import make_stack, migrated_database
 
 pytestmark = pytest.mark.integration
 
@@ -99,8 +98,7 @@ async def test_a_server_serves_its_renewed_certificate_without_a_restart(tmp_pat
 async def test_the_gateway_serves_tls_when_given_a_certificate(tmp_path: Path, postgres: EmbeddedPostgres) -> None:
     ca = CertificateAuthority.create()
     paths = ca.issue_into(tmp_path, "gateway", ["127.0.0.1"])
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     repo = Repository(url, pool_size=1)
     settings = GatewaySettings(port=0, tls_cert=str(paths.cert), tls_key=str(paths.key))
     server, servicer = create_server(KernelSettings(database_url=url), settings, repo, ModelRegistry.load())

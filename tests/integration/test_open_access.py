@@ -20,22 +20,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.service import serve
 from services.config.fields import SettingsError
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.processes import free_port
-from tests.conftest import fresh_database
+from tests.conftest import migrated_database
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 FIXES = ("DARKROOM_ALLOW_ANONYMOUS", "darkroom tenants create", "DARKROOM_API_KEYS")
 
 
 @pytest.fixture
 def database_url(postgres: EmbeddedPostgres) -> str:
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     return url
 
 

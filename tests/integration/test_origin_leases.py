@@ -29,7 +29,7 @@ from services.models.host_cache.origin import Lease, OriginLeases
 from services.models.host_cache.sources import BlobSource, BlobSourceFailed, StoreSource
 from services.ops.embedded_nats import EmbeddedNats
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 DIGEST = "ab" * 32
 OTHER = "cd" * 32

@@ -25,7 +25,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.host import Migrations
 from services.ops.pgbouncer import PGBOUNCER_BIN, PgBouncer, auth_file_line, parse_upstream
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
-from tests.conftest import fresh_database, make_stack
+from tests.conftest import fresh_database, make_stack, migrated_database
 from tests.helpers import env_of, stub, wait_terminal
 from tests.needs import require
 from tests.records import new_job
@@ -39,8 +39,7 @@ CLIENTS = 40
 
 @pytest.fixture(scope="module")
 def upstream(postgres: EmbeddedPostgres) -> str:
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     return url
 
 

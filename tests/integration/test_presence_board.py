@@ -34,7 +34,7 @@ from services.presence_read import read_once
 from services.presence_view import PresenceView, follow
 from tests.integration.test_repository import age_registration, schedule, submit
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 WITHIN_S = 10.0
 

@@ -22,7 +22,6 @@ from grpc_status import rpc_status
 from gateway.service import create_server
 from services.config.safety import ExpansionSettings
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.migrate import upgrade
 from services.db.repository import Repository
 from services.models.registry import ModelRegistry
 from services.ops.embedded import EmbeddedPostgres
@@ -31,7 +30,7 @@ from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from services.safety.lm_expansion import ModelExpander
 from services.safety.vocabulary import Vocabulary, words_of
-from tests.conftest import fresh_database, make_stack, running
+from tests.conftest import make_stack, migrated_database, running
 from tests.helpers import quota_failure, stub, wait_for, wait_terminal
 from tests.integration.test_tenants import as_key, darkroom, metric_samples
 
@@ -170,8 +169,7 @@ def test_a_submit_its_tenant_s_limits_refuse_is_refused_before_its_prompt_is_exp
 
 @pytest.fixture
 async def no_expansion(postgres: EmbeddedPostgres) -> AsyncIterator[image_generation_pb2_grpc.ImageGenerationStub]:
-    url = fresh_database(postgres)
-    upgrade(url)
+    url = migrated_database(postgres)
     repo = Repository(url, pool_size=1)
     settings = GatewaySettings(port=0, expansion=ExpansionSettings(prompt_expander="off"))
     server, servicer = create_server(KernelSettings(database_url=url), settings, repo, ModelRegistry.load())

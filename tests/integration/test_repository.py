@@ -24,7 +24,7 @@ from services.db.worker_records import WorkerHeartbeat
 from services.errors import WorkerIdTaken
 from tests.records import new_job
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 W1, W2 = "host-cpu0", "host-cpu1"
 IMAGE = ImageRecord(0, b"png", "image/png", 64, 64, 1)

@@ -21,7 +21,7 @@ from services.rpc.server import build_server
 from services.rpc.status import stream_errors, unary_errors
 from tests.helpers import channel_to, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 CANCEL = "/darkroom.internal.v1.Sampler/CancelJob"
 WATCH = "/darkroom.v1.ImageGeneration/StreamJob"

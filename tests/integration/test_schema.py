@@ -19,7 +19,7 @@ from services.generation import JobInputs
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 def differences(url: str, metadata: MetaData) -> list[Any]:

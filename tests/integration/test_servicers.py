@@ -20,7 +20,7 @@ from tests.helpers import channel_to
 from vae_worker.service import batcher_for
 from vae_worker.service import create_server as create_decoder_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.quick]
 
 
 @pytest.fixture

@@ -32,6 +32,9 @@ from services.ops.processes import free_port
 from tests.integration.test_model_store import darkroom
 from tests.store_registry import write_store_registry
 
+# In the quick tier (pytest -m "not slow": docs/contributing.md).
+pytestmark = pytest.mark.quick
+
 
 def client(model_store: Any, **env: str) -> ObjectStore:
     return ObjectStore.from_settings(ModelStoreSettings.from_env({**model_store.env(), **env}))

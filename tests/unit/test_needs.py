@@ -86,5 +86,7 @@ def test_ci_prints_the_reason_of_every_skip() -> None:
     """.ci/run's last command, the test run, asks pytest for the skips' reasons."""
     last = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     args = shlex.split(last)
+    assert args[:3] == [".ci/within", "1800", "the tests"], last  # under its budget
+    args = args[3:]
     assert args[1:3] == ["-m", "pytest"], last
     assert any(a.startswith("-r") and "s" in a[2:] for a in args), last

@@ -14,7 +14,10 @@ from pathlib import Path
 def main() -> None:
     counter = Path(os.environ["FLAKY_COUNTER"])
     starts = int(counter.read_text()) + 1 if counter.exists() else 1
-    counter.write_text(str(starts))
+    # Written whole (a rename), never seen half-written by the test reading it.
+    written = counter.with_name(counter.name + ".new")
+    written.write_text(str(starts))
+    written.replace(counter)
     Path(os.environ["FLAKY_COUNTER"] + f".restarts{starts}").write_text(os.environ.get("DARKROOM_RESTARTS", "?"))
     alive = Path(os.environ["DARKROOM_LIVENESS_FILE"])
     mode = os.environ["FLAKY_MODE"]
