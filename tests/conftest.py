@@ -40,18 +40,11 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 3 --dist loadgroup``, as the README runs the suite)
-    a module's tests run on one worker one after another, so that its module-scoped
-    stack starts once; a module whose tests share nothing says so
-    (``SHARES_NOTHING = True``) and its tests spread over the workers; modules given
-    one ``xdist_group`` never overlap. Every test outside the quick tier is
-    marked ``slow``."""
+    """Every test outside the quick tier is marked ``slow``. (Under pytest-xdist,
+    ``--dist loadscope`` in pyproject.toml keeps a module's tests on one worker, one
+    after another, so that its module-scoped stack or fleet starts once.)"""
     for item in items:
-        module = getattr(item, "module", None)
-        if item.get_closest_marker("xdist_group") is None and not getattr(module, "SHARES_NOTHING", False):
-            item.add_marker(pytest.mark.xdist_group(module.__name__ if module else item.nodeid.split("::")[0]))
         path = item.nodeid.split("::")[0]
         if not path.startswith(QUICK_TIERS) and item.get_closest_marker("quick") is None:
             item.add_marker(pytest.mark.slow)

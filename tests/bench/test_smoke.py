@@ -23,8 +23,6 @@ from services.ops.postgres_as_root import discard_clusters_of
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
-# Each script starts what it needs: under pytest-xdist they spread over the workers.
-SHARES_NOTHING = True
 
 # Per script, the start of each table's header row: the tables its full run prints.
 TABLES: dict[str, tuple[str, ...]] = {
@@ -83,6 +81,8 @@ def test_every_benchmark_has_its_smoke_run_here() -> None:
 
 @pytest.mark.parametrize(("script", "headers"), list(TABLES.items()), ids=list(TABLES))
 def test_smoke_run_prints_its_tables(script: str, headers: tuple[str, ...]) -> None:
+    """Over 30 s for the benchmarks that start stacks of their own (cold_start: three,
+    continuous_stack, media, gpu): each runs its smallest sizes end to end."""
     # The stacks' data directories (tens of MB each) go where they are removed afterwards.
     with tempfile.TemporaryDirectory(prefix="darkroom-smoke-", ignore_cleanup_errors=True) as tmp:
         # A session of its own: on a timeout the stack it started goes with it.

@@ -170,6 +170,8 @@ def test_only_scheduler_killed_under_supervision(make) -> None:
 
 
 def test_hung_sampler_is_replaced(make) -> None:
+    """Over 30 s: a hung sampler is noticed only after its hang timeout (5 s) and replaced
+    by a fresh process loading its model."""
     stack = make()
     load = Load.of(stack)
     ids = load.submit(8)
@@ -259,6 +261,8 @@ def not_left_a_zombie(pid: int) -> bool:
 
 
 def test_nats_cluster_loses_a_node(make, tmp_path: Path) -> None:
+    """Over 30 s: a three-node NATS cluster is started and one node is killed and waited
+    out while jobs run."""
     # The operator's NATS, sealed with the fleet's CA, lists the stack's sampler.
     secrets = tmp_path / "secrets"
     ensure_certificates(secrets)
@@ -298,6 +302,8 @@ def test_client_stream_cut_and_reopened(make) -> None:
 
 
 def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_path: Path) -> None:
+    """Over 30 s: a 100-step job must be long enough to kill mid-way, then runs its
+    remaining steps and the uninterrupted one to compare."""
     registry = tmp_path / "registry.toml"
     registry.write_text(CHECKPOINTED_TINY)
     stack = make(model_registry=str(registry))
@@ -338,6 +344,8 @@ def steps_before_the_crash(events: list[pb.JobEvent]) -> int:
 
 
 def test_sampler_drained_with_a_backlog(make) -> None:
+    """Over 30 s: two samplers with a backlog each are drained under load, and the shutdown
+    grace is waited out on purpose."""
     stack = make(samplers=2, worker_backlog=3, shutdown_grace_s=20.0)
     load = Load.of(stack)
     # Long enough (about 1.5 s each) that the one running is still sampling when the drain begins.

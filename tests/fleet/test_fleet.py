@@ -72,7 +72,9 @@ def worker_heard(fleet: Fleet, worker_id: str) -> WorkerRecord | None:
 
 def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
     """Its jobs finish on the other GPU host; when it comes back its late writes
-    are refused (the job is another attempt's) and it rejoins, serving again."""
+    are refused (the job is another attempt's) and it rejoins, serving again.
+    Over 30 s: the cut host is noticed only when its heartbeats go stale, and its jobs
+    run again elsewhere."""
     cut_host, other = fleet.gpus
     cut_worker = fleet.worker_id(cut_host)
     load = Load(fleet.channel(), patience_s=180)
@@ -108,7 +110,9 @@ def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
 
 def test_the_control_host_cut_off(fleet: Fleet) -> None:
     """Samplers finish what they hold; the other control host's scheduler places
-    the rest and its gateway answers the clients; the cut one rejoins."""
+    the rest and its gateway answers the clients; the cut one rejoins.
+    Over 30 s: a cut host is noticed only when its heartbeats go stale, and rejoins
+    after."""
     cut_host = fleet.control[0]
     load = Load(fleet.channel(), patience_s=180)
     load.submit(6, steps=STEPS, width=128, height=128)
@@ -129,6 +133,7 @@ def test_the_control_host_cut_off(fleet: Fleet) -> None:
 
 
 def test_a_nats_host_cut_off_then_healed(fleet: Fleet) -> None:
+    """Over 30 s: a NATS node is cut, its cluster re-forms, and it is healed and rejoins."""
     cut_host = fleet.nats[0]
     load = Load(fleet.channel(), patience_s=180)
     load.submit(4, steps=STEPS, width=128, height=128)
@@ -150,7 +155,9 @@ def test_a_nats_host_cut_off_then_healed(fleet: Fleet) -> None:
 
 def test_the_postgres_primary_lost(fleet: Fleet) -> None:
     """The monitor promotes the synchronous standby; every service follows the
-    writable server through its multi-host URL; no acknowledged submit is lost."""
+    writable server through its multi-host URL; no acknowledged submit is lost.
+    Over 30 s: pg_auto_failover's monitor takes tens of seconds to promote the standby,
+    by its design."""
     primary = fleet.postgres.primary()
     standby = next(n for n in fleet.postgres.nodes if n is not primary)
     load = Load(fleet.channel(), patience_s=240)
@@ -184,7 +191,9 @@ def test_the_postgres_primary_lost(fleet: Fleet) -> None:
 
 def test_every_link_slow_and_lossy(fleet: Fleet) -> None:
     """50 ms on everything each host sends, and 1 % of it lost: everything still
-    works; the added latency of each stage is measured."""
+    works; the added latency of each stage is measured.
+    Over 30 s: every stage of a job pays 100 ms round trips and lost packets, on
+    purpose."""
     baseline = stage_latencies(Load(fleet.channel()), jobs=8)
     fleet.impair(delay_ms=50, loss_percent=1.0)
     try:
@@ -208,6 +217,8 @@ def test_every_link_slow_and_lossy(fleet: Fleet) -> None:
 
 
 def test_four_gpu_hosts_cold_start_one_model_from_the_store_and_each_other(fleet: Fleet, models_dir: Path) -> None:
+    """Over 30 s: four hosts each start a sampler that fetches the model over links held to
+    a slow rate."""
     pushed = push_store_model(fleet, models_dir / "tiny")
     hosts = fleet.spare_gpus
     want = {fleet.worker_id(h) for h in hosts}
@@ -259,7 +270,9 @@ def test_four_gpu_hosts_cold_start_one_model_from_the_store_and_each_other(fleet
 def test_a_peer_cut_off_mid_transfer(fleet: Fleet, models_dir: Path) -> None:
     """Every peer holding the model is held to a slow rate, and the one sending a
     blob to a host with an empty cache is cut off mid-transfer: that host finishes
-    from another peer or the store, and loads the manifest's bytes, nothing corrupt."""
+    from another peer or the store, and loads the manifest's bytes, nothing corrupt.
+    Over 30 s: the peers' links are held to 40 Mbit/s so that the cut lands mid-
+    transfer."""
     pushed = push_store_model(fleet, models_dir / "tiny")
     padding, size = pushed.padding_digest, pushed.manifest.blobs()[pushed.padding_digest]
     first, fresh = fleet.spare_gpus[0], fleet.spare_gpus[-1]

@@ -48,6 +48,8 @@ def violations(err: grpc.RpcError) -> list[str]:
 
 
 def test_full_lane_refuses_with_retry_info(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> None:
+    """Over 30 s under load: a stack of its own whose lane is filled to its limit with
+    queued work."""
     stack = make_stack(tmp_path, postgres, models_dir, lanes=("paid:10:1000", f"free:0:{FREE_LIMIT_S:g}"))
     stack.start()
     try:

@@ -28,6 +28,8 @@ def small_png() -> bytes:
 def test_a_job_no_sampler_serves_waits_saying_why_and_runs_once_one_joins(
     tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
 ) -> None:
+    """Over 30 s under load: a stack of its own, and a second sampler started while the job
+    waits."""
     stack = make_stack(tmp_path, postgres, models_dir, capabilities=("image",))
     stack.start()
     try:

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> None:
+    """Over 30 s under load: `darkroom up` as a user runs it (its own PostgreSQL, NATS and
+    services), then the CLI and the OpenAI SDK against it."""
     from tests.conftest import fresh_database
 
     data = tmp_path / "data"

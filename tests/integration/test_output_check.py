@@ -44,6 +44,7 @@ def poisoned_registry(models_dir: Path, where: Path) -> Path:
 def test_bad_outputs_fail_the_attempt_retry_elsewhere_and_restart_the_worker(
     tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
 ) -> None:
+    """Over 30 s under load: a stack of two samplers of its own, one of which is restarted."""
     # No sampler of its own: the broken one comes first, the good one after.
     stack = make_stack(tmp_path / "stack", postgres, models_dir, unhealthy_after_failures=2, max_attempts=5)
     stack.cpu_workers = 0
@@ -93,7 +94,9 @@ def test_a_pinned_model_is_warmed_up_before_the_worker_reports_ready(
     tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
 ) -> None:
     """The warm-up is a real generation: a pinned model whose output is garbage
-    keeps its worker from ever reporting ready (it fails, and is restarted)."""
+    keeps its worker from ever reporting ready (it fails, and is restarted).
+    Over 30 s under load: a stack of its own whose sampler warms its pinned model up
+    before it reports ready."""
     stack = make_stack(tmp_path / "stack", postgres, models_dir)
     stack.cpu_workers = 0
     stack.start()

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_the_sd15_preset_builds_once_and_runs(tmp_path: Path) -> None:
+    """Over 30 s: it builds a full-size SD 1.5 network with random weights (about 1 GB) and
+    runs it on the CPU."""
     registry = ModelRegistry({"sd15-random": ModelRegistry.load(presets=None).get("sd15-random")})
     engine = SamplerEngine(registry, tmp_path, torch.device("cpu"))
     pipe = engine.load("sd15-random")

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_services_wait_out_nats_being_away(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> None:
+    """Over 30 s: NATS is kept away for 12 s on purpose (several reconnect cycles), then
+    every service must come back."""
     stack = make_stack(tmp_path, postgres, models_dir, heartbeat_interval_s=0.5)
     try:
         stack.start()

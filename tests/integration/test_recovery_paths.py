@@ -152,6 +152,8 @@ def test_job_scheduled_but_never_published_is_published_again(stack: LocalStack)
 
 
 def test_worker_whose_attempts_keep_failing_goes_unhealthy_and_is_restarted(stack: LocalStack) -> None:
+    """Over 30 s under load: several failing attempts are needed before the worker counts
+    as unhealthy, then a restart with its model load."""
     client = stub(stack)
     sampler = stack.services["sampler-0"]
     before = sampler.restarts

@@ -93,6 +93,8 @@ def kinds(events: list[pb.JobEvent]) -> list[str]:
 
 
 def test_a_drain_suspends_at_the_next_step_and_another_gpu_resumes_with_the_same_image(stack: LocalStack) -> None:
+    """Over 30 s: the job must be long enough (120 steps at 256 px) to be drained mid-way
+    with time left to measure, and runs again uninterrupted to compare."""
     client = stub(stack)
     job_id = client.SubmitJob(pb.SubmitJobRequest(**LONG, lane="free")).job_id
     stream = Stream(client, job_id)
@@ -134,6 +136,8 @@ def test_a_drain_suspends_at_the_next_step_and_another_gpu_resumes_with_the_same
 
 
 def test_an_urgent_job_preempts_long_best_effort_work_which_resumes_with_the_same_image(stack: LocalStack) -> None:
+    """Over 30 s: a long job per sampler keeps every GPU busy while the urgent one preempts
+    one of them, and the victim runs again uninterrupted to compare."""
     client = stub(stack)
     stack.wait_ready(60)  # both samplers, whatever the test before did to them
     samplers = len(stack.sampler_ids())
