@@ -24,9 +24,8 @@ from tests.helpers import env_of
 # The end-of-run report: time per directory and the fault scenarios' table.
 pytest_plugins = ["tests.reporting"]
 
-# Modules whose tests, each a few seconds or less with no stack of their own
-# or one shared, make the quick tier beside tests/unit and tests/deploy
-# (`pytest -m "not slow"`, docs/contributing.md); every other stack test is slow.
+# The directories wholly in the quick tier (`pytest -m "not slow"`, docs/contributing.md);
+# beside them, the stack modules marked `quick`. Every other test is marked slow.
 QUICK_TIERS = ("tests/unit/", "tests/deploy/")
 
 
