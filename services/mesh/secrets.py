@@ -48,7 +48,9 @@ def password(path: Path) -> str:
         existing = ""
     if existing:
         return existing
-    made = secrets.token_urlsafe(24)
+    # Hex rather than URL-safe base64: one that began with "-" was read as an option
+    # where it was passed as an argument (pg_autoctl's, once in 64 passwords).
+    made = secrets.token_hex(24)
     write_private(path, made.encode() + b"\n")
     return made
 

@@ -302,15 +302,15 @@ def test_client_stream_cut_and_reopened(make) -> None:
 
 
 def test_sampler_killed_during_a_long_job_resumes_from_its_checkpoint(make, tmp_path: Path) -> None:
-    """Over 30 s: a 100-step job must be long enough to kill mid-way, then runs its
-    remaining steps and the uninterrupted one to compare."""
+    """Over 30 s: the sampler killed mid-job is restarted, and the job waits for the
+    crash to be noticed before it runs its remaining steps."""
     registry = tmp_path / "registry.toml"
     registry.write_text(CHECKPOINTED_TINY)
     stack = make(model_registry=str(registry))
     load = Load.of(stack)
-    steps = 100
+    steps = 60  # checkpointed every 5: a crash costs at most 5 steps, well inside the 20 % allowed
     [job_id] = load.submit(1, width=256, height=256, steps=steps)
-    victim = running_job(load, [job_id], min_step=40)
+    victim = running_job(load, [job_id], min_step=24)
     stack.services[sampler_of(stack, victim.worker_id)].kill()
     fault_at = now()
     summary = check(
