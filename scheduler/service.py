@@ -14,6 +14,7 @@ import os
 import uuid
 from datetime import UTC, datetime
 
+from scheduler.idle import next_idle_wait
 from scheduler.job_gauges import job_gauges_loop
 from scheduler.metrics import count_settled
 from scheduler.passes import Passes
@@ -70,8 +71,9 @@ class Scheduler:
             board=self.board,
             mesh=mesh,
         )
-        # Set when NATS says there may be work to place.
+        # Set when NATS says there may be work to place; whether it can (subscribed).
         self._wake = asyncio.Event()
+        self._hears_work = False
         # Since when the database has answered this replica without a failure.
         # Heartbeats are judged only once that is longer than a heartbeat's
         # timeout: after an outage every heartbeat looks stale, and the workers
@@ -93,6 +95,8 @@ class Scheduler:
     async def placement_loop(self, stop: asyncio.Event) -> None:
         last_redispatch = 0.0
         loop = asyncio.get_running_loop()
+        floor_s, ceiling_s = self.settings.interval_s, self.settings.idle_interval_max_s
+        wait_s = floor_s
         while not stop.is_set():
             placed = 0
             # Work arriving from here on wakes the next wait: nothing slips between.
@@ -106,18 +110,22 @@ class Scheduler:
             except StoreError as exc:
                 self._db_answered(False)
                 log.warning("scheduling pass failed, will retry: %s", exc)
-            if placed == 0:
-                await self._idle(stop)
+            if placed:
+                wait_s = floor_s
+                continue
+            woken = await self._idle(stop, wait_s)
+            wait_s = next_idle_wait(wait_s, woken=woken, events=self._hears_work, floor_s=floor_s, ceiling_s=ceiling_s)
 
-    async def _idle(self, stop: asyncio.Event) -> None:
-        """Until there may be work to place (a job event on NATS says so), the
-        scheduler interval passes, or the scheduler stops."""
+    async def _idle(self, stop: asyncio.Event, wait_s: float) -> bool:
+        """Until there may be work to place (a work event on NATS says so), ``wait_s``
+        passes, or the scheduler stops; whether an event ended it."""
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
         try:
-            await asyncio.wait(waits, timeout=self.settings.interval_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waits, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waits:
                 w.cancel()
+        return self._wake.is_set()
 
     async def recovery_loop(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -163,6 +171,7 @@ class Scheduler:
     async def run(self, stop: asyncio.Event) -> None:
         try:
             await self.passes.events.on_work(self._wake)
+            self._hears_work = True
         except BusError as exc:
             log.warning("not woken by work events (placing every %.3fs): %s", self.settings.interval_s, exc)
         async with asyncio.TaskGroup() as tg:

@@ -206,6 +206,14 @@ class SchedulerSettings(Section):
         env="SCHEDULER_INTERVAL_S",
         at_least=0.001,
     )
+    idle_interval_max_s: float = setting(
+        0.5,
+        "The longest a scheduler that hears work events waits between passes that find nothing: the interval "
+        "doubles from interval_s up to this while nothing comes (the events wake it at once; the passes are the "
+        "net for one lost).",
+        env="SCHEDULER_IDLE_INTERVAL_MAX_S",
+        at_least=0.001,
+    )
     batch: int = setting(64, "Queued jobs one placement pass reads per lane.", env="SCHEDULER_BATCH", at_least=1)
     recovery_interval_s: float = setting(
         1.0, "How often the scheduler looks for stalled, expired and exhausted jobs.", at_least=0.05
