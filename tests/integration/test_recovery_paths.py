@@ -152,16 +152,16 @@ def test_job_scheduled_but_never_published_is_published_again(stack: LocalStack)
 
 
 def test_worker_whose_attempts_keep_failing_goes_unhealthy_and_is_restarted(stack: LocalStack) -> None:
-    """Over 30 s under load: several failing attempts are needed before the worker counts
-    as unhealthy, then a restart with its model load."""
+    """Three failing attempts in a row (one job's, on the one sampler) make the worker
+    unhealthy; it exits and is restarted, and serves again."""
     client = stub(stack)
     sampler = stack.services["sampler-0"]
     before = sampler.restarts
-    ids = [submit(client, "broken") for _ in range(3)]
-    jobs = [wait_terminal(client, i, timeout=90) for i in ids]
-    assert {j.status for j in jobs} == {pb.JOB_STATUS_FAILED}
-    assert all(j.error.startswith("failed after 3 attempts") and "ModelError" in j.error for j in jobs)
-    assert sampler.restarts > before
+    job = wait_terminal(client, submit(client, "broken"), timeout=90)
+    assert job.status == pb.JOB_STATUS_FAILED
+    assert job.error.startswith("failed after 3 attempts") and "ModelError" in job.error
+    # The third failure is stored before the sampler exits for it.
+    wait_for(lambda: sampler.restarts, lambda n: n > before, timeout=30, what="the sampler restarted")
     assert sampler.last_exit == "it exited with code 3"
     stack.wait_ready(60)
     [worker] = [w for w in client.GetStats(pb.GetStatsRequest()).workers if w.kind == "sampler"]
