@@ -220,13 +220,22 @@ def start_store_gpu(fleet: Fleet, host: Host) -> None:
     )
 
 
-def holding(fleet: Fleet, model: str) -> set[str]:
-    """The live, ready workers that presence says hold ``model`` loaded."""
+def ready_caching(fleet: Fleet, manifest: Manifest) -> set[str]:
+    """The live, ready samplers whose host's cache they announce holding every blob of
+    ``manifest``: a host that started with the model and has it on disk. Not whether it
+    is loaded now: the warm-set planner may swap a preloaded model for the one in
+    demand as soon as it is ready (under load, before a poll of ``holding`` sees it)."""
     try:
         heard = fleet.workers_heard()
     except BusError:
         return set()
-    return {w.id for w in heard if w.live and w.status == WorkerStatus.READY and model in w.warm_models}
+    blobs = set(manifest_digests(manifest).values())
+    ready = set()
+    for worker in heard:
+        announced = CacheAnnouncement.of(worker)
+        if worker.live and worker.status == WorkerStatus.READY and announced and blobs <= announced.blobs:
+            ready.add(worker.id)
+    return ready
 
 
 def announcing(fleet: Fleet, digest: str) -> list[Host]:

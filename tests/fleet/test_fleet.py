@@ -15,6 +15,7 @@ import pytest
 
 from services.db.states import WorkerStatus
 from services.db.worker_records import WorkerRecord
+from services.errors import BusError
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.faults.harness import Load, check, now
 from tests.fleet.fleet import Fleet
@@ -25,13 +26,14 @@ from tests.fleet.model_store import (
     cached_digests,
     fetched_bytes,
     head_written,
-    holding,
     manifest_digests,
     partial_bytes,
     push_store_model,
+    ready_caching,
     sending_to,
     start_store_gpu,
 )
+from tests.fleet.network import Host
 from tests.fleet.probes import gateway_up, round_trip_ms, stage_latencies, stream_replicas_current
 from tests.helpers import wait_for
 
@@ -229,12 +231,15 @@ def test_four_gpu_hosts_cold_start_one_model_from_the_store_and_each_other(fleet
     try:
         for host in hosts:
             start_store_gpu(fleet, host)
-        wait_for(
-            lambda: holding(fleet, STORE_MODEL),
-            lambda ids: want <= ids,
-            timeout=240,  # under the test's own 300 s: the failure then names who was not ready
-            what=f"{', '.join(sorted(want))} ready, holding {STORE_MODEL}",
-        )
+        try:
+            wait_for(
+                lambda: ready_caching(fleet, pushed.manifest),
+                lambda ids: want <= ids,
+                timeout=240,  # under the test's own 300 s: the failure then names who was not ready
+                what=f"{', '.join(sorted(want))} ready, {STORE_MODEL} in their caches",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{what_the_hosts_say(fleet, hosts)}") from None
         cold_start_s = time.monotonic() - started
         sent = fleet.model_store.sent_bytes() - sent_before
         fetched = {h.name: fetched_bytes(h) for h in hosts}
@@ -267,6 +272,23 @@ def test_four_gpu_hosts_cold_start_one_model_from_the_store_and_each_other(fleet
             fleet.stop_gpu(host)
 
 
+def what_the_hosts_say(fleet: Fleet, hosts: list[Host]) -> str:
+    """For a failure's message: what presence hears of every worker, and the end of
+    each host's logs (the fleet's root goes with its fixture)."""
+    try:
+        heard = "\n".join(
+            f"{w.id}: {w.status} live={w.live} warm={sorted(w.warm_models)}" for w in fleet.workers_heard()
+        )
+    except BusError as exc:
+        heard = f"presence unread: {exc}"
+    tails = []
+    for host in hosts:
+        own = fleet.root / "hosts" / host.name
+        for log in sorted(fleet.logs.glob(f"{host.name}-*.log")) + sorted(own.rglob("*.log")):
+            tails.append(f"--- {log.relative_to(fleet.root)} ---\n{log.read_text(errors='replace')[-3000:]}")
+    return f"presence:\n{heard}\n" + "\n".join(tails)
+
+
 def test_a_peer_cut_off_mid_transfer(fleet: Fleet, models_dir: Path) -> None:
     """Every peer holding the model is held to a slow rate, and the one sending a
     blob to a host with an empty cache is cut off mid-transfer: that host finishes
@@ -280,10 +302,10 @@ def test_a_peer_cut_off_mid_transfer(fleet: Fleet, models_dir: Path) -> None:
     try:
         start_store_gpu(fleet, first)  # a cache hit after the cold start; fetched whole otherwise
         wait_for(
-            lambda: holding(fleet, STORE_MODEL),
+            lambda: ready_caching(fleet, pushed.manifest),
             lambda ids: fleet.worker_id(first) in ids,
             timeout=300,
-            what=f"{first.name} ready, holding {STORE_MODEL}",
+            what=f"{first.name} ready, {STORE_MODEL} in its cache",
         )
         # The GPU hosts the scheduler gave the model's jobs to hold it too: all are slowed.
         holders = announcing(fleet, padding)
@@ -310,10 +332,10 @@ def test_a_peer_cut_off_mid_transfer(fleet: Fleet, models_dir: Path) -> None:
         peer.cut()
         try:
             wait_for(
-                lambda: holding(fleet, STORE_MODEL),
+                lambda: ready_caching(fleet, pushed.manifest),
                 lambda ids: fleet.worker_id(fresh) in ids,
                 timeout=300,
-                what=f"{fresh.name} ready, holding {STORE_MODEL}",
+                what=f"{fresh.name} ready, {STORE_MODEL} in its cache",
             )
             loaded_s = (now() - fault_at).total_seconds()
             fetched = fetched_bytes(fresh)

@@ -180,7 +180,9 @@ def new_stack(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> L
             worker_backlog=100_000,
             scheduler_batch=16,
             worker_stale_after_s=3600,
+            # Jobs seeded into the table send no work event: looked for every 10 ms.
             scheduler_interval_s=0.01,
+            scheduler_idle_interval_max_s=0.01,
             # Nothing here starts a job, so redispatch would publish every SCHEDULED job
             # again: keep it out, so the audit counts placements only.
             redispatch_after_s=3600,

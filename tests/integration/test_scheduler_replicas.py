@@ -85,7 +85,15 @@ def test_two_schedulers_dispatch_every_job_exactly_once(tmp_path, postgres, mode
     stack: LocalStack = make_stack(tmp_path, postgres, models_dir)
     stack.start_backends()
     stack.settings = stack.settings.with_env(
-        env_of(worker_backlog=10_000, scheduler_batch=16, worker_stale_after_s=3600, scheduler_interval_s=0.01)
+        env_of(
+            worker_backlog=10_000,
+            scheduler_batch=16,
+            worker_stale_after_s=3600,
+            # Jobs seeded into the table send no work event: both replicas find them by
+            # looking every 10 ms, never backing off, so that they contend.
+            scheduler_interval_s=0.01,
+            scheduler_idle_interval_max_s=0.01,
+        )
     )
     db_url = stack.settings.kernel.database_url.replace("postgresql+psycopg://", "postgresql://")
     try:
