@@ -36,6 +36,7 @@ _RESTARTING = (
     "the database system is shutting down",
     "the database system is starting up",
     "terminating connection due to administrator command",
+    "server closed the connection unexpectedly",  # stopped while the connection began
     "Connection refused",
     "No such file or directory",  # its socket, while it is stopped
 )
