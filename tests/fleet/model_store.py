@@ -224,12 +224,12 @@ def ready_caching(fleet: Fleet, manifest: Manifest) -> set[str]:
     """The live, ready samplers whose host's cache they announce holding every blob of
     ``manifest``: a host that started with the model and has it on disk. Not whether it
     is loaded now: the warm-set planner may swap a preloaded model for the one in
-    demand as soon as it is ready (under load, before a poll of ``holding`` sees it)."""
+    demand as soon as it is ready (under load, before a poll of the warm models sees it)."""
     try:
         heard = fleet.workers_heard()
     except BusError:
         return set()
-    blobs = set(manifest_digests(manifest).values())
+    blobs = set(manifest.blobs())
     ready = set()
     for worker in heard:
         announced = CacheAnnouncement.of(worker)
