@@ -1,3 +1,7 @@
-from gpu_worker.service import main
+import gc
+
+gc.disable()  # while it imports: services.ops.lifecycle.imports_done turns it back on
+
+from gpu_worker.service import main  # noqa: E402
 
 main()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -56,10 +57,23 @@ def run_loop(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
+def imports_done() -> None:
+    """Ends a service's start without the garbage collector: what its imports made
+    (modules, classes, functions: a million objects for torch and diffusers) lives as
+    long as the process, so it is set aside (``gc.freeze``) rather than traversed by
+    every full collection from now on, and collection resumes. A service's
+    ``__main__`` turns the collector off before its first import: collecting while
+    importing found nothing to free and took a fifth of a sampler's or a decoder's
+    start (docs/benchmarks.md)."""
+    gc.freeze()
+    gc.enable()
+
+
 def run_service(name: str, serve: Serve[S], section: type[S]) -> None:
     """Runs service ``name`` in this process: its settings (the kernel's and its
     ``section``) from the environment, logging, tracing, liveness, and
     ``serve`` until SIGINT or SIGTERM."""
+    imports_done()
     logger = logging.getLogger(__name__)
     try:
         settings = KernelSettings.from_env()

@@ -1,0 +1,64 @@
+"""A service imports without the garbage collector and runs with it: collecting while
+torch and diffusers import freed nothing and took a fifth of a stack's start
+(docs/benchmarks.md); a collector left off would leak every cycle the service makes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.ops.lifecycle import EXIT_BAD_SETTINGS
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs a service's ``__main__`` as ``python -m`` would, its settings bad so that it
+# stops at once, and prints how many collections ran before run_service began.
+_PROBE = """
+import gc, runpy, sys
+collections = []
+gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+from services.ops import lifecycle
+imports_done = lifecycle.imports_done
+def probed():
+    print("collections while importing:", len(collections), flush=True)
+    imports_done()
+lifecycle.imports_done = probed
+collections.clear()  # the probe's own imports ran with the collector on
+try:
+    runpy.run_module(sys.argv[1], run_name="__main__", alter_sys=True)
+finally:
+    print("collector on:", gc.isenabled(), "frozen:", gc.get_freeze_count() > 0, flush=True)
+"""
+
+
+@pytest.mark.parametrize("service", ["gateway", "scheduler", "gpu_worker", "vae_worker", "http_api"])
+def test_a_service_imports_without_collecting_and_runs_with_the_collector_on(service: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE, service],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "DARKROOM_LOG_LEVEL": "LOUDLY"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == EXIT_BAD_SETTINGS, done.stderr
+    assert "DARKROOM_LOG_LEVEL" in done.stderr
+    assert "collections while importing: 0\n" in done.stdout, done.stdout
+    assert "collector on: True frozen: True\n" in done.stdout, done.stdout
+
+
+def test_the_probe_sees_collections_where_the_collector_runs_while_importing() -> None:
+    """The probe above can fail: importing the same modules with the collector on collects."""
+    probe = _PROBE.replace("runpy.run_module(", "gc.enable(); import scheduler.service; runpy.run_module(")
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "scheduler"],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "DARKROOM_LOG_LEVEL": "LOUDLY"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "collections while importing: 0\n" not in done.stdout, done.stdout
