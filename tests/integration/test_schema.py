@@ -5,6 +5,9 @@ record field with no column, fails here rather than in production."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -13,10 +16,18 @@ from alembic.migration import MigrationContext
 from sqlalchemy import Column, Integer, MetaData, Table, create_engine
 
 from services.db import records, worker_records
-from services.db.migrate import sync_url, upgrade
+from services.db.migrate import (
+    current_revision,
+    newest_revision,
+    schema_when_ready,
+    sync_url,
+    upgrade,
+    upgrade_when_reachable,
+)
 from services.db.models import Base, JobCheckpointRow, JobImageRow, JobInputRow, JobRow, WorkerRow
 from services.generation import JobInputs
 from services.ops.embedded import EmbeddedPostgres
+from services.ops.processes import free_port
 from tests.conftest import fresh_database
 
 pytestmark = [pytest.mark.integration, pytest.mark.quick]
@@ -72,3 +83,62 @@ def test_the_column_lists_read_only_columns() -> None:
     assert set(records.JOB_FIELDS) <= columns(JobRow)
     assert set(records.SUMMARY_FIELDS) <= columns(JobRow)
     assert set(worker_records.WORKER_FIELDS) <= columns(WorkerRow)
+
+
+def test_the_newest_revision_read_from_the_files_is_alembics_head() -> None:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    cfg = Config()
+    cfg.set_main_option("script_location", "services/db/migrations")
+    assert newest_revision() == ScriptDirectory.from_config(cfg).get_current_head()
+
+
+def test_a_database_a_revision_behind_is_brought_to_the_newest(postgres: EmbeddedPostgres) -> None:
+    """The start's one-query check does not skip a migration still to run."""
+    from alembic import command
+    from alembic.config import Config
+
+    url = fresh_database(postgres)
+    upgrade(url)
+    cfg = Config()
+    cfg.set_main_option("script_location", "services/db/migrations")
+    engine = create_engine(sync_url(url))
+    try:
+        with engine.begin() as conn:
+            cfg.attributes["connection"] = conn
+            command.downgrade(cfg, "-1")
+    finally:
+        engine.dispose()
+    behind = current_revision(url)
+    assert behind is not None and behind != newest_revision()
+    upgrade(url)
+    assert current_revision(url) == newest_revision()
+    assert differences(url, Base.metadata) == []
+
+
+def test_a_start_on_a_database_at_the_newest_revision_does_not_import_alembic(postgres: EmbeddedPostgres) -> None:
+    url = fresh_database(postgres)
+    upgrade(url)
+    probe = (
+        "import sys; from services.db.migrate import upgrade; upgrade(sys.argv[1]); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, url], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]"
+    assert current_revision(url) == newest_revision()
+
+
+async def test_a_start_waits_out_a_database_that_is_not_there_yet(postgres: EmbeddedPostgres) -> None:
+    """Refused connections are retried until the stop; the same database reachable is migrated."""
+    url = fresh_database(postgres)
+    away = f"postgresql://127.0.0.1:{free_port()}/darkroom?user=darkroom&connect_timeout=1"
+    stop = asyncio.Event()
+    tried = asyncio.create_task(upgrade_when_reachable(away, stop, retry_max_s=0.05))
+    waiting = asyncio.create_task(schema_when_ready(away, stop, retry_max_s=0.05))
+    await asyncio.sleep(0.5)
+    assert not tried.done() and not waiting.done()
+    stop.set()
+    assert await tried is False and await waiting is False
+    assert await upgrade_when_reachable(url, asyncio.Event()) is True
+    assert await schema_when_ready(url, asyncio.Event()) is True
