@@ -52,6 +52,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "image_filter": ("| model | size | device | decoder ms/image, filter off |",),
     "model_store": ("| source | blobs | GB | streams | range MB |",),
     "cold_start": ("| host | first image (s) | from the store (MB) | from peers (MB) |",),
+    "stack_start": ("| service | CPU s to ready |", "| rounds | ready s, median | ready s, max |"),
 }
 
 
