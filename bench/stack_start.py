@@ -1,8 +1,9 @@
 """What starting the whole stack costs: `darkroom up`'s services (gateway, scheduler, one
 sampler, one decoder) on the tiny model, started on a fresh data directory until
 ready (its PostgreSQL and NATS started, the sampler warmed up), then stopped,
-``--rounds`` times; prints the time to ready and each service's CPU seconds up to then (imports, settings, connections,
-migrations checked, the model loaded and warmed up), medians over the rounds.
+``--rounds`` times; prints the time to ready and each service's CPU seconds up to
+then (imports, settings, connections, migrations checked, the model loaded and
+warmed up), medians over the rounds.
 
 A supervisor restarting a crashed sampler pays its row again, and the test suite pays
 the whole table for each of the stacks it starts (docs/benchmarks.md).
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     import psutil
 
     from services.config.sections import Settings
+    from services.ops.postgres_as_root import discard_clusters_of
     from services.ops.stack import LocalStack
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -42,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     ready_s: list[float] = []
     cpu_s: dict[str, list[float]] = {}
     for _ in range(args.rounds):
-        data = Path(tempfile.mkdtemp(prefix="darkroom-start-"))
+        # Each round's data directory goes with it (as root, its cluster lives beside it).
+        temporary = tempfile.TemporaryDirectory(prefix="darkroom-start-", ignore_cleanup_errors=True)
+        data = Path(temporary.name)
         settings = Settings.from_env(
             {"DARKROOM_DATA_DIR": str(data), "DARKROOM_GATEWAY_PORT": "0", "DARKROOM_LOG_LEVEL": "WARNING"}
         )
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_s.setdefault(name, []).append(times.user + times.system)
         finally:
             stack.stop()
+            discard_clusters_of(data)
+            temporary.cleanup()
     print(f"stack start, tiny model, {args.rounds} round(s), medians\n")
     print("| service | CPU s to ready |")
     print("|---|---|")

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import gc
 import itertools
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -38,13 +37,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # children get their share of the cores from the stack itself.
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    # What collecting imported (torch, diffusers, every test module) lives as long as
-    # the run: set aside from the collector rather than traversed by each full
-    # collection, as a service does once its imports are done (lifecycle.imports_done).
-    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

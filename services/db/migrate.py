@@ -64,12 +64,11 @@ def newest_revision() -> str | None:
     return heads.pop() if len(heads) == 1 else None
 
 
-def current_revision(database_url: str, *, pooled: bool = False) -> str | None:
+def current_revision(database_url: str) -> str | None:
     """The database's revision; None where it has no schema yet. Raises
-    psycopg.OperationalError where the server cannot be reached."""
-    with psycopg.connect(
-        libpq_url(database_url), autocommit=True, connect_timeout=5, prepare_threshold=None if pooled else 5
-    ) as conn:
+    psycopg.OperationalError where the server cannot be reached. Nothing is
+    prepared: a transaction pooler passes it."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True, connect_timeout=5, prepare_threshold=None) as conn:
         try:
             row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
         except psycopg.errors.UndefinedTable:
@@ -124,7 +123,7 @@ def at_head(database_url: str) -> bool:
         from alembic.script import ScriptDirectory
 
         head = ScriptDirectory.from_config(_config()).get_current_head()
-    return current_revision(database_url, pooled=True) == head
+    return current_revision(database_url) == head
 
 
 async def schema_when_ready(database_url: str, stop: asyncio.Event, *, retry_max_s: float = 5.0) -> bool:
