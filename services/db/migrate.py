@@ -40,7 +40,7 @@ def sync_url(url: str) -> str:
     return url.replace("postgresql://", "postgresql+psycopg://", 1) if url.startswith("postgresql://") else url
 
 
-def _config() -> Config:
+def alembic_config() -> Config:
     from alembic.config import Config
 
     cfg = Config()
@@ -79,12 +79,11 @@ def current_revision(database_url: str) -> str | None:
 def upgrade(database_url: str) -> None:
     """Brings the schema to the newest revision. Raises what connecting raised where
     the server cannot be reached (one of ``UNREACHABLE``)."""
-    head = newest_revision()
-    if head is not None and current_revision(database_url) == head:
+    if at_head(database_url):
         return
     from alembic import command
 
-    cfg = _config()
+    cfg = alembic_config()
     engine = create_engine(sync_url(database_url), connect_args={"connect_timeout": 5})
     try:
         with engine.begin() as conn:
@@ -122,7 +121,7 @@ def at_head(database_url: str) -> bool:
     if head is None:
         from alembic.script import ScriptDirectory
 
-        head = ScriptDirectory.from_config(_config()).get_current_head()
+        head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     return current_revision(database_url) == head
 
 

@@ -17,6 +17,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, create_engine
 
 from services.db import records, worker_records
 from services.db.migrate import (
+    alembic_config,
     current_revision,
     newest_revision,
     schema_when_ready,
@@ -86,23 +87,18 @@ def test_the_column_lists_read_only_columns() -> None:
 
 
 def test_the_newest_revision_read_from_the_files_is_alembics_head() -> None:
-    from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-    cfg = Config()
-    cfg.set_main_option("script_location", "services/db/migrations")
-    assert newest_revision() == ScriptDirectory.from_config(cfg).get_current_head()
+    assert newest_revision() == ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
 def test_a_database_a_revision_behind_is_brought_to_the_newest(postgres: EmbeddedPostgres) -> None:
     """The start's one-query check does not skip a migration still to run."""
     from alembic import command
-    from alembic.config import Config
 
     url = fresh_database(postgres)
     upgrade(url)
-    cfg = Config()
-    cfg.set_main_option("script_location", "services/db/migrations")
+    cfg = alembic_config()
     engine = create_engine(sync_url(url))
     try:
         with engine.begin() as conn:

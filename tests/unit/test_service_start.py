@@ -34,16 +34,20 @@ finally:
 """
 
 
-@pytest.mark.parametrize("service", ["gateway", "scheduler", "gpu_worker", "vae_worker", "http_api"])
-def test_a_service_imports_without_collecting_and_runs_with_the_collector_on(service: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE, service],
+def probed(service: str, probe: str = _PROBE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", probe, service],
         cwd=REPO,
         env={"PATH": "/usr/bin:/bin", "DARKROOM_LOG_LEVEL": "LOUDLY"},
         capture_output=True,
         text=True,
         timeout=60,
     )
+
+
+@pytest.mark.parametrize("service", ["gateway", "scheduler", "gpu_worker", "vae_worker", "http_api"])
+def test_a_service_imports_without_collecting_and_runs_with_the_collector_on(service: str) -> None:
+    done = probed(service)
     assert done.returncode == EXIT_BAD_SETTINGS, done.stderr
     assert "DARKROOM_LOG_LEVEL" in done.stderr
     assert "collections while importing: 0\n" in done.stdout, done.stdout
@@ -53,12 +57,5 @@ def test_a_service_imports_without_collecting_and_runs_with_the_collector_on(ser
 def test_the_probe_sees_collections_where_the_collector_runs_while_importing() -> None:
     """The probe above can fail: importing the same modules with the collector on collects."""
     probe = _PROBE.replace("runpy.run_module(", "gc.enable(); import scheduler.service; runpy.run_module(")
-    done = subprocess.run(
-        [sys.executable, "-c", probe, "scheduler"],
-        cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "DARKROOM_LOG_LEVEL": "LOUDLY"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = probed("scheduler", probe)
     assert "collections while importing: 0\n" not in done.stdout, done.stdout
