@@ -36,7 +36,7 @@ import torch
 from gpu_worker.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
 from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult, checked_output
 from gpu_worker.network_calls import NetworkCalls, warm_up_buckets
-from gpu_worker.noise_schedulers import HOST, host_scheduler, keep_unmasked, start_from_input
+from gpu_worker.noise_schedulers import HOST, host_scheduler, initial_sigma, keep_unmasked, start_from_input
 from gpu_worker.prompts import Conditioning, PromptCache, prompt_key
 from gpu_worker.running_batch import RunningBatch
 from gpu_worker.step_groups import guided_noise, step_groups, takes_generator
@@ -85,6 +85,19 @@ class DiffusersDenoiser:
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         return Conditioning.encode(pipe, spec.family, params, self.device, cfg)
 
+    def classifier_free(self, params: GenerationParams) -> bool:
+        """Whether a member's step calls the network twice (its rows doubled), with its
+        prompt and without, mixed by its guidance scale."""
+        return params.guidance_scale > 1.0
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        """What besides the steps sets a job's noise-scheduler timesteps (a shift by size)."""
+        return {}
+
+    def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
+        """A member's latents as its VAE decodes them, (N, C, H/8, W/8): Flux's are packed."""
+        return latents
+
     def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
         """What the network takes for a member's (scaled) latents."""
         return latents
@@ -103,7 +116,7 @@ class DiffusersDenoiser:
         noise = self.draw_noise(pipe, member.params, state)
         inputs = member.inputs
         if inputs is None or inputs.image_latents is None:
-            state.latents = noise * state.scheduler.init_noise_sigma
+            state.latents = noise * initial_sigma(state.scheduler)
             return
         image = inputs.image_latents.to(self.device, noise.dtype).repeat(member.params.num_images, 1, 1, 1)
         mask = inputs.mask.to(self.device, noise.dtype) if inputs.mask is not None else None
@@ -150,7 +163,7 @@ class DiffusersDenoiser:
     ) -> list[MemberResult]:
         runs = self.denoise(pipe, spec, members, checkpoints, joins)
         for run in runs:
-            _read_back(run, spec)
+            self._read_back(pipe, run, spec)
         return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
 
     def denoise(
@@ -202,9 +215,9 @@ class DiffusersDenoiser:
 
     def encode_cached(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
         """The job's prompt conditioning, from the prompt cache or encoded into it."""
-        cfg = params.guidance_scale > 1.0
+        cfg = self.classifier_free(params)
         with torch.inference_mode():
-            return self.prompts.get(prompt_key(params), lambda: self.encode_prompt(pipe, spec, params, cfg))
+            return self.prompts.get(prompt_key(params, cfg), lambda: self.encode_prompt(pipe, spec, params, cfg))
 
     def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
         """One draw per output from its own generator, as the diffusers pipelines do."""
@@ -217,7 +230,8 @@ class DiffusersDenoiser:
     def _fresh_state(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> LoopState:
         """A new noise scheduler set to the job's steps, and each output's generator
         seeded: the state of a job at step 0, before its noise is drawn."""
-        scheduler = host_scheduler(scheduler_class(spec) if spec.scheduler else type(pipe.scheduler), pipe, params)
+        cls = scheduler_class(spec) if spec.scheduler else type(pipe.scheduler)
+        scheduler = host_scheduler(cls, pipe, params, **self.timestep_args(pipe, params))
         seeds = [(params.seed + i) % 2**63 for i in range(params.num_images)]
         generators = [torch.Generator(device=self.generator_device).manual_seed(seed) for seed in seeds]
         return LoopState(torch.empty(0), scheduler, generators)
@@ -240,7 +254,7 @@ class DiffusersDenoiser:
             for r in runs:
                 if r.result is None and r.step < r.total and r.member.stopping.is_set():
                     r.result = checkpoints.stopped(r)
-            self._leave(spec, [r for r in runs if id(r) not in left and _done(r)], left, joins)
+            self._leave(pipe, spec, [r for r in runs if id(r) not in left and _done(r)], left, joins)
             active = [r for r in runs if not _done(r)]
             if joins is not None:
                 joined = joins.joining() if active else joins.close()
@@ -252,7 +266,7 @@ class DiffusersDenoiser:
                 joins.stepped([r.member for r in active], max((r.total - r.step for r in active), default=0))
             if not active:
                 return
-            for group in step_groups(active, fuse=self.fuse_batches):
+            for group in step_groups(active, fuse=self.fuse_batches, guided=self.classifier_free):
                 noise = guided_noise(self, pipe, group, calls)
                 for r, eps in zip(group, noise, strict=True):
                     state = _state(r)
@@ -264,27 +278,30 @@ class DiffusersDenoiser:
                 r.step += 1
                 r.member.on_step(r.step, r.total)
                 if r.step in r.member.preview_at and r.member.on_preview is not None:
-                    r.member.on_preview(r.step, r.total, _state(r).latents.detach().to("cpu", torch.float32))
+                    latents = self.output_latents(pipe, r.member.params, _state(r).latents.detach())
+                    r.member.on_preview(r.step, r.total, latents.to("cpu", torch.float32))
                 checkpoints.stepped(r)
 
-    def _leave(self, spec: ModelSpec, done: list[DiffusersRun], left: set[int], joins: RunningBatch | None) -> None:
+    def _leave(
+        self, pipe: Any, spec: ModelSpec, done: list[DiffusersRun], left: set[int], joins: RunningBatch | None
+    ) -> None:
         """Members done at this boundary leave: with ``joins``, read back and handed out now."""
         if joins is None or not done:
             return
         for r in done:
-            _read_back(r, spec)
+            self._read_back(pipe, r, spec)
             left.add(id(r))
         joins.leave([(r.member, r.result if r.result is not None else RuntimeError("no result")) for r in done])
+
+    def _read_back(self, pipe: Any, run: DiffusersRun, spec: ModelSpec) -> None:
+        """The one read back a member needs, once, as it ends."""
+        if run.result is None and run.state is not None:
+            latents = self.output_latents(pipe, run.member.params, run.state.latents)
+            run.result = checked_output(latents, spec.min_output_std)
 
 
 def _done(run: DiffusersRun) -> bool:
     return run.result is not None or run.step >= run.total
-
-
-def _read_back(run: DiffusersRun, spec: ModelSpec) -> None:
-    """The one read back a member needs, once, as it ends."""
-    if run.result is None and run.state is not None:
-        run.result = checked_output(run.state.latents, spec.min_output_std)
 
 
 def _state(run: MemberRun) -> LoopState:

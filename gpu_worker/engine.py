@@ -18,10 +18,12 @@ import torch
 from gpu_worker.busy import BusyClock
 from gpu_worker.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising import BatchMember, Denoiser, MemberInputs, MemberResult
+from gpu_worker.flux_denoiser import FluxDenoiser
 from gpu_worker.metrics import COLD_LOADS
 from gpu_worker.model_cache import ModelCache
 from gpu_worker.prompts import PromptCache
 from gpu_worker.running_batch import RunningBatch
+from gpu_worker.sd3_denoiser import SD3Denoiser
 from gpu_worker.sim_denoiser import SimDenoiser
 from gpu_worker.unet_denoiser import UNetDenoiser
 from gpu_worker.upscale_denoiser import UpscaleDenoiser
@@ -64,6 +66,8 @@ class SamplerEngine:
             ModelFamily.TINY: unet,
             ModelFamily.WAN: WanDenoiser(models_dir, device, self.prompts),
             ModelFamily.SD_X4_UPSCALER: UpscaleDenoiser(models_dir, device, self.prompts),
+            ModelFamily.SD3: SD3Denoiser(models_dir, device, self.prompts),
+            ModelFamily.FLUX: FluxDenoiser(models_dir, device, self.prompts),
             ModelFamily.SIM: SimDenoiser(),
         }
         self.models = ModelCache(

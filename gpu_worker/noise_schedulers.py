@@ -21,12 +21,24 @@ NOISE = "noise"  # the noise its latents started from
 HOST = torch.device("cpu")
 
 
-def host_scheduler(cls: Any, pipe: Any, params: GenerationParams) -> Any:
+def host_scheduler(cls: Any, pipe: Any, params: GenerationParams, **timesteps: Any) -> Any:
     """A new noise scheduler of class ``cls`` (the pipeline's config) set to the job's
-    steps, its tables on the host."""
+    steps (and what else its family sets them with: ``timesteps``), its tables on the
+    host."""
     scheduler = cls.from_config(pipe.scheduler.config)
-    scheduler.set_timesteps(params.steps, device=HOST)
+    scheduler.set_timesteps(params.steps, device=HOST, **timesteps)
     return scheduler
+
+
+def initial_sigma(scheduler: Any) -> float:
+    """What a first step's noise is scaled by: 1 for a flow-matching scheduler, which has none."""
+    return float(getattr(scheduler, "init_noise_sigma", 1.0))
+
+
+def model_input(scheduler: Any, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The latents scaled for the network at ``t``: a flow-matching scheduler does not."""
+    scale = getattr(scheduler, "scale_model_input", None)
+    return latents if scale is None else scale(latents, t)
 
 
 def keep_unmasked(state: LoopState, step: int) -> None:
@@ -68,7 +80,7 @@ def start_from_input(
     if hasattr(state.scheduler, "set_begin_index"):
         state.scheduler.set_begin_index(first)
     if first == 0 and mask is not None:
-        state.latents = noise * state.scheduler.init_noise_sigma
+        state.latents = noise * initial_sigma(state.scheduler)
     else:
         keep, add = noising(state.scheduler, state.scheduler.timesteps[first : first + 1], noise.dtype)
         state.latents = keep * image + add * noise

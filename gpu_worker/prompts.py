@@ -79,9 +79,9 @@ class Conditioning:
         return {"text_embeds": self.pooled, "time_ids": self.time_ids}
 
 
-def prompt_key(params: Any) -> tuple[Any, ...]:
-    """What a job's conditioning depends on (its model first: ``PromptCache.forget``)."""
-    cfg = params.guidance_scale > 1.0
+def prompt_key(params: Any, cfg: bool) -> tuple[Any, ...]:
+    """What a job's conditioning depends on (its model first: ``PromptCache.forget``),
+    ``cfg`` whether it has a negative half."""
     return (params.model, params.prompt, params.negative_prompt, cfg, params.width, params.height)
 
 

@@ -7,30 +7,34 @@ where all members agree it carries one of each, exactly as a batch of one key di
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpu_worker.checkpoint_capture import LoopState
 from gpu_worker.network_calls import NetworkCalls
+from gpu_worker.noise_schedulers import model_input
 from gpu_worker.prompts import Conditioning
+from services.generation import GenerationParams
 from services.models import speed
 
 if TYPE_CHECKING:
     from gpu_worker.diffusers_denoiser import DiffusersDenoiser, DiffusersRun
 
 
-def step_groups(active: list[DiffusersRun], *, fuse: bool) -> list[list[DiffusersRun]]:
+def step_groups(
+    active: list[DiffusersRun], *, fuse: bool, guided: Callable[[GenerationParams], bool]
+) -> list[list[DiffusersRun]]:
     """The runs that share one network call: on an accelerator those of one guidance
-    mode (with guidance the call doubles its rows, without it does not); on a CPU
-    each run alone, since CPU kernels block matrix products differently for other
+    mode (``guided``: the call doubles its rows for classifier-free guidance); on a
+    CPU each run alone, since CPU kernels block matrix products differently for other
     batch sizes, and only alone is a member's output exactly its solo one."""
     if not fuse:
         return [[r] for r in active]
-    guided = [r for r in active if r.member.params.guidance_scale > 1.0]
-    unguided = [r for r in active if r.member.params.guidance_scale <= 1.0]
-    return [group for group in (guided, unguided) if group]
+    doubled = [r for r in active if guided(r.member.params)]
+    single = [r for r in active if not guided(r.member.params)]
+    return [group for group in (doubled, single) if group]
 
 
 def guided_noise(
@@ -40,7 +44,7 @@ def guided_noise(
     from one network call at each run's own timestep and guidance scale."""
     states = [_state(r) for r in group]
     scaled = [
-        denoiser.model_input(r, s.scheduler.scale_model_input(s.latents, s.scheduler.timesteps[r.step]))
+        denoiser.model_input(r, model_input(s.scheduler, s.latents, s.scheduler.timesteps[r.step]))
         for r, s in zip(group, states, strict=True)
     ]
     sizes = [s.latents.shape[0] for s in states]
@@ -49,7 +53,7 @@ def guided_noise(
     rows = x.shape[0]
     x, c = calls.padded(x, c)
     t = network_timesteps(group, sizes, len(x), per_row=calls.options.compile)
-    cfg = group[0].member.params.guidance_scale > 1.0
+    cfg = denoiser.classifier_free(group[0].member.params)
     if cfg:
         x = torch.cat([x, x])
         c = Conditioning.stack([c.negative(), c])
@@ -82,15 +86,21 @@ def row_scales(
     group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int, like: torch.Tensor
 ) -> float | torch.Tensor:
     """Each row's guidance scale, shaped to multiply ``like``'s rows: one number where
-    every member has the same (a batch of one key), else a column gathered on the
-    device from each member's own, padding rows given the last."""
+    every member has the same (a batch of one key), else ``guidance_column``."""
     guidance = [r.member.params.guidance_scale for r in group]
     if all(g == guidance[0] for g in guidance):
         return guidance[0]
+    column = guidance_column(group, sizes, rows)
+    return column.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def guidance_column(group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int) -> torch.Tensor:
+    """Each of ``rows`` rows' guidance scale, gathered on the device from each
+    member's own (``sizes``: its rows), padding rows given the last."""
     column = torch.cat([r.network_guidance.expand(n) for r, n in zip(group, sizes, strict=True)])
     if rows > len(column):
         column = torch.cat([column, column[-1:].expand(rows - len(column))])
-    return column.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+    return column
 
 
 _TAKES_GENERATOR: dict[str, bool] = {}

@@ -51,7 +51,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 _db_names = itertools.count()
 # The default registry's miniatures, built once per session.
-MINIATURE_MODELS = {"tiny": "builtin:tiny", "tiny-wan": "builtin:tiny-wan", "tiny-upscaler": "builtin:tiny-upscaler"}
+MINIATURE_MODELS = {
+    "tiny": "builtin:tiny",
+    "tiny-wan": "builtin:tiny-wan",
+    "tiny-upscaler": "builtin:tiny-upscaler",
+    "tiny-sd3": "builtin:tiny-sd3",
+    "tiny-flux": "builtin:tiny-flux",
+    "tiny-flux-schnell": "builtin:tiny-flux-schnell",
+}
 
 
 @pytest.fixture(scope="session", autouse=True)

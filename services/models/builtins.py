@@ -23,11 +23,17 @@ class Builtin:
     marker: str
 
 
+_FLOW_TINY = "services.models.flow_tiny"
 BUILTINS = {
     # Miniatures with random weights, for tests and the demo: they run on a CPU in seconds.
     "builtin:tiny": Builtin("services.models.tiny", "build_tiny_model", "darkroom_tiny.json"),
     "builtin:tiny-wan": Builtin("services.models.wan", "build_tiny_wan", "darkroom_tiny_wan.json"),
     "builtin:tiny-upscaler": Builtin("services.models.upscaler", "build_tiny_upscaler", "darkroom_tiny_upscaler.json"),
+    "builtin:tiny-sd3": Builtin("services.models.flow_tiny", "build_tiny_sd3", "darkroom_tiny_sd3.json"),
+    "builtin:tiny-flux": Builtin("services.models.flow_tiny", "build_tiny_flux_dev", "darkroom_tiny_flux.json"),
+    "builtin:tiny-flux-schnell": Builtin(
+        "services.models.flow_tiny", "build_tiny_flux_schnell", "darkroom_tiny_flux.json"
+    ),
     # The real architectures with random weights, for benchmarks: they cost what the
     # real models cost to load and run; their output is noise.
     "builtin:sd15-random": Builtin("services.models.presets", "build_sd15_preset", "darkroom_preset.json"),
@@ -38,7 +44,16 @@ BUILTINS = {
 
 
 # The miniatures: `darkroom up` builds them up front.
-MINIATURES = frozenset({"builtin:tiny", "builtin:tiny-wan", "builtin:tiny-upscaler"})
+MINIATURES = frozenset(
+    {
+        "builtin:tiny",
+        "builtin:tiny-wan",
+        "builtin:tiny-upscaler",
+        "builtin:tiny-sd3",
+        "builtin:tiny-flux",
+        "builtin:tiny-flux-schnell",
+    }
+)
 
 
 def ensure_builtin(builtin: Builtin, path: Path) -> Path:

@@ -16,6 +16,7 @@ from services.models.spec import (
     BUILTIN_SIM,
     FAMILY_DEFAULTS,
     MAX_FPS,
+    PATCHED_FAMILIES,
     STORE_PREFIX,
     ModelFamily,
     ModelSpec,
@@ -129,6 +130,11 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
 def _check_frames(spec: ModelSpec) -> None:
     if spec.size_step < 1 or spec.frames_step < 1:
         raise ModelError(f"model {spec.name!r}: size_step and frames_step must be at least 1")
+    if spec.family in PATCHED_FAMILIES and spec.size_step % 16:
+        raise ModelError(
+            f"model {spec.name!r}: family {spec.family} patches its latents 2x2: size_step must be a multiple "
+            f"of 16, not {spec.size_step}"
+        )
     if not spec.makes_video:
         if (spec.max_frames, spec.default_frames) != (1, 1):
             raise ModelError(f"model {spec.name!r}: only a video family has frames (family {spec.family})")

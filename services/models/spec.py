@@ -21,6 +21,8 @@ class ModelFamily(enum.StrEnum):
     SIM = "sim"  # no weights: it only takes its modelled time
     WAN = "wan"  # Wan 2.1 text to video
     SD_X4_UPSCALER = "sd_x4_upscaler"  # Stable Diffusion's x4 upscaler: an image in, 4x its size out
+    SD3 = "sd3"  # Stable Diffusion 3 and 3.5: an MMDiT over two CLIPs and a T5, flow matching
+    FLUX = "flux"  # Flux.1 dev (the guidance scale an input) and schnell (no guidance)
 
 
 # Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
@@ -33,7 +35,12 @@ FAMILY_DEFAULTS = {
     ModelFamily.SIM: (25.0, 1.0, "image"),
     ModelFamily.WAN: (40.0, 15.0, "video"),
     ModelFamily.SD_X4_UPSCALER: (40.0, 5.0, "upscale"),
+    ModelFamily.SD3: (35.0, 8.0, "image"),  # 3.5 Medium; Large is about 3x
+    ModelFamily.FLUX: (70.0, 20.0, "image"),
 }
+# The families whose transformer patches latents 2x2 (or packs them): sizes are
+# multiples of 16 (the VAE's 8 times the patch's 2).
+PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX})
 # The families whose models also edit images (image to image, inpainting).
 EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
 # A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).

@@ -84,7 +84,7 @@ def build_tiny_wan(path: Path, *, seed: int = 0) -> Path:
     ``path``, which ``WanPipeline.from_pretrained(path, local_files_only=True)`` loads."""
     import torch
 
-    tokenizer = _tokenizer()
+    tokenizer = t5_tokenizer()
     text = {**TINY_TEXT, "vocab_size": len(tokenizer)}
     _build(Path(path), seed, tokenizer, text, TINY_TRANSFORMER, TINY_VAE, torch.float32)
     note = "random weights: output is noise"
@@ -100,7 +100,7 @@ def build_wan_preset(path: Path, *, seed: int = 0) -> Path:
     first. Load it with ``dtype=torch.bfloat16`` (the VAE decodes better in float32)."""
     import torch
 
-    _build(Path(path), seed, _tokenizer(), UMT5_XXL, WAN_TRANSFORMER, WAN_VAE, torch.bfloat16)
+    _build(Path(path), seed, t5_tokenizer(), UMT5_XXL, WAN_TRANSFORMER, WAN_VAE, torch.bfloat16)
     note = "random weights"
     (Path(path) / WAN_PRESET_MARKER).write_text(json.dumps({"preset": "wan", "seed": seed, "note": note}))
     return Path(path)
@@ -122,16 +122,17 @@ def wan_parameter_counts() -> dict[str, int]:
     return {name: sum(p.numel() for p in net.parameters()) for name, net in networks.items()}
 
 
-def _tokenizer() -> Any:
-    """A character-level T5 tokenizer: T5's ``<pad>`` 0, ``</s>`` 1 (appended to every prompt) and
-    ``<unk>`` 2, the SentencePiece word-start mark, then one piece per printable Latin-1 character."""
+def t5_tokenizer(max_length: int = TEXT_LEN) -> Any:
+    """A character-level T5 tokenizer (no download) of prompts up to ``max_length`` tokens: T5's
+    ``<pad>`` 0, ``</s>`` 1 (appended to every prompt) and ``<unk>`` 2, the SentencePiece
+    word-start mark, then one piece per printable Latin-1 character."""
     from transformers import T5Tokenizer
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
     pieces += [(chr(c), -2.0) for c in range(33, 256) if chr(c).isprintable()]
     # transformers 5's T5Tokenizer is the tokenizers-backed one and takes a Unigram vocabulary
     # as (piece, score) pairs; it saves tokenizer.json, so loading needs no SentencePiece model.
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TEXT_LEN)
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
 
 
 def _build(

@@ -65,7 +65,7 @@ def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: Ge
         embeds = torch.zeros(1, 512, hidden, device=META, dtype=pipe.transformer.dtype)
         cfg = params.guidance_scale > 1.0
         conditioning = Conditioning(embeds, embeds.clone() if cfg else None)
-        return denoiser.prompts.get(prompt_key(params), lambda: conditioning)
+        return denoiser.prompts.get(prompt_key(params, cfg), lambda: conditioning)
 
 
 CASES = {

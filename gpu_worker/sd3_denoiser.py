@@ -1,0 +1,73 @@
+"""Stable Diffusion 3 and 3.5 (``StableDiffusion3Pipeline``): two CLIP text encoders
+and a T5, an MMDiT over 16-channel latents in 2x2 patches, and a flow-matching Euler
+noise scheduler, in ``gpu_worker.diffusers_denoiser``'s loop, with classifier-free
+guidance as SD 1.5's (its rows doubled, the negative prompt's first)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_worker.diffusers_denoiser import DiffusersDenoiser, DiffusersRun
+from gpu_worker.prompts import Conditioning
+from services.generation import GenerationParams
+from services.models.spec import ModelSpec
+
+# The T5 prompt length its pipeline defaults to (and SD 3 was trained with).
+TEXT_LEN = 256
+
+
+class SD3Denoiser(DiffusersDenoiser):
+    network_name = "transformer"
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=params.prompt,
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=params.negative_prompt or "",
+            do_classifier_free_guidance=cfg,
+            num_images_per_prompt=1,
+            max_sequence_length=text_length(pipe.tokenizer_3, TEXT_LEN),
+            device=self.device,
+        )
+        if not cfg:
+            return Conditioning(embeds=embeds, pooled=pooled)
+        return Conditioning(embeds=embeds, negative_embeds=negative, pooled=pooled, negative_pooled=negative_pooled)
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        config = pipe.scheduler.config
+        if not config.get("use_dynamic_shifting"):
+            return {}  # SD 3.5: a fixed shift, in the scheduler's config
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+        patch = pipe.transformer.config.patch_size
+        scale = pipe.vae_scale_factor
+        tokens = (params.height // scale // patch) * (params.width // scale // patch)
+        mu = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
+        return {"mu": mu}
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        return pipe.transformer(
+            hidden_states=x,
+            timestep=t.expand(x.shape[0]),
+            encoder_hidden_states=c.embeds,
+            pooled_projections=c.pooled,
+            return_dict=False,
+        )[0]
+
+
+def text_length(tokenizer: Any, longest: int) -> int:
+    """The T5 prompt length: the pipeline's, unless the tokenizer's own is shorter (a miniature's)."""
+    if tokenizer is None:
+        return longest
+    return min(longest, int(tokenizer.model_max_length))
