@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -59,8 +59,10 @@ class LoopState:
     latents: torch.Tensor
     scheduler: Any
     generators: list[torch.Generator]
-    # A fresh scheduler set to the job's steps: what a checkpoint need not hold.
-    # Built at the first capture: building one costs about as much as the rest.
+    # Builds a fresh scheduler set to the job's steps, as ``scheduler`` was built.
+    new_scheduler: Callable[[], Any]
+    # A fresh scheduler: what a checkpoint need not hold. Built at the first
+    # capture: building one costs about as much as the rest.
     baseline: Any = None
     # What else its remaining steps read (an edit's input latents, mask, first
     # noise), by name: kept in its checkpoints.
@@ -171,9 +173,7 @@ class MemberCheckpoints:
         if state is None:
             return checkpoint_format.capture(run.step, run.total, run.fingerprint, None)
         if state.baseline is None:
-            state.baseline = type(state.scheduler).from_config(state.scheduler.config)
-            # Where the live one keeps its tables (the host, for a diffusers loop's).
-            state.baseline.set_timesteps(run.member.params.steps, device=state.scheduler.timesteps.device)
+            state.baseline = state.new_scheduler()
         changed, removed = checkpoint_format.scheduler_state(state.scheduler, state.baseline)
         generators = [g.get_state() for g in state.generators]
         snapshot = Snapshot(state.latents, generators, changed, removed, self.device.type, dict(state.extras))

@@ -231,10 +231,15 @@ class DiffusersDenoiser:
         """A new noise scheduler set to the job's steps, and each output's generator
         seeded: the state of a job at step 0, before its noise is drawn."""
         cls = scheduler_class(spec) if spec.scheduler else type(pipe.scheduler)
-        scheduler = host_scheduler(cls, pipe, params, **self.timestep_args(pipe, params))
+        timesteps = self.timestep_args(pipe, params)
+
+        def new_scheduler() -> Any:
+            return host_scheduler(cls, pipe, params, **timesteps)
+
+        scheduler = new_scheduler()
         seeds = [(params.seed + i) % 2**63 for i in range(params.num_images)]
         generators = [torch.Generator(device=self.generator_device).manual_seed(seed) for seed in seeds]
-        return LoopState(torch.empty(0), scheduler, generators)
+        return LoopState(torch.empty(0), scheduler, generators, new_scheduler)
 
     def _denoise(
         self,

@@ -77,6 +77,9 @@ CASES = {
     "sd-ddim-no-guidance": ("tiny", "DDIMScheduler", 1.0),
     "sd-unipc": ("tiny", "UniPCMultistepScheduler", 5.0),
     "wan": ("tiny-wan", "", 5.0),
+    "sd3": ("tiny-sd3", "", 4.5),
+    "flux-dev": ("tiny-flux", "", 3.5),
+    "flux-schnell": ("tiny-flux-schnell", "", 1.0),
     "upscaler": ("tiny-upscaler", "", 7.5),
 }
 
