@@ -221,8 +221,8 @@ def _media(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec) 
         bad.append(FieldViolation("mask", f"{spec.name} does not inpaint"))
     if req.previews > MAX_PREVIEWS:
         bad.append(FieldViolation("previews", f"{req.previews} is outside 0..{MAX_PREVIEWS}"))
-    elif req.previews and not spec.edits:
-        bad.append(FieldViolation("previews", f"{spec.name} makes no previews: they are for the SD families' images"))
+    elif req.previews and not spec.previews:
+        bad.append(FieldViolation("previews", f"{spec.name} makes no previews: they are for the image families"))
     if req.HasField("strength"):
         if not req.image or spec.upscales:
             bad.append(FieldViolation("strength", "applies to edits of an input image (image) only"))

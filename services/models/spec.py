@@ -43,6 +43,8 @@ FAMILY_DEFAULTS = {
 PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX})
 # The families whose models also edit images (image to image, inpainting).
 EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
+# The families whose latents a preview reads as colours (``gpu_worker.previews``).
+PREVIEW_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX})
 # A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
 STORE_PREFIX = "store:"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
@@ -151,6 +153,10 @@ class ModelSpec:
     @property
     def edits(self) -> bool:
         return self.family in EDITING_FAMILIES
+
+    @property
+    def previews(self) -> bool:
+        return self.family in PREVIEW_FAMILIES
 
 
 def scheduler_class(spec: ModelSpec) -> type[Any]:

@@ -117,6 +117,16 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="local", max_retries=0)
         made = sdk.images.generate(prompt="a cat", size="64x64", extra_body={"steps": 2})
         assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 64)
+        # Today's families, through the door and the CLI alike.
+        for model in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell"):
+            made = sdk.images.generate(model=model, prompt="a cat", size="64x96", extra_body={"steps": 2})
+            assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 96)
+        flux = tmp_path / "flux.png"
+        generate = [sys.executable, "-m", "services.ops.cli", "generate", "a cat", "-o", str(flux)]
+        options = ["--gateway", f"127.0.0.1:{port}", "--model", "tiny-flux", "--width", "80", "--steps", "2"]
+        result = subprocess.run([*generate, *options], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert png_size(flux.read_bytes()) == (80, 128)  # the model's default height
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=10)
