@@ -24,6 +24,7 @@ class Builtin:
 
 
 _FLOW_TINY = "services.models.flow_tiny"
+_FLOW_PRESETS = "services.models.flow_presets"
 BUILTINS = {
     # Miniatures with random weights, for tests and the demo: they run on a CPU in seconds.
     "builtin:tiny": Builtin("services.models.tiny", "build_tiny_model", "darkroom_tiny.json"),
@@ -40,6 +41,9 @@ BUILTINS = {
     "builtin:sdxl-random": Builtin("services.models.presets", "build_sdxl_preset", "darkroom_preset.json"),
     "builtin:wan-random": Builtin("services.models.wan", "build_wan_preset", "darkroom_preset.json"),
     "builtin:upscaler-random": Builtin("services.models.upscaler", "build_upscaler_preset", "darkroom_preset.json"),
+    "builtin:sd35-medium-random": Builtin(_FLOW_PRESETS, "build_sd35_medium_preset", "darkroom_preset.json"),
+    "builtin:flux1-dev-random": Builtin(_FLOW_PRESETS, "build_flux1_dev_preset", "darkroom_preset.json"),
+    "builtin:flux1-schnell-random": Builtin(_FLOW_PRESETS, "build_flux1_schnell_preset", "darkroom_preset.json"),
 }
 
 
@@ -54,6 +58,12 @@ MINIATURES = frozenset(
         "builtin:tiny-flux-schnell",
     }
 )
+
+
+def builtin_dir(models_dir: Path, source: str) -> Path:
+    """Where the builtin ``source`` is built: one directory per builtin, whichever
+    registry entries serve it (a variant with other options shares its weights)."""
+    return models_dir / source.removeprefix("builtin:")
 
 
 def ensure_builtin(builtin: Builtin, path: Path) -> Path:

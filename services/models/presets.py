@@ -8,8 +8,10 @@ the embedding tables keep CLIP's 49,408 rows."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +197,29 @@ def parameter_counts(kind: ModelFamily) -> dict[str, int]:
         if kind == ModelFamily.SDXL:
             networks["text_encoder_2"] = CLIPTextModelWithProjection(_clip_config(tokenizer, **SDXL_TEXT_2))
     return {name: sum(p.numel() for p in net.parameters()) for name, net in networks.items()}
+
+
+def save_network(path: Path, make: Callable[[], Any], dtype: Any) -> None:
+    """Builds a network with ``dtype`` as torch's default, so its parameters are created (and
+    initialised by the library's own code) in that dtype, saves it, and lets it go."""
+    with default_dtype(dtype):
+        module = make()
+    big = sum(p.numel() for p in module.parameters()) > 10**8
+    # Shards of 5 GB keep the text encoder's save within its own size plus one shard, also with
+    # safetensors versions that copy a shard's bytes before writing.
+    module.save_pretrained(path, max_shard_size="5GB")
+    del module
+    if big:  # a reference cycle would keep gigabytes alive; a full collection costs ~0.4 s
+        gc.collect()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: Any) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import ModelError
-from services.models.builtins import BUILTINS, ensure_builtin
+from services.models.builtins import BUILTINS, builtin_dir, ensure_builtin
 from services.models.spec import ModelSpec, store_reference
 
 
@@ -22,7 +22,7 @@ def resolve_source(
     builtin = BUILTINS.get(spec.source)
     if builtin is not None:
         with building or nullcontext():
-            return str(ensure_builtin(builtin, models_dir / spec.name)), {"local_files_only": True}
+            return str(ensure_builtin(builtin, builtin_dir(models_dir, spec.source))), {"local_files_only": True}
     stored = store_reference(spec)
     if stored is not None:
         from services.models.host_cache import loading  # the store's client is loaded only where used

@@ -25,14 +25,11 @@ VAE's config; the decoded video is in [-1, 1]."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from services.models.presets import PRESET_MARKER, _diffusers_version
+from services.models.presets import PRESET_MARKER, _diffusers_version, save_network
 
 WAN_TINY_MARKER = "darkroom_tiny_wan.json"
 WAN_PRESET_MARKER = PRESET_MARKER
@@ -151,9 +148,9 @@ def _build(
     torch.manual_seed(seed)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(path / "tokenizer")
-    _save(path / "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**text)), dtype)
-    _save(path / "transformer", lambda: WanTransformer3DModel(**transformer), dtype)
-    _save(path / "vae", lambda: AutoencoderKLWan(**vae), dtype)
+    save_network(path / "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**text)), dtype)
+    save_network(path / "transformer", lambda: WanTransformer3DModel(**transformer), dtype)
+    save_network(path / "vae", lambda: AutoencoderKLWan(**vae), dtype)
     scheduler: Any = UniPCMultistepScheduler(**WAN_SCHEDULER)
     scheduler.save_pretrained(path / "scheduler")
     index = {
@@ -169,29 +166,3 @@ def _build(
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
-
-
-def _save(path: Path, make: Callable[[], Any], dtype: Any) -> None:
-    """Builds a network with ``dtype`` as torch's default, so its parameters are created (and
-    initialised by the library's own code) in that dtype, saves it, and lets it go."""
-    with _default_dtype(dtype):
-        module = make()
-    big = sum(p.numel() for p in module.parameters()) > 10**8
-    # Shards of 5 GB keep the text encoder's save within its own size plus one shard, also with
-    # safetensors versions that copy a shard's bytes before writing.
-    module.save_pretrained(path, max_shard_size="5GB")
-    del module
-    if big:  # a reference cycle would keep gigabytes alive; a full collection costs ~0.4 s
-        gc.collect()
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: Any) -> Iterator[None]:
-    import torch
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -106,12 +106,13 @@ class LocalStack(StackBackends):
         if not self.settings.gateway.port:
             self.settings = self.settings.with_env({"DARKROOM_GATEWAY_PORT": str(free_port())})
         # Build models once, up front, rather than in every process that needs them.
-        from services.models.builtins import BUILTINS, MINIATURES, ensure_builtin
+        from services.models.builtins import BUILTINS, MINIATURES, builtin_dir, ensure_builtin
 
         registry = self.settings.kernel.registry()
         miniatures = sorted(s.name for s in registry.models.values() if s.source in MINIATURES)
         for name in miniatures:
-            ensure_builtin(BUILTINS[registry.get(name).source], self.settings.kernel.models_dir / name)
+            source = registry.get(name).source
+            ensure_builtin(BUILTINS[source], builtin_dir(self.settings.kernel.models_dir, source))
         if not self.settings.sampler.preload_models:
             # The default image model, warmed up before the first job; the others load on demand.
             image = registry.default_for("image")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from services.models.builtins import Builtin, ensure_builtin
+from services.models.builtins import Builtin, builtin_dir, ensure_builtin
 from services.safety.vocabulary import SEPARATOR, Vocabulary, expanded_text, words_of
 
 # The language models Darkroom builds itself, on first use, into the models directory.
@@ -36,7 +36,7 @@ def model_directory(source: str, models_dir: Path) -> Path:
     yet, or ``source`` itself, which must be a transformers directory."""
     builtin = BUILTIN_EXPANDERS.get(source)
     if builtin is not None:
-        return ensure_builtin(builtin, models_dir / source.removeprefix("builtin:"))
+        return ensure_builtin(builtin, builtin_dir(models_dir, source))
     directory = Path(source).expanduser()
     if not (directory / "config.json").is_file():
         known = ", ".join(sorted(BUILTIN_EXPANDERS))

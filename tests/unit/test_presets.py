@@ -30,7 +30,16 @@ def test_the_default_registry_offers_the_presets_only_on_request() -> None:
     served = ModelRegistry.load()
     everything = ModelRegistry.load(presets=None)
     presets = {name: spec for name, spec in everything.models.items() if spec.on_request}
-    assert set(presets) == {"sd15-random", "sdxl-random", "wan-random", "upscaler-random"}
+    assert set(presets) == {
+        "sd15-random",
+        "sdxl-random",
+        "wan-random",
+        "upscaler-random",
+        "sd35-medium-random",
+        "flux1-dev-random",
+        "flux1-dev-fp8-random",
+        "flux1-schnell-random",
+    }
     assert not set(presets) & set(served.models)
     assert ModelRegistry.load(presets=["wan-random"]).get("wan-random").family == ModelFamily.WAN
     assert presets["sdxl-random"].default_width == 1024

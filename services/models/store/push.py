@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from services.errors import ModelError
-from services.models.builtins import BUILTINS, ensure_builtin
+from services.models.builtins import BUILTINS, builtin_dir, ensure_builtin
 from services.models.store.errors import ModelVersionExists
 from services.models.store.manifest import BlobRef, Manifest, parse_reference
 from services.models.store.objects import ObjectStore
@@ -84,7 +84,7 @@ def source_directory(source: str, models_dir: Path) -> Path:
     built once into ``models_dir/NAME``, where `darkroom up` builds it too."""
     builtin = BUILTINS.get(source)
     if builtin is not None:
-        return ensure_builtin(builtin, models_dir / source.removeprefix("builtin:"))
+        return ensure_builtin(builtin, builtin_dir(models_dir, source))
     if source.startswith("builtin:"):
         raise ModelError(f"unknown builtin {source!r}; builtins: {', '.join(sorted(BUILTINS))}")
     path = Path(source).expanduser()
