@@ -4,8 +4,9 @@ PostgreSQL, one sampler, one decoder, all on this machine) against one process
 calling the pipeline.
 
     python bench/gpu.py                      # on a GPU: SD 1.5 at 512 px, 20 steps; SDXL at 1024 px, 30 steps
-    python bench/gpu.py --device cpu         # on a CPU: small sizes (the tiny model, SD 1.5 at 128 px)
-    python bench/gpu.py --smoke              # CI's check that it still runs: the tiny model, one round of each
+    python bench/gpu.py --cases flux-dev     # Flux.1 dev at 1024 px, 28 steps (also sd35m, flux-dev-fp8, flux-schnell)
+    python bench/gpu.py --device cpu         # on a CPU: small sizes (the miniatures, SD 1.5 at 128 px)
+    python bench/gpu.py --smoke              # CI's check that it still runs: the miniatures, one round of each
     python bench/gpu.py --modes saturated,one-job --cases sd15 --options optimize,compile
 
 Modes (``--modes``, all by default):
@@ -25,9 +26,10 @@ Modes (``--modes``, all by default):
   bare loop's latents from the plain loop's (relative RMS; ``services.models.speed``).
 
 The models are the real architectures with random weights (``sd15-random``,
-``sdxl-random``: the default registry's on-request presets), built once into the data
-directory; they cost exactly what the real ones cost. The bare loop includes the VAE
-decode, as the stack's decoder does. Nothing here is a test; it prints tables for
+``sdxl-random``, ``sd35-medium-random``, ``flux1-dev-random``, ``flux1-schnell-random``:
+the default registry's on-request presets), built once into the data directory; they
+cost exactly what the real ones cost. The bare loop (``bench/support/bare_loop.py``)
+includes the VAE decode, as the stack's decoder does. Nothing here is a test; it prints tables for
 docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import dataclasses
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,31 +49,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.support.bare_loop import PROMPT, Bare, Case, bare_loop
 from bench.support.stack_run import BenchStack
 from services.models import speed
 from services.models.registry import DEFAULT_REGISTRY, ModelRegistry
-from services.models.sources import resolve_source
 from services.models.spec import ModelFamily, ModelSpec
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str  # what --cases calls it
-    model: str
-    size: int
-    steps: int
-    jobs: int  # saturated mode's jobs
-
 
 GPU_CASES = (
     Case("sd15", "sd15-random", 512, 20, 64),
     Case("sdxl", "sdxl-random", 1024, 30, 16),
     # MLPerf's SDXL benchmark runs 20 steps: how far the stack stands from 2.18 img/s per H200.
     Case("sdxl20", "sdxl-random", 1024, 20, 16),
+    # Today's families, each run when named (their weights take 16 to 34 GB of disk).
+    Case("sd35m", "sd35-medium-random", 1024, 28, 16),
+    Case("flux-dev", "flux1-dev-random", 1024, 28, 8),
+    Case("flux-dev-fp8", "flux1-dev-fp8-random", 1024, 28, 8),
+    Case("flux-schnell", "flux1-schnell-random", 1024, 4, 16),
 )
-CPU_CASES = (Case("tiny", "tiny", 128, 10, 16), Case("sd15", "sd15-random", 128, 4, 8))
-SMOKE_CASES = (Case("tiny", "tiny", 64, 4, 4),)
-PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+# What a GPU run measures unless --cases names others.
+GPU_DEFAULT = ("sd15", "sdxl")
+CPU_CASES = (
+    Case("tiny", "tiny", 128, 10, 16),
+    Case("sd15", "sd15-random", 128, 4, 8),
+    Case("tiny-sd3", "tiny-sd3", 128, 8, 16),
+    Case("tiny-flux", "tiny-flux", 128, 8, 16),
+)
+SMOKE_CASES = (
+    Case("tiny", "tiny", 64, 4, 4),
+    Case("tiny-sd3", "tiny-sd3", 64, 4, 4),
+    Case("tiny-flux", "tiny-flux", 64, 4, 4),
+)
 STAGES = ("queue", "schedule", "dispatch", "sample", "decode", "store")
 # Each speed option --options can name, as registry keys.
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -87,122 +93,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "fp8": {"quantize": "fp8"},
 }
 SMOKE = {"device": "cpu", "rounds": 1, "options": "channels-last", "batches": "1,2"}
-
-
-# -- the bare loop ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Bare:
-    images_per_s: float
-    peak_bytes: int
-    decode_s_per_image: float  # the VAE on the sampler's device
-    ship_s_per_image: float  # serializing latents for the decoder service
-    latents: torch.Tensor  # the first round's, for an option's drift
-
-
-class OwnedOutputs:
-    """A compiled network as the pipeline calls it: a CUDA-graph step marked before
-    each call, and its output copied out of the graph's memory (the pipeline's
-    multistep schedulers keep earlier outputs)."""
-
-    def __init__(self, network: Any, options: speed.SpeedOptions) -> None:
-        self._network = network
-        self._options = options
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._network, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with speed.network_call(self._options):
-            out = self._network(*args, **kwargs)
-        return (speed.owned(out[0], self._options), *out[1:]) if isinstance(out, tuple) else out
-
-
-def bare_pipeline(spec: ModelSpec, device: torch.device, models: Path) -> Any:
-    from diffusers import DiffusionPipeline
-
-    source, kwargs = resolve_source(spec, models)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    extra = {"safety_checker": None, "requires_safety_checker": False} if spec.family != ModelFamily.SDXL else {}
-    pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=dtype, **kwargs, **extra).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    options = speed.SpeedOptions.of(spec, device)
-    if options.any:
-        pipe.unet = OwnedOutputs(speed.prepare_unet(pipe.unet, options), options)
-        speed.prepare_vae(pipe.vae, options)
-    return pipe
-
-
-def bare_loop(
-    spec: ModelSpec, case: Case, batches: Sequence[int], device: torch.device, rounds: int, models: Path
-) -> dict[int, Bare]:
-    from gpu_worker.decoders import decode_request
-
-    pipe = bare_pipeline(spec, device, models)
-    results = {}
-    for batch in batches:
-        _sample(pipe, case, batch, 0, device)  # warm-up: kernels, allocator, a compilation
-        _decode(pipe, _sample(pipe, case, batch, 0, device))
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
-        started = time.perf_counter()
-        decode_s = ship_s = 0.0
-        first: torch.Tensor | None = None
-        for r in range(rounds):
-            latents = _sample(pipe, case, batch, 1000 * (r + 1), device)
-            _sync(device)
-            t0 = time.perf_counter()
-            _decode(pipe, latents)
-            _sync(device)
-            t1 = time.perf_counter()
-            decode_request([(_job(case, batch), latents)], [None])
-            t2 = time.perf_counter()
-            decode_s += t1 - t0
-            ship_s += t2 - t1
-            first = latents.float().cpu() if first is None else first
-        took = time.perf_counter() - started - ship_s
-        images = batch * rounds
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-        assert first is not None
-        results[batch] = Bare(images / took, peak, decode_s / images, ship_s / images, first)
-    del pipe
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return results
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _sample(pipe: Any, case: Case, batch: int, seed: int, device: torch.device) -> torch.Tensor:
-    generators = [torch.Generator(device).manual_seed(seed + i) for i in range(batch)]
-    with torch.inference_mode():
-        return pipe(
-            prompt=[PROMPT] * batch,
-            width=case.size,
-            height=case.size,
-            num_inference_steps=case.steps,
-            generator=generators,
-            output_type="latent",
-        ).images
-
-
-def _decode(pipe: Any, latents: torch.Tensor) -> None:
-    with torch.inference_mode():
-        pipe.vae.decode(latents / pipe.vae.config.scaling_factor).sample.float().cpu()
-
-
-def _job(case: Case, batch: int) -> Any:
-    """A JobRecord as ``decode_request`` reads one: its id, model, output format, images,
-    fps, and output policy (building the request costs the same whatever the policy)."""
-    from types import SimpleNamespace
-
-    params = SimpleNamespace(model=case.model, num_images=batch, fps=0.0)
-    return SimpleNamespace(id="bench", output_format="png", output_policy="", params=params)
 
 
 # -- the stack -------------------------------------------------------------------------
@@ -325,15 +215,6 @@ def _toml(value: Any) -> str:
     return repr(value)
 
 
-def share_weights(models: Path, variants: dict[str, ModelSpec]) -> None:
-    """Each variant serves its base model's built weights (a link, not another copy)."""
-    for name, spec in variants.items():
-        base = spec.source.removeprefix("builtin:")
-        link = models / name
-        if spec.source.startswith("builtin:") and not link.exists():
-            link.symlink_to(models / base, target_is_directory=True)
-
-
 # -- the report --------------------------------------------------------------------------
 
 
@@ -453,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     every = SMOKE_CASES if args.smoke else GPU_CASES if gpu else CPU_CASES
-    wanted = set(args.cases.split(",")) if args.cases else {c.name for c in every if c.name != "sdxl20"}
+    wanted = set(args.cases.split(",")) if args.cases else {c.name for c in every if c.name in GPU_DEFAULT or not gpu}
     cases = tuple(c for c in every if c.name in wanted)
     unknown = wanted - {c.name for c in every}
     if unknown:
@@ -473,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
     registry_path = data / "registry.toml"
     data.mkdir(parents=True, exist_ok=True)
-    variants = write_registry(registry_path, cases, options)
+    write_registry(registry_path, cases, options)
     registry = ModelRegistry.load(registry_path, presets=None)
 
     # The bare loops first, one model at a time on the device; each also builds its weights.
@@ -495,7 +376,6 @@ def main(argv: list[str] | None = None) -> int:
                 bare[(case.name, option, spec.max_batch)].latents,
             )
             drift[(case.name, option)] = speed.latent_drift([got], [plain])
-    share_weights(models, variants)
 
     presets = sorted({c.model for c in cases} - set(ModelRegistry.load().models))
     through: dict[tuple[str, int], tuple[float, int]] = {}
