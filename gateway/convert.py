@@ -61,7 +61,8 @@ def generation_params(
         elif spec.edits:
             width, height = fit_within(image.width, image.height, spec)
     video = spec is not None and spec.makes_video
-    edit_strength = 1.0 if mask is not None or image is None or (spec is not None and spec.upscales) else 0.8
+    whole = spec is not None and (spec.upscales or spec.instruction_edits)  # the input is no starting point
+    edit_strength = 1.0 if mask is not None or image is None or whole else 0.8
     return GenerationParams(
         model=spec.name if spec is not None else req.model,
         prompt=req.prompt,

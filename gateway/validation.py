@@ -215,15 +215,17 @@ def _media(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec) 
     bad = _frames(req, params, spec)
     if spec.upscales:
         bad += _upscale(req, spec, None)
+    elif spec.instruction_edits:
+        bad += _instruction_edit(req, spec)
     elif req.image and not spec.edits:
         bad.append(FieldViolation("image", f"{spec.name} makes {spec.capability} from text; it takes no input image"))
-    if req.mask and not spec.edits:
+    if req.mask and not spec.edits and not spec.instruction_edits:
         bad.append(FieldViolation("mask", f"{spec.name} does not inpaint"))
     if req.previews > MAX_PREVIEWS:
         bad.append(FieldViolation("previews", f"{req.previews} is outside 0..{MAX_PREVIEWS}"))
     elif req.previews and not spec.previews:
         bad.append(FieldViolation("previews", f"{spec.name} makes no previews: they are for the image families"))
-    if req.HasField("strength"):
+    if req.HasField("strength") and not spec.instruction_edits:
         if not req.image or spec.upscales:
             bad.append(FieldViolation("strength", "applies to edits of an input image (image) only"))
         elif not 0.0 < params.strength <= 1.0:  # also rejects NaN
@@ -254,6 +256,18 @@ def _frames(req: pb.SubmitJobRequest, params: GenerationParams, spec: ModelSpec)
         )
     if not (math.isfinite(params.fps) and 1.0 <= params.fps <= MAX_FPS):
         bad.append(FieldViolation("fps", f"{req.fps} is outside 1..{MAX_FPS:g}"))
+    return bad
+
+
+def _instruction_edit(req: pb.SubmitJobRequest, spec: ModelSpec) -> list[FieldViolation]:
+    """An instruction-editing model's job: an input image and a prompt, no mask, no strength."""
+    bad = []
+    if not req.image:
+        bad.append(FieldViolation("image", f"{spec.name} edits an input image as its prompt says: give one"))
+    if req.mask:
+        bad.append(FieldViolation("mask", f"{spec.name} edits by instruction: it takes no mask"))
+    if req.HasField("strength"):
+        bad.append(FieldViolation("strength", f"{spec.name} edits by instruction from noise: strength does not apply"))
     return bad
 
 

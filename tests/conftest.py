@@ -58,6 +58,7 @@ MINIATURE_MODELS = {
     "tiny-sd3": "builtin:tiny-sd3",
     "tiny-flux": "builtin:tiny-flux",
     "tiny-flux-schnell": "builtin:tiny-flux-schnell",
+    "tiny-flux-kontext": "builtin:tiny-flux-kontext",
 }
 
 

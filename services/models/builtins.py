@@ -30,11 +30,10 @@ BUILTINS = {
     "builtin:tiny": Builtin("services.models.tiny", "build_tiny_model", "darkroom_tiny.json"),
     "builtin:tiny-wan": Builtin("services.models.wan", "build_tiny_wan", "darkroom_tiny_wan.json"),
     "builtin:tiny-upscaler": Builtin("services.models.upscaler", "build_tiny_upscaler", "darkroom_tiny_upscaler.json"),
-    "builtin:tiny-sd3": Builtin("services.models.flow_tiny", "build_tiny_sd3", "darkroom_tiny_sd3.json"),
-    "builtin:tiny-flux": Builtin("services.models.flow_tiny", "build_tiny_flux_dev", "darkroom_tiny_flux.json"),
-    "builtin:tiny-flux-schnell": Builtin(
-        "services.models.flow_tiny", "build_tiny_flux_schnell", "darkroom_tiny_flux.json"
-    ),
+    "builtin:tiny-sd3": Builtin(_FLOW_TINY, "build_tiny_sd3", "darkroom_tiny_sd3.json"),
+    "builtin:tiny-flux": Builtin(_FLOW_TINY, "build_tiny_flux_dev", "darkroom_tiny_flux.json"),
+    "builtin:tiny-flux-schnell": Builtin(_FLOW_TINY, "build_tiny_flux_schnell", "darkroom_tiny_flux.json"),
+    "builtin:tiny-flux-kontext": Builtin(_FLOW_TINY, "build_tiny_flux_kontext", "darkroom_tiny_flux.json"),
     # The real architectures with random weights, for benchmarks: they cost what the
     # real models cost to load and run; their output is noise.
     "builtin:sd15-random": Builtin("services.models.presets", "build_sd15_preset", "darkroom_preset.json"),
@@ -56,6 +55,7 @@ MINIATURES = frozenset(
         "builtin:tiny-sd3",
         "builtin:tiny-flux",
         "builtin:tiny-flux-schnell",
+        "builtin:tiny-flux-kontext",
     }
 )
 

@@ -1,6 +1,6 @@
 """Miniatures of the flow-matching transformers, built from config with random
 weights and saved as diffusers directories: Stable Diffusion 3.5 (an MMDiT over
-two CLIPs and a T5) and Flux.1 dev and schnell (a double- and single-stream
+two CLIPs and a T5) and Flux.1 dev, schnell and Kontext (a double- and single-stream
 transformer over packed 2x2 latents, a CLIP and a T5). Tests and the demo run
 them on a CPU in a fraction of a second; their output is noise, by design.
 
@@ -91,9 +91,15 @@ def build_tiny_flux_schnell(path: Path, *, seed: int = 0) -> Path:
     return _build_flux(Path(path), seed, guidance=False, scheduler=FLUX_SCHNELL_SCHEDULER)
 
 
-def _build_flux(path: Path, seed: int, *, guidance: bool, scheduler: dict[str, Any]) -> Path:
+def build_tiny_flux_kontext(path: Path, *, seed: int = 0) -> Path:
+    """A Flux.1 Kontext-shaped model: dev's transformer, which takes the input image's
+    packed latents as more tokens beside the ones it denoises."""
+    return _build_flux(Path(path), seed, guidance=True, scheduler=FLUX_DEV_SCHEDULER, kontext=True)
+
+
+def _build_flux(path: Path, seed: int, *, guidance: bool, scheduler: dict[str, Any], kontext: bool = False) -> Path:
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(seed)
     tokenizer, text_encoder = _clip(projection=False)  # its pooled output only
@@ -110,7 +116,7 @@ def _build_flux(path: Path, seed: int, *, guidance: bool, scheduler: dict[str, A
         guidance_embeds=guidance,
         axes_dims_rope=(4, 6, 6),  # sums to the head's width
     )
-    pipe = FluxPipeline(
+    pipe = (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
         vae=_vae(FLUX_VAE_FACTORS),
         text_encoder=text_encoder,

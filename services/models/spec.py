@@ -23,6 +23,7 @@ class ModelFamily(enum.StrEnum):
     SD_X4_UPSCALER = "sd_x4_upscaler"  # Stable Diffusion's x4 upscaler: an image in, 4x its size out
     SD3 = "sd3"  # Stable Diffusion 3 and 3.5: an MMDiT over two CLIPs and a T5, flow matching
     FLUX = "flux"  # Flux.1 dev (the guidance scale an input) and schnell (no guidance)
+    FLUX_KONTEXT = "flux_kontext"  # Flux.1 Kontext: an input image edited as its prompt says
 
 
 # Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
@@ -37,14 +38,20 @@ FAMILY_DEFAULTS = {
     ModelFamily.SD_X4_UPSCALER: (40.0, 5.0, "upscale"),
     ModelFamily.SD3: (35.0, 8.0, "image"),  # 3.5 Medium; Large is about 3x
     ModelFamily.FLUX: (70.0, 20.0, "image"),
+    ModelFamily.FLUX_KONTEXT: (140.0, 20.0, "image"),  # its input image's tokens double the sequence
 }
 # The families whose transformer patches latents 2x2 (or packs them): sizes are
 # multiples of 16 (the VAE's 8 times the patch's 2).
-PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX})
+PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT})
 # The families whose models also edit images (image to image, inpainting).
-EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY})
+EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.FLUX_KONTEXT})
+# The families that edit by instruction: every job an input image and a prompt saying
+# what to change, denoised from noise beside the image (no strength, no mask).
+INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})
 # The families whose latents a preview reads as colours (``gpu_worker.previews``).
-PREVIEW_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX})
+PREVIEW_FAMILIES = frozenset(
+    {ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT}
+)
 # A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
 STORE_PREFIX = "store:"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
@@ -153,6 +160,10 @@ class ModelSpec:
     @property
     def edits(self) -> bool:
         return self.family in EDITING_FAMILIES
+
+    @property
+    def instruction_edits(self) -> bool:
+        return self.family in INSTRUCTION_EDIT_FAMILIES
 
     @property
     def previews(self) -> bool:
