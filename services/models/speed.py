@@ -18,7 +18,8 @@ option is measured against the same thing.
 - ``attention``: "flash", "efficient" or "cudnn" prefers that SDPA kernel (falling
   back to the others where it cannot run); "sdpa" and "eager" pick the UNet's
   attention processor.
-- ``fuse_qkv``: each attention's query, key and value projections as one matmul.
+- ``fuse_qkv``: each attention's query, key and value projections as one matmul
+  (where that keeps the outputs: ``fuses_exactly``).
 - ``quantize``: the network's linear weights quantized by torchao: "int8"
   (weight-only), "fp8" (activations and weights, for Hopper's FP8 tensor cores)."""
 
@@ -81,7 +82,7 @@ class SpeedOptions:
 def prepare(module: Any, options: SpeedOptions) -> Any:
     """``module`` (a diffusers network, in inference) with the options applied: the
     module itself, or its compiled wrapper (which forwards attributes to it)."""
-    if options.fuse_qkv and hasattr(module, "fuse_qkv_projections"):
+    if options.fuse_qkv and hasattr(module, "fuse_qkv_projections") and fuses_exactly(module):
         module.fuse_qkv_projections()
     if options.channels_last:
         module.to(memory_format=torch.channels_last)
@@ -92,6 +93,16 @@ def prepare(module: Any, options: SpeedOptions) -> Any:
     _raise_recompile_limit()
     mode = "reduce-overhead" if options.cuda_graphs else None
     return torch.compile(module, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
+
+
+def fuses_exactly(module: Any) -> bool:
+    """Whether ``fuse_qkv_projections`` keeps the network's outputs: not for SD 3.5's
+    MMDiT, whose QK norms diffusers' fused joint-attention processor skips and whose
+    dual (self-)attention it cannot run; it then stays unfused."""
+    config = getattr(module, "config", None)
+    if type(module).__name__ != "SD3Transformer2DModel" or config is None:
+        return True
+    return not (config.get("qk_norm") or config.get("dual_attention_layers"))
 
 
 def prepare_unet(unet: Any, options: SpeedOptions) -> Any:
