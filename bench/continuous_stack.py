@@ -23,7 +23,7 @@ image stored), image p50 and p99 (each job's own record: created to finished), t
 share of jobs that joined a running batch (``joined_batch_images > 0``) and the mean
 images beside a job over its steps (``batch_images``). Then the ratios the issue's
 targets are stated in. On a CPU a batch's members each make their own network call
-(``gpu_worker/step_groups.py``: only alone is a CPU member's output exactly its solo
+(``gpu_worker/denoising/step_groups.py``: only alone is a CPU member's output exactly its solo
 one), so a batch gains little throughput there; what continuous batching changes on a
 CPU is who waits. Nothing here is a test; it prints tables for docs/benchmarks.md."""
 

@@ -1,24 +1,38 @@
-"""The sampler: one process per GPU. Read in this order:
+"""The sampler: one process per GPU. Arranged by concern, each subpackage's
+``__init__`` saying what it holds; read in this order:
 
-- ``service``: ``main()`` and ``serve()``, the loops it runs and how it stops.
-- ``consumer``: its dispatches from its own JetStream subject, in batches;
-  ``batch_choice`` (pure) picks which of them run together; ``acks`` settles each.
-- ``runner``: a batch from start to stored outcomes; ``engine`` runs it through
-  its model family's ``Denoiser`` (``denoising``; ``diffusers_denoiser`` and
-  ``unet_denoiser`` for the diffusers families, with ``noise_schedulers`` kept on
-  the host and ``network_calls`` for a compiled network; ``sim_denoiser`` for
-  the sim family), the model from ``model_cache`` (``residency`` decides
-  evictions, ``prompts`` caches the text embeddings).
-- ``checkpoint_capture``, ``checkpoint_format``, ``checkpoint_writer``: a job's
-  state at any step, out to the database and back in on any GPU.
-- ``decoders``: latents to images on the decoder service; ``local_decode`` on
-  this sampler itself.
-- ``outcomes``, ``job_store``, ``failures``, ``progress``: what a job comes to,
-  written fenced by its attempt.
-- ``tracker``: why a running job must stop (cancel, timeout, drain, suspension).
+- ``service``: ``main()`` and ``serve()``, the loops it runs and how it stops;
+  ``servicer``: its gRPC server (suspend, cancel, a host's blobs).
+- ``dispatch/``: its dispatches from its own JetStream subject, in batches
+  (``consumer``); ``batch_choice`` (pure) picks which of them run together,
+  ``device_batches`` starts the next beside the one on the device, ``acks``
+  settles each.
+- ``jobs/``: a batch from start to stored outcomes (``runner``; the batch on the
+  device as it sees it: ``batch_sampling``), an edit's input (``edit_inputs``),
+  its steps and previews (``progress``, ``previews``), why a running job must stop
+  (``tracker``: cancel, timeout, drain, suspension), and what a job comes to
+  (``outcomes``, ``failures``), written fenced by its attempt (``job_store``).
+- ``engine``: runs a batch through its model family's ``Denoiser``, the model from
+  ``models/`` (``model_cache``; ``residency`` decides evictions; ``model_store`` and
+  ``prefetch`` with a model store).
+- ``denoising/``: the loop, the same for every family: a job as a batch member
+  (``members``), the ``Denoiser`` seam (``denoiser``), the batch jobs join at step
+  boundaries (``running_batch``), and the diffusers families' loop
+  (``diffusers_denoiser``, with ``step_groups``, ``network_calls`` for a compiled
+  network, ``noise_schedulers`` kept on the host and ``prompts`` caching the text
+  embeddings).
+- ``families/``: one module per model family behind that seam (``unet``, ``sd3``,
+  ``flux``, ``wan``, ``upscale`` in the diffusers loop; ``sim``).
+- ``checkpoints/``: a job's state at any step (``capture``, ``format``, ``writer``),
+  out to the database and back in on any GPU.
+- ``decoding/``: latents to images on the decoder service (``decoders``);
+  ``local_decode`` on this sampler itself.
 - ``busy``: how much of the time work waits it spends denoising (the GPU never
   waiting for the host).
 - ``heartbeat``, ``plan_follower``: what it tells the scheduler, and the warm
   plan it follows.
 - ``metrics``, ``spans``: its Prometheus metrics and trace spans.
+
+No module imports another that imports it back, even under ``TYPE_CHECKING``
+(``tests/unit/test_sampler_layout.py``).
 """

@@ -16,18 +16,19 @@ from typing import Any
 import torch
 
 from gpu_worker.busy import BusyClock
-from gpu_worker.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
-from gpu_worker.denoising import BatchMember, Denoiser, MemberInputs, MemberResult
-from gpu_worker.flux_denoiser import FluxDenoiser
+from gpu_worker.checkpoints.capture import CheckpointPolicy, MemberCheckpoints
+from gpu_worker.denoising.denoiser import Denoiser
+from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
+from gpu_worker.denoising.prompts import PromptCache
+from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.families.flux import FluxDenoiser
+from gpu_worker.families.sd3 import SD3Denoiser
+from gpu_worker.families.sim import SimDenoiser
+from gpu_worker.families.unet import UNetDenoiser
+from gpu_worker.families.upscale import UpscaleDenoiser
+from gpu_worker.families.wan import WanDenoiser
 from gpu_worker.metrics import COLD_LOADS
-from gpu_worker.model_cache import ModelCache
-from gpu_worker.prompts import PromptCache
-from gpu_worker.running_batch import RunningBatch
-from gpu_worker.sd3_denoiser import SD3Denoiser
-from gpu_worker.sim_denoiser import SimDenoiser
-from gpu_worker.unet_denoiser import UNetDenoiser
-from gpu_worker.upscale_denoiser import UpscaleDenoiser
-from gpu_worker.wan_denoiser import WanDenoiser
+from gpu_worker.models.model_cache import ModelCache
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec

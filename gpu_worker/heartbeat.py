@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.jobs.tracker import JobTracker
 from gpu_worker.metrics import WORKER_INFLIGHT
-from gpu_worker.model_store import CachedBlobs
-from gpu_worker.tracker import JobTracker
+from gpu_worker.models.model_store import CachedBlobs
 
 
 @dataclass(frozen=True)

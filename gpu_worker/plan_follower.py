@@ -1,6 +1,6 @@
 """Following the scheduler's warm plan: between jobs, load what it wants warm here
 and drop what it does not. A planned ``store:`` model is prefetched into the
-host's cache first (``gpu_worker.prefetch``) and loaded from disk once it is there."""
+host's cache first (``gpu_worker.models.prefetch``) and loaded from disk once it is there."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.prefetch import Prefetcher
+from gpu_worker.models.prefetch import Prefetcher
 from services.db.worker_records import WarmPlan
 from services.errors import DarkroomError
 

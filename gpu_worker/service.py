@@ -17,18 +17,18 @@ import os
 
 import torch
 
-from gpu_worker.consumer import DispatchConsumer
-from gpu_worker.decoders import Decoders
+from gpu_worker.decoding.decoders import Decoders
+from gpu_worker.decoding.local_decode import LocalDecoder
+from gpu_worker.dispatch.consumer import DispatchConsumer
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.heartbeat import SamplerLoad
-from gpu_worker.job_store import JobStore
-from gpu_worker.local_decode import LocalDecoder
-from gpu_worker.model_store import SamplerModelStore
+from gpu_worker.jobs.job_store import JobStore
+from gpu_worker.jobs.runner import JobRunner
+from gpu_worker.jobs.tracker import JobTracker, StopReason
+from gpu_worker.models.model_store import SamplerModelStore
+from gpu_worker.models.prefetch import Prefetcher
 from gpu_worker.plan_follower import follow_plan
-from gpu_worker.prefetch import Prefetcher
-from gpu_worker.runner import JobRunner
 from gpu_worker.servicer import create_server
-from gpu_worker.tracker import JobTracker, StopReason
 from services.bus.credentials import NatsCredentials
 from services.bus.dispatch import Bus, ConsumerSettings, check_worker_id, host_token
 from services.bus.events import Events

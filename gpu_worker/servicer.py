@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import grpc
 
-from gpu_worker.model_store import SamplerModelStore
-from gpu_worker.tracker import JobTracker, StopReason
+from gpu_worker.jobs.tracker import JobTracker, StopReason
+from gpu_worker.models.model_store import SamplerModelStore
 from services.config.workers import SamplerSettings
 from services.mesh.rpc import MeshIdentity
 from services.models.host_cache import peers

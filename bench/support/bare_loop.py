@@ -79,7 +79,7 @@ def bare_pipeline(spec: ModelSpec, device: torch.device, models: Path) -> Any:
 def bare_loop(
     spec: ModelSpec, case: Case, batches: Sequence[int], device: torch.device, rounds: int, models: Path
 ) -> dict[int, Bare]:
-    from gpu_worker.decoders import decode_request
+    from gpu_worker.decoding.decoders import decode_request
 
     pipe = bare_pipeline(spec, device, models)
     results = {}

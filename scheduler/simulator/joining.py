@@ -1,5 +1,5 @@
 """Continuous batching in the event engine (``Simulation(continuous=True)``), as
-Darkroom's samplers run it (``gpu_worker/running_batch.py``): a GPU's running
+Darkroom's samplers run it (``gpu_worker/denoising/running_batch.py``): a GPU's running
 batch takes the jobs placed on it whose join key (model and size; any steps) is
 its own at its next step boundary, from the head of its queue while each fits in
 the model's ``max_batch`` images (the first that does not stops them, so older

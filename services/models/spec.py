@@ -48,7 +48,7 @@ EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TI
 # The families that edit by instruction: every job an input image and a prompt saying
 # what to change, denoised from noise beside the image (no strength, no mask).
 INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})
-# The families whose latents a preview reads as colours (``gpu_worker.previews``).
+# The families whose latents a preview reads as colours (``gpu_worker.jobs.previews``).
 PREVIEW_FAMILIES = frozenset(
     {ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT}
 )
@@ -111,7 +111,7 @@ class ModelSpec:
     # "DPMSolverMultistepScheduler", built from the model's own scheduler config;
     # "" keeps the model's own class.
     scheduler: str = ""
-    # A running job writes a checkpoint (gpu_worker/checkpoint_capture.py) every so many
+    # A running job writes a checkpoint (gpu_worker/checkpoints/capture.py) every so many
     # steps, or seconds, whichever comes first; 0 turns either off. By default every
     # 10 s: a crash then costs at most 10 s of a job, and a checkpoint (a few ms,
     # written while the next steps run) costs well under 1 % of them.

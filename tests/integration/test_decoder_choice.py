@@ -22,8 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
-from gpu_worker.decoders import Decoders, DecodeUnavailable
-from gpu_worker.local_decode import LocalDecoder
+from gpu_worker.decoding.decoders import Decoders, DecodeUnavailable
+from gpu_worker.decoding.local_decode import LocalDecoder
 from services.bus.presence_board import Announcement, BoardOnConnection, PresenceBoard
 from services.config.sections import KernelSettings
 from services.config.workers import DecoderSettings

@@ -23,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from gpu_worker.local_decode import LocalDecoder
+from gpu_worker.decoding.local_decode import LocalDecoder
 from services.config.safety import SafetySettings
 from services.db.records import JobRecord
 from services.models import sim

@@ -10,8 +10,8 @@ import grpc
 import pytest
 import torch
 
+from gpu_worker.jobs.tracker import JobTracker, StopReason
 from gpu_worker.servicer import create_server as create_sampler_server
-from gpu_worker.tracker import JobTracker, StopReason
 from services.config.workers import DecoderSettings, SamplerSettings
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine

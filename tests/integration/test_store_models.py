@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.models.prefetch import Prefetcher
 from gpu_worker.plan_follower import follow_plan
-from gpu_worker.prefetch import Prefetcher
 from services.db.worker_records import WarmPlan
 from services.models.host_cache import loading
 from services.models.host_cache.layout import Layout

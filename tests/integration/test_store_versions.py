@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.model_store import stale_models
+from gpu_worker.models.model_store import stale_models
 from services.config.model_store import ModelStoreSettings
 from services.errors import ModelError
 from services.models.host_cache import HostCache, loading

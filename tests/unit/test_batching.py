@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpu_worker.batch_choice import PassArrivals, next_batch
-from gpu_worker.residency import DoesNotFit, Resident, victims
+from gpu_worker.dispatch.batch_choice import PassArrivals, next_batch
+from gpu_worker.models.residency import DoesNotFit, Resident, victims
 from services.generation import BatchKey
 
 A = BatchKey("sd15", 512, 512, 20, 7.5)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpu_worker.checkpoint_format import Checkpoint
-from gpu_worker.checkpoint_writer import PeriodicCheckpointWriter
+from gpu_worker.checkpoints.format import Checkpoint
+from gpu_worker.checkpoints.writer import PeriodicCheckpointWriter
 from services.errors import StoreUnavailable
 
 

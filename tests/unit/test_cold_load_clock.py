@@ -18,15 +18,16 @@ from typing import Any, cast
 import torch
 from prometheus_client import REGISTRY
 
-from gpu_worker.checkpoint_capture import MemberCheckpoints
-from gpu_worker.decoders import Decoders
-from gpu_worker.denoising import BatchMember, MemberInputs, MemberResult
+from gpu_worker.checkpoints.capture import MemberCheckpoints
+from gpu_worker.decoding.decoders import Decoders
+from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
+from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.job_store import JobStore
-from gpu_worker.outcomes import Started
-from gpu_worker.runner import JobRunner, SampledBatch
-from gpu_worker.running_batch import RunningBatch
-from gpu_worker.tracker import JobTracker
+from gpu_worker.jobs.batch_sampling import SampledBatch
+from gpu_worker.jobs.job_store import JobStore
+from gpu_worker.jobs.outcomes import Started
+from gpu_worker.jobs.runner import JobRunner
+from gpu_worker.jobs.tracker import JobTracker
 from services.bus.dispatch import Dispatch
 from services.db.repository import Repository
 from services.db.states import JobStatus

@@ -10,11 +10,12 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from gpu_worker.acks import REDELIVER_AFTER_S
-from gpu_worker.consumer import DispatchConsumer
-from gpu_worker.outcomes import Outcome, Started
-from gpu_worker.runner import JobRunner, OnSampled, SampledBatch
-from gpu_worker.tracker import JobWatch
+from gpu_worker.dispatch.acks import REDELIVER_AFTER_S
+from gpu_worker.dispatch.consumer import DispatchConsumer
+from gpu_worker.jobs.batch_sampling import OnSampled, SampledBatch
+from gpu_worker.jobs.outcomes import Outcome, Started
+from gpu_worker.jobs.runner import JobRunner
+from gpu_worker.jobs.tracker import JobWatch
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
 from services.generation import JobShape
 from services.models.registry import ModelRegistry

@@ -11,9 +11,9 @@ import pytest
 import torch
 from diffusers import StableDiffusionImg2ImgPipeline
 
-from gpu_worker.denoising import BatchMember, JobSuspended, MemberInputs
-from gpu_worker.edit_inputs import mask_tensor
+from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberInputs
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.jobs.edit_inputs import mask_tensor
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from diffusers import FluxPipeline, StableDiffusion3Pipeline
 
-from gpu_worker.denoising import BatchMember, JobSuspended, MemberResult
-from gpu_worker.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberResult
+from gpu_worker.denoising.running_batch import Cohort, RunningBatch
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.previews import previews
-from gpu_worker.running_batch import Cohort, RunningBatch
+from gpu_worker.jobs.previews import previews
 from services.errors import JobInterrupted
 from services.generation import GenerationParams
 from services.models.flow_tiny import TINY_TEXT_LEN

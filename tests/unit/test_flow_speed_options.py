@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.denoising import BatchMember
+from gpu_worker.denoising.members import BatchMember
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models import speed

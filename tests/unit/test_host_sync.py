@@ -17,11 +17,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_worker.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
-from gpu_worker.denoising import BatchMember, MemberInputs
-from gpu_worker.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.checkpoints.capture import CheckpointPolicy, MemberCheckpoints
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.prompts import Conditioning, prompt_key
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.prompts import Conditioning, prompt_key
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelSpec

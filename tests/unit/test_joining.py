@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.denoising import BatchMember, JobSuspended, MemberResult
-from gpu_worker.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberResult
+from gpu_worker.denoising.running_batch import Cohort, RunningBatch
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.running_batch import Cohort, RunningBatch
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily

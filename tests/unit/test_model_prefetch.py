@@ -14,9 +14,9 @@ from typing import Any, cast
 import pytest
 
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.model_store import CachedBlobs
+from gpu_worker.models.model_store import CachedBlobs
+from gpu_worker.models.prefetch import Fetching, Prefetcher, Step, next_step
 from gpu_worker.plan_follower import follow_plan
-from gpu_worker.prefetch import Fetching, Prefetcher, Step, next_step
 from services.db.worker_records import WarmPlan
 from services.models.host_cache.layout import Layout
 from services.models.registry import ModelRegistry

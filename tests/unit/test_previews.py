@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from gateway.validation import under_output_policy
-from gpu_worker.previews import job_preview_steps, preview_steps, previews
+from gpu_worker.jobs.previews import job_preview_steps, preview_steps, previews
 from services.models.spec import ModelFamily
 from services.safety.verdicts import previews_allowed
 from tests.records import new_job, record

@@ -14,16 +14,17 @@ from typing import cast
 import pytest
 import torch
 
-from gpu_worker import progress
-from gpu_worker.checkpoint_format import Checkpoint
-from gpu_worker.decoders import Decoders, DecodeUnavailable
-from gpu_worker.denoising import BadOutput, BatchMember, JobSuspended, MemberResult
+from gpu_worker.checkpoints.format import Checkpoint
+from gpu_worker.decoding.decoders import Decoders, DecodeUnavailable
+from gpu_worker.denoising.members import BadOutput, BatchMember, JobSuspended, MemberResult
+from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.job_store import JobStore
-from gpu_worker.outcomes import Outcome, Started
-from gpu_worker.runner import JobRunner, SampledBatch
-from gpu_worker.running_batch import RunningBatch
-from gpu_worker.tracker import JobTracker, StopReason
+from gpu_worker.jobs import progress
+from gpu_worker.jobs.batch_sampling import SampledBatch
+from gpu_worker.jobs.job_store import JobStore
+from gpu_worker.jobs.outcomes import Outcome, Started
+from gpu_worker.jobs.runner import JobRunner
+from gpu_worker.jobs.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
 from services.db.records import ImageRecord, JobRecord
 from services.db.repository import Repository, Standing

@@ -10,9 +10,9 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 
-from gpu_worker.denoising import BadOutput, BatchMember, check_output
+from gpu_worker.denoising.members import BadOutput, BatchMember, check_output
+from gpu_worker.denoising.prompts import Conditioning, PromptCache
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.prompts import Conditioning, PromptCache
 from services.errors import JobInterrupted, ModelError
 from services.generation import GenerationParams
 from services.models.loader import module_bytes

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker import checkpoint_format
-from gpu_worker.checkpoint_format import Checkpoint, CheckpointMismatch
-from gpu_worker.denoising import BatchMember, JobSuspended
+from gpu_worker.checkpoints import format as checkpoint_format
+from gpu_worker.checkpoints.format import Checkpoint, CheckpointMismatch
+from gpu_worker.denoising.members import BatchMember, JobSuspended
 from gpu_worker.engine import SamplerEngine
 from services.errors import ModelError
 from services.generation import GenerationParams

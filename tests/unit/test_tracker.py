@@ -3,7 +3,7 @@ is still sampling and leaves what is decoding to finish; the first reason wins."
 
 from __future__ import annotations
 
-from gpu_worker.tracker import JobTracker, StopReason
+from gpu_worker.jobs.tracker import JobTracker, StopReason
 
 
 def test_a_drain_suspends_only_what_is_still_sampling() -> None:

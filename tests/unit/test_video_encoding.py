@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.denoising import BatchMember
+from gpu_worker.denoising.members import BatchMember
 from gpu_worker.engine import SamplerEngine
 from services.errors import InvalidArgument
 from services.generation import GenerationParams

@@ -1,0 +1,306 @@
+"""The denoising loop every diffusers family shares, run step by step over a batch
+of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``wan``,
+``upscale``) says how its pipeline loads, what shape its latents have, how a prompt
+is encoded and how one step's noise is predicted.
+
+Each member keeps its own noise (its seeds), noise-scheduler state, steps, guidance
+scale, progress and stop: a cancelled or timed-out member leaves at the next step
+and the rest go on, and a job may join a running batch at a step boundary and leave
+when its own steps are done (``running_batch``). On a GPU the members' network calls
+of a step are fused into one (``step_groups``); on a CPU each member's call runs on
+its own rows, the only way its output is exactly the one it would get alone.
+
+A member given a checkpoint starts from its step, with its own step index, beside
+members that start from 0; an edit starts at the step its strength gives, from its
+input image's latents noised to that step, and an inpainting member keeps the
+input outside its mask at every step, as diffusers' pipelines do for a model of
+four latent channels. What resuming needs beyond the latents (an edit's input
+latents, its mask, its first noise) travels in the checkpoint. Resuming gives
+exactly the uninterrupted output on a CPU (on a GPU, what rerunning the job would
+give there).
+
+The GPU never waits for the host inside the loop: the noise schedulers decide on the
+host (``noise_schedulers``), progress and stops are host flags, and nothing is read
+back but at a boundary a member asks for (a preview, a checkpoint, a suspension) and
+at its end; a test runs the loop on the meta device, where any read back fails."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.checkpoints.capture import LoopState, MemberCheckpoints, MemberRun, Resumption
+from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult, checked_output
+from gpu_worker.denoising.network_calls import NetworkCalls, warm_up_buckets
+from gpu_worker.denoising.noise_schedulers import HOST, host_scheduler, initial_sigma, keep_unmasked, start_from_input
+from gpu_worker.denoising.prompts import Conditioning, PromptCache, prompt_key
+from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
+from services.generation import GenerationParams
+from services.models import loader, speed
+from services.models.loader import Loaded
+from services.models.spec import ModelSpec, scheduler_class
+
+
+class DiffusersDenoiser:
+    """A family of diffusers pipelines whose denoising network is ``network_name``."""
+
+    loads_weights = True
+    takes_joiners = True  # a running batch takes jobs in at its step boundaries
+    network_name = "unet"
+
+    def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
+        self.models_dir = models_dir
+        self.device = device
+        self.prompts = prompts
+        # Batches are fused into one network call on an accelerator. The meta device
+        # stands for one in a test, and has no generators: its noise comes from the CPU.
+        self.fuse_batches = device.type != "cpu"
+        self.generator_device = HOST if device.type == "meta" else device
+
+    # -- what a family says --------------------------------------------------------
+
+    def pipeline_parts(self, spec: ModelSpec) -> dict[str, Any]:
+        """Components to load as given rather than from the model: the VAE lives in
+        its own service, so the sampler never loads it."""
+        return {"vae": None}
+
+    def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
+        scale = pipe.vae_scale_factor
+        return (params.num_images, self.network(pipe).config.in_channels, params.height // scale, params.width // scale)
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        return Conditioning.encode(pipe, spec.family, params, self.device, cfg)
+
+    def classifier_free(self, params: GenerationParams) -> bool:
+        """Whether a member's step calls the network twice (its rows doubled), with its
+        prompt and without, mixed by its guidance scale."""
+        return params.guidance_scale > 1.0
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        """What besides the steps sets a job's noise-scheduler timesteps (a shift by size)."""
+        return {}
+
+    def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
+        """A member's latents as its VAE decodes them, (N, C, H/8, W/8): Flux's are packed."""
+        return latents
+
+    def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
+        """What the network takes for a member's (scaled) latents."""
+        return latents
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        return pipe.unet(
+            x, t, encoder_hidden_states=c.embeds, added_cond_kwargs=c.added_cond_kwargs(), return_dict=False
+        )[0]
+
+    def start(self, pipe: Any, run: DiffusersRun, member: BatchMember) -> None:
+        """A fresh member's state at its first step: its noise drawn, and an edit's
+        input noised to the step its strength starts at."""
+        state = _state(run)
+        noise = self.draw_noise(pipe, member.params, state)
+        inputs = member.inputs
+        if inputs is None or inputs.image_latents is None:
+            state.latents = noise * initial_sigma(state.scheduler)
+            return
+        image = inputs.image_latents.to(self.device, noise.dtype).repeat(member.params.num_images, 1, 1, 1)
+        mask = inputs.mask.to(self.device, noise.dtype) if inputs.mask is not None else None
+        run.step = start_from_input(state, member.params, image, mask, noise)
+
+    # -- the loop ------------------------------------------------------------------
+
+    def network(self, pipe: Any) -> Any:
+        return getattr(pipe, self.network_name)
+
+    def load(self, spec: ModelSpec) -> Loaded:
+        from diffusers import DiffusionPipeline
+
+        dtype = loader.compute_dtype(spec, self.device)
+        parts = self.pipeline_parts(spec)
+        loaded = loader.load(DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, **parts)
+        pipe = loaded.value
+        pipe.set_progress_bar_config(disable=True)
+        options = speed.SpeedOptions.of(spec, self.device)
+        self.prepare_network(pipe, spec, options)
+        if options.compile:
+            warm_up_buckets(self, pipe, spec, self._max_rows(spec))
+        return loaded
+
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        """The denoising network with the model's speed options applied."""
+        setattr(pipe, self.network_name, speed.prepare(self.network(pipe), options))
+
+    def _max_rows(self, spec: ModelSpec) -> int:
+        """The most rows one network call takes (before guidance doubles them): a
+        batch's images where batches are fused, one member's elsewhere."""
+        return spec.max_batch if self.fuse_batches else min(spec.max_images, spec.max_batch)
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        return None  # an upscaler's: its input
+
+    def sample(
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        members: Sequence[BatchMember],
+        checkpoints: MemberCheckpoints,
+        joins: RunningBatch | None = None,
+    ) -> list[MemberResult]:
+        runs = self.denoise(pipe, spec, members, checkpoints, joins)
+        for run in runs:
+            self._read_back(pipe, run, spec)
+        return [r.result if r.result is not None else RuntimeError("no result") for r in runs]
+
+    def denoise(
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        members: Sequence[BatchMember],
+        checkpoints: MemberCheckpoints,
+        joins: RunningBatch | None = None,
+    ) -> list[DiffusersRun]:
+        """The members (and those that join at a step boundary) prepared and stepped
+        to their ends. Without ``joins`` their latents are left on the device: nothing
+        is read back but what a member's boundaries ask for; with it, each member's
+        latents are read back as it leaves and handed out at once."""
+        calls = NetworkCalls(speed.SpeedOptions.of(spec, self.device), self._max_rows(spec))
+        with torch.inference_mode():
+            runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
+            self._denoise(pipe, spec, runs, checkpoints, calls, joins)
+        return runs
+
+    def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember, checkpoints: MemberCheckpoints) -> DiffusersRun:
+        """The member at its first step: resumed from its checkpoint if that fits, its
+        prompt encoded (or cached) and, unless resumed, started afresh."""
+        params = member.params
+        state = self._fresh_state(pipe, spec, params)
+        run = DiffusersRun.fresh(member, type(state.scheduler).__name__, len(state.scheduler.timesteps), state)
+        run.network_timesteps = state.scheduler.timesteps.to(self.device)
+        run.network_guidance = torch.tensor([params.guidance_scale], dtype=self.network(pipe).dtype).to(self.device)
+        resumed = Resumption.STEP
+        if member.resume is not None:
+            latents = (self.latent_shape(pipe, params), self.network(pipe).dtype)
+            resumed = checkpoints.resume(run, member.resume, latents)
+            if resumed is Resumption.REFUSED:
+                run.state = self._fresh_state(pipe, spec, params)  # restoring may have changed it
+        if member.stopping.is_set():
+            run.result = checkpoints.stopped(run)
+            return run
+        try:
+            run.conditioning = self.encode_cached(pipe, spec, params)
+            if resumed is not Resumption.LATENTS:
+                self.start(pipe, run, member)
+        except Exception as exc:  # this member's inputs: it fails alone
+            run.result = exc
+        return run
+
+    def encode_prompts(self, pipe: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+        for params in batch:
+            self.encode_cached(pipe, spec, params)
+
+    def encode_cached(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
+        """The job's prompt conditioning, from the prompt cache or encoded into it."""
+        cfg = self.classifier_free(params)
+        with torch.inference_mode():
+            return self.prompts.get(prompt_key(params, cfg), lambda: self.encode_prompt(pipe, spec, params, cfg))
+
+    def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
+        """One draw per output from its own generator, as the diffusers pipelines do."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (1, *self.latent_shape(pipe, params)[1:])
+        dtype = self.network(pipe).dtype
+        return torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
+
+    def _fresh_state(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> LoopState:
+        """A new noise scheduler set to the job's steps, and each output's generator
+        seeded: the state of a job at step 0, before its noise is drawn."""
+        cls = scheduler_class(spec) if spec.scheduler else type(pipe.scheduler)
+        timesteps = self.timestep_args(pipe, params)
+
+        def new_scheduler() -> Any:
+            return host_scheduler(cls, pipe, params, **timesteps)
+
+        scheduler = new_scheduler()
+        seeds = [(params.seed + i) % 2**63 for i in range(params.num_images)]
+        generators = [torch.Generator(device=self.generator_device).manual_seed(seed) for seed in seeds]
+        return LoopState(torch.empty(0), scheduler, generators, new_scheduler)
+
+    def _denoise(
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        runs: list[DiffusersRun],
+        checkpoints: MemberCheckpoints,
+        calls: NetworkCalls,
+        joins: RunningBatch | None,
+    ) -> None:
+        """Steps every run to its end, one step of each per round, each at its own
+        step index (a resumed member finishes before a fresh one beside it); at each
+        boundary the members offered to ``joins`` come in, and those done leave."""
+        checkpoints.mark([r for r in runs if r.result is None])
+        left: set[int] = set()
+        while True:
+            for r in runs:
+                if r.result is None and r.step < r.total and r.member.stopping.is_set():
+                    r.result = checkpoints.stopped(r)
+            self._leave(pipe, spec, [r for r in runs if id(r) not in left and _done(r)], left, joins)
+            active = [r for r in runs if not _done(r)]
+            if joins is not None:
+                joined = joins.joining() if active else joins.close()
+                for member in joined:
+                    runs.append(self._prepare(pipe, spec, member, checkpoints))
+                    checkpoints.mark(runs[-1:])
+                if joined:
+                    continue  # a joiner may have failed or stopped before its first step
+                joins.stepped([r.member for r in active], max((r.total - r.step for r in active), default=0))
+            if not active:
+                return
+            for group in step_groups(active, fuse=self.fuse_batches, guided=self.classifier_free):
+                noise = guided_noise(self, pipe, group, calls)
+                for r, eps in zip(group, noise, strict=True):
+                    state = _state(r)
+                    t = state.scheduler.timesteps[r.step]
+                    extra = {"generator": state.generators} if takes_generator(state.scheduler) else {}
+                    state.latents = state.scheduler.step(eps, t, state.latents, **extra, return_dict=False)[0]
+                    keep_unmasked(state, r.step)
+            for r in active:
+                r.step += 1
+                r.member.on_step(r.step, r.total)
+                if r.step in r.member.preview_at and r.member.on_preview is not None:
+                    latents = self.output_latents(pipe, r.member.params, _state(r).latents.detach())
+                    r.member.on_preview(r.step, r.total, latents.to("cpu", torch.float32))
+                checkpoints.stepped(r)
+
+    def _leave(
+        self, pipe: Any, spec: ModelSpec, done: list[DiffusersRun], left: set[int], joins: RunningBatch | None
+    ) -> None:
+        """Members done at this boundary leave: with ``joins``, read back and handed out now."""
+        if joins is None or not done:
+            return
+        for r in done:
+            self._read_back(pipe, r, spec)
+            left.add(id(r))
+        joins.leave([(r.member, r.result if r.result is not None else RuntimeError("no result")) for r in done])
+
+    def _read_back(self, pipe: Any, run: DiffusersRun, spec: ModelSpec) -> None:
+        """The one read back a member needs, once, as it ends."""
+        if run.result is None and run.state is not None:
+            latents = self.output_latents(pipe, run.member.params, run.state.latents)
+            run.result = checked_output(latents, spec.min_output_std)
+
+
+def _done(run: DiffusersRun) -> bool:
+    return run.result is not None or run.step >= run.total
+
+
+def _state(run: MemberRun) -> LoopState:
+    """A diffusers run's state: it always has one."""
+    assert run.state is not None
+    return run.state

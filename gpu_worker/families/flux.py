@@ -1,0 +1,122 @@
+"""Flux.1 (``FluxPipeline``): a CLIP (its pooled output) and a T5, a double- and
+single-stream transformer over latents packed in 2x2 patches, (N, H/16 * W/16, 64),
+and a flow-matching Euler noise scheduler shifted by the image's size, in
+``gpu_worker.denoising.diffusers_denoiser``'s loop.
+
+Flux.1 dev is guidance-distilled: the guidance scale is an input of the network,
+one per row, so a step never doubles its rows, and members of other guidance share
+a call as they are. Schnell has no guidance at all. A member's latents stay packed
+through its steps and checkpoints, and are unpacked for its VAE as it leaves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.prompts import Conditioning, text_length
+from gpu_worker.denoising.step_groups import guidance_column
+from services.generation import GenerationParams
+from services.models.spec import ModelSpec
+
+# The T5 prompt length of dev (and of FluxPipeline's default); schnell was trained with 256.
+DEV_TEXT_LEN = 512
+SCHNELL_TEXT_LEN = 256
+
+
+class FluxDenoiser(DiffusersDenoiser):
+    network_name = "transformer"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Position ids, made once per size on the device: a copy onto it each step
+        # would wait for its queue.
+        self._image_ids: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._text_ids: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def classifier_free(self, params: GenerationParams) -> bool:
+        return False  # dev's guidance is an input; schnell has none
+
+    def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
+        h, w = self._grid(pipe, params)
+        return (params.num_images, h * w, pipe.transformer.config.in_channels)
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        longest = DEV_TEXT_LEN if pipe.transformer.config.guidance_embeds else SCHNELL_TEXT_LEN
+        embeds, pooled, _ = pipe.encode_prompt(
+            prompt=params.prompt,
+            prompt_2=None,
+            device=self.device,
+            num_images_per_prompt=1,
+            max_sequence_length=text_length(pipe.tokenizer_2, longest),
+        )
+        return Conditioning(embeds=embeds, pooled=pooled)
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = pipe.scheduler.config
+        h, w = self._grid(pipe, params)
+        mu = calculate_shift(
+            h * w,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return {"sigmas": np.linspace(1.0, 1 / params.steps, params.steps), "mu": mu}
+
+    def draw_noise(self, pipe: Any, params: GenerationParams, state: Any) -> torch.Tensor:
+        """Drawn unpacked, one draw per output, then packed: as ``FluxPipeline`` does."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        h, w = self._grid(pipe, params)
+        shape = (1, pipe.transformer.config.in_channels // 4, h * 2, w * 2)
+        dtype = pipe.transformer.dtype
+        noise = torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
+        return pipe._pack_latents(noise, params.num_images, shape[1], h * 2, w * 2)
+
+    def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
+        return pipe._unpack_latents(latents, params.height, params.width, pipe.vae_scale_factor)
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        rows = x.shape[0]
+        network = pipe.transformer
+        assert c.embeds is not None
+        guidance = None
+        if network.config.guidance_embeds:
+            sizes = [r.member.params.num_images for r in runs]
+            guidance = guidance_column(runs, sizes, rows)
+        return network(
+            hidden_states=x,
+            timestep=t.expand(rows).to(x.dtype) / 1000,
+            guidance=guidance,
+            pooled_projections=c.pooled,
+            encoder_hidden_states=c.embeds,
+            txt_ids=self._text_positions(c.embeds),
+            img_ids=self._image_positions(pipe, runs[0].member.params, x.dtype),
+            return_dict=False,
+        )[0]
+
+    def _grid(self, pipe: Any, params: GenerationParams) -> tuple[int, int]:
+        """The packed latents' height and width: a 2x2 patch of the VAE's latents each."""
+        scale = pipe.vae_scale_factor * 2
+        return params.height // scale, params.width // scale
+
+    def _image_positions(self, pipe: Any, params: GenerationParams, dtype: torch.dtype) -> torch.Tensor:
+        h, w = self._grid(pipe, params)
+        key = (h, w, dtype)
+        if key not in self._image_ids:
+            self._image_ids[key] = pipe._prepare_latent_image_ids(1, h, w, self.device, dtype)
+        return self._image_ids[key]
+
+    def _text_positions(self, embeds: torch.Tensor) -> torch.Tensor:
+        key = (embeds.shape[1], embeds.dtype)
+        if key not in self._text_ids:
+            self._text_ids[key] = torch.zeros(embeds.shape[1], 3).to(device=self.device, dtype=embeds.dtype)
+        return self._text_ids[key]

@@ -1,0 +1,81 @@
+"""Stable Diffusion 3 and 3.5 (``StableDiffusion3Pipeline``): two CLIP text encoders
+and a T5, an MMDiT over 16-channel latents in 2x2 patches, and a flow-matching Euler
+noise scheduler, in ``gpu_worker.denoising.diffusers_denoiser``'s loop, with classifier-free
+guidance as SD 1.5's (its rows doubled, the negative prompt's first)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.prompts import Conditioning, text_length
+from services.generation import GenerationParams
+from services.models import speed
+from services.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+# The T5 prompt length its pipeline defaults to (and SD 3 was trained with).
+TEXT_LEN = 256
+
+
+class SD3Denoiser(DiffusersDenoiser):
+    network_name = "transformer"
+
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        config = pipe.transformer.config
+        if options.fuse_qkv and (config.qk_norm or config.dual_attention_layers):
+            # diffusers' fused joint-attention processor skips the QK norms of SD 3.5's
+            # attention and cannot run its dual (self-)attention: unfused, it is exact.
+            log.info("%s: fused QKV left off (SD 3.5's QK norms and dual attention)", spec.name)
+            options = replace(options, fuse_qkv=False)
+        super().prepare_network(pipe, spec, options)
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt=params.prompt,
+            prompt_2=None,
+            prompt_3=None,
+            negative_prompt=params.negative_prompt or "",
+            do_classifier_free_guidance=cfg,
+            num_images_per_prompt=1,
+            max_sequence_length=text_length(pipe.tokenizer_3, TEXT_LEN),
+            device=self.device,
+        )
+        if not cfg:
+            return Conditioning(embeds=embeds, pooled=pooled)
+        return Conditioning(embeds=embeds, negative_embeds=negative, pooled=pooled, negative_pooled=negative_pooled)
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        config = pipe.scheduler.config
+        if not config.get("use_dynamic_shifting"):
+            return {}  # SD 3.5: a fixed shift, in the scheduler's config
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+        patch = pipe.transformer.config.patch_size
+        scale = pipe.vae_scale_factor
+        tokens = (params.height // scale // patch) * (params.width // scale // patch)
+        mu = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
+        return {"mu": mu}
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        return pipe.transformer(
+            hidden_states=x,
+            timestep=t.expand(x.shape[0]),
+            encoder_hidden_states=c.embeds,
+            pooled_projections=c.pooled,
+            return_dict=False,
+        )[0]

@@ -1,0 +1,53 @@
+"""Wan 2.1 text to video (``WanPipeline``): a UMT5 text encoder, a 3D transformer
+over latents of (16, latent frames, H/8, W/8), and a flow-matching UniPC noise
+scheduler, in ``gpu_worker.denoising.diffusers_denoiser``'s loop: a video job is denoised,
+checkpointed, suspended and resumed like an image job, its latents one dimension
+deeper."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.prompts import Conditioning
+from services.generation import GenerationParams
+from services.models.spec import ModelSpec
+
+# The prompt length Wan was trained with; its pipeline pads every prompt to it.
+TEXT_LEN = 512
+
+
+class WanDenoiser(DiffusersDenoiser):
+    network_name = "transformer"
+
+    def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
+        frames = (params.frames - 1) // pipe.vae_scale_factor_temporal + 1
+        scale = pipe.vae_scale_factor_spatial
+        channels = pipe.transformer.config.in_channels
+        return (params.num_images, channels, frames, params.height // scale, params.width // scale)
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        embeds, negative = pipe.encode_prompt(
+            prompt=params.prompt,
+            negative_prompt=params.negative_prompt or "",
+            do_classifier_free_guidance=cfg,
+            num_videos_per_prompt=1,
+            max_sequence_length=TEXT_LEN,
+            device=self.device,
+        )
+        dtype = pipe.transformer.dtype
+        return Conditioning(embeds.to(dtype), negative.to(dtype) if cfg else None)
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        timestep = t.expand(x.shape[0])
+        return pipe.transformer(
+            hidden_states=x.to(pipe.transformer.dtype),
+            timestep=timestep,
+            encoder_hidden_states=c.embeds,
+            return_dict=False,
+        )[0]

@@ -1,0 +1,82 @@
+"""An edit's or upscale's input image as its model takes it, made before the batch
+runs (on the event loop's side: the encode is a call to a decoder service): an
+edit's input encoded into latents by its model's VAE and its mask brought to the
+latents' size, as diffusers' pipelines do; an upscale's input as pixels."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from gpu_worker.decoding.decoders import Decoders
+from gpu_worker.denoising.members import MemberInputs
+from gpu_worker.jobs.job_store import JobStore
+from services.db.records import JobRecord
+from services.errors import DarkroomError
+from services.generation import JobInputs, Task
+
+# The VAE's spatial compression of the editing families (SD's): the mask's scale.
+LATENT_SCALE = 8
+
+
+class MissingInput(DarkroomError):
+    """A job that needs an input image has none stored."""
+
+
+class EditInputs:
+    def __init__(self, store: JobStore, decoders: Decoders) -> None:
+        self.store = store
+        self.decoders = decoders
+
+    async def prepare(self, jobs: Sequence[JobRecord]) -> dict[str, MemberInputs | BaseException]:
+        """Per job that has an input image, by id: its inputs, or what kept it from
+        having them."""
+        wanted = [job for job in jobs if job.params.image_digest]
+        if not wanted:
+            return {}
+        stored = await self.store.inputs(wanted)
+        out: dict[str, MemberInputs | BaseException] = {}
+        for job in wanted:
+            found = stored.get(job.id)
+            try:
+                if found is None:
+                    raise MissingInput(f"job {job.id} has no input image stored")
+                out[job.id] = await self._prepare(job, found)
+            except Exception as exc:
+                out[job.id] = exc
+        return out
+
+    async def _prepare(self, job: JobRecord, inputs: JobInputs) -> MemberInputs:
+        p = job.params
+        if job.task == Task.UPSCALE:
+            return MemberInputs(image=await asyncio.to_thread(image_tensor, inputs.image))
+        latents = await self.decoders.encode(job, inputs.image)
+        mask = None
+        if inputs.mask is not None:
+            mask = await asyncio.to_thread(mask_tensor, inputs.mask, p.width, p.height)
+        return MemberInputs(image_latents=latents, mask=mask)
+
+
+def image_tensor(data: bytes) -> torch.Tensor:
+    """An image as (1, 3, h, w) float32 in [-1, 1]."""
+    with Image.open(io.BytesIO(data)) as image:
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0) / 127.5 - 1.0
+
+
+def mask_tensor(data: bytes, width: int, height: int) -> torch.Tensor:
+    """A mask as diffusers' inpainting pipelines make it: grey, resized to the
+    output's size, 1 where it is at least half white, then brought to the latents'
+    size by nearest neighbour: (1, 1, height/8, width/8) float32."""
+    with Image.open(io.BytesIO(data)) as image:
+        grey = image.convert("L")
+    if grey.size != (width, height):
+        grey = grey.resize((width, height), Image.Resampling.LANCZOS)
+    mask = torch.from_numpy(np.asarray(grey, dtype=np.float32) / 255.0)[None, None]
+    mask = (mask >= 0.5).float()
+    return torch.nn.functional.interpolate(mask, size=(height // LATENT_SCALE, width // LATENT_SCALE))

@@ -1,0 +1,59 @@
+"""What a failed attempt means, decided from what ended it, and whether failures in a
+row say that this worker (its GPU, its driver) is not fit for work. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.decoding.decoders import DecodeUnavailable
+from gpu_worker.denoising.members import BadOutput
+from services.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Failure:
+    error: str  # what the job's record says
+    cause: str  # the metrics' label: invalid input, bad output, decoders away, timed out, error
+    retryable: bool  # another attempt, on another GPU, may do
+    blames_worker: bool  # a sign that this worker is unfit
+    traceback: bool = False  # the log shows where it came from
+
+
+def classify(exc: Exception) -> Failure:
+    if isinstance(exc, InvalidArgument):
+        # The job's own fault: another attempt would fail the same way.
+        return Failure(str(exc), "invalid input", retryable=False, blames_worker=False)
+    error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, BadOutput):
+        return Failure(error, "bad output", retryable=True, blames_worker=True)
+    if isinstance(exc, DecodeUnavailable):
+        # Decoders being away says nothing about this worker.
+        return Failure(error, "decoders away", retryable=True, blames_worker=False, traceback=True)
+    # The GPU, the model: another attempt, on another GPU, may do.
+    return Failure(error, "error", retryable=True, blames_worker=True, traceback=True)
+
+
+def timed_out(model: str, timeout_s: float) -> Failure:
+    return Failure(
+        f"ran past the {timeout_s:.0f}s timeout of {model}", "timed out", retryable=True, blames_worker=False
+    )
+
+
+class FailureStreak:
+    """Attempts in a row that failed for reasons not the job's own; a stored result
+    ends the streak."""
+
+    def __init__(self, unfit_after: int) -> None:
+        self.unfit_after = unfit_after
+        self.count = 0
+
+    def failed(self, failure: Failure) -> None:
+        if failure.blames_worker:
+            self.count += 1
+
+    def succeeded(self) -> None:
+        self.count = 0
+
+    @property
+    def unfit(self) -> bool:
+        return self.count >= self.unfit_after
