@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from gpu_worker.checkpoints.capture import MemberCheckpoints, MemberRun
 from gpu_worker.checkpoints.format import Checkpoint
+from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints, MemberRun
 from gpu_worker.denoising.members import BatchMember
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams

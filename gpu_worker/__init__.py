@@ -17,14 +17,15 @@
   ``prefetch`` with a model store).
 - ``denoising/``: the loop, the same for every family: a job as a batch member
   (``members``), the ``Denoiser`` seam (``denoiser``), the batch jobs join at step
-  boundaries (``running_batch``), and the diffusers families' loop
+  boundaries (``running_batch``), a member's state in and out of checkpoints
+  (``checkpoint_capture``), and the diffusers families' loop
   (``diffusers_denoiser``, with ``step_groups``, ``network_calls`` for a compiled
   network, ``noise_schedulers`` kept on the host and ``prompts`` caching the text
   embeddings).
 - ``families/``: one module per model family behind that seam (``unet``, ``sd3``,
   ``flux``, ``wan``, ``upscale`` in the diffusers loop; ``sim``).
-- ``checkpoints/``: a job's state at any step (``capture``, ``format``, ``writer``),
-  out to the database and back in on any GPU.
+- ``checkpoints/``: a job's state at any step as bytes (``format``), out to the
+  database (``writer``) and back in on any GPU.
 - ``decoding/``: latents to images on the decoder service (``decoders``);
   ``local_decode`` on this sampler itself.
 - ``busy``: how much of the time work waits it spends denoising (the GPU never
@@ -33,6 +34,6 @@
   plan it follows.
 - ``metrics``, ``spans``: its Prometheus metrics and trace spans.
 
-No module imports another that imports it back, even under ``TYPE_CHECKING``
-(``tests/unit/test_sampler_layout.py``).
+No module imports another that imports it back, even under ``TYPE_CHECKING``, and
+no subpackage another that imports it back (``tests/unit/test_sampler_layout.py``).
 """

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from gpu_worker.busy import BusyClock
-from gpu_worker.checkpoints.capture import CheckpointPolicy, MemberCheckpoints
+from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.denoiser import Denoiser
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.prompts import PromptCache

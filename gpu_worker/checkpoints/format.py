@@ -35,7 +35,7 @@ image. A checkpoint with no state (``step`` 0, or any step of the ``sim`` family
 whose latents come from the seeds) holds the fingerprint and step only.
 
 When checkpoints are taken and how a running member's state goes in and out of
-them is ``gpu_worker.checkpoints.capture``."""
+them is ``gpu_worker.denoising.checkpoint_capture``."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ _PRIMITIVES = (type(None), bool, int, float, str)
 class Checkpoint:
     step: int  # denoising steps done (0..total)
     total: int  # the job's steps
-    data: bytes  # the serialised state; opaque to everything but gpu_worker.checkpoints.capture
+    data: bytes  # the serialised state; opaque to everything but gpu_worker.denoising.checkpoint_capture
 
 
 class CheckpointMismatch(DarkroomError):

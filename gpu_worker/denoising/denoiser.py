@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from gpu_worker.checkpoints.capture import MemberCheckpoints
+from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.models.model_cache import ModelLoader

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoints.capture import LoopState, MemberCheckpoints, MemberRun, Resumption
+from gpu_worker.denoising.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult, checked_output
 from gpu_worker.denoising.network_calls import NetworkCalls, warm_up_buckets

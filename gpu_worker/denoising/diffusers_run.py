@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_worker.checkpoints.capture import MemberCheckpoints, MemberRun
+from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints, MemberRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoints.capture import CheckpointPolicy, MemberCheckpoints
+from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.diffusers_run import WarmUpDenoiser
 from gpu_worker.denoising.members import BatchMember
 from gpu_worker.denoising.prompts import Conditioning

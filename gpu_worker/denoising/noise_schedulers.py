@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoints.capture import LoopState
+from gpu_worker.denoising.checkpoint_capture import LoopState
 from services.generation import GenerationParams
 
 # The names of the tensors an edit resumes with, besides its latents.

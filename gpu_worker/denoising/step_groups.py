@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoints.capture import LoopState
+from gpu_worker.denoising.checkpoint_capture import LoopState
 from gpu_worker.denoising.diffusers_run import DiffusersRun, NetworkStep
 from gpu_worker.denoising.network_calls import NetworkCalls
 from gpu_worker.denoising.noise_schedulers import model_input

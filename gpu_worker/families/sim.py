@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_worker.checkpoints.capture import MemberCheckpoints, MemberRun
+from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints, MemberRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.running_batch import RunningBatch
 from services.generation import GenerationParams

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.checkpoints.capture import LoopState
+from gpu_worker.denoising.checkpoint_capture import LoopState
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs

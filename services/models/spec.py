@@ -111,8 +111,8 @@ class ModelSpec:
     # "DPMSolverMultistepScheduler", built from the model's own scheduler config;
     # "" keeps the model's own class.
     scheduler: str = ""
-    # A running job writes a checkpoint (gpu_worker/checkpoints/capture.py) every so many
-    # steps, or seconds, whichever comes first; 0 turns either off. By default every
+    # A running job writes a checkpoint (gpu_worker/denoising/checkpoint_capture.py) every
+    # so many steps, or seconds, whichever comes first; 0 turns either off. By default every
     # 10 s: a crash then costs at most 10 s of a job, and a checkpoint (a few ms,
     # written while the next steps run) costs well under 1 % of them.
     checkpoint_every_steps: int = 0

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from gpu_worker.checkpoints import format as checkpoint_format
-from gpu_worker.checkpoints.capture import CheckpointPolicy
 from gpu_worker.checkpoints.format import Checkpoint, CheckpointMismatch, Snapshot
 from gpu_worker.denoising import diffusers_denoiser
+from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy
 from gpu_worker.denoising.members import BatchMember, JobSuspended
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.families.unet import UNetDenoiser
@@ -215,7 +215,7 @@ def test_a_checkpoint_of_another_job_is_refused_and_the_job_runs_from_step_0(
     whole = uninterrupted(models_dir, mine, scheduler)
     for bad in (foreign, corrupt):
         given = Member(mine, resume=bad)
-        with caplog.at_level(logging.WARNING, logger="gpu_worker.checkpoints.capture"):
+        with caplog.at_level(logging.WARNING, logger="gpu_worker.denoising.checkpoint_capture"):
             [result] = run(engine(models_dir, scheduler), given)
         assert torch.equal(latents(result), whole)
         assert given.steps == list(range(1, STEPS + 1))

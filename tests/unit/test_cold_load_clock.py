@@ -18,8 +18,8 @@ from typing import Any, cast
 import torch
 from prometheus_client import REGISTRY
 
-from gpu_worker.checkpoints.capture import MemberCheckpoints
 from gpu_worker.decoding.decoders import Decoders
+from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_worker.checkpoints.capture import CheckpointPolicy, MemberCheckpoints
+from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.members import BatchMember, MemberInputs
 from gpu_worker.denoising.prompts import Conditioning, prompt_key

@@ -6,6 +6,8 @@ blocks too.
 * No import circle among its modules, however long and however guarded: a circle
   under ``TYPE_CHECKING`` or inside a function is still two modules that cannot be
   read, tested or moved one without the other.
+* Nor among its subpackages (``dispatch``, ``jobs``, ``denoising``, ``families``...,
+  each module at the top its own): they stack, each on those below it.
 * The denoising loop (``gpu_worker.denoising``) is the same for every model family:
   it imports no family and nothing of the job handling around it.
 * Each model family (``gpu_worker.families``) stands alone behind the ``Denoiser``
@@ -110,6 +112,22 @@ def describe(graph: dict[str, dict[str, Import]], circle: list[str]) -> str:
     return f"  {' -> '.join(circle)}\n{links}"
 
 
+def subpackages(graph: dict[str, dict[str, Import]], package: str = PACKAGE) -> dict[str, dict[str, Import]]:
+    """``graph`` with each subpackage of ``package`` one node (a module at its top
+    stays one of its own), and the imports within a node left out."""
+
+    def node(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    collapsed: dict[str, dict[str, Import]] = {}
+    for module, edges in sorted(graph.items()):
+        out = collapsed.setdefault(node(module), {})
+        for imported, found in sorted(edges.items()):
+            if node(imported) != node(module):
+                out.setdefault(node(imported), found)
+    return collapsed
+
+
 def report(found: Iterable[Import], rule: str) -> str:
     return f"{rule}:\n" + "\n".join(f"  {i}" for i in found)
 
@@ -119,6 +137,13 @@ def test_the_sampler_has_no_import_circle() -> None:
     assert len(graph) > 40, sorted(graph)  # every module was read
     found = cycles(graph)
     assert not found, "import circles among gpu_worker's modules:\n" + "\n".join(describe(graph, c) for c in found)
+
+
+def test_the_subpackages_stack_without_a_circle() -> None:
+    graph = subpackages(import_graph(ROOT))
+    assert {"gpu_worker.denoising", "gpu_worker.families", "gpu_worker.jobs"} <= graph.keys(), sorted(graph)
+    found = cycles(graph)
+    assert not found, "import circles among gpu_worker's subpackages:\n" + "\n".join(describe(graph, c) for c in found)
 
 
 def test_the_denoising_loop_knows_no_family_and_no_job_handling() -> None:
@@ -163,4 +188,6 @@ def test_circles_are_found_and_named(tmp_path: Path) -> None:
         (pkg / name).write_text(text)
     graph = import_graph(tmp_path, "pkg")
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"], ["pkg.selfish", "pkg.selfish"]]
+    # Collapsed to subpackages: pkg.sub imports pkg.c, which imports pkg.a, which imports pkg.sub.
+    assert cycles(subpackages(graph, "pkg")) == [["pkg.a", "pkg.sub", "pkg.c", "pkg.a"]]
     assert "pkg/sub/b.py:2: from pkg import c  (imports pkg.c)" in describe(graph, cycles(graph)[0])
