@@ -112,8 +112,11 @@ class FluxDenoiser(DiffusersDenoiser):
         h, w = self._grid(pipe, params)
         key = (h, w, dtype)
         if key not in self._image_ids:
-            self._image_ids[key] = pipe._prepare_latent_image_ids(1, h, w, self.device, dtype)
+            self._image_ids[key] = self._new_image_positions(pipe, h, w, dtype)
         return self._image_ids[key]
+
+    def _new_image_positions(self, pipe: Any, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
+        return pipe._prepare_latent_image_ids(1, h, w, self.device, dtype)
 
     def _text_positions(self, embeds: torch.Tensor) -> torch.Tensor:
         key = (embeds.shape[1], embeds.dtype)

@@ -5,8 +5,6 @@ guidance as SD 1.5's (its rows doubled, the negative prompt's first)."""
 
 from __future__ import annotations
 
-import logging
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,10 +13,7 @@ from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.prompts import Conditioning, text_length
 from services.generation import GenerationParams
-from services.models import speed
 from services.models.spec import ModelSpec
-
-log = logging.getLogger(__name__)
 
 # The T5 prompt length its pipeline defaults to (and SD 3 was trained with).
 TEXT_LEN = 256
@@ -26,15 +21,6 @@ TEXT_LEN = 256
 
 class SD3Denoiser(DiffusersDenoiser):
     network_name = "transformer"
-
-    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
-        config = pipe.transformer.config
-        if options.fuse_qkv and (config.qk_norm or config.dual_attention_layers):
-            # diffusers' fused joint-attention processor skips the QK norms of SD 3.5's
-            # attention and cannot run its dual (self-)attention: unfused, it is exact.
-            log.info("%s: fused QKV left off (SD 3.5's QK norms and dual attention)", spec.name)
-            options = replace(options, fuse_qkv=False)
-        super().prepare_network(pipe, spec, options)
 
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(

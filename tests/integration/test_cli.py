@@ -4,6 +4,7 @@ and SIGTERM stops everything, leaving no process behind."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import os
 import signal
@@ -121,6 +122,14 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         for model in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell"):
             made = sdk.images.generate(model=model, prompt="a cat", size="64x96", extra_body={"steps": 2})
             assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 96)
+        # An instruction edit: an image and a sentence (Flux.1 Kontext), through the SDK's images.edit.
+        edited = sdk.images.edit(
+            model="tiny-flux-kontext",
+            image=("in.png", solid_png((96, 64), (200, 30, 60))),
+            prompt="make it night",
+            extra_body={"steps": 2},
+        )
+        assert edited.data is not None and png_size(base64.b64decode(edited.data[0].b64_json or "")) == (96, 64)
         flux = tmp_path / "flux.png"
         generate = [sys.executable, "-m", "services.ops.cli", "generate", "a cat", "-o", str(flux)]
         options = ["--gateway", f"127.0.0.1:{port}", "--model", "tiny-flux", "--width", "80", "--steps", "2"]
@@ -217,6 +226,12 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
 def darkroom(*args: str, port: int) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "services.ops.cli", *args, "--gateway", f"127.0.0.1:{port}"]
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def solid_png(size: tuple[int, int], colour: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, colour).save(out, format="PNG")
+    return out.getvalue()
 
 
 def check_media_commands(tmp_path: Path, port: int, image: Path) -> None:

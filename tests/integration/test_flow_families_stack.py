@@ -2,15 +2,20 @@
 through the real stack, with its miniature: placed, sampled, its previews streamed,
 decoded by the decoder service's 16-channel VAE, and the PNG of its size returned;
 the same seed gives the same image; a size its patches cannot take is refused by
-name before anything is stored."""
+name before anything is stored. An instruction edit (Flux.1 Kontext): an image and a
+sentence give an image of the input's size; one without an image, or with a mask or a
+strength, is refused by name."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import grpc
 import pytest
 
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.helpers import png_size, stub, wait_terminal
+from tests.integration.test_http_api import png
 
 pytestmark = pytest.mark.integration
 
@@ -43,3 +48,34 @@ def test_a_size_the_patches_cannot_take_is_refused_by_name(stack) -> None:
         client.SubmitJob(pb.SubmitJobRequest(model="tiny-flux", prompt="a lighthouse", width=72, height=64, steps=2))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "width" in (err.value.details() or "")
+
+
+def test_an_instruction_edit_makes_an_image_of_its_inputs_size(stack) -> None:
+    client = stub(stack)
+    request = pb.SubmitJobRequest(
+        model="tiny-flux-kontext", prompt="make it night", image=png((96, 64), (200, 30, 60)), steps=3, seed=4
+    )
+    job = wait_terminal(client, client.SubmitJob(request).job_id)
+    assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+    [image] = job.images
+    assert png_size(image.data) == (96, 64)
+    dark = pb.SubmitJobRequest()
+    dark.CopyFrom(request)
+    dark.image = png((96, 64), (0, 0, 0))
+    other = wait_terminal(client, client.SubmitJob(dark).job_id)
+    assert other.images[0].data != image.data, "the input image reaches the network"
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [({}, "image"), ({"mask": png((64, 64), 255, "L")}, "mask"), ({"strength": 0.5}, "strength")],
+    ids=["no image", "a mask", "a strength"],
+)
+def test_an_instruction_edit_refuses_what_it_cannot_use_by_name(stack, extra: dict[str, Any], field: str) -> None:
+    request = pb.SubmitJobRequest(model="tiny-flux-kontext", prompt="make it night", steps=2, **extra)
+    if field != "image":
+        request.image = png((64, 64), (200, 30, 60))
+    with pytest.raises(grpc.RpcError) as err:
+        stub(stack).SubmitJob(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith(f"{field}:"), err.value.details()

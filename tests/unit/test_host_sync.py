@@ -80,6 +80,7 @@ CASES = {
     "sd3": ("tiny-sd3", "", 4.5),
     "flux-dev": ("tiny-flux", "", 3.5),
     "flux-schnell": ("tiny-flux-schnell", "", 1.0),
+    "flux-kontext": ("tiny-flux-kontext", "", 2.5),
     "upscaler": ("tiny-upscaler", "", 7.5),
 }
 
@@ -108,6 +109,8 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
     if spec.upscales:
         image = torch.zeros(1, 3, size // 4, size // 4, device=META)
         inputs = [MemberInputs(image=image)] * 3
+    elif spec.instruction_edits:
+        inputs = [MemberInputs(image_latents=torch.zeros(1, 16, size // 8, size // 8, device=META))] * 3
     elif spec.edits:
         image_latents = torch.zeros(1, 4, size // 8, size // 8, device=META)
         mask = torch.ones(1, 1, size // 8, size // 8, device=META)
