@@ -28,6 +28,7 @@ from gpu_worker.families.sim import SimDenoiser
 from gpu_worker.families.unet import UNetDenoiser
 from gpu_worker.families.upscale import UpscaleDenoiser
 from gpu_worker.families.wan import WanDenoiser
+from gpu_worker.families.z_image import ZImageDenoiser
 from gpu_worker.metrics import COLD_LOADS
 from gpu_worker.models.model_cache import ModelCache
 from services.generation import GenerationParams
@@ -71,6 +72,7 @@ class SamplerEngine:
             ModelFamily.SD3: SD3Denoiser(models_dir, device, self.prompts),
             ModelFamily.FLUX: FluxDenoiser(models_dir, device, self.prompts),
             ModelFamily.FLUX_KONTEXT: FluxKontextDenoiser(models_dir, device, self.prompts),
+            ModelFamily.Z_IMAGE: ZImageDenoiser(models_dir, device, self.prompts),
             ModelFamily.SIM: SimDenoiser(),
         }
         self.models = ModelCache(

@@ -1,6 +1,6 @@
 """The denoising loop every diffusers family shares, run step by step over a batch
-of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``wan``,
-``upscale``) says how its pipeline loads, what shape its latents have, how a prompt
+of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``z_image``,
+``wan``, ``upscale``) says how its pipeline loads, what shape its latents have, how a prompt
 is encoded and how one step's noise is predicted.
 
 Each member keeps its own noise (its seeds), noise-scheduler state, steps, guidance
@@ -80,6 +80,18 @@ class DiffusersDenoiser:
         """Whether a member's step calls the network twice (its rows doubled), with its
         prompt and without, mixed by its guidance scale."""
         return params.guidance_scale > 1.0
+
+    def combine_guidance(
+        self, pipe: Any, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """Classifier-free guidance: a member's prediction from its rows without and
+        with its prompt, and its guidance scale (a number, or a column per row)."""
+        return uncond + scale * (cond - uncond)
+
+    def latent_dtype(self, pipe: Any) -> torch.dtype:
+        """What a member's latents are kept in through its steps: the network's, unless
+        its pipeline keeps them in float32 (Z-Image)."""
+        return self.network(pipe).dtype
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         """What besides the steps sets a job's noise-scheduler timesteps (a shift by size)."""
@@ -185,7 +197,7 @@ class DiffusersDenoiser:
         run.network_guidance = torch.tensor([params.guidance_scale], dtype=self.network(pipe).dtype).to(self.device)
         resumed = Resumption.STEP
         if member.resume is not None:
-            latents = (self.latent_shape(pipe, params), self.network(pipe).dtype)
+            latents = (self.latent_shape(pipe, params), self.latent_dtype(pipe))
             resumed = checkpoints.resume(run, member.resume, latents)
             if resumed is Resumption.REFUSED:
                 run.state = self._fresh_state(pipe, spec, params)  # restoring may have changed it
@@ -215,7 +227,7 @@ class DiffusersDenoiser:
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = (1, *self.latent_shape(pipe, params)[1:])
-        dtype = self.network(pipe).dtype
+        dtype = self.latent_dtype(pipe)
         return torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
 
     def _fresh_state(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> LoopState:

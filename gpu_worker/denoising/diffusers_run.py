@@ -48,6 +48,12 @@ class NetworkStep(Protocol):
         """The network's noise prediction for the rows ``x`` of ``runs``."""
         ...
 
+    def combine_guidance(
+        self, pipe: Any, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """A member's guided prediction from its rows without and with its prompt."""
+        ...
+
 
 class WarmUpDenoiser(Protocol):
     """What the warm-up of a compiled network (``network_calls.warm_up_buckets``)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from services.models.spec import ModelFamily
 
@@ -24,6 +25,10 @@ class Conditioning:
     pooled: torch.Tensor | None = None  # SDXL
     negative_pooled: torch.Tensor | None = None
     time_ids: torch.Tensor | None = None  # SDXL: original size, crop, target size
+    # Z-Image: each row's prompt tokens, on the host (its embeds are as long as its
+    # prompt, padded with zeros beyond where stacked with longer ones).
+    text_lengths: torch.Tensor | None = None
+    negative_text_lengths: torch.Tensor | None = None
 
     @classmethod
     def empty(cls) -> Conditioning:
@@ -66,17 +71,31 @@ class Conditioning:
 
     def negative(self) -> Conditioning:
         """The unconditional half of classifier-free guidance, as a positive conditioning."""
-        return Conditioning(embeds=self.negative_embeds, pooled=self.negative_pooled, time_ids=self.time_ids)
+        return Conditioning(
+            embeds=self.negative_embeds,
+            pooled=self.negative_pooled,
+            time_ids=self.time_ids,
+            text_lengths=self.negative_text_lengths,
+        )
 
     @staticmethod
     def stack(parts: Sequence[Conditioning]) -> Conditioning:
         names = parts[0]._tensors().keys()
-        return Conditioning(**{k: torch.cat([p._tensors()[k] for p in parts]) for k in names})
+        return Conditioning(**{k: _cat_padded([p._tensors()[k] for p in parts]) for k in names})
 
     def added_cond_kwargs(self) -> dict[str, torch.Tensor] | None:
         if self.pooled is None or self.time_ids is None:
             return None
         return {"text_embeds": self.pooled, "time_ids": self.time_ids}
+
+
+def _cat_padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows, each padded with zeros to the longest (dimension 1) where
+    they differ: Z-Image's prompts are of their own lengths (``text_lengths``)."""
+    if parts[0].dim() < 3 or len({t.shape[1] for t in parts}) == 1:
+        return torch.cat(list(parts))
+    longest = max(t.shape[1] for t in parts)
+    return torch.cat([F.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in parts])
 
 
 def prompt_key(params: Any, cfg: bool) -> tuple[Any, ...]:

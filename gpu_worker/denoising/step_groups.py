@@ -60,7 +60,7 @@ def guided_noise(
         out = speed.owned(denoiser.call_network(pipe, x, t, c, group), calls.options)
     if cfg:
         uncond, cond = out.chunk(2)
-        out = uncond + row_scales(group, sizes, len(uncond), out) * (cond - uncond)
+        out = denoiser.combine_guidance(pipe, uncond, cond, row_scales(group, sizes, len(uncond), out))
     return list(out[:rows].split(sizes))
 
 

@@ -39,6 +39,7 @@ _FACTORS = {
     ModelFamily.SDXL: (_SDXL, _NO_BIAS),
     ModelFamily.SD3: (_SD3, [0.2394, 0.2135, 0.1925]),
     ModelFamily.FLUX: (_FLUX, [-0.0329, -0.0718, -0.0851]),
+    ModelFamily.Z_IMAGE: (_FLUX, [-0.0329, -0.0718, -0.0851]),  # Flux.1's VAE, so its latent space
 }
 JPEG_QUALITY = 70
 

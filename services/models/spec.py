@@ -24,6 +24,7 @@ class ModelFamily(enum.StrEnum):
     SD3 = "sd3"  # Stable Diffusion 3 and 3.5: an MMDiT over two CLIPs and a T5, flow matching
     FLUX = "flux"  # Flux.1 dev (the guidance scale an input) and schnell (no guidance)
     FLUX_KONTEXT = "flux_kontext"  # Flux.1 Kontext: an input image edited as its prompt says
+    Z_IMAGE = "z_image"  # Z-Image and Z-Image-Turbo: a single-stream DiT over a Qwen3 chat model's states
 
 
 # Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
@@ -39,10 +40,13 @@ FAMILY_DEFAULTS = {
     ModelFamily.SD3: (35.0, 8.0, "image"),  # 3.5 Medium; Large is about 3x
     ModelFamily.FLUX: (70.0, 20.0, "image"),
     ModelFamily.FLUX_KONTEXT: (140.0, 20.0, "image"),  # its input image's tokens double the sequence
+    ModelFamily.Z_IMAGE: (40.0, 12.0, "image"),  # a 6B DiT: half Flux.1's transformer, Qwen3-4B beside it
 }
 # The families whose transformer patches latents 2x2 (or packs them): sizes are
 # multiples of 16 (the VAE's 8 times the patch's 2).
-PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT})
+PATCHED_FAMILIES = frozenset(
+    {ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT, ModelFamily.Z_IMAGE}
+)
 # The families whose models also edit images (image to image, inpainting).
 EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.FLUX_KONTEXT})
 # The families that edit by instruction: every job an input image and a prompt saying
@@ -50,7 +54,15 @@ EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TI
 INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})
 # The families whose latents a preview reads as colours (``gpu_worker.jobs.previews``).
 PREVIEW_FAMILIES = frozenset(
-    {ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT}
+    {
+        ModelFamily.SD15,
+        ModelFamily.SDXL,
+        ModelFamily.TINY,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+        ModelFamily.Z_IMAGE,
+    }
 )
 # A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
 STORE_PREFIX = "store:"
@@ -133,6 +145,9 @@ class ModelSpec:
     default_fps: float = 0.0
     # The guidance scale of a request that gives none.
     default_guidance: float = 7.5
+    # Z-Image: a guided prediction's norm capped at this multiple of the prompted
+    # one's (ZImagePipeline's ``cfg_normalization``); 0 leaves it uncapped.
+    cfg_normalization: float = 0.0
     # A sim model's picture (a path; relative: to the registry's directory): its
     # outputs are that picture, resized to the job's size, whatever the seed (tests).
     sim_image: str = ""

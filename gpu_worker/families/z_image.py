@@ -1,0 +1,131 @@
+"""Z-Image and Z-Image-Turbo (``ZImagePipeline``): a Qwen3 chat model's second-last
+hidden states, as many rows as the prompt has tokens, and a single-stream DiT over
+Flux.1's VAE latents (N, 16, H/8, W/8) in 2x2 patches, with a flow-matching Euler
+noise scheduler, in ``gpu_worker.denoising.diffusers_denoiser``'s loop.
+
+What differs from the other flow-matching families, as the pipeline does it:
+
+- The network takes lists: one latent (C, 1, h, w) and one caption of its own
+  length per row. A prompt's conditioning keeps its own length; stacked with
+  others its rows are padded, and each row's length (``text_lengths``, on the
+  host) cuts its caption out again.
+- Its timestep runs the other way, ``(1000 - t) / 1000``, and its output is the
+  negated velocity: negated in float32 before the scheduler steps.
+- The latents stay in float32 through the steps whatever the network's dtype.
+- Guidance is on for any scale above 0 (Turbo is distilled: 0), the prompted rows
+  first, and combines as ``cond + scale * (cond - uncond)`` in float32, its norm
+  capped where the model's ``cfg_normalization`` says.
+- Its sigmas are ``linspace(1, 1/steps)`` (in float32, as the pipeline makes
+  them), shifted by the image's size where the scheduler shifts dynamically."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.prompts import Conditioning, text_length
+from services.generation import GenerationParams
+from services.models import speed
+from services.models.spec import ModelSpec
+
+# ZImagePipeline's longest prompt, in tokens with its chat template.
+TEXT_LEN = 512
+
+
+class ZImageDenoiser(DiffusersDenoiser):
+    network_name = "transformer"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Each loaded pipeline's model's cfg_normalization (0: none).
+        self._normalization: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        self._normalization[pipe] = spec.cfg_normalization
+        super().prepare_network(pipe, spec, options)
+
+    def classifier_free(self, params: GenerationParams) -> bool:
+        return params.guidance_scale > 0.0
+
+    def latent_dtype(self, pipe: Any) -> torch.dtype:
+        return torch.float32
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        embeds, negative = pipe.encode_prompt(
+            prompt=params.prompt,
+            device=self.device,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=params.negative_prompt or None,
+            max_sequence_length=text_length(pipe.tokenizer, TEXT_LEN),
+        )
+        [embeds] = embeds
+        lengths = torch.tensor([len(embeds)])
+        if not cfg:
+            return Conditioning(embeds=embeds[None], text_lengths=lengths)
+        [negative] = negative
+        return Conditioning(
+            embeds=embeds[None],
+            negative_embeds=negative[None],
+            text_lengths=lengths,
+            negative_text_lengths=torch.tensor([len(negative)]),
+        )
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+
+        config = pipe.scheduler.config
+        _, _, h, w = self.latent_shape(pipe, params)
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return {"sigmas": get_default_z_image_sigmas(params.steps), "mu": mu}
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        """The negated network output, in float32, one row per row of ``x``. Guided
+        rows come unprompted half first (``step_groups``); the network takes the
+        prompted half first, as the pipeline gives it (on a CPU a row's output is
+        exact only in its own place), and its outputs go back in the order given."""
+        network = pipe.transformer
+        rows = x.shape[0]
+        assert c.embeds is not None and c.text_lengths is not None
+        images = list(x.to(network.dtype).unsqueeze(2).unbind(0))
+        captions = [c.embeds[i, :n] for i, n in enumerate(c.text_lengths.tolist())]
+        timestep = (1000 - t.expand(rows)) / 1000
+        guided = self.classifier_free(runs[0].member.params)
+        if guided:
+            images, captions, timestep = _halves_swapped(images), _halves_swapped(captions), timestep.roll(rows // 2)
+        out = network(images, timestep, captions, return_dict=False)[0]
+        if guided:
+            out = _halves_swapped(out)
+        return -torch.stack([o.float() for o in out]).squeeze(2)
+
+    def combine_guidance(
+        self, pipe: Any, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        guided = cond + scale * (cond - uncond)
+        normalization = self._normalization.get(pipe, 0.0)
+        if normalization <= 0.0:
+            return guided
+        # Each image's norm capped at its prompted prediction's times the factor:
+        # chosen on the device (``where``), never read back.
+        capped = []
+        for g, p in zip(guided, cond, strict=True):
+            most = torch.linalg.vector_norm(p) * normalization
+            norm = torch.linalg.vector_norm(g)
+            capped.append(torch.where(norm > most, g * (most / norm), g))
+        return torch.stack(capped)
+
+
+def _halves_swapped(rows: list[Any]) -> list[Any]:
+    half = len(rows) // 2
+    return [*rows[half:], *rows[:half]]
