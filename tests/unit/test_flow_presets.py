@@ -1,7 +1,7 @@
-"""The flow-matching presets have the real architectures (the published parameter
-counts), and the code that builds them at full size builds a directory the
-family's pipeline and the sampler both load: checked with the same builder at a
-miniature's sizes, in float32, on the CPU."""
+"""The flow-matching presets (SD 3.5 Medium, Flux.1, Z-Image-Turbo) have the real
+architectures (the published parameter counts), and the code that builds them at
+full size builds a directory the family's pipeline and the sampler both load:
+checked with the same builder at a miniature's sizes, in float32, on the CPU."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline
+from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline, ZImagePipeline
 
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
@@ -25,6 +25,13 @@ from services.models.flow_presets import (
 )
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
+from services.models.z_image import (
+    FLUX_VAE,
+    QWEN3_4B,
+    Z_IMAGE_TRANSFORMER,
+    build_z_image_turbo_preset,
+    z_image_parameter_counts,
+)
 
 T5_XXL = 4_762_310_656  # google/t5-v1_1-xxl's encoder
 CLIP_L = 123_060_480
@@ -43,6 +50,8 @@ REAL = {
     # schnell has no guidance embedding.
     "flux1-schnell": {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL, "transformer": 11_891_178_560, "vae": VAE},
 }
+# Z-Image-Turbo: its S3-DiT 6.15B, Qwen3-4B (no LM head) 4.02B, Flux.1's VAE.
+Z_IMAGE_TURBO = {"text_encoder": 4_022_468_096, "transformer": 6_154_908_736, "vae": VAE}
 SMALL_CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, projection_dim=32)
 SMALL_T5 = dict(vocab_size=300, d_model=64, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
 SMALL_VAE = dict(block_out_channels=(16, 16, 32, 32), layers_per_block=1, norm_num_groups=8, sample_size=128)
@@ -88,3 +97,27 @@ def test_the_preset_builder_makes_a_directory_the_pipeline_and_the_sampler_load(
     params = GenerationParams(name, "a lighthouse", "", 64, 64, 2, 3.5, 1, 1)
     latents = engine.sample(params, lambda step, total: None, threading.Event())
     assert latents.shape == (1, 16, 8, 8) and bool(torch.isfinite(latents).all())
+
+
+def test_z_image_turbo_has_the_real_parameter_counts() -> None:
+    assert z_image_parameter_counts() == Z_IMAGE_TURBO
+
+
+def test_the_z_image_builder_makes_a_directory_the_pipeline_and_the_sampler_load(tmp_path: Path) -> None:
+    small = dict(dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[4, 6, 6])
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8)
+    path = build_z_image_turbo_preset(
+        tmp_path / "z-image",
+        dtype=torch.float32,
+        transformer={**Z_IMAGE_TRANSFORMER, **small},
+        text_encoder={**QWEN3_4B, **text, "num_key_value_heads": 2, "vocab_size": 300},
+        vae={**FLUX_VAE, **SMALL_VAE},
+    )
+    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
+    assert type(pipe) is ZImagePipeline
+    spec = ModelSpec("z-image", str(path), ModelFamily.Z_IMAGE, dtype="float32", size_step=16, default_guidance=0.0)
+    engine = SamplerEngine(ModelRegistry({"z-image": spec}), tmp_path, torch.device("cpu"))
+    for guidance in (0.0, 4.0):
+        params = GenerationParams("z-image", "a lighthouse", "", 64, 64, 2, guidance, 1, 1)
+        latents = engine.sample(params, lambda step, total: None, threading.Event())
+        assert latents.shape == (1, 16, 8, 8) and bool(torch.isfinite(latents).all())

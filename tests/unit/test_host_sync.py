@@ -24,7 +24,7 @@ from gpu_worker.denoising.prompts import Conditioning, prompt_key
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
-from services.models.spec import ModelSpec
+from services.models.spec import ModelFamily, ModelSpec
 
 META = torch.device("meta")
 STEPS = 6
@@ -50,7 +50,10 @@ class HostToDevice(TorchDispatchMode):
 
 @pytest.fixture(scope="module")
 def engine(models_dir: Path) -> SamplerEngine:
-    return SamplerEngine(ModelRegistry.load(), models_dir, META)
+    registry = ModelRegistry.load()
+    # Z-Image with its guided predictions' norms capped: a choice made on the device.
+    capped = replace(registry.get("tiny-z-image"), name="tiny-z-image-capped", cfg_normalization=1.0)
+    return SamplerEngine(ModelRegistry({**registry.models, capped.name: capped}), models_dir, META)
 
 
 def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
@@ -59,12 +62,23 @@ def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: Ge
     try:
         return denoiser.encode_cached(pipe, spec, params)
     except (RuntimeError, NotImplementedError):
-        # Wan's UMT5 trims each prompt to its length, read off the device: shapes
-        # only, as the cache would hand them over.
-        hidden = pipe.text_encoder.config.d_model
-        embeds = torch.zeros(1, 512, hidden, device=META, dtype=pipe.transformer.dtype)
-        cfg = params.guidance_scale > 1.0
-        conditioning = Conditioning(embeds, embeds.clone() if cfg else None)
+        # Wan's UMT5 trims each prompt to its length, and Z-Image keeps each prompt's
+        # own tokens, read off the device: shapes only, as the cache would hand them over.
+        cfg = denoiser.classifier_free(params)
+        dtype = pipe.transformer.dtype
+        if spec.family == ModelFamily.Z_IMAGE:
+            hidden = pipe.text_encoder.config.hidden_size
+            # A prompt and a negative one of other lengths: stacked, they are padded.
+            lengths = {True: 31, False: 26}
+            conditioning = Conditioning(
+                torch.zeros(1, lengths[True], hidden, device=META, dtype=dtype),
+                torch.zeros(1, lengths[False], hidden, device=META, dtype=dtype) if cfg else None,
+                text_lengths=torch.tensor([lengths[True]]),
+                negative_text_lengths=torch.tensor([lengths[False]]) if cfg else None,
+            )
+        else:
+            embeds = torch.zeros(1, 512, pipe.text_encoder.config.d_model, device=META, dtype=dtype)
+            conditioning = Conditioning(embeds, embeds.clone() if cfg else None)
         return denoiser.prompts.get(prompt_key(params, cfg), lambda: conditioning)
 
 
@@ -81,6 +95,8 @@ CASES = {
     "flux-dev": ("tiny-flux", "", 3.5),
     "flux-schnell": ("tiny-flux-schnell", "", 1.0),
     "flux-kontext": ("tiny-flux-kontext", "", 2.5),
+    "z-image-turbo": ("tiny-z-image", "", 0.0),  # the third member guided (a scale of 1)
+    "z-image-capped": ("tiny-z-image-capped", "", 4.0),
     "upscaler": ("tiny-upscaler", "", 7.5),
 }
 
