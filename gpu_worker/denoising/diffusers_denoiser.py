@@ -156,6 +156,10 @@ class DiffusersDenoiser:
     def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
         return None  # an upscaler's: its input
 
+    def warm_up_prompts(self, params: GenerationParams) -> list[str]:
+        """One: the network's shapes do not depend on the prompt (its text is padded)."""
+        return [params.prompt]
+
     def sample(
         self,
         pipe: Any,

@@ -67,6 +67,10 @@ class WarmUpDenoiser(Protocol):
         """What a warm-up generation takes besides its prompt (an upscaler: an input image)."""
         ...
 
+    def warm_up_prompts(self, params: GenerationParams) -> list[str]:
+        """The prompts the network is warmed up with for ``params``' bucket and guidance."""
+        ...
+
     def denoise(
         self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
     ) -> list[DiffusersRun]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,10 +61,14 @@ def warm_up_buckets(denoiser: WarmUpDenoiser, pipe: Any, spec: ModelSpec, max_ro
                 frames=spec.default_frames,
                 fps=spec.default_fps,
             )
-            member = BatchMember(params, _no_step, threading.Event(), inputs=denoiser.warm_up_inputs(spec, params))
-            [run] = denoiser.denoise(pipe, spec, [member], MemberCheckpoints(denoiser.device, CheckpointPolicy()))
-            if isinstance(run.result, BaseException):
-                raise run.result
+            for prompt in denoiser.warm_up_prompts(params):
+                warm_up = replace(params, prompt=prompt)
+                inputs = denoiser.warm_up_inputs(spec, warm_up)
+                member = BatchMember(warm_up, _no_step, threading.Event(), inputs=inputs)
+                checkpoints = MemberCheckpoints(denoiser.device, CheckpointPolicy())
+                [run] = denoiser.denoise(pipe, spec, [member], checkpoints)
+                if isinstance(run.result, BaseException):
+                    raise run.result
     took = time.perf_counter() - began
     log.info("%s compiled and warmed up for batches of %s in %.1fs", spec.name, speed.buckets(max_rows), took)
 

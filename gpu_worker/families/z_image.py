@@ -21,6 +21,7 @@ What differs from the other flow-matching families, as the pipeline does it:
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from services.models.spec import ModelSpec
 
 # ZImagePipeline's longest prompt, in tokens with its chat template.
 TEXT_LEN = 512
+# Longer than 32 tokens beyond an empty prompt: padded (to 32s) to another length.
+WARM_UP_LONG_PROMPT = "a long warm-up prompt, " * 4
 
 
 class ZImageDenoiser(DiffusersDenoiser):
@@ -46,7 +49,21 @@ class ZImageDenoiser(DiffusersDenoiser):
 
     def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
         self._normalization[pipe] = spec.cfg_normalization
-        super().prepare_network(pipe, spec, options)
+        # The RoPE tables, made now on the device: the network makes them on its first
+        # call, on the host, which a compiled graph cannot hold.
+        rope = pipe.transformer.rope_embedder
+        tables = rope.precompute_freqs_cis(rope.axes_dims, rope.axes_lens, theta=rope.theta)
+        rope.freqs_cis = [table.to(self.device) for table in tables]
+        network = speed.prepare(pipe.transformer, replace(options, compile=False))
+        if options.compile:
+            speed.compile_repeated_blocks(network, options)
+        pipe.transformer = network
+
+    def warm_up_prompts(self, params: GenerationParams) -> list[str]:
+        """Guided, also a prompt longer than the empty negative one: rows of captions
+        of other lengths take an attention mask, one of the blocks' two shapes (their
+        lengths are symbolic: any other prompt then compiles nothing)."""
+        return [params.prompt, WARM_UP_LONG_PROMPT] if self.classifier_free(params) else [params.prompt]
 
     def classifier_free(self, params: GenerationParams) -> bool:
         return params.guidance_scale > 0.0

@@ -95,6 +95,15 @@ def prepare(module: Any, options: SpeedOptions) -> Any:
     return torch.compile(module, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
 
 
+def compile_repeated_blocks(module: Any, options: SpeedOptions) -> None:
+    """Compiles each of ``module``'s repeated blocks in place (diffusers' regional
+    compilation), their shapes symbolic: for a network whose sequence is as long as
+    its prompt (Z-Image), which compiled whole would compile again for each length."""
+    _raise_recompile_limit()
+    mode = "reduce-overhead" if options.cuda_graphs else None
+    module.compile_repeated_blocks(fullgraph=True, dynamic=True, mode=mode, backend=COMPILE_BACKEND)
+
+
 def fuses_exactly(module: Any) -> bool:
     """Whether ``fuse_qkv_projections`` keeps the network's outputs: not for SD 3.5's
     MMDiT, whose QK norms diffusers' fused joint-attention processor skips and whose

@@ -1,8 +1,9 @@
-"""A job of each flow-matching transformer family (SD 3.5, Flux.1 dev and schnell)
-through the real stack, with its miniature: placed, sampled, its previews streamed,
+"""A job of each flow-matching transformer family (SD 3.5, Flux.1 dev and schnell,
+Z-Image-Turbo) through the real stack, with its miniature: placed, sampled, its previews streamed,
 decoded by the decoder service's 16-channel VAE, and the PNG of its size returned;
 the same seed gives the same image; a size its patches cannot take is refused by
-name before anything is stored. An instruction edit (Flux.1 Kontext): an image and a
+name before anything is stored; a guided Z-Image job (a negative prompt) returns
+its PNG too. An instruction edit (Flux.1 Kontext): an image and a
 sentence give an image of the input's size; one without an image, or with a mask or a
 strength, is refused by name."""
 
@@ -19,7 +20,7 @@ from tests.integration.test_http_api import png
 
 pytestmark = pytest.mark.integration
 
-MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell"]
+MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-z-image"]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -40,6 +41,29 @@ def test_a_job_streams_its_previews_and_returns_a_png_of_its_size(stack, model: 
     assert (image.width, image.height) == (96, 64) and png_size(image.data) == (96, 64)
     again = wait_terminal(client, client.SubmitJob(request).job_id)
     assert again.images[0].data == image.data, "the same seed gives the same image"
+
+
+def test_a_guided_z_image_job_returns_a_png_of_its_size(stack) -> None:
+    client = stub(stack)
+    request = pb.SubmitJobRequest(
+        model="tiny-z-image",
+        prompt="a lighthouse",
+        negative_prompt="fog",
+        guidance_scale=4.0,
+        width=64,
+        height=96,
+        steps=4,
+        seed=5,
+    )
+    job = wait_terminal(client, client.SubmitJob(request).job_id)
+    assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+    [image] = job.images
+    assert png_size(image.data) == (64, 96)
+    turbo = pb.SubmitJobRequest()
+    turbo.CopyFrom(request)
+    turbo.guidance_scale = 0.0
+    other = wait_terminal(client, client.SubmitJob(turbo).job_id)
+    assert other.images[0].data != image.data, "guidance reaches the network"
 
 
 def test_a_size_the_patches_cannot_take_is_refused_by_name(stack) -> None:

@@ -1,10 +1,12 @@
 """The speed options on the flow-matching transformers (SD 3.5, Flux.1 dev and
-schnell), on the CPU with their miniatures, as ``test_speed_options`` checks them on
-the UNet: fused QKV and an SDPA kernel keep the latents within tolerance; a
+schnell, Z-Image), on the CPU with their miniatures, as ``test_speed_options`` checks
+them on the UNet: fused QKV and an SDPA kernel keep the latents within tolerance; a
 compiled transformer is compiled as the model loads and never again on a job,
-whatever its batch, steps or guidance (Flux.1 dev's guidance a per-row input);
-SD 3.5 keeps its attention unfused (diffusers' fused processor drops its QK norms);
-int8 weights move the latents by a measured, bounded amount."""
+whatever its batch, steps or guidance (Flux.1 dev's guidance a per-row input;
+Z-Image's blocks compiled with symbolic lengths, its captions as long as their
+prompts); SD 3.5 keeps its attention unfused (diffusers' fused processor drops its
+QK norms) and Z-Image has no fused projections; int8 weights move the latents by a
+measured, bounded amount."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ from tests.unit.test_speed_options import TOLERANCE, Compilations, compilations,
 __all__ = ["compilations"]  # the fixture, shared with test_speed_options
 
 CPU = torch.device("cpu")
-MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell"]
+MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-z-image"]
+# SD 3.5's QK norms and dual attention are not in diffusers' fused processor: it stays
+# unfused; Z-Image's transformer has no fused projections.
+UNFUSED = {"tiny-sd3", "tiny-z-image"}
 
 
 def spec_of(model: str, **options: Any) -> ModelSpec:
@@ -59,8 +64,7 @@ def test_an_option_keeps_the_latents_within_tolerance(models_dir: Path, model: s
     e = engine(models_dir, spec_of(model, **options))
     if options.get("fuse_qkv"):
         fused = any(getattr(m, "fused_projections", False) for m in e.load(model).transformer.modules())
-        # SD 3.5's QK norms and dual attention are not in diffusers' fused processor: it stays unfused.
-        assert fused == (model != "tiny-sd3")
+        assert fused == (model not in UNFUSED)
     assert largest_difference(run(e, jobs(spec_of(model))), plain) < TOLERANCE
 
 
@@ -75,9 +79,11 @@ def test_a_compiled_transformer_compiles_as_it_loads_and_never_on_a_job(
     warmed = compilations.graphs
     assert warmed > 0, "compiled as it loaded"
     got = run(e, jobs(spec))
-    # Members of other steps, images and guidance share a batch (as joiners would).
+    # Members of other steps, images, guidance and prompts (Z-Image's captions of
+    # other lengths) share a batch (as joiners would).
     first, second, _ = jobs(spec)
-    mixed = [replace(first, steps=first.steps + 2, guidance_scale=first.guidance_scale + 1.0), second]
+    longer = replace(first, prompt="a lighthouse on a cliff at dusk, " * 3, negative_prompt="fog", guidance_scale=2.0)
+    mixed = [replace(first, steps=first.steps + 2, guidance_scale=first.guidance_scale + 1.0), second, longer]
     batch = e.sample_batch([BatchMember(p, lambda step, total: None, threading.Event()) for p in mixed])
     assert compilations.graphs == warmed, "a job compiled the network again"
     assert all(isinstance(b, torch.Tensor) for b in batch)
