@@ -45,6 +45,9 @@ from services.models import loader, speed
 from services.models.loader import Loaded
 from services.models.spec import ModelSpec, scheduler_class
 
+# A pipeline's text encoders, as its components are named.
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
 
 class DiffusersDenoiser:
     """A family of diffusers pipelines whose denoising network is ``network_name``."""
@@ -74,7 +77,7 @@ class DiffusersDenoiser:
         return (params.num_images, self.network(pipe).config.in_channels, params.height // scale, params.width // scale)
 
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        return Conditioning.encode(pipe, spec.family, params, self.device, cfg)
+        return Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)
 
     def classifier_free(self, params: GenerationParams) -> bool:
         """Whether a member's step calls the network twice (its rows doubled), with its
@@ -123,7 +126,10 @@ class DiffusersDenoiser:
 
         dtype = loader.compute_dtype(spec, self.device)
         parts = self.pipeline_parts(spec)
-        loaded = loader.load(DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, **parts)
+        host = TEXT_ENCODERS if spec.text_encoders == "host" else ()
+        loaded = loader.load(
+            DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, host_parts=host, **parts
+        )
         pipe = loaded.value
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)
@@ -207,8 +213,20 @@ class DiffusersDenoiser:
     def encode_cached(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
         """The job's prompt conditioning, from the prompt cache or encoded into it."""
         cfg = self.classifier_free(params)
+
+        def encode() -> Conditioning:
+            # Encoded where the text encoders are; kept where the network reads it.
+            return self.encode_prompt(pipe, spec, params, cfg).to(self.device)
+
         with torch.inference_mode():
-            return self.prompts.get(prompt_key(params, cfg), lambda: self.encode_prompt(pipe, spec, params, cfg))
+            return self.prompts.get(prompt_key(params, cfg), encode)
+
+    def text_device(self, pipe: Any) -> torch.device:
+        """Where the pipeline's text encoders are: the device, or the host (``text_encoders``)."""
+        encoder = getattr(pipe, "text_encoder", None)
+        if not isinstance(encoder, torch.nn.Module):
+            return self.device
+        return next(encoder.parameters()).device
 
     def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
         """One draw per output from its own generator, as the diffusers pipelines do."""

@@ -56,6 +56,13 @@ class Conditioning:
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
+    def to(self, device: torch.device) -> Conditioning:
+        """On ``device`` (itself where it is there already)."""
+        tensors = self._tensors()
+        if all(t.device == device for t in tensors.values()):
+            return self
+        return Conditioning(**{k: t.to(device) for k, t in tensors.items()})
+
     def rows(self, n: int) -> Conditioning:
         """The conditioning of ``n`` images of the same prompt."""
         return Conditioning(**{k: t.repeat_interleave(n, dim=0) for k, t in self._tensors().items()})

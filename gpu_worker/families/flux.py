@@ -49,7 +49,7 @@ class FluxDenoiser(DiffusersDenoiser):
         embeds, pooled, _ = pipe.encode_prompt(
             prompt=params.prompt,
             prompt_2=None,
-            device=self.device,
+            device=self.text_device(pipe),
             num_images_per_prompt=1,
             max_sequence_length=text_length(pipe.tokenizer_2, longest),
         )

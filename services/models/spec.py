@@ -56,6 +56,8 @@ PREVIEW_FAMILIES = frozenset(
 STORE_PREFIX = "store:"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
+# Where a model's text encoders may run (``ModelSpec.text_encoders``).
+TEXT_ENCODER_PLACES = ("device", "host")
 # Frames per second a video may ask for.
 MAX_FPS = 120.0
 # A job running longer than this is stopped, unless its model says otherwise.
@@ -105,6 +107,10 @@ class ModelSpec:
     attention: str = ""
     fuse_qkv: bool = False
     quantize: str = ""
+    # Where its text encoders run: "device", beside its network (the default), or
+    # "host": kept in the sampler's host memory and run on its CPU, each prompt's
+    # conditioning then moved to the device (T5-XXL's 9.5 GB off a card too small).
+    text_encoders: str = "device"
     # An output whose latents vary less than this (standard deviation) is degenerate.
     min_output_std: float = 1e-3
     # The noise scheduler: a diffusers scheduler class name such as
