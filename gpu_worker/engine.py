@@ -21,8 +21,7 @@ from gpu_worker.denoising.denoiser import Denoiser
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.prompts import PromptCache
 from gpu_worker.denoising.running_batch import RunningBatch
-from gpu_worker.families.flux import FluxDenoiser
-from gpu_worker.families.flux_kontext import FluxKontextDenoiser
+from gpu_worker.families.flux import FluxDenoiser, FluxKontextDenoiser
 from gpu_worker.families.sd3 import SD3Denoiser
 from gpu_worker.families.sim import SimDenoiser
 from gpu_worker.families.unet import UNetDenoiser
