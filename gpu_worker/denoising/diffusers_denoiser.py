@@ -112,9 +112,17 @@ class DiffusersDenoiser:
         if inputs is None or inputs.image_latents is None:
             state.latents = noise * initial_sigma(state.scheduler)
             return
-        image = inputs.image_latents.to(self.device, noise.dtype).repeat(member.params.num_images, 1, 1, 1)
+        params = member.params
+        image = inputs.image_latents.to(self.device, noise.dtype).repeat(params.num_images, 1, 1, 1)
         mask = inputs.mask.to(self.device, noise.dtype) if inputs.mask is not None else None
-        run.step = start_from_input(state, member.params, image, mask, noise)
+        image = self.in_latent_layout(pipe, params, image)
+        mask = self.in_latent_layout(pipe, params, mask) if mask is not None else None
+        run.step = start_from_input(state, params, image, mask, noise)
+
+    def in_latent_layout(self, pipe: Any, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
+        """An edit's input latents or mask, (N, C or 1, H/8, W/8), laid out as the
+        member's latents are (Flux packs them)."""
+        return x
 
     # -- the loop ------------------------------------------------------------------
 

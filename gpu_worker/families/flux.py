@@ -82,6 +82,13 @@ class FluxDenoiser(DiffusersDenoiser):
         noise = torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
         return pipe._pack_latents(noise, params.num_images, shape[1], h * 2, w * 2)
 
+    def in_latent_layout(self, pipe: Any, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are; a mask first given each latent channel, as FluxInpaintPipeline does."""
+        channels = pipe.transformer.config.in_channels // 4
+        if x.shape[1] == 1:
+            x = x.repeat(1, channels, 1, 1)
+        return pipe._pack_latents(x, x.shape[0], channels, x.shape[2], x.shape[3])
+
     def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
         return pipe._unpack_latents(latents, params.height, params.width, pipe.vae_scale_factor)
 
@@ -146,8 +153,7 @@ class FluxKontextDenoiser(FluxDenoiser):
         params = member.params
         state.latents = self.draw_noise(pipe, params, state)
         image = inputs.image_latents.to(self.device, state.latents.dtype).repeat(params.num_images, 1, 1, 1)
-        _, channels, height, width = image.shape
-        state.extras = {IMAGE_LATENTS: pipe._pack_latents(image, params.num_images, channels, height, width)}
+        state.extras = {IMAGE_LATENTS: self.in_latent_layout(pipe, params, image)}
 
     def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
         assert run.state is not None

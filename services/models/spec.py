@@ -43,8 +43,18 @@ FAMILY_DEFAULTS = {
 # The families whose transformer patches latents 2x2 (or packs them): sizes are
 # multiples of 16 (the VAE's 8 times the patch's 2).
 PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT})
-# The families whose models also edit images (image to image, inpainting).
-EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.FLUX_KONTEXT})
+# The families whose models also edit images (image to image and inpainting; by
+# instruction for those below).
+EDITING_FAMILIES = frozenset(
+    {
+        ModelFamily.SD15,
+        ModelFamily.SDXL,
+        ModelFamily.TINY,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+    }
+)
 # The families that edit by instruction: every job an input image and a prompt saying
 # what to change, denoised from noise beside the image (no strength, no mask).
 INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})

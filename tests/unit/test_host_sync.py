@@ -24,7 +24,7 @@ from gpu_worker.denoising.prompts import Conditioning, prompt_key
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
-from services.models.spec import ModelSpec
+from services.models.spec import ModelFamily, ModelSpec
 
 META = torch.device("meta")
 STEPS = 6
@@ -112,7 +112,8 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
     elif spec.instruction_edits:
         inputs = [MemberInputs(image_latents=torch.zeros(1, 16, size // 8, size // 8, device=META))] * 3
     elif spec.edits:
-        image_latents = torch.zeros(1, 4, size // 8, size // 8, device=META)
+        channels = 16 if spec.family in (ModelFamily.SD3, ModelFamily.FLUX) else 4
+        image_latents = torch.zeros(1, channels, size // 8, size // 8, device=META)
         mask = torch.ones(1, 1, size // 8, size // 8, device=META)
         requests += [params(3, strength=0.5), params(4, strength=1.0)]
         inputs += [MemberInputs(image_latents=image_latents), MemberInputs(image_latents=image_latents, mask=mask)]
