@@ -55,6 +55,7 @@ class DiffusersDenoiser:
     loads_weights = True
     takes_joiners = True  # a running batch takes jobs in at its step boundaries
     network_name = "unet"
+    halves_share_call = True  # a guided step: one call, its rows doubled
 
     def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
         self.models_dir = models_dir
@@ -83,6 +84,11 @@ class DiffusersDenoiser:
         """Whether a member's step calls the network twice (its rows doubled), with its
         prompt and without, mixed by its guidance scale."""
         return params.guidance_scale > 1.0
+
+    def combine_guidance(self, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+        """A guided step's prediction from its negative prompt's and its prompt's:
+        classifier-free guidance's line through them, ``scale`` along it (per row)."""
+        return uncond + scale * (cond - uncond)
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         """What besides the steps sets a job's noise-scheduler timesteps (a shift by size)."""

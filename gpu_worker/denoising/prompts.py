@@ -1,13 +1,14 @@
 """Prompt conditioning (text embeddings, and SDXL's pooled embeddings and size ids),
 and a cache of it bounded by bytes: a prompt sent again, or a batch-mate with the
-same prompt, skips the text encoders."""
+same prompt, skips the text encoders. Text embeddings of a length that varies with
+the prompt (Qwen-Image's) stack padded to the longest, with a mask of their tokens."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ class Conditioning:
     pooled: torch.Tensor | None = None  # SDXL
     negative_pooled: torch.Tensor | None = None
     time_ids: torch.Tensor | None = None  # SDXL: original size, crop, target size
+    # Text of a length that varies with the prompt, padded: True at a token, False at
+    # padding. None: every position a token (a prompt alone is never padded).
+    mask: torch.Tensor | None = None
+    negative_mask: torch.Tensor | None = None
 
     @classmethod
     def empty(cls) -> Conditioning:
@@ -73,10 +78,28 @@ class Conditioning:
 
     def negative(self) -> Conditioning:
         """The unconditional half of classifier-free guidance, as a positive conditioning."""
-        return Conditioning(embeds=self.negative_embeds, pooled=self.negative_pooled, time_ids=self.time_ids)
+        return Conditioning(
+            embeds=self.negative_embeds, pooled=self.negative_pooled, time_ids=self.time_ids, mask=self.negative_mask
+        )
+
+    def text_padded(self, length: int, negative_length: int = 0) -> Conditioning:
+        """With its text (and its negative text) padded to ``length`` (``negative_length``)
+        tokens, masked: the padding is zeros no token attends to."""
+        assert self.embeds is not None
+        embeds, mask = _padded_text(self.embeds, self.mask, length)
+        if self.negative_embeds is None:
+            return replace(self, embeds=embeds, mask=mask)
+        negative, negative_mask = _padded_text(self.negative_embeds, self.negative_mask, negative_length)
+        return replace(self, embeds=embeds, mask=mask, negative_embeds=negative, negative_mask=negative_mask)
 
     @staticmethod
     def stack(parts: Sequence[Conditioning]) -> Conditioning:
+        """The parts' rows in one conditioning; texts of other lengths padded to the longest."""
+        lengths = {p.embeds.shape[1] for p in parts if p.embeds is not None}
+        negative_lengths = {p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None}
+        masked = any(p.mask is not None or p.negative_mask is not None for p in parts)
+        if len(lengths) > 1 or len(negative_lengths) > 1 or masked:
+            parts = [p.text_padded(max(lengths), max(negative_lengths, default=0)) for p in parts]
         names = parts[0]._tensors().keys()
         return Conditioning(**{k: torch.cat([p._tensors()[k] for p in parts]) for k in names})
 
@@ -84,6 +107,17 @@ class Conditioning:
         if self.pooled is None or self.time_ids is None:
             return None
         return {"text_embeds": self.pooled, "time_ids": self.time_ids}
+
+
+def _padded_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embeds`` (rows, tokens, width) padded with zeros to ``length`` tokens, and its mask."""
+    rows, tokens, width = embeds.shape
+    if mask is None:
+        mask = torch.ones(rows, tokens, dtype=torch.bool, device=embeds.device)
+    if tokens == length:
+        return embeds, mask
+    embeds = torch.cat([embeds, embeds.new_zeros(rows, length - tokens, width)], dim=1)
+    return embeds, torch.cat([mask, mask.new_zeros(rows, length - tokens)], dim=1)
 
 
 def prompt_key(params: Any, cfg: bool) -> tuple[Any, ...]:

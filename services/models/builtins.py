@@ -25,6 +25,7 @@ class Builtin:
 
 _FLOW_TINY = "services.models.flow_tiny"
 _FLOW_PRESETS = "services.models.flow_presets"
+_QWEN = "services.models.qwen_tiny"
 BUILTINS = {
     # Miniatures with random weights, for tests and the demo: they run on a CPU in seconds.
     "builtin:tiny": Builtin("services.models.tiny", "build_tiny_model", "darkroom_tiny.json"),
@@ -34,6 +35,7 @@ BUILTINS = {
     "builtin:tiny-flux": Builtin(_FLOW_TINY, "build_tiny_flux_dev", "darkroom_tiny_flux.json"),
     "builtin:tiny-flux-schnell": Builtin(_FLOW_TINY, "build_tiny_flux_schnell", "darkroom_tiny_flux.json"),
     "builtin:tiny-flux-kontext": Builtin(_FLOW_TINY, "build_tiny_flux_kontext", "darkroom_tiny_flux.json"),
+    "builtin:tiny-qwen-image": Builtin(_QWEN, "build_tiny_qwen_image", "darkroom_tiny_qwen_image.json"),
     # The real architectures with random weights, for benchmarks: they cost what the
     # real models cost to load and run; their output is noise.
     "builtin:sd15-random": Builtin("services.models.presets", "build_sd15_preset", "darkroom_preset.json"),
@@ -43,6 +45,7 @@ BUILTINS = {
     "builtin:sd35-medium-random": Builtin(_FLOW_PRESETS, "build_sd35_medium_preset", "darkroom_preset.json"),
     "builtin:flux1-dev-random": Builtin(_FLOW_PRESETS, "build_flux1_dev_preset", "darkroom_preset.json"),
     "builtin:flux1-schnell-random": Builtin(_FLOW_PRESETS, "build_flux1_schnell_preset", "darkroom_preset.json"),
+    "builtin:qwen-image-random": Builtin(_FLOW_PRESETS, "build_qwen_image_preset", "darkroom_preset.json"),
 }
 
 
@@ -56,6 +59,7 @@ MINIATURES = frozenset(
         "builtin:tiny-flux",
         "builtin:tiny-flux-schnell",
         "builtin:tiny-flux-kontext",
+        "builtin:tiny-qwen-image",
     }
 )
 

@@ -24,6 +24,7 @@ class ModelFamily(enum.StrEnum):
     SD3 = "sd3"  # Stable Diffusion 3 and 3.5: an MMDiT over two CLIPs and a T5, flow matching
     FLUX = "flux"  # Flux.1 dev (the guidance scale an input) and schnell (no guidance)
     FLUX_KONTEXT = "flux_kontext"  # Flux.1 Kontext: an input image edited as its prompt says
+    QWEN_IMAGE = "qwen_image"  # Qwen-Image: a 20B MMDiT over a Qwen2.5-VL's text, true classifier-free guidance
 
 
 # Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
@@ -39,10 +40,13 @@ FAMILY_DEFAULTS = {
     ModelFamily.SD3: (35.0, 8.0, "image"),  # 3.5 Medium; Large is about 3x
     ModelFamily.FLUX: (70.0, 20.0, "image"),
     ModelFamily.FLUX_KONTEXT: (140.0, 20.0, "image"),  # its input image's tokens double the sequence
+    ModelFamily.QWEN_IMAGE: (210.0, 40.0, "image"),  # 20B: about 3x Flux.1's step, two calls with guidance
 }
 # The families whose transformer patches latents 2x2 (or packs them): sizes are
 # multiples of 16 (the VAE's 8 times the patch's 2).
-PATCHED_FAMILIES = frozenset({ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT})
+PATCHED_FAMILIES = frozenset(
+    {ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT, ModelFamily.QWEN_IMAGE}
+)
 # The families whose models also edit images (image to image and inpainting; by
 # instruction for those below).
 EDITING_FAMILIES = frozenset(
@@ -60,7 +64,15 @@ EDITING_FAMILIES = frozenset(
 INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})
 # The families whose latents a preview reads as colours (``gpu_worker.jobs.previews``).
 PREVIEW_FAMILIES = frozenset(
-    {ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT}
+    {
+        ModelFamily.SD15,
+        ModelFamily.SDXL,
+        ModelFamily.TINY,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE,
+    }
 )
 # A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
 STORE_PREFIX = "store:"

@@ -4,7 +4,8 @@ queue for the host fails: reading a device value (``.item()``, ``bool()``, an in
 into a host table, ``nonzero``), a copy back to the host, or mixing host tables with
 device tensors (a device mismatch on CUDA). The miniatures' real networks run, with
 each noise scheduler their families use, guidance, a fused batch of members of
-different sizes and one of other steps and guidance, an edit and an inpainting member."""
+different sizes and one of other steps and guidance, an edit and an inpainting member,
+texts of other lengths padded and masked (Qwen-Image)."""
 
 from __future__ import annotations
 
@@ -59,12 +60,16 @@ def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: Ge
     try:
         return denoiser.encode_cached(pipe, spec, params)
     except (RuntimeError, NotImplementedError):
-        # Wan's UMT5 trims each prompt to its length, read off the device: shapes
-        # only, as the cache would hand them over.
-        hidden = pipe.text_encoder.config.d_model
+        # Wan's UMT5 trims each prompt to its length, and Qwen-Image's Qwen2.5-VL drops
+        # its padding, read off the device: shapes only, as the cache would hand them
+        # over (Qwen-Image's negative text shorter than its prompt, as texts differ).
+        config = pipe.text_encoder.config
+        qwen = spec.family == ModelFamily.QWEN_IMAGE
+        hidden = config.text_config.hidden_size if qwen else config.d_model
         embeds = torch.zeros(1, 512, hidden, device=META, dtype=pipe.transformer.dtype)
+        negative = embeds[:, : 7 + params.seed] if qwen else embeds.clone()
         cfg = params.guidance_scale > 1.0
-        conditioning = Conditioning(embeds, embeds.clone() if cfg else None)
+        conditioning = Conditioning(embeds, negative if cfg else None)
         return denoiser.prompts.get(prompt_key(params, cfg), lambda: conditioning)
 
 
@@ -81,6 +86,7 @@ CASES = {
     "flux-dev": ("tiny-flux", "", 3.5),
     "flux-schnell": ("tiny-flux-schnell", "", 1.0),
     "flux-kontext": ("tiny-flux-kontext", "", 2.5),
+    "qwen-image": ("tiny-qwen-image", "", 4.0),
     "upscaler": ("tiny-upscaler", "", 7.5),
 }
 

@@ -40,6 +40,7 @@ def test_the_default_registry_offers_the_presets_only_on_request() -> None:
         "flux1-dev-fp8-random",
         "flux1-schnell-random",
         "flux1-kontext-random",
+        "qwen-image-random",
     }
     assert not set(presets) & set(served.models)
     assert ModelRegistry.load(presets=["wan-random"]).get("wan-random").family == ModelFamily.WAN
