@@ -82,13 +82,14 @@ class Conditioning:
             embeds=self.negative_embeds, pooled=self.negative_pooled, time_ids=self.time_ids, mask=self.negative_mask
         )
 
-    def text_padded(self, length: int, negative_length: int = 0) -> Conditioning:
-        """With its text (and its negative text) padded to ``length`` (``negative_length``)
-        tokens, masked: the padding is zeros no token attends to."""
+    def text_padded(self, length: int, negative_length: int | None = None) -> Conditioning:
+        """With its text (and its negative text) padded to ``length`` (``negative_length``,
+        by default ``length``) tokens, masked: the padding is zeros no token attends to."""
         assert self.embeds is not None
         embeds, mask = _padded_text(self.embeds, self.mask, length)
         if self.negative_embeds is None:
             return replace(self, embeds=embeds, mask=mask)
+        negative_length = length if negative_length is None else negative_length
         negative, negative_mask = _padded_text(self.negative_embeds, self.negative_mask, negative_length)
         return replace(self, embeds=embeds, mask=mask, negative_embeds=negative, negative_mask=negative_mask)
 
@@ -99,7 +100,7 @@ class Conditioning:
         negative_lengths = {p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None}
         masked = any(p.mask is not None or p.negative_mask is not None for p in parts)
         if len(lengths) > 1 or len(negative_lengths) > 1 or masked:
-            parts = [p.text_padded(max(lengths), max(negative_lengths, default=0)) for p in parts]
+            parts = [p.text_padded(max(lengths), max(negative_lengths, default=None)) for p in parts]
         names = parts[0]._tensors().keys()
         return Conditioning(**{k: torch.cat([p._tensors()[k] for p in parts]) for k in names})
 

@@ -1,6 +1,7 @@
-"""A job of each flow-matching transformer family (SD 3.5, Flux.1 dev and schnell)
-through the real stack, with its miniature: placed, sampled, its previews streamed,
-decoded by the decoder service's 16-channel VAE, and the PNG of its size returned;
+"""A job of each flow-matching transformer family (SD 3.5, Flux.1 dev and schnell,
+Qwen-Image) through the real stack, with its miniature: placed, sampled, its previews
+streamed, decoded by the decoder service's 16-channel VAE (Qwen-Image's a 3D one,
+through its frame axis), and the PNG of its size returned;
 the same seed gives the same image; a size its patches cannot take is refused by
 name before anything is stored. An instruction edit (Flux.1 Kontext): an image and a
 sentence give an image of the input's size; one without an image, or with a mask or a
@@ -20,7 +21,7 @@ from tests.integration.test_http_api import png
 
 pytestmark = pytest.mark.integration
 
-MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell"]
+MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-qwen-image"]
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -136,6 +136,26 @@ def test_members_of_other_steps_guidance_seeds_and_prompts_each_get_their_solo_l
     ]
 
 
+def test_one_call_for_all_texts_pads_and_masks_them_to_each_members_latents(models_dir: Path) -> None:
+    """As on an accelerator: the members and both halves of their guided steps in one
+    call, each text padded to the longest and masked. Within float tolerance of each
+    one's solo latents (kernels block a larger batch differently); the padding unmasked
+    would move them far more."""
+    fused = new_engine(models_dir)
+    denoiser = fused.denoiser_for(fused.registry.get(MODEL))
+    assert isinstance(denoiser, DiffusersDenoiser)
+    denoiser.fuse_batches = denoiser.halves_share_call = True
+    mixed = [
+        params(1),
+        params(2, negative="a storm at night over the sea", prompt="a lighthouse on a cliff at dusk, waves below"),
+        params(3, guidance=GUIDANCE + 2, images=2),
+    ]
+    results = fused.sample_batch([member(p) for p in mixed])
+    alone = new_engine(models_dir)
+    for p, result in zip(mixed, results, strict=True):
+        torch.testing.assert_close(tensor(result), solo(alone, p), rtol=0, atol=1e-4)
+
+
 def test_a_job_offered_mid_batch_joins_at_a_step_boundary_and_gets_its_solo_latents(engine: SamplerEngine) -> None:
     running, late = params(10, steps=6), params(11, steps=3, guidance=GUIDANCE + 1, negative="rain")
     left = Departures()
