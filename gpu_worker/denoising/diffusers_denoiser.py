@@ -1,5 +1,5 @@
 """The denoising loop every diffusers family shares, run step by step over a batch
-of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``wan``,
+of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``qwen_image``, ``wan``,
 ``upscale``) says how its pipeline loads, what shape its latents have, how a prompt
 is encoded and how one step's noise is predicted.
 
