@@ -4,7 +4,8 @@ PostgreSQL, one sampler, one decoder, all on this machine) against one process
 calling the pipeline.
 
     python bench/gpu.py                      # on a GPU: SD 1.5 at 512 px, 20 steps; SDXL at 1024 px, 30 steps
-    python bench/gpu.py --cases flux-dev     # Flux.1 dev at 1024 px, 28 steps (also sd35m, flux-dev-fp8, flux-schnell)
+    python bench/gpu.py --cases flux-dev     # Flux.1 dev at 1024 px, 28 steps (also sd35m, flux-dev-fp8,
+                                             # flux-schnell; flux-kontext: instruction edits of a 1024 px image)
     python bench/gpu.py --device cpu         # on a CPU: small sizes (the miniatures, SD 1.5 at 128 px)
     python bench/gpu.py --smoke              # CI's check that it still runs: the miniatures, one round of each
     python bench/gpu.py --modes saturated,one-job --cases sd15 --options optimize,compile
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.support.bare_loop import PROMPT, Bare, Case, bare_loop
+from bench.support.bare_loop import EDIT_PROMPT, PROMPT, Bare, Case, bare_loop, edit_input
 from bench.support.stack_run import BenchStack
 from services.models import speed
 from services.models.registry import DEFAULT_REGISTRY, ModelRegistry
@@ -65,6 +66,7 @@ GPU_CASES = (
     Case("flux-dev", "flux1-dev-random", 1024, 28, 8),
     Case("flux-dev-fp8", "flux1-dev-fp8-random", 1024, 28, 8),
     Case("flux-schnell", "flux1-schnell-random", 1024, 4, 16),
+    Case("flux-kontext", "flux1-kontext-random", 1024, 28, 8, edit=True),
 )
 # What a GPU run measures unless --cases names others.
 GPU_DEFAULT = ("sd15", "sdxl")
@@ -73,11 +75,13 @@ CPU_CASES = (
     Case("sd15", "sd15-random", 128, 4, 8),
     Case("tiny-sd3", "tiny-sd3", 128, 8, 16),
     Case("tiny-flux", "tiny-flux", 128, 8, 16),
+    Case("tiny-flux-kontext", "tiny-flux-kontext", 128, 8, 16, edit=True),
 )
 SMOKE_CASES = (
     Case("tiny", "tiny", 64, 4, 4),
     Case("tiny-sd3", "tiny-sd3", 64, 4, 4),
     Case("tiny-flux", "tiny-flux", 64, 4, 4),
+    Case("tiny-flux-kontext", "tiny-flux-kontext", 64, 4, 4, edit=True),
 )
 STAGES = ("queue", "schedule", "dispatch", "sample", "decode", "store")
 # Each speed option --options can name, as registry keys.
@@ -159,9 +163,16 @@ class Stack(BenchStack):
         from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
         from tests.helpers import wait_terminal
 
+        image = edit_input(case.size) if case.edit else b""
         requests = [
             pb.SubmitJobRequest(
-                model=model, prompt=PROMPT, width=case.size, height=case.size, steps=case.steps, seed=seed + i
+                model=model,
+                prompt=EDIT_PROMPT if case.edit else PROMPT,
+                width=case.size,
+                height=case.size,
+                steps=case.steps,
+                seed=seed + i,
+                image=image,
             )
             for i in range(jobs)
         ]

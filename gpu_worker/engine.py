@@ -21,8 +21,8 @@ from gpu_worker.denoising.denoiser import Denoiser
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.prompts import PromptCache
 from gpu_worker.denoising.running_batch import RunningBatch
-from gpu_worker.families.flux import FluxDenoiser
-from gpu_worker.families.flux_kontext import FluxKontextDenoiser
+from gpu_worker.families.flux import FluxDenoiser, FluxKontextDenoiser
+from gpu_worker.families.qwen_image import QwenImageDenoiser
 from gpu_worker.families.sd3 import SD3Denoiser
 from gpu_worker.families.sim import SimDenoiser
 from gpu_worker.families.unet import UNetDenoiser
@@ -72,6 +72,7 @@ class SamplerEngine:
             ModelFamily.SD3: SD3Denoiser(models_dir, device, self.prompts),
             ModelFamily.FLUX: FluxDenoiser(models_dir, device, self.prompts),
             ModelFamily.FLUX_KONTEXT: FluxKontextDenoiser(models_dir, device, self.prompts),
+            ModelFamily.QWEN_IMAGE: QwenImageDenoiser(models_dir, device, self.prompts),
             ModelFamily.Z_IMAGE: ZImageDenoiser(models_dir, device, self.prompts),
             ModelFamily.SIM: SimDenoiser(),
         }

@@ -59,6 +59,7 @@ MINIATURE_MODELS = {
     "tiny-flux": "builtin:tiny-flux",
     "tiny-flux-schnell": "builtin:tiny-flux-schnell",
     "tiny-flux-kontext": "builtin:tiny-flux-kontext",
+    "tiny-qwen-image": "builtin:tiny-qwen-image",
     "tiny-z-image": "builtin:tiny-z-image",
 }
 

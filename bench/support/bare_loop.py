@@ -18,6 +18,22 @@ from services.models.sources import resolve_source
 from services.models.spec import ModelFamily, ModelSpec
 
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
+EDIT_PROMPT = "make it night, with the lighthouse lit"
+
+
+def edit_input(size: int) -> bytes:
+    """An edit case's input image: a PNG of ``size`` x ``size``, the same every run."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
 # Flux.1's T5 prompt length as the sampler encodes it: dev's 512, schnell's 256.
 FLUX_TEXT_LEN = {True: 512, False: 256}
 
@@ -29,6 +45,7 @@ class Case:
     size: int
     steps: int
     jobs: int  # saturated mode's jobs
+    edit: bool = False  # each job edits an input image (EDIT_INPUT, at the case's size) by its prompt
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,10 @@ def bare_pipeline(spec: ModelSpec, device: torch.device, models: Path) -> Any:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     extra = {"safety_checker": None, "requires_safety_checker": False} if spec.family == ModelFamily.SD15 else {}
     pipe = DiffusionPipeline.from_pretrained(source, torch_dtype=dtype, **kwargs, **extra).to(device)
+    if spec.family == ModelFamily.FLUX_KONTEXT:
+        from diffusers import FluxKontextPipeline
+
+        pipe = FluxKontextPipeline(**pipe.components)  # a Kontext entry may serve dev-shaped weights
     pipe.set_progress_bar_config(disable=True)
     options = speed.SpeedOptions.of(spec, device)
     if options.any:
@@ -125,11 +146,19 @@ def _sample(pipe: Any, spec: ModelSpec, case: Case, batch: int, seed: int, devic
     sampler makes them: the model's default guidance, its family's prompt length."""
     generators = [torch.Generator(device).manual_seed(seed + i) for i in range(batch)]
     extra: dict[str, Any] = {}
-    if spec.family == ModelFamily.FLUX:
+    flux = spec.family in (ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT)
+    if flux:
         extra["max_sequence_length"] = FLUX_TEXT_LEN[bool(pipe.transformer.config.guidance_embeds)]
+    if case.edit:
+        import io
+
+        from PIL import Image
+
+        extra["image"] = Image.open(io.BytesIO(edit_input(case.size))).convert("RGB")
+        extra.update(_auto_resize=False, max_area=case.size * case.size)  # the job's own size, as the stack's
     with torch.inference_mode():
         latents = pipe(
-            prompt=[PROMPT] * batch,
+            prompt=[EDIT_PROMPT if case.edit else PROMPT] * batch,
             width=case.size,
             height=case.size,
             num_inference_steps=case.steps,
@@ -138,7 +167,7 @@ def _sample(pipe: Any, spec: ModelSpec, case: Case, batch: int, seed: int, devic
             output_type="latent",
             **extra,
         ).images
-    if spec.family == ModelFamily.FLUX:
+    if flux:
         latents = pipe._unpack_latents(latents, case.size, case.size, pipe.vae_scale_factor)
     return latents
 

@@ -1,6 +1,6 @@
 """The denoising loop every diffusers family shares, run step by step over a batch
-of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``z_image``,
-``wan``, ``upscale``) says how its pipeline loads, what shape its latents have, how a prompt
+of jobs; each family (``gpu_worker.families``: ``unet``, ``sd3``, ``flux``, ``qwen_image``,
+``z_image``, ``wan``, ``upscale``) says how its pipeline loads, what shape its latents have, how a prompt
 is encoded and how one step's noise is predicted.
 
 Each member keeps its own noise (its seeds), noise-scheduler state, steps, guidance
@@ -45,6 +45,9 @@ from services.models import loader, speed
 from services.models.loader import Loaded
 from services.models.spec import ModelSpec, scheduler_class
 
+# A pipeline's text encoders, as its components are named.
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+
 
 class DiffusersDenoiser:
     """A family of diffusers pipelines whose denoising network is ``network_name``."""
@@ -52,6 +55,7 @@ class DiffusersDenoiser:
     loads_weights = True
     takes_joiners = True  # a running batch takes jobs in at its step boundaries
     network_name = "unet"
+    halves_share_call = True  # a guided step: one call, its rows doubled
 
     def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
         self.models_dir = models_dir
@@ -74,7 +78,7 @@ class DiffusersDenoiser:
         return (params.num_images, self.network(pipe).config.in_channels, params.height // scale, params.width // scale)
 
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        return Conditioning.encode(pipe, spec.family, params, self.device, cfg)
+        return Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)
 
     def classifier_free(self, params: GenerationParams) -> bool:
         """Whether a member's step calls the network twice (its rows doubled), with its
@@ -84,8 +88,8 @@ class DiffusersDenoiser:
     def combine_guidance(
         self, pipe: Any, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor
     ) -> torch.Tensor:
-        """Classifier-free guidance: a member's prediction from its rows without and
-        with its prompt, and its guidance scale (a number, or a column per row)."""
+        """A guided step's prediction from its negative prompt's and its prompt's:
+        classifier-free guidance's line through them, ``scale`` along it (per row)."""
         return uncond + scale * (cond - uncond)
 
     def latent_dtype(self, pipe: Any) -> torch.dtype:
@@ -121,9 +125,17 @@ class DiffusersDenoiser:
         if inputs is None or inputs.image_latents is None:
             state.latents = noise * initial_sigma(state.scheduler)
             return
-        image = inputs.image_latents.to(self.device, noise.dtype).repeat(member.params.num_images, 1, 1, 1)
+        params = member.params
+        image = inputs.image_latents.to(self.device, noise.dtype).repeat(params.num_images, 1, 1, 1)
         mask = inputs.mask.to(self.device, noise.dtype) if inputs.mask is not None else None
-        run.step = start_from_input(state, member.params, image, mask, noise)
+        image = self.in_latent_layout(pipe, params, image)
+        mask = self.in_latent_layout(pipe, params, mask) if mask is not None else None
+        run.step = start_from_input(state, params, image, mask, noise)
+
+    def in_latent_layout(self, pipe: Any, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
+        """An edit's input latents or mask, (N, C or 1, H/8, W/8), laid out as the
+        member's latents are (Flux packs them)."""
+        return x
 
     # -- the loop ------------------------------------------------------------------
 
@@ -135,7 +147,10 @@ class DiffusersDenoiser:
 
         dtype = loader.compute_dtype(spec, self.device)
         parts = self.pipeline_parts(spec)
-        loaded = loader.load(DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, **parts)
+        host = TEXT_ENCODERS if spec.text_encoders == "host" else ()
+        loaded = loader.load(
+            DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, host_parts=host, **parts
+        )
         pipe = loaded.value
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)
@@ -223,8 +238,20 @@ class DiffusersDenoiser:
     def encode_cached(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
         """The job's prompt conditioning, from the prompt cache or encoded into it."""
         cfg = self.classifier_free(params)
+
+        def encode() -> Conditioning:
+            # Encoded where the text encoders are; kept where the network reads it.
+            return self.encode_prompt(pipe, spec, params, cfg).to(self.device)
+
         with torch.inference_mode():
-            return self.prompts.get(prompt_key(params, cfg), lambda: self.encode_prompt(pipe, spec, params, cfg))
+            return self.prompts.get(prompt_key(params, cfg), encode)
+
+    def text_device(self, pipe: Any) -> torch.device:
+        """Where the pipeline's text encoders are: the device, or the host (``text_encoders``)."""
+        encoder = getattr(pipe, "text_encoder", None)
+        if not isinstance(encoder, torch.nn.Module):
+            return self.device
+        return next(encoder.parameters()).device
 
     def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
         """One draw per output from its own generator, as the diffusers pipelines do."""

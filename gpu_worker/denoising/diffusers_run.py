@@ -34,6 +34,10 @@ class NetworkStep(Protocol):
     """What one step's network call (``step_groups.guided_noise``) asks of a
     diffusers family's denoiser (``DiffusersDenoiser``)."""
 
+    # Whether a guided step's halves (its prompt's and its negative prompt's) share
+    # one network call, its rows doubled, or take one each.
+    halves_share_call: bool
+
     def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
         """What the network takes for a member's (scaled) latents."""
         ...
@@ -51,7 +55,7 @@ class NetworkStep(Protocol):
     def combine_guidance(
         self, pipe: Any, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor
     ) -> torch.Tensor:
-        """A member's guided prediction from its rows without and with its prompt."""
+        """The guided prediction from the negative prompt's and the prompt's, each row by its scale."""
         ...
 
 

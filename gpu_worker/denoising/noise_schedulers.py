@@ -55,11 +55,17 @@ def keep_unmasked(state: LoopState, step: int) -> None:
 
 
 def noising(scheduler: Any, t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_noise``'s coefficients at ``t``, on the host: it is linear in the image and
-    the noise (``keep * image + add * noise``) for every diffusers scheduler, and
+    """``add_noise``'s coefficients at ``t`` (a flow-matching scheduler's ``scale_noise``:
+    ``sigma * noise + (1 - sigma) * image``), on the host: it is linear in the image
+    and the noise (``keep * image + add * noise``) for every diffusers scheduler, and
     asking it with ones and zeros on the host spares the device a lookup it would
     read back."""
     one, zero = torch.ones(1, dtype=dtype), torch.zeros(1, dtype=dtype)
+    if not hasattr(scheduler, "add_noise"):
+        # Its sigma is that of its step index (or begin index), as its pipelines ask it.
+        keep = scheduler.scale_noise(one, t, zero).reshape(())
+        add = scheduler.scale_noise(zero, t, one).reshape(())
+        return keep, add
     keep = scheduler.add_noise(one, zero, t).reshape(())
     add = scheduler.add_noise(zero, one, t).reshape(())
     return keep, add

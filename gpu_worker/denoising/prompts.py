@@ -1,19 +1,23 @@
 """Prompt conditioning (text embeddings, and SDXL's pooled embeddings and size ids),
 and a cache of it bounded by bytes: a prompt sent again, or a batch-mate with the
-same prompt, skips the text encoders."""
+same prompt, skips the text encoders. Text embeddings of a length that varies with
+the prompt (Qwen-Image's) stack padded to the longest, with a mask of their tokens."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from services.models.spec import ModelFamily
+
+# What stays on the host wherever the rest goes: what the network's call reads as
+# numbers (a device tensor would be read back).
+HOST_FIELDS = frozenset({"text_lengths", "negative_text_lengths"})
 
 
 @dataclass(frozen=True)
@@ -25,8 +29,12 @@ class Conditioning:
     pooled: torch.Tensor | None = None  # SDXL
     negative_pooled: torch.Tensor | None = None
     time_ids: torch.Tensor | None = None  # SDXL: original size, crop, target size
-    # Z-Image: each row's prompt tokens, on the host (its embeds are as long as its
-    # prompt, padded with zeros beyond where stacked with longer ones).
+    # Text of a length that varies with the prompt, padded: True at a token, False at
+    # padding. None: every position a token (a prompt alone is never padded).
+    mask: torch.Tensor | None = None
+    negative_mask: torch.Tensor | None = None
+    # Z-Image: each row's prompt tokens, kept on the host (``HOST_FIELDS``): its
+    # network takes each row's text cut to its own length.
     text_lengths: torch.Tensor | None = None
     negative_text_lengths: torch.Tensor | None = None
 
@@ -61,6 +69,13 @@ class Conditioning:
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
+    def to(self, device: torch.device) -> Conditioning:
+        """On ``device`` (itself where it is there already), but for ``HOST_FIELDS``."""
+        tensors = {k: t for k, t in self._tensors().items() if k not in HOST_FIELDS}
+        if all(t.device == device for t in tensors.values()):
+            return self
+        return replace(self, **{k: t.to(device) for k, t in tensors.items()})
+
     def rows(self, n: int) -> Conditioning:
         """The conditioning of ``n`` images of the same prompt."""
         return Conditioning(**{k: t.repeat_interleave(n, dim=0) for k, t in self._tensors().items()})
@@ -75,13 +90,31 @@ class Conditioning:
             embeds=self.negative_embeds,
             pooled=self.negative_pooled,
             time_ids=self.time_ids,
+            mask=self.negative_mask,
             text_lengths=self.negative_text_lengths,
         )
 
+    def text_padded(self, length: int, negative_length: int | None = None) -> Conditioning:
+        """With its text (and its negative text) padded to ``length`` (``negative_length``,
+        by default ``length``) tokens, masked: the padding is zeros no token attends to."""
+        assert self.embeds is not None
+        embeds, mask = _padded_text(self.embeds, self.mask, length)
+        if self.negative_embeds is None:
+            return replace(self, embeds=embeds, mask=mask)
+        negative_length = length if negative_length is None else negative_length
+        negative, negative_mask = _padded_text(self.negative_embeds, self.negative_mask, negative_length)
+        return replace(self, embeds=embeds, mask=mask, negative_embeds=negative, negative_mask=negative_mask)
+
     @staticmethod
     def stack(parts: Sequence[Conditioning]) -> Conditioning:
+        """The parts' rows in one conditioning; texts of other lengths padded to the longest."""
+        lengths = {p.embeds.shape[1] for p in parts if p.embeds is not None}
+        negative_lengths = {p.negative_embeds.shape[1] for p in parts if p.negative_embeds is not None}
+        masked = any(p.mask is not None or p.negative_mask is not None for p in parts)
+        if len(lengths) > 1 or len(negative_lengths) > 1 or masked:
+            parts = [p.text_padded(max(lengths), max(negative_lengths, default=None)) for p in parts]
         names = parts[0]._tensors().keys()
-        return Conditioning(**{k: _cat_padded([p._tensors()[k] for p in parts]) for k in names})
+        return Conditioning(**{k: torch.cat([p._tensors()[k] for p in parts]) for k in names})
 
     def added_cond_kwargs(self) -> dict[str, torch.Tensor] | None:
         if self.pooled is None or self.time_ids is None:
@@ -89,13 +122,15 @@ class Conditioning:
         return {"text_embeds": self.pooled, "time_ids": self.time_ids}
 
 
-def _cat_padded(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The parts' rows, each padded with zeros to the longest (dimension 1) where
-    they differ: Z-Image's prompts are of their own lengths (``text_lengths``)."""
-    if parts[0].dim() < 3 or len({t.shape[1] for t in parts}) == 1:
-        return torch.cat(list(parts))
-    longest = max(t.shape[1] for t in parts)
-    return torch.cat([F.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in parts])
+def _padded_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``embeds`` (rows, tokens, width) padded with zeros to ``length`` tokens, and its mask."""
+    rows, tokens, width = embeds.shape
+    if mask is None:
+        mask = torch.ones(rows, tokens, dtype=torch.bool, device=embeds.device)
+    if tokens == length:
+        return embeds, mask
+    embeds = torch.cat([embeds, embeds.new_zeros(rows, length - tokens, width)], dim=1)
+    return embeds, torch.cat([mask, mask.new_zeros(rows, length - tokens)], dim=1)
 
 
 def prompt_key(params: Any, cfg: bool) -> tuple[Any, ...]:

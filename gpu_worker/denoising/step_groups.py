@@ -38,8 +38,11 @@ def step_groups(
 def guided_noise(
     denoiser: NetworkStep, pipe: Any, group: list[DiffusersRun], calls: NetworkCalls
 ) -> list[torch.Tensor]:
-    """The guided noise prediction of each run in ``group`` (one guidance mode),
-    from one network call at each run's own timestep and guidance scale."""
+    """The guided noise prediction of each run in ``group`` (one guidance mode), at
+    each run's own timestep and guidance scale: from one network call, its rows
+    doubled for classifier-free guidance (the negative prompt's first), or, where the
+    denoiser says its halves do not share one, from a call for each half; the halves
+    combined as the denoiser says (``combine_guidance``)."""
     states = [_state(r) for r in group]
     scaled = [
         denoiser.model_input(r, model_input(s.scheduler, s.latents, s.scheduler.timesteps[r.step]))
@@ -52,16 +55,31 @@ def guided_noise(
     x, c = calls.padded(x, c)
     t = network_timesteps(group, sizes, len(x), per_row=calls.options.compile)
     cfg = denoiser.classifier_free(group[0].member.params)
-    if cfg:
-        x = torch.cat([x, x])
-        c = Conditioning.stack([c.negative(), c])
-        t = t if t.dim() == 0 else torch.cat([t, t])
-    with speed.network_call(calls.options):
-        out = speed.owned(denoiser.call_network(pipe, x, t, c, group), calls.options)
-    if cfg:
-        uncond, cond = out.chunk(2)
-        out = denoiser.combine_guidance(pipe, uncond, cond, row_scales(group, sizes, len(uncond), out))
+    if not cfg:
+        return list(_call(denoiser, pipe, x, t, c, group, calls)[:rows].split(sizes))
+    if denoiser.halves_share_call:
+        doubled = Conditioning.stack([c.negative(), c])
+        both = t if t.dim() == 0 else torch.cat([t, t])
+        uncond, cond = _call(denoiser, pipe, torch.cat([x, x]), both, doubled, group, calls).chunk(2)
+    else:
+        uncond = _call(denoiser, pipe, x, t, c.negative(), group, calls)
+        cond = _call(denoiser, pipe, x, t, c, group, calls)
+    out = denoiser.combine_guidance(pipe, uncond, cond, row_scales(group, sizes, len(uncond), uncond))
     return list(out[:rows].split(sizes))
+
+
+def _call(
+    denoiser: NetworkStep,
+    pipe: Any,
+    x: torch.Tensor,
+    t: torch.Tensor,
+    c: Conditioning,
+    group: list[DiffusersRun],
+    calls: NetworkCalls,
+) -> torch.Tensor:
+    """One network call, with the speed options around it."""
+    with speed.network_call(calls.options):
+        return speed.owned(denoiser.call_network(pipe, x, t, c, group), calls.options)
 
 
 def network_timesteps(

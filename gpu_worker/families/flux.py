@@ -6,7 +6,8 @@ and a flow-matching Euler noise scheduler shifted by the image's size, in
 Flux.1 dev is guidance-distilled: the guidance scale is an input of the network,
 one per row, so a step never doubles its rows, and members of other guidance share
 a call as they are. Schnell has no guidance at all. A member's latents stay packed
-through its steps and checkpoints, and are unpacked for its VAE as it leaves."""
+through its steps and checkpoints, and are unpacked for its VAE as it leaves.
+Flux.1 Kontext (instruction edits) is dev's loop with its input image beside it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS
 from gpu_worker.denoising.prompts import Conditioning, text_length
 from gpu_worker.denoising.step_groups import guidance_column
 from services.generation import GenerationParams
@@ -49,7 +52,7 @@ class FluxDenoiser(DiffusersDenoiser):
         embeds, pooled, _ = pipe.encode_prompt(
             prompt=params.prompt,
             prompt_2=None,
-            device=self.device,
+            device=self.text_device(pipe),
             num_images_per_prompt=1,
             max_sequence_length=text_length(pipe.tokenizer_2, longest),
         )
@@ -78,6 +81,13 @@ class FluxDenoiser(DiffusersDenoiser):
         dtype = pipe.transformer.dtype
         noise = torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
         return pipe._pack_latents(noise, params.num_images, shape[1], h * 2, w * 2)
+
+    def in_latent_layout(self, pipe: Any, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are; a mask first given each latent channel, as FluxInpaintPipeline does."""
+        channels = pipe.transformer.config.in_channels // 4
+        if x.shape[1] == 1:
+            x = x.repeat(1, channels, 1, 1)
+        return pipe._pack_latents(x, x.shape[0], channels, x.shape[2], x.shape[3])
 
     def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
         return pipe._unpack_latents(latents, params.height, params.width, pipe.vae_scale_factor)
@@ -123,3 +133,45 @@ class FluxDenoiser(DiffusersDenoiser):
         if key not in self._text_ids:
             self._text_ids[key] = torch.zeros(embeds.shape[1], 3).to(device=self.device, dtype=embeds.dtype)
         return self._text_ids[key]
+
+
+class FluxKontextDenoiser(FluxDenoiser):
+    """Flux.1 Kontext (``FluxKontextPipeline``): instruction edits. Flux.1 dev's loop
+    (``gpu_worker.families.flux``) with the input image's packed latents as more tokens
+    beside the ones it denoises, at position ids whose first coordinate is 1, and the
+    network's output for them dropped. Every job edits an input image (the gateway
+    refuses one without) and starts from noise: there is no strength, and no mask. The
+    image's packed latents are the member's extras, so its checkpoints carry them and a
+    resumed job edits the same image."""
+
+    def start(self, pipe: Any, run: DiffusersRun, member: BatchMember) -> None:
+        state = run.state
+        assert state is not None
+        inputs = member.inputs
+        if inputs is None or inputs.image_latents is None:
+            raise ValueError(f"{member.params.model} edits an input image, and this job has none")
+        params = member.params
+        state.latents = self.draw_noise(pipe, params, state)
+        image = inputs.image_latents.to(self.device, state.latents.dtype).repeat(params.num_images, 1, 1, 1)
+        state.extras = {IMAGE_LATENTS: self.in_latent_layout(pipe, params, image)}
+
+    def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
+        assert run.state is not None
+        return torch.cat([latents, run.state.extras[IMAGE_LATENTS]], dim=1)
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        h, w = self._grid(pipe, runs[0].member.params)
+        return super().call_network(pipe, x, t, c, runs)[:, : h * w]
+
+    def _new_image_positions(self, pipe: Any, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
+        """The latents' positions, then the input image's: the same grid at first coordinate 1."""
+        latent = super()._new_image_positions(pipe, h, w, dtype)
+        image = latent.clone()
+        image[..., 0] = 1
+        return torch.cat([latent, image])
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        """A blank input image's latents: Flux's VAE makes 16 channels at an eighth of the size."""
+        return MemberInputs(image_latents=torch.zeros(1, 16, params.height // 8, params.width // 8))

@@ -31,7 +31,7 @@ class SD3Denoiser(DiffusersDenoiser):
             do_classifier_free_guidance=cfg,
             num_images_per_prompt=1,
             max_sequence_length=text_length(pipe.tokenizer_3, TEXT_LEN),
-            device=self.device,
+            device=self.text_device(pipe),
         )
         if not cfg:
             return Conditioning(embeds=embeds, pooled=pooled)

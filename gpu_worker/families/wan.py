@@ -36,7 +36,7 @@ class WanDenoiser(DiffusersDenoiser):
             do_classifier_free_guidance=cfg,
             num_videos_per_prompt=1,
             max_sequence_length=TEXT_LEN,
-            device=self.device,
+            device=self.text_device(pipe),
         )
         dtype = pipe.transformer.dtype
         return Conditioning(embeds.to(dtype), negative.to(dtype) if cfg else None)

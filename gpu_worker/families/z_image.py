@@ -74,7 +74,7 @@ class ZImageDenoiser(DiffusersDenoiser):
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         embeds, negative = pipe.encode_prompt(
             prompt=params.prompt,
-            device=self.device,
+            device=self.text_device(pipe),
             do_classifier_free_guidance=cfg,
             negative_prompt=params.negative_prompt or None,
             max_sequence_length=text_length(pipe.tokenizer, TEXT_LEN),

@@ -18,8 +18,8 @@ from services.models.spec import ModelFamily
 from services.safety.verdicts import previews_allowed
 
 # (latent channel) x (R, G, B), for latents as the network denoises them, and a bias
-# per colour: SD 1.5's and SDXL's four channels, SD 3's and Flux's sixteen (ComfyUI's
-# latent formats).
+# per colour: SD 1.5's and SDXL's four channels, SD 3's, Flux's and Wan 2.1's sixteen
+# (ComfyUI's latent formats; Qwen-Image's VAE is Wan 2.1's).
 _SD15 = [[0.298, 0.207, 0.208], [0.187, 0.286, 0.173], [-0.158, 0.189, 0.264], [-0.184, -0.271, -0.473]]
 _SDXL = [[0.3651, 0.4232, 0.4341], [-0.2533, -0.0042, 0.1068], [0.1076, 0.1111, -0.0362], [-0.3165, -0.2492, -0.2188]]
 _SD3 = [
@@ -34,11 +34,18 @@ _FLUX = [
     [-0.0245, 0.0250, 0.1180], [0.1008, 0.0755, -0.0421], [-0.0515, 0.0201, 0.0011], [0.0428, -0.0012, -0.0036],
     [0.0817, 0.0765, 0.0749], [-0.1264, -0.0522, -0.1103], [-0.0280, -0.0881, -0.0499], [-0.1262, -0.0982, -0.0778],
 ]  # fmt: skip
+_WAN21 = [
+    [-0.1299, -0.1692, 0.2932], [0.0671, 0.0406, 0.0442], [0.3568, 0.2548, 0.1747], [0.0372, 0.2344, 0.1420],
+    [0.0313, 0.0189, -0.0328], [0.0296, -0.0956, -0.0665], [-0.3477, -0.4059, -0.2925], [0.0166, 0.1902, 0.1975],
+    [-0.0412, 0.0267, -0.1364], [-0.1293, 0.0740, 0.1636], [0.0680, 0.3019, 0.1128], [0.0032, 0.0581, 0.0639],
+    [-0.1251, 0.0927, 0.1699], [0.0060, -0.0633, 0.0005], [0.3477, 0.2275, 0.2950], [0.1984, 0.0913, 0.1861],
+]  # fmt: skip
 _NO_BIAS = [0.0, 0.0, 0.0]
 _FACTORS = {
     ModelFamily.SDXL: (_SDXL, _NO_BIAS),
     ModelFamily.SD3: (_SD3, [0.2394, 0.2135, 0.1925]),
     ModelFamily.FLUX: (_FLUX, [-0.0329, -0.0718, -0.0851]),
+    ModelFamily.QWEN_IMAGE: (_WAN21, [-0.1835, -0.0868, -0.3360]),
     ModelFamily.Z_IMAGE: (_FLUX, [-0.0329, -0.0718, -0.0851]),  # Flux.1's VAE, so its latent space
 }
 JPEG_QUALITY = 70

@@ -25,6 +25,7 @@ class Builtin:
 
 _FLOW_TINY = "services.models.flow_tiny"
 _FLOW_PRESETS = "services.models.flow_presets"
+_QWEN = "services.models.qwen_tiny"
 _Z_IMAGE = "services.models.z_image"
 BUILTINS = {
     # Miniatures with random weights, for tests and the demo: they run on a CPU in seconds.
@@ -35,6 +36,7 @@ BUILTINS = {
     "builtin:tiny-flux": Builtin(_FLOW_TINY, "build_tiny_flux_dev", "darkroom_tiny_flux.json"),
     "builtin:tiny-flux-schnell": Builtin(_FLOW_TINY, "build_tiny_flux_schnell", "darkroom_tiny_flux.json"),
     "builtin:tiny-flux-kontext": Builtin(_FLOW_TINY, "build_tiny_flux_kontext", "darkroom_tiny_flux.json"),
+    "builtin:tiny-qwen-image": Builtin(_QWEN, "build_tiny_qwen_image", "darkroom_tiny_qwen_image.json"),
     "builtin:tiny-z-image": Builtin(_Z_IMAGE, "build_tiny_z_image", "darkroom_tiny_z_image.json"),
     # The real architectures with random weights, for benchmarks: they cost what the
     # real models cost to load and run; their output is noise.
@@ -45,6 +47,7 @@ BUILTINS = {
     "builtin:sd35-medium-random": Builtin(_FLOW_PRESETS, "build_sd35_medium_preset", "darkroom_preset.json"),
     "builtin:flux1-dev-random": Builtin(_FLOW_PRESETS, "build_flux1_dev_preset", "darkroom_preset.json"),
     "builtin:flux1-schnell-random": Builtin(_FLOW_PRESETS, "build_flux1_schnell_preset", "darkroom_preset.json"),
+    "builtin:qwen-image-random": Builtin(_FLOW_PRESETS, "build_qwen_image_preset", "darkroom_preset.json"),
     "builtin:z-image-turbo-random": Builtin(_Z_IMAGE, "build_z_image_turbo_preset", "darkroom_preset.json"),
 }
 
@@ -59,6 +62,7 @@ MINIATURES = frozenset(
         "builtin:tiny-flux",
         "builtin:tiny-flux-schnell",
         "builtin:tiny-flux-kontext",
+        "builtin:tiny-qwen-image",
         "builtin:tiny-z-image",
     }
 )

@@ -1,15 +1,17 @@
 """Random-weight copies of the real flow-matching transformers, built from their
 configs with no model hub: Stable Diffusion 3.5 Medium (its MMDiT-X, two CLIPs and
-T5-XXL) and Flux.1 dev and schnell (a 12B transformer, CLIP-L and T5-XXL). The same
+T5-XXL), Flux.1 dev and schnell (a 12B transformer, CLIP-L and T5-XXL) and Qwen-Image
+(a 20B MMDiT, Qwen2.5-VL-7B with its vision tower, Wan 2.1's VAE). The same
 modules, parameter counts and shapes as the real models, so they cost what the real
 ones cost to load and run; their output is noise. For ``bench/gpu.py`` and capacity
 planning.
 
 Each network is built in bfloat16 and saved before the next is built: the peak
-memory is the largest network's (Flux.1's transformer, 23.8 GB), and the disk they
-take is the real model's (SD 3.5 Medium 16 GB, Flux.1 dev or schnell 33 GB). The
-tokenizers stand in for the real ones (a download): byte-level CLIP, character-level
-T5 (``services.models.wan``), with the real embedding tables' rows."""
+memory is the largest network's (Qwen-Image's transformer, 40.9 GB; Flux.1's, 23.8 GB),
+and the disk they take is the real model's (SD 3.5 Medium 16 GB, Flux.1 dev or schnell
+33 GB, Qwen-Image 58 GB). The tokenizers stand in for the real ones (a download):
+byte-level CLIP and Qwen2, character-level T5 (``services.models.wan``), with the real
+embedding tables' rows."""
 
 from __future__ import annotations
 
@@ -34,6 +36,15 @@ from services.models.presets import (
     _diffusers_version,
     clip_tokenizer,
     save_network,
+)
+from services.models.qwen_tiny import (
+    QWEN_SCHEDULER,
+    QWEN_TEXT,
+    QWEN_TRANSFORMER,
+    QWEN_VAE,
+    QWEN_VISION,
+    qwen_text_encoder,
+    qwen_tokenizer,
 )
 from services.models.wan import t5_tokenizer
 
@@ -92,7 +103,25 @@ FLUX1_SCHNELL = FlowPreset(
     FLUX_SCHNELL_SCHEDULER,
     (CLIP_L,),
 )
-FLOW_PRESETS = {p.name: p for p in (SD35_MEDIUM, FLUX1_DEV, FLUX1_SCHNELL)}
+
+
+@dataclass(frozen=True)
+class QwenImagePreset:
+    """Qwen-Image's architecture: its transformer's, text encoder's and VAE's configurations."""
+
+    name: str
+    transformer: dict[str, Any]
+    text: dict[str, Any]  # Qwen2.5-VL's language model
+    vision: dict[str, Any]  # and its vision tower
+    vae: dict[str, Any]
+    scheduler: dict[str, Any]
+    pipeline: str = "QwenImagePipeline"
+
+
+QWEN_IMAGE = QwenImagePreset("qwen-image", QWEN_TRANSFORMER, QWEN_TEXT, QWEN_VISION, QWEN_VAE, QWEN_SCHEDULER)
+FLOW_PRESETS: dict[str, FlowPreset | QwenImagePreset] = {
+    p.name: p for p in (SD35_MEDIUM, FLUX1_DEV, FLUX1_SCHNELL, QWEN_IMAGE)
+}
 
 
 def build_sd35_medium_preset(path: Path) -> Path:
@@ -107,7 +136,11 @@ def build_flux1_schnell_preset(path: Path) -> Path:
     return build_flow_preset(FLUX1_SCHNELL, path)
 
 
-def build_flow_preset(preset: FlowPreset, path: Path, *, seed: int = 0, dtype: Any = None) -> Path:
+def build_qwen_image_preset(path: Path) -> Path:
+    return build_flow_preset(QWEN_IMAGE, path)
+
+
+def build_flow_preset(preset: FlowPreset | QwenImagePreset, path: Path, *, seed: int = 0, dtype: Any = None) -> Path:
     """Builds ``preset`` with random weights and saves it as a diffusers directory at
     ``path`` (bfloat16 unless ``dtype`` says otherwise), one network at a time."""
     import torch
@@ -119,12 +152,7 @@ def build_flow_preset(preset: FlowPreset, path: Path, *, seed: int = 0, dtype: A
     networks = _networks(preset)
     for name, (_, make) in networks.items():
         save_network(path / name, make, dtype)
-    clip = clip_tokenizer()
-    t5 = t5_tokenizer(preset.text_len)
-    sd3 = preset.pipeline == "StableDiffusion3Pipeline"
-    tokenizers = (
-        {"tokenizer": clip, "tokenizer_2": clip, "tokenizer_3": t5} if sd3 else {"tokenizer": clip, "tokenizer_2": t5}
-    )
+    tokenizers = _tokenizers(preset)
     for name, tokenizer in tokenizers.items():
         tokenizer.save_pretrained(path / name)
     from diffusers import FlowMatchEulerDiscreteScheduler
@@ -137,13 +165,14 @@ def build_flow_preset(preset: FlowPreset, path: Path, *, seed: int = 0, dtype: A
         index[name] = ["diffusers" if name in ("transformer", "vae") else "transformers", cls]
     for name, tokenizer in tokenizers.items():
         index[name] = ["transformers", type(tokenizer).__name__]
-    index["image_encoder"] = index["feature_extractor"] = [None, None]
+    if isinstance(preset, FlowPreset):
+        index["image_encoder"] = index["feature_extractor"] = [None, None]
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
     (path / PRESET_MARKER).write_text(json.dumps({"preset": preset.name, "seed": seed, "note": "random weights"}))
     return path
 
 
-def flow_parameter_counts(preset: FlowPreset) -> dict[str, int]:
+def flow_parameter_counts(preset: FlowPreset | QwenImagePreset) -> dict[str, int]:
     """Parameters of each network of ``preset``, built on the meta device (no memory)."""
     import torch
 
@@ -151,10 +180,34 @@ def flow_parameter_counts(preset: FlowPreset) -> dict[str, int]:
         return {name: sum(p.numel() for p in make().parameters()) for name, (_, make) in _networks(preset).items()}
 
 
-def _networks(preset: FlowPreset) -> dict[str, tuple[str, Callable[[], Any]]]:
+def _tokenizers(preset: FlowPreset | QwenImagePreset) -> dict[str, Any]:
+    """Each tokenizer's name in the pipeline, and the tokenizer."""
+    if isinstance(preset, QwenImagePreset):
+        return {"tokenizer": qwen_tokenizer()}
+    clip = clip_tokenizer()
+    t5 = t5_tokenizer(preset.text_len)
+    if preset.pipeline == "StableDiffusion3Pipeline":
+        return {"tokenizer": clip, "tokenizer_2": clip, "tokenizer_3": t5}
+    return {"tokenizer": clip, "tokenizer_2": t5}
+
+
+def _networks(preset: FlowPreset | QwenImagePreset) -> dict[str, tuple[str, Callable[[], Any]]]:
     """Each network's name in the pipeline: its class's name, and a function that builds it."""
     import diffusers
     import transformers
+
+    if isinstance(preset, QwenImagePreset):
+        return {
+            "text_encoder": (
+                "Qwen2_5_VLForConditionalGeneration",
+                lambda: qwen_text_encoder(qwen_tokenizer(), preset.text, preset.vision),
+            ),
+            "transformer": (
+                "QwenImageTransformer2DModel",
+                lambda: diffusers.QwenImageTransformer2DModel(**preset.transformer),
+            ),
+            "vae": ("AutoencoderKLQwenImage", lambda: diffusers.AutoencoderKLQwenImage(**preset.vae)),
+        }
 
     tokenizer = clip_tokenizer()
     sd3 = preset.pipeline == "StableDiffusion3Pipeline"

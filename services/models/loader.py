@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +49,17 @@ def module_bytes(obj: Any) -> int:
 
 
 def load(
-    cls: Any, spec: ModelSpec, models_dir: Path, device: torch.device, *, dtype: torch.dtype, **kwargs: Any
+    cls: Any,
+    spec: ModelSpec,
+    models_dir: Path,
+    device: torch.device,
+    *,
+    dtype: torch.dtype,
+    host_parts: Collection[str] = (),
+    **kwargs: Any,
 ) -> Loaded:
-    """``cls.from_pretrained`` for ``spec``, moved to ``device``."""
+    """``cls.from_pretrained`` for ``spec``, moved to ``device`` but for a pipeline's
+    ``host_parts``, which stay in host memory; its bytes are those on ``device``."""
     # Building a builtin model (on first use) constructs modules too; fetching a
     # store model is a download, which other loads of the process need not wait for.
     source, source_kwargs = resolve_source(spec, models_dir, building=_LOADING)
@@ -62,7 +71,15 @@ def load(
             value = cls.from_pretrained(source, torch_dtype=dtype, **source_kwargs, **kwargs)
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot load {spec.name!r} from {source}: {exc}") from exc
-    value = value.to(device)
+    if not host_parts:
+        value = value.to(device)
+        on_device = module_bytes(value)
+    else:
+        moved = {name: part for name, part in value.components.items() if name not in host_parts}
+        for part in moved.values():
+            if isinstance(part, torch.nn.Module):
+                part.to(device)
+        on_device = sum(module_bytes(part) for part in moved.values() if isinstance(part, torch.nn.Module))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return Loaded(value, module_bytes(value), time.perf_counter() - started)
+    return Loaded(value, on_device, time.perf_counter() - started)

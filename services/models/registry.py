@@ -18,6 +18,7 @@ from services.models.spec import (
     MAX_FPS,
     PATCHED_FAMILIES,
     STORE_PREFIX,
+    TEXT_ENCODER_PLACES,
     ModelFamily,
     ModelSpec,
     scheduler_class,
@@ -114,6 +115,8 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(f"model {name!r}: attention {spec.attention!r} is not one of {sorted(ATTENTION)}")
     if spec.quantize not in QUANTIZE:
         raise ModelError(f"model {name!r}: quantize {spec.quantize!r} is not one of {sorted(QUANTIZE)}")
+    if spec.text_encoders not in TEXT_ENCODER_PLACES:
+        raise ModelError(f"model {name!r}: text_encoders {spec.text_encoders!r} is not one of {TEXT_ENCODER_PLACES}")
     if spec.cuda_graphs and not (spec.compile or spec.optimize):
         raise ModelError(f"model {name!r}: cuda_graphs come with compile (or optimize)")
     if spec.max_batch < 1:

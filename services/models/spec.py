@@ -24,6 +24,7 @@ class ModelFamily(enum.StrEnum):
     SD3 = "sd3"  # Stable Diffusion 3 and 3.5: an MMDiT over two CLIPs and a T5, flow matching
     FLUX = "flux"  # Flux.1 dev (the guidance scale an input) and schnell (no guidance)
     FLUX_KONTEXT = "flux_kontext"  # Flux.1 Kontext: an input image edited as its prompt says
+    QWEN_IMAGE = "qwen_image"  # Qwen-Image: a 20B MMDiT over a Qwen2.5-VL's text, true classifier-free guidance
     Z_IMAGE = "z_image"  # Z-Image and Z-Image-Turbo: a single-stream DiT over a Qwen3 chat model's states
 
 
@@ -40,15 +41,33 @@ FAMILY_DEFAULTS = {
     ModelFamily.SD3: (35.0, 8.0, "image"),  # 3.5 Medium; Large is about 3x
     ModelFamily.FLUX: (70.0, 20.0, "image"),
     ModelFamily.FLUX_KONTEXT: (140.0, 20.0, "image"),  # its input image's tokens double the sequence
+    ModelFamily.QWEN_IMAGE: (210.0, 40.0, "image"),  # 20B: about 3x Flux.1's step, two calls with guidance
     ModelFamily.Z_IMAGE: (40.0, 12.0, "image"),  # a 6B DiT: half Flux.1's transformer, Qwen3-4B beside it
 }
 # The families whose transformer patches latents 2x2 (or packs them): sizes are
 # multiples of 16 (the VAE's 8 times the patch's 2).
 PATCHED_FAMILIES = frozenset(
-    {ModelFamily.WAN, ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT, ModelFamily.Z_IMAGE}
+    {
+        ModelFamily.WAN,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE,
+        ModelFamily.Z_IMAGE,
+    }
 )
-# The families whose models also edit images (image to image, inpainting).
-EDITING_FAMILIES = frozenset({ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.FLUX_KONTEXT})
+# The families whose models also edit images (image to image and inpainting; by
+# instruction for those below).
+EDITING_FAMILIES = frozenset(
+    {
+        ModelFamily.SD15,
+        ModelFamily.SDXL,
+        ModelFamily.TINY,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+    }
+)
 # The families that edit by instruction: every job an input image and a prompt saying
 # what to change, denoised from noise beside the image (no strength, no mask).
 INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})
@@ -61,6 +80,7 @@ PREVIEW_FAMILIES = frozenset(
         ModelFamily.SD3,
         ModelFamily.FLUX,
         ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE,
         ModelFamily.Z_IMAGE,
     }
 )
@@ -68,6 +88,8 @@ PREVIEW_FAMILIES = frozenset(
 STORE_PREFIX = "store:"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
+# Where a model's text encoders may run (``ModelSpec.text_encoders``).
+TEXT_ENCODER_PLACES = ("device", "host")
 # Frames per second a video may ask for.
 MAX_FPS = 120.0
 # A job running longer than this is stopped, unless its model says otherwise.
@@ -117,6 +139,10 @@ class ModelSpec:
     attention: str = ""
     fuse_qkv: bool = False
     quantize: str = ""
+    # Where its text encoders run: "device", beside its network (the default), or
+    # "host": kept in the sampler's host memory and run on its CPU, each prompt's
+    # conditioning then moved to the device (T5-XXL's 9.5 GB off a card too small).
+    text_encoders: str = "device"
     # An output whose latents vary less than this (standard deviation) is degenerate.
     min_output_std: float = 1e-3
     # The noise scheduler: a diffusers scheduler class name such as

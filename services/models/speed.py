@@ -105,11 +105,16 @@ def compile_repeated_blocks(module: Any, options: SpeedOptions) -> None:
 
 
 def fuses_exactly(module: Any) -> bool:
-    """Whether ``fuse_qkv_projections`` keeps the network's outputs: not for SD 3.5's
-    MMDiT, whose QK norms diffusers' fused joint-attention processor skips and whose
-    dual (self-)attention it cannot run; it then stays unfused."""
+    """Whether ``fuse_qkv_projections`` keeps the network's outputs and is used: not
+    for SD 3.5's MMDiT, whose QK norms diffusers' fused joint-attention processor
+    skips and whose dual (self-)attention it cannot run, nor for Qwen-Image's, whose
+    processor reads the unfused projections only (fusing would add a copy of their
+    weights, gigabytes, and run none of it); they stay unfused."""
+    name = type(module).__name__
+    if name == "QwenImageTransformer2DModel":
+        return False
     config = getattr(module, "config", None)
-    if type(module).__name__ != "SD3Transformer2DModel" or config is None:
+    if name != "SD3Transformer2DModel" or config is None:
         return True
     return not (config.get("qk_norm") or config.get("dual_attention_layers"))
 

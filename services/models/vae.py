@@ -19,7 +19,7 @@ from PIL import Image
 
 from services.config.workers import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
-from services.models import loader, sim, speed
+from services.models import image_vae, loader, sim, speed
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
 from services.models.video_vae import decode_video
@@ -131,14 +131,16 @@ class VaeDecoderEngine:
             if spec.family == ModelFamily.SIM:
                 vae = self._vaes[name] = SimVae()
                 return vae
-            from diffusers import AutoencoderKL, AutoencoderKLWan
+            from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
             dtype = torch.float32
             if self.device.type == "cuda" and spec.dtype != "float32" and not spec.makes_video:
                 # SD's VAE overflows in float16; bfloat16 keeps the range. Wan's
                 # decodes in float32, as its pipeline's examples do.
                 dtype = torch.bfloat16
-            cls = AutoencoderKLWan if spec.makes_video else AutoencoderKL
+            cls: type[Any] = AutoencoderKLWan if spec.makes_video else AutoencoderKL
+            if spec.family == ModelFamily.QWEN_IMAGE:
+                cls = AutoencoderKLQwenImage
             loaded = loader.load(cls, spec, self.models_dir, self.device, dtype=dtype, subfolder="vae")
             vae = loaded.value.eval()
             log.info("loaded VAE of %s on %s (%d MiB, %.2fs)", name, self.device, loaded.bytes >> 20, loaded.seconds)
@@ -159,10 +161,11 @@ class VaeDecoderEngine:
             return self._stream
 
     def _options(self, model: str) -> speed.SpeedOptions:
-        """The model's speed options for its VAE (``speed.prepare_vae``): an image
-        VAE's only (a video VAE's decoder keeps a cache across chunks)."""
+        """The model's speed options for its VAE (``speed.prepare_vae``): a 2D image
+        VAE's only (a video VAE's decoder keeps a cache across chunks, and Qwen-Image's
+        is one: its 3D convolutions have no channels-last layout)."""
         spec = self.registry.get(model)
-        if spec.makes_video or spec.family == ModelFamily.SIM:
+        if spec.makes_video or spec.family in (ModelFamily.SIM, ModelFamily.QWEN_IMAGE):
             return speed.SpeedOptions()
         return replace(speed.SpeedOptions.of(spec, self.device), quantize="")
 
@@ -173,7 +176,7 @@ class VaeDecoderEngine:
         speed.prepare_vae(vae, options)
         if not options.compile:
             return
-        scale = 2 ** (len(vae.config.block_out_channels) - 1)
+        scale = _pixels_per_latent(vae)
         channels = vae.config.latent_channels
         with torch.inference_mode():
             for rows in speed.buckets(self._max_rows(spec)):
@@ -202,14 +205,17 @@ class VaeDecoderEngine:
         vae = self.load(model)
         if latents.dim() == 5:
             return self._decode_videos(vae, latents)
-        config = vae.config
-        z = latents.to(self.device, vae.dtype) / config.scaling_factor
-        if getattr(config, "shift_factor", None):
-            z = z + config.shift_factor
-        scale = 2 ** (len(config.block_out_channels) - 1)
+        spec = self.registry.get(model)
+        z = latents.to(self.device, vae.dtype)
+        if spec.family == ModelFamily.QWEN_IMAGE:
+            z = image_vae.vae_input(vae, z)  # (N, C, 1, h, w)
+        else:
+            z = z / vae.config.scaling_factor
+            if getattr(vae.config, "shift_factor", None):
+                z = z + vae.config.shift_factor
+        scale = _pixels_per_latent(vae)
         tiled = z.shape[-2] * z.shape[-1] * scale * scale > self.tile_above_pixels
         options = self._options(model)
-        spec = self.registry.get(model)
         with torch.inference_mode():
             if tiled:
                 # One image at a time, tile by tile: memory stays that of a tile,
@@ -221,6 +227,8 @@ class VaeDecoderEngine:
                 # On a CPU each image alone: kernels block a batch differently, and
                 # only so is a batched job's image exactly the one it gets alone.
                 decoded = torch.cat([self._decode_batch(vae, z[i : i + 1], options, spec) for i in range(len(z))])
+            if decoded.dim() == 5:
+                decoded = decoded[:, :, 0]  # Qwen-Image's frame of one
             unit = decoded.float() / 2 + 0.5
             all_finite = torch.isfinite(unit).flatten(1).all(dim=1)
             unit = unit.nan_to_num(0.0).clamp(0, 1)
@@ -258,6 +266,9 @@ class VaeDecoderEngine:
         pixels = pixels_of(image, width, height)
         with torch.inference_mode():
             x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).to(self.device, vae.dtype) / 127.5 - 1.0
+            if self.registry.get(model).family == ModelFamily.QWEN_IMAGE:
+                encoded = vae.encode(x.unsqueeze(2)).latent_dist.mode()
+                return image_vae.denoised_latents(vae, encoded).to("cpu", torch.float32)
             z = vae.encode(x).latent_dist.mode()
             config = vae.config
             if getattr(config, "shift_factor", None):
@@ -271,3 +282,8 @@ class VaeDecoderEngine:
             if image.fault:
                 raise DegenerateOutput(f"image {i}: {image.fault}")
         return [image.pixels for image in images]
+
+
+def _pixels_per_latent(vae: Any) -> int:
+    """How many pixels a latent spans across: a 3D VAE says so itself."""
+    return getattr(vae, "spatial_compression_ratio", None) or 2 ** (len(vae.config.block_out_channels) - 1)

@@ -136,6 +136,13 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         result = subprocess.run([*generate, *options], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert png_size(flux.read_bytes()) == (80, 128)  # the model's default height
+        # ... and an instruction edit of it: an image and a sentence.
+        night = tmp_path / "night.png"
+        generate = [sys.executable, "-m", "services.ops.cli", "generate", "make it night", "-o", str(night)]
+        options = ["--gateway", f"127.0.0.1:{port}", "--model", "tiny-flux-kontext", "--image", str(flux)]
+        result = subprocess.run([*generate, *options, "--steps", "2"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert png_size(night.read_bytes()) == (80, 128)  # the input's size
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0
         _, alive = psutil.wait_procs(children, timeout=10)

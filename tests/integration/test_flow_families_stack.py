@@ -1,11 +1,13 @@
 """A job of each flow-matching transformer family (SD 3.5, Flux.1 dev and schnell,
-Z-Image-Turbo) through the real stack, with its miniature: placed, sampled, its previews streamed,
-decoded by the decoder service's 16-channel VAE, and the PNG of its size returned;
+Qwen-Image, Z-Image-Turbo) through the real stack, with its miniature: placed, sampled,
+its previews streamed, decoded by the decoder service's 16-channel VAE (Qwen-Image's a
+3D one, through its frame axis), and the PNG of its size returned;
 the same seed gives the same image; a size its patches cannot take is refused by
 name before anything is stored; a guided Z-Image job (a negative prompt) returns
 its PNG too. An instruction edit (Flux.1 Kontext): an image and a
 sentence give an image of the input's size; one without an image, or with a mask or a
-strength, is refused by name."""
+strength, is refused by name. SD 3.5 and Flux.1 edit an input image (image to
+image, inpainting) through the same path as SD 1.5."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tests.integration.test_http_api import png
 
 pytestmark = pytest.mark.integration
 
-MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-z-image"]
+MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-qwen-image", "tiny-z-image"]
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -103,3 +105,18 @@ def test_an_instruction_edit_refuses_what_it_cannot_use_by_name(stack, extra: di
         stub(stack).SubmitJob(request)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (err.value.details() or "").startswith(f"{field}:"), err.value.details()
+
+
+@pytest.mark.parametrize(
+    ("model", "masked"), [("tiny-sd3", False), ("tiny-flux", True)], ids=["sd3 image to image", "flux inpainting"]
+)
+def test_an_edit_of_an_input_image_makes_an_image_of_its_size(stack, model: str, masked: bool) -> None:
+    client = stub(stack)
+    request = pb.SubmitJobRequest(model=model, prompt="a door", image=png((80, 64), (20, 120, 200)), steps=4, seed=2)
+    if masked:
+        request.mask = png((80, 64), 255, "L")
+    else:
+        request.strength = 0.6
+    job = wait_terminal(client, client.SubmitJob(request).job_id)
+    assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+    assert png_size(job.images[0].data) == (80, 64)

@@ -7,7 +7,10 @@ from collections.abc import Iterable
 import pytest
 
 from scheduler import estimates
+from scheduler.costs import costs_from
 from scheduler.estimates import WARMUP, Durations, Learned, Shape, default_seconds
+from services.models.registry import ModelRegistry
+from services.models.spec import FAMILY_DEFAULTS, ModelFamily, ModelSpec
 
 STEP_S = 0.05  # registry: one step of one 512x512 image, seconds
 SHAPE = Shape("sd", 512 * 512, 20, 1)  # 1 s by default
@@ -94,3 +97,23 @@ def test_runs_of_a_model_without_a_first_estimate_are_passed_over() -> None:
     other = Shape("gone", 512 * 512, 20, 1)
     d = estimates.learn(Durations(), [(other, "w", 3.0), (SHAPE, "w", 2.0)], {"sd": STEP_S})
     assert set(d.shapes) == {SHAPE.key}
+
+
+@pytest.mark.parametrize("family", list(ModelFamily))
+def test_a_model_of_each_family_gets_its_familys_first_estimates(family: ModelFamily) -> None:
+    """A registry entry that gives no step time or load time is placed by its family's
+    until durations are learned: a 1024 px Flux.1 image is not costed as SD 1.5's."""
+    source = "builtin:sim" if family == ModelFamily.SIM else "/models/m"
+    spec = ModelSpec("m", source, family)
+    [cost] = costs_from(ModelRegistry({"m": spec})).values()
+    step_ms, load_s, _ = FAMILY_DEFAULTS[family]
+    assert (cost.step_s_512, cost.load_s) == (step_ms / 1000, load_s)
+    assert Durations().seconds(Shape("m", 1024 * 1024, 28, 1), cost.step_s_512, "w") == pytest.approx(
+        step_ms / 1000 * 28 * 4
+    )
+
+
+def test_the_transformer_families_cost_more_than_sd15_per_step() -> None:
+    sd15 = FAMILY_DEFAULTS[ModelFamily.SD15][0]
+    for family in (ModelFamily.SD3, ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT):
+        assert FAMILY_DEFAULTS[family][0] > sd15

@@ -1,7 +1,8 @@
-"""The flow-matching presets (SD 3.5 Medium, Flux.1, Z-Image-Turbo) have the real
-architectures (the published parameter counts), and the code that builds them at
-full size builds a directory the family's pipeline and the sampler both load:
-checked with the same builder at a miniature's sizes, in float32, on the CPU."""
+"""The flow-matching presets (SD 3.5 Medium, Flux.1, Qwen-Image, Z-Image-Turbo) have
+the real architectures (the published parameter counts), and the code that builds
+them at full size builds a directory the family's pipeline and the sampler both
+load: checked with the same builder at a miniature's sizes, in float32, on the CPU
+(Qwen-Image's with its miniature's)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline, StableDiffusion3Pipeline, ZImagePipeline
+from diffusers import (
+    DiffusionPipeline,
+    FluxPipeline,
+    QwenImagePipeline,
+    StableDiffusion3Pipeline,
+    ZImagePipeline,
+)
 
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models.flow_presets import (
     FLOW_PRESETS,
     FLUX1_DEV,
+    QWEN_IMAGE,
     SD35_MEDIUM,
     FlowPreset,
     build_flow_preset,
     flow_parameter_counts,
 )
+from services.models.qwen_tiny import TINY_TEXT, TINY_TRANSFORMER, TINY_VAE, TINY_VISION
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
 from services.models.z_image import (
@@ -49,6 +58,9 @@ REAL = {
     "flux1-dev": {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL, "transformer": 11_901_408_320, "vae": VAE},
     # schnell has no guidance embedding.
     "flux1-schnell": {"text_encoder": CLIP_L, "text_encoder_2": T5_XXL, "transformer": 11_891_178_560, "vae": VAE},
+    # Qwen-Image's 20.4B MMDiT; Qwen2.5-VL-7B-Instruct's 8.29B (its vision tower and
+    # untied output head included); Wan 2.1's VAE.
+    "qwen-image": {"text_encoder": 8_292_166_656, "transformer": 20_430_401_088, "vae": 126_892_531},
 }
 # Z-Image-Turbo: its S3-DiT 6.15B, Qwen3-4B (no LM head) 4.02B, Flux.1's VAE.
 Z_IMAGE_TURBO = {"text_encoder": 4_022_468_096, "transformer": 6_154_908_736, "vae": VAE}
@@ -95,6 +107,19 @@ def test_the_preset_builder_makes_a_directory_the_pipeline_and_the_sampler_load(
     spec = ModelSpec(name, str(path), family, dtype="float32", size_step=16, default_guidance=3.5)
     engine = SamplerEngine(ModelRegistry({name: spec}), tmp_path, torch.device("cpu"))
     params = GenerationParams(name, "a lighthouse", "", 64, 64, 2, 3.5, 1, 1)
+    latents = engine.sample(params, lambda step, total: None, threading.Event())
+    assert latents.shape == (1, 16, 8, 8) and bool(torch.isfinite(latents).all())
+
+
+def test_the_qwen_image_preset_builder_makes_a_directory_the_pipeline_and_the_sampler_load(tmp_path: Path) -> None:
+    text = {**TINY_TEXT, "vocab_size": 300}  # the preset's table: more rows than the tokenizer's
+    small = replace(QWEN_IMAGE, transformer=TINY_TRANSFORMER, text=text, vision=TINY_VISION, vae=TINY_VAE)
+    path = build_flow_preset(small, tmp_path / "qwen-image", dtype=torch.float32)
+    pipe = DiffusionPipeline.from_pretrained(path, local_files_only=True)
+    assert type(pipe) is QwenImagePipeline
+    spec = ModelSpec("qwen-image", str(path), ModelFamily.QWEN_IMAGE, dtype="float32", size_step=16)
+    engine = SamplerEngine(ModelRegistry({"qwen-image": spec}), tmp_path, torch.device("cpu"))
+    params = GenerationParams("qwen-image", "a lighthouse", "", 64, 64, 2, 4.0, 1, 1)
     latents = engine.sample(params, lambda step, total: None, threading.Event())
     assert latents.shape == (1, 16, 8, 8) and bool(torch.isfinite(latents).all())
 

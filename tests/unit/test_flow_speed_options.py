@@ -1,12 +1,13 @@
 """The speed options on the flow-matching transformers (SD 3.5, Flux.1 dev and
-schnell, Z-Image), on the CPU with their miniatures, as ``test_speed_options`` checks
-them on the UNet: fused QKV and an SDPA kernel keep the latents within tolerance; a
-compiled transformer is compiled as the model loads and never again on a job,
-whatever its batch, steps or guidance (Flux.1 dev's guidance a per-row input;
-Z-Image's blocks compiled with symbolic lengths, its captions as long as their
-prompts); SD 3.5 keeps its attention unfused (diffusers' fused processor drops its
-QK norms) and Z-Image has no fused projections; int8 weights move the latents by a
-measured, bounded amount."""
+schnell, Qwen-Image, Z-Image), on the CPU with their miniatures, as ``test_speed_options``
+checks them on the UNet: fused QKV and an SDPA kernel keep the latents within
+tolerance; a compiled transformer is compiled as the model loads and never again on
+a job, whatever its batch, steps, guidance or prompt's length (Flux.1 dev's guidance
+a per-row input; Qwen-Image's texts padded to its longest; Z-Image's blocks compiled
+with symbolic lengths, its captions as long as their prompts); SD 3.5 keeps its
+attention unfused (diffusers' fused processor drops its QK norms), and so does
+Qwen-Image (its processor never reads fused projections), and Z-Image has no fused
+projections; int8 weights move the latents by a measured, bounded amount."""
 
 from __future__ import annotations
 
@@ -29,10 +30,8 @@ from tests.unit.test_speed_options import TOLERANCE, Compilations, compilations,
 __all__ = ["compilations"]  # the fixture, shared with test_speed_options
 
 CPU = torch.device("cpu")
-MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-z-image"]
-# SD 3.5's QK norms and dual attention are not in diffusers' fused processor: it stays
-# unfused; Z-Image's transformer has no fused projections.
-UNFUSED = {"tiny-sd3", "tiny-z-image"}
+MODELS = ["tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-qwen-image", "tiny-z-image"]
+UNFUSED = {"tiny-sd3", "tiny-qwen-image", "tiny-z-image"}
 
 
 def spec_of(model: str, **options: Any) -> ModelSpec:
@@ -64,6 +63,9 @@ def test_an_option_keeps_the_latents_within_tolerance(models_dir: Path, model: s
     e = engine(models_dir, spec_of(model, **options))
     if options.get("fuse_qkv"):
         fused = any(getattr(m, "fused_projections", False) for m in e.load(model).transformer.modules())
+        # SD 3.5's QK norms and dual attention are not in diffusers' fused processor, and
+        # Qwen-Image's processor reads the unfused projections: they stay unfused. Z-Image's
+        # transformer has no fused projections.
         assert fused == (model not in UNFUSED)
     assert largest_difference(run(e, jobs(spec_of(model))), plain) < TOLERANCE
 

@@ -3,11 +3,13 @@ miniature: an edit's latents are exactly ``FluxKontextPipeline``'s for the same
 input latents; in a batch of edits of other images, steps and guidance, each gets
 its solo latents; a suspended edit resumes in another engine to its uninterrupted
 latents (its input image travels in its checkpoint); a job without an input image
-fails alone, naming what it lacks."""
+fails alone, naming what it lacks; compiled, it is warmed up with a blank input image
+as it loads and no edit compiles it again."""
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,9 @@ from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models.flow_tiny import TINY_TEXT_LEN
 from services.models.registry import ModelRegistry
+from tests.unit.test_speed_options import TOLERANCE, Compilations, compilations
+
+__all__ = ["compilations"]  # the fixture, shared with test_speed_options
 
 MODEL = "tiny-flux-kontext"
 CPU = torch.device("cpu")
@@ -109,3 +114,20 @@ def test_a_job_without_an_input_image_fails_alone_naming_it(engine: SamplerEngin
     results = engine.sample_batch([member(params(1), None), member(params(2), image(2))])
     assert isinstance(results[0], ValueError) and "input image" in str(results[0])
     assert torch.equal(tensor(results[1]), solo(engine, params(2), image(2)))
+
+
+def test_a_compiled_kontext_compiles_as_it_loads_and_never_on_an_edit(
+    models_dir: Path, compilations: Compilations
+) -> None:
+    spec = replace(ModelRegistry.load().get(MODEL), optimize=True)
+    compiled = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    compiled.load(MODEL)  # warmed up with a blank input image at the model's default size
+    warmed = compilations.graphs
+    assert warmed > 0
+    size = spec.default_width
+    p = GenerationParams(MODEL, "make it night", "", size, size, 3, 2.5, 1, 1)
+    inputs = MemberInputs(image_latents=torch.randn(1, 16, size // 8, size // 8))
+    [plain] = new_engine(models_dir).sample_batch([member(p, inputs)])
+    [result] = compiled.sample_batch([member(p, inputs), member(replace(p, guidance_scale=4.0, seed=2), inputs)])[:1]
+    assert compilations.graphs == warmed, "an edit compiled the network again"
+    assert float((tensor(result) - tensor(plain)).abs().max()) < TOLERANCE

@@ -4,7 +4,8 @@ queue for the host fails: reading a device value (``.item()``, ``bool()``, an in
 into a host table, ``nonzero``), a copy back to the host, or mixing host tables with
 device tensors (a device mismatch on CUDA). The miniatures' real networks run, with
 each noise scheduler their families use, guidance, a fused batch of members of
-different sizes and one of other steps and guidance, an edit and an inpainting member."""
+different sizes and one of other steps and guidance, an edit and an inpainting member,
+texts of other lengths padded and masked (Qwen-Image)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,10 @@ def engine(models_dir: Path) -> SamplerEngine:
     registry = ModelRegistry.load()
     # Z-Image with its guided predictions' norms capped: a choice made on the device.
     capped = replace(registry.get("tiny-z-image"), name="tiny-z-image-capped", cfg_normalization=1.0)
-    return SamplerEngine(ModelRegistry({**registry.models, capped.name: capped}), models_dir, META)
+    # Z-Image's prompts encoded on the host for real: each row's length stays there.
+    host = replace(registry.get("tiny-z-image"), name="tiny-z-image-host-encoder", text_encoders="host")
+    variants = {spec.name: spec for spec in (capped, host)}
+    return SamplerEngine(ModelRegistry({**registry.models, **variants}), models_dir, META)
 
 
 def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
@@ -62,23 +66,29 @@ def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: Ge
     try:
         return denoiser.encode_cached(pipe, spec, params)
     except (RuntimeError, NotImplementedError):
-        # Wan's UMT5 trims each prompt to its length, and Z-Image keeps each prompt's
-        # own tokens, read off the device: shapes only, as the cache would hand them over.
+        # Wan's UMT5 trims each prompt to its length, Qwen-Image's Qwen2.5-VL drops
+        # its padding, and Z-Image keeps each prompt's own tokens, read off the device:
+        # shapes only, as the cache would hand them over (a negative text shorter
+        # than its prompt, as texts differ).
         cfg = denoiser.classifier_free(params)
         dtype = pipe.transformer.dtype
+        config = pipe.text_encoder.config
         if spec.family == ModelFamily.Z_IMAGE:
-            hidden = pipe.text_encoder.config.hidden_size
-            # A prompt and a negative one of other lengths: stacked, they are padded.
-            lengths = {True: 31, False: 26}
+            # Each row's length on the host: the network cuts its text to it.
+            lengths = (31, 26)
+            embeds = torch.zeros(1, lengths[0], config.hidden_size, device=META, dtype=dtype)
             conditioning = Conditioning(
-                torch.zeros(1, lengths[True], hidden, device=META, dtype=dtype),
-                torch.zeros(1, lengths[False], hidden, device=META, dtype=dtype) if cfg else None,
-                text_lengths=torch.tensor([lengths[True]]),
-                negative_text_lengths=torch.tensor([lengths[False]]) if cfg else None,
+                embeds,
+                embeds[:, : lengths[1]] if cfg else None,
+                text_lengths=torch.tensor(lengths[:1]),
+                negative_text_lengths=torch.tensor(lengths[1:]) if cfg else None,
             )
         else:
-            embeds = torch.zeros(1, 512, pipe.text_encoder.config.d_model, device=META, dtype=dtype)
-            conditioning = Conditioning(embeds, embeds.clone() if cfg else None)
+            qwen = spec.family == ModelFamily.QWEN_IMAGE
+            hidden = config.text_config.hidden_size if qwen else config.d_model
+            embeds = torch.zeros(1, 512, hidden, device=META, dtype=dtype)
+            negative = embeds[:, : 7 + params.seed] if qwen else embeds.clone()
+            conditioning = Conditioning(embeds, negative if cfg else None)
         return denoiser.prompts.get(prompt_key(params, cfg), lambda: conditioning)
 
 
@@ -95,8 +105,10 @@ CASES = {
     "flux-dev": ("tiny-flux", "", 3.5),
     "flux-schnell": ("tiny-flux-schnell", "", 1.0),
     "flux-kontext": ("tiny-flux-kontext", "", 2.5),
+    "qwen-image": ("tiny-qwen-image", "", 4.0),
     "z-image-turbo": ("tiny-z-image", "", 0.0),  # the third member guided (a scale of 1)
     "z-image-capped": ("tiny-z-image-capped", "", 4.0),
+    "z-image-host-encoder": ("tiny-z-image-host-encoder", "", 4.0),
     "upscaler": ("tiny-upscaler", "", 7.5),
 }
 
@@ -128,7 +140,8 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
     elif spec.instruction_edits:
         inputs = [MemberInputs(image_latents=torch.zeros(1, 16, size // 8, size // 8, device=META))] * 3
     elif spec.edits:
-        image_latents = torch.zeros(1, 4, size // 8, size // 8, device=META)
+        channels = 16 if spec.family in (ModelFamily.SD3, ModelFamily.FLUX) else 4
+        image_latents = torch.zeros(1, channels, size // 8, size // 8, device=META)
         mask = torch.ones(1, 1, size // 8, size // 8, device=META)
         requests += [params(3, strength=0.5), params(4, strength=1.0)]
         inputs += [MemberInputs(image_latents=image_latents), MemberInputs(image_latents=image_latents, mask=mask)]

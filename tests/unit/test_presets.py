@@ -39,6 +39,8 @@ def test_the_default_registry_offers_the_presets_only_on_request() -> None:
         "flux1-dev-random",
         "flux1-dev-fp8-random",
         "flux1-schnell-random",
+        "flux1-kontext-random",
+        "qwen-image-random",
         "z-image-turbo-random",
     }
     assert not set(presets) & set(served.models)
