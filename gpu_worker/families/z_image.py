@@ -12,9 +12,9 @@ What differs from the other flow-matching families, as the pipeline does it:
 - Its timestep runs the other way, ``(1000 - t) / 1000``, and its output is the
   negated velocity: negated in float32 before the scheduler steps.
 - The latents stay in float32 through the steps whatever the network's dtype.
-- Guidance is on for any scale above 0 (Turbo is distilled: 0), the prompted rows
-  first, and combines as ``cond + scale * (cond - uncond)`` in float32, its norm
-  capped where the model's ``cfg_normalization`` says.
+- Guidance is on for any scale above 0 (Turbo is distilled: 0) and combines as
+  ``cond + scale * (cond - uncond)`` in float32, its norm capped where the model's
+  ``cfg_normalization`` says.
 - Its sigmas are ``linspace(1, 1/steps)`` (in float32, as the pipeline makes
   them), shifted by the image's size where the scheduler shifts dynamically."""
 
@@ -108,22 +108,17 @@ class ZImageDenoiser(DiffusersDenoiser):
     def call_network(
         self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
     ) -> Any:
-        """The negated network output, in float32, one row per row of ``x``. Guided
-        rows come unprompted half first (``step_groups``); the network takes the
-        prompted half first, as the pipeline gives it (on a CPU a row's output is
-        exact only in its own place), and its outputs go back in the order given."""
+        """The negated network output, in float32, one row per row of ``x``: each row's
+        latents a (C, 1, h, w) of their own, its caption cut to its own length (the
+        pipeline gives a guided step's prompted rows first, ``step_groups`` the
+        unprompted: a row's output does not depend on its place)."""
         network = pipe.transformer
         rows = x.shape[0]
         assert c.embeds is not None and c.text_lengths is not None
         images = list(x.to(network.dtype).unsqueeze(2).unbind(0))
         captions = [c.embeds[i, :n] for i, n in enumerate(c.text_lengths.tolist())]
         timestep = (1000 - t.expand(rows)) / 1000
-        guided = self.classifier_free(runs[0].member.params)
-        if guided:
-            images, captions, timestep = _halves_swapped(images), _halves_swapped(captions), timestep.roll(rows // 2)
         out = network(images, timestep, captions, return_dict=False)[0]
-        if guided:
-            out = _halves_swapped(out)
         return -torch.stack([o.float() for o in out]).squeeze(2)
 
     def combine_guidance(
@@ -141,8 +136,3 @@ class ZImageDenoiser(DiffusersDenoiser):
             norm = torch.linalg.vector_norm(g)
             capped.append(torch.where(norm > most, g * (most / norm), g))
         return torch.stack(capped)
-
-
-def _halves_swapped(rows: list[Any]) -> list[Any]:
-    half = len(rows) // 2
-    return [*rows[half:], *rows[:half]]
