@@ -213,7 +213,8 @@ class DiffusersDenoiser:
         state = self._fresh_state(pipe, spec, params)
         run = DiffusersRun.fresh(member, type(state.scheduler).__name__, len(state.scheduler.timesteps), state)
         run.network_timesteps = state.scheduler.timesteps.to(self.device)
-        run.network_guidance = torch.tensor([params.guidance_scale], dtype=self.network(pipe).dtype).to(self.device)
+        # In the latents' dtype: Z-Image guides in float32, whatever its network's.
+        run.network_guidance = torch.tensor([params.guidance_scale], dtype=self.latent_dtype(pipe)).to(self.device)
         resumed = Resumption.STEP
         if member.resume is not None:
             latents = (self.latent_shape(pipe, params), self.latent_dtype(pipe))
