@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from services.models import speed
+from services.models import image_vae, speed
 from services.models.sources import resolve_source
 from services.models.spec import ModelFamily, ModelSpec
 
@@ -93,7 +93,8 @@ def bare_pipeline(spec: ModelSpec, device: torch.device, models: Path) -> Any:
             pipe.unet = OwnedOutputs(speed.prepare_unet(pipe.unet, options), options)
         else:
             pipe.transformer = OwnedOutputs(speed.prepare(pipe.transformer, options), options)
-        speed.prepare_vae(pipe.vae, options)
+        if spec.family != ModelFamily.QWEN_IMAGE:  # its 3D VAE takes none, as in the decoder service
+            speed.prepare_vae(pipe.vae, options)
     return pipe
 
 
@@ -149,6 +150,9 @@ def _sample(pipe: Any, spec: ModelSpec, case: Case, batch: int, seed: int, devic
     flux = spec.family in (ModelFamily.FLUX, ModelFamily.FLUX_KONTEXT)
     if flux:
         extra["max_sequence_length"] = FLUX_TEXT_LEN[bool(pipe.transformer.config.guidance_embeds)]
+    if spec.family == ModelFamily.QWEN_IMAGE:
+        # True classifier-free guidance, its negative a space where a job gives none, as the sampler's.
+        extra.update(true_cfg_scale=spec.default_guidance, negative_prompt=[" "] * batch, guidance_scale=None)
     if case.edit:
         import io
 
@@ -162,18 +166,21 @@ def _sample(pipe: Any, spec: ModelSpec, case: Case, batch: int, seed: int, devic
             width=case.size,
             height=case.size,
             num_inference_steps=case.steps,
-            guidance_scale=spec.default_guidance,
             generator=generators,
             output_type="latent",
-            **extra,
+            **{"guidance_scale": spec.default_guidance, **extra},
         ).images
-    if flux:
+    if flux or spec.family == ModelFamily.QWEN_IMAGE:
         latents = pipe._unpack_latents(latents, case.size, case.size, pipe.vae_scale_factor)
-    return latents
+    return latents[:, :, 0] if latents.dim() == 5 else latents  # Qwen-Image's frame axis
 
 
 def _decode(pipe: Any, latents: torch.Tensor) -> None:
     config = pipe.vae.config
+    if type(pipe.vae).__name__ == "AutoencoderKLQwenImage":  # normalised per channel, a frame axis
+        with torch.inference_mode():
+            pipe.vae.decode(image_vae.vae_input(pipe.vae, latents.to(pipe.vae.dtype))).sample.float().cpu()
+        return
     z = latents / config.scaling_factor + (getattr(config, "shift_factor", None) or 0.0)
     with torch.inference_mode():
         pipe.vae.decode(z.to(pipe.vae.dtype)).sample.float().cpu()
