@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.prompts import PromptCache
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.families.flux import FluxDenoiser, FluxKontextDenoiser
-from gpu_worker.families.qwen_image import QwenImageDenoiser
+from gpu_worker.families.qwen_image import QwenImageDenoiser, QwenImageEditDenoiser
 from gpu_worker.families.sd3 import SD3Denoiser
 from gpu_worker.families.sim import SimDenoiser
 from gpu_worker.families.unet import UNetDenoiser
@@ -74,6 +74,7 @@ class SamplerEngine:
             ModelFamily.FLUX_KONTEXT: FluxKontextDenoiser(models_dir, device, self.prompts),
             ModelFamily.QWEN_IMAGE: QwenImageDenoiser(models_dir, device, self.prompts),
             ModelFamily.Z_IMAGE: ZImageDenoiser(models_dir, device, self.prompts),
+            ModelFamily.QWEN_IMAGE_EDIT: QwenImageEditDenoiser(models_dir, device, self.prompts),
             ModelFamily.SIM: SimDenoiser(),
         }
         self.models = ModelCache(
@@ -189,7 +190,9 @@ class SamplerEngine:
         prompts encoded ahead are then ordered before the batch that reads them."""
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
-    def encode_prompts(self, batch: Sequence[GenerationParams]) -> None:
+    def encode_prompts(
+        self, batch: Sequence[GenerationParams], images: Mapping[str, MemberInputs] | None = None
+    ) -> None:
         """Encodes the prompts of a batch that runs next into the prompt cache while
         the device runs the one before it, so that the batch starts at its first
         step. Only for a model already loaded (a load here would evict what runs)."""
@@ -197,4 +200,4 @@ class SamplerEngine:
             return
         spec = self.registry.get(batch[0].model)
         with self._on_stream():
-            self.denoiser_for(spec).encode_prompts(self.models.get(spec.name), spec, batch)
+            self.denoiser_for(spec).encode_prompts(self.models.get(spec.name), spec, batch, images)

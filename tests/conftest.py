@@ -61,6 +61,7 @@ MINIATURE_MODELS = {
     "tiny-flux-kontext": "builtin:tiny-flux-kontext",
     "tiny-qwen-image": "builtin:tiny-qwen-image",
     "tiny-z-image": "builtin:tiny-z-image",
+    "tiny-qwen-image-edit": "builtin:tiny-qwen-image-edit",
 }
 
 

@@ -249,17 +249,16 @@ class Decoders:
                 ]
         return out
 
-    async def encode(self, job: JobRecord, image: bytes) -> torch.Tensor:
-        """An edit's input image as its model's latents (1, C, H/8, W/8), from a
-        decoder service (or this sampler, where ``local_decode_fallback`` allows);
-        DecodeUnavailable if none could within the patience."""
+    async def encode(self, job: JobRecord, image: bytes, width: int, height: int) -> torch.Tensor:
+        """An edit's input image resized to ``width`` x ``height`` as its model's
+        latents (1, C, height/8, width/8), from a decoder service (or this sampler,
+        where ``local_decode_fallback`` allows); DecodeUnavailable if none could
+        within the patience."""
         p = job.params
         if self.locally:
             assert self.local is not None
-            return await asyncio.to_thread(self.local.encode, job, image)
-        request = vae_decoder_pb2.EncodeRequest(
-            model=p.model, image=image, width=p.width, height=p.height, job_id=job.id
-        )
+            return await asyncio.to_thread(self.local.encode, job, image, width, height)
+        request = vae_decoder_pb2.EncodeRequest(model=p.model, image=image, width=width, height=height, job_id=job.id)
         deadline = time.monotonic() + self.patience_s
         failures: list[str] = []
         while True:
@@ -274,7 +273,7 @@ class Decoders:
                 return torch.from_numpy(array.copy())
             self._known_at = float("-inf")
             if self.local is not None:
-                return await asyncio.to_thread(self.local.encode, job, image)
+                return await asyncio.to_thread(self.local.encode, job, image, width, height)
             if time.monotonic() >= deadline:
                 tried = "; ".join(failures[-3:]) or "no decoder is registered"
                 raise DecodeUnavailable(f"no decoder could encode its input image in {self.patience_s:.0f}s ({tried})")

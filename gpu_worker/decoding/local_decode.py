@@ -79,10 +79,9 @@ class LocalDecoder:
         judged = check_outputs(self.image_filter, pixels, [job.output_policy] * len(pixels))
         return [_record(job, i, p, j) for i, (p, j) in enumerate(zip(pixels, judged, strict=True))]
 
-    def encode(self, job: JobRecord, image: bytes) -> torch.Tensor:
-        """An edit's input image as its model's latents (1, C, H/8, W/8)."""
-        p = job.params
-        return self.engine.encode_image(p.model, image, p.width, p.height)
+    def encode(self, job: JobRecord, image: bytes, width: int, height: int) -> torch.Tensor:
+        """An edit's input image resized to ``width`` x ``height`` as its model's latents (1, C, height/8, width/8)."""
+        return self.engine.encode_image(job.params.model, image, width, height)
 
 
 def _record(job: JobRecord, index: int, made: np.ndarray, judged: Judged) -> ImageRecord:

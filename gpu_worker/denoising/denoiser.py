@@ -6,7 +6,7 @@ thread, never on the event loop."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints
@@ -21,8 +21,15 @@ class Denoiser(ModelLoader, Protocol):
     """One model family: how its models load (``ModelLoader``), and how a batch runs
     through one."""
 
-    def encode_prompts(self, model: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
-        """Puts the batch's prompt conditioning where its ``sample`` will find it."""
+    def encode_prompts(
+        self,
+        model: Any,
+        spec: ModelSpec,
+        batch: Sequence[GenerationParams],
+        images: Mapping[str, MemberInputs] | None = None,
+    ) -> None:
+        """Puts the batch's prompt conditioning where its ``sample`` will find it;
+        ``images``, by digest: the input images of a family whose text encoder sees them."""
         ...
 
     def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:

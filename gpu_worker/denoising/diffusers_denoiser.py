@@ -26,7 +26,7 @@ at its end; a test runs the loop on the meta device, where any read back fails."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,11 @@ class DiffusersDenoiser:
     def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
         """What the network takes for a member's (scaled) latents."""
         return latents
+
+    def call_key(self, run: DiffusersRun) -> Any:
+        """What members that share a network call agree on besides their guidance mode
+        (members of a batch have one size): an edit's input image's token grid."""
+        return None
 
     def call_network(
         self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
@@ -225,19 +230,28 @@ class DiffusersDenoiser:
             run.result = checkpoints.stopped(run)
             return run
         try:
-            run.conditioning = self.encode_cached(pipe, spec, params)
+            run.conditioning = self.encode_cached(pipe, spec, params, member.inputs)
             if resumed is not Resumption.LATENTS:
                 self.start(pipe, run, member)
         except Exception as exc:  # this member's inputs: it fails alone
             run.result = exc
         return run
 
-    def encode_prompts(self, pipe: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+    def encode_prompts(
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        batch: Sequence[GenerationParams],
+        images: Mapping[str, MemberInputs] | None = None,
+    ) -> None:
         for params in batch:
-            self.encode_cached(pipe, spec, params)
+            self.encode_cached(pipe, spec, params, (images or {}).get(params.image_digest))
 
-    def encode_cached(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
-        """The job's prompt conditioning, from the prompt cache or encoded into it."""
+    def encode_cached(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None = None
+    ) -> Conditioning:
+        """The job's prompt conditioning, from the prompt cache or encoded into it;
+        ``inputs`` for a family whose text encoder sees the input image."""
         cfg = self.classifier_free(params)
 
         def encode() -> Conditioning:
@@ -306,7 +320,7 @@ class DiffusersDenoiser:
                 joins.stepped([r.member for r in active], max((r.total - r.step for r in active), default=0))
             if not active:
                 return
-            for group in step_groups(active, fuse=self.fuse_batches, guided=self.classifier_free):
+            for group in step_groups(active, fuse=self.fuse_batches, guided=self.classifier_free, key=self.call_key):
                 noise = guided_noise(self, pipe, group, calls)
                 for r, eps in zip(group, noise, strict=True):
                     state = _state(r)

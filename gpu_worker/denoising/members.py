@@ -48,11 +48,13 @@ def _never() -> bool:
 @dataclass(frozen=True)
 class MemberInputs:
     """What a job's input image is to its model, made before its batch runs
-    (``gpu_worker.jobs.edit_inputs``): an edit's latents and mask, an upscale's pixels."""
+    (``gpu_worker.jobs.edit_inputs``): an edit's latents and mask, an upscale's pixels,
+    and the pixels a text encoder that sees the image takes (Qwen-Image-Edit's)."""
 
     image_latents: torch.Tensor | None = None  # (1, C, H/8, W/8): an edit's input, encoded by its VAE
     mask: torch.Tensor | None = None  # (1, 1, H/8, W/8): inpainting, 1 where the model paints
     image: torch.Tensor | None = None  # (1, 3, h, w) in [-1, 1]: an upscale's input
+    prompt_image: torch.Tensor | None = None  # (1, 3, h, w) uint8: the input as the text encoder sees it
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ where all members agree it carries one of each, exactly as a batch of one key di
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -22,17 +22,23 @@ from services.models import speed
 
 
 def step_groups(
-    active: list[DiffusersRun], *, fuse: bool, guided: Callable[[GenerationParams], bool]
+    active: list[DiffusersRun],
+    *,
+    fuse: bool,
+    guided: Callable[[GenerationParams], bool],
+    key: Callable[[DiffusersRun], Hashable] = lambda run: None,
 ) -> list[list[DiffusersRun]]:
     """The runs that share one network call: on an accelerator those of one guidance
-    mode (``guided``: the call doubles its rows for classifier-free guidance); on a
-    CPU each run alone, since CPU kernels block matrix products differently for other
-    batch sizes, and only alone is a member's output exactly its solo one."""
+    mode (``guided``: the call doubles its rows for classifier-free guidance) and one
+    ``key`` (an edit's input image's token grid); on a CPU each run alone, since CPU
+    kernels block matrix products differently for other batch sizes, and only alone
+    is a member's output exactly its solo one."""
     if not fuse:
         return [[r] for r in active]
-    doubled = [r for r in active if guided(r.member.params)]
-    single = [r for r in active if not guided(r.member.params)]
-    return [group for group in (doubled, single) if group]
+    groups: dict[tuple[bool, Hashable], list[DiffusersRun]] = {}
+    for r in active:
+        groups.setdefault((not guided(r.member.params), key(r)), []).append(r)
+    return [groups[k] for k in sorted(groups, key=lambda k: k[0])]
 
 
 def guided_noise(

@@ -14,11 +14,17 @@ call, each text padded to the longest and masked. A compiled network takes every
 text padded to the longest prompt, so that no prompt's length compiles it again.
 
 A member's latents stay packed through its steps and checkpoints, and leave as the
-decoder's VAE takes them, (N, 16, H/8, W/8): its frame axis is the decoder's to add."""
+decoder's VAE takes them, (N, 16, H/8, W/8): its frame axis is the decoder's to add.
+
+Qwen-Image-Edit (``QwenImageEditDenoiser``) is the same loop with its input image
+beside it twice: its Qwen2.5-VL sees the image with the instruction (and with the
+negative prompt), so a job's conditioning is its prompt's and its image's; and the
+image's packed latents are more tokens after the denoised ones."""
 
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,13 +32,19 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
-from gpu_worker.denoising.prompts import Conditioning, text_length
+from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS
+from gpu_worker.denoising.prompts import Conditioning, prompt_key, text_length
 from services.generation import GenerationParams
 from services.models import speed
-from services.models.spec import ModelSpec
+from services.models.sources import resolve_source
+from services.models.spec import ModelSpec, edit_condition_size
 
 # The longest prompt, in tokens: QwenImagePipeline's default max_sequence_length.
 TEXT_LEN = 512
+# An edit's longest text: a prompt of QwenImageEditPipeline's 1024 tokens, and its
+# input image's at most 1,424 (EDIT_CONDITION_AREA in the processor's 28x28-pixel tokens).
+EDIT_TEXT_LEN = 1024 + 1424
 # The negative prompt of a job that gives none: Qwen-Image's examples' (the pipeline
 # guides only with one, and the empty string is a prompt like any other).
 NO_NEGATIVE_PROMPT = " "
@@ -40,6 +52,7 @@ NO_NEGATIVE_PROMPT = " "
 
 class QwenImageDenoiser(DiffusersDenoiser):
     network_name = "transformer"
+    compiled_text_len = TEXT_LEN  # the length a compiled network takes every text padded to
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -111,18 +124,116 @@ class QwenImageDenoiser(DiffusersDenoiser):
         rows = x.shape[0]
         network = pipe.transformer
         if network in self._compiled:
-            c = c.text_padded(text_length(pipe.tokenizer, TEXT_LEN))
-        h, w = self._grid(pipe, runs[0].member.params)
+            c = c.text_padded(text_length(pipe.tokenizer, self.compiled_text_len))
         return network(
             hidden_states=x,
             timestep=t.expand(rows).to(x.dtype) / 1000,
             encoder_hidden_states=c.embeds,
             encoder_hidden_states_mask=c.mask,
-            img_shapes=[[(1, h, w)]] * rows,
+            img_shapes=[self._image_shapes(pipe, runs[0])] * rows,
             return_dict=False,
         )[0]
+
+    def _image_shapes(self, pipe: Any, run: DiffusersRun) -> list[tuple[int, int, int]]:
+        """The (frames, height, width) of each image the network's tokens hold: its latents'."""
+        return [(1, *self._grid(pipe, run.member.params))]
 
     def _grid(self, pipe: Any, params: GenerationParams) -> tuple[int, int]:
         """The packed latents' height and width: a 2x2 patch of the VAE's latents each."""
         scale = pipe.vae_scale_factor * 2
         return params.height // scale, params.width // scale
+
+
+class QwenImageEditDenoiser(QwenImageDenoiser):
+    """Qwen-Image-Edit (``QwenImageEditPipeline``): instruction edits. Every job edits
+    an input image (the gateway refuses one without) from noise: no strength, no mask.
+    The image is resized to ``EDIT_CONDITION_AREA`` at its own aspect ratio
+    (``gpu_worker.jobs.edit_inputs``): its pixels go to the text encoder beside the
+    prompt, so the conditioning is cached under the image's digest too; its latents
+    (the decoder's VAE's) are the member's extras, so its checkpoints carry them, and
+    go into each call as tokens after the denoised ones, whose output is dropped.
+    Members share a call only where their images' token grids agree."""
+
+    compiled_text_len = EDIT_TEXT_LEN
+
+    def pipeline_parts(self, spec: ModelSpec) -> dict[str, Any]:
+        """The processor too, for images alone (``services.models.qwen_processor``)."""
+        from services.models.qwen_processor import load_processor
+
+        source, _ = resolve_source(spec, self.models_dir)
+        return {**super().pipeline_parts(spec), "processor": load_processor(Path(source) / "processor")}
+
+    def encode_cached(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None = None
+    ) -> Conditioning:
+        """The prompt's and the input image's conditioning, cached under both."""
+        if inputs is None or inputs.prompt_image is None:
+            raise ValueError(f"{params.model} edits an input image, and this job has none")
+        image = inputs.prompt_image
+        cfg = self.classifier_free(params)
+
+        def encode() -> Conditioning:
+            return self._encode_with_image(pipe, params, cfg, image).to(self.device)
+
+        with torch.inference_mode():
+            return self.prompts.get((*prompt_key(params, cfg), params.image_digest), encode)
+
+    def _encode_with_image(self, pipe: Any, params: GenerationParams, cfg: bool, image: torch.Tensor) -> Conditioning:
+        """Each text alone with the image, as the pipeline encodes them: its processor
+        takes the image's pixels as a picture."""
+        from PIL import Image
+
+        picture = Image.fromarray(image[0].permute(1, 2, 0).numpy())
+        device = self.text_device(pipe)
+        embeds, _ = pipe.encode_prompt(params.prompt, image=picture, device=device)
+        if not cfg:
+            return Conditioning(embeds=embeds)
+        negative_prompt = params.negative_prompt or NO_NEGATIVE_PROMPT
+        negative, _ = pipe.encode_prompt(negative_prompt, image=picture, device=device)
+        return Conditioning(embeds=embeds, negative_embeds=negative)
+
+    def call_key(self, run: DiffusersRun) -> Any:
+        return self._condition_grid(run)
+
+    def start(self, pipe: Any, run: DiffusersRun, member: BatchMember) -> None:
+        state = run.state
+        assert state is not None
+        params = member.params
+        state.latents = self.draw_noise(pipe, params, state)
+        image = _image_latents(member).to(self.device, state.latents.dtype).repeat(params.num_images, 1, 1, 1)
+        packed = pipe._pack_latents(image, params.num_images, image.shape[1], image.shape[2], image.shape[3])
+        state.extras = {IMAGE_LATENTS: packed}
+
+    def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
+        assert run.state is not None
+        return torch.cat([latents, run.state.extras[IMAGE_LATENTS]], dim=1)
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        h, w = self._grid(pipe, runs[0].member.params)
+        return super().call_network(pipe, x, t, c, runs)[:, : h * w]
+
+    def _image_shapes(self, pipe: Any, run: DiffusersRun) -> list[tuple[int, int, int]]:
+        """The denoised latents' grid, then the input image's."""
+        return [*super()._image_shapes(pipe, run), (1, *self._condition_grid(run))]
+
+    def _condition_grid(self, run: DiffusersRun) -> tuple[int, int]:
+        """The input image's packed grid: a 2x2 patch of its latents each."""
+        latents = _image_latents(run.member)
+        return latents.shape[2] // 2, latents.shape[3] // 2
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        """A blank input image of the output's aspect ratio, and its latents: 16 channels at an eighth of its size."""
+        width, height = edit_condition_size(params.width, params.height)
+        return MemberInputs(
+            image_latents=torch.zeros(1, 16, height // 8, width // 8),
+            prompt_image=torch.zeros(1, 3, height, width, dtype=torch.uint8),
+        )
+
+
+def _image_latents(member: BatchMember) -> torch.Tensor:
+    """An edit's input latents: a job without is refused by the gateway and fails alone here."""
+    if member.inputs is None or member.inputs.image_latents is None:
+        raise ValueError(f"{member.params.model} edits an input image, and this job has none")
+    return member.inputs.image_latents

@@ -4,7 +4,7 @@ member's whole state, so its checkpoints hold the step alone."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints, MemberRun
@@ -23,7 +23,13 @@ class SimDenoiser:
     def load(self, spec: ModelSpec) -> Loaded:
         return Loaded(spec, 0, 0.0)  # nothing to load: a sim model only sleeps
 
-    def encode_prompts(self, model: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+    def encode_prompts(
+        self,
+        model: Any,
+        spec: ModelSpec,
+        batch: Sequence[GenerationParams],
+        images: Mapping[str, MemberInputs] | None = None,
+    ) -> None:
         pass  # a sim model reads no prompt
 
     def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:

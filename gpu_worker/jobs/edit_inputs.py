@@ -1,7 +1,9 @@
 """An edit's or upscale's input image as its model takes it, made before the batch
 runs (on the event loop's side: the encode is a call to a decoder service): an
 edit's input encoded into latents by its model's VAE and its mask brought to the
-latents' size, as diffusers' pipelines do; an upscale's input as pixels."""
+latents' size, as diffusers' pipelines do; an upscale's input as pixels. A model
+whose text encoder sees the input (Qwen-Image-Edit's) takes it resized to its
+condition size, as pixels for the encoder and as latents beside the denoised ones."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from gpu_worker.jobs.job_store import JobStore
 from services.db.records import JobRecord
 from services.errors import DarkroomError
 from services.generation import JobInputs, Task
+from services.models.registry import ModelRegistry
+from services.models.spec import edit_condition_size
+from services.models.vae import pixels_of
 
 # The VAE's spatial compression of the editing families (SD's): the mask's scale.
 LATENT_SCALE = 8
@@ -29,9 +34,10 @@ class MissingInput(DarkroomError):
 
 
 class EditInputs:
-    def __init__(self, store: JobStore, decoders: Decoders) -> None:
+    def __init__(self, store: JobStore, decoders: Decoders, registry: ModelRegistry) -> None:
         self.store = store
         self.decoders = decoders
+        self.registry = registry
 
     async def prepare(self, jobs: Sequence[JobRecord]) -> dict[str, MemberInputs | BaseException]:
         """Per job that has an input image, by id: its inputs, or what kept it from
@@ -55,7 +61,14 @@ class EditInputs:
         p = job.params
         if job.task == Task.UPSCALE:
             return MemberInputs(image=await asyncio.to_thread(image_tensor, inputs.image))
-        latents = await self.decoders.encode(job, inputs.image)
+        spec = self.registry.models.get(p.model)
+        if spec is not None and spec.prompt_sees_image:
+            seen = await asyncio.to_thread(condition_image, inputs.image)
+            height, width = seen.shape[-2:]
+            return MemberInputs(
+                image_latents=await self.decoders.encode(job, inputs.image, width, height), prompt_image=seen
+            )
+        latents = await self.decoders.encode(job, inputs.image, p.width, p.height)
         mask = None
         if inputs.mask is not None:
             mask = await asyncio.to_thread(mask_tensor, inputs.mask, p.width, p.height)
@@ -67,6 +80,14 @@ def image_tensor(data: bytes) -> torch.Tensor:
     with Image.open(io.BytesIO(data)) as image:
         pixels = np.asarray(image.convert("RGB"), dtype=np.float32)
     return torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0) / 127.5 - 1.0
+
+
+def condition_image(data: bytes) -> torch.Tensor:
+    """An input image as a text encoder that sees it takes it: resized to its
+    condition size (Lanczos, as the decoder resizes it for its latents), (1, 3, h, w) uint8."""
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = edit_condition_size(*image.size)
+    return torch.tensor(pixels_of(data, width, height)).permute(2, 0, 1).unsqueeze(0)
 
 
 def mask_tensor(data: bytes, width: int, height: int) -> torch.Tensor:

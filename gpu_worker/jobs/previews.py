@@ -47,6 +47,7 @@ _FACTORS = {
     ModelFamily.FLUX: (_FLUX, [-0.0329, -0.0718, -0.0851]),
     ModelFamily.QWEN_IMAGE: (_WAN21, [-0.1835, -0.0868, -0.3360]),
     ModelFamily.Z_IMAGE: (_FLUX, [-0.0329, -0.0718, -0.0851]),  # Flux.1's VAE, so its latent space
+    ModelFamily.QWEN_IMAGE_EDIT: (_WAN21, [-0.1835, -0.0868, -0.3360]),
 }
 JPEG_QUALITY = 70
 

@@ -65,7 +65,7 @@ class JobRunner:
         self.worker_id = store.worker_id
         self.failures = FailureStreak(unfit_after_failures)
         self.outcomes = OutcomeRecorder(store, self.failures)
-        self.edit_inputs = EditInputs(store, decoders)
+        self.edit_inputs = EditInputs(store, decoders, engine.registry)
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
         self._sampling: BatchSampling | None = None  # the batch on the device
 
@@ -126,8 +126,9 @@ class JobRunner:
             started.inputs = inputs.get(started.job.id)
             started.prepared = True
         runnable = [s.job.params for s in batch if not isinstance(s.inputs, BaseException)]
+        images = {s.job.params.image_digest: s.inputs for s in batch if isinstance(s.inputs, MemberInputs)}
         try:
-            await asyncio.to_thread(self.engine.encode_prompts, runnable)
+            await asyncio.to_thread(self.engine.encode_prompts, runnable, images)
         except Exception as exc:
             # The batch encodes them as it starts, where a bad prompt fails its job alone.
             log.debug("prompts not encoded ahead: %s", exc, extra=logs.jobs_fields(s.job.id for s in batch))

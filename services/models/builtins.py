@@ -38,6 +38,7 @@ BUILTINS = {
     "builtin:tiny-flux-kontext": Builtin(_FLOW_TINY, "build_tiny_flux_kontext", "darkroom_tiny_flux.json"),
     "builtin:tiny-qwen-image": Builtin(_QWEN, "build_tiny_qwen_image", "darkroom_tiny_qwen_image.json"),
     "builtin:tiny-z-image": Builtin(_Z_IMAGE, "build_tiny_z_image", "darkroom_tiny_z_image.json"),
+    "builtin:tiny-qwen-image-edit": Builtin(_QWEN, "build_tiny_qwen_image_edit", "darkroom_tiny_qwen_image_edit.json"),
     # The real architectures with random weights, for benchmarks: they cost what the
     # real models cost to load and run; their output is noise.
     "builtin:sd15-random": Builtin("services.models.presets", "build_sd15_preset", "darkroom_preset.json"),
@@ -64,6 +65,7 @@ MINIATURES = frozenset(
         "builtin:tiny-flux-kontext",
         "builtin:tiny-qwen-image",
         "builtin:tiny-z-image",
+        "builtin:tiny-qwen-image-edit",
     }
 )
 

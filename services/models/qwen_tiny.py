@@ -22,8 +22,12 @@ from typing import Any
 from services.models.tiny import _byte_level_vocab
 
 QWEN_TINY_MARKER = "darkroom_tiny_qwen_image.json"
+QWEN_EDIT_TINY_MARKER = "darkroom_tiny_qwen_image_edit.json"
 # The special tokens of QwenImagePipeline's prompt template (and the tokenizer's padding).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# QwenImageEditPipeline's template also frames the input image, whose patches the
+# processor writes as image-pad tokens (and a video's as video-pad ones).
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 # Qwen/Qwen-Image scheduler/scheduler_config.json.
 QWEN_SCHEDULER: dict[str, Any] = {
@@ -59,6 +63,13 @@ QWEN_VISION: dict[str, Any] = dict(
     tokens_per_second=2,
 )  # fmt: skip
 
+# Qwen/Qwen2.5-VL-7B-Instruct preprocessor_config.json: images resized to between
+# min_pixels and max_pixels, in 28x28 pixels (a 2x2 merge of 14x14 patches) per token.
+QWEN_IMAGE_PROCESSOR: dict[str, Any] = dict(
+    size={"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 16384}, patch_size=14, temporal_patch_size=2,
+    merge_size=2, image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
+)  # fmt: skip
+
 # The miniature: two blocks each, 32 wide; the VAE keeps all four levels (its 8x) at 4 channels.
 TINY_TRANSFORMER: dict[str, Any] = dict(
     QWEN_TRANSFORMER, num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
@@ -74,6 +85,10 @@ TINY_VISION: dict[str, Any] = dict(
     QWEN_VISION, depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
     fullatt_block_indexes=[0],
 )  # fmt: skip
+# The edit miniature's encoder sees at most 112x112 pixels of its input: 16 image tokens.
+TINY_IMAGE_PROCESSOR: dict[str, Any] = dict(
+    QWEN_IMAGE_PROCESSOR, size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+)
 
 
 def build_tiny_qwen_image(path: Path, *, seed: int = 0) -> Path:
@@ -103,15 +118,51 @@ def build_tiny_qwen_image(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
-def qwen_tokenizer() -> Any:
+def build_tiny_qwen_image_edit(path: Path, *, seed: int = 0) -> Path:
+    """The edit miniature (``QwenImageEditPipeline``): the same parts, its tokenizer
+    also knowing the template's vision tokens, and a ``Qwen2VLProcessor`` that turns
+    the input image into the encoder's patches; the same ``seed``, the same weights."""
+    import torch
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2VLImageProcessorPil
+
+    from services.models.qwen_processor import save_processor
+
+    torch.manual_seed(seed)
+    tokenizer = qwen_tokenizer(SPECIAL_TOKENS + VISION_TOKENS)
+    text = dict(TINY_TEXT, vocab_size=256 + len(SPECIAL_TOKENS) + len(VISION_TOKENS))
+    pipe: Any = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER),
+        vae=AutoencoderKLQwenImage(**TINY_VAE),
+        text_encoder=qwen_text_encoder(tokenizer, text, TINY_VISION),
+        tokenizer=tokenizer,
+        processor=None,  # saved below, as a stock Qwen2VLProcessor loads it
+        transformer=QwenImageTransformer2DModel(**TINY_TRANSFORMER),
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path)
+    save_processor(path / "processor", tokenizer, Qwen2VLImageProcessorPil(**TINY_IMAGE_PROCESSOR))
+    index = json.loads((path / "model_index.json").read_text())
+    (path / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]}))
+    (path / QWEN_EDIT_TINY_MARKER).write_text(json.dumps({"seed": seed, "note": "random weights: output is noise"}))
+    return path
+
+
+def qwen_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS) -> Any:
     """A byte-level Qwen2 tokenizer (no download): every byte a token, and the prompt
-    template's special tokens."""
+    template's special tokens (the first of them its padding)."""
     from transformers import Qwen2Tokenizer
 
     chars = [token for token in _byte_level_vocab() if not token.endswith("</w>") and not token.startswith("<|")]
-    vocab = {token: i for i, token in enumerate([*chars, *SPECIAL_TOKENS])}
+    vocab = {token: i for i, token in enumerate([*chars, *special_tokens])}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], model_max_length=2048)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:])})
+    tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens[1:])})
     return tokenizer
 
 
@@ -121,8 +172,19 @@ def qwen_text_encoder(tokenizer: Any, text: dict[str, Any], vision: dict[str, An
 
     vocab = tokenizer.get_vocab()
     pad = vocab["<|endoftext|>"]
+    # Where the tokenizer knows the vision tokens, the encoder finds the image's patches by their ids.
+    vision_ids = {
+        name: vocab[token]
+        for name, token in zip(
+            ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+            VISION_TOKENS,
+            strict=True,
+        )
+        if token in vocab
+    }
     config = Qwen2_5_VLConfig(
         text_config={**text, "bos_token_id": pad, "eos_token_id": vocab["<|im_end|>"], "pad_token_id": pad},
         vision_config=dict(vision),
+        **vision_ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config)

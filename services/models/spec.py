@@ -6,6 +6,7 @@ version it names."""
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ class ModelFamily(enum.StrEnum):
     FLUX_KONTEXT = "flux_kontext"  # Flux.1 Kontext: an input image edited as its prompt says
     QWEN_IMAGE = "qwen_image"  # Qwen-Image: a 20B MMDiT over a Qwen2.5-VL's text, true classifier-free guidance
     Z_IMAGE = "z_image"  # Z-Image and Z-Image-Turbo: a single-stream DiT over a Qwen3 chat model's states
+    QWEN_IMAGE_EDIT = "qwen_image_edit"  # Qwen-Image-Edit: an input image edited as its prompt says
 
 
 # Per family: one 512x512 step (of one frame) on a reference GPU (ms), a load (s),
@@ -43,6 +45,7 @@ FAMILY_DEFAULTS = {
     ModelFamily.FLUX_KONTEXT: (140.0, 20.0, "image"),  # its input image's tokens double the sequence
     ModelFamily.QWEN_IMAGE: (210.0, 40.0, "image"),  # 20B: about 3x Flux.1's step, two calls with guidance
     ModelFamily.Z_IMAGE: (40.0, 12.0, "image"),  # a 6B DiT: half Flux.1's transformer, Qwen3-4B beside it
+    ModelFamily.QWEN_IMAGE_EDIT: (420.0, 40.0, "image"),  # its input image's tokens double the sequence
 }
 # The families whose transformer patches latents 2x2 (or packs them): sizes are
 # multiples of 16 (the VAE's 8 times the patch's 2).
@@ -54,6 +57,7 @@ PATCHED_FAMILIES = frozenset(
         ModelFamily.FLUX_KONTEXT,
         ModelFamily.QWEN_IMAGE,
         ModelFamily.Z_IMAGE,
+        ModelFamily.QWEN_IMAGE_EDIT,
     }
 )
 # The families whose models also edit images (image to image and inpainting; by
@@ -66,11 +70,17 @@ EDITING_FAMILIES = frozenset(
         ModelFamily.SD3,
         ModelFamily.FLUX,
         ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE_EDIT,
     }
 )
 # The families that edit by instruction: every job an input image and a prompt saying
 # what to change, denoised from noise beside the image (no strength, no mask).
-INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT})
+INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT, ModelFamily.QWEN_IMAGE_EDIT})
+# The families whose text encoder sees the input image with the prompt: a job's
+# conditioning is its prompt's and its image's, the image resized to about
+# EDIT_CONDITION_AREA pixels at its own aspect ratio (``edit_condition_size``).
+PROMPT_SEES_IMAGE_FAMILIES = frozenset({ModelFamily.QWEN_IMAGE_EDIT})
+EDIT_CONDITION_AREA = 1024 * 1024
 # The families whose latents a preview reads as colours (``gpu_worker.jobs.previews``).
 PREVIEW_FAMILIES = frozenset(
     {
@@ -82,6 +92,7 @@ PREVIEW_FAMILIES = frozenset(
         ModelFamily.FLUX_KONTEXT,
         ModelFamily.QWEN_IMAGE,
         ModelFamily.Z_IMAGE,
+        ModelFamily.QWEN_IMAGE_EDIT,
     }
 )
 # A model in the model store: ``store:NAME[:VERSION]`` (services/models/store).
@@ -207,8 +218,21 @@ class ModelSpec:
         return self.family in INSTRUCTION_EDIT_FAMILIES
 
     @property
+    def prompt_sees_image(self) -> bool:
+        return self.family in PROMPT_SEES_IMAGE_FAMILIES
+
+    @property
     def previews(self) -> bool:
         return self.family in PREVIEW_FAMILIES
+
+
+def edit_condition_size(width: int, height: int) -> tuple[int, int]:
+    """The size an input image of ``width`` x ``height`` is resized to for a family
+    whose text encoder sees it (and for its latents): ``EDIT_CONDITION_AREA`` at its
+    aspect ratio, in multiples of 32, as ``QwenImageEditPipeline``'s calculate_dimensions."""
+    ratio = width / height
+    fitted = math.sqrt(EDIT_CONDITION_AREA * ratio)
+    return round(fitted / 32) * 32, round(fitted / ratio / 32) * 32
 
 
 def scheduler_class(spec: ModelSpec) -> type[Any]:

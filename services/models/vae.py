@@ -24,6 +24,9 @@ from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
 from services.models.video_vae import decode_video
 
+# The families whose VAE is Qwen-Image's (``services.models.image_vae``).
+QWEN_VAE_FAMILIES = frozenset({ModelFamily.QWEN_IMAGE, ModelFamily.QWEN_IMAGE_EDIT})
+
 log = logging.getLogger(__name__)
 
 _NUMPY_DTYPES = {"float32": "<f4", "float16": "<f2"}
@@ -139,7 +142,7 @@ class VaeDecoderEngine:
                 # decodes in float32, as its pipeline's examples do.
                 dtype = torch.bfloat16
             cls: type[Any] = AutoencoderKLWan if spec.makes_video else AutoencoderKL
-            if spec.family == ModelFamily.QWEN_IMAGE:
+            if spec.family in QWEN_VAE_FAMILIES:
                 cls = AutoencoderKLQwenImage
             loaded = loader.load(cls, spec, self.models_dir, self.device, dtype=dtype, subfolder="vae")
             vae = loaded.value.eval()
@@ -165,7 +168,7 @@ class VaeDecoderEngine:
         VAE's only (a video VAE's decoder keeps a cache across chunks, and Qwen-Image's
         is one: its 3D convolutions have no channels-last layout)."""
         spec = self.registry.get(model)
-        if spec.makes_video or spec.family in (ModelFamily.SIM, ModelFamily.QWEN_IMAGE):
+        if spec.makes_video or spec.family == ModelFamily.SIM or spec.family in QWEN_VAE_FAMILIES:
             return speed.SpeedOptions()
         return replace(speed.SpeedOptions.of(spec, self.device), quantize="")
 
@@ -207,7 +210,7 @@ class VaeDecoderEngine:
             return self._decode_videos(vae, latents)
         spec = self.registry.get(model)
         z = latents.to(self.device, vae.dtype)
-        if spec.family == ModelFamily.QWEN_IMAGE:
+        if spec.family in QWEN_VAE_FAMILIES:
             z = image_vae.vae_input(vae, z)  # (N, C, 1, h, w)
         else:
             z = z / vae.config.scaling_factor
@@ -266,7 +269,7 @@ class VaeDecoderEngine:
         pixels = pixels_of(image, width, height)
         with torch.inference_mode():
             x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).to(self.device, vae.dtype) / 127.5 - 1.0
-            if self.registry.get(model).family == ModelFamily.QWEN_IMAGE:
+            if self.registry.get(model).family in QWEN_VAE_FAMILIES:
                 encoded = vae.encode(x.unsqueeze(2)).latent_dist.mode()
                 return image_vae.denoised_latents(vae, encoded).to("cpu", torch.float32)
             z = vae.encode(x).latent_dist.mode()

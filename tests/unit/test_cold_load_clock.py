@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
@@ -66,7 +66,13 @@ class HeldLoad:
             raise self.failure
         return Loaded(object(), 0, time.perf_counter() - began)
 
-    def encode_prompts(self, model: Any, spec: ModelSpec, batch: Sequence[GenerationParams]) -> None:
+    def encode_prompts(
+        self,
+        model: Any,
+        spec: ModelSpec,
+        batch: Sequence[GenerationParams],
+        images: Mapping[str, MemberInputs] | None = None,
+    ) -> None:
         pass
 
     def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:

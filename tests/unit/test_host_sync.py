@@ -25,7 +25,7 @@ from gpu_worker.denoising.prompts import Conditioning, prompt_key
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
-from services.models.spec import ModelFamily, ModelSpec
+from services.models.spec import ModelFamily, ModelSpec, edit_condition_size
 
 META = torch.device("meta")
 STEPS = 6
@@ -60,11 +60,13 @@ def engine(models_dir: Path) -> SamplerEngine:
     return SamplerEngine(ModelRegistry({**registry.models, **variants}), models_dir, META)
 
 
-def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: GenerationParams) -> Conditioning:
+def _encoded(
+    denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None
+) -> Conditioning:
     """The prompt's conditioning as the cache would hold it: encoding a prompt happens
     once per prompt, before the loop (and a text encoder may read back its lengths)."""
     try:
-        return denoiser.encode_cached(pipe, spec, params)
+        return denoiser.encode_cached(pipe, spec, params, inputs)
     except (RuntimeError, NotImplementedError):
         # Wan's UMT5 trims each prompt to its length, Qwen-Image's Qwen2.5-VL drops
         # its padding, and Z-Image keeps each prompt's own tokens, read off the device:
@@ -84,12 +86,14 @@ def _encoded(denoiser: DiffusersDenoiser, pipe: Any, spec: ModelSpec, params: Ge
                 negative_text_lengths=torch.tensor(lengths[1:]) if cfg else None,
             )
         else:
-            qwen = spec.family == ModelFamily.QWEN_IMAGE
+            qwen = spec.family in (ModelFamily.QWEN_IMAGE, ModelFamily.QWEN_IMAGE_EDIT)
             hidden = config.text_config.hidden_size if qwen else config.d_model
             embeds = torch.zeros(1, 512, hidden, device=META, dtype=dtype)
             negative = embeds[:, : 7 + params.seed] if qwen else embeds.clone()
             conditioning = Conditioning(embeds, negative if cfg else None)
-        return denoiser.prompts.get(prompt_key(params, cfg), lambda: conditioning)
+        # Qwen-Image-Edit's conditioning is its prompt's and its input image's.
+        key = (*prompt_key(params, cfg), params.image_digest) if spec.prompt_sees_image else prompt_key(params, cfg)
+        return denoiser.prompts.get(key, lambda: conditioning)
 
 
 CASES = {
@@ -109,6 +113,7 @@ CASES = {
     "z-image-turbo": ("tiny-z-image", "", 0.0),  # the third member guided (a scale of 1)
     "z-image-capped": ("tiny-z-image-capped", "", 4.0),
     "z-image-host-encoder": ("tiny-z-image-host-encoder", "", 4.0),
+    "qwen-image-edit": ("tiny-qwen-image-edit", "", 4.0),
     "upscaler": ("tiny-upscaler", "", 7.5),
 }
 
@@ -137,6 +142,12 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
     if spec.upscales:
         image = torch.zeros(1, 3, size // 4, size // 4, device=META)
         inputs = [MemberInputs(image=image)] * 3
+    elif spec.prompt_sees_image:
+        # The input at its condition size: latents beside the denoised ones, pixels for the text encoder.
+        width, height = edit_condition_size(size, size)
+        image_latents = torch.zeros(1, 16, height // 8, width // 8, device=META)
+        pixels = torch.zeros(1, 3, height, width, dtype=torch.uint8)
+        inputs = [MemberInputs(image_latents=image_latents, prompt_image=pixels)] * 3
     elif spec.instruction_edits:
         inputs = [MemberInputs(image_latents=torch.zeros(1, 16, size // 8, size // 8, device=META))] * 3
     elif spec.edits:
@@ -145,8 +156,8 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
         mask = torch.ones(1, 1, size // 8, size // 8, device=META)
         requests += [params(3, strength=0.5), params(4, strength=1.0)]
         inputs += [MemberInputs(image_latents=image_latents), MemberInputs(image_latents=image_latents, mask=mask)]
-    for p in requests:
-        _encoded(denoiser, pipe, spec, p)
+    for p, given in zip(requests, inputs, strict=True):
+        _encoded(denoiser, pipe, spec, p, given)
 
     seen: list[tuple[int, int]] = []
     copies: list[int] = []

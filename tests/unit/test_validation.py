@@ -66,3 +66,11 @@ def test_deadline_in_the_past_is_refused_and_a_future_one_kept() -> None:
     assert [v.field for v in err.value.violations] == ["deadline"]
     req.deadline.FromDatetime(NOW + timedelta(minutes=5))
     assert validate_submit(req, REGISTRY, max_prompt_chars=100, now=NOW).deadline == NOW + timedelta(minutes=5)
+
+
+@pytest.mark.parametrize("model", ["tiny-flux-kontext", "tiny-qwen-image-edit"])
+def test_an_instruction_edit_without_an_input_image_is_refused_by_name(model: str) -> None:
+    req = pb.SubmitJobRequest(model=model, prompt="make it night")
+    with pytest.raises(InvalidArgument) as refused:
+        validate_submit(req, REGISTRY, max_prompt_chars=100, now=NOW)
+    assert [v.field for v in refused.value.violations] == ["image"]
