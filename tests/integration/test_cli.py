@@ -122,14 +122,15 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         for model in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell"):
             made = sdk.images.generate(model=model, prompt="a cat", size="64x96", extra_body={"steps": 2})
             assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 96)
-        # An instruction edit: an image and a sentence (Flux.1 Kontext), through the SDK's images.edit.
-        edited = sdk.images.edit(
-            model="tiny-flux-kontext",
-            image=("in.png", solid_png((96, 64), (200, 30, 60))),
-            prompt="make it night",
-            extra_body={"steps": 2},
-        )
-        assert edited.data is not None and png_size(base64.b64decode(edited.data[0].b64_json or "")) == (96, 64)
+        # Instruction edits: an image and a sentence (Flux.1 Kontext, Qwen-Image-Edit), through images.edit.
+        for model in ("tiny-flux-kontext", "tiny-qwen-image-edit"):
+            edited = sdk.images.edit(
+                model=model,
+                image=("in.png", solid_png((96, 64), (200, 30, 60))),
+                prompt="make it night",
+                extra_body={"steps": 2},
+            )
+            assert edited.data is not None and png_size(base64.b64decode(edited.data[0].b64_json or "")) == (96, 64)
         flux = tmp_path / "flux.png"
         generate = [sys.executable, "-m", "services.ops.cli", "generate", "a cat", "-o", str(flux)]
         options = ["--gateway", f"127.0.0.1:{port}", "--model", "tiny-flux", "--width", "80", "--steps", "2"]

@@ -4,8 +4,8 @@ its previews streamed, decoded by the decoder service's 16-channel VAE (Qwen-Ima
 3D one, through its frame axis), and the PNG of its size returned;
 the same seed gives the same image; a size its patches cannot take is refused by
 name before anything is stored; a guided Z-Image job (a negative prompt) returns
-its PNG too. An instruction edit (Flux.1 Kontext): an image and a
-sentence give an image of the input's size; one without an image, or with a mask or a
+its PNG too. An instruction edit (Flux.1 Kontext, Qwen-Image-Edit): an
+image and a sentence give an image of the input's size; one without an image, or with a mask or a
 strength, is refused by name. SD 3.5 and Flux.1 edit an input image (image to
 image, inpainting) through the same path as SD 1.5."""
 
@@ -76,10 +76,11 @@ def test_a_size_the_patches_cannot_take_is_refused_by_name(stack) -> None:
     assert "width" in (err.value.details() or "")
 
 
-def test_an_instruction_edit_makes_an_image_of_its_inputs_size(stack) -> None:
+@pytest.mark.parametrize("model", ["tiny-flux-kontext", "tiny-qwen-image-edit"])
+def test_an_instruction_edit_makes_an_image_of_its_inputs_size(stack, model: str) -> None:
     client = stub(stack)
     request = pb.SubmitJobRequest(
-        model="tiny-flux-kontext", prompt="make it night", image=png((96, 64), (200, 30, 60)), steps=3, seed=4
+        model=model, prompt="make it night", image=png((96, 64), (200, 30, 60)), steps=3, seed=4
     )
     job = wait_terminal(client, client.SubmitJob(request).job_id)
     assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
