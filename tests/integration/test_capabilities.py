@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from services.models.registry import ModelRegistry
 from services.ops.embedded import EmbeddedPostgres
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack
@@ -38,13 +39,16 @@ def test_a_job_no_sampler_serves_waits_saying_why_and_runs_once_one_joins(
         assert list(sampler.capabilities) == ["image"]
         models = client.ListModels(pb.ListModelsRequest()).models
         listed = [(m.name, m.capability, m.is_default) for m in models]
+        # Each capability's default first, then the rest of it by name: images, upscales, videos.
+        images = sorted(s.name for s in ModelRegistry.load().models.values() if s.capability == "image")
         assert listed == [
             ("tiny", "image", True),
+            *((name, "image", False) for name in images if name != "tiny"),
             ("tiny-upscaler", "upscale", True),
             ("tiny-wan", "video", True),
         ]
         served = {m.name: list(m.served_by) for m in models}
-        assert served == {"tiny": [sampler.worker_id], "tiny-upscaler": [], "tiny-wan": []}
+        assert served == {**{name: [sampler.worker_id] for name in images}, "tiny-upscaler": [], "tiny-wan": []}
 
         request = pb.SubmitJobRequest(model="tiny-upscaler", prompt="sharp", image=small_png(), steps=2)
         job_id = client.SubmitJob(request).job_id
