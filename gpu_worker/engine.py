@@ -116,10 +116,22 @@ class SamplerEngine:
     def footprints(self) -> dict[str, dict[str, float]]:
         return self.models.footprints()
 
+    def classifier_free(self, params: GenerationParams) -> bool:
+        """Whether the job's conditioning has its negative half (its family decides)."""
+        denoiser = self.denoiser_for(self.registry.get(params.model))
+        decides = getattr(denoiser, "classifier_free", None)
+        return bool(decides(params)) if decides is not None else False
+
     def warm_up(self, name: str) -> float:
         """Loads ``name`` and runs one real generation, so the first job finds its
-        kernels compiled and caches filled. Returns the generation's seconds."""
+        kernels compiled and caches filled. Returns the generation's seconds. A model
+        whose text encoders are the decoder service's is loaded alone: a generation
+        needs a conditioning that only a decoder (on the event loop's side) makes."""
         spec = self.registry.get(name)
+        if spec.text_encoders == "service":
+            started = time.perf_counter()
+            self.load(name)
+            return time.perf_counter() - started
         params = GenerationParams(
             name,
             "warm-up",

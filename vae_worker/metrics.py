@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.telemetry.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
 
@@ -15,4 +15,13 @@ DECODE_BATCH_IMAGES = Histogram(
 )
 DECODE_SECONDS = Histogram(
     "darkroom_decode_seconds", "How long each batched VAE call took.", ["model"], buckets=LATENCY_BUCKETS
+)
+PROMPT_ENCODES = Counter(
+    "darkroom_decoder_prompt_encodes",
+    'Conditionings a decoder returned for EncodePrompt (text_encoders = "service"), by model and whether its '
+    'cache held them (cached="true": no encoder ran).',
+    ["model", "cached"],
+)
+TEXT_ENCODER_BYTES = Gauge(
+    "darkroom_decoder_text_encoder_bytes", "Bytes of the text encoders a decoder holds on its device, of every model."
 )

@@ -1,7 +1,9 @@
 """The VAE decoder service: ``VaeDecoder.Decode`` turns the latents of a sampler's
 batch of jobs into PNG, JPEG or WebP images (a video model's into MP4 or animated
 WebP videos) and streams each back in chunks as soon as it is encoded;
-``VaeDecoder.Encode`` turns an edit's input image into latents. Each output of a job
+``VaeDecoder.Encode`` turns an edit's input image into latents, and
+``VaeDecoder.EncodePrompt`` a prompt into its conditioning for a model whose text
+encoders it serves (``services.models.text_encoders``). Each output of a job
 with an output policy is scored by the image filter (``vae_worker.output_checks``)
 and sent as its verdict has it: as made, blurred, or not at all. Concurrent requests are decoded in batches too
 (``vae_worker.decode_batches``); the heartbeat carries the decoder's load, from which
@@ -30,6 +32,8 @@ from services.mesh.nats_auth import DECODER_USER
 from services.mesh.rpc import MeshIdentity
 from services.models.device import pick_device
 from services.models.encoding import encode_output
+from services.models.prompt_encoding import PromptParams
+from services.models.text_encoders import PromptRequest, TextEncoderEngine
 from services.models.vae import DecodedImage, VaeDecoderEngine, latents_from_bytes
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
@@ -45,6 +49,7 @@ from services.telemetry import logs
 from services.telemetry.gpu import Telemetry
 from vae_worker import spans
 from vae_worker.decode_batches import DecodeBatcher
+from vae_worker.metrics import PROMPT_ENCODES, TEXT_ENCODER_BYTES
 from vae_worker.output_checks import OutputChecks
 from vae_worker.requests import check_encode, check_jobs, encoded, outputs_to_check
 
@@ -52,10 +57,14 @@ log = logging.getLogger(__name__)
 
 
 class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
-    def __init__(self, batcher: DecodeBatcher, checks: OutputChecks | None = None) -> None:
+    def __init__(
+        self, batcher: DecodeBatcher, checks: OutputChecks | None = None, encoders: TextEncoderEngine | None = None
+    ) -> None:
         self.batcher = batcher
         # None: the image filter is off here; a job whose outputs are to be checked fails.
         self.checks = checks
+        engine = batcher.engine
+        self.encoders = encoders or TextEncoderEngine(engine.registry, engine.models_dir, engine.device, 0)
 
     @stream_errors
     async def Decode(
@@ -157,6 +166,20 @@ class VaeDecoderServicer(vae_decoder_pb2_grpc.VaeDecoderServicer):
         array = latents.contiguous().numpy()
         return vae_decoder_pb2.EncodeResponse(latents=array.astype("<f4").tobytes(), shape=list(array.shape))
 
+    @unary_errors
+    async def EncodePrompt(
+        self, request: vae_decoder_pb2.EncodePromptRequest, context: grpc.aio.ServicerContext
+    ) -> vae_decoder_pb2.EncodePromptResponse:
+        self.encoders.check_model(request.model)  # an unknown model is refused before any wait
+        params = PromptParams(request.prompt, request.negative_prompt, request.width, request.height)
+        size = (request.image_width, request.image_height)
+        asked = PromptRequest(request.model, params, request.guided, request.image, size)
+        with logs.about_job(request.job_id):
+            data, cached = await asyncio.to_thread(self.encoders.encode, asked)
+        PROMPT_ENCODES.labels(model=request.model, cached=str(cached).lower()).inc()
+        TEXT_ENCODER_BYTES.set(self.encoders.held_bytes())
+        return vae_decoder_pb2.EncodePromptResponse(conditioning=data, cached=cached)
+
 
 def batcher_for(settings: DecoderSettings, engine: VaeDecoderEngine) -> DecodeBatcher:
     return DecodeBatcher(engine, wait_s=settings.batch_wait_ms / 1000.0, max_images=settings.max_batch)
@@ -171,10 +194,15 @@ def create_server(
     batcher: DecodeBatcher,
     mesh: MeshIdentity | None = None,
     checks: OutputChecks | None = None,
+    encoders: TextEncoderEngine | None = None,
 ) -> Server:
     """The VaeDecoder gRPC server (not started); port 0 picks a free port.
-    ``checks``: the image filter (None: off, and jobs to be checked fail)."""
-    servicer = VaeDecoderServicer(batcher, checks)
+    ``checks``: the image filter (None: off, and jobs to be checked fail);
+    ``encoders``: the text encoders it serves (None: a cache of the settings' size)."""
+    encoders = encoders or TextEncoderEngine(
+        batcher.engine.registry, batcher.engine.models_dir, batcher.engine.device, settings.prompt_cache_mb * 2**20
+    )
+    servicer = VaeDecoderServicer(batcher, checks, encoders)
     return build_server(
         [
             (
@@ -205,10 +233,21 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
         pooled=kernel.database_pooled,
     )
     batcher = batcher_for(settings, engine)
-    server = create_server(settings, batcher, MeshIdentity.of(kernel.mesh_dir, "decoder"), checks)
+    # The text encoders of the models whose registry entry says "service": this
+    # process, already started, sealed, supervised and scaled per GPU, serves them too.
+    encoders = TextEncoderEngine(registry, kernel.models_dir, device, settings.prompt_cache_mb * 2**20)
+    server = create_server(settings, batcher, MeshIdentity.of(kernel.mesh_dir, "decoder"), checks, encoders)
     address = f"{settings.host}:{server.port}"
     telemetry = Telemetry((device.index or 0) if device.type == "cuda" else None)
-    heartbeat = Heartbeat(WorkerKind.DECODER, worker_id, address, engine, telemetry, kernel.restarts, batcher.telemetry)
+    heartbeat = Heartbeat(
+        WorkerKind.DECODER,
+        worker_id,
+        address,
+        engine,
+        telemetry,
+        kernel.restarts,
+        lambda: {**batcher.telemetry(), **encoders.telemetry()},
+    )
     credentials = NatsCredentials.of(kernel.mesh_dir, "decoder", DECODER_USER)
     # Its heartbeats go on NATS; it consumes nothing there.
     nats = JetStream(

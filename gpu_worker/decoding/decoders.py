@@ -4,7 +4,8 @@ on another one when that fails or disappears mid-stream (only the jobs it did no
 finish go), and on this sampler itself as a last resort when
 ``local_decode_fallback`` allows; or always on this sampler (``decode_locally``:
 its decoder would share its GPU), the batch in one call. An edit's input image goes the other way, into
-latents, the same way (``VaeDecoder.Encode``)."""
+latents, the same way (``VaeDecoder.Encode``), and a prompt into its conditioning
+where the decoders serve its model's text encoders (``prompt_encoders``)."""
 
 from __future__ import annotations
 
@@ -190,6 +191,17 @@ class Decoders:
                     out[job.id] = DecodeUnavailable(f"no decoder could decode it in {self.patience_s:.0f}s ({tried})")
                 return out
             await asyncio.sleep(ROUND_PAUSE_S)
+
+    async def fastest_candidates(self) -> list[WorkerRecord]:
+        """The live decoders, the one that would finish its held work first first."""
+        return fastest_first(await self._candidates(), 0.0, self._in_flight)
+
+    def stub(self, decoder: WorkerRecord) -> vae_decoder_pb2_grpc.VaeDecoderStub:
+        return vae_decoder_pb2_grpc.VaeDecoderStub(self._channels.to(decoder.address))
+
+    def reread(self) -> None:
+        """None of them could: the registry is asked again next time."""
+        self._known_at = float("-inf")
 
     async def _candidates(self) -> list[WorkerRecord]:
         """The live decoders, reread at most every DECODERS_REREAD_S, starting at a

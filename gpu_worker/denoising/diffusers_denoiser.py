@@ -40,13 +40,19 @@ from gpu_worker.denoising.noise_schedulers import HOST, host_scheduler, initial_
 from gpu_worker.denoising.prompts import Conditioning, PromptCache, prompt_key
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
+from services.errors import DarkroomError
 from services.generation import GenerationParams
 from services.models import loader, speed
 from services.models.loader import Loaded
 from services.models.spec import ModelSpec, scheduler_class
+from services.models.text_encoders import TEXT_ENCODERS, text_encoder_names
 
-# A pipeline's text encoders, as its components are named.
-TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
+__all__ = ["TEXT_ENCODERS", "ConditioningNotServed", "DiffusersDenoiser"]
+
+
+class ConditioningNotServed(DarkroomError):
+    """A job of a model whose text encoders are the decoder service's reached the loop
+    without the conditioning a decoder encoded for it."""
 
 
 class DiffusersDenoiser:
@@ -152,6 +158,9 @@ class DiffusersDenoiser:
 
         dtype = loader.compute_dtype(spec, self.device)
         parts = self.pipeline_parts(spec)
+        if spec.text_encoders == "service":
+            # Loaded by the decoder service: the sampler's bytes are the network's alone.
+            parts.update(dict.fromkeys(text_encoder_names(spec, self.models_dir), None))
         host = TEXT_ENCODERS if spec.text_encoders == "host" else ()
         loaded = loader.load(
             DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, host_parts=host, **parts
@@ -160,7 +169,8 @@ class DiffusersDenoiser:
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)
         self.prepare_network(pipe, spec, options)
-        if options.compile:
+        # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
+        if options.compile and spec.text_encoders != "service":
             warm_up_buckets(self, pipe, spec, self._max_rows(spec))
         return loaded
 
@@ -244,6 +254,8 @@ class DiffusersDenoiser:
         batch: Sequence[GenerationParams],
         images: Mapping[str, MemberInputs] | None = None,
     ) -> None:
+        if spec.text_encoders == "service":
+            return  # nothing to encode here: the loop takes each member's own conditioning
         for params in batch:
             self.encode_cached(pipe, spec, params, (images or {}).get(params.image_digest))
 
@@ -256,10 +268,30 @@ class DiffusersDenoiser:
 
         def encode() -> Conditioning:
             # Encoded where the text encoders are; kept where the network reads it.
-            return self.encode_prompt(pipe, spec, params, cfg).to(self.device)
+            return self.conditioning(pipe, spec, params, cfg, inputs).to(self.device)
 
         with torch.inference_mode():
-            return self.prompts.get(prompt_key(params, cfg), encode)
+            return self.prompts.get(self.conditioning_key(params, cfg), encode)
+
+    def conditioning_key(self, params: GenerationParams, cfg: bool) -> tuple[Any, ...]:
+        """What the job's conditioning is cached under."""
+        return prompt_key(params, cfg)
+
+    def conditioning(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool, inputs: MemberInputs | None
+    ) -> Conditioning:
+        """The job's conditioning from its model's text encoders: here (``encode_prompt``),
+        or, where they are the decoder service's, the one a decoder encoded for it."""
+        if spec.text_encoders != "service":
+            return self.encode_prompt(pipe, spec, params, cfg)
+        if inputs is None or inputs.conditioning is None:
+            raise ConditioningNotServed(
+                f"{params.model}'s text encoders are the decoder service's, and no conditioning came for this job"
+            )
+        # In the dtype its own encoders would have given (a decoder on a CPU encodes in float32).
+        dtype = loader.compute_dtype(spec, self.device)
+        tensors = inputs.conditioning.tensors().items()
+        return Conditioning.of({k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors})
 
     def text_device(self, pipe: Any) -> torch.device:
         """Where the pipeline's text encoders are: the device, or the host (``text_encoders``)."""

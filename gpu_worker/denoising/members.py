@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 import torch
 
 from gpu_worker.checkpoints.format import Checkpoint
+from gpu_worker.denoising.prompts import Conditioning
 from services.errors import DarkroomError, JobInterrupted
 from services.generation import GenerationParams
 
@@ -49,12 +50,16 @@ def _never() -> bool:
 class MemberInputs:
     """What a job's input image is to its model, made before its batch runs
     (``gpu_worker.jobs.edit_inputs``): an edit's latents and mask, an upscale's pixels,
-    and the pixels a text encoder that sees the image takes (Qwen-Image-Edit's)."""
+    and the pixels a text encoder that sees the image takes (Qwen-Image-Edit's); and
+    the job's conditioning where its model's text encoders are the decoder service's
+    (``text_encoders = "service"``): kept on the member, so that no eviction from the
+    prompt cache can lose it before the loop reads it."""
 
     image_latents: torch.Tensor | None = None  # (1, C, H/8, W/8): an edit's input, encoded by its VAE
     mask: torch.Tensor | None = None  # (1, 1, H/8, W/8): inpainting, 1 where the model paints
     image: torch.Tensor | None = None  # (1, 3, h, w) in [-1, 1]: an upscale's input
     prompt_image: torch.Tensor | None = None  # (1, 3, h, w) uint8: the input as the text encoder sees it
+    conditioning: Conditioning | None = None  # on the host, as the decoder service encoded it
 
 
 @dataclass(frozen=True)

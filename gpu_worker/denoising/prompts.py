@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 
+from services.models import prompt_encoding
+from services.models.prompt_encoding import text_length
 from services.models.spec import ModelFamily
+
+__all__ = ["HOST_FIELDS", "Conditioning", "PromptCache", "prompt_key", "text_length"]
 
 # What stays on the host wherever the rest goes: what the network's call reads as
 # numbers (a device tensor would be read back).
@@ -43,24 +47,24 @@ class Conditioning:
         return cls()
 
     @classmethod
-    def encode(cls, pipe: Any, family: ModelFamily, req: Any, device: torch.device, cfg: bool) -> Conditioning:
-        negative = req.negative_prompt or None
-        if family == ModelFamily.SDXL:
-            embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
-                prompt=req.prompt,
-                device=device,
-                num_images_per_prompt=1,
-                do_classifier_free_guidance=cfg,
-                negative_prompt=negative,
-            )
-            projection = pipe.text_encoder_2.config.projection_dim if pipe.text_encoder_2 is not None else None
-            size = (req.height, req.width)
-            time_ids = pipe._get_add_time_ids(
-                size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
-            ).to(device)
-            return cls(embeds, neg if cfg else None, pooled, neg_pooled if cfg else None, time_ids)
-        embeds, neg = pipe.encode_prompt(req.prompt, device, 1, cfg, negative)
-        return cls(embeds, neg if cfg else None)
+    def encode(
+        cls, pipe: Any, family: ModelFamily, req: Any, device: torch.device, cfg: bool, **extras: Any
+    ) -> Conditioning:
+        """``req``'s conditioning by ``pipe``'s text encoders on ``device``: the shared
+        encoding (``services.models.prompt_encoding``) the decoder service runs too."""
+        return cls.of(prompt_encoding.encode(pipe, family, req, device, cfg, **extras))
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> Conditioning:
+        """From named tensors (``prompt_encoding``'s); a name it has no field for is an error."""
+        unknown = set(tensors) - _FIELDS
+        if unknown:
+            raise ValueError(f"a conditioning has no {sorted(unknown)}")
+        return cls(**tensors)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Its tensors by name, those it has: what ``of`` takes back."""
+        return self._tensors()
 
     @property
     def nbytes(self) -> int:
@@ -122,6 +126,9 @@ class Conditioning:
         return {"text_embeds": self.pooled, "time_ids": self.time_ids}
 
 
+_FIELDS = frozenset(f.name for f in fields(Conditioning))
+
+
 def _padded_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``embeds`` (rows, tokens, width) padded with zeros to ``length`` tokens, and its mask."""
     rows, tokens, width = embeds.shape
@@ -137,13 +144,6 @@ def prompt_key(params: Any, cfg: bool) -> tuple[Any, ...]:
     """What a job's conditioning depends on (its model first: ``PromptCache.forget``),
     ``cfg`` whether it has a negative half."""
     return (params.model, params.prompt, params.negative_prompt, cfg, params.width, params.height)
-
-
-def text_length(tokenizer: Any, longest: int) -> int:
-    """The T5 prompt length: the pipeline's, unless the tokenizer's own is shorter (a miniature's)."""
-    if tokenizer is None:
-        return longest
-    return min(longest, int(tokenizer.model_max_length))
 
 
 class PromptCache:

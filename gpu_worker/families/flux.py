@@ -20,14 +20,10 @@ from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs
 from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS
-from gpu_worker.denoising.prompts import Conditioning, text_length
+from gpu_worker.denoising.prompts import Conditioning
 from gpu_worker.denoising.step_groups import guidance_column
 from services.generation import GenerationParams
 from services.models.spec import ModelSpec
-
-# The T5 prompt length of dev (and of FluxPipeline's default); schnell was trained with 256.
-DEV_TEXT_LEN = 512
-SCHNELL_TEXT_LEN = 256
 
 
 class FluxDenoiser(DiffusersDenoiser):
@@ -48,15 +44,9 @@ class FluxDenoiser(DiffusersDenoiser):
         return (params.num_images, h * w, pipe.transformer.config.in_channels)
 
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        longest = DEV_TEXT_LEN if pipe.transformer.config.guidance_embeds else SCHNELL_TEXT_LEN
-        embeds, pooled, _ = pipe.encode_prompt(
-            prompt=params.prompt,
-            prompt_2=None,
-            device=self.text_device(pipe),
-            num_images_per_prompt=1,
-            max_sequence_length=text_length(pipe.tokenizer_2, longest),
-        )
-        return Conditioning(embeds=embeds, pooled=pooled)
+        """Dev's T5 prompt is longer than schnell's: its network's config says which it is."""
+        config = pipe.transformer.config
+        return Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg, network_config=config)
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift

@@ -37,17 +37,13 @@ from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS
 from gpu_worker.denoising.prompts import Conditioning, prompt_key, text_length
 from services.generation import GenerationParams
 from services.models import speed
+from services.models.prompt_encoding import QWEN_TEXT_LEN as TEXT_LEN  # the longest prompt, in tokens
 from services.models.sources import resolve_source
 from services.models.spec import ModelSpec, edit_condition_size
 
-# The longest prompt, in tokens: QwenImagePipeline's default max_sequence_length.
-TEXT_LEN = 512
 # An edit's longest text: a prompt of QwenImageEditPipeline's 1024 tokens, and its
 # input image's at most 1,424 (EDIT_CONDITION_AREA in the processor's 28x28-pixel tokens).
 EDIT_TEXT_LEN = 1024 + 1424
-# The negative prompt of a job that gives none: Qwen-Image's examples' (the pipeline
-# guides only with one, and the empty string is a prompt like any other).
-NO_NEGATIVE_PROMPT = " "
 
 
 class QwenImageDenoiser(DiffusersDenoiser):
@@ -63,17 +59,6 @@ class QwenImageDenoiser(DiffusersDenoiser):
     def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
         h, w = self._grid(pipe, params)
         return (params.num_images, h * w, pipe.transformer.config.in_channels)
-
-    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        """Each text alone, as the pipeline encodes it: a prompt alone has no padding,
-        so its mask (every position a token) is left out."""
-        longest = text_length(pipe.tokenizer, TEXT_LEN)
-        embeds, _ = pipe.encode_prompt(params.prompt, self.device, 1, max_sequence_length=longest)
-        if not cfg:
-            return Conditioning(embeds=embeds)
-        negative_prompt = params.negative_prompt or NO_NEGATIVE_PROMPT
-        negative, _ = pipe.encode_prompt(negative_prompt, self.device, 1, max_sequence_length=longest)
-        return Conditioning(embeds=embeds, negative_embeds=negative)
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
@@ -167,30 +152,22 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
         self, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None = None
     ) -> Conditioning:
         """The prompt's and the input image's conditioning, cached under both."""
-        if inputs is None or inputs.prompt_image is None:
+        if inputs is None or (inputs.prompt_image is None and inputs.conditioning is None):
             raise ValueError(f"{params.model} edits an input image, and this job has none")
-        image = inputs.prompt_image
-        cfg = self.classifier_free(params)
+        return super().encode_cached(pipe, spec, params, inputs)
 
-        def encode() -> Conditioning:
-            return self._encode_with_image(pipe, params, cfg, image).to(self.device)
+    def conditioning_key(self, params: GenerationParams, cfg: bool) -> tuple[Any, ...]:
+        return (*prompt_key(params, cfg), params.image_digest)
 
-        with torch.inference_mode():
-            return self.prompts.get((*prompt_key(params, cfg), params.image_digest), encode)
-
-    def _encode_with_image(self, pipe: Any, params: GenerationParams, cfg: bool, image: torch.Tensor) -> Conditioning:
-        """Each text alone with the image, as the pipeline encodes them: its processor
-        takes the image's pixels as a picture."""
-        from PIL import Image
-
-        picture = Image.fromarray(image[0].permute(1, 2, 0).numpy())
+    def conditioning(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool, inputs: MemberInputs | None
+    ) -> Conditioning:
+        """Each text alone with the image, as the pipeline encodes them (the shared
+        encoding's): its processor takes the image's pixels as a picture."""
+        if spec.text_encoders == "service" or inputs is None or inputs.prompt_image is None:
+            return super().conditioning(pipe, spec, params, cfg, inputs)
         device = self.text_device(pipe)
-        embeds, _ = pipe.encode_prompt(params.prompt, image=picture, device=device)
-        if not cfg:
-            return Conditioning(embeds=embeds)
-        negative_prompt = params.negative_prompt or NO_NEGATIVE_PROMPT
-        negative, _ = pipe.encode_prompt(negative_prompt, image=picture, device=device)
-        return Conditioning(embeds=embeds, negative_embeds=negative)
+        return Conditioning.encode(pipe, spec.family, params, device, cfg, image=inputs.prompt_image)
 
     def call_key(self, run: DiffusersRun) -> Any:
         return self._condition_grid(run)

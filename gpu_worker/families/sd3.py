@@ -11,31 +11,12 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
-from gpu_worker.denoising.prompts import Conditioning, text_length
+from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
-from services.models.spec import ModelSpec
-
-# The T5 prompt length its pipeline defaults to (and SD 3 was trained with).
-TEXT_LEN = 256
 
 
 class SD3Denoiser(DiffusersDenoiser):
     network_name = "transformer"
-
-    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=params.prompt,
-            prompt_2=None,
-            prompt_3=None,
-            negative_prompt=params.negative_prompt or "",
-            do_classifier_free_guidance=cfg,
-            num_images_per_prompt=1,
-            max_sequence_length=text_length(pipe.tokenizer_3, TEXT_LEN),
-            device=self.text_device(pipe),
-        )
-        if not cfg:
-            return Conditioning(embeds=embeds, pooled=pooled)
-        return Conditioning(embeds=embeds, negative_embeds=negative, pooled=pooled, negative_pooled=negative_pooled)
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         config = pipe.scheduler.config

@@ -16,9 +16,6 @@ from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models.spec import ModelSpec
 
-# The prompt length Wan was trained with; its pipeline pads every prompt to it.
-TEXT_LEN = 512
-
 
 class WanDenoiser(DiffusersDenoiser):
     network_name = "transformer"
@@ -30,16 +27,10 @@ class WanDenoiser(DiffusersDenoiser):
         return (params.num_images, channels, frames, params.height // scale, params.width // scale)
 
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        embeds, negative = pipe.encode_prompt(
-            prompt=params.prompt,
-            negative_prompt=params.negative_prompt or "",
-            do_classifier_free_guidance=cfg,
-            num_videos_per_prompt=1,
-            max_sequence_length=TEXT_LEN,
-            device=self.text_device(pipe),
-        )
+        """In its transformer's dtype, as WanPipeline casts it."""
+        encoded = Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)
         dtype = pipe.transformer.dtype
-        return Conditioning(embeds.to(dtype), negative.to(dtype) if cfg else None)
+        return Conditioning.of({name: t.to(dtype) for name, t in encoded.tensors().items()})
 
     def call_network(
         self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]

@@ -28,13 +28,11 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
-from gpu_worker.denoising.prompts import Conditioning, text_length
+from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models import speed
 from services.models.spec import ModelSpec
 
-# ZImagePipeline's longest prompt, in tokens with its chat template.
-TEXT_LEN = 512
 # Longer than 32 tokens beyond an empty prompt: padded (to 32s) to another length.
 WARM_UP_LONG_PROMPT = "a long warm-up prompt, " * 4
 
@@ -70,26 +68,6 @@ class ZImageDenoiser(DiffusersDenoiser):
 
     def latent_dtype(self, pipe: Any) -> torch.dtype:
         return torch.float32
-
-    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
-        embeds, negative = pipe.encode_prompt(
-            prompt=params.prompt,
-            device=self.text_device(pipe),
-            do_classifier_free_guidance=cfg,
-            negative_prompt=params.negative_prompt or None,
-            max_sequence_length=text_length(pipe.tokenizer, TEXT_LEN),
-        )
-        [embeds] = embeds
-        lengths = torch.tensor([len(embeds)])
-        if not cfg:
-            return Conditioning(embeds=embeds[None], text_lengths=lengths)
-        [negative] = negative
-        return Conditioning(
-            embeds=embeds[None],
-            negative_embeds=negative[None],
-            text_lengths=lengths,
-            negative_text_lengths=torch.tensor([len(negative)]),
-        )
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas

@@ -3,24 +3,30 @@ runs (on the event loop's side: the encode is a call to a decoder service): an
 edit's input encoded into latents by its model's VAE and its mask brought to the
 latents' size, as diffusers' pipelines do; an upscale's input as pixels. A model
 whose text encoder sees the input (Qwen-Image-Edit's) takes it resized to its
-condition size, as pixels for the encoder and as latents beside the denoised ones."""
+condition size, as pixels for the encoder and as latents beside the denoised ones.
+A job of a model whose text encoders are the decoder service's (``text_encoders =
+"service"``) gets its conditioning from a decoder here too, with or without an image:
+joiners of a running batch are prepared the same way."""
 
 from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 from PIL import Image
 
 from gpu_worker.decoding.decoders import Decoders
+from gpu_worker.decoding.prompt_encoders import served_conditioning
 from gpu_worker.denoising.members import MemberInputs
+from gpu_worker.denoising.prompts import Conditioning
 from gpu_worker.jobs.job_store import JobStore
 from services.db.records import JobRecord
 from services.errors import DarkroomError
-from services.generation import JobInputs, Task
+from services.generation import GenerationParams, JobInputs, Task
 from services.models.registry import ModelRegistry
 from services.models.spec import edit_condition_size
 from services.models.vae import pixels_of
@@ -33,29 +39,57 @@ class MissingInput(DarkroomError):
     """A job that needs an input image has none stored."""
 
 
+def _never_guided(params: GenerationParams) -> bool:
+    return False
+
+
 class EditInputs:
-    def __init__(self, store: JobStore, decoders: Decoders, registry: ModelRegistry) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        decoders: Decoders,
+        registry: ModelRegistry,
+        guided: Callable[[GenerationParams], bool] = _never_guided,
+    ) -> None:
         self.store = store
         self.decoders = decoders
         self.registry = registry
+        self.guided = guided  # whether a job's conditioning has its negative half (its family's say)
+
+    def _served(self, job: JobRecord) -> bool:
+        spec = self.registry.models.get(job.params.model)
+        return spec is not None and spec.text_encoders == "service"
 
     async def prepare(self, jobs: Sequence[JobRecord]) -> dict[str, MemberInputs | BaseException]:
-        """Per job that has an input image, by id: its inputs, or what kept it from
-        having them."""
-        wanted = [job for job in jobs if job.params.image_digest]
+        """Per job that has an input image, or whose conditioning a decoder encodes,
+        by id: its inputs, or what kept it from having them."""
+        with_images = [job for job in jobs if job.params.image_digest]
+        wanted = [job for job in jobs if job.params.image_digest or self._served(job)]
         if not wanted:
             return {}
-        stored = await self.store.inputs(wanted)
+        stored = await self.store.inputs(with_images) if with_images else {}
         out: dict[str, MemberInputs | BaseException] = {}
         for job in wanted:
             found = stored.get(job.id)
             try:
-                if found is None:
-                    raise MissingInput(f"job {job.id} has no input image stored")
-                out[job.id] = await self._prepare(job, found)
+                inputs = MemberInputs()
+                if job.params.image_digest:
+                    if found is None:
+                        raise MissingInput(f"job {job.id} has no input image stored")
+                    inputs = await self._prepare(job, found)
+                if self._served(job):
+                    inputs = replace(inputs, conditioning=await self._conditioning(job, inputs, found))
+                out[job.id] = inputs
             except Exception as exc:
                 out[job.id] = exc
         return out
+
+    async def _conditioning(self, job: JobRecord, inputs: MemberInputs, stored: JobInputs | None) -> Conditioning:
+        """The job's conditioning from a decoder: with the input image where its text encoder sees it."""
+        image, size = b"", (0, 0)
+        if inputs.prompt_image is not None and stored is not None:
+            image, size = stored.image, (int(inputs.prompt_image.shape[-1]), int(inputs.prompt_image.shape[-2]))
+        return await served_conditioning(self.decoders, job, self.guided(job.params), image, size)
 
     async def _prepare(self, job: JobRecord, inputs: JobInputs) -> MemberInputs:
         p = job.params

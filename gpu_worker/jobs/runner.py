@@ -65,7 +65,7 @@ class JobRunner:
         self.worker_id = store.worker_id
         self.failures = FailureStreak(unfit_after_failures)
         self.outcomes = OutcomeRecorder(store, self.failures)
-        self.edit_inputs = EditInputs(store, decoders, engine.registry)
+        self.edit_inputs = EditInputs(store, decoders, engine.registry, guided=engine.classifier_free)
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
         self._sampling: BatchSampling | None = None  # the batch on the device
 
@@ -126,7 +126,11 @@ class JobRunner:
             started.inputs = inputs.get(started.job.id)
             started.prepared = True
         runnable = [s.job.params for s in batch if not isinstance(s.inputs, BaseException)]
-        images = {s.job.params.image_digest: s.inputs for s in batch if isinstance(s.inputs, MemberInputs)}
+        images = {
+            s.job.params.image_digest: s.inputs
+            for s in batch
+            if isinstance(s.inputs, MemberInputs) and s.job.params.image_digest
+        }
         try:
             await asyncio.to_thread(self.engine.encode_prompts, runnable, images)
         except Exception as exc:

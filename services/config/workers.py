@@ -109,4 +109,11 @@ class DecoderSettings(Section):
         at_least=0.0,
     )
     max_batch: int = setting(8, "Images in one VAE call at most.", env="DECODE_MAX_BATCH", at_least=1)
+    prompt_cache_mb: int = setting(
+        256,
+        'Conditionings it encoded for models whose text encoders it serves (text_encoders = "service"), kept by '
+        "prompt (MiB), least recently used first out.",
+        env="DECODER_PROMPT_CACHE_MB",
+        at_least=0,
+    )
     decode: DecodeSettings = setting(doc="How it decodes.", factory=DecodeSettings)

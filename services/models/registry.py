@@ -17,6 +17,7 @@ from services.models.spec import (
     FAMILY_DEFAULTS,
     MAX_FPS,
     PATCHED_FAMILIES,
+    SERVED_TEXT_ENCODER_FAMILIES,
     STORE_PREFIX,
     TEXT_ENCODER_PLACES,
     ModelFamily,
@@ -117,6 +118,8 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(f"model {name!r}: quantize {spec.quantize!r} is not one of {sorted(QUANTIZE)}")
     if spec.text_encoders not in TEXT_ENCODER_PLACES:
         raise ModelError(f"model {name!r}: text_encoders {spec.text_encoders!r} is not one of {TEXT_ENCODER_PLACES}")
+    if spec.text_encoders == "service" and spec.family not in SERVED_TEXT_ENCODER_FAMILIES:
+        raise ModelError(f"model {name!r}: a {spec.family} model has no text encoders a decoder serves")
     if spec.cuda_graphs and not (spec.compile or spec.optimize):
         raise ModelError(f"model {name!r}: cuda_graphs come with compile (or optimize)")
     if spec.max_batch < 1:

@@ -100,7 +100,23 @@ STORE_PREFIX = "store:"
 # What a ``sim`` model's source must be: it has no weights (services/models/sim.py).
 BUILTIN_SIM = "builtin:sim"
 # Where a model's text encoders may run (``ModelSpec.text_encoders``).
-TEXT_ENCODER_PLACES = ("device", "host")
+TEXT_ENCODER_PLACES = ("device", "host", "service")
+# The families whose text encoders the decoder service may run (``"service"``): those
+# whose prompts the shared encoding (``services.models.prompt_encoding``) encodes.
+SERVED_TEXT_ENCODER_FAMILIES = frozenset(
+    {
+        ModelFamily.SD15,
+        ModelFamily.SDXL,
+        ModelFamily.TINY,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE,
+        ModelFamily.QWEN_IMAGE_EDIT,
+        ModelFamily.Z_IMAGE,
+        ModelFamily.WAN,
+    }
+)
 # Frames per second a video may ask for.
 MAX_FPS = 120.0
 # A job running longer than this is stopped, unless its model says otherwise.
@@ -150,9 +166,11 @@ class ModelSpec:
     attention: str = ""
     fuse_qkv: bool = False
     quantize: str = ""
-    # Where its text encoders run: "device", beside its network (the default), or
+    # Where its text encoders run: "device", beside its network (the default);
     # "host": kept in the sampler's host memory and run on its CPU, each prompt's
-    # conditioning then moved to the device (T5-XXL's 9.5 GB off a card too small).
+    # conditioning then moved to the device (T5-XXL's 9.5 GB off a card too small);
+    # or "service": loaded once by the decoder service, which encodes every sampler's
+    # prompts (``VaeDecoder.EncodePrompt``), the samplers loading the network alone.
     text_encoders: str = "device"
     # An output whose latents vary less than this (standard deviation) is degenerate.
     min_output_std: float = 1e-3

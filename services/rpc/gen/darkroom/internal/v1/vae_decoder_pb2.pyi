@@ -85,3 +85,35 @@ class EncodeResponse(_message.Message):
     latents: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, latents: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EncodePromptRequest(_message.Message):
+    __slots__ = ("model", "prompt", "negative_prompt", "guided", "width", "height", "image", "image_width", "image_height", "job_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    prompt: str
+    negative_prompt: str
+    guided: bool
+    width: int
+    height: int
+    image: bytes
+    image_width: int
+    image_height: int
+    job_id: str
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., guided: _Optional[bool] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., image: _Optional[bytes] = ..., image_width: _Optional[int] = ..., image_height: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class EncodePromptResponse(_message.Message):
+    __slots__ = ("conditioning", "cached")
+    CONDITIONING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    conditioning: bytes
+    cached: bool
+    def __init__(self, conditioning: _Optional[bytes] = ..., cached: _Optional[bool] = ...) -> None: ...

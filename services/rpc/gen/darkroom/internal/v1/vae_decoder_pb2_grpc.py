@@ -46,6 +46,11 @@ class VaeDecoderStub:
                 request_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.EncodePrompt = channel.unary_unary(
+                '/darkroom.internal.v1.VaeDecoder/EncodePrompt',
+                request_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodePromptRequest.SerializeToString,
+                response_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodePromptResponse.FromString,
+                _registered_method=True)
 
 
 class VaeDecoderServicer:
@@ -73,6 +78,17 @@ class VaeDecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodePrompt(self, request, context):
+        """A job's prompt conditioning by its model's text encoders, for a model whose
+        registry entry says text_encoders = "service": the decoder loads the encoders
+        once, on first use (its samplers load the network alone), and keeps what it
+        encoded by prompt, so a batch's members, a retry and a resume reuse it. An
+        unknown model, or one whose encoders are not served, is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VaeDecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -85,6 +101,11 @@ def add_VaeDecoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeRequest.FromString,
                     response_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeResponse.SerializeToString,
+            ),
+            'EncodePrompt': grpc.unary_unary_rpc_method_handler(
+                    servicer.EncodePrompt,
+                    request_deserializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodePromptRequest.FromString,
+                    response_serializer=darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodePromptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -143,6 +164,33 @@ class VaeDecoder:
             '/darkroom.internal.v1.VaeDecoder/Encode',
             darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeRequest.SerializeToString,
             darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodePrompt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.internal.v1.VaeDecoder/EncodePrompt',
+            darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodePromptRequest.SerializeToString,
+            darkroom_dot_internal_dot_v1_dot_vae__decoder__pb2.EncodePromptResponse.FromString,
             options,
             channel_credentials,
             insecure,
