@@ -275,3 +275,23 @@ async def test_without_a_reachable_decoder_or_local_fallback_the_decode_is_unava
     finally:
         await decoders.close()
     assert "unreachable" in str(err.value)
+
+
+async def test_without_a_reachable_decoder_a_served_prompt_is_unavailable_and_retried(
+    nats_server: EmbeddedNats, presence: PresenceView
+) -> None:
+    """A model whose text encoders are the decoder service's, and no decoder answers:
+    the attempt fails with a retryable error that blames no sampler."""
+    from gpu_worker.decoding.prompt_encoders import PromptEncodeUnavailable, served_conditioning
+    from gpu_worker.jobs.failures import classify
+
+    await register_unreachable_decoder(nats_server, presence)
+    decoders = Decoders(presence, stale_after_s=STALE_AFTER_S, patience_s=1.0)
+    try:
+        with pytest.raises(PromptEncodeUnavailable) as err:
+            await served_conditioning(decoders, job("nowhere"), guided=False)
+    finally:
+        await decoders.close()
+    assert "unreachable" in str(err.value) and "encode the prompt" in str(err.value)
+    failure = classify(err.value)
+    assert failure.retryable and not failure.blames_worker

@@ -296,3 +296,28 @@ async def test_degenerate_pixels_fail_their_job(data_dir, models_dir, tmp_path: 
         with pytest.raises(Refused) as err:
             await decode(decoder, request(latents(1)))
     assert "degenerate" in str(err.value)
+
+
+async def test_encode_prompt_answers_a_served_models_conditioning_and_refuses_a_model_by_name(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    """A model whose text encoders the decoder serves: its conditioning as safetensors
+    bytes, the same prompt again from the cache; an unknown model, or one whose encoders
+    are not served, is INVALID_ARGUMENT naming ``model``."""
+    from services.models.prompt_encoding import from_bytes
+
+    registry = tmp_path / "registry.toml"
+    flux = '[models.flux]\nsource = "builtin:tiny-flux"\nfamily = "flux"\ndtype = "float32"\nsize_step = 16\n'
+    registry.write_text(flux + 'text_encoders = "service"\n[models.tiny]\nsource = "builtin:tiny"\nfamily = "tiny"\n')
+    ask = vae_decoder_pb2.EncodePromptRequest(model="flux", prompt="a lighthouse", width=64, height=64, job_id="j")
+    async with decoder_service(data_dir, registry) as decoder:
+        first = await decoder.stub.EncodePrompt(ask)
+        again = await decoder.stub.EncodePrompt(ask)
+        for model in ("nope", "tiny"):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await decoder.stub.EncodePrompt(vae_decoder_pb2.EncodePromptRequest(model=model, prompt="x"))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "model" in (err.value.details() or "")
+    tensors = from_bytes(first.conditioning)
+    assert set(tensors) == {"embeds", "pooled"} and tensors["embeds"].dtype == torch.float32
+    assert (first.cached, again.cached, again.conditioning) == (False, True, first.conditioning)
