@@ -65,7 +65,8 @@ class JobRunner:
         self.worker_id = store.worker_id
         self.failures = FailureStreak(unfit_after_failures)
         self.outcomes = OutcomeRecorder(store, self.failures)
-        self.edit_inputs = EditInputs(store, decoders, engine.registry, guided=engine.classifier_free)
+        # Asked only of a job whose model's text encoders the decoder service runs.
+        self.edit_inputs = EditInputs(store, decoders, engine.registry, guided=lambda p: engine.classifier_free(p))
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
         self._sampling: BatchSampling | None = None  # the batch on the device
 
