@@ -86,6 +86,14 @@ class QwenImageDenoiser(DiffusersDenoiser):
         noise = torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
         return pipe._pack_latents(noise, params.num_images, channels, h * 2, w * 2)
 
+    def in_latent_layout(self, pipe: Any, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
+        """Packed as the latents are; a mask first given each latent channel, as
+        QwenImageInpaintPipeline does."""
+        channels = pipe.transformer.config.in_channels // 4
+        if x.shape[1] == 1:
+            x = x.repeat(1, channels, 1, 1)
+        return pipe._pack_latents(x, x.shape[0], channels, x.shape[2], x.shape[3])
+
     def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
         return pipe._unpack_latents(latents, params.height, params.width, pipe.vae_scale_factor)[:, :, 0]
 

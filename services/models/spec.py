@@ -70,6 +70,8 @@ EDITING_FAMILIES = frozenset(
         ModelFamily.SD3,
         ModelFamily.FLUX,
         ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE,
+        ModelFamily.Z_IMAGE,
         ModelFamily.QWEN_IMAGE_EDIT,
     }
 )

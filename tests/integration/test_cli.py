@@ -119,7 +119,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
         made = sdk.images.generate(prompt="a cat", size="64x64", extra_body={"steps": 2})
         assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 64)
         # Today's families, through the door and the CLI alike.
-        for model in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell"):
+        for model in ("tiny-sd3", "tiny-flux", "tiny-flux-schnell", "tiny-qwen-image", "tiny-z-image"):
             made = sdk.images.generate(model=model, prompt="a cat", size="64x96", extra_body={"steps": 2})
             assert made.data is not None and png_size(base64.b64decode(made.data[0].b64_json or "")) == (64, 96)
         # Instruction edits: an image and a sentence (Flux.1 Kontext, Qwen-Image-Edit), through images.edit.

@@ -6,8 +6,8 @@ the same seed gives the same image; a size its patches cannot take is refused by
 name before anything is stored; a guided Z-Image job (a negative prompt) returns
 its PNG too. An instruction edit (Flux.1 Kontext, Qwen-Image-Edit): an
 image and a sentence give an image of the input's size; one without an image, or with a mask or a
-strength, is refused by name. SD 3.5 and Flux.1 edit an input image (image to
-image, inpainting) through the same path as SD 1.5."""
+strength, is refused by name. SD 3.5, Flux.1, Qwen-Image and Z-Image edit an input
+image (image to image, inpainting) through the same path as SD 1.5."""
 
 from __future__ import annotations
 
@@ -109,7 +109,9 @@ def test_an_instruction_edit_refuses_what_it_cannot_use_by_name(stack, extra: di
 
 
 @pytest.mark.parametrize(
-    ("model", "masked"), [("tiny-sd3", False), ("tiny-flux", True)], ids=["sd3 image to image", "flux inpainting"]
+    ("model", "masked"),
+    [("tiny-sd3", False), ("tiny-flux", True), ("tiny-qwen-image", True), ("tiny-z-image", False)],
+    ids=["sd3 image to image", "flux inpainting", "qwen-image inpainting", "z-image image to image"],
 )
 def test_an_edit_of_an_input_image_makes_an_image_of_its_size(stack, model: str, masked: bool) -> None:
     client = stub(stack)

@@ -1,5 +1,5 @@
-"""Image to image and inpainting with the flow-matching families (SD 3.5 and Flux.1,
-whose diffusers pipelines have them), on the CPU with their miniatures: image to
+"""Image to image and inpainting with the flow-matching families (SD 3.5, Flux.1,
+Qwen-Image and Z-Image, whose diffusers pipelines have them), on the CPU with their miniatures: image to
 image is the family's own pipeline's latents; inpainting keeps the input outside
 its mask exactly; an edit batched beside other work, or suspended and resumed in
 another engine, gets exactly its solo latents."""
@@ -12,7 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-from diffusers import FluxImg2ImgPipeline, StableDiffusion3Img2ImgPipeline
+from diffusers import (
+    FluxImg2ImgPipeline,
+    QwenImageImg2ImgPipeline,
+    StableDiffusion3Img2ImgPipeline,
+    ZImageImg2ImgPipeline,
+)
 
 from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberInputs, MemberResult
 from gpu_worker.engine import SamplerEngine
@@ -21,8 +26,21 @@ from services.models.flow_tiny import TINY_TEXT_LEN
 from services.models.registry import ModelRegistry
 
 CPU = torch.device("cpu")
-PIPELINES = {"tiny-sd3": StableDiffusion3Img2ImgPipeline, "tiny-flux": FluxImg2ImgPipeline}
-GUIDANCE = {"tiny-sd3": 4.5, "tiny-flux": 3.5}
+PIPELINES = {
+    "tiny-sd3": StableDiffusion3Img2ImgPipeline,
+    "tiny-flux": FluxImg2ImgPipeline,
+    "tiny-qwen-image": QwenImageImg2ImgPipeline,
+    "tiny-z-image": ZImageImg2ImgPipeline,
+}
+GUIDANCE = {"tiny-sd3": 4.5, "tiny-flux": 3.5, "tiny-qwen-image": 4.0, "tiny-z-image": 0.0}
+# What each pipeline is told so that it guides and reads its prompt as the sampler does.
+PIPELINE_GUIDANCE: dict[str, dict[str, Any]] = {
+    "tiny-sd3": {"guidance_scale": 4.5, "max_sequence_length": TINY_TEXT_LEN},
+    "tiny-flux": {"guidance_scale": 3.5, "max_sequence_length": TINY_TEXT_LEN},
+    # True classifier-free guidance, its negative prompt a space where a job gives none.
+    "tiny-qwen-image": {"true_cfg_scale": 4.0, "negative_prompt": " "},
+    "tiny-z-image": {"guidance_scale": 0.0},
+}
 LATENTS = torch.Generator().manual_seed(0)
 # An input image's latents, as the decoder's VAE gives them: (1, 16, 8, 8) for 64x64.
 IMAGE = torch.randn(1, 16, 8, 8, generator=LATENTS)
@@ -66,6 +84,9 @@ def test_image_to_image_is_the_familys_pipelines(engine: SamplerEngine, models_d
     assert steps == list(range(5, 11)), "it runs the last 60 % of the steps"
     pipe: Any = PIPELINES[model].from_pretrained(models_dir / model)
     pipe.set_progress_bar_config(disable=True)
+    if PIPELINES[model] is ZImageImg2ImgPipeline:
+        # It resizes its input as pixels before it looks at the channels: hand it the latents as they are.
+        pipe.image_processor.preprocess = lambda image, **_: image
     with torch.inference_mode():
         # Sixteen channels: the pipeline takes them as latents, as the decoder's VAE gave them.
         reference = pipe(
@@ -75,13 +96,13 @@ def test_image_to_image_is_the_familys_pipelines(engine: SamplerEngine, models_d
             height=64,
             width=64,
             num_inference_steps=10,
-            guidance_scale=GUIDANCE[model],
             generator=[torch.Generator().manual_seed(5)],
-            max_sequence_length=TINY_TEXT_LEN,
             output_type="latent",
+            **PIPELINE_GUIDANCE[model],
         ).images
-    if PIPELINES[model] is FluxImg2ImgPipeline:
+    if PIPELINES[model] in (FluxImg2ImgPipeline, QwenImageImg2ImgPipeline):
         reference = pipe._unpack_latents(reference, 64, 64, pipe.vae_scale_factor)
+        reference = reference[:, :, 0] if reference.dim() == 5 else reference  # Qwen-Image's frame axis
     assert torch.equal(ours, reference)
     assert not torch.equal(ours, run(engine, edit(model, 5, 0.6), MemberInputs(image_latents=OTHER)))
 

@@ -151,7 +151,7 @@ def test_the_loop_never_reads_the_device_back(engine: SamplerEngine, case: str) 
     elif spec.instruction_edits:
         inputs = [MemberInputs(image_latents=torch.zeros(1, 16, size // 8, size // 8, device=META))] * 3
     elif spec.edits:
-        channels = 16 if spec.family in (ModelFamily.SD3, ModelFamily.FLUX) else 4
+        channels = 4 if spec.family in (ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY) else 16
         image_latents = torch.zeros(1, channels, size // 8, size // 8, device=META)
         mask = torch.ones(1, 1, size // 8, size // 8, device=META)
         requests += [params(3, strength=0.5), params(4, strength=1.0)]
