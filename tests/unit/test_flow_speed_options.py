@@ -7,7 +7,7 @@ a per-row input; Qwen-Image's texts padded to its longest; Z-Image's blocks comp
 with symbolic lengths, its captions as long as their prompts); SD 3.5 keeps its
 attention unfused (diffusers' fused processor drops its QK norms), and so does
 Qwen-Image (its processor never reads fused projections), and Z-Image has no fused
-projections; int8 weights move the latents by a measured, bounded amount."""
+projections; int8 and FP8 weights move the latents by a measured, bounded amount."""
 
 from __future__ import annotations
 
@@ -92,9 +92,12 @@ def test_a_compiled_transformer_compiles_as_it_loads_and_never_on_a_job(
     assert largest_difference(got, plain) < TOLERANCE
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("model", MODELS)
-def test_int8_weights_move_the_latents_by_a_measured_bounded_amount(models_dir: Path, model: str) -> None:
+def test_quantized_weights_move_the_latents_by_a_measured_bounded_amount(
+    models_dir: Path, model: str, kind: str
+) -> None:
     plain = run(engine(models_dir, spec_of(model)), jobs(spec_of(model)))
-    got = run(engine(models_dir, spec_of(model, quantize="int8")), jobs(spec_of(model)))
+    got = run(engine(models_dir, spec_of(model, quantize=kind)), jobs(spec_of(model)))
     drift = speed.latent_drift(got, plain)
-    assert 0.0 < drift < 0.25, f"int8 moved the latents by {drift:.4f} (relative RMS)"
+    assert 0.0 < drift < 0.25, f"{kind} moved the latents by {drift:.4f} (relative RMS)"

@@ -1,0 +1,212 @@
+"""What a diffusers family says, and what the loop (``diffusers_denoiser``) asks of it:
+its pipeline's parts and network, the shape and dtype of its latents, how a member
+starts (its noise drawn, an edit's input noised to its first step), how one step's
+network call is made and its guided halves combined, and its prompts' conditioning:
+encoded where its text encoders are (the device, the host) or handed over by the
+decoder service that serves them, and kept in the prompt cache. Each family in
+``gpu_worker.families`` overrides what differs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_worker.denoising.checkpoint_capture import LoopState, MemberRun
+from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.noise_schedulers import HOST, initial_sigma, start_from_input
+from gpu_worker.denoising.prompts import Conditioning, PromptCache, prompt_key
+from services.errors import DarkroomError
+from services.generation import GenerationParams
+from services.models import loader, speed
+from services.models.spec import ModelSpec
+
+
+class ConditioningNotServed(DarkroomError):
+    """A job of a model whose text encoders are the decoder service's reached the loop
+    without the conditioning a decoder encoded for it."""
+
+
+class DiffusersFamily:
+    """A family of diffusers pipelines whose denoising network is ``network_name``."""
+
+    loads_weights = True
+    takes_joiners = True  # a running batch takes jobs in at its step boundaries
+    network_name = "unet"
+    halves_share_call = True  # a guided step: one call, its rows doubled
+
+    def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
+        self.models_dir = models_dir
+        self.device = device
+        self.prompts = prompts
+        # Batches are fused into one network call on an accelerator. The meta device
+        # stands for one in a test, and has no generators: its noise comes from the CPU.
+        self.fuse_batches = device.type != "cpu"
+        self.generator_device = HOST if device.type == "meta" else device
+
+    # -- what a family says --------------------------------------------------------
+
+    def pipeline_parts(self, spec: ModelSpec) -> dict[str, Any]:
+        """Components to load as given rather than from the model: the VAE lives in
+        its own service, so the sampler never loads it."""
+        return {"vae": None}
+
+    def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
+        scale = pipe.vae_scale_factor
+        return (params.num_images, self.network(pipe).config.in_channels, params.height // scale, params.width // scale)
+
+    def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
+        return Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)
+
+    def classifier_free(self, params: GenerationParams) -> bool:
+        """Whether a member's step calls the network twice (its rows doubled), with its
+        prompt and without, mixed by its guidance scale."""
+        return params.guidance_scale > 1.0
+
+    def combine_guidance(
+        self, pipe: Any, uncond: torch.Tensor, cond: torch.Tensor, scale: float | torch.Tensor
+    ) -> torch.Tensor:
+        """A guided step's prediction from its negative prompt's and its prompt's:
+        classifier-free guidance's line through them, ``scale`` along it (per row)."""
+        return uncond + scale * (cond - uncond)
+
+    def latent_dtype(self, pipe: Any) -> torch.dtype:
+        """What a member's latents are kept in through its steps: the network's, unless
+        its pipeline keeps them in float32 (Z-Image)."""
+        return self.network(pipe).dtype
+
+    def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
+        """What besides the steps sets a job's noise-scheduler timesteps (a shift by size)."""
+        return {}
+
+    def output_latents(self, pipe: Any, params: GenerationParams, latents: torch.Tensor) -> torch.Tensor:
+        """A member's latents as its VAE decodes them, (N, C, H/8, W/8): Flux's are packed."""
+        return latents
+
+    def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
+        """What the network takes for a member's (scaled) latents."""
+        return latents
+
+    def call_key(self, run: DiffusersRun) -> Any:
+        """What members that share a network call agree on besides their guidance mode
+        (members of a batch have one size): an edit's input image's token grid."""
+        return None
+
+    def call_network(
+        self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
+    ) -> Any:
+        return pipe.unet(
+            x, t, encoder_hidden_states=c.embeds, added_cond_kwargs=c.added_cond_kwargs(), return_dict=False
+        )[0]
+
+    def start(self, pipe: Any, run: DiffusersRun, member: BatchMember) -> None:
+        """A fresh member's state at its first step: its noise drawn, and an edit's
+        input noised to the step its strength starts at."""
+        state = _state(run)
+        noise = self.draw_noise(pipe, member.params, state)
+        inputs = member.inputs
+        if inputs is None or inputs.image_latents is None:
+            state.latents = noise * initial_sigma(state.scheduler)
+            return
+        params = member.params
+        image = inputs.image_latents.to(self.device, noise.dtype).repeat(params.num_images, 1, 1, 1)
+        mask = inputs.mask.to(self.device, noise.dtype) if inputs.mask is not None else None
+        image = self.in_latent_layout(pipe, params, image)
+        mask = self.in_latent_layout(pipe, params, mask) if mask is not None else None
+        run.step = start_from_input(state, params, image, mask, noise)
+
+    def in_latent_layout(self, pipe: Any, params: GenerationParams, x: torch.Tensor) -> torch.Tensor:
+        """An edit's input latents or mask, (N, C or 1, H/8, W/8), laid out as the
+        member's latents are (Flux packs them)."""
+        return x
+
+    # -- its pipeline and its prompts --------------------------------------------
+
+    def network(self, pipe: Any) -> Any:
+        return getattr(pipe, self.network_name)
+
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        """The denoising network with the model's speed options applied."""
+        setattr(pipe, self.network_name, speed.prepare(self.network(pipe), options))
+
+    def _max_rows(self, spec: ModelSpec) -> int:
+        """The most rows one network call takes (before guidance doubles them): a
+        batch's images where batches are fused, one member's elsewhere."""
+        return spec.max_batch if self.fuse_batches else min(spec.max_images, spec.max_batch)
+
+    def warm_up_inputs(self, spec: ModelSpec, params: GenerationParams) -> MemberInputs | None:
+        return None  # an upscaler's: its input
+
+    def warm_up_prompts(self, params: GenerationParams) -> list[str]:
+        """One: the network's shapes do not depend on the prompt (its text is padded)."""
+        return [params.prompt]
+
+    def encode_prompts(
+        self,
+        pipe: Any,
+        spec: ModelSpec,
+        batch: Sequence[GenerationParams],
+        images: Mapping[str, MemberInputs] | None = None,
+    ) -> None:
+        if spec.text_encoders == "service":
+            return  # nothing to encode here: the loop takes each member's own conditioning
+        for params in batch:
+            self.encode_cached(pipe, spec, params, (images or {}).get(params.image_digest))
+
+    def encode_cached(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None = None
+    ) -> Conditioning:
+        """The job's prompt conditioning, from the prompt cache or encoded into it;
+        ``inputs`` for a family whose text encoder sees the input image."""
+        cfg = self.classifier_free(params)
+
+        def encode() -> Conditioning:
+            # Encoded where the text encoders are; kept where the network reads it.
+            return self.conditioning(pipe, spec, params, cfg, inputs).to(self.device)
+
+        with torch.inference_mode():
+            return self.prompts.get(self.conditioning_key(params, cfg), encode)
+
+    def conditioning_key(self, params: GenerationParams, cfg: bool) -> tuple[Any, ...]:
+        """What the job's conditioning is cached under."""
+        return prompt_key(params, cfg)
+
+    def conditioning(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool, inputs: MemberInputs | None
+    ) -> Conditioning:
+        """The job's conditioning from its model's text encoders: here (``encode_prompt``),
+        or, where they are the decoder service's, the one a decoder encoded for it."""
+        if spec.text_encoders != "service":
+            return self.encode_prompt(pipe, spec, params, cfg)
+        if inputs is None or inputs.conditioning is None:
+            raise ConditioningNotServed(
+                f"{params.model}'s text encoders are the decoder service's, and no conditioning came for this job"
+            )
+        # In the dtype its own encoders would have given (a decoder on a CPU encodes in float32).
+        dtype = loader.compute_dtype(spec, self.device)
+        tensors = inputs.conditioning.tensors().items()
+        return Conditioning.of({k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors})
+
+    def text_device(self, pipe: Any) -> torch.device:
+        """Where the pipeline's text encoders are: the device, or the host (``text_encoders``)."""
+        encoder = getattr(pipe, "text_encoder", None)
+        if not isinstance(encoder, torch.nn.Module):
+            return self.device
+        return next(encoder.parameters()).device
+
+    def draw_noise(self, pipe: Any, params: GenerationParams, state: LoopState) -> torch.Tensor:
+        """One draw per output from its own generator, as the diffusers pipelines do."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = (1, *self.latent_shape(pipe, params)[1:])
+        dtype = self.latent_dtype(pipe)
+        return torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
+
+
+def _state(run: MemberRun) -> LoopState:
+    """A diffusers run's state: it always has one."""
+    assert run.state is not None
+    return run.state
