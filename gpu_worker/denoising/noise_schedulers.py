@@ -30,6 +30,17 @@ def host_scheduler(cls: Any, pipe: Any, params: GenerationParams, **timesteps: A
     return scheduler
 
 
+def size_shift(config: Any, tokens: int, max_shift: float = 1.15) -> float:
+    """The flow-matching shift (``mu``) of an image of ``tokens`` latent tokens, linear
+    between the scheduler config's base and max: each pipeline's ``calculate_shift``
+    (SD 3's defaults its max to 1.16), in the same operations, so the same float."""
+    base_len, max_len = config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096)
+    base, top = config.get("base_shift", 0.5), config.get("max_shift", max_shift)
+    m = (top - base) / (max_len - base_len)
+    b = base - m * base_len
+    return float(tokens * m + b)
+
+
 def initial_sigma(scheduler: Any) -> float:
     """What a first step's noise is scaled by: 1 for a flow-matching scheduler, which has none."""
     return float(getattr(scheduler, "init_noise_sigma", 1.0))

@@ -19,7 +19,7 @@ import torch
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs
-from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS
+from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
 from gpu_worker.denoising.prompts import Conditioning
 from gpu_worker.denoising.step_groups import guidance_column
 from services.generation import GenerationParams
@@ -49,17 +49,8 @@ class FluxDenoiser(DiffusersDenoiser):
         return Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg, network_config=config)
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        config = pipe.scheduler.config
         h, w = self._grid(pipe, params)
-        mu = calculate_shift(
-            h * w,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = size_shift(pipe.scheduler.config, h * w)
         return {"sigmas": np.linspace(1.0, 1 / params.steps, params.steps), "mu": mu}
 
     def draw_noise(self, pipe: Any, params: GenerationParams, state: Any) -> torch.Tensor:

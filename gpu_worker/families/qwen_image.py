@@ -33,7 +33,7 @@ import torch
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs
-from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS
+from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
 from gpu_worker.denoising.prompts import Conditioning, prompt_key, text_length
 from services.generation import GenerationParams
 from services.models import speed
@@ -61,17 +61,8 @@ class QwenImageDenoiser(DiffusersDenoiser):
         return (params.num_images, h * w, pipe.transformer.config.in_channels)
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        config = pipe.scheduler.config
         h, w = self._grid(pipe, params)
-        mu = calculate_shift(
-            h * w,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = size_shift(pipe.scheduler.config, h * w)
         return {"sigmas": np.linspace(1.0, 1 / params.steps, params.steps), "mu": mu}
 
     def draw_noise(self, pipe: Any, params: GenerationParams, state: Any) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.noise_schedulers import size_shift
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 
@@ -22,19 +23,10 @@ class SD3Denoiser(DiffusersDenoiser):
         config = pipe.scheduler.config
         if not config.get("use_dynamic_shifting"):
             return {}  # SD 3.5: a fixed shift, in the scheduler's config
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
         patch = pipe.transformer.config.patch_size
         scale = pipe.vae_scale_factor
         tokens = (params.height // scale // patch) * (params.width // scale // patch)
-        mu = calculate_shift(
-            tokens,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
-        )
-        return {"mu": mu}
+        return {"mu": size_shift(config, tokens, max_shift=1.16)}
 
     def call_network(
         self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]

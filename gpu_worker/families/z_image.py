@@ -28,6 +28,7 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.noise_schedulers import size_shift
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models import speed
@@ -70,17 +71,10 @@ class ZImageDenoiser(DiffusersDenoiser):
         return torch.float32
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
-        config = pipe.scheduler.config
         _, _, h, w = self.latent_shape(pipe, params)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = size_shift(pipe.scheduler.config, (h // 2) * (w // 2))
         return {"sigmas": get_default_z_image_sigmas(params.steps), "mu": mu}
 
     def call_network(
