@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from diffusers import QwenImagePipeline
 from PIL import Image
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
-from gpu_worker.denoising.members import BatchMember, JobSuspended
+from gpu_worker.denoising.members import JobSuspended
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.jobs.previews import previews
@@ -32,7 +31,7 @@ from services.errors import JobInterrupted
 from services.generation import GenerationParams
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
-from tests.unit.test_flow_families import Departures, tensor
+from tests.unit.test_flow_families import Departures, member, new_engine, tensor
 
 CPU = torch.device("cpu")
 MODEL = "tiny-qwen-image"
@@ -44,19 +43,6 @@ def params(
 ) -> GenerationParams:
     text = prompt or f"a lighthouse {seed}"
     return GenerationParams(MODEL, text, negative, 64, 96, steps, guidance, seed, images)
-
-
-def member(
-    p: GenerationParams,
-    on_step: Callable[[int, int], None] = lambda step, total: None,
-    stopping: threading.Event | None = None,
-    **extra: Any,
-) -> BatchMember:
-    return BatchMember(p, on_step, stopping or threading.Event(), **extra)
-
-
-def new_engine(models_dir: Path) -> SamplerEngine:
-    return SamplerEngine(ModelRegistry.load(), models_dir, CPU)
 
 
 @pytest.fixture(scope="module")
