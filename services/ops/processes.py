@@ -117,24 +117,39 @@ def spawn(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
 _LOWEST_PORT = 10000
 
 
+# Every port free_port() has handed out in this process. A stack picks all its
+# ports (gateway, HTTP, each child's metrics) before any child binds one, so a
+# port that is merely unbound can already be another child's: handing it out
+# twice made two children fight over one port (the loser restarting forever and
+# a client reaching the winner, a metrics server that answers 405).
+_HANDED_OUT: set[int] = set()
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on or connects from now, outside the
-    ephemeral range where the kernel can; a kernel-picked one where no room is left
-    below that range."""
+    ephemeral range where the kernel can, and never one this process has handed out
+    before; a kernel-picked one where no room is left below that range."""
     first_ephemeral = _ephemeral_ports()[0]
-    for _ in range(64):
-        if first_ephemeral <= _LOWEST_PORT:
-            break
-        port = _LOWEST_PORT + secrets.randbelow(first_ephemeral - _LOWEST_PORT)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use: another
+    with _HANDED_OUT_LOCK:
+        for _ in range(256):
+            if first_ephemeral <= _LOWEST_PORT:
+                break
+            port = _LOWEST_PORT + secrets.randbelow(first_ephemeral - _LOWEST_PORT)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue  # in use: another
+            _HANDED_OUT.add(port)
             return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        _HANDED_OUT.add(port)
+        return port
 
 
 def _ephemeral_ports() -> tuple[int, int]:
