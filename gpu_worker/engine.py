@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.adapters.library import AdapterLibrary
 from gpu_worker.busy import BusyClock
 from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.denoiser import Denoiser
@@ -50,6 +51,7 @@ class SamplerEngine:
         pinned: Sequence[str] = (),
         capabilities: Collection[str] = (),
         shares_device: bool = False,
+        adapters: AdapterLibrary | None = None,
     ) -> None:
         self.registry = registry
         self.device = device
@@ -61,20 +63,22 @@ class SamplerEngine:
         # priority), it denoises on a stream of the highest: a decode takes what it leaves.
         prioritised = shares_device and device.type == "cuda"
         self._stream = torch.cuda.Stream(device, priority=-10) if prioritised else None
-        unet = UNetDenoiser(models_dir, device, self.prompts)
+        # Where adapters' weights come from (the model store through the host cache).
+        library = adapters if adapters is not None else AdapterLibrary()
+        unet = UNetDenoiser(models_dir, device, self.prompts, library)
         # One denoiser per model family.
         self.denoisers: dict[ModelFamily, Denoiser] = {
             ModelFamily.SD15: unet,
             ModelFamily.SDXL: unet,
             ModelFamily.TINY: unet,
-            ModelFamily.WAN: WanDenoiser(models_dir, device, self.prompts),
-            ModelFamily.SD_X4_UPSCALER: UpscaleDenoiser(models_dir, device, self.prompts),
-            ModelFamily.SD3: SD3Denoiser(models_dir, device, self.prompts),
-            ModelFamily.FLUX: FluxDenoiser(models_dir, device, self.prompts),
-            ModelFamily.FLUX_KONTEXT: FluxKontextDenoiser(models_dir, device, self.prompts),
-            ModelFamily.QWEN_IMAGE: QwenImageDenoiser(models_dir, device, self.prompts),
-            ModelFamily.Z_IMAGE: ZImageDenoiser(models_dir, device, self.prompts),
-            ModelFamily.QWEN_IMAGE_EDIT: QwenImageEditDenoiser(models_dir, device, self.prompts),
+            ModelFamily.WAN: WanDenoiser(models_dir, device, self.prompts, library),
+            ModelFamily.SD_X4_UPSCALER: UpscaleDenoiser(models_dir, device, self.prompts, library),
+            ModelFamily.SD3: SD3Denoiser(models_dir, device, self.prompts, library),
+            ModelFamily.FLUX: FluxDenoiser(models_dir, device, self.prompts, library),
+            ModelFamily.FLUX_KONTEXT: FluxKontextDenoiser(models_dir, device, self.prompts, library),
+            ModelFamily.QWEN_IMAGE: QwenImageDenoiser(models_dir, device, self.prompts, library),
+            ModelFamily.Z_IMAGE: ZImageDenoiser(models_dir, device, self.prompts, library),
+            ModelFamily.QWEN_IMAGE_EDIT: QwenImageEditDenoiser(models_dir, device, self.prompts, library),
             ModelFamily.SIM: SimDenoiser(),
         }
         self.models = ModelCache(

@@ -75,6 +75,20 @@ class JobShape:
 
 
 @dataclass(frozen=True)
+class AdapterUse:
+    """A LoRA adapter a job applies: a version of the model store's, and its scale."""
+
+    name: str
+    version: str
+    scale: float = 1.0
+
+    @property
+    def key(self) -> str:
+        """What names the adapter's bytes: one version is one content."""
+        return f"{self.name}:{self.version}"
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """Everything that decides a job's outputs: the same parameters (and input
     images) give the same outputs (exactly on a CPU, within floating-point error on
@@ -98,6 +112,9 @@ class GenerationParams:
     # job (``job_inputs``); empty: none.
     image_digest: str = ""
     mask_digest: str = ""
+    # LoRA adapters, in the order the request named them (members of one batch may
+    # each have their own).
+    adapters: tuple[AdapterUse, ...] = ()
 
     @property
     def shape(self) -> JobShape:

@@ -105,16 +105,9 @@ class AdapterSlots:
         self._held += Counter()  # drops the zeros
 
     @contextlib.contextmanager
-    def rows(self, members: Sequence[tuple[MemberAdapters, int]], total: int) -> Iterator[None]:
-        """Around one network call of ``total`` rows: each member's adapters (resident)
-        on its rows, in order, then rows without adapters (padding, a doubled call's
-        second half is set by calling this with the members twice)."""
-        table: list[list[tuple[int, float]]] = []
-        for adapters, rows in members:
-            row = [(self._resident[key], scale) for key, scale in adapters]
-            table.extend([row] * rows)
-        table.extend([[]] * (total - len(table)))
-        self.table.set(table)
+    def rows(self, rows: Sequence[MemberAdapters]) -> Iterator[None]:
+        """Around one network call: each of its rows' adapters (resident), by key and scale."""
+        self.table.set([[(self._resident[key], scale) for key, scale in row] for row in rows])
         try:
             yield
         finally:

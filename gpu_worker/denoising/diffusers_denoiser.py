@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.adapters.library import attach_slots, slots_of
 from gpu_worker.denoising.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
 from gpu_worker.denoising.diffusers_family import ConditioningNotServed, DiffusersFamily
 from gpu_worker.denoising.diffusers_run import DiffusersRun
@@ -68,6 +69,9 @@ class DiffusersDenoiser(DiffusersFamily):
         pipe = loaded.value
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)
+        if spec.adapter_slots:
+            rows = 2 * max(spec.max_batch, spec.max_images)  # a guided call doubles its rows
+            attach_slots(pipe, self.network(pipe), spec, rows, self.network(pipe).dtype)
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":
@@ -100,9 +104,15 @@ class DiffusersDenoiser(DiffusersFamily):
         is read back but what a member's boundaries ask for; with it, each member's
         latents are read back as it leaves and handed out at once."""
         calls = NetworkCalls(speed.SpeedOptions.of(spec, self.device), self._max_rows(spec))
-        with torch.inference_mode():
-            runs = [self._prepare(pipe, spec, m, checkpoints) for m in members]
-            self._denoise(pipe, spec, runs, checkpoints, calls, joins)
+        runs: list[DiffusersRun] = []
+        try:
+            with torch.inference_mode():
+                runs.extend(self._prepare(pipe, spec, m, checkpoints) for m in members)
+                self._denoise(pipe, spec, runs, checkpoints, calls, joins)
+        finally:
+            slots = slots_of(pipe)
+            if slots is not None:
+                slots.release([key for r in runs for key, _ in r.adapters])
         return runs
 
     def _prepare(self, pipe: Any, spec: ModelSpec, member: BatchMember, checkpoints: MemberCheckpoints) -> DiffusersRun:
@@ -124,6 +134,7 @@ class DiffusersDenoiser(DiffusersFamily):
             run.result = checkpoints.stopped(run)
             return run
         try:
+            run.adapters = self.hold_adapters(pipe, spec, params)
             run.conditioning = self.encode_cached(pipe, spec, params, member.inputs)
             if resumed is not Resumption.LATENTS:
                 self.start(pipe, run, member)

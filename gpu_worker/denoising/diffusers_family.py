@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.adapters.library import AdapterLibrary, slots_of
 from gpu_worker.denoising.checkpoint_capture import LoopState, MemberRun
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs
@@ -22,6 +23,7 @@ from gpu_worker.denoising.prompts import Conditioning, PromptCache, prompt_key
 from services.errors import DarkroomError
 from services.generation import GenerationParams
 from services.models import loader, speed
+from services.models.adapters.lora_files import AdapterError
 from services.models.spec import ModelSpec
 
 
@@ -38,10 +40,13 @@ class DiffusersFamily:
     network_name = "unet"
     halves_share_call = True  # a guided step: one call, its rows doubled
 
-    def __init__(self, models_dir: Path, device: torch.device, prompts: PromptCache) -> None:
+    def __init__(
+        self, models_dir: Path, device: torch.device, prompts: PromptCache, adapters: AdapterLibrary | None = None
+    ) -> None:
         self.models_dir = models_dir
         self.device = device
         self.prompts = prompts
+        self.adapters = adapters if adapters is not None else AdapterLibrary()
         # Batches are fused into one network call on an accelerator. The meta device
         # stands for one in a test, and has no generators: its noise comes from the CPU.
         self.fuse_batches = device.type != "cpu"
@@ -124,6 +129,26 @@ class DiffusersFamily:
         return x
 
     # -- its pipeline and its prompts --------------------------------------------
+
+    def hold_adapters(self, pipe: Any, spec: ModelSpec, params: GenerationParams) -> tuple[tuple[str, float], ...]:
+        """The job's adapters resident in the network's slots (loaded if not) and held
+        there until its batch ends: each one's key and scale."""
+        if not params.adapters:
+            return ()
+        slots = slots_of(pipe)
+        if slots is None:
+            raise AdapterError(f"model {spec.name!r} takes no adapters")
+        held: list[str] = []
+        try:
+            for use in params.adapters:  # each held as it loads: the next cannot evict it
+                if not slots.holds(use.key):
+                    slots.load(use.key, self.adapters.weights(use, spec.family))
+                slots.hold([use.key])
+                held.append(use.key)
+        except BaseException:
+            slots.release(held)
+            raise
+        return tuple((use.key, use.scale) for use in params.adapters)
 
     def network(self, pipe: Any) -> Any:
         return getattr(pipe, self.network_name)

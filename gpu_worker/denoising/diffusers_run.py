@@ -28,6 +28,8 @@ class DiffusersRun(MemberRun):
     # call it shares with members at other steps or of other guidance: copied once.
     network_timesteps: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     network_guidance: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    # Its adapters' keys and scales, resident in the network's slots while it runs.
+    adapters: tuple[tuple[str, float], ...] = ()
 
 
 class NetworkStep(Protocol):

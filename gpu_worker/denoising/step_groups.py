@@ -6,12 +6,15 @@ where all members agree it carries one of each, exactly as a batch of one key di
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
+from gpu_worker.adapters.library import slots_of
+from gpu_worker.adapters.slots import MemberAdapters
 from gpu_worker.denoising.checkpoint_capture import LoopState
 from gpu_worker.denoising.diffusers_run import DiffusersRun, NetworkStep
 from gpu_worker.denoising.network_calls import NetworkCalls
@@ -61,15 +64,17 @@ def guided_noise(
     x, c = calls.padded(x, c)
     t = network_timesteps(group, sizes, len(x), per_row=calls.options.compile)
     cfg = denoiser.classifier_free(group[0].member.params)
+    adapters = _adapter_rows(group, sizes, len(x))
     if not cfg:
-        return list(_call(denoiser, pipe, x, t, c, group, calls)[:rows].split(sizes))
+        return list(_call(denoiser, pipe, x, t, c, group, calls, adapters)[:rows].split(sizes))
     if denoiser.halves_share_call:
         doubled = Conditioning.stack([c.negative(), c])
         both = t if t.dim() == 0 else torch.cat([t, t])
-        uncond, cond = _call(denoiser, pipe, torch.cat([x, x]), both, doubled, group, calls).chunk(2)
+        call = _call(denoiser, pipe, torch.cat([x, x]), both, doubled, group, calls, adapters * 2)
+        uncond, cond = call.chunk(2)
     else:
-        uncond = _call(denoiser, pipe, x, t, c.negative(), group, calls)
-        cond = _call(denoiser, pipe, x, t, c, group, calls)
+        uncond = _call(denoiser, pipe, x, t, c.negative(), group, calls, adapters)
+        cond = _call(denoiser, pipe, x, t, c, group, calls, adapters)
     out = denoiser.combine_guidance(pipe, uncond, cond, row_scales(group, sizes, len(uncond), uncond))
     return list(out[:rows].split(sizes))
 
@@ -82,10 +87,19 @@ def _call(
     c: Conditioning,
     group: list[DiffusersRun],
     calls: NetworkCalls,
+    adapters: Sequence[MemberAdapters],
 ) -> torch.Tensor:
-    """One network call, with the speed options around it."""
-    with speed.network_call(calls.options):
+    """One network call, with the speed options and each row's adapters around it."""
+    slots = slots_of(pipe)
+    with speed.network_call(calls.options), slots.rows(adapters) if slots else contextlib.nullcontext():
         return speed.owned(denoiser.call_network(pipe, x, t, c, group), calls.options)
+
+
+def _adapter_rows(group: Sequence[DiffusersRun], sizes: Sequence[int], rows: int) -> list[MemberAdapters]:
+    """Each of a call's ``rows`` rows' adapters: each member's on its own rows,
+    padding rows none."""
+    table: list[MemberAdapters] = [r.adapters for r, n in zip(group, sizes, strict=True) for _ in range(n)]
+    return table + [()] * (rows - len(table))
 
 
 def network_timesteps(

@@ -13,6 +13,7 @@ from typing import Any
 from services.errors import ModelError
 from services.models.builtins import BUILTINS
 from services.models.spec import (
+    ADAPTED_FAMILIES,
     BUILTIN_SIM,
     FAMILY_DEFAULTS,
     MAX_FPS,
@@ -128,6 +129,7 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(f"model {name!r}: price must be at least 0, not {spec.price}")
     _check_checkpointing(spec)
     _check_frames(spec)
+    _check_adapters(spec)
     if spec.scheduler:
         scheduler_class(spec)
     return spec
@@ -162,6 +164,25 @@ def _check_defaults(specs: Iterable[ModelSpec], path: Path) -> None:
     for capability, names in sorted(marked.items()):
         if len(names) > 1:
             raise ModelError(f"model registry {path}: {sorted(names)} are each marked the default {capability} model")
+
+
+def _check_adapters(spec: ModelSpec) -> None:
+    name = spec.name
+    for key in ("adapter_slots", "adapter_rank", "adapters_per_job"):
+        value = getattr(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelError(f"model {name!r}: {key} must be a whole number >= 0, not {value!r}")
+    if not spec.adapter_slots:
+        return
+    if spec.family not in ADAPTED_FAMILIES:
+        raise ModelError(f"model {name!r}: a {spec.family} model takes no adapters (adapter_slots)")
+    if spec.adapter_rank < 1:
+        raise ModelError(f"model {name!r}: adapter_rank must be at least 1")
+    if not 1 <= spec.adapters_per_job <= spec.adapter_slots:
+        raise ModelError(
+            f"model {name!r}: adapters_per_job must be within 1..adapter_slots ({spec.adapter_slots}), "
+            f"not {spec.adapters_per_job}"
+        )
 
 
 def _check_checkpointing(spec: ModelSpec) -> None:

@@ -119,6 +119,21 @@ SERVED_TEXT_ENCODER_FAMILIES = frozenset(
         ModelFamily.WAN,
     }
 )
+# The families whose models take LoRA adapters (``adapter_slots``): their networks'
+# layers are called with a call's rows first (services/models/adapters).
+ADAPTED_FAMILIES = frozenset(
+    {
+        ModelFamily.SD15,
+        ModelFamily.SDXL,
+        ModelFamily.TINY,
+        ModelFamily.SD3,
+        ModelFamily.FLUX,
+        ModelFamily.FLUX_KONTEXT,
+        ModelFamily.QWEN_IMAGE,
+        ModelFamily.QWEN_IMAGE_EDIT,
+        ModelFamily.Z_IMAGE,
+    }
+)
 # Frames per second a video may ask for.
 MAX_FPS = 120.0
 # A job running longer than this is stopped, unless its model says otherwise.
@@ -174,6 +189,13 @@ class ModelSpec:
     # or "service": loaded once by the decoder service, which encodes every sampler's
     # prompts (``VaeDecoder.EncodePrompt``), the samplers loading the network alone.
     text_encoders: str = "device"
+    # LoRA adapters (docs/adapters.md): how many a sampler keeps resident on the
+    # device beside the model (0: the model takes none), the largest rank it takes
+    # (every slot is padded to it: a compiled network never compiles for another),
+    # and how many one job may name.
+    adapter_slots: int = 0
+    adapter_rank: int = 32
+    adapters_per_job: int = 4
     # An output whose latents vary less than this (standard deviation) is degenerate.
     min_output_std: float = 1e-3
     # The noise scheduler: a diffusers scheduler class name such as

@@ -74,10 +74,10 @@ def test_an_adapter_gives_what_diffusers_own_lora_loading_gives(models_dir: Path
     slots = slots_on(network)
     slots.load("style", read_lora(adapters["plain"], TINY))
     slots.load("subject", read_lora(adapters["subject"], TINY))
-    with slots.rows([((("style", 0.7), ("subject", 1.3)), 1)], 1):
+    with slots.rows([(("style", 0.7), ("subject", 1.3))]):
         ours = call(network, x, t, text)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
-    with slots.rows([((), 1)], 1):
+    with slots.rows([()]):
         torch.testing.assert_close(call(network, x, t, text), base, rtol=0, atol=0)
 
 
@@ -86,23 +86,23 @@ def test_each_row_of_a_mixed_call_gets_its_own_adapters(models_dir: Path, adapte
     slots = slots_on(network)
     for name in ("style", "subject", "wide"):
         slots.load(name, read_lora(adapters[name], TINY))
-    rows: list[tuple[tuple[tuple[str, float], ...], int]] = [
-        ((("style", 1.0),), 2),
-        ((), 1),
-        ((("subject", 0.5), ("wide", 1.0)), 1),
-        ((("wide", -0.8),), 1),
+    rows: list[tuple[tuple[str, float], ...]] = [
+        (("style", 1.0),),
+        (("style", 1.0),),
+        (),
+        (("subject", 0.5), ("wide", 1.0)),
+        (("wide", -0.8),),
+        (),
     ]
     x, t, text = inputs(6)
-    with slots.rows(rows, 6):  # the sixth row: padding, no adapter
+    with slots.rows(rows):
         mixed = call(network, x, t, text)
-    start = 0
-    for adapters_of_row, n in [*rows, ((), 1)]:
-        with slots.rows([(adapters_of_row, n)], n):
-            alone = call(network, x[start : start + n], t, text[start : start + n])
+    for i, row in enumerate(rows):
+        with slots.rows([row]):
+            alone = call(network, x[i : i + 1], t, text[i : i + 1])
         # The base network's CPU kernels block other batch sizes differently: close, and
         # each row's delta is its own (another row's adapter would move it by far more).
-        torch.testing.assert_close(mixed[start : start + n], alone, rtol=1e-5, atol=1e-5)
-        start += n
+        torch.testing.assert_close(mixed[i : i + 1], alone, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture
@@ -132,16 +132,16 @@ def test_a_compiled_network_serves_new_and_reloaded_adapters_without_compiling_a
     slots = slots_on(network, slots=1)
     compiled = speed.prepare(network, speed.SpeedOptions(compile=True))
     x, t, text = inputs(2)
-    with slots.rows([((), 2)], 2):
+    with slots.rows([(), ()]):
         call(compiled, x, t, text)
     assert compilations[0] == 1
     for name in ("style", "wide", "subject", "style"):  # one slot: each evicts the last
         slots.load(name, read_lora(adapters[name], TINY))
         eager_slots.load(name, read_lora(adapters[name], TINY))
-        rows = [(((name, 0.9),), 1), ((), 1)]
-        with slots.rows(rows, 2):
+        rows: list[tuple[tuple[str, float], ...]] = [((name, 0.9),), ()]
+        with slots.rows(rows):
             got = call(compiled, x, t, text)
-        with eager_slots.rows(rows, 2):
+        with eager_slots.rows(rows):
             torch.testing.assert_close(got, call(eager, x, t, text), rtol=1e-5, atol=1e-5)
     assert compilations[0] == 1
 
@@ -152,13 +152,13 @@ def test_an_evicted_adapter_reloads_to_the_same_output(models_dir: Path, adapter
     x, t, text = inputs(1)
     style = read_lora(adapters["style"], TINY)
     slots.load("style", style)
-    with slots.rows([((("style", 1.0),), 1)], 1):
+    with slots.rows([(("style", 1.0),)]):
         first = call(network, x, t, text)
     slots.load("subject", read_lora(adapters["subject"], TINY))
     slots.load("wide", read_lora(adapters["wide"], TINY))  # the least recently used, style, goes
     assert slots.resident == ["subject", "wide"]
     slots.load("style", style)
-    with slots.rows([((("style", 1.0),), 1)], 1):
+    with slots.rows([(("style", 1.0),)]):
         assert torch.equal(call(network, x, t, text), first)
 
 

@@ -24,8 +24,8 @@ from tests.unit.test_boundaries import ROOT, Import, imports_of, module_of
 
 PACKAGE = "gpu_worker"
 # What the denoising loop may import of the sampler: the loop itself, what its
-# members checkpoint, and how a family's model loads.
-LOOP_USES = ("gpu_worker.denoising", "gpu_worker.checkpoints", "gpu_worker.models.model_cache")
+# members checkpoint, how a family's model loads, and the adapters its network holds.
+LOOP_USES = ("gpu_worker.denoising", "gpu_worker.checkpoints", "gpu_worker.models.model_cache", "gpu_worker.adapters")
 
 
 def import_graph(root: Path, package: str = PACKAGE) -> dict[str, dict[str, Import]]:

@@ -18,16 +18,16 @@ from typing import Any
 import torch
 
 from services.errors import ModelError
-from services.models.spec import ModelFamily
+from services.models.spec import ADAPTED_FAMILIES, ModelFamily
 
 
 class AdapterError(ModelError):
     """An adapter's files cannot be read, or do not fit the network they name."""
 
 
-# The families adapters apply to: each one's pipeline class (whose LoRA loader reads
-# the files) and its denoising network's prefix in a diffusers LoRA state dict.
-ADAPTED_FAMILIES: Mapping[ModelFamily, tuple[str, str]] = {
+# Each family adapters apply to: its pipeline class (whose LoRA loader reads the
+# files) and its denoising network's prefix in a diffusers LoRA state dict.
+LORA_LOADERS: Mapping[ModelFamily, tuple[str, str]] = {
     ModelFamily.TINY: ("StableDiffusionPipeline", "unet"),
     ModelFamily.SD15: ("StableDiffusionPipeline", "unet"),
     ModelFamily.SDXL: ("StableDiffusionXLPipeline", "unet"),
@@ -79,7 +79,7 @@ def read_lora(directory: Path, family: ModelFamily) -> LoraWeights:
     """The adapter in ``directory`` for a model of ``family``, in float32 on the CPU."""
     if family not in ADAPTED_FAMILIES:
         raise AdapterError(f"adapters apply to {', '.join(sorted(ADAPTED_FAMILIES))}; not to {family}")
-    pipeline, network = ADAPTED_FAMILIES[family]
+    pipeline, network = LORA_LOADERS[family]
     path = weights_file(directory)
     state, alphas, metadata = _state_dict(pipeline, path)
     ours = {k[len(network) + 1 :]: v for k, v in state.items() if k.startswith(network + ".")}

@@ -1,0 +1,147 @@
+"""Jobs with their own LoRA adapters through the sampler's loop, on the CPU with the
+tiny model: a batch whose members name other adapters (or none), and a joiner with
+yet another, each get exactly their solo latents; on the GPU's fused path, one call
+for them all, within float tolerance; a job suspended mid-way resumes with its
+adapters to its uninterrupted latents; and an adapter evicted to make room for
+others reloads to the same image."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.adapters.library import AdapterLibrary, slots_of
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
+from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.engine import SamplerEngine
+from services.generation import AdapterUse, GenerationParams
+from services.models.registry import ModelRegistry
+from services.models.spec import ModelFamily
+from tests.lora_files import attention_layers, write_diffusers_lora, write_kohya_lora
+from tests.unit import test_speed_options
+from tests.unit.test_checkpoint import Member, latents, run, suspended
+from tests.unit.test_joining import Departures, member
+from tests.unit.test_speed_options import Compilations
+
+CPU = torch.device("cpu")
+compilations = test_speed_options.compilations  # the counting compile backend, as a fixture here
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from diffusers import UNet2DConditionModel
+
+    network = UNet2DConditionModel.from_pretrained(models_dir / "tiny", subfolder="unet")
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "style": write_kohya_lora(root / "style", network, attention_layers(network), seed=1),
+        "subject": write_diffusers_lora(root / "subject", network, attention_layers(network), rank=8, seed=2),
+        "wide": write_diffusers_lora(root / "wide", network, attention_layers(network), rank=16, seed=3),
+    }
+
+
+def new_engine(models_dir: Path, adapter_dirs: dict[str, Path], slots: int = 4) -> SamplerEngine:
+    spec = replace(ModelRegistry.load().get("tiny"), adapter_slots=slots, adapter_rank=16, adapters_per_job=2)
+    library = AdapterLibrary(lambda use: adapter_dirs[use.name])
+    return SamplerEngine(ModelRegistry({"tiny": spec}), models_dir, CPU, adapters=library)
+
+
+def job(seed: int, *adapters: tuple[str, float], steps: int = 5, guidance: float = 7.5) -> GenerationParams:
+    uses = tuple(AdapterUse(name, "v1", scale) for name, scale in adapters)
+    return GenerationParams("tiny", f"a lighthouse {seed}", "", 64, 64, steps, guidance, seed, 1, adapters=uses)
+
+
+def solo(engine: SamplerEngine, p: GenerationParams) -> torch.Tensor:
+    return engine.sample(p, lambda step, total: None, threading.Event())
+
+
+def test_members_with_other_adapters_and_a_joiner_get_their_solo_latents(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    engine = new_engine(models_dir, adapter_dirs)
+    mixed = [job(1, ("style", 1.0)), job(2), job(3, ("subject", 0.6), ("wide", 1.2), guidance=1.0)]
+    late = job(4, ("wide", -0.7), steps=3)
+
+    def on_step(step: int, total: int) -> None:
+        if step == 2:
+            batch.offer([member(late)])
+
+    members = [member(mixed[0], on_step), *(member(p) for p in mixed[1:])]
+    batch = RunningBatch(late.join_key, 8, members, Departures())
+    results = engine.sample_batch(members, batch)
+    for p, result in zip([*mixed, late], results, strict=True):
+        assert isinstance(result, torch.Tensor)
+        assert torch.equal(result, solo(engine, p)), p
+    # The adapters matter: without them the first job's image is another.
+    first = results[0]
+    assert isinstance(first, torch.Tensor)
+    assert not torch.allclose(first, solo(engine, replace(mixed[0], adapters=())), atol=1e-3)
+    slots = slots_of(engine.load("tiny"))
+    assert slots is not None
+    assert sorted(slots.resident) == ["style:v1", "subject:v1", "wide:v1"]
+
+
+def test_on_the_gpus_path_one_call_with_every_members_adapters_gives_each_its_solo_latents(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    reference = new_engine(models_dir, adapter_dirs)
+    fused = new_engine(models_dir, adapter_dirs)
+    denoiser = fused.denoisers[ModelFamily.TINY]
+    assert isinstance(denoiser, DiffusersDenoiser)
+    denoiser.fuse_batches = True
+    mixed = [job(11, ("style", 1.0)), job(12), job(13, ("subject", 0.6), ("wide", 1.2)), job(14, ("wide", 1.0))]
+    results = fused.sample_batch([member(p) for p in mixed])
+    for p, result in zip(mixed, results, strict=True):
+        assert isinstance(result, torch.Tensor)
+        # A fused call's arithmetic differs from a solo call's in the last bits.
+        torch.testing.assert_close(result, solo(reference, p), rtol=1e-4, atol=1e-4)
+
+
+def test_a_suspended_job_resumes_with_its_adapters_to_its_uninterrupted_latents(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    req = job(21, ("style", 0.8), ("wide", 0.5))
+    [stopped] = run(new_engine(models_dir, adapter_dirs), Member(req, suspend_at=2))
+    [resumed] = run(new_engine(models_dir, adapter_dirs), Member(req, resume=suspended(stopped)))
+    assert torch.equal(latents(resumed), solo(new_engine(models_dir, adapter_dirs), req))
+
+
+def test_an_adapter_evicted_for_others_reloads_to_the_same_image(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    engine = new_engine(models_dir, adapter_dirs, slots=2)
+    first = job(31, ("style", 1.0))
+    before = solo(engine, first)
+    solo(engine, job(32, ("subject", 1.0), ("wide", 1.0)))  # both slots: style is evicted
+    slots = slots_of(engine.load("tiny"))
+    assert slots is not None and sorted(slots.resident) == ["subject:v1", "wide:v1"]
+    assert torch.equal(solo(engine, first), before)
+
+
+def test_a_job_naming_adapters_for_a_model_without_slots_fails_alone(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    library = AdapterLibrary(lambda use: adapter_dirs[use.name])
+    engine = SamplerEngine(ModelRegistry.load(), models_dir, CPU, adapters=library)
+    results = engine.sample_batch([member(job(41, ("style", 1.0))), member(job(42))])
+    assert isinstance(results[0], Exception) and "takes no adapters" in str(results[0])
+    assert isinstance(results[1], torch.Tensor)
+
+
+def test_a_compiled_sampler_runs_jobs_with_new_adapters_without_compiling_again(
+    models_dir: Path, adapter_dirs: dict[str, Path], compilations: Compilations
+) -> None:
+    spec = replace(ModelRegistry.load().get("tiny"), compile=True, adapter_slots=2, adapter_rank=16)
+    library = AdapterLibrary(lambda use: adapter_dirs[use.name])
+    engine = SamplerEngine(ModelRegistry({"tiny": spec}), models_dir, CPU, adapters=library)
+    engine.load("tiny")  # compiled and warmed up, every bucket, guided and not
+    compiled = compilations.graphs
+    for adapters in [(("style", 1.0),), (("subject", 0.5), ("wide", 1.0)), (), (("style", 0.3),)]:
+        p = replace(job(51, *adapters), width=128, height=128)
+        result = solo(engine, p)
+        assert bool(torch.isfinite(result).all())
+    assert compilations.graphs == compiled
