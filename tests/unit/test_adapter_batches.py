@@ -18,6 +18,7 @@ from gpu_worker.adapters.library import AdapterLibrary, slots_of
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
+from services.errors import ModelError
 from services.generation import AdapterUse, GenerationParams
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily
@@ -145,3 +146,23 @@ def test_a_compiled_sampler_runs_jobs_with_new_adapters_without_compiling_again(
         result = solo(engine, p)
         assert bool(torch.isfinite(result).all())
     assert compilations.graphs == compiled
+
+
+@pytest.mark.parametrize(
+    ("lines", "error"),
+    [
+        ('family = "sim"\nsource = "builtin:sim"\nadapter_slots = 4', "a sim model takes no adapters"),
+        ('family = "tiny"\nadapter_slots = -1', "adapter_slots must be a whole number >= 0, not -1"),
+        ('family = "tiny"\nadapter_slots = 4\nadapter_rank = 0', "adapter_rank must be at least 1"),
+        (
+            'family = "tiny"\nadapter_slots = 2\nadapters_per_job = 3',
+            "adapters_per_job must be within 1..adapter_slots",
+        ),
+    ],
+)
+def test_the_registry_refuses_adapter_settings_that_cannot_work(tmp_path: Path, lines: str, error: str) -> None:
+    path = tmp_path / "registry.toml"
+    source = "" if "source" in lines else 'source = "builtin:tiny"\n'
+    path.write_text(f"[models.bad]\n{source}{lines}\n")
+    with pytest.raises(ModelError, match=error.replace(".", r"\.")):
+        ModelRegistry.load(path)
