@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 from typing import Any
 
 from services.config.sections import Settings
@@ -17,7 +18,7 @@ from services.models.host_cache.layout import Layout
 from services.models.host_cache.verification import verify
 from services.models.store.manifest import parse_reference
 from services.models.store.objects import ObjectStore
-from services.models.store.push import push_directory, source_directory
+from services.models.store.push import PushResult, push_directory, source_directory
 
 
 def add_commands(sub: Any, run: Any) -> None:
@@ -28,6 +29,14 @@ def add_commands(sub: Any, run: Any) -> None:
     push.add_argument("reference", metavar="NAME[:VERSION]", help="default version: 12 hex digits of its files' digest")
     push.add_argument(
         "--force", action="store_true", help="replace a version the store holds with other content (hosts follow)"
+    )
+    push.add_argument(
+        "--lora", action="store_true", help="the directory is a LoRA adapter (one .safetensors file), checked first"
+    )
+    push.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="with --lora: the registry model it adapts (default: the default image model)",
     )
     listing = actions.add_parser("list", help="every version of every model in the store")
     rm = actions.add_parser("rm", help="remove a version (NAME:VERSION) or every version (NAME); unshared blobs go")
@@ -60,9 +69,37 @@ def _mb(n: int) -> str:
 
 def _push(args: argparse.Namespace, settings: Settings) -> int:
     parse_reference(args.reference)  # a bad name is refused before anything is built or read
+    if args.base and not args.lora:
+        raise ModelError("--base names the model an adapter adapts: it comes with --lora")
     store = ObjectStore.from_settings(settings.kernel.model_store.as_writer())
+    if args.lora:
+        return _push_adapter(args, settings, store)
     root = source_directory(args.source, settings.kernel.models_dir)
     result = push_directory(store, root, args.reference, force=args.force)
+    _report(result, root)
+    return 0
+
+
+def _push_adapter(args: argparse.Namespace, settings: Settings, store: ObjectStore) -> int:
+    from services.models.adapters.pushing import push_adapter
+
+    registry = settings.kernel.registry()
+    base = registry.get(args.base) if args.base else registry.default_for("image")
+    if base is None:
+        raise ModelError("--lora: no default image model in the registry; name the adapter's with --base MODEL")
+    root = Path(args.source).expanduser()
+    if not root.is_dir():
+        raise ModelError(f"{args.source}: no such directory")
+    result, weights = push_adapter(store, root, args.reference, base, settings.kernel.models_dir, force=args.force)
+    print(
+        f"adapter for {base.name} ({base.family}): rank {weights.rank}, {len(weights.layers)} layers of its network"
+        + (f"; not applied: its {', '.join(weights.skipped)} part" if weights.skipped else "")
+    )
+    _report(result, root)
+    return 0
+
+
+def _report(result: PushResult, root: Path) -> None:
     m = result.manifest
     if result.replaced is not None:
         print(f"replaced {m.name}:{m.version} (manifest sha256 {result.replaced.digest[:12]}, now {m.digest[:12]})")
@@ -70,7 +107,6 @@ def _push(args: argparse.Namespace, settings: Settings) -> int:
     print(f"uploaded {len(result.uploaded)} blobs ({_mb(result.uploaded_bytes)}); ", end="")
     print(f"{len(result.present)} already in the store ({_mb(result.present_bytes)})")
     print(m.version)  # last: what a script reads
-    return 0
 
 
 def _list(settings: Settings) -> int:
@@ -79,9 +115,10 @@ def _list(settings: Settings) -> int:
     if not listed:
         print(f"no models in {store.url} (bucket {store.bucket})")
         return 0
-    print(f"{'NAME':<24} {'VERSION':<16} {'FILES':>5} {'SIZE':>12}  LATEST")
+    print(f"{'NAME':<24} {'VERSION':<16} {'KIND':<6} {'FILES':>5} {'SIZE':>12}  LATEST")
     for v in listed:
-        print(f"{v.name:<24} {v.version:<16} {v.files:>5} {_mb(v.total_bytes):>12}  {'*' if v.latest else ''}")
+        size = _mb(v.total_bytes)
+        print(f"{v.name:<24} {v.version:<16} {v.kind:<6} {v.files:>5} {size:>12}  {'*' if v.latest else ''}")
     return 0
 
 

@@ -49,6 +49,7 @@ class StoredVersion:
     total_bytes: int
     files: int
     latest: bool
+    kind: str = "model"  # or "lora": an adapter (its manifest's entry says)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,14 @@ class ObjectStore:
         the caller hashed it. An object appears whole or not at all."""
         with self._errors(f"uploading {path} as blob {digest}"):
             obstore.put(self._store, blob_key(digest), Path(path))
+
+    def small_blob(self, digest: str) -> bytes:
+        """A blob's bytes whole, in memory: for a config file, never for weights."""
+        with self._errors(f"reading blob {digest}"):
+            try:
+                return bytes(obstore.get(self._store, blob_key(digest)).bytes())
+            except FileNotFoundError:
+                raise ModelNotInStore(f"blob {digest} is not in the model store {self.url}") from None
 
     async def read_blob(
         self,
@@ -247,7 +256,8 @@ class ObjectStore:
                 latest[name] = self.latest_version(name)
             manifest = self.read_manifest(name, version)
             files = len(manifest.files)
-            listed.append(StoredVersion(name, version, manifest.total_bytes, files, latest[name] == version))
+            kind = str(manifest.entry.get("kind", "model"))
+            listed.append(StoredVersion(name, version, manifest.total_bytes, files, latest[name] == version, kind))
         return listed
 
     def remove(self, name: str, version: str | None = None) -> Removal:
