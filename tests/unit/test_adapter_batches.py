@@ -127,7 +127,8 @@ def test_a_job_naming_adapters_for_a_model_without_slots_fails_alone(
     models_dir: Path, adapter_dirs: dict[str, Path]
 ) -> None:
     library = AdapterLibrary(lambda use: adapter_dirs[use.name])
-    engine = SamplerEngine(ModelRegistry.load(), models_dir, CPU, adapters=library)
+    spec = replace(ModelRegistry.load().get("tiny"), adapter_slots=0)
+    engine = SamplerEngine(ModelRegistry({"tiny": spec}), models_dir, CPU, adapters=library)
     results = engine.sample_batch([member(job(41, ("style", 1.0))), member(job(42))])
     assert isinstance(results[0], Exception) and "takes no adapters" in str(results[0])
     assert isinstance(results[1], torch.Tensor)
