@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 
 from google.protobuf import timestamp_pb2
 
+from gateway.adapters import requested
 from gateway.inputs import InputImage, fit_within
 from services import reported
 from services.db.counts import LaneCount, Totals
@@ -81,6 +82,7 @@ def generation_params(
         strength=float(req.strength) if req.HasField("strength") else edit_strength,
         image_digest=image.digest if image is not None else "",
         mask_digest=mask.digest if mask is not None else "",
+        adapters=requested(req),  # their versions resolved against the store before the job is stored
     )
 
 
@@ -152,6 +154,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         frames=job.params.frames,
         fps=job.params.fps,
         strength=job.params.strength,
+        adapters=[pb.Adapter(name=a.key, scale=a.scale) for a in job.params.adapters],
         task=job.task.value,
         waiting_for=routing.get("waiting_for", "") if job.status == JobStatus.QUEUED else "",
         output_policy=job.output_policy,
@@ -290,6 +293,8 @@ def models_message(registry: ModelRegistry, workers: Sequence[WorkerRecord]) -> 
                 default_fps=spec.default_fps,
                 edits=spec.edits,
                 served_by=[w.id for w in workers if spec.name in w.models],
+                adapters_per_job=spec.adapters_per_job if spec.adapter_slots else 0,
+                adapter_rank=spec.adapter_rank if spec.adapter_slots else 0,
             )
             for spec in registry.listing()
         ]

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from gateway.adapters import AdapterCatalog, store_of
 from gateway.expansion import Expansion
 from gateway.servicer import ImageGenerationServicer
 from services.bus.credentials import NatsCredentials
@@ -48,6 +49,7 @@ def create_server(
         anonymous=anonymous_allowed(settings, http or HttpSettings()),
         safety=kernel.safety,
         expansion=Expansion(settings.expansion, kernel.models_dir),
+        adapters=AdapterCatalog(store_of(kernel.model_store)),
     )
     server = build_server(
         [

@@ -13,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 import grpc
 
 from gateway import pages, spans
+from gateway.adapters import AdapterCatalog
 from gateway.auth import Caller, Gatekeeper
 from gateway.convert import (
     STATUS,
@@ -70,8 +71,11 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         anonymous: bool = True,
         safety: SafetySettings | None = None,
         expansion: Expansion | None = None,
+        adapters: AdapterCatalog | None = None,
     ) -> None:
         self.settings = settings
+        # The model store's LoRA adapters a request may name (none without a store).
+        self.adapters = adapters or AdapterCatalog(lambda: None)
         # The prompt expander (``gateway.service`` gives it the data directory's models).
         self.expansion = expansion or Expansion(settings.expansion, KernelSettings().models_dir)
         self.stale_after_s = stale_after_s
@@ -125,6 +129,8 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             raise ContentPolicyViolation("prompt")
         self.expansion.check(request)
         new = await self._read(caller, request, checked, now)
+        adapters = await self.adapters.resolve(new.params.adapters, checked.spec)
+        new = replace(new, params=replace(new.params, adapters=adapters))
         tenant_policy = caller.terms.output_policy if caller.terms else None
         new = under_output_policy(new, output_policy(self.safety, new.lane, tenant_policy))
         view = self.estimator.job_view(new)

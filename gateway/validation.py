@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
+from gateway.adapters import violations as adapter_violations
 from gateway.convert import UPSCALE, generation_params
 from gateway.inputs import InputImage, read_inputs
 from gateway.names import check_lengths
@@ -104,6 +105,7 @@ def check_submit(
         *_nul_free(req),
         *_model_and_prompts(req, registry, max_prompt_chars),
         *(_known_sizes(req, params, spec) + _media(req, params, spec) if spec is not None else []),
+        *(adapter_violations(req, spec) if spec is not None else []),
         *_the_rest(req, params, lanes, lane, output_format),
     ]
     if req.mask and not req.image:

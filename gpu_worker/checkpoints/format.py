@@ -28,7 +28,7 @@ flag saying whether they lived on the accelerator, and go back there on restore.
 
 The data also holds a format version, the request's fingerprint (model, size, frames,
 steps, guidance, seed, images, strength, the input image's and mask's digests,
-noise-scheduler class) and the diffusers version that wrote
+its adapters and their scales, noise-scheduler class) and the diffusers version that wrote
 the scheduler's state; a checkpoint that does not match, or cannot be read, raises
 ``CheckpointMismatch``, and the job then runs from step 0: slower, never another
 image. A checkpoint with no state (``step`` 0, or any step of the ``sim`` family,
@@ -76,7 +76,7 @@ def fingerprint(job: GenerationParams, scheduler: str) -> dict[str, Any]:
     """What makes a checkpoint this job's: any difference gives another image.
     The prompts are not in it: the runner resumes a job by its id, and keeping
     them out keeps prompts out of the checkpoint bytes."""
-    return {
+    identity: dict[str, Any] = {
         "model": job.model,
         "width": job.width,
         "height": job.height,
@@ -90,6 +90,9 @@ def fingerprint(job: GenerationParams, scheduler: str) -> dict[str, Any]:
         "mask": job.mask_digest,
         "scheduler": scheduler,
     }
+    if job.adapters:  # absent without: the checkpoints of jobs before adapters still fit
+        identity["adapters"] = [[use.key, float(use.scale)] for use in job.adapters]
+    return identity
 
 
 @dataclass(frozen=True)

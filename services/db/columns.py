@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import functools
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
-from services.generation import BatchKey, GenerationParams, JobShape
+from services.generation import AdapterUse, BatchKey, GenerationParams, JobShape
 
 # Records hold these types whole; the table holds their fields as columns.
 _NESTED: tuple[type, ...] = (GenerationParams, JobShape, BatchKey)
+
+
+def _adapters_to_column(adapters: tuple[AdapterUse, ...]) -> list[dict[str, Any]]:
+    return [{"name": a.name, "version": a.version, "scale": a.scale} for a in adapters]
+
+
+def _adapters_from_column(rows: list[dict[str, Any]]) -> tuple[AdapterUse, ...]:
+    return tuple(AdapterUse(r["name"], r["version"], float(r["scale"])) for r in rows)
+
+
+# Columns that hold a field in a form of their own (JSON): to it, and from it.
+_CODECS: dict[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "adapters": (_adapters_to_column, _adapters_from_column),
+}
 
 
 @functools.cache
@@ -43,7 +57,7 @@ def flat(record: Any) -> dict[str, Any]:
     for name, kind, inner in _layout(cls):
         value = getattr(record, name)
         if kind:
-            out.update({column: getattr(value, column) for column in inner})
+            out.update({column: _to_column(column, getattr(value, column)) for column in inner})
         else:
             out[name] = value
     return out
@@ -53,7 +67,17 @@ def values_of(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, kind, inner in _layout(cls):
         if kind:
-            values[name] = kind(**{column: row[column] for column in inner})
+            values[name] = kind(**{column: _from_column(column, row[column]) for column in inner})
         elif name in row:
             values[name] = row[name]
     return values
+
+
+def _to_column(column: str, value: Any) -> Any:
+    codec = _CODECS.get(column)
+    return codec[0](value) if codec else value
+
+
+def _from_column(column: str, value: Any) -> Any:
+    codec = _CODECS.get(column)
+    return codec[1](value) if codec else value

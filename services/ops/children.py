@@ -41,11 +41,12 @@ def restart_policy(settings: Settings) -> RestartPolicy:
     )
 
 
-# The services that read the model store: a sampler (its host's cache) and a decoder
-# (a store: model's VAE, from the same cache). They are given its read-only
+# The services that read the model store: a sampler (its host's cache), a decoder
+# (a store: model's VAE, from the same cache) and a gateway (the manifests of the
+# adapters a request names). They are given its read-only
 # identity (DARKROOM_MODEL_STORE_ACCESS_KEY); the others nothing of the store; the
 # writer's identity no service: it is the operator's `darkroom models`.
-_MODEL_STORE_READERS = frozenset({"sampler", "decoder"})
+_MODEL_STORE_READERS = frozenset({"sampler", "decoder", "gateway"})
 _STORE_WRITER = ("MODEL_STORE_WRITER_ACCESS_KEY", "MODEL_STORE_WRITER_SECRET_KEY")
 _STORE_READER = ("MODEL_STORE_URL", "MODEL_STORE_ACCESS_KEY", "MODEL_STORE_SECRET_KEY")
 

@@ -126,7 +126,7 @@ def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_read
     assert removed.returncode == 0, removed.stderr
 
 
-def test_up_gives_the_reader_to_samplers_and_decoders_and_the_writer_to_no_service(
+def test_up_gives_the_reader_to_samplers_decoders_and_gateways_and_the_writer_to_no_service(
     tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
 ) -> None:
     # The operator's own writer in the environment `up` runs in: no child may inherit it.
@@ -155,7 +155,7 @@ def test_up_gives_the_reader_to_samplers_and_decoders_and_the_writer_to_no_servi
             values = " ".join(c.env.values())
             assert writer_secret not in values and operator_writer not in values, name
             held = {v: c.env.get(v, "") for v in STORE_VARIABLES}
-            if c.service in ("sampler", "decoder"):
+            if c.service in ("sampler", "decoder", "gateway"):
                 reader = (store.url, store.reader.access_key, store.reader.secret_key)
                 assert held == dict(zip(STORE_VARIABLES, reader, strict=True)), name
             else:

@@ -8,6 +8,7 @@ from datetime import datetime
 
 from psycopg import AsyncConnection
 from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
 
 from services.db.columns import flat
 from services.db.records import JOB_COLUMNS, JobRecord, NewJob
@@ -34,6 +35,7 @@ _INSERTED = (
     ("strength", "float8"),
     ("image_digest", "varchar"),
     ("mask_digest", "varchar"),
+    ("adapters", "jsonb"),
     ("task", "varchar"),
     ("previews", "int"),
     ("output_policy", "varchar"),
@@ -79,6 +81,7 @@ async def insert(conn: AsyncConnection[DictRow], submits: Sequence[tuple[NewJob,
     rows = [{**flat(job), "created_at": at} for job, at in submits]
     params: dict[str, object] = {name: [r[name] for r in rows] for name, _ in _INSERTED}
     params["task"] = [str(r["task"]) for r in rows]  # its value, not an Enum's name
+    params["adapters"] = [Jsonb(r["adapters"]) for r in rows]
     inputs = [(job.id, job.inputs) for job, _ in submits if job.inputs is not None]
     sql = _INSERT_JOBS
     if inputs:

@@ -45,7 +45,7 @@ OUTPUT_FORMAT_WEBP: OutputFormat
 OUTPUT_FORMAT_MP4: OutputFormat
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength", "previews", "expand_prompt")
+    __slots__ = ("model", "prompt", "negative_prompt", "width", "height", "steps", "guidance_scale", "seed", "num_images", "idempotency_key", "lane", "deadline", "output_format", "frames", "fps", "image", "mask", "strength", "previews", "expand_prompt", "adapters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class SubmitJobRequest(_message.Message):
     STRENGTH_FIELD_NUMBER: _ClassVar[int]
     PREVIEWS_FIELD_NUMBER: _ClassVar[int]
     EXPAND_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     prompt: str
     negative_prompt: str
@@ -86,7 +87,16 @@ class SubmitJobRequest(_message.Message):
     strength: float
     previews: int
     expand_prompt: bool
-    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ..., previews: _Optional[int] = ..., expand_prompt: _Optional[bool] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    def __init__(self, model: _Optional[str] = ..., prompt: _Optional[str] = ..., negative_prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., seed: _Optional[int] = ..., num_images: _Optional[int] = ..., idempotency_key: _Optional[str] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., image: _Optional[bytes] = ..., mask: _Optional[bytes] = ..., strength: _Optional[float] = ..., previews: _Optional[int] = ..., expand_prompt: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("name", "scale")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job_id", "status", "estimated_start_time", "estimated_finish_time", "deduplicated")
@@ -223,7 +233,7 @@ class Suspension(_message.Message):
     def __init__(self, attempt: _Optional[int] = ..., worker_id: _Optional[str] = ..., step: _Optional[int] = ..., total: _Optional[int] = ..., reason: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for", "expanded_prompt", "output_policy", "joined_batch_images")
+    __slots__ = ("job_id", "status", "model", "prompt", "width", "height", "steps", "num_images", "progress", "timings", "worker_id", "attempts", "error", "routing", "images", "lane", "deadline", "failed_attempts", "starts", "output_format", "batch_images", "stage_durations", "checkpoint_step", "suspensions", "resumptions", "gpu_seconds", "credits_reserved", "credits_charged", "frames", "fps", "strength", "task", "waiting_for", "expanded_prompt", "output_policy", "joined_batch_images", "adapters")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +270,7 @@ class Job(_message.Message):
     EXPANDED_PROMPT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_POLICY_FIELD_NUMBER: _ClassVar[int]
     JOINED_BATCH_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     status: JobStatus
     model: str
@@ -296,7 +307,8 @@ class Job(_message.Message):
     expanded_prompt: str
     output_policy: str
     joined_batch_images: int
-    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ..., expanded_prompt: _Optional[str] = ..., output_policy: _Optional[str] = ..., joined_batch_images: _Optional[int] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[Adapter]
+    def __init__(self, job_id: _Optional[str] = ..., status: _Optional[_Union[JobStatus, str]] = ..., model: _Optional[str] = ..., prompt: _Optional[str] = ..., width: _Optional[int] = ..., height: _Optional[int] = ..., steps: _Optional[int] = ..., num_images: _Optional[int] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., worker_id: _Optional[str] = ..., attempts: _Optional[int] = ..., error: _Optional[str] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., lane: _Optional[str] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., failed_attempts: _Optional[_Iterable[_Union[AttemptFailure, _Mapping]]] = ..., starts: _Optional[int] = ..., output_format: _Optional[_Union[OutputFormat, str]] = ..., batch_images: _Optional[int] = ..., stage_durations: _Optional[_Union[StageDurations, _Mapping]] = ..., checkpoint_step: _Optional[int] = ..., suspensions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., resumptions: _Optional[_Iterable[_Union[Suspension, _Mapping]]] = ..., gpu_seconds: _Optional[float] = ..., credits_reserved: _Optional[float] = ..., credits_charged: _Optional[float] = ..., frames: _Optional[int] = ..., fps: _Optional[float] = ..., strength: _Optional[float] = ..., task: _Optional[str] = ..., waiting_for: _Optional[str] = ..., expanded_prompt: _Optional[str] = ..., output_policy: _Optional[str] = ..., joined_batch_images: _Optional[int] = ..., adapters: _Optional[_Iterable[_Union[Adapter, _Mapping]]] = ...) -> None: ...
 
 class StreamJobRequest(_message.Message):
     __slots__ = ("job_id",)
@@ -407,7 +419,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "family", "max_width", "max_height", "max_steps", "default_steps", "warm_on", "capability", "is_default", "size_step", "default_width", "default_height", "max_images", "max_frames", "default_frames", "frames_step", "default_fps", "edits", "served_by")
+    __slots__ = ("name", "family", "max_width", "max_height", "max_steps", "default_steps", "warm_on", "capability", "is_default", "size_step", "default_width", "default_height", "max_images", "max_frames", "default_frames", "frames_step", "default_fps", "edits", "served_by", "adapters_per_job", "adapter_rank")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     MAX_WIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +439,8 @@ class ModelInfo(_message.Message):
     DEFAULT_FPS_FIELD_NUMBER: _ClassVar[int]
     EDITS_FIELD_NUMBER: _ClassVar[int]
     SERVED_BY_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_PER_JOB_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     family: str
     max_width: int
@@ -446,7 +460,9 @@ class ModelInfo(_message.Message):
     default_fps: float
     edits: bool
     served_by: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., max_width: _Optional[int] = ..., max_height: _Optional[int] = ..., max_steps: _Optional[int] = ..., default_steps: _Optional[int] = ..., warm_on: _Optional[_Iterable[str]] = ..., capability: _Optional[str] = ..., is_default: _Optional[bool] = ..., size_step: _Optional[int] = ..., default_width: _Optional[int] = ..., default_height: _Optional[int] = ..., max_images: _Optional[int] = ..., max_frames: _Optional[int] = ..., default_frames: _Optional[int] = ..., frames_step: _Optional[int] = ..., default_fps: _Optional[float] = ..., edits: _Optional[bool] = ..., served_by: _Optional[_Iterable[str]] = ...) -> None: ...
+    adapters_per_job: int
+    adapter_rank: int
+    def __init__(self, name: _Optional[str] = ..., family: _Optional[str] = ..., max_width: _Optional[int] = ..., max_height: _Optional[int] = ..., max_steps: _Optional[int] = ..., default_steps: _Optional[int] = ..., warm_on: _Optional[_Iterable[str]] = ..., capability: _Optional[str] = ..., is_default: _Optional[bool] = ..., size_step: _Optional[int] = ..., default_width: _Optional[int] = ..., default_height: _Optional[int] = ..., max_images: _Optional[int] = ..., max_frames: _Optional[int] = ..., default_frames: _Optional[int] = ..., frames_step: _Optional[int] = ..., default_fps: _Optional[float] = ..., edits: _Optional[bool] = ..., served_by: _Optional[_Iterable[str]] = ..., adapters_per_job: _Optional[int] = ..., adapter_rank: _Optional[int] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
