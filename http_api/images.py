@@ -7,6 +7,7 @@ images response (``created``, ``data`` with ``b64_json`` or a signed ``url``,
 from __future__ import annotations
 
 import base64
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from services.safety.verdicts import BLOCKED
 FORMATS = {"png": pb.OUTPUT_FORMAT_PNG, "jpeg": pb.OUTPUT_FORMAT_JPEG, "webp": pb.OUTPUT_FORMAT_WEBP}
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_N = 10
+MAX_ADAPTERS = 16  # a request's; a model takes its adapters_per_job
 # OpenAI's own parameters Darkroom takes and does not act on (the model decides).
-# Darkroom's own, beside OpenAI's: seed, steps, negative_prompt, guidance, strength, lane, expand_prompt.
+# Darkroom's own, beside OpenAI's: seed, steps, negative_prompt, guidance, strength, lane, expand_prompt,
+# adapters.
 IGNORED = ("quality", "style", "background", "moderation", "output_compression", "user", "safety_identifier")
 _SIZE = re.compile(r"([0-9]{1,5})x([0-9]{1,5})")
 # What a stream's events are named after: OpenAI's image_generation.* and image_edit.*.
@@ -66,6 +69,7 @@ def generation(body: Any, *, form: bool = False) -> tuple[pb.SubmitJobRequest, A
     strength = take.number("strength", 0.0, 1.0)
     if strength is not None:
         request.strength = strength
+    request.adapters.extend(take.adapters("adapters"))
     expand = take.flag("expand_prompt")
     if expand is not None:  # unset: the tenant's default
         request.expand_prompt = expand
@@ -103,9 +107,10 @@ class Fields:
     """A request's parameters, each taken once and checked for its type; what is
     left at the end is unknown."""
 
-    def __init__(self, body: Mapping[str, Any], form: bool) -> None:
+    def __init__(self, body: Mapping[str, Any], form: bool, prefix: str = "") -> None:
         self.left = dict(body)
         self.form = form  # a form's values are all strings
+        self.prefix = prefix  # of a nested object's parameters' names: "adapters[0]."
 
     def _take(self, name: str) -> Any:
         return self.left.pop(name, None)
@@ -114,17 +119,48 @@ class Fields:
         value = self._take(name)
         if value is None or value == "":
             if required:
-                raise bad_request(name, f"{name} is required")
+                raise bad_request(self.prefix + name, f"{self.prefix}{name} is required")
             return ""
         if not isinstance(value, str):
-            raise bad_request(name, f"{name} must be a string, not {_kind_of(value)}")
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} must be a string, not {_kind_of(value)}")
         try:
             value.encode()
         except UnicodeEncodeError:  # a lone surrogate, as JSON may escape one
-            raise bad_request(name, f"{name} is not Unicode text: {quoted(value)}") from None
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} is not Unicode text: {quoted(value)}") from None
         if "\x00" in value:  # which no text column of PostgreSQL holds
-            raise bad_request(name, f"{name} contains a NUL character: {quoted(value)}")
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} contains a NUL character: {quoted(value)}")
         return value
+
+    def adapters(self, name: str) -> list[pb.Adapter]:
+        """LoRA adapters: a list of {"name": "NAME[:VERSION]", "scale": number} (or of
+        names alone, scale 1); in a form, that list as JSON text."""
+        value = self._take(name)
+        if value is None:
+            return []
+        if self.form and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request(
+                    self.prefix + name, f"{self.prefix}{name} must be a JSON list, not {quoted(value)}"
+                ) from None
+        if not isinstance(value, list) or len(value) > MAX_ADAPTERS:
+            raise bad_request(
+                self.prefix + name, f"{self.prefix}{name} must be a list of at most {MAX_ADAPTERS} adapters"
+            )
+        adapters = []
+        for i, item in enumerate(value):
+            if isinstance(item, str):
+                item = {"name": item}
+            if not isinstance(item, Mapping) or set(item) - {"name", "scale"}:
+                raise bad_request(f"{name}[{i}]", f'{name}[{i}] must be {{"name": ..., "scale": ...}}')
+            entry = Fields(item, form=False, prefix=f"{name}[{i}].")
+            adapter = pb.Adapter(name=entry.text("name", required=True))
+            scale = entry.number("scale", -1e6, 1e6)  # the gateway says which scales a model takes
+            if scale is not None:
+                adapter.scale = scale
+            adapters.append(adapter)
+        return adapters
 
     def integer(self, name: str, low: int, high: int) -> int | None:
         return self._ranged(name, low, high, int)
@@ -139,7 +175,7 @@ class Fields:
         if self.form and isinstance(value, str) and value in ("true", "false"):
             return value == "true"
         if not isinstance(value, bool):
-            raise bad_request(name, f"{name} must be true or false")
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} must be true or false")
         return value
 
     def _ranged(self, name: str, low: Any, high: Any, kind: Callable[[Any], Any]) -> Any:
@@ -147,7 +183,7 @@ class Fields:
         if value is None:
             return None
         if isinstance(value, LongInteger):
-            raise bad_request(name, f"{name} is outside {low}..{high}: {value!r}")
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} is outside {low}..{high}: {value!r}")
         if self.form and isinstance(value, str):
             text = value
             try:
@@ -155,13 +191,13 @@ class Fields:
             except ValueError:
                 value = None
             if value is None:
-                raise bad_request(name, f"{name} must be a number, not {quoted(text)}")
+                raise bad_request(self.prefix + name, f"{self.prefix}{name} must be a number, not {quoted(text)}")
         numeric = isinstance(value, int | float) and not isinstance(value, bool)
         if not numeric or (kind is int and not float(value).is_integer()):
             what = "an integer" if kind is int else "a number"
-            raise bad_request(name, f"{name} must be {what}, not {quoted(value)}")
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} must be {what}, not {quoted(value)}")
         if not low <= value <= high:
-            raise bad_request(name, f"{name} {value} is outside {low}..{high}")
+            raise bad_request(self.prefix + name, f"{self.prefix}{name} {value} is outside {low}..{high}")
         return kind(value)
 
     def done(self) -> None:

@@ -41,6 +41,13 @@ def add_media_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", help="an input image to edit (PNG, JPEG or WebP)")
     p.add_argument("--mask", help="inpainting: white where to paint, black where to keep the input")
     p.add_argument("--strength", type=float, help="an edit's share of repainting, (0, 1]")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME[:VERSION][:SCALE]",
+        help="a LoRA adapter of the model store, with its scale (default 1); again for another",
+    )
 
 
 def capability_of(args: argparse.Namespace) -> str:
@@ -81,7 +88,23 @@ def build_request(prompt: str, args: argparse.Namespace):
         request.strength = args.strength
     if getattr(args, "expand", None) is not None:  # unset: the tenant's default
         request.expand_prompt = args.expand
+    request.adapters.extend(adapter(a) for a in getattr(args, "lora", []))
     return request
+
+
+def adapter(option: str):
+    """``--lora NAME[:VERSION][:SCALE]``: the last part a scale where it is a number
+    (a version that is a number takes a scale after it: ``style:2:1``)."""
+    from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+    name, _, last = option.rpartition(":")
+    try:
+        scale = float(last) if name else None
+    except ValueError:
+        scale = None
+    if scale is None:
+        return pb.Adapter(name=option)
+    return pb.Adapter(name=name, scale=scale)
 
 
 def _format(output: Path, capability: str) -> str:

@@ -153,3 +153,30 @@ async def test_a_json_body_is_parsed_off_the_event_loop(monkeypatch: pytest.Monk
         answer = await client.post("/", json={"input": ["a", 1]})
         assert await answer.json() == {"input": ["a", 1]}
     assert threads and threads[0] is not threading.main_thread()
+
+
+def test_adapters_are_a_list_of_names_and_scales_in_json_or_a_form() -> None:
+    body = {"adapters": [{"name": "style:v1", "scale": 0.8}, "subject"]}
+    request, _ = images.generation({"prompt": "x", **body})
+    assert [(a.name, a.HasField("scale"), a.scale) for a in request.adapters] == [
+        ("style:v1", True, pytest.approx(0.8)),
+        ("subject", False, 0.0),
+    ]
+    form, _ = images.generation({"prompt": "x", "adapters": json.dumps(body["adapters"])}, form=True)
+    assert form.adapters == request.adapters
+
+
+@pytest.mark.parametrize(
+    ("adapters", "form", "param"),
+    [
+        ({"name": "style"}, False, "adapters"),
+        ([{"name": "style", "weight": 1}], False, "adapters[0]"),
+        ([{"scale": 1.0}], False, "adapters[0].name"),
+        (["style", {"name": "s", "scale": "big"}], False, "adapters[1].scale"),
+        ([{"name": 3}], False, "adapters[0].name"),
+        ("[style", True, "adapters"),
+        (["a"] * 17, False, "adapters"),
+    ],
+)
+def test_bad_adapters_are_a_400_naming_the_one_that_is_wrong(adapters: Any, form: bool, param: str) -> None:
+    assert refused({"adapters": adapters}, form=form).param == param
