@@ -32,24 +32,31 @@ class RowTable(torch.nn.Module):
         self.register_buffer("scales", torch.zeros(capacity, per_row, dtype=dtype, device=device))
         self.rows = 0  # of the current call
         self.used: frozenset[int] = frozenset()  # the slots the current call's rows use
+        self._written: tuple[tuple[tuple[int, float], ...], ...] = ()  # what the device holds (): zeros
 
     def set(self, rows: list[list[tuple[int, float]]]) -> None:
-        """The current call's rows, each its (slot, scale) pairs."""
+        """The current call's rows, each its (slot, scale) pairs. Copied to the device
+        only when they differ from what it holds: a batch without adapters copies
+        nothing, call after call (the loop's steps copy nothing onto the device)."""
         capacity, per_row = self.slots.shape
         if len(rows) > capacity:
             raise AdapterError(f"a network call of {len(rows)} rows; adapters are set up for {capacity} at most")
+        if any(len(row) > per_row for row in rows):
+            raise AdapterError(f"a row with more than {per_row} adapters")
+        self.rows = len(rows)
+        self.used = frozenset(slot for row in rows for slot, scale in row if slot and scale)
+        written = tuple(tuple(row) for row in rows) if self.used else ()
+        if written == self._written:
+            return
         slots = torch.zeros(capacity, per_row, dtype=torch.long)
         scales = torch.zeros(capacity, per_row, dtype=torch.float32)
-        for i, row in enumerate(rows):
-            if len(row) > per_row:
-                raise AdapterError(f"a row with {len(row)} adapters; at most {per_row}")
+        for i, row in enumerate(rows if self.used else []):
             for j, (slot, scale) in enumerate(row):
                 slots[i, j], scales[i, j] = slot, scale
         # Host to device without a read back: the GPU never waits for the host here.
         self.slots.copy_(slots, non_blocking=True)
         self.scales.copy_(scales, non_blocking=True)
-        self.rows = len(rows)
-        self.used = frozenset(slot for row in rows for slot, scale in row if slot and scale)
+        self._written = written
 
 
 class AdaptedLayer(torch.nn.Module):
@@ -75,6 +82,20 @@ class AdaptedLayer(torch.nn.Module):
         self.register_buffer("down", torch.zeros(slots, rank, features[0], dtype=dtype, device=weight.device))
         self.register_buffer("up", torch.zeros(slots, features[1], rank, dtype=dtype, device=weight.device))
         self.held: set[int] = set()  # slots with projections for this layer
+
+    # What the network's own code reads of the layer it wrapped (Z-Image reads its
+    # embedders' weight for their dtype).
+    @property
+    def weight(self) -> torch.Tensor:
+        weight = self.base.weight
+        assert isinstance(weight, torch.Tensor)
+        return weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = self.base.bias
+        assert bias is None or isinstance(bias, torch.Tensor)
+        return bias
 
     def load(self, slot: int, down: torch.Tensor | None, up: torch.Tensor | None) -> None:
         """Slot ``slot``'s projections for this layer (None: the adapter leaves it be)."""

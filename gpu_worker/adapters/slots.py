@@ -47,8 +47,9 @@ class AdapterSlots:
 
     @property
     def bytes(self) -> int:
-        """What every slot's projections take on the device."""
-        return sum(layer.down.nbytes + layer.up.nbytes for layer in self.layers.values())
+        """What every slot's projections, and the rows' table, take on the device."""
+        table = self.table.slots.nbytes + self.table.scales.nbytes
+        return table + sum(layer.down.nbytes + layer.up.nbytes for layer in self.layers.values())
 
     @property
     def resident(self) -> list[str]:
@@ -108,7 +109,4 @@ class AdapterSlots:
     def rows(self, rows: Sequence[MemberAdapters]) -> Iterator[None]:
         """Around one network call: each of its rows' adapters (resident), by key and scale."""
         self.table.set([[(self._resident[key], scale) for key, scale in row] for row in rows])
-        try:
-            yield
-        finally:
-            self.table.set([])
+        yield

@@ -28,6 +28,7 @@ at its end; a test runs the loop on the meta device, where any read back fails."
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -71,7 +72,8 @@ class DiffusersDenoiser(DiffusersFamily):
         options = speed.SpeedOptions.of(spec, self.device)
         if spec.adapter_slots:
             rows = 2 * max(spec.max_batch, spec.max_images)  # a guided call doubles its rows
-            attach_slots(pipe, self.network(pipe), spec, rows, self.network(pipe).dtype)
+            slots = attach_slots(pipe, self.network(pipe), spec, rows, self.network(pipe).dtype)
+            loaded = replace(loaded, bytes=loaded.bytes + slots.bytes)  # the adapters' own budget, on the device
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":

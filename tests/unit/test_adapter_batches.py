@@ -167,3 +167,65 @@ def test_the_registry_refuses_adapter_settings_that_cannot_work(tmp_path: Path, 
     path.write_text(f"[models.bad]\n{source}{lines}\n")
     with pytest.raises(ModelError, match=error.replace(".", r"\.")):
         ModelRegistry.load(path)
+
+
+FLOW_MODELS = ("tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-z-image")
+
+
+@pytest.mark.parametrize("model", FLOW_MODELS)
+def test_the_new_families_take_adapters_per_member_of_a_fused_call(
+    models_dir: Path, tmp_path: Path, model: str
+) -> None:
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(models_dir / model)
+    directory = write_diffusers_lora(
+        tmp_path / "adapter", pipe.transformer, attention_layers(pipe.transformer), rank=4, seed=9, prefix="transformer"
+    )
+    spec = replace(ModelRegistry.load().get(model), adapter_slots=2, adapter_rank=4, adapters_per_job=1)
+    library = AdapterLibrary(lambda use: directory)
+
+    def new() -> SamplerEngine:
+        return SamplerEngine(ModelRegistry({model: spec}), models_dir, CPU, adapters=library)
+
+    size = spec.default_width
+    styled = replace(
+        job(61, ("style", 1.0), steps=3, guidance=spec.default_guidance), model=model, width=size, height=size
+    )
+    plain = replace(styled, adapters=(), seed=62)
+    fused = new()
+    denoiser = fused.denoisers[spec.family]
+    assert isinstance(denoiser, DiffusersDenoiser)
+    denoiser.fuse_batches = True
+    results = fused.sample_batch([member(styled), member(plain)])
+    reference = new()
+    for p, result in zip((styled, plain), results, strict=True):
+        assert isinstance(result, torch.Tensor), result
+        torch.testing.assert_close(result, solo(reference, p), rtol=1e-4, atol=1e-4)
+    first = results[0]
+    assert isinstance(first, torch.Tensor)
+    assert not torch.allclose(solo(reference, replace(styled, adapters=())), first, atol=1e-3)
+
+
+def test_members_with_adapters_never_read_the_device_back_and_copy_onto_it_only_as_they_start(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
+    from tests.unit.test_host_sync import META, HostToDevice
+
+    spec = replace(ModelRegistry.load().get("tiny"), adapter_slots=4, adapter_rank=16, adapters_per_job=2)
+    library = AdapterLibrary(lambda use: adapter_dirs[use.name])
+    engine = SamplerEngine(ModelRegistry({"tiny": spec}), models_dir, META, adapters=library)
+    denoiser = engine.denoiser_for(spec)
+    assert isinstance(denoiser, DiffusersDenoiser)
+    pipe = engine.load("tiny")
+    requests = [job(71, ("style", 1.0)), job(72), job(73, ("subject", 0.5), ("wide", 1.0))]
+    copies: list[int] = []
+    counter = HostToDevice()
+    members = [member(p, lambda step, total: copies.append(counter.copies)) for p in requests]
+    with counter:
+        runs = denoiser.denoise(pipe, spec, members, MemberCheckpoints(META, CheckpointPolicy()))
+    assert [r.result for r in runs] == [None] * 3 and all(r.step == r.total for r in runs)
+    # The first step copies the members' rows' adapters onto the device; no later one copies anything.
+    first_round = len(members)
+    assert copies[first_round - 1 :] == [copies[first_round - 1]] * (len(copies) - first_round + 1)
