@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.adapters.library import AdapterLibrary
+from gpu_worker.adapters.library import AdapterLibrary, slots_of
 from gpu_worker.busy import BusyClock
 from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.denoiser import Denoiser
@@ -65,6 +65,7 @@ class SamplerEngine:
         self._stream = torch.cuda.Stream(device, priority=-10) if prioritised else None
         # Where adapters' weights come from (the model store through the host cache).
         library = adapters if adapters is not None else AdapterLibrary()
+        self.adapter_library = library
         unet = UNetDenoiser(models_dir, device, self.prompts, library)
         # One denoiser per model family.
         self.denoisers: dict[ModelFamily, Denoiser] = {
@@ -119,6 +120,15 @@ class SamplerEngine:
 
     def footprints(self) -> dict[str, dict[str, float]]:
         return self.models.footprints()
+
+    def adapters(self) -> dict[str, Any]:
+        """For its heartbeat: the adapters resident on its device, and what loading
+        one has taken it (placement adds that for a job's adapters it lacks)."""
+        resident = sorted({key for pipe in self.models.loaded() if (s := slots_of(pipe)) for key in s.resident})
+        facts: dict[str, Any] = {"adapters": resident}
+        if self.adapter_library.load_s is not None:
+            facts["adapter_load_s"] = round(self.adapter_library.load_s, 4)
+        return facts
 
     def classifier_free(self, params: GenerationParams) -> bool:
         """Whether the job's conditioning has its negative half (its family decides)."""

@@ -31,6 +31,7 @@ class SamplerLoad:
         # Measured, for the scheduler's costs: bytes and load seconds per model; and
         # whether its GPU waits for the host (``gpu_worker.busy``).
         own = {"inflight": inflight, "models": self.engine.footprints(), **self.engine.busy.reading().telemetry()}
+        own.update(self.engine.adapters())  # ``adapters``: resident ones, which placement prefers
         if self.open_seats is not None:
             own["open_seats"] = self.open_seats()
         if self.cache is not None:

@@ -55,7 +55,7 @@ def place(
     keeps the views of jobs seen before. ``preemption``: the settings ``preempt``
     will be called with on this decision, so that a job it may act for is scored
     on every worker."""
-    fleet = policy.Fleet(measured_costs(costs, snapshot.workers), durations)
+    fleet = policy.Fleet(measured_costs(costs, snapshot.workers), durations, adapter_load_s=placement.adapter_load_s)
     views = job_views or JobViews(placement, costs)
     jobs = [views(job) for job in snapshot.queued]
     if placement.fair_share:

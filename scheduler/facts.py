@@ -32,6 +32,9 @@ def queued_job(job: records.JobSummary | records.JobRecord) -> snapshot.QueuedJo
         queued_at=(job.aged_from or job.created_at).timestamp(),
         failed_on=frozenset(f.worker_id for f in job.attempt_log),
         tenant=job.tenant,
+        adapters=frozenset(a.key for a in job.params.adapters)
+        if isinstance(job, records.JobRecord)
+        else frozenset(a.key for a in job.adapters),
     )
 
 
@@ -57,6 +60,14 @@ def open_seats(telemetry: Mapping[str, Any]) -> tuple[OpenSeat, ...]:
     return tuple(seat for entry in reported if (seat := OpenSeat.of(entry)) is not None)
 
 
+def resident_adapters(telemetry: Mapping[str, Any]) -> frozenset[str]:
+    """The adapters a sampler reports resident on its device (``"adapters"``)."""
+    reported = telemetry.get("adapters")
+    if not isinstance(reported, list):
+        return frozenset()
+    return frozenset(a for a in reported if isinstance(a, str))
+
+
 def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
     return snapshot.Worker(
         id=w.id,
@@ -73,6 +84,8 @@ def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
         # None where it says none (registered before samplers advertised them): its models' then.
         capabilities=frozenset(w.capabilities) or None,
         open_seats=open_seats(w.telemetry),
+        adapters=resident_adapters(w.telemetry),
+        adapter_load_s=values.number(w.telemetry, "adapter_load_s"),
     )
 
 

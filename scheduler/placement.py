@@ -188,6 +188,14 @@ def plan(
 
 
 def _with_job(w: WorkerView, job: JobView, fleet: Fleet, config: PlacementSettings, *, placed: bool) -> WorkerView:
+    """``w`` once it holds ``job``: its work grown by the job's, its adapters then resident."""
+    after = _with_job_work(w, job, fleet, config, placed=placed)
+    if not job.adapters:
+        return after
+    return replace(after, held_work_s=after.held_work_s + w.adapter_seconds(job), adapters=w.adapters | job.adapters)
+
+
+def _with_job_work(w: WorkerView, job: JobView, fleet: Fleet, config: PlacementSettings, *, placed: bool) -> WorkerView:
     cost = fleet.costs[job.model]
     seated = seat_join(job, w, fleet) if placed else None
     if seated is not None:

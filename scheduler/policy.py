@@ -47,6 +47,7 @@ class JobView:
     lane: str = ""
     tenant: str = ""
     frames: int = 1  # of each output: a video's, 1 for an image
+    adapters: frozenset[str] = frozenset()  # its LoRA adapters' NAME:VERSION
 
     @property
     def pixels(self) -> int:
@@ -85,6 +86,17 @@ class WorkerView:
     capabilities: frozenset[str] | None = None
     # Room in the batch it runs now: a job of a seat's join key joins at the next step.
     open_seats: tuple[OpenSeat, ...] = ()
+    # The LoRA adapters resident on its device, and what loading another costs it.
+    adapters: frozenset[str] = frozenset()
+    adapter_load_s: float = 0.0
+
+    def adapters_missing(self, job: JobView) -> frozenset[str]:
+        """``job``'s adapters this worker would load first."""
+        return job.adapters - self.adapters if job.adapters else frozenset()
+
+    def adapter_seconds(self, job: JobView) -> float:
+        """What loading ``job``'s adapters it lacks costs it before the job's first step."""
+        return len(self.adapters_missing(job)) * self.adapter_load_s
 
     def serves(self, capability: str) -> bool:
         return self.capabilities is None or capability in self.capabilities
@@ -146,6 +158,7 @@ class Fleet:
     wanted: Mapping[str, int] = field(default_factory=dict)  # model -> jobs queued for it
     warm: Mapping[str, int] = field(default_factory=dict)  # model -> workers that have it loaded
     planned: Mapping[str, int] = field(default_factory=dict)  # model -> live workers planned to keep it
+    adapter_load_s: float = 0.5  # a LoRA adapter's load, on a worker that has not measured its own
 
 
 def thermal_factor(temperature_c: float, config: PlacementSettings) -> float:

@@ -114,6 +114,13 @@ def refusal(model: str, worker: WorkerView, fleet: Fleet) -> Candidate | None:
     return None
 
 
+def _adapters_note(worker: WorkerView, job: JobView) -> str:
+    missing = worker.adapters_missing(job)
+    if not missing:
+        return ""
+    return f", loads {len(missing)} adapter{'s' if len(missing) > 1 else ''} (+{worker.adapter_seconds(job):.1f}s)"
+
+
 def score(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSettings) -> Candidate:
     return refusal(job.model, worker, fleet) or admitted(job, worker, fleet, config)
 
@@ -138,20 +145,21 @@ def admitted(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSe
     # The seed's thermal rule: a hot GPU's wait counts more (2x at 80 C), which
     # steers work to cooler GPUs before the learned speed shows the throttling.
     heat = thermal_factor(worker.temperature_c, config)
+    # Its adapters not resident there load before its first step (adapter-aware placement).
+    adapters_s, adapters = worker.adapter_seconds(job), _adapters_note(worker, job)
     seated = seat_join(job, worker, fleet)
     if seated is not None:
         # It waits for none of the work held there: it runs beside the batch under way.
-        note = f"joins its running batch of {seated.seat.rows} at the next step"
-        return Candidate(worker.id, True, seated.finish_s, note, has_room=True, kind=PlacementKind.SEAT)
+        note = f"joins its running batch of {seated.seat.rows} at the next step{adapters}"
+        return Candidate(worker.id, True, seated.finish_s + adapters_s, note, has_room=True, kind=PlacementKind.SEAT)
     joining = joining_seconds(job, worker, fleet)
     if joining is not None:
         rows = worker.open_rows(job.batch_key)
-        note = f"joins a batch of {rows} (+{joining:.2f}s)"
+        note = f"joins a batch of {rows} (+{joining:.2f}s){adapters}"
         # It waits for no slot of the backlog: the batch is already in it.
-        return Candidate(
-            worker.id, True, worker.held_work_s * heat + joining, note, has_room=True, kind=PlacementKind.BATCH
-        )
-    finish = worker.held_work_s * heat + job_seconds(job, worker, fleet)
+        finish = worker.held_work_s * heat + joining + adapters_s
+        return Candidate(worker.id, True, finish, note, has_room=True, kind=PlacementKind.BATCH)
+    finish = worker.held_work_s * heat + job_seconds(job, worker, fleet) + adapters_s
     note = "warm"
     if not warm:
         urgent = job.target_s is not None
@@ -173,6 +181,7 @@ def admitted(job: JobView, worker: WorkerView, fleet: Fleet, config: PlacementSe
         ]
         if needed:
             return Candidate(worker.id, False, float("inf"), f"would evict {'+'.join(needed)}, which queued jobs need")
+    note += adapters
     if heat > 1.0:
         note += f", hot {worker.temperature_c:.0f}C: wait x{heat:.1f}"
     has_room = worker.held_jobs <= config.backlog_limit

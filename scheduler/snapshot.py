@@ -31,6 +31,7 @@ class QueuedJob:
     queued_at: float  # its priority ages from here: its submit, or its latest suspension
     failed_on: frozenset[str] = frozenset()  # workers where an attempt of it failed
     tenant: str = ""
+    adapters: frozenset[str] = frozenset()  # its LoRA adapters' NAME:VERSION
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class Worker:
     capabilities: frozenset[str] | None = None
     # Room in the batch it runs now, as its last heartbeat said.
     open_seats: tuple[OpenSeat, ...] = ()
+    # The LoRA adapters resident on its device (NAME:VERSION), and the seconds it
+    # measured loading one (0: not yet measured), as its last heartbeat said.
+    adapters: frozenset[str] = frozenset()
+    adapter_load_s: float = 0.0
 
 
 @dataclass(frozen=True)

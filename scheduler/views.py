@@ -38,6 +38,7 @@ def job_view(job: QueuedJob, placement: PlacementSettings, costs: Mapping[str, p
         lane=job.lane,
         tenant=job.tenant,
         frames=shape.frames,
+        adapters=job.adapters,
     )
 
 
@@ -112,6 +113,8 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         planned_models=worker.planned_models,
         capabilities=worker.capabilities,
         open_seats=worker.open_seats,
+        adapters=worker.adapters,
+        adapter_load_s=worker.adapter_load_s or fleet.adapter_load_s,
     )
     work, slots = worker.loading_s, 0
     running: dict[JoinKey, list[HeldWork]] = {}

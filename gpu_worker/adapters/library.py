@@ -35,6 +35,11 @@ class AdapterLibrary:
         self._host_bytes = host_bytes
         self._read: OrderedDict[tuple[str, ModelFamily], LoraWeights] = OrderedDict()
         self._lock = threading.Lock()
+        self.load_s: float | None = None  # a moving average of loading one onto the device
+
+    def loaded(self, seconds: float) -> None:
+        """An adapter took ``seconds`` from its files (or host memory) into a slot."""
+        self.load_s = seconds if self.load_s is None else 0.8 * self.load_s + 0.2 * seconds
 
     def weights(self, use: AdapterUse, family: ModelFamily) -> LoraWeights:
         key = (use.key, family)

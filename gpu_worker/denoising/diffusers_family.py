@@ -8,6 +8,7 @@ decoder service that serves them, and kept in the prompt cache. Each family in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,9 @@ class DiffusersFamily:
         try:
             for use in params.adapters:  # each held as it loads: the next cannot evict it
                 if not slots.holds(use.key):
+                    began = time.perf_counter()
                     slots.load(use.key, self.adapters.weights(use, spec.family))
+                    self.adapters.loaded(time.perf_counter() - began)
                 slots.hold([use.key])
                 held.append(use.key)
         except BaseException:

@@ -91,6 +91,10 @@ class ModelCache:
         afresh at its next use."""
         self._stale.update(name for name in names if name in self._held)
 
+    def loaded(self) -> list[Any]:
+        """The loaded models themselves (pipelines)."""
+        return [h.model for h in list(self._held.values())]
+
     def footprints(self) -> dict[str, dict[str, float]]:
         """Measured bytes and load seconds of each loaded model, for the scheduler."""
         held = list(self._held.items())  # one step under the GIL, whatever a loading thread does

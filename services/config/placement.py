@@ -160,6 +160,12 @@ class PlacementSettings(Section):
         env="HOT_TEMPERATURE_C",
     )
     hot_span_c: float = setting(10.0, "Degrees above hot_c at which a GPU's queued work counts twice.", at_least=0.1)
+    adapter_load_s: float = setting(
+        0.5,
+        "Seconds a sampler is taken to spend loading a LoRA adapter not resident on its device, until it has "
+        "measured its own (its heartbeat's adapter_load_s).",
+        at_least=0.0,
+    )
     spill_within: float = setting(
         2.5,
         "Late binding: a job waits for a busy worker rather than start on a warm one with room only when it is "

@@ -59,7 +59,7 @@ def flat(record: Any) -> dict[str, Any]:
         if kind:
             out.update({column: _to_column(column, getattr(value, column)) for column in inner})
         else:
-            out[name] = value
+            out[name] = _to_column(name, value)
     return out
 
 
@@ -69,7 +69,7 @@ def values_of(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
         if kind:
             values[name] = kind(**{column: _from_column(column, row[column]) for column in inner})
         elif name in row:
-            values[name] = row[name]
+            values[name] = _from_column(name, row[name])
     return values
 
 

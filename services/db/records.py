@@ -11,7 +11,7 @@ from typing import Any
 from services.db.columns import columns, values_of
 from services.db.states import JobStatus
 from services.db.tenant_records import DEFAULT_TENANT
-from services.generation import BatchKey, GenerationParams, JobInputs, JobShape, Task
+from services.generation import AdapterUse, BatchKey, GenerationParams, JobInputs, JobShape, Task
 
 # The longest idempotency key a job is stored with (its column's length): every door checks it.
 MAX_IDEMPOTENCY_KEY = 256
@@ -209,6 +209,7 @@ class JobSummary:
     trace_context: str | None = None
     aged_from: datetime | None = None  # its priority ages from here (None: from its creation)
     tenant: str = DEFAULT_TENANT
+    adapters: tuple[AdapterUse, ...] = ()  # its LoRA adapters: placement weighs their warmth
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> JobSummary:

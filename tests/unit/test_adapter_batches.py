@@ -120,6 +120,9 @@ def test_an_adapter_evicted_for_others_reloads_to_the_same_image(
     solo(engine, job(32, ("subject", 1.0), ("wide", 1.0)))  # both slots: style is evicted
     slots = slots_of(engine.load("tiny"))
     assert slots is not None and sorted(slots.resident) == ["subject:v1", "wide:v1"]
+    # What its heartbeat tells placement: the resident ones, and what a load took.
+    heard = engine.adapters()
+    assert heard["adapters"] == ["subject:v1", "wide:v1"] and heard["adapter_load_s"] > 0
     assert torch.equal(solo(engine, first), before)
 
 
