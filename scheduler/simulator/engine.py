@@ -89,6 +89,7 @@ class Simulation(SimFleet):
             jobs=self.jobs,
             makespan_s=now,
             cold_loads=self.cold_loads,
+            adapter_loads=self.adapter_loads,
             preloads=self.preloads,
             busy_s=sum(g.busy_s for g in self.gpus.values()),
             up_s=self.up_s,

@@ -20,8 +20,10 @@ GUIDANCE = 7.5
 class WorldFacts:
     """Facts of the simulated world; a job's fact is kept while it stays the same."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, adapters: bool = True) -> None:
         self._queued: dict[tuple[int, int, frozenset[str]], snapshot.QueuedJob] = {}
+        # False: the scheduler is told nothing of adapters (adapter-blind placement).
+        self.adapters = adapters
 
     def queued_job(self, job: Job) -> snapshot.QueuedJob:
         key = (job.id, job.preemptions, job.failed_on)
@@ -40,12 +42,12 @@ class WorldFacts:
                 aged_from,
                 job.failed_on,
                 job.trace.tenant,
+                frozenset({job.trace.adapter}) if job.trace.adapter and self.adapters else frozenset(),
             )
             self._queued[key] = fact
         return fact
 
-    @staticmethod
-    def worker(sim: SimFleet, gpu: Gpu, now: float, primary: str | None) -> snapshot.Worker:
+    def worker(self, sim: SimFleet, gpu: Gpu, now: float, primary: str | None) -> snapshot.Worker:
         served = sim.served(gpu)
         return snapshot.Worker(
             id=gpu.id,
@@ -61,6 +63,9 @@ class WorldFacts:
             primary_model=primary,
             loading_s=gpu.busy_until - now if gpu.preloading is not None else 0.0,
             open_seats=joining.open_seats(gpu, now),
+            adapters=frozenset(gpu.adapters) if self.adapters else frozenset(),
+            # As a sampler measures it once it has loaded one.
+            adapter_load_s=sim.scenario.adapters.load_s if gpu.adapters and self.adapters else 0.0,
         )
 
     @staticmethod

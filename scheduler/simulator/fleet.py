@@ -25,6 +25,7 @@ up, timed and stopped at a step boundary is in ``batches``.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from typing import Protocol
 
 from scheduler.simulator import joining
@@ -70,6 +71,7 @@ class SimFleet:
         self.events: list[tuple[float, int, int, object]] = []
         self._seq = 0
         self.cold_loads = 0
+        self.adapter_loads = 0
         self.preloads = 0
         self.suspensions = 0
         self.preloaded: dict[str, int] = {}
@@ -167,6 +169,7 @@ class SimFleet:
                 member.cold = True
             self.cold_loads += 1
         gpu.loaded[job.model] = now
+        load_s += self._load_adapters(gpu, (job, *riders), now)
         resume_s = self.scenario.resume_s if job.done else 0.0
         if self.continuous:
             joining.start(self, gpu, (job, *riders), load_s, resume_s, now)
@@ -176,6 +179,21 @@ class SimFleet:
         gpu.run_load_s, gpu.run_resume_s = load_s, resume_s
         gpu.busy_until = now + load_s + resume_s + run
         self._push(gpu.busy_until, DONE, (gpu.id, gpu.generation, run))
+
+    def _load_adapters(self, gpu: Gpu, batch: Sequence[Job], now: float) -> float:
+        """The seconds ``gpu`` takes loading the adapters of ``batch`` it lacks, each
+        made resident (the least recently used evicted past its slots)."""
+        wanted = sorted({j.trace.adapter for j in batch if j.trace.adapter})
+        missing = [a for a in wanted if a not in gpu.adapters]
+        for adapter in wanted:
+            gpu.adapters[adapter] = now
+        while len(gpu.adapters) > self.scenario.adapters.slots:
+            idle = [a for a in gpu.adapters if a not in wanted]
+            if not idle:
+                break  # the batch itself needs more slots than there are: they all stay for it
+            del gpu.adapters[min(idle, key=lambda a: (gpu.adapters[a], a))]
+        self.adapter_loads += len(missing)
+        return len(missing) * self.scenario.adapters.load_s
 
     def _maybe_preload(self, gpu: Gpu, now: float) -> None:
         missing = [m for m in sorted(gpu.planned) if m not in gpu.loaded and self.fits(gpu, m)]

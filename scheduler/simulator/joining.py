@@ -85,6 +85,10 @@ def _take_joiners(gpu: Gpu, now: float, *, running: bool) -> bool:
         job = gpu.queue[0]
         if job.done or join_key(job) != key or rows + job.trace.type.batch > batch.max_rows:
             break
+        if job.trace.adapter and job.trace.adapter not in gpu.adapters:
+            # A joiner whose adapter must load first would hold the batch's step for
+            # the load: the simulator has it start a batch of its own instead.
+            break
         gpu.queue.popleft()
         rows += job.trace.type.batch
         job.start_s, job.gpu, job.resumed_from, job.joined = now, gpu.id, 0.0, running

@@ -27,6 +27,7 @@ class DarkroomPolicy:
     durations and speeds learned with ``scheduler.estimates``."""
 
     name = "darkroom"
+    adapter_aware = True
 
     def __init__(self, scenario: Scenario) -> None:
         self.config = scenario.darkroom
@@ -36,7 +37,7 @@ class DarkroomPolicy:
         self.batching = any(c.max_batch > 1 for c in self.costs.values())
         self.durations = Durations()
         self.batch = scenario.scheduler_batch
-        self.facts = WorldFacts()
+        self.facts = WorldFacts(adapters=self.adapter_aware)
         self.job_views = JobViews(self.config, self.costs)
         self.plan_changes = 0
         self.primaries: dict[str, str | None] = {}
@@ -229,5 +230,16 @@ class LoadRatio:
         pass
 
 
-POLICIES = {p.name: p for p in (DarkroomPolicy, RoundRobin, ShortestQueue, LoadRatio, ModelAffinity)}
+class AdapterBlindPolicy(DarkroomPolicy):
+    """Darkroom's scheduler told nothing of adapters: neither a job's nor a GPU's
+    resident ones (the placement of a server whose batches share one adapter set,
+    or that ignores which GPU holds which). What adapter-aware placement is weighed against."""
+
+    name = "darkroom-adapter-blind"
+    adapter_aware = False
+
+
+POLICIES = {
+    p.name: p for p in (DarkroomPolicy, AdapterBlindPolicy, RoundRobin, ShortestQueue, LoadRatio, ModelAffinity)
+}
 SEEDS = ("round-robin", "shortest-queue", "load-ratio", "model-affinity")

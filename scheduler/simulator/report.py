@@ -31,6 +31,7 @@ class Row:
     # Best-effort jobs (no latency target): jobs per second finished, and p50, p95, p99.
     best_effort_throughput: float = 0.0
     best_effort_latency: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+    adapter_loads: int = 0  # LoRA adapters loaded onto GPUs (the adapters scenario)
 
     def p99(self, kind: str) -> float:
         return math.inf if self.overloaded else self.latency.get(kind, (math.nan,) * 3)[2]
@@ -54,6 +55,7 @@ def summarize(result: Result) -> Row:
         throughput=done / result.makespan_s if result.makespan_s else 0.0,
         latency={k: (percentile(v, 50), percentile(v, 95), percentile(v, 99)) for k, v in sorted(by_kind.items())},
         cold_loads=result.cold_loads,
+        adapter_loads=result.adapter_loads,
         preloads=result.preloads,
         utilisation=result.busy_s / result.up_s if result.up_s else 0.0,
         overloaded=result.overloaded,
@@ -154,6 +156,9 @@ def seed_table(groups: Sequence[tuple[str, float, Sequence[Row]]]) -> list[str]:
         "cold loads",
         "GPU util",
     ]
+    # A scenario whose jobs name adapters: how many each policy loaded.
+    adapters = any(r.adapter_loads for _, _, rows in groups for r in rows)
+    header += ["adapter loads"] if adapters else []
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for policy, load, rows in groups:
         cells = [policy, f"{load:.0%}", spread([r.throughput for r in rows], ".3f", higher_is_better=True)]
@@ -162,5 +167,7 @@ def seed_table(groups: Sequence[tuple[str, float, Sequence[Row]]]) -> list[str]:
         cells.append(spread([r.best_effort_throughput for r in rows], ".3f", higher_is_better=True))
         cells.append(spread([float(r.cold_loads) for r in rows], ".0f"))
         cells.append(f"{median([r.utilisation for r in rows]):.0%}")
+        if adapters:
+            cells.append(spread([float(r.adapter_loads) for r in rows], ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -144,6 +144,24 @@ HEAVY = "heavy"
 
 
 @dataclass(frozen=True)
+class Adapters:
+    """LoRA adapters the jobs name (the adapters scenario): with ``count`` of them, a
+    ``share`` of the jobs names one, drawn by Zipf's law (the adapter of rank r
+    weighs r^-zipf); each GPU keeps ``slots`` resident, the least recently used
+    going first, and loads one in ``load_s``. 0: no job names an adapter."""
+
+    count: int = 0
+    zipf: float = 1.1
+    share: float = 1.0
+    slots: int = 16
+    load_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or self.slots < 1 or self.load_s < 0 or not 0 <= self.share <= 1 or self.zipf < 0:
+            raise ValueError("adapters: count >= 0, slots >= 1, load_s >= 0, share in 0..1, zipf >= 0")
+
+
+@dataclass(frozen=True)
 class SeedSettings:
     concurrency: int = 1  # seed 000: jobs a worker takes at once
     busy_video_workers: int = 3  # seed 000: video fan-out while jobs queue
@@ -179,6 +197,7 @@ class Scenario:
     checkpoint_s: float = 0.05
     resume_s: float = 0.5
     tenants: Tenants = field(default_factory=Tenants)
+    adapters: Adapters = field(default_factory=Adapters)
 
     def work_s(self, jt: JobType) -> float:
         """True seconds of a job of this type on a speed-1.0 GPU."""
@@ -288,6 +307,7 @@ def load(path: str | Path | None = None) -> Scenario:
         phases=phases,
         bursts=_build(Bursts, "bursts", data.get("bursts", {})),
         tenants=_build(Tenants, "tenants", data.get("tenants", {})),
+        adapters=_build(Adapters, "adapters", data.get("adapters", {})),
         thermal=tuple(_build(Thermal, f"thermal[{i}]", t) for i, t in enumerate(data.get("thermal", []))),
         failures=tuple(_build(Failure, f"failures[{i}]", t) for i, t in enumerate(data.get("failures", []))),
         darkroom=darkroom,

@@ -20,6 +20,7 @@ class TraceJob:
     priority: int
     target_s: float | None = None  # its latency target (from its lane and capability); None: best effort
     tenant: str = DEFAULT_TENANT
+    adapter: str = ""  # the LoRA adapter it names (NAME:VERSION); "": none
 
     @property
     def best_effort(self) -> bool:
@@ -36,6 +37,9 @@ def trace(scenario: Scenario, load: float) -> list[TraceJob]:
     # Quiet and burst rates keep the mean at the load level.
     burst_frac = b.length_s / b.every_s if b.every_s else 0.0
     quiet = load / (1 + burst_frac * (b.factor - 1))
+    adapters = scenario.adapters
+    # Zipf's law over the adapters: the one of rank r weighs r^-zipf.
+    popularity = [r**-adapters.zipf for r in range(1, adapters.count + 1)]
     paid = next((lane for lane in scenario.darkroom.lanes if lane.priority > 0), None)
     free = min(scenario.darkroom.lanes, key=lambda lane: lane.priority)
     jobs: list[TraceJob] = []
@@ -59,7 +63,11 @@ def trace(scenario: Scenario, load: float) -> list[TraceJob]:
         if scenario.tenants.light:  # drawn last: a trace without tenants stays as it was
             extra = in_burst and rng.random() < (b.factor - 1) / b.factor
             tenant = HEAVY if extra else f"light-{rng.randrange(scenario.tenants.light)}"
-        jobs.append(TraceJob(len(jobs), jt, now, scenario.work_s(jt) * noise, lane.name, lane.priority, target, tenant))
+        adapter = ""
+        if adapters.count and rng.random() < adapters.share:  # drawn last: a trace without adapters stays as it was
+            adapter = f"adapter-{rng.choices(range(adapters.count), weights=popularity)[0]}:v1"
+        work = scenario.work_s(jt) * noise
+        jobs.append(TraceJob(len(jobs), jt, now, work, lane.name, lane.priority, target, tenant, adapter))
 
 
 def without(jobs: list[TraceJob], tenant: str) -> list[TraceJob]:

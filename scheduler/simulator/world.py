@@ -76,6 +76,7 @@ class Gpu:
     vram_total: int
     up: bool = True
     loaded: dict[str, float] = field(default_factory=dict)  # model -> last used
+    adapters: dict[str, float] = field(default_factory=dict)  # resident LoRA adapter -> last used
     queue: deque[Job] = field(default_factory=deque)
     running: Job | None = None
     riders: list[Job] = field(default_factory=list)  # the rest of the running batch
@@ -124,3 +125,4 @@ class Result:
     up_s: float
     overloaded: bool
     suspensions: int = 0
+    adapter_loads: int = 0

@@ -75,3 +75,18 @@ def test_the_heartbeat_says_what_is_resident_and_what_a_load_took() -> None:
     unmeasured = worker_view(replace(seen, adapter_load_s=0.0), [], replace(fleet(), adapter_load_s=9.0))
     assert unmeasured.adapter_load_s == 9.0
     assert PlacementSettings().adapter_load_s == 0.5
+
+
+def test_in_the_simulator_adapter_aware_placement_loads_fewer_adapters_than_blind() -> None:
+    from scheduler.simulator import scenario as scenarios
+    from scheduler.simulator import trace as traces
+    from scheduler.simulator.engine import Simulation
+    from scheduler.simulator.policies import AdapterBlindPolicy, DarkroomPolicy
+
+    sc = replace(scenarios.load(scenarios.DEFAULT_SCENARIO.with_name("adapters_scenario.toml")), duration_s=300.0)
+    jobs = traces.trace(sc, 0.5)
+    assert len({j.adapter for j in jobs}) > 50  # the long tail is there
+    aware = Simulation(sc, DarkroomPolicy(sc), jobs, load=0.5).run()
+    blind = Simulation(sc, AdapterBlindPolicy(sc), jobs, load=0.5).run()
+    assert all(j.finish_s is not None for j in (*aware.jobs, *blind.jobs))
+    assert aware.adapter_loads < 0.9 * blind.adapter_loads, (aware.adapter_loads, blind.adapter_loads)

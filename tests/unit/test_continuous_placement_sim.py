@@ -83,7 +83,7 @@ def test_a_member_with_fewer_steps_leaves_when_they_are_done(one_gpu: scenarios.
 
 
 def seats(sim: Simulation, gpu: Gpu, now: float) -> tuple[OpenSeat, ...]:
-    return WorldFacts.worker(sim, gpu, now, None).open_seats
+    return WorldFacts().worker(sim, gpu, now, None).open_seats
 
 
 def test_the_facts_show_a_running_batch_s_seat_as_a_heartbeat_does(one_gpu: scenarios.Scenario) -> None:

@@ -58,7 +58,7 @@ from scheduler.views import job_view, running_views, worker_views
 from services.db.counts import SubmittedCount
 from services.db.records import AttemptFailure, HeldGroup, JobSummary, RunningJobRecord
 from services.db.states import JobStatus, WorkerStatus
-from services.generation import BatchKey, JobShape, JoinKey
+from services.generation import AdapterUse, BatchKey, JobShape, JoinKey
 from services.seats import OpenSeat
 from tests import fleets
 from tests.records import new_job, summary, worker_record
@@ -95,6 +95,7 @@ SCENARIO = fleets.scenario(
     thermal=[{"gpu": "small", "start_s": 0, "end_s": 1e12, "temperature_c": 85, "slowdown": 0.8}],
 )
 
+STYLE = "style:v1"  # E's LoRA adapter, resident on "small"
 BASE = 1_800_000_000.0
 NOW = BASE + 11.5
 WINDOW_S = 180.0
@@ -176,8 +177,9 @@ def simulated(tmp_path: Path) -> Simulated:
         B2: arrive(sim, t["b2"], B2, 10.5),
         B3: arrive(sim, t["b2"], B3, 10.75),
         C: arrive(sim, t["c"], C, 10.875),
-        E: arrive(sim, t["e"], E, 11.0),
+        E: arrive(sim, replace(t["e"], adapter=STYLE), E, 11.0),
     }
+    sim.gpus["small"].adapters = {STYLE: BASE + 1.0}  # resident since an earlier job
     suspended(jobs[D], at_s=4.0, done=0.5)
     suspended(jobs[F], at_s=9.0, done=0.25)
     sim.assign(jobs[D], "slow", BASE + 5.0)
@@ -244,7 +246,10 @@ JOBS = {
         created_at=at(10.875),
         scheduled_at=at(10.875),
     ),
-    E: summary(new_job(id=E, lane="free", model="img", width=512, height=512, steps=20), created_at=at(11.0)),
+    E: summary(
+        new_job(id=E, lane="free", model="img", width=512, height=512, steps=20, adapters=(AdapterUse("style", "v1"),)),
+        created_at=at(11.0),
+    ),
 }
 # What ``_HELD_GROUPS`` (services/db/repository/scheduling.py) reads of those jobs.
 IMG = BatchKey("img", 1024, 1024, 20, 7.5)
@@ -297,6 +302,8 @@ WORKERS = [
         temperature_c=85.0,
         planned_models=("img",),
         capabilities=("image", "upscale"),
+        # As the simulated world has its adapters: loaded in the scenario's time.
+        telemetry={"adapters": [STYLE], "adapter_load_s": scenarios.Adapters().load_s},
     ),
 ]
 
