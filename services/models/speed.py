@@ -19,7 +19,8 @@ option is measured against the same thing.
   back to the others where it cannot run); "sdpa" and "eager" pick the UNet's
   attention processor.
 - ``fuse_qkv``: each attention's query, key and value projections as one matmul
-  (where that keeps the outputs: ``fuses_exactly``).
+  (where that keeps the outputs: ``fuses_exactly``; never for a model that takes
+  adapters, which adapt each projection alone).
 - ``quantize``: the network's linear weights quantized by torchao: "int8"
   (weight-only), "fp8" (activations and weights, for Hopper's FP8 tensor cores)."""
 
@@ -60,13 +61,16 @@ class SpeedOptions:
     def of(cls, spec: ModelSpec, device: torch.device) -> SpeedOptions:
         """The options ``spec`` asks for on ``device``, ``optimize`` spelled out."""
         cuda = device.type == "cuda"
+        # Adapters adapt the query, key and value projections one by one: fused into
+        # one matmul, none of theirs would apply.
+        fuse = not spec.adapter_slots
         if not spec.optimize:
             graphs = spec.cuda_graphs and cuda
-            return cls(spec.compile, graphs, spec.channels_last, spec.attention, spec.fuse_qkv, spec.quantize)
+            return cls(spec.compile, graphs, spec.channels_last, spec.attention, spec.fuse_qkv and fuse, spec.quantize)
         attention = spec.attention
         if not attention and cuda:
             attention = "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
-        return cls(True, cuda, True, attention, True, spec.quantize)
+        return cls(True, cuda, True, attention, fuse, spec.quantize)
 
     @property
     def any(self) -> bool:

@@ -232,3 +232,26 @@ def test_members_with_adapters_never_read_the_device_back_and_copy_onto_it_only_
     # The first step copies the members' rows' adapters onto the device; no later one copies anything.
     first_round = len(members)
     assert copies[first_round - 1 :] == [copies[first_round - 1]] * (len(copies) - first_round + 1)
+
+
+def test_a_model_that_takes_adapters_keeps_its_projections_unfused_and_quantizes_beneath_them(
+    models_dir: Path, adapter_dirs: dict[str, Path]
+) -> None:
+    from services.models import speed
+
+    spec = replace(ModelRegistry.load().get("tiny"), adapter_slots=2, adapter_rank=16, fuse_qkv=True)
+    assert not speed.SpeedOptions.of(spec, CPU).fuse_qkv
+    assert not speed.SpeedOptions.of(replace(spec, fuse_qkv=False, optimize=True), CPU).fuse_qkv
+    styled = job(81, ("style", 1.0))
+    plain = solo(new_engine(models_dir, adapter_dirs), styled)
+    library = AdapterLibrary(lambda use: adapter_dirs[use.name])
+    int8 = SamplerEngine(ModelRegistry({"tiny": replace(spec, quantize="int8")}), models_dir, CPU, adapters=library)
+    quantized = solo(int8, styled)
+    slots = slots_of(int8.load("tiny"))
+    assert slots is not None
+    layer = next(iter(slots.layers.values()))
+    assert type(layer.base.weight).__name__ == "Int8Tensor" and layer.down.dtype == torch.float32
+    # The base weights quantized, the adapters' deltas not: the drift is int8's alone.
+    unadapted = solo(int8, replace(styled, adapters=()))
+    assert float((quantized - plain).abs().max()) < 0.05 * float(plain.abs().max())
+    assert not torch.allclose(quantized, unadapted, atol=1e-3)

@@ -59,7 +59,8 @@ def compilations(monkeypatch: pytest.MonkeyPatch) -> Iterator[Compilations]:
 
 
 def tiny(**options: Any) -> ModelSpec:
-    return replace(ModelRegistry.load().get("tiny"), **options)
+    """The miniature without adapter slots (which keep fuse_qkv off: test_adapter_batches)."""
+    return replace(ModelRegistry.load().get("tiny"), adapter_slots=0, **options)
 
 
 def engine(models_dir: Path, spec: ModelSpec) -> SamplerEngine:
