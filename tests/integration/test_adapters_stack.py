@@ -1,10 +1,10 @@
 """LoRA adapters from push to image through a running stack and a real model store
 (seaweedfs): a job names an adapter of the store and gets another image than
 without it, the same one each time; jobs with other adapters run beside it; a name
-without a version gets the latest, which the job keeps; unknown adapters, adapters
-of another family and too many are refused naming the field before anything is
-stored; and the same through the OpenAI door (``extra_body``) and ``darkroom
-generate --lora``."""
+without a version gets the latest, which the job keeps; the new families (SD 3.5,
+Flux.1, Qwen-Image, Z-Image) take theirs too; unknown adapters, adapters of another
+family and too many are refused naming the field before anything is stored; and the
+same through the OpenAI door (``extra_body``) and ``darkroom generate --lora``."""
 
 from __future__ import annotations
 
@@ -34,6 +34,17 @@ from tests.lora_files import attention_layers, write_diffusers_lora, write_kohya
 
 pytestmark = pytest.mark.integration
 
+# The miniatures of the new families, each taking adapters in the stack's registry.
+FLOW_MODELS = ("tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-z-image")
+
+
+def registry_text() -> str:
+    """The default registry, the new families' miniatures given adapter slots."""
+    text = (Path(__file__).parents[2] / "services/models/default_registry.toml").read_text()
+    for model in FLOW_MODELS:
+        text = text.replace(f"[models.{model}]\n", f"[models.{model}]\nadapter_slots = 2\nadapter_rank = 4\n", 1)
+    return text
+
 
 @pytest.fixture(scope="module")
 def adapters(model_store: Any, models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
@@ -55,14 +66,21 @@ def adapters(model_store: Any, models_dir: Path, tmp_path_factory: pytest.TempPa
     )
     subject = write_diffusers_lora(root / "t", unet, attention_layers(unet), rank=8, seed=12)
     push_adapter(store, subject, names["subject"] + ":v1", tiny, models_dir)
-    # An adapter pushed for another family: the gateway refuses it for the miniature.
-    flux = ModelRegistry.load().get("tiny-flux")
-    from diffusers import FluxTransformer2DModel
+    # One for each new family (Flux.1's also what the gateway refuses for the miniature).
+    from diffusers import DiffusionPipeline
 
-    transformer: Any = FluxTransformer2DModel.from_pretrained(models_dir / "tiny-flux", subfolder="transformer")
-    layers = [n for n in attention_layers(transformer) if "single" not in n][:4]
-    flux_dir = write_diffusers_lora(root / "f", transformer, layers, rank=2, seed=13, prefix="transformer")
-    push_adapter(store, flux_dir, names["flux"] + ":v1", flux, models_dir)
+    registry_file = root / "registry.toml"
+    registry_file.write_text(registry_text())
+    registry = ModelRegistry.load(registry_file)
+    for model in FLOW_MODELS:
+        transformer: Any = DiffusionPipeline.from_pretrained(models_dir / model).transformer
+        directory = write_diffusers_lora(
+            root / model, transformer, attention_layers(transformer), rank=4, seed=13, prefix="transformer"
+        )
+        name = "flux" if model == "tiny-flux" else model
+        names[name] = names.get(name, f"{model}-{tag}")
+        push_adapter(store, directory, names[name] + ":v1", registry.get(model), models_dir)
+    names["registry"] = str(registry_file)
     return names
 
 
@@ -85,13 +103,14 @@ def stack(
             model_store_bucket=env["DARKROOM_MODEL_STORE_BUCKET"],
             model_store_access_key=env["DARKROOM_MODEL_STORE_ACCESS_KEY"],
             model_store_secret_key=env["DARKROOM_MODEL_STORE_SECRET_KEY"],
+            model_registry=adapters["registry"],
         )
     )
 
 
-def submit(stack: LocalStack, *adapters: pb.Adapter, seed: int = 7) -> pb.Job:
+def submit(stack: LocalStack, *adapters: pb.Adapter, seed: int = 7, model: str = "tiny") -> pb.Job:
     client = stub(stack)
-    request = pb.SubmitJobRequest(model="tiny", prompt="a lighthouse", steps=3, seed=seed, adapters=adapters)
+    request = pb.SubmitJobRequest(model=model, prompt="a lighthouse", steps=3, seed=seed, adapters=adapters)
     job = wait_terminal(client, client.SubmitJob(request).job_id)
     assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
     return job
@@ -114,6 +133,17 @@ def test_a_job_with_an_adapter_gets_its_own_image_every_time(stack: LocalStack, 
     images = [image_of(job) for job in (plain, styled, again, both)]
     assert images[1] == images[2]
     assert len({images[0], images[1], images[3]}) == 3
+
+
+@pytest.mark.parametrize("model", FLOW_MODELS)
+def test_the_new_families_take_adapters_through_the_stack(
+    stack: LocalStack, adapters: dict[str, str], model: str
+) -> None:
+    name = adapters["flux" if model == "tiny-flux" else model]
+    plain = image_of(submit(stack, model=model))
+    adapted = submit(stack, pb.Adapter(name=name), model=model)
+    assert [a.name for a in adapted.adapters] == [name + ":v1"]
+    assert image_of(adapted) != plain
 
 
 def test_adapters_that_cannot_apply_are_refused_by_field_and_nothing_is_stored(
