@@ -100,6 +100,9 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(f"model {name!r}: family {table.get('family')!r} is not one of {families}")
     family = ModelFamily(table["family"])
     spec = ModelSpec(name=name, **{"capability": FAMILY_DEFAULTS[family][2], **table, "family": family})
+    if "adapters_per_job" not in table and isinstance(spec.adapter_slots, int) and spec.adapter_slots > 0:
+        # Unsaid, a job may name as many as the default, or as the model has slots.
+        spec = replace(spec, adapters_per_job=min(spec.adapters_per_job, spec.adapter_slots))
     if (spec.family == ModelFamily.SIM) != (spec.source == BUILTIN_SIM):
         raise ModelError(f"model {name!r}: the sim family, and only it, has source {BUILTIN_SIM!r}")
     if spec.sim_image:

@@ -192,7 +192,7 @@ class ModelSpec:
     # LoRA adapters (docs/adapters.md): how many a sampler keeps resident on the
     # device beside the model (0: the model takes none), the largest rank it takes
     # (every slot is padded to it: a compiled network never compiles for another),
-    # and how many one job may name.
+    # and how many one job may name (unsaid: 4, or adapter_slots if fewer).
     adapter_slots: int = 0
     adapter_rank: int = 32
     adapters_per_job: int = 4

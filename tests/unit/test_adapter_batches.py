@@ -152,6 +152,12 @@ def test_a_compiled_sampler_runs_jobs_with_new_adapters_without_compiling_again(
     assert compilations.graphs == compiled
 
 
+def test_a_registry_entry_with_few_slots_takes_that_many_adapters_a_job_unless_it_says(tmp_path: Path) -> None:
+    path = tmp_path / "registry.toml"
+    path.write_text('[models.small]\nsource = "builtin:tiny"\nfamily = "tiny"\nadapter_slots = 2\n')
+    assert ModelRegistry.load(path).get("small").adapters_per_job == 2
+
+
 @pytest.mark.parametrize(
     ("lines", "error"),
     [
