@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_worker.adapters.slots import SlotsFull
 from gpu_worker.decoding.decoders import DecodeUnavailable
 from gpu_worker.denoising.members import BadOutput
 from services.errors import InvalidArgument
+from services.models.adapters.lora_files import AdapterError
+from services.models.store.errors import ModelNotInStore
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,13 @@ def classify(exc: Exception) -> Failure:
         # The job's own fault: another attempt would fail the same way.
         return Failure(str(exc), "invalid input", retryable=False, blames_worker=False)
     error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SlotsFull):
+        # Every slot held by jobs running here: another attempt, when they are done, may do.
+        return Failure(error, "adapter slots full", retryable=True, blames_worker=False)
+    if isinstance(exc, AdapterError | ModelNotInStore):
+        # An adapter that does not fit the network, or is gone from the store: the
+        # job's own, as a refusal at submit would have been.
+        return Failure(error, "invalid input", retryable=False, blames_worker=False)
     if isinstance(exc, BadOutput):
         return Failure(error, "bad output", retryable=True, blames_worker=True)
     if isinstance(exc, DecodeUnavailable):

@@ -261,3 +261,16 @@ def test_a_model_that_takes_adapters_keeps_its_projections_unfused_and_quantizes
     unadapted = solo(int8, replace(styled, adapters=()))
     assert float((quantized - plain).abs().max()) < 0.05 * float(plain.abs().max())
     assert not torch.allclose(quantized, unadapted, atol=1e-3)
+
+
+def test_an_attempt_that_found_every_slot_held_is_retried_and_an_adapter_that_cannot_apply_is_not() -> None:
+    from gpu_worker.adapters.slots import SlotsFull
+    from gpu_worker.jobs.failures import classify
+    from services.models.adapters.lora_files import AdapterError
+    from services.models.store.errors import ModelNotInStore
+
+    full = classify(SlotsFull("all 2 adapter slots hold adapters that running jobs use"))
+    assert (full.retryable, full.blames_worker) == (True, False)
+    for exc in (AdapterError("the adapter adapts x, which is not a linear layer"), ModelNotInStore("style:v1")):
+        failure = classify(exc)
+        assert (failure.retryable, failure.blames_worker, failure.cause) == (False, False, "invalid input")
