@@ -213,3 +213,44 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_layer(
         read_lora(two, TINY)
     with pytest.raises(AdapterError, match="not to wan"):
         read_lora(adapters["style"], ModelFamily.WAN)
+
+
+def test_an_sdxl_shaped_unet_takes_each_rows_adapters_with_its_added_conditions(tmp_path: Path) -> None:
+    """SDXL's UNet adds its pooled text and size conditions through linear layers of its
+    own (``add_embedding``): they are called rows first too."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    network = UNet2DConditionModel(
+        sample_size=16,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=32 + 6 * 8,
+        transformer_layers_per_block=(1, 2),
+    ).eval()
+    assert "add_embedding.linear_1" in network_layers(network)
+    directory = write_diffusers_lora(tmp_path / "xl", network, list(network_layers(network)), rank=4, seed=5)
+    weights = read_lora(directory, ModelFamily.SDXL)
+    slots = slots_on(network, rank=4)
+    slots.load("xl", weights)
+    g = torch.Generator().manual_seed(1)
+    x, text = torch.randn(3, 4, 16, 16, generator=g), torch.randn(3, 77, 32, generator=g)
+    added = {"text_embeds": torch.randn(3, 32, generator=g), "time_ids": torch.randn(3, 6, generator=g)}
+
+    def run(rows: list[tuple[tuple[str, float], ...]], i: slice) -> torch.Tensor:
+        conditions = {k: v[i] for k, v in added.items()}
+        with torch.inference_mode(), slots.rows(rows):
+            return network(x[i], 500, encoder_hidden_states=text[i], added_cond_kwargs=conditions).sample
+
+    rows: list[tuple[tuple[str, float], ...]] = [(("xl", 1.0),), (), (("xl", -0.5),)]
+    mixed = run(rows, slice(0, 3))
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(mixed[i : i + 1], run([row], slice(i, i + 1)), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(mixed[0], run([()], slice(0, 1))[0], atol=1e-3)
