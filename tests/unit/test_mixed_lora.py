@@ -221,7 +221,7 @@ def test_an_sdxl_shaped_unet_takes_each_rows_adapters_with_its_added_conditions(
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
-    network = UNet2DConditionModel(
+    network: Any = UNet2DConditionModel(
         sample_size=16,
         block_out_channels=(32, 64),
         layers_per_block=1,
