@@ -234,7 +234,8 @@ def test_an_sdxl_shaped_unet_takes_each_rows_adapters_with_its_added_conditions(
         addition_time_embed_dim=8,
         projection_class_embeddings_input_dim=32 + 6 * 8,
         transformer_layers_per_block=(1, 2),
-    ).eval()
+    )
+    network.eval()
     assert "add_embedding.linear_1" in network_layers(network)
     directory = write_diffusers_lora(tmp_path / "xl", network, list(network_layers(network)), rank=4, seed=5)
     weights = read_lora(directory, ModelFamily.SDXL)
