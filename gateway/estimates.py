@@ -44,7 +44,8 @@ class Estimator:
         """The scheduler's view of the fleet, reread at most every estimates_refresh_s."""
         loop = asyncio.get_running_loop()
         if self._fleet_view is None or loop.time() - self._fleet_read >= self.config.estimates_refresh_s:
-            fleet = policy.Fleet(self.costs, durations_from(*await self.repo.estimates.learned()))
+            durations = durations_from(*await self.repo.estimates.learned())
+            fleet = policy.Fleet(self.costs, durations, adapter_load_s=self.config.adapter_load_s)
             workers = self.presence.live(WorkerKind.SAMPLER, stale_after_s=self.stale_after_s)
             held = await self.repo.scheduling.held_groups()
             self._fleet_view = (fleet, worker_views(facts.fleet_snapshot(now, workers=workers, held=held), fleet))
@@ -87,4 +88,5 @@ class Estimator:
             new.priority,
             target_s=self.config.target_s(new.lane, cost.capability if cost is not None else ""),
             frames=p.frames,
+            adapters=frozenset(a.key for a in p.adapters),  # its estimate counts their loads where they are cold
         )
