@@ -47,6 +47,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "| model | size | steps | option | resolved |",
     ),
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
+    "adapters": ("| model | size | steps | batch | rank |", "| adapters | load ms (files to slot) |"),
     "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
     "expansion": ("| expander | model | load s |",),
     "image_filter": ("| model | size | device | decoder ms/image, filter off |",),
