@@ -42,6 +42,13 @@ MODEL_LOAD_SECONDS = Histogram(
     ["model"],
     buckets=LOAD_BUCKETS,
 )
+MODEL_COMPILE_SECONDS = Histogram(
+    "darkroom_model_compile_seconds",
+    "Of a model's load, how long compiling its networks and warming them up for each batch bucket took "
+    "(models with compile or optimize on).",
+    ["model"],
+    buckets=LOAD_BUCKETS,
+)
 BATCH_IMAGES = Histogram(
     "darkroom_batch_images",
     "Images in each batch a sampler ran through the denoising loop.",

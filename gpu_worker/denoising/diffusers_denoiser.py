@@ -77,7 +77,8 @@ class DiffusersDenoiser(DiffusersFamily):
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":
-            warm_up_buckets(self, pipe, spec, self._max_rows(spec))
+            took = warm_up_buckets(self, pipe, spec, self._max_rows(spec))
+            loaded = replace(loaded, seconds=loaded.seconds + took, compile_s=took)
         return loaded
 
     def sample(

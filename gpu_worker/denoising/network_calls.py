@@ -42,9 +42,10 @@ class NetworkCalls:
         return padded, c.padded(len(padded) - len(x)) if len(padded) > len(x) else c
 
 
-def warm_up_buckets(denoiser: WarmUpDenoiser, pipe: Any, spec: ModelSpec, max_rows: int) -> None:
+def warm_up_buckets(denoiser: WarmUpDenoiser, pipe: Any, spec: ModelSpec, max_rows: int) -> float:
     """Runs the compiled network at the model's default size for each batch bucket
-    up to ``max_rows``, with guidance and without: compiled now, not on a user's job."""
+    up to ``max_rows``, with guidance and without: compiled now, not on a user's job.
+    The seconds it took."""
     began = time.perf_counter()
     for rows in speed.buckets(max_rows):
         for guidance in sorted({spec.default_guidance, 1.0}):
@@ -71,6 +72,7 @@ def warm_up_buckets(denoiser: WarmUpDenoiser, pipe: Any, spec: ModelSpec, max_ro
                     raise run.result
     took = time.perf_counter() - began
     log.info("%s compiled and warmed up for batches of %s in %.1fs", spec.name, speed.buckets(max_rows), took)
+    return took
 
 
 def _no_step(step: int, total: int) -> None:

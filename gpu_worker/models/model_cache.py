@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_worker.metrics import MODEL_LOAD_SECONDS
+from gpu_worker.metrics import MODEL_COMPILE_SECONDS, MODEL_LOAD_SECONDS
 from gpu_worker.models.residency import DoesNotFit, Resident, victims
 from services.errors import ModelError
 from services.models.host_cache import loading as host_cache_loading
@@ -49,9 +49,10 @@ class ModelLoader(Protocol):
 class _Held:
     model: Any
     bytes: int
-    load_s: float
+    load_s: float  # its compilation included: what a later load here costs
     last_used: float
     pinned: bool
+    compile_s: float = 0.0  # of its load, compiling its networks
 
 
 class ModelCache:
@@ -98,7 +99,10 @@ class ModelCache:
     def footprints(self) -> dict[str, dict[str, float]]:
         """Measured bytes and load seconds of each loaded model, for the scheduler."""
         held = list(self._held.items())  # one step under the GIL, whatever a loading thread does
-        return {name: {"bytes": h.bytes, "load_s": round(h.load_s, 3)} for name, h in held}
+        return {
+            name: {"bytes": h.bytes, "load_s": round(h.load_s, 3), "compile_s": round(h.compile_s, 3)}
+            for name, h in held
+        }
 
     def get(self, name: str) -> Any:
         """The model, loaded first if it is not held (evicting others to make room)."""
@@ -123,7 +127,12 @@ class ModelCache:
             # The whole wait, a store download included: no job is charged it. (The
             # load alone, ``loaded.seconds``, is what a later load here costs.)
             MODEL_LOAD_SECONDS.labels(model=name).observe(time.perf_counter() - began)
-            self._held[name] = _Held(loaded.value, loaded.bytes, loaded.seconds, time.monotonic(), name in self.pinned)
+            if loaded.compile_s:
+                MODEL_COMPILE_SECONDS.labels(model=name).observe(loaded.compile_s)
+            now = time.monotonic()
+            self._held[name] = _Held(
+                loaded.value, loaded.bytes, loaded.seconds, now, name in self.pinned, loaded.compile_s
+            )
             self._measured[name] = loaded.bytes
             # Bigger than the registry said: others make room now, not at the next load.
             self._make_room(name, 0)

@@ -29,7 +29,8 @@ _LOADING = threading.Lock()
 class Loaded:
     value: Any
     bytes: int  # parameters and buffers of every torch module in it
-    seconds: float
+    seconds: float  # the whole load, its compilation included
+    compile_s: float = 0.0  # of which compiling (and warming up) its networks
 
 
 def compute_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:

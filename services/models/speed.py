@@ -6,10 +6,13 @@ option is measured against the same thing.
   (on CUDA: compile with CUDA graphs, channels-last, fused QKV, cuDNN attention on
   Hopper and later, flash attention before; on a CPU: compile, channels-last, fused
   QKV). Quantization stays an opt-in of its own: it moves images.
-- ``compile``: ``torch.compile`` of the network (full graph). Batches are padded to
-  buckets (1, 2, 4, ... up to the model's batch size) and each bucket is run once as
-  the model loads, so that no user's job waits for a compilation at the model's
-  default size (a new size compiles once, when first met).
+- ``compile``: ``torch.compile`` of the network's repeated blocks, each compiled once
+  and shared by every block of its class and shapes (regional compilation, as
+  diffusers' ``compile_repeated_blocks``: ``REGIONS``); a network with no known
+  regions is compiled whole. Batches are padded to buckets (1, 2, 4, ... up to the
+  model's batch size) and each bucket is run once as the model loads, so that no
+  user's job waits for a compilation at the model's default size (a new size compiles
+  once, when first met).
 - ``cuda_graphs``: compiled with CUDA graphs (``mode="reduce-overhead"``): a step is
   replayed, not launched kernel by kernel; a network output is copied out of the
   graph's memory before the next replay overwrites it.
@@ -46,6 +49,15 @@ RECOMPILE_LIMIT = 64
 # The backend of ``torch.compile``: inductor generates kernels; tests on a CPU swap
 # in "aot_eager", which traces the same graphs without generating code.
 COMPILE_BACKEND = "inductor"
+# The blocks compiled one by one (regional compilation), by the network's class, where
+# the class does not list its own (diffusers' ``_repeated_blocks``): most of the
+# network's time is in them, and one compilation serves every block of a class and
+# shape. None of them holds another, so no compiled block is traced into another's graph.
+REGIONS: dict[str, tuple[str, ...]] = {
+    "UNet2DConditionModel": ("BasicTransformerBlock", "ResnetBlock2D"),
+    "SD3Transformer2DModel": ("JointTransformerBlock",),
+    "Decoder": ("ResnetBlock2D",),  # an image VAE's decoder
+}
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,27 @@ def prepare(module: Any, options: SpeedOptions) -> Any:
         return module
     _raise_recompile_limit()
     mode = "reduce-overhead" if options.cuda_graphs else None
+    if compile_regions(module, mode=mode):
+        return module
     return torch.compile(module, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
+
+
+def regions(module: Any) -> tuple[str, ...]:
+    """The classes of ``module``'s blocks compiled one by one (``REGIONS``)."""
+    own = tuple(getattr(module, "_repeated_blocks", None) or ())
+    return tuple(dict.fromkeys((*own, *REGIONS.get(type(module).__name__, ()))))
+
+
+def compile_regions(module: Any, *, mode: str | None = None, dynamic: bool | None = None) -> int:
+    """Compiles each of ``module``'s blocks of its ``regions`` in place (the rest stays
+    eager); how many it compiled (0: it has no known regions)."""
+    names = regions(module)
+    compiled = 0
+    for block in module.modules() if names else ():
+        if type(block).__name__ in names:
+            block.compile(fullgraph=True, dynamic=dynamic, mode=mode, backend=COMPILE_BACKEND)
+            compiled += 1
+    return compiled
 
 
 def compile_repeated_blocks(module: Any, options: SpeedOptions) -> None:
@@ -105,7 +137,7 @@ def compile_repeated_blocks(module: Any, options: SpeedOptions) -> None:
     its prompt (Z-Image), which compiled whole would compile again for each length."""
     _raise_recompile_limit()
     mode = "reduce-overhead" if options.cuda_graphs else None
-    module.compile_repeated_blocks(fullgraph=True, dynamic=True, mode=mode, backend=COMPILE_BACKEND)
+    compile_regions(module, mode=mode, dynamic=True)
 
 
 def fuses_exactly(module: Any) -> bool:

@@ -47,6 +47,7 @@ TABLES: dict[str, tuple[str, ...]] = {
         "| model | size | steps | option | resolved |",
     ),
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
+    "compile_time": ("| model | backend | whole s | regional s |",),
     "adapters": ("| model | size | steps | batch | rank |", "| adapters | load ms (files to slot) |"),
     "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
     "expansion": ("| expander | model | load s |",),

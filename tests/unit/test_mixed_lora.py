@@ -134,7 +134,8 @@ def test_a_compiled_network_serves_new_and_reloaded_adapters_without_compiling_a
     x, t, text = inputs(2)
     with slots.rows([(), ()]):
         call(compiled, x, t, text)
-    assert compilations[0] == 1
+    first = compilations[0]
+    assert first > 0
     for name in ("style", "wide", "subject", "style"):  # one slot: each evicts the last
         slots.load(name, read_lora(adapters[name], TINY))
         eager_slots.load(name, read_lora(adapters[name], TINY))
@@ -143,7 +144,7 @@ def test_a_compiled_network_serves_new_and_reloaded_adapters_without_compiling_a
             got = call(compiled, x, t, text)
         with eager_slots.rows(rows):
             torch.testing.assert_close(got, call(eager, x, t, text), rtol=1e-5, atol=1e-5)
-    assert compilations[0] == 1
+    assert compilations[0] == first
 
 
 def test_an_evicted_adapter_reloads_to_the_same_output(models_dir: Path, adapters: dict[str, Path]) -> None:
