@@ -122,17 +122,8 @@ SERVED_TEXT_ENCODER_FAMILIES = frozenset(
 # The families whose models take LoRA adapters (``adapter_slots``): their networks'
 # layers are called with a call's rows first (services/models/adapters).
 ADAPTED_FAMILIES = frozenset(
-    {
-        ModelFamily.SD15,
-        ModelFamily.SDXL,
-        ModelFamily.TINY,
-        ModelFamily.SD3,
-        ModelFamily.FLUX,
-        ModelFamily.FLUX_KONTEXT,
-        ModelFamily.QWEN_IMAGE,
-        ModelFamily.QWEN_IMAGE_EDIT,
-        ModelFamily.Z_IMAGE,
-    }
+    {ModelFamily.SD15, ModelFamily.SDXL, ModelFamily.TINY, ModelFamily.SD3, ModelFamily.FLUX}
+    | {ModelFamily.FLUX_KONTEXT, ModelFamily.QWEN_IMAGE, ModelFamily.QWEN_IMAGE_EDIT, ModelFamily.Z_IMAGE}
 )
 # Frames per second a video may ask for.
 MAX_FPS = 120.0
