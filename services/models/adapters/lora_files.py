@@ -9,7 +9,6 @@ adapter (kohya's ``lora_te``) is listed as skipped, never silently half-used."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,14 +115,11 @@ def _state_dict(pipeline: str, path: Path) -> tuple[dict[str, torch.Tensor], dic
     import diffusers
 
     cls = getattr(diffusers, pipeline)
-    kwargs: dict[str, Any] = {"weight_name": path.name}
-    takes_metadata = "return_lora_metadata" in inspect.signature(cls.lora_state_dict).parameters
     try:
-        read = cls.lora_state_dict(str(path.parent), **kwargs, return_lora_metadata=True)
-    except TypeError:
-        if takes_metadata:
-            raise
-        read = cls.lora_state_dict(str(path.parent), **kwargs)
+        try:
+            read = cls.lora_state_dict(str(path.parent), weight_name=path.name, return_lora_metadata=True)
+        except TypeError:  # a loader that returns no metadata
+            read = cls.lora_state_dict(str(path.parent), weight_name=path.name)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise AdapterError(f"cannot read {path.name} as a LoRA: {exc}") from exc
     parts = read if isinstance(read, tuple) else (read,)
