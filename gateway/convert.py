@@ -142,6 +142,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         output_format=OUTPUT_FORMAT[job.output_format],
         batch_images=job.batch_rows or 0,
         joined_batch_images=job.joined_rows or 0,
+        cached_steps=job.cached_steps or 0,
         failed_attempts=[
             pb.AttemptFailure(attempt=f.attempt, worker_id=f.worker_id, error=f.error) for f in job.attempt_log
         ],

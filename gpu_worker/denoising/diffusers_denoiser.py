@@ -41,6 +41,7 @@ from gpu_worker.denoising.members import BatchMember, MemberResult, checked_outp
 from gpu_worker.denoising.network_calls import NetworkCalls, warm_up_buckets
 from gpu_worker.denoising.noise_schedulers import host_scheduler, keep_unmasked
 from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.step_cache import StepCache, cached_steps
 from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
 from services.generation import GenerationParams
 from services.models import loader, speed
@@ -172,6 +173,7 @@ class DiffusersDenoiser(DiffusersFamily):
         step index (a resumed member finishes before a fresh one beside it); at each
         boundary the members offered to ``joins`` come in, and those done leave."""
         checkpoints.mark([r for r in runs if r.result is None])
+        cache = StepCache(calls.options.step_cache) if calls.options.step_cache else None
         left: set[int] = set()
         while True:
             for r in runs:
@@ -189,14 +191,16 @@ class DiffusersDenoiser(DiffusersFamily):
                 joins.stepped([r.member for r in active], max((r.total - r.step for r in active), default=0))
             if not active:
                 return
-            for group in step_groups(active, fuse=self.fuse_batches, guided=self.classifier_free, key=self.call_key):
-                noise = guided_noise(self, pipe, group, calls)
-                for r, eps in zip(group, noise, strict=True):
-                    state = _state(r)
-                    t = state.scheduler.timesteps[r.step]
-                    extra = {"generator": state.generators} if takes_generator(state.scheduler) else {}
-                    state.latents = state.scheduler.step(eps, t, state.latents, **extra, return_dict=False)[0]
-                    keep_unmasked(state, r.step)
+            reusing = cache.reusing(active) if cache is not None else set()
+            computing = [r for r in active if id(r) not in reusing]
+            for group in step_groups(computing, fuse=self.fuse_batches, guided=self.classifier_free, key=self.call_key):
+                for r, eps in zip(group, guided_noise(self, pipe, group, calls), strict=True):
+                    if cache is not None:
+                        cache.computed(r, eps)
+                    _step(r, eps)
+            for r in active:
+                if id(r) in reusing:
+                    _step(r, StepCache.reused(r))
             for r in active:
                 r.step += 1
                 r.member.on_step(r.step, r.total)
@@ -221,6 +225,18 @@ class DiffusersDenoiser(DiffusersFamily):
         if run.result is None and run.state is not None:
             latents = self.output_latents(pipe, run.member.params, run.state.latents)
             run.result = checked_output(latents, spec.min_output_std)
+            report = run.member.on_cached_steps
+            if report is not None and speed.SpeedOptions.of(spec, self.device).step_cache:
+                report(cached_steps(run))
+
+
+def _step(run: DiffusersRun, prediction: torch.Tensor) -> None:
+    """The member's noise scheduler steps its latents by ``prediction``."""
+    state = _state(run)
+    t = state.scheduler.timesteps[run.step]
+    extra = {"generator": state.generators} if takes_generator(state.scheduler) else {}
+    state.latents = state.scheduler.step(prediction, t, state.latents, **extra, return_dict=False)[0]
+    keep_unmasked(state, run.step)
 
 
 def _done(run: DiffusersRun) -> bool:

@@ -79,6 +79,9 @@ class BatchMember:
     # the CPU), from the sampling thread: rough previews for its stream.
     preview_at: frozenset[int] = frozenset()
     on_preview: Callable[[int, int, torch.Tensor], None] | None = None
+    # As it ends, from the sampling thread, where its model caches steps: how many
+    # of its steps (resumed ones included) reused a prediction.
+    on_cached_steps: Callable[[int], None] | None = None
 
 
 def check_output(latents: torch.Tensor, min_std: float) -> None:

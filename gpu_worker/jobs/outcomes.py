@@ -60,6 +60,10 @@ class Started:
     sampled_s: float = 0.0
     batch_rows: int = 0
     joined_rows: int | None = None
+    cached_steps: int | None = None  # steps that reused a prediction (step caching; None: off)
+
+    def cached(self, steps: int) -> None:
+        self.cached_steps = steps
 
 
 class OutcomeRecorder:

@@ -228,6 +228,7 @@ class JobRunner:
             inputs=inputs if isinstance(inputs, MemberInputs) else None,
             preview_at=job_preview_steps(job),
             on_preview=progress.on_preview,
+            on_cached_steps=started.cached,
         )
 
     async def _decoding(self, sampled: Sequence[Started]) -> None:
@@ -270,6 +271,7 @@ class JobRunner:
                 run_seconds=started.sampled_s if sampled.learnable and i == 0 else None,
                 batch_rows=rows,
                 joined_rows=started.joined_rows,
+                cached_steps=started.cached_steps,
             )
             outcomes.append(self._finish_one(started, decoded.get(started.job.id), result))
         return list(await asyncio.gather(*outcomes))

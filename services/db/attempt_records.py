@@ -52,3 +52,5 @@ class Result:
     batch_rows: int | None = None
     # Images already running in the batch it joined at a step boundary; None: it began its batch.
     joined_rows: int | None = None
+    # Steps of each of its images that reused a prediction (step caching); None: off.
+    cached_steps: int | None = None

@@ -102,6 +102,7 @@ class JobRow(Base):
     batch_rows: Mapped[int | None] = mapped_column(Integer)
     # Images already running in the batch it joined at a step boundary; NULL: it began its batch.
     joined_rows: Mapped[int | None] = mapped_column(Integer)
+    cached_steps: Mapped[int | None] = mapped_column(Integer)
     learned: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
     worker_id: Mapped[str | None] = mapped_column(String(128))
     error: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))

@@ -147,6 +147,7 @@ class JobRecord:
     output_format: str = "png"
     batch_rows: int | None = None
     joined_rows: int | None = None  # images running in the batch it joined mid-way; None: it began one
+    cached_steps: int | None = None  # steps that reused a prediction (step caching); None: off
     dispatched_at: datetime | None = None
     decoded_at: datetime | None = None
     trace_context: str | None = None

@@ -124,6 +124,7 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(f"model {name!r}: text_encoders {spec.text_encoders!r} is not one of {TEXT_ENCODER_PLACES}")
     if spec.text_encoders == "service" and spec.family not in SERVED_TEXT_ENCODER_FAMILIES:
         raise ModelError(f"model {name!r}: a {spec.family} model has no text encoders a decoder serves")
+    _check_speed(spec)
     if spec.cuda_graphs and not (spec.compile or spec.optimize):
         raise ModelError(f"model {name!r}: cuda_graphs come with compile (or optimize)")
     if spec.max_batch < 1:
@@ -136,6 +137,14 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     if spec.scheduler:
         scheduler_class(spec)
     return spec
+
+
+def _check_speed(spec: ModelSpec) -> None:
+    if not (isinstance(spec.optimize, bool) or spec.optimize == "aggressive"):
+        raise ModelError(f'model {spec.name!r}: optimize must be true, false or "aggressive", not {spec.optimize!r}')
+    value = spec.step_cache
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise ModelError(f"model {spec.name!r}: step_cache must be a number within 0..1 (0: off), not {value!r}")
 
 
 def _check_frames(spec: ModelSpec) -> None:

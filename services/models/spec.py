@@ -167,13 +167,18 @@ class ModelSpec:
     # "efficient", "cudnn" one SDPA kernel, "eager" the plain one), fused QKV
     # projections, and weights quantized by torchao ("int8", "fp8": an opt-in that
     # moves images; ``bench/gpu.py`` reports how far).
-    optimize: bool = False
+    # ``optimize = "aggressive"``: those, and the options that move images a little
+    # for speed, reporting how far: step caching, and FP8 where the device has it.
+    optimize: bool | str = False
     compile: bool = False
     cuda_graphs: bool = False
     channels_last: bool = False
     attention: str = ""
     fuse_qkv: bool = False
     quantize: str = ""
+    # Step caching (gpu_worker/denoising/step_cache.py): a step reuses a job's last
+    # prediction while its estimated change stays within this (0: off).
+    step_cache: float = 0.0
     # Where its text encoders run: "device", beside its network (the default);
     # "host": kept in the sampler's host memory and run on its CPU, each prompt's
     # conditioning then moved to the device (T5-XXL's 9.5 GB off a card too small);

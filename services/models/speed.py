@@ -25,7 +25,14 @@ option is measured against the same thing.
   (where that keeps the outputs: ``fuses_exactly``; never for a model that takes
   adapters, which adapt each projection alone).
 - ``quantize``: the network's linear weights quantized by torchao: "int8"
-  (weight-only), "fp8" (activations and weights, for Hopper's FP8 tensor cores)."""
+  (weight-only), "fp8" (activations and weights, for Hopper's FP8 tensor cores).
+- ``step_cache``: a step reuses a job's last prediction while its estimated change
+  stays within this threshold (``gpu_worker.denoising.step_cache``).
+
+``optimize = "aggressive"`` adds to ``optimize``'s the options that move images a
+little for speed (``bench/step_cache.py`` and ``bench/gpu.py`` report how far): step
+caching (the model's threshold, or ``AGGRESSIVE_STEP_CACHE``) and, where the device
+has FP8 tensor cores and the model asks for no other quantization, "fp8"."""
 
 from __future__ import annotations
 
@@ -43,6 +50,10 @@ log = logging.getLogger(__name__)
 
 # The options ``optimize`` leaves to the model's own choice when it names one.
 _SDPA_KERNELS = ("flash", "efficient", "cudnn")
+# The step-caching threshold ``optimize = "aggressive"`` uses where the model names
+# none (bench/step_cache.py: on the miniature at 20 steps, about a third of the
+# steps reused; see docs/benchmarks.md for the images' drift).
+AGGRESSIVE_STEP_CACHE = 0.1
 # Distinct shapes a compiled network may see before torch recompiles no more (its
 # default, 8, is below buckets times guidance on and off times a few sizes).
 RECOMPILE_LIMIT = 64
@@ -68,6 +79,7 @@ class SpeedOptions:
     attention: str = ""
     fuse_qkv: bool = False
     quantize: str = ""
+    step_cache: float = 0.0
 
     @classmethod
     def of(cls, spec: ModelSpec, device: torch.device) -> SpeedOptions:
@@ -78,11 +90,16 @@ class SpeedOptions:
         fuse = not spec.adapter_slots
         if not spec.optimize:
             graphs = spec.cuda_graphs and cuda
-            return cls(spec.compile, graphs, spec.channels_last, spec.attention, spec.fuse_qkv and fuse, spec.quantize)
+            fused = spec.fuse_qkv and fuse
+            return cls(spec.compile, graphs, spec.channels_last, spec.attention, fused, spec.quantize, spec.step_cache)
         attention = spec.attention
         if not attention and cuda:
             attention = "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
-        return cls(True, cuda, True, attention, fuse, spec.quantize)
+        if spec.optimize != "aggressive":
+            return cls(True, cuda, True, attention, fuse, spec.quantize, spec.step_cache)
+        fp8 = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+        quantized = spec.quantize or ("fp8" if fp8 else "")
+        return cls(True, cuda, True, attention, fuse, quantized, spec.step_cache or AGGRESSIVE_STEP_CACHE)
 
     @property
     def any(self) -> bool:
@@ -92,6 +109,7 @@ class SpeedOptions:
         on = [name for name in ("compile", "cuda_graphs", "channels_last", "fuse_qkv") if getattr(self, name)]
         on += [f"attention={self.attention}"] if self.attention else []
         on += [f"quantize={self.quantize}"] if self.quantize else []
+        on += [f"step_cache={self.step_cache:g}"] if self.step_cache else []
         return ", ".join(on) or "none"
 
 

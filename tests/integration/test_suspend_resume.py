@@ -24,6 +24,8 @@ from tests.helpers import CHECKPOINTED_TINY, stub, wait_for, wait_terminal
 pytestmark = pytest.mark.integration
 
 LONG: dict[str, Any] = {"model": "tiny", "prompt": "a long one", "width": 256, "height": 256, "steps": 60, "seed": 11}
+# The miniature with step caching: its checkpoints carry what it decides by.
+CACHED_TINY = CHECKPOINTED_TINY.replace("[models.tiny]", "[models.tiny-cached]") + "step_cache = 0.1\n"
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +34,7 @@ def stack(
 ) -> Iterator[LocalStack]:
     tmp = tmp_path_factory.mktemp("suspend")
     registry = tmp / "registry.toml"
-    registry.write_text(CHECKPOINTED_TINY)
+    registry.write_text(CHECKPOINTED_TINY + CACHED_TINY)
     s = make_stack(
         tmp / "stack",
         postgres,
@@ -94,9 +96,11 @@ def kinds(events: list[pb.JobEvent]) -> list[str]:
 
 def test_a_drain_suspends_at_the_next_step_and_another_gpu_resumes_with_the_same_image(stack: LocalStack) -> None:
     """Over 30 s: the job must be long enough (60 steps at 256 px) to be drained mid-way
-    with time left to measure, and runs again uninterrupted to compare."""
+    with time left to measure, and runs again uninterrupted to compare. Its model
+    caches steps: resumed, it caches the steps it would have uninterrupted."""
     client = stub(stack)
-    job_id = client.SubmitJob(pb.SubmitJobRequest(**LONG, lane="free")).job_id
+    request = {**LONG, "model": "tiny-cached"}
+    job_id = client.SubmitJob(pb.SubmitJobRequest(**request, lane="free")).job_id
     stream = Stream(client, job_id)
     seen = running_past(client, job_id, 3)
     draining = next(n for n, c in stack.services.items() if c.env.get("DARKROOM_WORKER_ID") == seen.worker_id)
@@ -132,7 +136,9 @@ def test_a_drain_suspends_at_the_next_step_and_another_gpu_resumes_with_the_same
     after = kinds(events)[kinds(events).index("resumed") :]
     steps_after = [e.progress.step for e in events[len(events) - len(after) :] if e.HasField("progress")]
     assert steps_after and steps_after[0] == suspension.step + 1, "progress continues from the checkpoint"
-    assert job.images[0].data == uninterrupted(client, LONG).images[0].data
+    whole = uninterrupted(client, request)
+    assert job.images[0].data == whole.images[0].data
+    assert 0 < job.cached_steps == whole.cached_steps < LONG["steps"]
 
 
 def test_an_urgent_job_preempts_long_best_effort_work_which_resumes_with_the_same_image(stack: LocalStack) -> None:

@@ -172,11 +172,12 @@ class Attempts(Area):
                 UPDATE jobs AS j SET
                     status = 'SUCCEEDED', error = '', finished_at = clock_timestamp(), decoded_at = r.decoded_at,
                     run_seconds = r.run_seconds, batch_rows = r.batch_rows, joined_rows = r.joined_rows,
+                    cached_steps = r.cached_steps,
                     gpu_seconds = j.gpu_seconds + r.busy_s
                 FROM unnest(%(ids)s::varchar[], %(attempts)s::int[], %(decoded)s::timestamptz[],
                             %(run_seconds)s::float8[], %(batch_rows)s::int[], %(joined_rows)s::int[],
-                            %(busy)s::float8[])
-                     AS r(id, attempt, decoded_at, run_seconds, batch_rows, joined_rows, busy_s)
+                            %(cached_steps)s::int[], %(busy)s::float8[])
+                     AS r(id, attempt, decoded_at, run_seconds, batch_rows, joined_rows, cached_steps, busy_s)
                 WHERE j.id = r.id AND j.attempt = r.attempt AND {_CURRENT}
                 RETURNING j.id, r.busy_s
             ), images AS (
@@ -203,6 +204,7 @@ class Attempts(Area):
                 "run_seconds": [r.run_seconds for r in results],
                 "batch_rows": [r.batch_rows for r in results],
                 "joined_rows": [r.joined_rows for r in results],
+                "cached_steps": [r.cached_steps for r in results],
                 "busy": [r.busy_s for r in results],
                 "image_jobs": [job_id for job_id, _ in images],
                 "indexes": [i.index for _, i in images],
