@@ -48,6 +48,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     ),
     "checkpoint": ("| uninterrupted s | capture ms, median |",),
     "compile_time": ("| model | backend | whole s | regional s |",),
+    "step_cache": ("| model | size | steps | batch | step_cache |",),
     "adapters": ("| model | size | steps | batch | rank |", "| adapters | load ms (files to slot) |"),
     "fleet_load": ("| N samplers | hosts | PG conns idle / peak |", "| kind |"),
     "expansion": ("| expander | model | load s |",),
