@@ -25,6 +25,7 @@ from services.generation import GenerationParams
 from services.models import speed
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily
+from tests.unit.test_speed_options import Compilations
 
 CPU = torch.device("cpu")
 STEPS = 20
@@ -151,6 +152,27 @@ def test_a_resumed_job_caches_as_it_would_have_uninterrupted(models_dir: Path, s
     [resumed] = engine(models_dir).sample_batch([second.member])
     assert torch.equal(latents(resumed), latents(uninterrupted))
     assert second.cached == whole.cached and second.steps == list(range(suspend_at + 1, STEPS + 1))
+
+
+def test_a_compiled_network_caching_steps_never_compiles_again(
+    models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Fused, as on a GPU: the rows a step runs shrink as members reuse their
+    # predictions, always to a bucket the model was warmed up with.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compilations = Compilations()
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", compilations)
+    eng = engine(models_dir, compile=True, adapter_slots=0, default_width=64, default_height=64, max_batch=4)
+    eng.denoisers[ModelFamily.TINY].fuse_batches = True  # type: ignore[attr-defined]
+    eng.load("tiny")
+    warmed = compilations.graphs
+    members = [Member(job(9, images=2)), Member(job(10, steps=14)), Member(job(11, guidance=3.0))]
+    results = eng.sample_batch([m.member for m in members])
+    assert all(isinstance(r, torch.Tensor) for r in results) and all(m.cached[0] > 0 for m in members)
+    assert compilations.graphs == warmed
+    torch._dynamo.reset()
 
 
 def test_the_change_is_the_largest_of_the_rows_relative_distances() -> None:
