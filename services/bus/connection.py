@@ -13,6 +13,7 @@ from nats.errors import Error as NatsError
 from services.backoff import Backoff
 from services.bus.credentials import NatsCredentials
 from services.errors import BusError
+from services.telemetry.metrics import BUS_MESSAGES
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ async def connect_nats(
         }
     while True:
         try:
-            return await nats.connect(
+            connection = await nats.connect(
                 servers,
                 name=name,
                 max_reconnect_attempts=-1,
@@ -67,6 +68,8 @@ async def connect_nats(
                 disconnected_cb=disconnected,
                 reconnected_cb=_log_reconnected,
             )
+            BUS_MESSAGES.watch(connection)
+            return connection
         except BUS_ERRORS as exc:
             if stop is not None and stop.is_set():
                 raise BusError(f"cannot connect to NATS at {','.join(servers)}: {exc}") from exc

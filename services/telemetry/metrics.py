@@ -14,13 +14,15 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 from services.config.sections import KernelSettings
 from services.telemetry.gpu import THROTTLE_REASONS, GpuReading
@@ -78,6 +80,34 @@ RPC_DURATION = Histogram(
     ["method"],
     buckets=LATENCY_BUCKETS,
 )
+# What a job costs the shared parts, per process: divided by the jobs it served,
+# the statements and messages a job takes (bench/controlplane.py's per-service table).
+DB_STATEMENTS = Counter("darkroom_db_statements", "Statements this process sent to PostgreSQL.")
+
+
+class BusMessages:
+    """``darkroom_bus_messages_total{direction}``: the messages this process's NATS
+    connections sent ("out") and received ("in"), as nats.py counts them, read at
+    each scrape (counting them again in every publish would cost each one)."""
+
+    def __init__(self) -> None:
+        self._connections: list[Any] = []
+
+    def watch(self, connection: Any) -> None:
+        """Counts ``connection`` (a ``nats.NATS``, for the life of the process)."""
+        self._connections.append(connection)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "darkroom_bus_messages", "Messages this process sent to NATS and received from it.", labels=["direction"]
+        )
+        for direction in ("in", "out"):
+            family.add_metric([direction], sum(c.stats[f"{direction}_msgs"] for c in self._connections))
+        yield family
+
+
+BUS_MESSAGES = BusMessages()
+REGISTRY.register(BUS_MESSAGES)
 MESH_REFUSALS = Counter(
     "darkroom_mesh_refusals",
     "Internal calls refused by this server for the caller's certificate, by service and reason (role: a "

@@ -196,6 +196,12 @@ def test_prometheus_scrapes_every_service(prometheus_binary: str, stack: LocalSt
         eventually(url, 'sum(darkroom_decode_batch_images_count{service="decoder"})', at_least(1))
         eventually(url, 'darkroom_decoder_queued_images{service="decoder"}', lambda s: len(s) == 1)
         eventually(url, f'darkroom_rpc_requests_total{{service="decoder",method="{DECODE}",code="OK"}}', at_least(1))
+        # What jobs cost the shared parts, per service: statements and messages.
+        for service in ("gateway", "scheduler", "sampler"):
+            eventually(url, f'darkroom_db_statements_total{{service="{service}"}}', at_least(1))
+            for direction in ("in", "out"):
+                messages = f'darkroom_bus_messages_total{{service="{service}",direction="{direction}"}}'
+                eventually(url, messages, at_least(1))
 
         # Every panel of the dashboard asks this Prometheus something it understands.
         for expr in panel_queries():

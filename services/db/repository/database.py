@@ -19,11 +19,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
-from psycopg import AsyncConnection
+from psycopg import AsyncConnection, AsyncCursor
 from psycopg.pq import TransactionStatus
 from psycopg.rows import DictRow, dict_row
 
 from services.errors import StoreError, StoreUnavailable
+from services.telemetry.metrics import DB_STATEMENTS
 
 # Held for the length of one scheduling or recovery pass: replicas take turns, so a
 # job is placed, or recovered, by exactly one of them.
@@ -49,10 +50,24 @@ def libpq_url(database_url: str) -> str:
     return database_url.replace("postgresql+psycopg://", "postgresql://", 1)
 
 
+class _CountedCursor(AsyncCursor[Any]):
+    """A cursor that counts the statements it sends (``darkroom_db_statements_total``):
+    every query of the repository goes through one."""
+
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        DB_STATEMENTS.inc()
+        return await super().execute(*args, **kwargs)
+
+    async def executemany(self, *args: Any, **kwargs: Any) -> None:
+        DB_STATEMENTS.inc()
+        await super().executemany(*args, **kwargs)
+
+
 def _connect_args(application_name: str, *, pooled: bool = False) -> dict[str, Any]:
     args: dict[str, Any] = {
         "autocommit": True,
         "row_factory": dict_row,
+        "cursor_factory": _CountedCursor,
         "application_name": application_name[:63],
         "connect_timeout": 5,
         # A peer that vanishes (host down, cable out) is noticed on both ends within
