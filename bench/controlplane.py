@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from bench.support import loadgen
+from bench.support import loadgen, service_costs
+from bench.support.service_costs import cpu_seconds, processes
 from services.config.sections import Settings
 from services.models import sim
 from services.models.registry import ModelRegistry
@@ -132,34 +133,6 @@ def start_stack(data_dir: Path, samplers: int, decoders: int) -> LocalStack:
     return stack
 
 
-def processes(stack: LocalStack) -> dict[str, list[psutil.Process]]:
-    """Every process of the stack by service: PostgreSQL with its backends."""
-    groups: dict[str, list[psutil.Process]] = collections.defaultdict(list)
-    for name, child in stack.services.items():
-        if child.proc is not None:
-            groups[name.split("-")[0]].append(psutil.Process(child.proc.pid))
-    if stack.nats is not None and stack.nats.proc is not None:
-        groups["nats-server"].append(psutil.Process(stack.nats.proc.pid))
-    if stack.postgres is not None and stack.postgres.proc is not None:
-        postmaster = psutil.Process(stack.postgres.proc.pid)
-        groups["postgres"] += [postmaster, *postmaster.children(recursive=True)]
-    return groups
-
-
-def cpu_seconds(groups: dict[str, list[psutil.Process]]) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for name, procs in groups.items():
-        total = 0.0
-        for p in procs:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        totals[name] = total
-    return totals
-
-
 # -- one run of load -----------------------------------------------------------------
 
 
@@ -171,6 +144,8 @@ class Run:
     cpu: dict[str, float] = field(default_factory=dict)  # CPU seconds per service during the run
     wall_s: float = 0.0
     profiles: dict[str, list[tuple[str, float]]] = field(default_factory=dict)
+    # Per service: CPU ms, statements and messages per completed job (service_costs).
+    costs: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def done(self) -> list[dict[str, Any]]:
@@ -207,6 +182,7 @@ def run_load(stack: LocalStack, rate: float, seconds: float, mode: str, seed: in
         config_path, result_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         config_path.write_text(json.dumps(config.__dict__))
         groups = processes(stack)
+        costs_before = service_costs.read(stack)
         before = cpu_seconds(groups)
         generator = subprocess.Popen([sys.executable, loadgen.__file__, str(config_path), str(result_path)])
         groups["loadgen"] = [psutil.Process(generator.pid)]
@@ -222,6 +198,7 @@ def run_load(stack: LocalStack, rate: float, seconds: float, mode: str, seed: in
             time.sleep(0.1)
         wall = time.perf_counter() - started
         after = cpu_seconds(groups)
+        costs_after = service_costs.read(stack)
         after["loadgen"] = generator_cpu
         before["loadgen"] = 0.0
         if generator.returncode != 0:
@@ -229,6 +206,7 @@ def run_load(stack: LocalStack, rate: float, seconds: float, mode: str, seed: in
         result = json.loads(result_path.read_text())
         run = Run(rate, mode, result["records"], {k: after[k] - before.get(k, 0.0) for k in after}, wall)
         run.profiles = finish_profiles(spies)
+        run.costs = service_costs.per_job(costs_before, costs_after, len(run.done))
         return run
 
 
@@ -402,6 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         print("## Throughput (StreamJob clients, open loop)\n")
         print(throughput_table(runs, args.samplers / floor_s))
         print(f"\nsaturation: {saturation:.0f} jobs/s completed end to end\n")
+        print("## What a job costs each service, per offered rate\n")
+        print("| offered jobs/s " + service_costs.HEADER)
+        print("|---" + "|---|---|---|---|---|")
+        for run in runs:
+            print("\n".join(service_costs.table_rows(run.costs, prefix=f"{run.rate:.0f} | ")))
+        print()
         if args.profile:
             print(f"## Where the time goes at {profiled.rate:.0f} jobs/s offered (py-spy, share of samples)\n")
             for name, frames in profiled.profiles.items():
