@@ -19,6 +19,7 @@ from gpu_worker.adapters.library import AdapterLibrary, slots_of
 from gpu_worker.busy import BusyClock
 from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.denoiser import Denoiser
+from gpu_worker.denoising.diffusers_family import DiffusersFamily
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.prompts import PromptCache
 from gpu_worker.denoising.running_batch import RunningBatch
@@ -33,6 +34,7 @@ from gpu_worker.families.z_image import ZImageDenoiser
 from gpu_worker.metrics import COLD_LOADS
 from gpu_worker.models.model_cache import ModelCache
 from services.generation import GenerationParams
+from services.models.compile_cache import CompileCache
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
 
@@ -52,6 +54,7 @@ class SamplerEngine:
         capabilities: Collection[str] = (),
         shares_device: bool = False,
         adapters: AdapterLibrary | None = None,
+        compile_cache: CompileCache | None = None,
     ) -> None:
         self.registry = registry
         self.device = device
@@ -82,6 +85,9 @@ class SamplerEngine:
             ModelFamily.QWEN_IMAGE_EDIT: QwenImageEditDenoiser(models_dir, device, self.prompts, library),
             ModelFamily.SIM: SimDenoiser(),
         }
+        for denoiser in self.denoisers.values():
+            if isinstance(denoiser, DiffusersFamily):
+                denoiser.compile_cache = compile_cache
         self.models = ModelCache(
             registry,
             self.denoiser_for,

@@ -49,6 +49,13 @@ MODEL_COMPILE_SECONDS = Histogram(
     ["model"],
     buckets=LOAD_BUCKETS,
 )
+MODEL_COMPILE_CACHE = Counter(
+    "darkroom_model_compile_cache",
+    "Compilations of a model by what the fleet's compile cache gave them: fleet (its artifacts loaded: no code "
+    "generated), miss (compiled here, then shared), corrupt (an artifact that did not load: compiled here), "
+    "unavailable (the store did not answer: compiled here, not shared).",
+    ["model", "result"],
+)
 BATCH_IMAGES = Histogram(
     "darkroom_batch_images",
     "Images in each batch a sampler ran through the denoising loop.",

@@ -40,8 +40,10 @@ from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus
 from services.mesh.nats_auth import sampler_user
 from services.mesh.rpc import MeshIdentity
+from services.models.compile_cache import CompileCache
 from services.models.device import pick_device
 from services.models.registry import ModelRegistry
+from services.models.store.objects import ObjectStore
 from services.models.vae import VaeDecoderEngine
 from services.ops.host import Closing, GrpcServer, JetStream, Metrics, Migrations, Part, Registered, host
 from services.ops.lifecycle import EXIT_UNFIT, run_service
@@ -87,6 +89,13 @@ async def _drain(
     tracker.stop_all(StopReason.HANDED_BACK)
 
 
+def fleet_compile_cache(kernel: KernelSettings) -> CompileCache | None:
+    """The fleet's compiled artifacts, in the model store; None without one."""
+    if not kernel.model_store.model_store_url:
+        return None
+    return CompileCache(ObjectStore.from_settings(kernel.model_store))
+
+
 def check_capabilities(settings: SamplerSettings, registry: ModelRegistry) -> None:
     """DARKROOM_CAPABILITIES names only capabilities some model has."""
     known = registry.capabilities()
@@ -110,6 +119,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         pinned=settings.preload_models,
         capabilities=settings.capabilities,
         shares_device=settings.decode_locally,
+        compile_cache=fleet_compile_cache(kernel),
     )
     check_capabilities(settings, registry)
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))

@@ -27,8 +27,10 @@ at its end; a test runs the loop on the meta device, where any read back fails."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,9 +47,13 @@ from gpu_worker.denoising.step_cache import StepCache, cached_steps
 from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
 from services.generation import GenerationParams
 from services.models import loader, speed
+from services.models.compile_cache import CacheResult, CompileKey, compile_key, content_digest
 from services.models.loader import Loaded
+from services.models.sources import resolve_source
 from services.models.spec import ModelSpec, scheduler_class
 from services.models.text_encoders import TEXT_ENCODERS, text_encoder_names
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TEXT_ENCODERS", "ConditioningNotServed", "DiffusersDenoiser", "DiffusersFamily"]
 
@@ -78,9 +84,28 @@ class DiffusersDenoiser(DiffusersFamily):
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":
-            took = warm_up_buckets(self, pipe, spec, self._max_rows(spec))
-            loaded = replace(loaded, seconds=loaded.seconds + took, compile_s=took)
+            rows = self._max_rows(spec)
+            key = self._compile_key(spec, options, dtype, rows)
+            cached = self.compile_cache.load(key) if key is not None and self.compile_cache else None
+            took = warm_up_buckets(self, pipe, spec, rows)
+            if key is not None and cached in (CacheResult.MISS, CacheResult.CORRUPT) and self.compile_cache:
+                self.compile_cache.save(key)
+            if cached is not None:
+                log.info("%s: the fleet's compile cache: %s (%s)", spec.name, cached.value, key.digest() if key else "")
+            loaded = replace(loaded, seconds=loaded.seconds + took, compile_s=took, compile_cache=cached)
         return loaded
+
+    def _compile_key(
+        self, spec: ModelSpec, options: speed.SpeedOptions, dtype: torch.dtype, rows: int
+    ) -> CompileKey | None:
+        """What makes the model's compilation valid (``compile_cache``); None where
+        nothing of it is kept: a backend of a test's, which generates no code."""
+        if self.compile_cache is None or not isinstance(speed.COMPILE_BACKEND, str):
+            return None
+        source, _ = resolve_source(spec, self.models_dir)
+        shapes = (spec.default_width, spec.default_height, spec.default_frames, speed.buckets(rows), str(dtype))
+        compiled = replace(options, step_cache=0.0)  # the loop's, not the network's
+        return compile_key(content_digest(Path(source)), self.device, compiled, speed.COMPILE_BACKEND, shapes)
 
     def sample(
         self,

@@ -25,6 +25,7 @@ from services.errors import DarkroomError
 from services.generation import GenerationParams
 from services.models import loader, speed
 from services.models.adapters.lora_files import AdapterError
+from services.models.compile_cache import CompileCache
 from services.models.spec import ModelSpec
 
 
@@ -52,6 +53,8 @@ class DiffusersFamily:
         # stands for one in a test, and has no generators: its noise comes from the CPU.
         self.fuse_batches = device.type != "cpu"
         self.generator_device = HOST if device.type == "meta" else device
+        # The fleet's compiled artifacts (the engine's; None: inductor's own cache alone).
+        self.compile_cache: CompileCache | None = None
 
     # -- what a family says --------------------------------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gpu_worker.metrics import MODEL_COMPILE_SECONDS, MODEL_LOAD_SECONDS
+from gpu_worker.metrics import MODEL_COMPILE_CACHE, MODEL_COMPILE_SECONDS, MODEL_LOAD_SECONDS
 from gpu_worker.models.residency import DoesNotFit, Resident, victims
 from services.errors import ModelError
 from services.models.host_cache import loading as host_cache_loading
@@ -129,6 +129,8 @@ class ModelCache:
             MODEL_LOAD_SECONDS.labels(model=name).observe(time.perf_counter() - began)
             if loaded.compile_s:
                 MODEL_COMPILE_SECONDS.labels(model=name).observe(loaded.compile_s)
+            if loaded.compile_cache is not None:
+                MODEL_COMPILE_CACHE.labels(model=name, result=loaded.compile_cache.value).inc()
             now = time.monotonic()
             self._held[name] = _Held(
                 loaded.value, loaded.bytes, loaded.seconds, now, name in self.pinned, loaded.compile_s

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from services.errors import ModelError
+from services.models.compile_cache import CacheResult
 from services.models.device import DTYPES
 from services.models.sources import resolve_source
 from services.models.spec import ModelSpec
@@ -31,6 +32,8 @@ class Loaded:
     bytes: int  # parameters and buffers of every torch module in it
     seconds: float  # the whole load, its compilation included
     compile_s: float = 0.0  # of which compiling (and warming up) its networks
+    # Whether its compilation came from the fleet's compile cache (None: not asked).
+    compile_cache: CacheResult | None = None
 
 
 def compute_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:

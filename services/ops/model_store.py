@@ -21,6 +21,7 @@ from pathlib import Path
 from services.config.model_store import ModelStoreSettings
 from services.mesh.pki import write_private
 from services.models.store.errors import ModelStoreError
+from services.models.store.manifest import COMPILED_PREFIX
 from services.models.store.objects import ObjectStore
 from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn
 
@@ -68,17 +69,21 @@ class StoreIdentity:
 
 def write_identities(path: Path, bucket: str, *, writer: StoreIdentity, reader: StoreIdentity) -> Path:
     """seaweedfs's S3 identities (``-s3.config``, 0600): the writer may read, list and
-    write ``bucket`` (push, re-point latest, remove); the reader may read and list it.
-    Neither may make or delete buckets, nor touch another."""
+    write ``bucket`` (push, re-point latest, remove); the reader may read and list it,
+    and write under ``compiled/`` alone: a sampler shares the compiled artifacts of
+    what it loaded with the fleet (``services.models.compile_cache``), and can touch
+    no model. Neither may make or delete buckets, nor touch another."""
 
     def identity(who: StoreIdentity, actions: tuple[str, ...]) -> dict[str, object]:
         return {
             "name": who.access_key,
             "credentials": [{"accessKey": who.access_key, "secretKey": who.secret_key}],
-            "actions": [f"{action}:{bucket}" for action in actions],
+            "actions": list(actions),
         }
 
-    config = {"identities": [identity(writer, ("Read", "List", "Write")), identity(reader, ("Read", "List"))]}
+    writes = identity(writer, (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}"))
+    reads = identity(reader, (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}/{COMPILED_PREFIX}*"))
+    config = {"identities": [writes, reads]}
     write_private(path, json.dumps(config, indent=2).encode())
     return path
 

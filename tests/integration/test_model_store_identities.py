@@ -79,6 +79,18 @@ def test_the_readers_identity_reads_a_model_but_cannot_push_repoint_or_remove_it
     writer.remove("kept")
 
 
+def test_the_readers_identity_shares_compiled_artifacts_and_writes_nothing_else(model_store: Any) -> None:
+    # Samplers share what they compiled (services/models/compile_cache.py) under compiled/ alone.
+    reader = store_of(model_store.reader_env())
+    digest = os.urandom(32).hex()
+    assert reader.read_compiled(digest) is None
+    reader.write_compiled(digest, b"artifacts")
+    assert reader.read_compiled(digest) == b"artifacts"
+    assert store_of(model_store.env()).read_compiled(digest) == b"artifacts"
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        reader.write_manifest(Manifest("compiled", "v1", (), {}))
+
+
 def answer(url: str, data: bytes | None = None, method: str = "GET") -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, data=data, method=method), timeout=5) as reply:

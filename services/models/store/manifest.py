@@ -53,6 +53,14 @@ def latest_key(name: str) -> str:
     return f"manifests/{name}/latest"
 
 
+# Compiled artifacts, by their key's digest: the one prefix samplers may write.
+COMPILED_PREFIX = "compiled/"
+
+
+def compiled_key(digest: str) -> str:
+    return f"{COMPILED_PREFIX}{digest}"
+
+
 @dataclass(frozen=True)
 class BlobRef:
     """One file of a model version: where it lies in the model's directory, and its bytes' digest."""

@@ -29,9 +29,11 @@ from services.models.store.errors import (
     ModelVersionExists,
 )
 from services.models.store.manifest import (
+    COMPILED_PREFIX,
     Manifest,
     blob_key,
     check_name,
+    compiled_key,
     latest_key,
     manifest_key,
 )
@@ -121,6 +123,24 @@ class ObjectStore:
                 return True
             except FileNotFoundError:
                 return False
+
+    # Compiled artifacts (services.models.compile_cache): small, whole, any identity's.
+
+    def read_compiled(self, digest: str) -> bytes | None:
+        with self._errors(f"reading compiled artifacts {digest}"):
+            try:
+                return bytes(obstore.get(self._store, compiled_key(digest)).bytes())
+            except FileNotFoundError:
+                return None
+
+    def write_compiled(self, digest: str, data: bytes) -> None:
+        with self._errors(f"writing compiled artifacts {digest}"):
+            obstore.put(self._store, compiled_key(digest), data)
+
+    def compiled_digests(self) -> set[str]:
+        with self._errors("listing compiled artifacts"):
+            listed = obstore.list(self._store, COMPILED_PREFIX).collect()
+        return {meta["path"].removeprefix(COMPILED_PREFIX) for meta in listed}
 
     # Blobs.
 
