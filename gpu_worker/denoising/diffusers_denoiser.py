@@ -84,16 +84,23 @@ class DiffusersDenoiser(DiffusersFamily):
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":
-            rows = self._max_rows(spec)
-            key = self._compile_key(spec, options, dtype, rows)
-            cached = self.compile_cache.load(key) if key is not None and self.compile_cache else None
-            took = warm_up_buckets(self, pipe, spec, rows)
-            if key is not None and cached in (CacheResult.MISS, CacheResult.CORRUPT) and self.compile_cache:
-                self.compile_cache.save(key)
-            if cached is not None:
-                log.info("%s: the fleet's compile cache: %s (%s)", spec.name, cached.value, key.digest() if key else "")
-            loaded = replace(loaded, seconds=loaded.seconds + took, compile_s=took, compile_cache=cached)
+            loaded = self._compile(pipe, spec, options, dtype, loaded)
         return loaded
+
+    def _compile(
+        self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions, dtype: torch.dtype, loaded: Loaded
+    ) -> Loaded:
+        """The network compiled as it warms up for each bucket; through the fleet's
+        compile cache where there is one (loaded first; shared after a miss)."""
+        rows = self._max_rows(spec)
+        cache, key = self.compile_cache, self._compile_key(spec, options, dtype, rows)
+        cached = cache.load(key) if cache is not None and key is not None else None
+        took = warm_up_buckets(self, pipe, spec, rows)
+        if cache is not None and key is not None and cached in (CacheResult.MISS, CacheResult.CORRUPT):
+            cache.save(key)
+        if cached is not None and key is not None:
+            log.info("%s: the fleet's compile cache: %s (%s)", spec.name, cached.value, key.digest())
+        return replace(loaded, seconds=loaded.seconds + took, compile_s=took, compile_cache=cached)
 
     def _compile_key(
         self, spec: ModelSpec, options: speed.SpeedOptions, dtype: torch.dtype, rows: int
