@@ -85,6 +85,9 @@ class StreamState:
         self.holder = (attempt, sampler_publisher(worker_id)) if worker_id else None
         return self._moved(attempt, status)
 
+    def _held_attempt(self) -> int:
+        return max(self.attempt, self.holder[0] if self.holder is not None else -1)
+
     def trusts(self, event: JobEvent) -> bool:
         """Whether ``event`` may be told: published by the control plane, or by the
         sampler that holds the job's attempt as last read (of that attempt; any
@@ -101,6 +104,9 @@ class StreamState:
         running, should that event have been lost."""
         if not self.trusts(event):
             return []
+        if event.worker and event.publisher in CONTROL_PUBLISHERS and event.attempt >= self._held_attempt():
+            # A placement names the attempt's worker, as its record will.
+            self.holder = (event.attempt, sampler_publisher(event.worker))
         if event.status is not None:
             moved = self._moved(event.attempt, event.status)
             return [moved] if moved is not None else []

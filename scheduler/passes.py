@@ -128,7 +128,10 @@ class Passes:
             return 0
         log.debug("placed %d jobs", len(scheduled))
         # Before the dispatches: a worker's RUNNING must not overtake its SCHEDULED.
-        await self.events.job(*(JobEvent(j.id, j.attempt, JobStatus.SCHEDULED) for j in scheduled))
+        # Naming each one's worker: its streams trust that worker's events at once.
+        await self.events.job(
+            *(JobEvent(j.id, j.attempt, JobStatus.SCHEDULED, worker=j.worker_id or "") for j in scheduled)
+        )
         # Published after the commit: a job left unpublished (this process dies
         # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
         # under the same message id.

@@ -80,6 +80,9 @@ class JobEvent:
     preview: bytes = b""
     index: int = 0
     size: tuple[int, int] = (0, 0)
+    # The worker a placement gave the attempt (the scheduler's SCHEDULED): a stream
+    # then trusts that worker's events of it without reading the job first.
+    worker: str = ""
     # Who published it, as its subject names it ('' if it names no one): not part
     # of the message, so a publisher cannot claim another's name beyond what NATS lets it.
     publisher: str = ""
@@ -92,6 +95,8 @@ class JobEvent:
         body: dict[str, object] = {"attempt": self.attempt}
         if self.status is not None:
             body["status"] = self.status.value
+            if self.worker:
+                body["worker"] = self.worker
         elif self.total:
             body.update(step=self.step, total=self.total)
         if self.preview:
@@ -105,7 +110,8 @@ class JobEvent:
             body = json.loads(data)
             attempt = int(body["attempt"])
             if "status" in body:
-                return cls(job_id, attempt, JobStatus(body["status"]), publisher=publisher)
+                worker = str(body.get("worker", ""))
+                return cls(job_id, attempt, JobStatus(body["status"]), worker=worker, publisher=publisher)
             step, total = int(body.get("step", 0)), int(body.get("total", 0))
             if "preview" in body:
                 width, height = (int(v) for v in body["size"])

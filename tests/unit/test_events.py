@@ -13,6 +13,7 @@ from services.db.states import JobStatus
     "event",
     [
         JobEvent("j1", 2, JobStatus.DECODING),
+        JobEvent("j1", 2, JobStatus.SCHEDULED, worker="w1"),  # a placement names its worker
         JobEvent("j1", 1, step=3, total=20),
         JobEvent("j1", 0),  # a change to read from the database
     ],

@@ -218,6 +218,28 @@ async def test_a_stream_reads_its_job_to_learn_the_next_attempts_worker_then_tel
     await stream.aclose()  # type: ignore[attr-defined]
 
 
+async def test_a_placement_naming_its_worker_lets_the_stream_tell_that_workers_events_without_a_read() -> None:
+    heard, stored = Heard(), Stored(JobState(JobStatus.QUEUED, 0))
+    stream = follow(J, heard, stored.read, never_ends)
+    assert (await next_told(stream)).status == pb.JOB_STATUS_QUEUED
+    placed = JobEvent(J, 1, JobStatus.SCHEDULED, worker="w1", publisher="scheduler")
+    heard.hear(placed, held(1, JobStatus.RUNNING), held(1, step=1, total=4))
+    told = [await next_told(stream) for _ in range(3)]
+    assert [e.status for e in told[:2]] == [pb.JOB_STATUS_SCHEDULED, pb.JOB_STATUS_RUNNING]
+    assert told[2].progress == pb.Progress(step=1, total=4)
+    assert stored.reads == 1  # the one as it opened: w1 was vouched for by its placement
+    await stream.aclose()  # type: ignore[attr-defined]
+
+
+def test_a_stale_placement_or_a_samplers_claim_does_not_move_the_holder() -> None:
+    state = StreamState(J)
+    state.on_stored(JobStatus.RUNNING, 2, "w1")
+    state.on_event(JobEvent(J, 1, JobStatus.SCHEDULED, worker="w2", publisher="scheduler"))
+    state.on_event(JobEvent(J, 3, JobStatus.SCHEDULED, worker="w2", publisher=HOLDER))
+    assert state.trusts(held(2, step=1, total=4))
+    assert not state.trusts(JobEvent(J, 2, step=1, total=4, publisher=OTHER))
+
+
 async def test_another_samplers_events_are_never_told_and_cost_at_most_a_read_per_verify_interval() -> None:
     heard, stored = Heard(), Stored(JobState(JobStatus.RUNNING, 1, worker_id="w1"))
     stream = follow(J, heard, stored.read, never_ends)
