@@ -57,7 +57,7 @@ class Preempter:
         asked = []
         for p in chosen:
             address = await self.repo.checkpoints.request_suspend(
-                p.job_id, p.attempt, max_preemptions=self.preemption.max_preemptions
+                p.job_id, p.attempt, max_preemptions=self.preemption.max_preemptions, reason=_reason(p)
             )
             if address is None:
                 continue  # it moved on meanwhile, or another pass asked first
@@ -68,9 +68,7 @@ class Preempter:
         return asked
 
     async def _tell(self, address: str, p: Preemption) -> None:
-        request = sampler_pb2.SamplerSuspendRequest(
-            job_id=p.job_id, attempt=p.attempt, reason=f"preempted for {p.for_job_id}"
-        )
+        request = sampler_pb2.SamplerSuspendRequest(job_id=p.job_id, attempt=p.attempt, reason=_reason(p))
         try:
             await sampler_pb2_grpc.SamplerStub(self._channels.to(address)).SuspendJob(
                 request, timeout=SUSPEND_CALL_TIMEOUT_S
@@ -80,3 +78,8 @@ class Preempter:
 
     async def close(self) -> None:
         await self._channels.close()
+
+
+def _reason(p: Preemption) -> str:
+    """What its suspension says, whether its worker hears the call or the flag."""
+    return f"preempted for {p.for_job_id}"

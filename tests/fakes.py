@@ -134,6 +134,9 @@ class FakeCheckpoints:
         self.suspended.append({"job_id": job_id, **suspension})
         return JobStatus.QUEUED
 
+    async def suspend_reasons(self, job_ids: Sequence[str]) -> dict[str, str]:
+        return {}
+
 
 @dataclass
 class FakeWorkers:

@@ -62,12 +62,15 @@ def cpu_seconds(groups: dict[str, list[psutil.Process]]) -> dict[str, float]:
 def read(stack: Any) -> Reading:
     reading = Reading(cpu_seconds(processes(stack)))
     for name, child in stack.services.items():
-        port = child.env.get("DARKROOM_METRICS_PORT")
-        if not port or child.proc is None:
-            continue
+        port = child.env.get("DARKROOM_METRICS_PORT", "0")
+        if port == "0" or child.proc is None:
+            continue  # no metrics of its own (a fleet bench's host of many samplers)
         service = name.split("-")[0]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                text = response.read().decode()
+        except OSError:
+            continue  # not serving them (yet): its counts are missing, shown as such
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "darkroom_db_statements_total":
@@ -87,7 +90,8 @@ def per_job(before: Reading, after: Reading, jobs: int) -> dict[str, dict[str, f
     n = max(jobs, 1)
 
     def each(a: dict[str, float], b: dict[str, float], service: str, scale: float = 1.0) -> float:
-        return (b.get(service, 0.0) - a.get(service, 0.0)) / n * scale if service in b else float("nan")
+        # Known at both readings, or not at all: a count read only after would be a total, not a difference.
+        return (b[service] - a[service]) / n * scale if service in a and service in b else float("nan")
 
     return {
         service: {

@@ -144,6 +144,14 @@ class JobStore:
             log.debug("progress of %d jobs not recorded: %s", len(reports), exc)
             return {}
 
+    async def suspend_reasons(self, job_ids: Sequence[str]) -> dict[str, str]:
+        """Why the scheduler asked these jobs to suspend; nothing if the database is away."""
+        try:
+            return await self.repo.checkpoints.suspend_reasons(job_ids)
+        except StoreError as exc:
+            log.debug("suspend reasons of %d jobs not read: %s", len(job_ids), exc)
+            return {}
+
     async def save_checkpoint(self, job: JobRecord, checkpoint: Checkpoint) -> bool:
         """A periodic checkpoint; False if the attempt is not current, or a later one is stored."""
         return await self.repo.checkpoints.save(

@@ -93,10 +93,12 @@ class BatchProgress:
             standings = await self.store.progress([report for _, report in reports])
         finally:
             self._writing = False
+        asked = [job_id for job_id, standing in standings.items() if standing == Standing.SUSPEND_REQUESTED]
+        reasons = await self.store.suspend_reasons(asked) if asked else {}
         for reporter, report in reports:
             stop = _STOPS.get(standings.get(report.job_id, Standing.CURRENT))
             if stop is not None:
-                reporter.watch.stop(*stop)
+                reporter.watch.stop(stop[0], reasons.get(report.job_id) or stop[1])
 
 
 @dataclass(eq=False)

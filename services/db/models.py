@@ -131,6 +131,8 @@ class JobRow(Base):
     preemptions: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))
     # The scheduler asked its worker to suspend it at the next step.
     suspend_requested: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    # Why (the scheduler's reason, "preempted for <job>"), for a worker that learns of it from the flag.
+    suspend_reason: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
     # One entry per suspension and resumption: {"kind", "attempt", "worker_id", "step", "reason", "at"}.
     suspend_log: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
     # Its priority ages from here rather than from its creation: a job suspended

@@ -121,11 +121,14 @@ async def test_a_checkpoint_the_job_row_does_not_name_is_never_loaded(repo: Repo
 
 async def test_suspension_requeues_without_an_attempt_and_logs_where_and_why(repo: Repository) -> None:
     job_id, attempt = await running(repo, W1)
-    assert await repo.checkpoints.request_suspend(job_id, attempt, max_preemptions=1) == f"{W1}:1"
+    asked = await repo.checkpoints.request_suspend(job_id, attempt, max_preemptions=1, reason="preempted for j2")
+    assert asked == f"{W1}:1"
     # Asked once: a second request finds it being suspended already.
     assert await repo.checkpoints.request_suspend(job_id, attempt, max_preemptions=1) is None
     reports = [StepReport(job_id, attempt, 3, 20)]
     assert await repo.attempts.progress_many(reports, W1) == {job_id: Standing.SUSPEND_REQUESTED}
+    # A worker that learns of it from the flag, before the scheduler's call, knows why.
+    assert await repo.checkpoints.suspend_reasons([job_id, "other"]) == {job_id: "preempted for j2"}
     status = await repo.checkpoints.suspend(
         job_id, attempt, W1, step=7, total=20, data=b"s7", reason="preempted for j2", preempted=True, now=now()
     )

@@ -145,23 +145,31 @@ class Checkpoints(Area):
                 )
             return status
 
-    async def request_suspend(self, job_id: str, attempt: int, *, max_preemptions: int) -> str | None:
-        """Asks for a running attempt to be suspended for other work; returns the
-        address of the worker that runs it, or None if the job is no longer running
-        that attempt, is being suspended already, or has been preempted enough."""
+    async def request_suspend(self, job_id: str, attempt: int, *, max_preemptions: int, reason: str = "") -> str | None:
+        """Asks for a running attempt to be suspended for other work (``reason``:
+        why, as its suspension will say); returns the address of the worker that
+        runs it, or None if the job is no longer running that attempt, is being
+        suspended already, or has been preempted enough."""
         row = await self.db.one(
             """
             WITH asked AS (
-                UPDATE jobs SET suspend_requested = true
+                UPDATE jobs SET suspend_requested = true, suspend_reason = %(reason)s
                 WHERE id = %(id)s AND attempt = %(attempt)s AND status = 'RUNNING'
                   AND NOT suspend_requested AND preemptions < %(max)s
                 RETURNING worker_id
             )
             SELECT w.address FROM asked JOIN workers w ON w.id = asked.worker_id
             """,
-            {"id": job_id, "attempt": attempt, "max": max_preemptions},
+            {"id": job_id, "attempt": attempt, "max": max_preemptions, "reason": reason},
         )
         return row["address"] if row is not None else None
+
+    async def suspend_reasons(self, job_ids: Sequence[str]) -> dict[str, str]:
+        """Why the scheduler asked these jobs to suspend, by id (those it asked)."""
+        rows = await self.db.all(
+            "SELECT id, suspend_reason FROM jobs WHERE id = ANY(%s) AND suspend_requested", (list(job_ids),)
+        )
+        return {row["id"]: row["suspend_reason"] for row in rows}
 
     async def prune(self) -> int:
         """Drops the checkpoints of jobs that have ended, however they ended (stored,
