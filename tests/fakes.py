@@ -122,6 +122,7 @@ class FakeAttempts:
 class FakeCheckpoints:
     stored: dict[str, StoredCheckpoint] = field(default_factory=dict)
     suspended: list[dict[str, Any]] = field(default_factory=list)
+    suspend_asked: dict[str, str] = field(default_factory=dict)  # job id -> why the scheduler asked
 
     async def save(self, job_id: str, attempt: int, worker_id: str, **saved: Any) -> bool:
         self.stored[job_id] = StoredCheckpoint(job_id, attempt, saved["step"], saved["total"], saved["data"])
@@ -135,7 +136,7 @@ class FakeCheckpoints:
         return JobStatus.QUEUED
 
     async def suspend_reasons(self, job_ids: Sequence[str]) -> dict[str, str]:
-        return {}
+        return {j: self.suspend_asked[j] for j in job_ids if j in self.suspend_asked}
 
 
 @dataclass
