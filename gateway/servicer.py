@@ -15,14 +15,10 @@ import grpc
 from gateway import pages, spans
 from gateway.adapters import AdapterCatalog
 from gateway.auth import Caller, Gatekeeper
-from gateway.convert import (
-    STATUS,
-    job_message,
-    models_message,
-    timestamp,
-)
+from gateway.convert import STATUS, job_message, timestamp
 from gateway.estimates import Estimator
 from gateway.expansion import Expansion, asks_expansion
+from gateway.fleet_messages import models_message
 from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_submit
 from gateway.moderation import Limits, Moderator
 from gateway.names import check_lengths

@@ -9,7 +9,7 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 from gateway.auth import Caller
-from gateway.convert import lanes_message, totals_message, worker_stats
+from gateway.fleet_messages import lanes_message, totals_message, worker_stats
 from services import quotas
 from services.db.repository import Repository
 from services.db.states import WorkerKind, WorkerStatus

@@ -167,8 +167,7 @@ class ModelSpec:
     # "efficient", "cudnn" one SDPA kernel, "eager" the plain one), fused QKV
     # projections, and weights quantized by torchao ("int8", "fp8": an opt-in that
     # moves images; ``bench/gpu.py`` reports how far).
-    # ``optimize = "aggressive"``: those, and the options that move images a little
-    # for speed, reporting how far: step caching, and FP8 where the device has it.
+    # ``optimize = "aggressive"``: those, and step caching and FP8 (on FP8 hardware).
     optimize: bool | str = False
     compile: bool = False
     cuda_graphs: bool = False

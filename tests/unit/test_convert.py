@@ -7,7 +7,8 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from google.protobuf import timestamp_pb2
 
-from gateway.convert import lanes_message, timestamp
+from gateway.convert import timestamp
+from gateway.fleet_messages import lanes_message
 from services.db.counts import LaneCount
 from services.db.states import JobStatus
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.convert import worker_stats
+from gateway.fleet_messages import worker_stats
 from gpu_worker.decoding.decoders import estimated_finish_s
 from scheduler import facts
 from services.bus.presence_board import Announcement, decode_plan, encode_plan, plan_key, worker_key

@@ -8,7 +8,6 @@ import asyncio
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,12 +21,7 @@ if TYPE_CHECKING:
     from obstore.store import ClientConfig
 
 from services.config.model_store import ModelStoreSettings
-from services.models.store.errors import (
-    ModelNotInStore,
-    ModelStoreError,
-    ModelStoreUnavailable,
-    ModelVersionExists,
-)
+from services.models.store.errors import ModelNotInStore, ModelStoreError, ModelStoreUnavailable, ModelVersionExists
 from services.models.store.manifest import (
     COMPILED_PREFIX,
     Manifest,
@@ -37,29 +31,12 @@ from services.models.store.manifest import (
     latest_key,
     manifest_key,
 )
+from services.models.store.records import Removal, StoredVersion
 
 _MB = 1024 * 1024
 # A store that does not answer fails a command in seconds, not after the
 # driver's default three minutes of retries.
 _RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=20)}
-
-
-@dataclass(frozen=True)
-class StoredVersion:
-    name: str
-    version: str
-    total_bytes: int
-    files: int
-    latest: bool
-    kind: str = "model"  # or "lora": an adapter (its manifest's entry says)
-
-
-@dataclass(frozen=True)
-class Removal:
-    versions: tuple[str, ...]
-    blobs_deleted: int
-    bytes_deleted: int
-    blobs_kept: int  # still referenced by another version or model
 
 
 class ObjectStore:
