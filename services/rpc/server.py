@@ -20,6 +20,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
+# A client that keeps its connection alive with pings (every few seconds, to notice
+# a gateway gone silent: docs/fleet.md) is not told "too many pings" and cut off
+# while a stream of its waits for an event: gRPC's default allows one ping in five
+# minutes without data.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000)]
 
 
 class Server:
@@ -57,7 +62,7 @@ def build_server(
     if mesh is not None:
         guards.append(RoleGuard(roles or {}, service=mesh.role))
         credentials = mesh.server_credentials()
-    server = grpc.aio.server(interceptors=[CountingInterceptor(), *guards, *interceptors], options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(interceptors=[CountingInterceptor(), *guards, *interceptors], options=SERVER_OPTIONS)
     for register, _ in registrations:
         register(server)
     health_servicer = health.aio.HealthServicer()
