@@ -257,9 +257,9 @@ class DiffusersDenoiser(DiffusersFamily):
         if run.result is None and run.state is not None:
             latents = self.output_latents(pipe, run.member.params, run.state.latents)
             run.result = checked_output(latents, spec.min_output_std)
-            report = run.member.on_cached_steps
-            if report is not None and speed.SpeedOptions.of(spec, self.device).step_cache:
-                report(cached_steps(run))
+            report, cached = run.member.on_cached_steps, cached_steps(run)
+            if report is not None and cached is not None:
+                report(cached)
 
 
 def _step(run: DiffusersRun, prediction: torch.Tensor) -> None:

@@ -70,15 +70,17 @@ class StepCache:
     def reused(run: MemberRun) -> torch.Tensor:
         """The prediction ``run`` reuses at its step, counted."""
         extras = _state(run).extras
-        extras[CACHED] = torch.tensor(cached_steps(run) + 1)
+        extras[CACHED] = torch.tensor((cached_steps(run) or 0) + 1)
         return extras[PREDICTION]
 
 
-def cached_steps(run: MemberRun) -> int:
-    """Steps of ``run`` (resumed ones included) that reused a prediction."""
-    state = run.state
-    counted = state.extras.get(CACHED) if state is not None else None
-    return int(counted) if counted is not None else 0
+def cached_steps(run: MemberRun) -> int | None:
+    """Steps of ``run`` (resumed ones included) that reused a prediction; None
+    where no step of it ran with step caching."""
+    extras = run.state.extras if run.state is not None else {}
+    if PREDICTION not in extras:
+        return None
+    return int(extras[CACHED]) if CACHED in extras else 0
 
 
 def relative_change(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
