@@ -4,7 +4,7 @@ scoring every output in its own thread), fed by concurrent requests as samplers
 feed it, with the filter off and on, rounds alternating.
 
     python bench/image_filter.py                 # SD 1.5's VAE (its real shape, random weights), 512 px, CPU
-    python bench/image_filter.py --device cuda   # the same on a GPU (the classifier stays on the CPU)
+    python bench/image_filter.py --device cuda   # the same on a GPU, the classifier on it too
     python bench/image_filter.py --smoke         # CI's check that it still runs: the tiny VAE, 64 px, one round
 
 Per image: the decoder's wall time with the filter off and on (images decoded over
@@ -13,10 +13,10 @@ difference as a share of the time off (the issue's target: at most 5 % at 512 px
 the CPU; on a busy machine this difference is within the rounds' noise), and the
 classifier's own time per image (its calls, timed, over the images it scored) as a
 share of the decoder's time off: the bound of what it can add on a CPU. The
-classifier runs in a thread beside the decode, so on a GPU decoder its time
-overlaps the next batch's VAE call; on a CPU decoder both share the cores, so its
-CPU time is what it adds. A sampler is not involved: it never runs the filter
-unless it decodes its own latents. Nothing here is a test; it prints a table for
+classifier runs in a thread beside the decode: on a GPU decoder on that GPU (a
+torch module), its preprocessing on the host; on a CPU decoder by onnxruntime,
+sharing the cores, so its CPU time is what it adds. A sampler is not involved: it
+never runs the filter unless it decodes its own latents. Nothing here is a test; it prints a table for
 docs/benchmarks.md."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ async def run(args: argparse.Namespace, models: Path) -> dict[str, Any]:
     device = pick_device(args.device)
     engine = VaeDecoderEngine(registry(models, args.model), models, device)
     batcher = DecodeBatcher(engine, wait_s=0.005, max_images=args.batch)
-    image_filter = load_image_filter(SafetySettings())
+    image_filter = load_image_filter(SafetySettings(), device=device)
     assert image_filter is not None
     servicers = {"off": VaeDecoderServicer(batcher), "on": VaeDecoderServicer(batcher, OutputChecks(image_filter))}
     policies = {"off": "", "on": "flag"}

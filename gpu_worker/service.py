@@ -139,7 +139,7 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     if settings.local_decode_fallback or settings.decode_locally:
         local = LocalDecoder(
             VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device),
-            await image_filter_of(kernel.safety),  # what it decodes, it checks as a decoder service does
+            await image_filter_of(kernel.safety, device),  # what it decodes, it checks as a decoder service does
         )
     decoder_presence = PresenceView((WorkerKind.DECODER,))
     decoders = Decoders(

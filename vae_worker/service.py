@@ -223,7 +223,7 @@ async def serve(kernel: KernelSettings, settings: DecoderSettings, stop: asyncio
     engine = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
     for name in settings.preload_models:
         await asyncio.to_thread(engine.load, name)
-    image_filter = await image_filter_of(kernel.safety)
+    image_filter = await image_filter_of(kernel.safety, device)
     checks = OutputChecks(image_filter) if image_filter is not None else None
     worker_id = check_worker_id(settings.worker_id or f"{host_token()}-decoder-{settings.port or os.getpid()}")
     repo = Repository(

@@ -48,6 +48,7 @@ from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_ge
 from services.generation import GenerationParams
 from services.models import loader, speed
 from services.models.compile_cache import CacheResult, CompileKey, compile_key, content_digest
+from services.models.device import module_dtype
 from services.models.loader import Loaded
 from services.models.sources import resolve_source
 from services.models.spec import ModelSpec, scheduler_class
@@ -79,7 +80,7 @@ class DiffusersDenoiser(DiffusersFamily):
         options = speed.SpeedOptions.of(spec, self.device)
         if spec.adapter_slots:
             rows = 2 * max(spec.max_batch, spec.max_images)  # a guided call doubles its rows
-            slots = attach_slots(pipe, self.network(pipe), spec, rows, self.network(pipe).dtype)
+            slots = attach_slots(pipe, self.network(pipe), spec, rows, module_dtype(self.network(pipe)))
             loaded = replace(loaded, bytes=loaded.bytes + slots.bytes)  # the adapters' own budget, on the device
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.

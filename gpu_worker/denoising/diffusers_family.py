@@ -26,6 +26,7 @@ from services.generation import GenerationParams
 from services.models import loader, speed
 from services.models.adapters.lora_files import AdapterError
 from services.models.compile_cache import CompileCache
+from services.models.device import module_dtype
 from services.models.spec import ModelSpec
 
 
@@ -85,7 +86,7 @@ class DiffusersFamily:
     def latent_dtype(self, pipe: Any) -> torch.dtype:
         """What a member's latents are kept in through its steps: the network's, unless
         its pipeline keeps them in float32 (Z-Image)."""
-        return self.network(pipe).dtype
+        return module_dtype(self.network(pipe))
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         """What besides the steps sets a job's noise-scheduler timesteps (a shift by size)."""

@@ -23,6 +23,7 @@ from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
 from gpu_worker.denoising.prompts import Conditioning
 from gpu_worker.denoising.step_groups import guidance_column
 from services.generation import GenerationParams
+from services.models.device import module_dtype
 from services.models.spec import ModelSpec
 
 
@@ -59,7 +60,7 @@ class FluxDenoiser(DiffusersDenoiser):
 
         h, w = self._grid(pipe, params)
         shape = (1, pipe.transformer.config.in_channels // 4, h * 2, w * 2)
-        dtype = pipe.transformer.dtype
+        dtype = module_dtype(pipe.transformer)
         noise = torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
         return pipe._pack_latents(noise, params.num_images, shape[1], h * 2, w * 2)
 

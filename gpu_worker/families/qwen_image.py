@@ -37,6 +37,7 @@ from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
 from gpu_worker.denoising.prompts import Conditioning, prompt_key, text_length
 from services.generation import GenerationParams
 from services.models import speed
+from services.models.device import module_dtype
 from services.models.prompt_encoding import QWEN_TEXT_LEN as TEXT_LEN  # the longest prompt, in tokens
 from services.models.sources import resolve_source
 from services.models.spec import ModelSpec, edit_condition_size
@@ -73,7 +74,7 @@ class QwenImageDenoiser(DiffusersDenoiser):
         h, w = self._grid(pipe, params)
         channels = pipe.transformer.config.in_channels // 4
         shape = (1, 1, channels, h * 2, w * 2)
-        dtype = pipe.transformer.dtype
+        dtype = module_dtype(pipe.transformer)
         noise = torch.cat([randn_tensor(shape, generator=g, device=self.device, dtype=dtype) for g in state.generators])
         return pipe._pack_latents(noise, params.num_images, channels, h * 2, w * 2)
 

@@ -16,6 +16,7 @@ from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
+from services.models.device import module_dtype
 from services.models.spec import ModelSpec
 
 # The output's size over the input's (and its latents').
@@ -48,7 +49,7 @@ class UpscaleDenoiser(DiffusersDenoiser):
         state = _state(run)
         if member.inputs is None or member.inputs.image is None:
             raise ValueError("an upscale needs its input image")
-        image = member.inputs.image.to(self.device, self.network(pipe).dtype)
+        image = member.inputs.image.to(self.device, module_dtype(self.network(pipe)))
         level = torch.tensor([NOISE_LEVEL], device=self.device)
         noised = []
         for g in state.generators:

@@ -14,6 +14,7 @@ from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
+from services.models.device import module_dtype
 from services.models.spec import ModelSpec
 
 
@@ -29,7 +30,7 @@ class WanDenoiser(DiffusersDenoiser):
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         """In its transformer's dtype, as WanPipeline casts it."""
         encoded = Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)
-        dtype = pipe.transformer.dtype
+        dtype = module_dtype(pipe.transformer)
         return Conditioning.of({name: t.to(dtype) for name, t in encoded.tensors().items()})
 
     def call_network(
@@ -37,7 +38,7 @@ class WanDenoiser(DiffusersDenoiser):
     ) -> Any:
         timestep = t.expand(x.shape[0])
         return pipe.transformer(
-            hidden_states=x.to(pipe.transformer.dtype),
+            hidden_states=x.to(module_dtype(pipe.transformer)),
             timestep=timestep,
             encoder_hidden_states=c.embeds,
             return_dict=False,

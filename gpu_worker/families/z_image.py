@@ -32,6 +32,7 @@ from gpu_worker.denoising.noise_schedulers import size_shift
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models import speed
+from services.models.device import module_dtype
 from services.models.spec import ModelSpec
 
 # Longer than 32 tokens beyond an empty prompt: padded (to 32s) to another length.
@@ -87,7 +88,7 @@ class ZImageDenoiser(DiffusersDenoiser):
         network = pipe.transformer
         rows = x.shape[0]
         assert c.embeds is not None and c.text_lengths is not None
-        images = list(x.to(network.dtype).unsqueeze(2).unbind(0))
+        images = list(x.to(module_dtype(network)).unsqueeze(2).unbind(0))
         captions = [c.embeds[i, :n] for i, n in enumerate(c.text_lengths.tolist())]
         timestep = (1000 - t.expand(rows)) / 1000
         out = network(images, timestep, captions, return_dict=False)[0]

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from services.models.device import forget_dtype
 from services.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class SpeedOptions:
 def prepare(module: Any, options: SpeedOptions) -> Any:
     """``module`` (a diffusers network, in inference) with the options applied: the
     module itself, or its compiled wrapper (which forwards attributes to it)."""
+    forget_dtype(module)  # quantizing casts it in place
     if options.fuse_qkv and hasattr(module, "fuse_qkv_projections") and fuses_exactly(module):
         module.fuse_qkv_projections()
     if options.channels_last:

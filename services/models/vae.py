@@ -20,6 +20,7 @@ from PIL import Image
 from services.config.workers import DecodeSettings
 from services.errors import DegenerateOutput, FieldViolation, InvalidArgument
 from services.models import image_vae, loader, sim, speed
+from services.models.device import module_dtype
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
 from services.models.video_vae import decode_video
@@ -184,7 +185,7 @@ class VaeDecoderEngine:
         with torch.inference_mode():
             for rows in speed.buckets(self._max_rows(spec)):
                 z = torch.zeros(rows, channels, spec.default_height // scale, spec.default_width // scale)
-                self._decode_batch(vae, z.to(self.device, vae.dtype), options, spec)
+                self._decode_batch(vae, z.to(self.device, module_dtype(vae)), options, spec)
         took = time.perf_counter() - began
         log.info("%s's VAE compiled (%s) and warmed up in %.1fs", spec.name, options.describe(), took)
 
@@ -209,7 +210,7 @@ class VaeDecoderEngine:
         if latents.dim() == 5:
             return self._decode_videos(vae, latents)
         spec = self.registry.get(model)
-        z = latents.to(self.device, vae.dtype)
+        z = latents.to(self.device, module_dtype(vae))
         if spec.family in QWEN_VAE_FAMILIES:
             z = image_vae.vae_input(vae, z)  # (N, C, 1, h, w)
         else:
@@ -252,7 +253,7 @@ class VaeDecoderEngine:
     def _decode_videos(self, vae: Any, latents: torch.Tensor) -> list[DecodedImage]:
         videos = []
         with torch.inference_mode():
-            for z in latents.to(self.device, vae.dtype):
+            for z in latents.to(self.device, module_dtype(vae)):
                 frames, stats, tiled = decode_video(vae, z, self.tile_above_pixels)
                 videos.append(DecodedImage(frames.numpy(), tiled, stats.fault(self.min_pixel_std)))
         return videos
@@ -268,7 +269,7 @@ class VaeDecoderEngine:
         vae = self.load(model)
         pixels = pixels_of(image, width, height)
         with torch.inference_mode():
-            x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).to(self.device, vae.dtype) / 127.5 - 1.0
+            x = torch.from_numpy(pixels).permute(2, 0, 1).unsqueeze(0).to(self.device, module_dtype(vae)) / 127.5 - 1.0
             if self.registry.get(model).family in QWEN_VAE_FAMILIES:
                 encoded = vae.encode(x.unsqueeze(2)).latent_dist.mode()
                 return image_vae.denoised_latents(vae, encoded).to("cpu", torch.float32)
