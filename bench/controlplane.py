@@ -118,7 +118,7 @@ def floor(jobs: int) -> list[float]:
 # -- the stack and its processes ------------------------------------------------------
 
 
-def start_stack(data_dir: Path, samplers: int, decoders: int) -> LocalStack:
+def start_stack(data_dir: Path, samplers: int, decoders: int, *, image_filter: bool = True) -> LocalStack:
     settings = Settings.from_env(
         {
             "DARKROOM_DATA_DIR": str(data_dir),
@@ -126,6 +126,7 @@ def start_stack(data_dir: Path, samplers: int, decoders: int) -> LocalStack:
             "DARKROOM_MODEL_REGISTRY": str(REGISTRY),
             "DARKROOM_PRELOAD_MODELS": MODEL,
             "DARKROOM_LOG_LEVEL": "INFO",
+            "DARKROOM_IMAGE_FILTER": str(image_filter).lower(),
         }
     )
     stack = LocalStack(settings, cpu_workers=samplers, decoders=decoders, durable=True)
@@ -337,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-seconds", type=float, default=3.0, help="load at 20 jobs/s before the first level")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="py-spy each service at the saturating level")
+    parser.add_argument(
+        "--no-image-filter",
+        action="store_true",
+        help="the control plane alone: no output scored (a GPU decoder scores on its GPU, not its host's cores)",
+    )
     parser.add_argument("--data-dir", help="where the stack keeps its data (default: a temporary directory)")
     parser.add_argument("--smoke", action="store_true", help=f"small values for CI: {SMOKE}; given options win")
     args = parser.parse_args(argv)
@@ -346,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
 
     modelled = modelled_s()
     print(f"# Control plane: sim model, {SIZE}x{SIZE}, {STEPS} step, modelled sampling {modelled * 1000:.1f} ms")
-    print(f"# {args.samplers} sim samplers, {args.decoders} decoder(s), {os.cpu_count()} cores\n")
+    scored = "no output scored" if args.no_image_filter else "every output scored by the image filter"
+    print(f"# {args.samplers} sim samplers, {args.decoders} decoder(s), {os.cpu_count()} cores, {scored}\n")
 
     floors = floor(args.floor_jobs)
     floor_s = statistics.median(floors)
@@ -359,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     data_dir = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="darkroom-bench-"))
-    stack = start_stack(data_dir, args.samplers, args.decoders)
+    stack = start_stack(data_dir, args.samplers, args.decoders, image_filter=not args.no_image_filter)
     runs: list[Run] = []
     latency_runs: list[Run] = []
     try:

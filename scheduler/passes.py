@@ -120,24 +120,24 @@ class Passes:
                 if p.worker_id is not None
             ]
             scheduled = await read.assign(assignments)
-        # Urgent work left waiting behind preemptible work makes room (its
-        # placement comes in a later pass, once the GPU is free).
+        if scheduled:
+            log.debug("placed %d jobs", len(scheduled))
+            # Before the dispatches: a worker's RUNNING must not overtake its SCHEDULED.
+            # Naming each one's worker: its streams trust that worker's events at once.
+            await self.events.job(
+                *(JobEvent(j.id, j.attempt, JobStatus.SCHEDULED, worker=j.worker_id or "") for j in scheduled)
+            )
+            # Published after the commit: a job left unpublished (this process dies
+            # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
+            # under the same message id.
+            await self.publish(scheduled)
+            reports.count_placed(decision.placed, scheduled)
+            spans.placed(scheduled, {a.job_id: a.routing for a in assignments})
+        # After the dispatches, which wait on neither: urgent work left waiting
+        # behind preemptible work makes room (its placement comes in a later pass,
+        # once the GPU is free), and what no live sampler serves is noted.
         await self.preempter.after_pass(fleet, decision)
         await self.note_waiting(decision.placements)
-        if not scheduled:
-            return 0
-        log.debug("placed %d jobs", len(scheduled))
-        # Before the dispatches: a worker's RUNNING must not overtake its SCHEDULED.
-        # Naming each one's worker: its streams trust that worker's events at once.
-        await self.events.job(
-            *(JobEvent(j.id, j.attempt, JobStatus.SCHEDULED, worker=j.worker_id or "") for j in scheduled)
-        )
-        # Published after the commit: a job left unpublished (this process dies
-        # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
-        # under the same message id.
-        await self.publish(scheduled)
-        reports.count_placed(decision.placed, scheduled)
-        spans.placed(scheduled, {a.job_id: a.routing for a in assignments})
         return len(scheduled)
 
     def live_samplers(self) -> tuple[Worker, ...]:
