@@ -236,6 +236,7 @@ def start_stack(data_dir: Path, args: argparse.Namespace, samplers: int) -> Flee
             "DARKROOM_MODEL_REGISTRY": str(REGISTRY),
             "DARKROOM_PRELOAD_MODELS": controlplane.MODEL,
             "DARKROOM_LOG_LEVEL": "WARNING",
+            "DARKROOM_IMAGE_FILTER": str(not args.no_image_filter).lower(),
         }
     )
     stack = FleetStack(
@@ -746,6 +747,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="SIZE",
         help="the fake samplers reach PostgreSQL through a PgBouncer (transaction mode) of SIZE server connections",
+    )
+    parser.add_argument(
+        "--no-image-filter",
+        action="store_true",
+        help="the control plane alone: no output scored (a GPU decoder scores on its GPU, not its host's cores)",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--keep", action="store_true", help="keep each stack's data directory (logs)")

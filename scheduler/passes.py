@@ -34,6 +34,7 @@ from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind
 from services.db.worker_records import WarmPlan, WorkerRecord
 from services.errors import BusError
+from services.generation import Prompts
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
 from services.presence_view import PresenceView
@@ -130,7 +131,7 @@ class Passes:
             # Published after the commit: a job left unpublished (this process dies
             # here, NATS is away) stays SCHEDULED and redispatch() publishes it again
             # under the same message id.
-            await self.publish(scheduled)
+            await self.publish(scheduled, read.prompts)
             reports.count_placed(decision.placed, scheduled)
             spans.placed(scheduled, {a.job_id: a.routing for a in assignments})
         # After the dispatches, which wait on neither: urgent work left waiting
@@ -164,9 +165,11 @@ class Passes:
             self._waiting.clear()  # bounded: a job seen again is recorded again, harmlessly
         self._waiting.update(new)
 
-    async def publish(self, jobs: Sequence[JobSummary]) -> None:
+    async def publish(self, jobs: Sequence[JobSummary], prompts: Mapping[str, Prompts] | None = None) -> None:
         """Publishes the jobs of one pass together, each telling its worker how many
-        of them it gets (so that it waits for those to form a batch, and no more)."""
+        of them it gets (so that it waits for those to form a batch, and no more),
+        and, where known, its prompts (encoded while the worker writes its start)."""
+        prompts = prompts or {}
         per_worker = collections.Counter(job.worker_id for job in jobs)
         pass_id = uuid.uuid4().hex[:12]
         published_at = time.time()
@@ -180,6 +183,7 @@ class Passes:
                     pass_id,
                     per_worker[job.worker_id],
                     job.shape,
+                    prompts.get(job.id),
                 ),
             )
             for job in jobs

@@ -75,6 +75,15 @@ class JobShape:
 
 
 @dataclass(frozen=True)
+class Prompts:
+    """A job's prompt and negative prompt as its sampler encodes them: an expanded
+    prompt in its prompt's place."""
+
+    prompt: str
+    negative_prompt: str
+
+
+@dataclass(frozen=True)
 class AdapterUse:
     """A LoRA adapter a job applies: a version of the model store's, and its scale."""
 

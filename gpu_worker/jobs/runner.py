@@ -33,6 +33,7 @@ from gpu_worker.jobs.job_store import JobStore, OutcomeNotStored
 from gpu_worker.jobs.outcomes import Decoded, Outcome, OutcomeRecorder, Started
 from gpu_worker.jobs.previews import job_preview_steps
 from gpu_worker.jobs.progress import BatchProgress
+from gpu_worker.jobs.prompts_ahead import PromptsAhead
 from gpu_worker.jobs.tracker import JobTracker, StopReason
 from gpu_worker.metrics import BATCH_IMAGES
 from services.bus.dispatch import Dispatch
@@ -67,6 +68,7 @@ class JobRunner:
         self.outcomes = OutcomeRecorder(store, self.failures)
         # Asked only of a job whose model's text encoders the decoder service runs.
         self.edit_inputs = EditInputs(store, decoders, engine.registry, guided=lambda p: engine.classifier_free(p))
+        self.prompts_ahead = PromptsAhead(engine)
         self._warmed_up: set[str] = set()  # models that have run a job since they loaded
         self._sampling: BatchSampling | None = None  # the batch on the device
 
@@ -90,10 +92,12 @@ class JobRunner:
         """Marks the attempts RUNNING and opens their watches; per job id, what
         started, or an Outcome when there is nothing to run: not this worker's, or
         the database stayed away."""
+        self.prompts_ahead.start(dispatches)  # while the start is written
         try:
             jobs = await self.store.start(dispatches)
         except OutcomeNotStored as exc:
             log.warning("%s; leaving them for redelivery", exc, extra=logs.jobs_fields(d.job_id for d in dispatches))
+            self.prompts_ahead.forget(d.job_id for d in dispatches)
             return {d.job_id: Outcome.NOT_STORED for d in dispatches}
         resumes = await self.store.load_checkpoints([job for job in jobs.values() if job.checkpoint_step > 0])
         out: dict[str, Started | Outcome] = {}
@@ -103,6 +107,7 @@ class JobRunner:
                 # Cancelled before it started, requeued, or a stale attempt: nothing to run.
                 extra = logs.job_fields(d.job_id, d.attempt)
                 log.info("dropping %s attempt %d: not this worker's to run", d.job_id, d.attempt, extra=extra)
+                self.prompts_ahead.forget([d.job_id])
                 out[d.job_id] = Outcome.STORED
             else:
                 out[d.job_id] = self._watched(job, resumes.get(job.id))
@@ -132,6 +137,7 @@ class JobRunner:
             for s in batch
             if isinstance(s.inputs, MemberInputs) and s.job.params.image_digest
         }
+        await self.prompts_ahead.wait(s.job.id for s in batch)  # encoded ahead: cached now
         try:
             await asyncio.to_thread(self.engine.encode_prompts, runnable, images)
         except Exception as exc:

@@ -23,7 +23,7 @@ from services.bus.connection import BUS_ERRORS, connect_nats
 from services.bus.credentials import NatsCredentials
 from services.bus.puller import DispatchPuller
 from services.errors import BusError, MalformedDispatch
-from services.generation import JobShape
+from services.generation import JobShape, Prompts
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,9 @@ class Dispatch:
     pass_id: str = ""
     pass_jobs: int = 0
     shape: JobShape | None = None  # None: not said; the job runs alone
+    # Its prompt and negative prompt as its sampler encodes them, so that they are
+    # encoded while its start is written; None: not said (the start's record says).
+    prompts: Prompts | None = None
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -82,6 +85,7 @@ class Dispatch:
                 "pass_id": self.pass_id,
                 "pass_jobs": self.pass_jobs,
                 "shape": asdict(self.shape) if self.shape is not None else None,
+                "prompts": [self.prompts.prompt, self.prompts.negative_prompt] if self.prompts is not None else None,
             }
         ).encode()
 
@@ -99,9 +103,14 @@ class Dispatch:
             if not isinstance(pass_id, str) or not isinstance(pass_jobs, int) or pass_jobs < 0:
                 raise ValueError("pass_id must be a string and pass_jobs a non-negative integer")
             shape = JobShape(**body["shape"]) if body.get("shape") is not None else None
+            prompts = body.get("prompts")
+            if prompts is not None:
+                if not isinstance(prompts, list) or len(prompts) != 2 or not all(isinstance(p, str) for p in prompts):
+                    raise ValueError("prompts must be [prompt, negative_prompt]")
+                prompts = Prompts(*prompts)
         except (ValueError, TypeError, KeyError) as exc:
             raise MalformedDispatch(f"malformed dispatch {data[:200]!r}: {exc}") from exc
-        return cls(job_id, attempt, float(published_at), pass_id, pass_jobs, shape)
+        return cls(job_id, attempt, float(published_at), pass_id, pass_jobs, shape, prompts)
 
 
 @dataclass(frozen=True)

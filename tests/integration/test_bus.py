@@ -8,6 +8,8 @@ import asyncio
 import pytest
 
 from services.bus.dispatch import Bus, ConsumerSettings, Dispatch
+from services.errors import MalformedDispatch
+from services.generation import JobShape, Prompts
 from services.ops.embedded_nats import EmbeddedNats
 
 pytestmark = [pytest.mark.integration, pytest.mark.quick]
@@ -19,13 +21,15 @@ async def test_existing_consumer_is_updated_to_new_settings(nats_server: Embedde
         sub = await bus.dispatch_consumer("host-cpu0", ConsumerSettings(ack_wait_s=60, max_ack_pending=64))
         await sub.unsubscribe()
         assert await bus.consumer_settings("host-cpu0") == ConsumerSettings(60.0, 64)
-        await bus.publish_dispatches([("host-cpu0", Dispatch("j1", 1))])
+        carrying = Dispatch("j2", 1, 1.5, "p1", 2, JobShape("tiny", 64, 64, 4, 7.5, 1), Prompts("a cat", "fog"))
+        await bus.publish_dispatches([("host-cpu0", Dispatch("j1", 1)), ("host-cpu0", carrying)])
         sub = await bus.dispatch_consumer("host-cpu0", ConsumerSettings(ack_wait_s=15, max_ack_pending=8))
         assert await bus.consumer_settings("host-cpu0") == ConsumerSettings(15.0, 8)
         # The same durable consumer, with what was waiting on it.
-        [msg] = await sub.pull(1, wait_s=2)
-        assert Dispatch.decode(msg.data) == Dispatch("j1", 1)
-        await msg.ack()
+        msgs = await sub.pull(2, wait_s=2)
+        assert [Dispatch.decode(msg.data) for msg in msgs] == [Dispatch("j1", 1), carrying]
+        for msg in msgs:
+            await msg.ack()
         await sub.unsubscribe()
     finally:
         await bus.close()
@@ -90,3 +94,9 @@ async def test_a_waiting_pull_returns_a_lone_dispatch_as_it_comes(nats_server: E
         await sub.unsubscribe()
     finally:
         await bus.close()
+
+
+@pytest.mark.parametrize("prompts", ['"a cat"', '["a cat"]', '["a cat", 3]', '{"prompt": "a cat"}'])
+def test_a_dispatch_whose_prompts_are_malformed_is_refused(prompts: str) -> None:
+    with pytest.raises(MalformedDispatch, match="prompts must be"):
+        Dispatch.decode(f'{{"job_id": "j1", "attempt": 1, "prompts": {prompts}}}'.encode())

@@ -22,6 +22,7 @@ from services.db.repository.scheduling import PlacementPass
 from services.db.states import JobStatus, WorkerKind, WorkerStatus
 from services.db.worker_records import WorkerHeartbeat
 from services.errors import WorkerIdTaken
+from services.generation import JobInputs, Prompts
 from tests.records import new_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.quick]
@@ -102,6 +103,24 @@ async def test_every_write_of_an_older_attempt_changes_nothing(repo: Repository,
     assert not await repo.attempts.finish(job_id, new, W2, [IMAGE], now=now(), busy_s=1.0), "one result at most"
     assert len((await repo.jobs.get_with_images(job_id))[1]) == 1
     assert (await repo.jobs.get(job_id)).status == JobStatus.SUCCEEDED
+
+
+async def test_a_placement_returns_the_prompts_its_samplers_encode(repo: Repository, workers) -> None:
+    """As each job is sampled: an expanded prompt in its prompt's place; none for a
+    job with an input image (a text encoder may see it)."""
+    jobs = [
+        new_job(id=str(uuid.uuid4()), prompt="a lighthouse", negative_prompt="fog"),
+        new_job(id=str(uuid.uuid4()), prompt="a cat", expanded_prompt="a cat, oil painting"),
+        new_job(id=str(uuid.uuid4()), prompt="make it red", image_digest="d" * 64, inputs=JobInputs(b"png")),
+    ]
+    for job in jobs:
+        await repo.jobs.create(job, now=now())
+    plain, expanded, edit = (job.id for job in jobs)
+    async with repo.scheduling.placement_pass(limit=100, max_attempts=3, now=now()) as read:
+        assert read is not None
+        placed = await read.assign([Assignment(j.id, W1, {}) for j in read.queued])
+        assert {j.id for j in placed} == {plain, expanded, edit}
+        assert read.prompts == {plain: Prompts("a lighthouse", "fog"), expanded: Prompts("a cat, oil painting", "")}
 
 
 async def test_a_batch_s_progress_is_one_write_that_tells_each_job_where_it_stands(repo: Repository, workers) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
@@ -18,7 +18,7 @@ from services.db.records import SUMMARY_COLUMNS, SUMMARY_FIELDS, Assignment, Hel
 from services.db.repository.database import PLANNER_LOCK, SCHEDULER_LOCK, Area, fetch_all, fetch_one, try_lock
 from services.db.repository.requeue import qualified
 from services.db.states import HELD, JobStatus
-from services.generation import BatchKey
+from services.generation import BatchKey, Prompts
 
 _HELD = [st.value for st in HELD]
 # Up to ``limit`` placeable jobs of every lane, found without reading the rest of
@@ -57,7 +57,11 @@ UPDATE jobs AS j SET
     scheduled_at = %(now)s, routing = a.routing, progress_step = j.checkpoint_step
 FROM unnest(%(ids)s::varchar[], %(workers)s::varchar[], %(routings)s::jsonb[]) AS a(id, worker_id, routing)
 WHERE j.id = a.id AND j.status = 'QUEUED'
-RETURNING {qualified(SUMMARY_FIELDS, "j")}
+RETURNING {qualified(SUMMARY_FIELDS, "j")},
+    -- Its prompts as its sampler encodes them, sent with its dispatch; none for a
+    -- job with an input image (a text encoder may see it: Qwen-Image's edits).
+    CASE WHEN j.image_digest = '' THEN coalesce(nullif(j.expanded_prompt, ''), j.prompt) END AS sampled_prompt,
+    j.negative_prompt AS sampled_negative_prompt
 """
 
 
@@ -187,6 +191,9 @@ class PlacementPass:
     now: datetime
     queued: list[JobSummary]
     held: list[HeldGroup]
+    # Of each job ``assign`` scheduled that has no input image: its prompts as its
+    # sampler encodes them, by id.
+    prompts: dict[str, Prompts] = field(default_factory=dict)
 
     async def assign(self, assignments: Sequence[Assignment]) -> list[JobSummary]:
         """Marks the jobs SCHEDULED on their workers (attempt raised) and returns
@@ -204,6 +211,11 @@ class PlacementPass:
             },
         )
         order = {a.job_id: i for i, a in enumerate(assignments)}
+        self.prompts.update(
+            (r["id"], Prompts(r["sampled_prompt"], r["sampled_negative_prompt"]))
+            for r in placed
+            if r["sampled_prompt"] is not None
+        )
         return sorted((JobSummary.of(r) for r in placed), key=lambda j: order[j.id])
 
 
