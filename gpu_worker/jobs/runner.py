@@ -99,6 +99,9 @@ class JobRunner:
             log.warning("%s; leaving them for redelivery", exc, extra=logs.jobs_fields(d.job_id for d in dispatches))
             self.prompts_ahead.forget(d.job_id for d in dispatches)
             return {d.job_id: Outcome.NOT_STORED for d in dispatches}
+        except BaseException:
+            self.prompts_ahead.forget(d.job_id for d in dispatches)
+            raise
         resumes = await self.store.load_checkpoints([job for job in jobs.values() if job.checkpoint_step > 0])
         out: dict[str, Started | Outcome] = {}
         for d in dispatches:
