@@ -156,15 +156,29 @@ class PromptCache:
         self.misses = 0
         self._entries: OrderedDict[Hashable, Conditioning] = OrderedDict()
         self._lock = threading.Lock()
+        # One encoding at a time, whichever thread asks (the sampling thread, a batch
+        # prepared ahead, prompts encoded while a start is written): text encoders'
+        # tokenizers are not safe to share between threads, and a thread that wants
+        # a prompt being encoded waits for it instead of encoding it again.
+        self._encoding = threading.Lock()
 
-    def get(self, key: tuple[Any, ...], compute: Callable[[], Conditioning]) -> Conditioning:
+    def _cached(self, key: tuple[Any, ...]) -> Conditioning | None:
         with self._lock:
             found = self._entries.get(key)
             if found is not None:
                 self._entries.move_to_end(key)
                 self.hits += 1
+            return found
+
+    def get(self, key: tuple[Any, ...], compute: Callable[[], Conditioning]) -> Conditioning:
+        found = self._cached(key)
+        if found is not None:
+            return found
+        with self._encoding:
+            found = self._cached(key)
+            if found is not None:
                 return found
-        value = compute()
+            value = compute()
         with self._lock:
             self.misses += 1
             if key not in self._entries and value.nbytes <= self.max_bytes:

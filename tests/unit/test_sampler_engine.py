@@ -4,6 +4,8 @@ job's image is exactly its solo image, members stop alone, memory is bounded."""
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,35 @@ def test_prompt_cache_is_bounded_by_bytes() -> None:
     assert cache.hits == 1
     cache.get(("m", "0"), lambda: row)  # the oldest was evicted
     assert cache.misses == 6
+
+
+def test_prompts_are_encoded_one_at_a_time_and_once_whichever_threads_ask() -> None:
+    """The sampling thread, a batch prepared ahead and prompts encoded while a start
+    is written may ask together: encodings never overlap (tokenizers are not safe
+    across threads), and a prompt being encoded is waited for, not encoded twice."""
+    row = Conditioning(torch.zeros(1, 4), torch.zeros(1, 4))
+    cache = PromptCache(max_bytes=1 << 20)
+    encoding, most, calls = 0, 0, []
+    guard = threading.Lock()
+
+    def compute(key: str) -> Conditioning:
+        nonlocal encoding, most
+        with guard:
+            encoding += 1
+            most = max(most, encoding)
+            calls.append(key)
+        time.sleep(0.02)
+        with guard:
+            encoding -= 1
+        return row
+
+    keys = ["a", "a", "b", "a", "b", "c"]
+    with ThreadPoolExecutor(len(keys)) as pool:
+        found = list(pool.map(lambda k: cache.get(("m", k), lambda: compute(k)), keys))
+    assert all(f is row for f in found)
+    assert most == 1
+    assert sorted(calls) == ["a", "b", "c"]
+    assert (cache.misses, cache.hits) == (3, 3)
 
 
 def test_output_check_rejects_nan_inf_and_degenerate_latents() -> None:
