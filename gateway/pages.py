@@ -10,7 +10,9 @@ import binascii
 from dataclasses import dataclass
 from datetime import datetime
 
+from gateway.convert import job_message
 from services.db.records import JobCursor
+from services.db.repository import Repository
 from services.db.states import JobStatus
 from services.errors import FieldViolation, InvalidArgument
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -79,3 +81,15 @@ def decode(token: str) -> JobCursor:
     if not sep or not job_id or when.tzinfo is None:
         raise ValueError("bad page token")
     return JobCursor(when, job_id)
+
+
+async def jobs_page(repo: Repository, tenant: str, req: pb.ListJobsRequest) -> pb.ListJobsResponse:
+    """The tenant's page of jobs ``req`` asks for, and the token of the next if there is one."""
+    asked = page_request(req)
+    # One more than the page: whether there is a page after it.
+    jobs = await repo.jobs.page(tenant, statuses=asked.statuses, after=asked.after, limit=asked.size + 1)
+    response = pb.ListJobsResponse(jobs=[job_message(job) for job in jobs[: asked.size]])
+    if len(jobs) > asked.size:
+        last = jobs[asked.size - 1]
+        response.next_page_token = encode(JobCursor(last.created_at, last.id))
+    return response

@@ -34,7 +34,7 @@ from services.bus.events import Events, JobEvent
 from services.coalesce import Coalescer
 from services.config.safety import SafetySettings
 from services.config.sections import GatewaySettings, KernelSettings
-from services.db.records import ImageRecord, JobCursor, JobRecord, JobState, NewJob
+from services.db.records import ImageRecord, JobRecord, JobState, NewJob
 from services.db.repository import Repository
 from services.db.states import JobStatus, WorkerKind
 from services.errors import ContentPolicyViolation, PermissionDenied, ResourceExhausted
@@ -273,16 +273,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
     @unary_errors
     async def ListJobs(self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         caller = await self.gate.caller(context, "ListJobs")
-        asked = pages.page_request(request)
-        # One more than the page: whether there is a page after it.
-        jobs = await self.repo.jobs.page(
-            caller.tenant, statuses=asked.statuses, after=asked.after, limit=asked.size + 1
-        )
-        response = pb.ListJobsResponse(jobs=[job_message(job) for job in jobs[: asked.size]])
-        if len(jobs) > asked.size:
-            last = jobs[asked.size - 1]
-            response.next_page_token = pages.encode(JobCursor(last.created_at, last.id))
-        return response
+        return await pages.jobs_page(self.repo, caller.tenant, request)
 
     @unary_errors
     async def ListModels(

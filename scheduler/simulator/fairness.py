@@ -8,10 +8,11 @@ import enum
 from dataclasses import dataclass, replace
 
 from scheduler.simulator import trace as traces
+from scheduler.simulator.conditions import HEAVY
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.report import percentile, summarize
-from scheduler.simulator.scenario import HEAVY, Scenario
+from scheduler.simulator.scenario import Scenario
 
 
 class Run(enum.StrEnum):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from scheduler.simulator.scenario import HEAVY, JobType, Scenario
+from scheduler.simulator.conditions import HEAVY
+from scheduler.simulator.scenario import JobType, Scenario
 from services.db.tenant_records import DEFAULT_TENANT
 
 

@@ -48,6 +48,7 @@ from scheduler.learning import durations_from
 from scheduler.policy import Fleet, ModelCost
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
+from scheduler.simulator.conditions import Adapters
 from scheduler.simulator.engine import Simulation
 from scheduler.simulator.policies import DarkroomPolicy
 from scheduler.simulator.scenario import GIB
@@ -303,7 +304,7 @@ WORKERS = [
         planned_models=("img",),
         capabilities=("image", "upscale"),
         # As the simulated world has its adapters: loaded in the scenario's time.
-        telemetry={"adapters": [STYLE], "adapter_load_s": scenarios.Adapters().load_s},
+        telemetry={"adapters": [STYLE], "adapter_load_s": Adapters().load_s},
     ),
 ]
 

@@ -11,8 +11,9 @@ import pytest
 
 from scheduler.simulator import scenario as scenarios
 from scheduler.simulator import trace as traces
+from scheduler.simulator.conditions import HEAVY
 from scheduler.simulator.fairness import Run, fair_run
-from scheduler.simulator.scenario import HEAVY, ScenarioError
+from scheduler.simulator.scenario import ScenarioError
 
 FAIRNESS = scenarios.DEFAULT_SCENARIO.with_name("fairness_scenario.toml")
 
