@@ -403,8 +403,10 @@ def test_sampler_killed_during_a_video_resumes_it_from_its_checkpoint(make, tmp_
     registry.write_text(CHECKPOINTED_MEDIA)
     stack = make(model_registry=str(registry))
     load = Load.of(stack)
-    steps = 100
-    video: dict[str, Any] = dict(width=64, height=48, steps=steps, model="tiny-wan", frames=17)
+    # Long enough that a poll sees it past step 30 before it ends, under a loaded
+    # machine too: the tiny network's step is a couple of milliseconds.
+    steps = 200
+    video: dict[str, Any] = dict(width=96, height=64, steps=steps, model="tiny-wan", frames=17)
     [job_id] = load.submit(1, **video)
     victim = running_job(load, [job_id], min_step=30)
     stack.services[sampler_of(stack, victim.worker_id)].kill()
