@@ -4,8 +4,9 @@ onnxruntime's CUDA build (a separate package, which cannot sit beside the CPU on
 
 The file is read straight from protobuf's wire format (the few fields a graph of
 tensors, nodes and attributes needs), so the ``onnx`` package is not needed. The
-operators are the ones open_nsfw's graph uses (opset 9); any other is refused by
-name when the file is read, never met halfway through a job."""
+operators are the ones open_nsfw's graph uses (opset 9); any other, or an attribute
+of theirs this does not run, is refused by name as the network is built (as its
+process starts), never met halfway through a job."""
 
 from __future__ import annotations
 
@@ -213,8 +214,19 @@ class OnnxNetwork(torch.nn.Module):
         for name in weights:
             self.register_buffer(self._slots[name], torch.from_numpy(graph.tensors[name]))
         for node in self.nodes:
-            if node.op in ("AveragePool", "Conv", "MaxPool") and node.attributes.get("auto_pad", "NOTSET") != "NOTSET":
-                raise OnnxFormatError(f"{node.op}: auto_pad {node.attributes['auto_pad']!r} is not supported")
+            self._check(node)
+
+    def _check(self, node: Node) -> None:
+        """What of a node's attributes this runs, refused as the file is read."""
+        a = node.attributes
+        if node.op in ("AveragePool", "Conv", "MaxPool") and a.get("auto_pad", "NOTSET") != "NOTSET":
+            raise OnnxFormatError(f"{node.op}: auto_pad {a['auto_pad']!r} is not supported")
+        if node.op in ("AveragePool", "MaxPool") and a.get("ceil_mode", 0):
+            raise OnnxFormatError(f"{node.op}: ceil_mode is not supported")
+        if node.op == "AveragePool" and any(_pads(a)):
+            raise OnnxFormatError("AveragePool with padding is not supported")
+        if node.op == "Reshape" and node.inputs[1] not in self._shapes:
+            raise OnnxFormatError(f"Reshape to {node.inputs[1]!r}: only a constant shape is supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values: dict[str, torch.Tensor] = {self.input: x}
@@ -249,8 +261,6 @@ class OnnxNetwork(torch.nn.Module):
             x = F.pad(args[0], _pads(a), value=float("-inf"))
             return F.max_pool2d(x, a["kernel_shape"], a.get("strides", a["kernel_shape"]))
         if node.op == "AveragePool":
-            if any(_pads(a)):
-                raise OnnxFormatError("AveragePool with padding is not supported")
             return F.avg_pool2d(args[0], a["kernel_shape"], a.get("strides", a["kernel_shape"]))
         if node.op == "Relu":
             return F.relu(args[0])

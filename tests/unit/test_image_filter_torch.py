@@ -16,7 +16,7 @@ from PIL import Image
 from services.config.safety import SafetySettings
 from services.safety.image_filter import OpenNsfw, load_image_filter
 from services.safety.image_filter_torch import TorchNsfw
-from services.safety.onnx_graph import OPERATORS, OnnxFormatError, read_graph
+from services.safety.onnx_graph import OPERATORS, Graph, Node, OnnxFormatError, OnnxNetwork, read_graph
 
 FLAGGED = Path(__file__).parents[1] / "fixtures" / "flagged.png"
 
@@ -81,3 +81,18 @@ def test_a_file_it_cannot_run_is_refused_by_name(tmp_path: Path) -> None:
     empty.write_bytes(b"")
     with pytest.raises(OnnxFormatError, match=r"empty\.onnx: no graph"):
         read_graph(empty)
+
+
+@pytest.mark.parametrize(
+    ("node", "refused"),
+    [
+        (Node("AveragePool", ("x",), ("y",), {"kernel_shape": (2, 2), "pads": (1, 1, 1, 1)}), "with padding"),
+        (Node("MaxPool", ("x",), ("y",), {"kernel_shape": (2, 2), "ceil_mode": 1}), "ceil_mode"),
+        (Node("Conv", ("x", "w"), ("y",), {"auto_pad": "SAME_UPPER"}), "auto_pad 'SAME_UPPER'"),
+        (Node("Reshape", ("x", "x"), ("y",)), "only a constant shape"),
+    ],
+)
+def test_what_it_cannot_run_is_refused_as_the_network_is_built(node: Node, refused: str) -> None:
+    graph = Graph((node,), {"w": np.zeros((1, 1, 1, 1), dtype=np.float32)}, "x", "y")
+    with pytest.raises(OnnxFormatError, match=refused):
+        OnnxNetwork(graph)
