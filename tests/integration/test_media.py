@@ -86,7 +86,9 @@ def test_a_video_job_comes_back_as_an_mp4_of_its_frames_size_and_fps(stack: Loca
 
 def test_a_video_preempted_by_urgent_image_work_resumes_to_its_uninterrupted_video(stack: LocalStack) -> None:
     client = stub(stack)
-    long = {**VIDEO, "steps": 150, "frames": 17, "seed": 5}
+    # Seconds of work left when the urgent job comes, well past its lane's 0.5 s
+    # target (the tiny network's step is milliseconds): a suspension pays.
+    long = {**VIDEO, "steps": 200, "width": 128, "height": 96, "frames": 17, "seed": 5}
     job_id = client.SubmitJob(pb.SubmitJobRequest(**long, lane="free")).job_id
     wait_for(
         lambda: client.GetJob(pb.GetJobRequest(job_id=job_id)),
