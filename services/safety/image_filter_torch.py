@@ -4,7 +4,8 @@ so a batch's outputs are scored there as they come out of the VAE instead of
 costing the host's cores 10 ms each. The same weights and the same preprocessing
 (the reference's resize, crop and JPEG round trip, on the host) as ``OpenNsfw``:
 on a CPU its scores equal onnxruntime's within float error (tests/unit/
-test_image_filter_torch.py); on a GPU within TF32's."""
+test_image_filter_torch.py); on a GPU, expected within TF32's rounding (not yet
+measured)."""
 
 from __future__ import annotations
 
