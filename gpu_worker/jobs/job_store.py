@@ -256,9 +256,10 @@ class JobStore:
         at: datetime,
         gpu_seconds: float = 0.0,
     ) -> None:
-        """Stores the job's checkpoint (None: it keeps the stored one) and puts it back
-        in the queue, no attempt counted, as of ``at``, when its sampling stopped."""
-        step = checkpoint.step if checkpoint is not None else 0
+        """Stores the job's checkpoint (None: it keeps the stored one, and its
+        suspension is at that one's step) and puts it back in the queue, no attempt
+        counted, as of ``at``, when its sampling stopped."""
+        step = checkpoint.step if checkpoint is not None else job.checkpoint_step
         total = checkpoint.total if checkpoint is not None else job.params.steps
         data = checkpoint.data if checkpoint is not None else None
         status = await self._retried(

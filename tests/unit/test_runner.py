@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import cast
 
 import pytest
@@ -26,7 +27,7 @@ from gpu_worker.jobs.outcomes import Outcome, Started
 from gpu_worker.jobs.runner import JobRunner
 from gpu_worker.jobs.tracker import JobTracker, StopReason
 from services.bus.dispatch import Dispatch
-from services.db.records import ImageRecord, JobRecord
+from services.db.records import ImageRecord, JobRecord, StoredCheckpoint
 from services.db.repository import Repository, Standing
 from services.db.states import JobStatus
 from services.errors import FieldViolation, InvalidArgument, JobInterrupted
@@ -237,6 +238,27 @@ async def test_a_preempted_member_stores_its_checkpoint_and_goes_back_to_the_que
     }
     assert h.events.statuses("p") == [JobStatus.RUNNING, None, JobStatus.QUEUED]
     assert h.repo.attempts.failed == [] and h.decoders.decoded == []
+
+
+async def test_a_resumed_member_that_cannot_capture_its_state_is_suspended_at_its_stored_step() -> None:
+    # Its capture failed, so it stops with nothing of its own to save: it keeps the
+    # checkpoint it resumed from, and its suspension says so (its next attempt
+    # resumes from that step, and the record's resumption matches it).
+    h = Harness(ScriptedEngine(each=lambda m: JobInterrupted("tiny")))
+    h.submit("r")
+    h.repo.attempts.jobs["r"] = replace(h.repo.attempts.jobs["r"], checkpoint_step=3, checkpoint_attempt=0)
+    h.repo.checkpoints.stored["r"] = StoredCheckpoint("r", 0, 3, 4, b"state at step 3")
+    outcomes = await h.run("r", before=lambda started: started["r"].watch.stop(StopReason.SUSPENDED, "drain"))
+    assert outcomes == [Outcome.STORED]
+    [suspension] = h.repo.checkpoints.suspended
+    assert {k: suspension[k] for k in ("job_id", "step", "total", "data", "reason", "preempted")} == {
+        "job_id": "r",
+        "step": 3,
+        "total": 4,
+        "data": None,
+        "reason": "drain",
+        "preempted": False,
+    }
 
 
 async def test_failures_in_a_row_make_the_runner_unfit_and_a_decoder_outage_does_not() -> None:
