@@ -6,7 +6,7 @@ line: what the fleet's cache gave it, the seconds compiling took, and inductor's
 counters (``fxgraph_cache_hit``, ``fxgraph_cache_miss``). Run by
 ``bench/compile_time.py --fleet`` and ``tests/integration/test_compile_cache.py``.
 
-    python bench/support/compiled_load.py MODELS_DIR MODEL [--size 64] [--max-batch 1] [--channels-last]"""
+    python bench/support/compiled_load.py MODELS_DIR MODEL [--size 64] [--max-batch 1]"""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--size", type=int, default=0, help="the warm-up's size (default: the model's)")
     parser.add_argument("--max-batch", type=int, default=1)
-    parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     base = ModelRegistry.load().get(args.model)
@@ -47,7 +46,6 @@ def main() -> None:
         default_width=size,
         default_height=size,
         adapter_slots=0,
-        channels_last=args.channels_last,
     )
     cache = CompileCache(ObjectStore.from_settings(ModelStoreSettings.from_env()))
     device = torch.device(args.device)

@@ -76,7 +76,9 @@ class MemberRun:
     member: BatchMember
     fingerprint: dict[str, Any]
     total: int  # steps of its loop: the scheduler's timesteps
-    start: Checkpoint  # where it started: handed back if it is suspended before a step
+    # The checkpoint it started from; None: step 0 (its checkpoint, handed back only if
+    # it is suspended before a step, is made then: a torch.save per job otherwise).
+    start: Checkpoint | None = None
     state: LoopState | None = None  # None: its step is its whole state (the sim family)
     step: int = 0  # steps done
     # The last checkpoint (or the start): the policy counts steps and seconds from it.
@@ -89,7 +91,13 @@ class MemberRun:
         """The member at step 0, under the fingerprint of its request and ``scheduler``
         (a noise scheduler's class name; the registry's for a sim model)."""
         fingerprint = checkpoint_format.fingerprint(member.params, scheduler)
-        return cls(member, fingerprint, total, checkpoint_format.capture(0, total, fingerprint, None), state)
+        return cls(member, fingerprint, total, state=state)
+
+    def started_from(self) -> Checkpoint:
+        """Where it started: handed back if it is suspended before a step."""
+        if self.start is None:
+            return checkpoint_format.capture(0, self.total, self.fingerprint, None)
+        return self.start
 
 
 class Resumption(enum.Enum):
@@ -186,7 +194,8 @@ class MemberCheckpoints:
             if not run.member.suspend():
                 return JobInterrupted(model)
             # No step ran here: the state is the one it started from.
-            return JobSuspended(model, run.start if run.step == run.start.step else self.capture(run))
+            started = run.start.step if run.start is not None else 0
+            return JobSuspended(model, run.started_from() if run.step == started else self.capture(run))
         except Exception:
             # The job still stops; it reruns from its last checkpoint, or step 0.
             log.exception("a %s job could not be suspended at step %d; it is interrupted", model, run.step)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def load_in_new_process(models_dir: Path, tmp: Path, env: dict[str, str], *options: str) -> dict[str, Any]:
+def load_in_new_process(models_dir: Path, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     """A sampler's cold load of a small transformer miniature compiled by inductor at
     one bucket (64 px, batches of one: seconds on two cores), in a process of its own
     whose compiler cache is empty (as on another host): what the fleet's cache gave
@@ -34,7 +34,7 @@ def load_in_new_process(models_dir: Path, tmp: Path, env: dict[str, str], *optio
     cache_dir = tmp / f"inductor-{len(list(tmp.glob('inductor-*')))}"
     script = REPO / "bench/support/compiled_load.py"
     proc = subprocess.run(
-        [sys.executable, str(script), str(models_dir), "tiny-flux", "--size", "64", *options],
+        [sys.executable, str(script), str(models_dir), "tiny-flux", "--size", "64"],
         env={**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir)},
         capture_output=True,
         text=True,
@@ -58,9 +58,9 @@ def test_a_second_process_loads_the_fleets_artifacts_and_compiles_nothing(
     assert second["result"] == CacheResult.FLEET.value
     assert second["inductor"].get("fxgraph_cache_hit", 0) > 0 and second["inductor"].get("fxgraph_cache_miss", 0) == 0
 
-    # Other options are another key: nothing under it, so it compiles, and shares.
-    other = load_in_new_process(models_dir, tmp_path, env, "--channels-last")
-    assert other["result"] == CacheResult.MISS.value and other["inductor"].get("fxgraph_cache_miss", 0) > 0
+    # (Other options are another key, with nothing under it: tests/unit/test_compile_cache.py
+    # and the MISS of test_a_key_with_nothing_under_it_misses_... below; a compile costs
+    # about 40 s here, so the suite does not pay for one more.)
 
     # An artifact that does not load: compiled again, and shared again, whole.
     writer = ObjectStore.from_settings(ModelStoreSettings.from_env(model_store.env()))
@@ -68,8 +68,8 @@ def test_a_second_process_loads_the_fleets_artifacts_and_compiles_nothing(
         writer.write_compiled(digest, b"not a cache artifact")
     broken = load_in_new_process(models_dir, tmp_path, env)
     assert broken["result"] == CacheResult.CORRUPT.value and broken["inductor"].get("fxgraph_cache_miss", 0) > 0
-    mended = load_in_new_process(models_dir, tmp_path, env)
-    assert mended["result"] == CacheResult.FLEET.value and mended["inductor"].get("fxgraph_cache_miss", 0) == 0
+    # Shared again in its place (that a shared artifact loads, the second process showed).
+    assert all(reader.read_compiled(digest) not in (None, b"not a cache artifact") for digest in shared)
 
 
 def test_a_key_with_nothing_under_it_misses_and_a_store_away_is_unavailable(model_store: Any) -> None:

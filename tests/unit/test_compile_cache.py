@@ -22,7 +22,8 @@ KEY = compile_key("content", torch.device("cpu"), speed.SpeedOptions(compile=Tru
 def test_every_part_of_the_key_moves_its_digest() -> None:
     for f in fields(CompileKey):
         assert replace(KEY, **{f.name: getattr(KEY, f.name) + "x"}).digest() != KEY.digest(), f.name
-    assert compile_key("content", torch.device("cpu"), speed.SpeedOptions(), "inductor", (64, 64, [1, 2])) != KEY
+    for other in (speed.SpeedOptions(), speed.SpeedOptions(compile=True, channels_last=True)):
+        assert compile_key("content", torch.device("cpu"), other, "inductor", (64, 64, [1, 2])) != KEY, other
 
 
 def test_the_digest_is_the_same_in_every_process() -> None:

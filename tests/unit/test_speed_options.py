@@ -194,11 +194,14 @@ def test_the_decoder_s_vae_with_the_options_decodes_alike_and_compiles_once(
     assert max(int(abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(reference, got, strict=True)) <= 1
 
 
-def test_compile_is_regional_each_block_class_compiled_and_the_rest_eager(models_dir: Path) -> None:
+def test_compile_is_regional_each_block_class_compiled_and_the_rest_eager(
+    models_dir: Path, compilations: Compilations
+) -> None:
     e = engine(models_dir, tiny(compile=True))
     network = e.load("tiny").unet
     assert type(network).__name__ == "UNet2DConditionModel", "the network itself stays eager"
     compiled = {type(m).__name__ for m in network.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compilations.graphs > 0, "compiled as it loaded"
     assert compiled == {"BasicTransformerBlock", "ResnetBlock2D"}
     assert speed.regions(network) == ("BasicTransformerBlock", "ResnetBlock2D")
     # What the heartbeat tells placement: the compilation is part of what a load here costs.
