@@ -222,6 +222,12 @@ class SamplerEngine:
         prompts encoded ahead are then ordered before the batch that reads them."""
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
+    def encodes_prompts(self, model: str) -> bool:
+        """Whether ``encode_prompts`` would encode anything for a batch of ``model``: it
+        is loaded here, and its family reads prompts."""
+        spec = self.registry.models.get(model)
+        return spec is not None and model in self.models and self.denoiser_for(spec).reads_prompts
+
     def encode_prompts(
         self, batch: Sequence[GenerationParams], images: Mapping[str, MemberInputs] | None = None
     ) -> None:

@@ -38,6 +38,9 @@ class Denoiser(ModelLoader, Protocol):
 
     # Whether its loop takes members in from a ``RunningBatch`` at step boundaries.
     takes_joiners: bool
+    # Whether its batches read their prompts (False: ``encode_prompts`` does nothing,
+    # and no thread is asked to run it).
+    reads_prompts: bool
 
     def sample(
         self,

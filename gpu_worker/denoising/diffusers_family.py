@@ -40,6 +40,7 @@ class DiffusersFamily:
 
     loads_weights = True
     takes_joiners = True  # a running batch takes jobs in at its step boundaries
+    reads_prompts = True
     network_name = "unet"
     halves_share_call = True  # a guided step: one call, its rows doubled
 

@@ -19,6 +19,7 @@ from services.models.spec import ModelSpec
 class SimDenoiser:
     loads_weights = False
     takes_joiners = False  # a batch sleeps its steps in one call
+    reads_prompts = False
 
     def load(self, spec: ModelSpec) -> Loaded:
         return Loaded(spec, 0, 0.0)  # nothing to load: a sim model only sleeps

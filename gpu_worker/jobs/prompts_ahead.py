@@ -53,7 +53,7 @@ class PromptsAhead:
         by_model: dict[str, list[tuple[str, GenerationParams]]] = {}
         for dispatch in dispatches:
             params = sampled_params(dispatch)
-            if params is not None:
+            if params is not None and self.engine.encodes_prompts(params.model):
                 by_model.setdefault(params.model, []).append((dispatch.job_id, params))
         loop = asyncio.get_running_loop()
         for jobs in by_model.values():

@@ -141,6 +141,8 @@ class JobRunner:
             if isinstance(s.inputs, MemberInputs) and s.job.params.image_digest
         }
         await self.prompts_ahead.wait(s.job.id for s in batch)  # encoded ahead: cached now
+        if not runnable or not self.engine.encodes_prompts(runnable[0].model):
+            return
         try:
             await asyncio.to_thread(self.engine.encode_prompts, runnable, images)
         except Exception as exc:

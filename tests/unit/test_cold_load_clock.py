@@ -51,6 +51,7 @@ class HeldLoad:
 
     loads_weights = True
     takes_joiners = True
+    reads_prompts = False  # its loop reads no prompt
 
     def __init__(self, failure: Exception | None = None) -> None:
         self.failure = failure

@@ -16,6 +16,8 @@ from services.bus.dispatch import Dispatch
 from services.generation import GenerationParams, JobShape, Prompts
 from services.models.registry import ModelRegistry
 
+REPO = Path(__file__).resolve().parents[2]
+
 
 @pytest.fixture(scope="module")
 def engine(models_dir: Path) -> SamplerEngine:
@@ -50,3 +52,12 @@ async def test_nothing_is_encoded_for_what_it_cannot_encode_ahead(engine: Sample
     ahead.start([dispatch("j5", Prompts("a window", ""))])
     ahead.forget(["j5"])
     await ahead.wait(["j5"])  # forgotten: nothing to wait for
+
+
+def test_only_a_loaded_model_whose_family_reads_prompts_encodes_them(engine: SamplerEngine, models_dir: Path) -> None:
+    assert engine.encodes_prompts("tiny")
+    assert not engine.encodes_prompts("tiny-sd3"), "not loaded here"
+    assert not engine.encodes_prompts("no-such-model")
+    sim = SamplerEngine(ModelRegistry.load(REPO / "bench" / "sim_registry.toml"), models_dir, torch.device("cpu"))
+    sim.load("sim")
+    assert sim.warm_models() == ["sim"] and not sim.encodes_prompts("sim")

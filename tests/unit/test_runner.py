@@ -63,6 +63,9 @@ class ScriptedEngine:
 
     takes_joiners_too = False  # True: as a diffusers loop's, its batch takes joiners
 
+    def encodes_prompts(self, model: str) -> bool:
+        return False  # its batches read no prompt
+
     def takes_joiners(self, model: str) -> bool:
         return self.takes_joiners_too
 
