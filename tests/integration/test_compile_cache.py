@@ -44,6 +44,10 @@ def load_in_new_process(models_dir: Path, tmp: Path, env: dict[str, str]) -> dic
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Two cold inductor compiles and two loads, each in a new process: about 120 s alone
+# on two cores, and 2.5 times that beside the suite's other workers; the suite's
+# 300 s is a hang detector, which this test's own work would trip.
+@pytest.mark.timeout(900)
 def test_a_second_process_loads_the_fleets_artifacts_and_compiles_nothing(
     model_store: Any, models_dir: Path, tmp_path: Path
 ) -> None:
