@@ -148,6 +148,12 @@ class Harness:
         return out
 
 
+def the_suspension(h: Harness) -> tuple[object, ...]:
+    """The one suspension stored: job, step, total, data, reason and whether preempted."""
+    [suspension] = h.repo.checkpoints.suspended
+    return tuple(suspension[k] for k in ("job_id", "step", "total", "data", "reason", "preempted"))
+
+
 async def test_an_outcome_is_retried_while_the_database_is_away() -> None:
     h = Harness()
     h.submit("a")
@@ -230,15 +236,7 @@ async def test_a_preempted_member_stores_its_checkpoint_and_goes_back_to_the_que
     h.submit("p")
     outcomes = await h.run("p", before=lambda started: started["p"].watch.stop(StopReason.PREEMPTED, "for job-x"))
     assert outcomes == [Outcome.STORED]
-    [suspension] = h.repo.checkpoints.suspended
-    assert {k: suspension[k] for k in ("job_id", "step", "total", "data", "reason", "preempted")} == {
-        "job_id": "p",
-        "step": 3,
-        "total": 4,
-        "data": b"state at step 3",
-        "reason": "for job-x",
-        "preempted": True,
-    }
+    assert the_suspension(h) == ("p", 3, 4, b"state at step 3", "for job-x", True)
     assert h.events.statuses("p") == [JobStatus.RUNNING, None, JobStatus.QUEUED]
     assert h.repo.attempts.failed == [] and h.decoders.decoded == []
 
@@ -253,15 +251,7 @@ async def test_a_resumed_member_that_cannot_capture_its_state_is_suspended_at_it
     h.repo.checkpoints.stored["r"] = StoredCheckpoint("r", 0, 3, 4, b"state at step 3")
     outcomes = await h.run("r", before=lambda started: started["r"].watch.stop(StopReason.SUSPENDED, "drain"))
     assert outcomes == [Outcome.STORED]
-    [suspension] = h.repo.checkpoints.suspended
-    assert {k: suspension[k] for k in ("job_id", "step", "total", "data", "reason", "preempted")} == {
-        "job_id": "r",
-        "step": 3,
-        "total": 4,
-        "data": None,
-        "reason": "drain",
-        "preempted": False,
-    }
+    assert the_suspension(h) == ("r", 3, 4, None, "drain", False)
 
 
 async def test_failures_in_a_row_make_the_runner_unfit_and_a_decoder_outage_does_not() -> None:
