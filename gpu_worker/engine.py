@@ -234,7 +234,7 @@ class SamplerEngine:
         """Encodes the prompts of a batch that runs next into the prompt cache while
         the device runs the one before it, so that the batch starts at its first
         step. Only for a model already loaded (a load here would evict what runs)."""
-        if not batch or batch[0].model not in self.models:
+        if not batch or not self.encodes_prompts(batch[0].model):
             return
         spec = self.registry.get(batch[0].model)
         with self._on_stream():
