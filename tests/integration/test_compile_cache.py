@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 def load_in_new_process(models_dir: Path, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
     """A sampler's cold load of a small transformer miniature compiled by inductor at
-    one bucket (64 px, batches of one: seconds on two cores), in a process of its own
-    whose compiler cache is empty (as on another host): what the fleet's cache gave
-    it, and inductor's counters (``bench/support/compiled_load.py``)."""
+    one bucket (64 px, batches of one: about 40 s of compiling on two cores), in a
+    process of its own whose compiler cache is empty (as on another host): what the
+    fleet's cache gave it, and inductor's counters (``bench/support/compiled_load.py``)."""
     cache_dir = tmp / f"inductor-{len(list(tmp.glob('inductor-*')))}"
     script = REPO / "bench/support/compiled_load.py"
     proc = subprocess.run(
