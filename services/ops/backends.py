@@ -9,7 +9,6 @@ listed for Prometheus beside its children's."""
 from __future__ import annotations
 
 import logging
-import subprocess
 import threading
 import time
 from importlib import metadata
@@ -18,6 +17,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, ProcessCollector, start_http_server
 
+from services.ops.processes import Process
 from services.ops.supervisor import STABLE_AFTER_S, RestartPolicy, describe_exit
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class Backend(Protocol):
     """A backend's process (EmbeddedPostgres, EmbeddedNats): ``start`` returns once
     it serves, on the port and data it had."""
 
-    proc: subprocess.Popen[bytes] | None
+    proc: Process | None
 
     @property
     def running(self) -> bool: ...

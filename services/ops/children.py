@@ -12,6 +12,7 @@ from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.sections import Settings
 from services.ops import SERVICE_MODULES
+from services.ops.forkserver import ForkServer
 from services.ops.processes import free_port
 from services.ops.supervisor import Child, RestartPolicy
 from services.telemetry.metrics import Target
@@ -29,6 +30,14 @@ def visible_gpus() -> int:
         return int(pynvml.nvmlDeviceGetCount())
     except Exception:
         return 0
+
+
+def fork_server(settings: Settings) -> ForkServer | None:
+    """Where a host's samplers and decoders are forked from: a host without a GPU,
+    unless turned off (see services.ops.forkserver on GPUs)."""
+    if not settings.supervisor.fork_server or visible_gpus():
+        return None
+    return ForkServer(settings.kernel.data_dir / "logs" / "forkserver.log")
 
 
 def restart_policy(settings: Settings) -> RestartPolicy:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 # Drops to a user (if one is named), asks the kernel for a signal when the parent
 # dies (PR_SET_PDEATHSIG, if a signal is named), then execs the command, so that the
@@ -174,13 +174,26 @@ def wait_for_port(port: int, *, timeout: float, proc: subprocess.Popen[bytes] | 
     raise TimeoutError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
 
 
+class Process(Protocol):
+    """What ``ManagedProcess`` uses of a process: ``subprocess.Popen``'s, or a
+    fork server's child (services.ops.forkserver.ForkedProcess)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 class ManagedProcess:
     """A child process that stops on a signal, or is killed as a crash would kill it.
     Its ``_death_signal`` is what it gets when the process that started it dies
     (``as_user``, ``spawn``): by default its stop signal, a clean stop nobody waits for."""
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Process | None = None
 
     @property
     def running(self) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from services.config.fields import ENV_PREFIX
+from services.ops.forkserver import ForkServer
 from services.ops.processes import ManagedProcess, dying_with_parent, spawn
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class Child(ManagedProcess):
         # Every process it has started: none may outlive the supervisor.
         self.pids: list[int] = []
         self.lock = threading.RLock()
+        # Where it is forked from, when its host has a fork server (Supervisor.add).
+        self.forks: ForkServer | None = None
 
     @property
     def pid(self) -> int | None:
@@ -112,14 +115,17 @@ class Child(ManagedProcess):
             self.liveness_path.parent.mkdir(parents=True, exist_ok=True)
             self.liveness_path.unlink(missing_ok=True)
             env[f"{ENV_PREFIX}LIVENESS_FILE"] = str(self.liveness_path)
-        with open(self.log_path, "ab") as out:
-            self.proc = spawn(
-                dying_with_parent([sys.executable, "-m", self.module], self._death_signal),
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        if self.forks is not None and self.forks.compatible(env):
+            self.proc = self.forks.fork(self.module, env, self.log_path)
+        else:
+            with open(self.log_path, "ab") as out:
+                self.proc = spawn(
+                    dying_with_parent([sys.executable, "-m", self.module], self._death_signal),
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
         self.pids.append(self.proc.pid)
         self.started_at = time.monotonic()
 
@@ -166,9 +172,14 @@ class Watched(Protocol):
     def check(self, now: float, policy: RestartPolicy) -> None: ...
 
 
+# The services a fork server starts: those that import torch and diffusers.
+FORKED_SERVICES = frozenset({"sampler", "decoder"})
+
+
 class Supervisor:
-    def __init__(self, policy: RestartPolicy) -> None:
+    def __init__(self, policy: RestartPolicy, *, forks: ForkServer | None = None) -> None:
         self.policy = policy
+        self.forks = forks
         self.children: dict[str, Child] = {}
         self.watched: dict[str, Watched] = {}
         self._stopping = threading.Event()
@@ -176,6 +187,8 @@ class Supervisor:
 
     def add(self, child: Child, *, start: bool = True) -> Child:
         self.children[child.name] = child
+        if child.service in FORKED_SERVICES:
+            child.forks = self.forks
         if start:
             child.start()
         return child
@@ -251,6 +264,8 @@ class Supervisor:
         names = [n for n in order if n in self.children] + [n for n in self.children if n not in order]
         for name in names:
             self.children[name].stop(timeout)
+        if self.forks is not None:
+            self.forks.close()
 
 
 def describe_exit(code: int | None) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import os
 import signal
@@ -21,6 +22,14 @@ from PIL import Image
 from services.models.video_encoding import probe_video
 from services.ops.processes import free_port
 from tests.helpers import metrics_text, png_size, wait_for
+
+
+def runs(proc: psutil.Process, module: str) -> bool:
+    """Whether ``proc`` is ``python -m module``: by its arguments, or by its title when
+    it was forked from a fork server (services/ops/forkserver.py)."""
+    words = " ".join(proc.cmdline()).split()
+    return any(a == "-m" and b == module for a, b in itertools.pairwise(words))
+
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +59,7 @@ def test_up_generate_and_stop(tmp_path: Path, postgres, models_dir: Path) -> Non
     try:
         # A child that dies while the stack starts is restarted, not fatal.
         decoder = wait_for(
-            lambda: next(
-                (c for c in psutil.Process(up.pid).children(recursive=True) if "vae_worker" in c.cmdline()), None
-            ),
+            lambda: next((c for c in psutil.Process(up.pid).children(recursive=True) if runs(c, "vae_worker")), None),
             lambda c: c is not None,
             timeout=60,
             what="the decoder to be started",
@@ -213,7 +220,7 @@ def test_supervise_keeps_a_hosts_workers_running(tmp_path: Path, postgres) -> No
         for target in targets:
             assert "darkroom_gpu_telemetry_available" in metrics_text(target["targets"][0])
         children = psutil.Process(supervise.pid).children(recursive=True)
-        next(c for c in children if "gpu_worker" in c.cmdline()).kill()
+        next(c for c in children if runs(c, "gpu_worker")).kill()
         # an empty answer is NATS not answering this once (workers() says so), not the sampler gone
         restarted = lambda ws: ws.get(sampler_id, ("", "", 0))[2] == 1  # noqa: E731
         wait_for(workers, restarted, timeout=120, what="the sampler to be restarted")

@@ -1,5 +1,6 @@
 """The supervisor with real child processes: restarts with backoff, kills what
-hangs, tells each start its restart count, and leaves nothing behind."""
+hangs, tells each start its restart count, and leaves nothing behind; each as
+new processes and as children of a fork server (services/ops/forkserver.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from services.ops.forkserver import ForkServer
 from services.ops.supervisor import Child, RestartPolicy, Supervisor
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.integration
+FLAKY = "tests.integration.children.flaky"
 POLICY = RestartPolicy(backoff_s=0.2, backoff_max_s=1.0, hang_after_s=1.5, kill_grace_s=0.5)
 
 
@@ -25,7 +28,17 @@ def flaky(tmp_path: Path, mode: str, exits: int = 0) -> Child:
         "FLAKY_COUNTER": str(tmp_path / "starts"),
         "PYTHONPATH": str(Path(__file__).parents[2]),
     }
-    return Child("flaky", "tests.integration.children.flaky", env, tmp_path / "flaky.log", tmp_path / "flaky.alive")
+    # A sampler: a service a fork server starts, when its supervisor has one.
+    return Child("flaky", FLAKY, env, tmp_path / "flaky.log", tmp_path / "flaky.alive", service="sampler")
+
+
+@pytest.fixture(params=["spawned", "forked"])
+def supervisor(request: pytest.FixtureRequest, tmp_path: Path) -> Supervisor:
+    forked = request.param == "forked"
+    return Supervisor(
+        POLICY,
+        forks=ForkServer(tmp_path / "forkserver.log", preload=("tests.integration.children",)) if forked else None,
+    )
 
 
 def starts(tmp_path: Path) -> int:
@@ -33,8 +46,9 @@ def starts(tmp_path: Path) -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-def test_exiting_child_is_restarted_with_backoff_and_told_its_restart_count(tmp_path: Path) -> None:
-    supervisor = Supervisor(POLICY)
+def test_exiting_child_is_restarted_with_backoff_and_told_its_restart_count(
+    tmp_path: Path, supervisor: Supervisor
+) -> None:
     child = supervisor.add(flaky(tmp_path, "exit", exits=3))
     supervisor.start()
     try:
@@ -53,8 +67,7 @@ def test_exiting_child_is_restarted_with_backoff_and_told_its_restart_count(tmp_
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in child.pids)
 
 
-def test_hung_child_is_killed_and_restarted(tmp_path: Path) -> None:
-    supervisor = Supervisor(POLICY)
+def test_hung_child_is_killed_and_restarted(tmp_path: Path, supervisor: Supervisor) -> None:
     child = supervisor.add(flaky(tmp_path, "hang"))
     supervisor.start()
     try:
@@ -68,8 +81,7 @@ def test_hung_child_is_killed_and_restarted(tmp_path: Path) -> None:
     assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie" for pid in child.pids)
 
 
-def test_stopped_child_stays_stopped_until_started(tmp_path: Path) -> None:
-    supervisor = Supervisor(POLICY)
+def test_stopped_child_stays_stopped_until_started(tmp_path: Path, supervisor: Supervisor) -> None:
     child = supervisor.add(flaky(tmp_path, "exit"))
     supervisor.start()
     try:

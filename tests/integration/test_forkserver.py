@@ -1,0 +1,99 @@
+"""The fork server with real processes: a child forked from it is the process
+``python -m module`` would have been (its own session, environment, output and
+torch threads), its exit and its kill are reported as a new process's would be, an
+environment the server cannot give is refused, and the server's children die with
+it. The supervisor's restarts of forked children: tests/integration/test_supervisor.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from services.ops.forkserver import ForkServer
+from tests.helpers import wait_for
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+CHILD = "tests.integration.children.forked"
+
+
+@pytest.fixture
+def forks(tmp_path: Path) -> Iterator[ForkServer]:
+    server = ForkServer(tmp_path / "forkserver.log", preload=("tests.integration.children", "torch"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def child_env(tmp_path: Path, **darkroom: str) -> dict[str, str]:
+    report = tmp_path / "report.json"
+    report.unlink(missing_ok=True)
+    return {**os.environ, "PYTHONPATH": str(REPO), "DARKROOM_TEST_REPORT": str(report), **darkroom}
+
+
+def report_of(tmp_path: Path) -> dict[str, Any]:
+    path = tmp_path / "report.json"
+    wait_for(path.exists, bool, timeout=60, what="its report")
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
+
+
+def test_a_forked_child_is_the_process_python_dash_m_would_have_been(tmp_path: Path, forks: ForkServer) -> None:
+    env = child_env(tmp_path, DARKROOM_TEST_WORD="hello", DARKROOM_TEST_EXIT="3", OMP_NUM_THREADS="2")
+    child = forks.fork(CHILD, env, tmp_path / "child.log")
+    assert child.wait(60) == 3 and child.poll() == 3
+    report = report_of(tmp_path)
+    assert report["pid"] == child.pid and report["sid"] == child.pid  # a session of its own, as start_new_session
+    assert report["ppid"] not in (os.getpid(), 1)  # the server's, not ours
+    assert report["name"] == "__main__" and str(report["argv0"]).endswith("children/forked.py")
+    assert report["word"] == "hello"
+    # The server imported torch with one thread (this suite's); the child runs with its own.
+    assert report["threads"] == 2
+    assert f"forked child {child.pid} says hello" in (tmp_path / "child.log").read_text()
+
+
+def test_a_forked_childs_signals_are_reported_as_a_new_processs(tmp_path: Path, forks: ForkServer) -> None:
+    child = forks.fork(CHILD, child_env(tmp_path), tmp_path / "child.log")
+    report_of(tmp_path)
+    assert child.poll() is None
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(30) == -signal.SIGTERM
+    killed = forks.fork(CHILD, child_env(tmp_path), tmp_path / "child.log")
+    report_of(tmp_path)
+    os.killpg(killed.pid, signal.SIGKILL)  # as ManagedProcess.kill does
+    assert killed.wait(30) == -signal.SIGKILL
+
+
+def test_only_a_child_whose_environment_differs_in_its_own_variables_is_forked(
+    tmp_path: Path, forks: ForkServer
+) -> None:
+    env = child_env(tmp_path, DARKROOM_TEST_EXIT="0")
+    assert forks.fork(CHILD, env, tmp_path / "child.log").wait(60) == 0
+    assert forks.compatible(
+        {**env, "DARKROOM_WORKER_ID": "another", "OMP_NUM_THREADS": "7", "CUDA_VISIBLE_DEVICES": "1"}
+    )
+    # Read when torch is imported (the server's import, not the child's): a new process.
+    assert not forks.compatible({**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert not forks.compatible({k: v for k, v in env.items() if k != "PATH"})
+
+
+def test_the_servers_children_die_with_it(tmp_path: Path, forks: ForkServer) -> None:
+    child = forks.fork(CHILD, child_env(tmp_path), tmp_path / "child.log")
+    report_of(tmp_path)
+    forks.close(timeout=10)
+    assert child.wait(30) == -signal.SIGKILL
+    wait_for(
+        lambda: not psutil.pid_exists(child.pid) or psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE,
+        bool,
+        timeout=10,
+        what="the child gone",
+    )
