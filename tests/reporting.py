@@ -21,6 +21,8 @@ from typing import Any, cast
 
 import pytest
 
+from services.ops.forkserver import shared_cpu_seconds
+
 FAULT_TABLE_HEADER = (
     "| scenario | jobs | succeeded | failed (reason) | lost | duplicated | time to recover |\n"
     "|---|---|---|---|---|---|---|"
@@ -30,9 +32,11 @@ _CPU = "darkroom_cpu_s"  # a report's: the CPU spent since the process's last re
 
 
 def cpu_seconds() -> float:
-    """This process's CPU and its reaped children's, user and system."""
+    """This process's CPU and its reaped children's, user and system, and its fork
+    servers' (services/ops/forkserver.py: the stacks' services are their children,
+    reaped by them)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + shared_cpu_seconds()
 
 
 def directory_of(nodeid: str) -> str:

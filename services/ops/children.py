@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.sections import Settings
-from services.ops import SERVICE_MODULES
+from services.ops import SERVICE_MODULES, forkserver
 from services.ops.forkserver import ForkServer
 from services.ops.processes import free_port
 from services.ops.supervisor import Child, RestartPolicy
@@ -32,12 +32,14 @@ def visible_gpus() -> int:
         return 0
 
 
-def fork_server(settings: Settings) -> ForkServer | None:
-    """Where a host's samplers and decoders are forked from: a host without a GPU,
-    unless turned off (see services.ops.forkserver on GPUs)."""
+def fork_servers(settings: Settings) -> dict[str, ForkServer]:
+    """Where each service is forked from (services.ops.forkserver): this process's
+    fork servers, on a host without a GPU, unless turned off (none on GPUs: see
+    services.ops.forkserver)."""
     if not settings.supervisor.fork_server or visible_gpus():
-        return None
-    return ForkServer(settings.kernel.data_dir / "logs" / "forkserver.log")
+        return {}
+    log_path = settings.kernel.data_dir / "logs" / "forkserver.log"
+    return {service: forkserver.shared(log_path, preload) for service, preload in forkserver.PRELOAD_OF.items()}
 
 
 def restart_policy(settings: Settings) -> RestartPolicy:

@@ -84,7 +84,7 @@ def _print_metrics(targets: list[Target], data_dir: Path) -> None:
 def cmd_supervise(args: argparse.Namespace) -> int:
     """A GPU host: one sampler per visible GPU and the decoders asked for, kept
     running until SIGINT/SIGTERM."""
-    from services.ops.children import fork_server, host_children, metrics_targets, restart_policy, stop_order
+    from services.ops.children import fork_servers, host_children, metrics_targets, restart_policy, stop_order
     from services.ops.supervisor import Supervisor
     from services.telemetry import logs
     from services.telemetry.metrics import targets_path, write_targets
@@ -98,7 +98,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
-    supervisor = Supervisor(restart_policy(settings), forks=fork_server(settings))
+    supervisor = Supervisor(restart_policy(settings), forks=fork_servers(settings))
     for child in host_children(settings, decoders=args.decoders, cpu_samplers=args.cpu_workers):
         supervisor.add(child)
     supervisor.start()

@@ -1,8 +1,9 @@
-"""A host's fork server: one process that imports what a sampler and a decoder
-import (torch, diffusers, transformers, onnxruntime: most of what each spends
-starting, docs/benchmarks.md) once, and forks each of them from there. A
-supervisor restarting a crashed sampler, and a test suite starting stacks by the
-dozen, then pay for a fork instead of the imports.
+"""A host's fork servers: a process that imports the libraries a sampler and a
+decoder import (torch, diffusers, transformers, onnxruntime: most of what each
+spends starting, docs/benchmarks.md) once, and forks each of them from there;
+another the gateway's, the scheduler's and the HTTP API's (gRPC, SQLAlchemy,
+aiohttp...). A supervisor restarting a crashed sampler, and a test suite starting
+stacks by the dozen, then pay for a fork instead of the imports.
 
 The supervisor's side is ``ForkServer``: it starts the server on its first
 request, asks it for children over the server's stdin and reads their pids and
@@ -12,11 +13,16 @@ process of its own would have (a session, its environment, its log on stdout and
 stderr, death with the server as the server's with the supervisor) and runs its
 service's ``__main__``.
 
-Only what the imports do not read may differ between the children and the
-server: the ``DARKROOM_*`` settings (read when a service starts) and the
-variables in ``PER_CHILD``. A child whose environment differs in anything else
-(a variable torch reads when it is imported) is not forked from this server but
-started as a new process (``compatible``).
+A child's environment is its own (``os.environ`` is replaced in the child), but
+what its libraries read when they were imported is the server's: a child whose
+environment differs from the server's in a variable a library may read on import
+(``READ_ON_IMPORT``: torch's, CUDA's, Python's, Hugging Face's...) is started as
+a new process instead (``compatible``). Those each child has of its own
+(``PER_CHILD``) are set after the fork.
+
+One server of each kind (``PRELOAD_OF``) serves a whole process (``shared``): the
+supervisor of ``darkroom up`` or ``darkroom supervise``, and a test worker's
+stacks, one after another.
 
 Hosts with a GPU do not use it (``children.host_children``): whether importing
 torch and diffusers touches the CUDA driver, which a forked child cannot use
@@ -50,29 +56,49 @@ from services.ops.processes import dying_with_parent, spawn
 
 log = logging.getLogger(__name__)
 
-# What the server imports before it forks: the services' modules, and what they
-# import when they load a model (``module:attribute,...``: diffusers' and
-# transformers' lazy modules import theirs when an attribute is asked for).
-PRELOAD = (
-    "gpu_worker.service",
-    "vae_worker.service",
+# What a server imports before it forks (``module:attribute,...``: diffusers' and
+# transformers' lazy modules import theirs when an attribute is asked for): the
+# libraries the services import, never the services' own modules, whose imports
+# register their metrics (a forked gateway would serve a sampler's). A library not
+# installed is left to the child.
+CONTROL_PRELOAD = (
+    *("grpc", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection", "grpc_status.rpc_status"),
+    *("google.protobuf.message", "sqlalchemy.ext.asyncio", "sqlalchemy.dialects.postgresql.psycopg", "psycopg"),
+    *("aiohttp", "nats", "cryptography.x509", "prometheus_client", "opentelemetry.sdk.trace"),
+    *("opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "uvloop", "psutil", "numpy", "PIL.Image"),
+)
+MODEL_PRELOAD = (
+    *CONTROL_PRELOAD,
+    *("torch", "safetensors.torch", "av", "onnxruntime", "obstore"),
     "diffusers:AutoencoderKL,UNet2DConditionModel,FlowMatchEulerDiscreteScheduler",
     "transformers:CLIPTextModel,CLIPTokenizer",
 )
-# Variables a child may have of its own: read when it starts, not when it is imported.
-# torch's thread count is read when torch is imported; a child sets it from
-# OMP_NUM_THREADS itself (``_run_child``).
+# Which server forks each service: samplers and decoders from the one that imported
+# torch and diffusers, the others from one that did not (a gateway holding torch's
+# pages would show their size as its own).
+PRELOAD_OF = {
+    "sampler": MODEL_PRELOAD,
+    "decoder": MODEL_PRELOAD,
+    "gateway": CONTROL_PRELOAD,
+    "scheduler": CONTROL_PRELOAD,
+    "http": CONTROL_PRELOAD,
+}
+# The variables a library may read when it is imported, by prefix: children that
+# differ from the server in one of them are not forked from it.
+READ_ON_IMPORT = (
+    *("PYTHON", "LD_", "MALLOC", "HOME", "XDG_", "TMP", "TEMP"),
+    *("TORCH", "PYTORCH", "CUDA", "NVIDIA", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS"),
+    *("HF_", "HUGGINGFACE", "TRANSFORMERS", "DIFFUSERS", "TOKENIZERS", "ORT_", "GRPC_"),
+)
+# Of those, what a child has of its own: CUDA starts after the fork, and a child sets
+# torch's thread count from OMP_NUM_THREADS itself (``_run_child``).
 PER_CHILD = frozenset({"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED"})
 START_TIMEOUT_S = 180.0
 
 
-def per_child(name: str) -> bool:
-    return name.startswith(ENV_PREFIX) or name in PER_CHILD
-
-
-def shared_env(env: Mapping[str, str]) -> dict[str, str]:
-    """What of ``env`` the server itself runs with: all but what each child has of its own."""
-    return {k: v for k, v in env.items() if not per_child(k)}
+def read_on_import(env: Mapping[str, str]) -> dict[str, str]:
+    """What of ``env`` a forked child takes from the server's imports: its value must be the server's."""
+    return {k: v for k, v in env.items() if k.startswith(READ_ON_IMPORT) and k not in PER_CHILD}
 
 
 class ForkedProcess:
@@ -112,11 +138,11 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """The supervisor's side: one server per supervisor, started on the first request
-    (with the environment of that request, less what is ``per_child``) and again
-    after it died."""
+    """The supervisor's side: a server started on the first request (with the
+    environment of that request, less the ``DARKROOM_*`` settings) and again after
+    it died."""
 
-    def __init__(self, log_path: Path, *, preload: tuple[str, ...] = PRELOAD) -> None:
+    def __init__(self, log_path: Path, *, preload: tuple[str, ...]) -> None:
         self.log_path = log_path
         self.preload = preload
         self._lock = threading.Lock()
@@ -128,9 +154,11 @@ class ForkServer:
 
     def compatible(self, env: Mapping[str, str]) -> bool:
         """Whether a child of ``env`` can be forked from this server (or the server
-        is yet to start): its environment differs only in what is ``per_child``."""
+        is yet to start): what its libraries read on import is the server's."""
         with self._lock:
-            return self._proc is None or self._proc.poll() is not None or shared_env(env) == self._env
+            if self._proc is None or self._proc.poll() is not None:
+                return True
+            return read_on_import(env) == read_on_import(self._env)
 
     def fork(self, module: str, env: Mapping[str, str], log_path: Path) -> ForkedProcess:
         """``python -m module`` with ``env``, its output appended to ``log_path``, forked."""
@@ -147,7 +175,7 @@ class ForkServer:
         return asked.result(START_TIMEOUT_S)
 
     def _start(self, env: Mapping[str, str]) -> None:
-        self._env = shared_env(env)
+        self._env = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self._proc = spawn(
@@ -188,6 +216,20 @@ class ForkServer:
                 _wait_gone(child.pid, timeout=5.0)
             child._exit(-signal.SIGKILL)
 
+    def cpu_seconds(self) -> float:
+        """What the running server and the children it reaped spent (0 when none runs):
+        this process's ``getrusage`` counts them only once the server itself is reaped."""
+        proc = self._proc
+        if proc is None:
+            return 0.0
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        # utime, stime, cutime, cstime: fields 14-17 of proc(5), 12-15 after the name
+        return sum(int(n) for n in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def close(self, timeout: float = 10.0) -> None:
         """Stops the server (its children, still running, die with it)."""
         with self._lock:
@@ -202,6 +244,27 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+_SHARED: dict[tuple[str, ...], ForkServer] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(log_path: Path, preload: tuple[str, ...]) -> ForkServer:
+    """This process's fork server of ``preload``, for every supervisor in it: it
+    lives as long as the process (its stdin closes when the process exits, and it is
+    sent SIGKILL if the process dies), its log at ``log_path`` of the first to ask for it."""
+    with _SHARED_LOCK:
+        if preload not in _SHARED:
+            _SHARED[preload] = ForkServer(log_path, preload=preload)
+        return _SHARED[preload]
+
+
+def shared_cpu_seconds() -> float:
+    """What this process's shared fork servers spent so far, their reaped children's included."""
+    with _SHARED_LOCK:
+        servers = list(_SHARED.values())
+    return sum(server.cpu_seconds() for server in servers)
 
 
 def _wait_gone(pid: int, timeout: float) -> None:

@@ -16,7 +16,7 @@ from services.config.fields import SettingsError
 from services.config.sections import Settings
 from services.mesh.secrets import ensure_certificates, password
 from services.ops.backends import BackendMetrics, SupervisedBackend
-from services.ops.children import fork_server, restart_policy
+from services.ops.children import fork_servers, restart_policy
 from services.ops.data_lock import DataDirLock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
@@ -37,7 +37,7 @@ class StackBackends:
         # `up --model-store`: a local S3 server for `store:` models, unless DARKROOM_MODEL_STORE_URL names one.
         self.start_model_store = model_store
         self.model_store: EmbeddedModelStore | None = None
-        self.supervisor = Supervisor(restart_policy(settings), forks=fork_server(settings))
+        self.supervisor = Supervisor(restart_policy(settings), forks=fork_servers(settings))
         self.lock = DataDirLock(settings.kernel.data_dir)
         # The stack's own metrics (its backends' restarts), served by `up` itself.
         self.backend_metrics = BackendMetrics()

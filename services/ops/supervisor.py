@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -172,14 +172,11 @@ class Watched(Protocol):
     def check(self, now: float, policy: RestartPolicy) -> None: ...
 
 
-# The services a fork server starts: those that import torch and diffusers.
-FORKED_SERVICES = frozenset({"sampler", "decoder"})
-
-
 class Supervisor:
-    def __init__(self, policy: RestartPolicy, *, forks: ForkServer | None = None) -> None:
+    def __init__(self, policy: RestartPolicy, *, forks: Mapping[str, ForkServer] | None = None) -> None:
         self.policy = policy
-        self.forks = forks
+        # Where each service is forked from (children.fork_servers); one not in it is a new process.
+        self.forks = dict(forks or {})
         self.children: dict[str, Child] = {}
         self.watched: dict[str, Watched] = {}
         self._stopping = threading.Event()
@@ -187,8 +184,7 @@ class Supervisor:
 
     def add(self, child: Child, *, start: bool = True) -> Child:
         self.children[child.name] = child
-        if child.service in FORKED_SERVICES:
-            child.forks = self.forks
+        child.forks = self.forks.get(child.service)
         if start:
             child.start()
         return child
@@ -264,8 +260,6 @@ class Supervisor:
         names = [n for n in order if n in self.children] + [n for n in self.children if n not in order]
         for name in names:
             self.children[name].stop(timeout)
-        if self.forks is not None:
-            self.forks.close()
 
 
 def describe_exit(code: int | None) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 import pytest
 
+from services.ops import forkserver
 from services.ops.forkserver import ForkServer
 from tests.helpers import wait_for
 
@@ -35,6 +36,7 @@ def forks(tmp_path: Path) -> Iterator[ForkServer]:
 
 
 def child_env(tmp_path: Path, **darkroom: str) -> dict[str, str]:
+    tmp_path.mkdir(exist_ok=True)
     report = tmp_path / "report.json"
     report.unlink(missing_ok=True)
     return {**os.environ, "PYTHONPATH": str(REPO), "DARKROOM_TEST_REPORT": str(report), **darkroom}
@@ -59,6 +61,8 @@ def test_a_forked_child_is_the_process_python_dash_m_would_have_been(tmp_path: P
     # The server imported torch with one thread (this suite's); the child runs with its own.
     assert report["threads"] == 2
     assert f"forked child {child.pid} says hello" in (tmp_path / "child.log").read_text()
+    # What it spent, its imports of torch in the first place, is counted while it runs (tests/reporting.py).
+    assert forks.cpu_seconds() > 0.5
 
 
 def test_a_forked_childs_signals_are_reported_as_a_new_processs(tmp_path: Path, forks: ForkServer) -> None:
@@ -73,7 +77,7 @@ def test_a_forked_childs_signals_are_reported_as_a_new_processs(tmp_path: Path, 
     assert killed.wait(30) == -signal.SIGKILL
 
 
-def test_only_a_child_whose_environment_differs_in_its_own_variables_is_forked(
+def test_a_child_is_forked_only_where_its_imports_would_read_what_the_servers_read(
     tmp_path: Path, forks: ForkServer
 ) -> None:
     env = child_env(tmp_path, DARKROOM_TEST_EXIT="0")
@@ -83,7 +87,9 @@ def test_only_a_child_whose_environment_differs_in_its_own_variables_is_forked(
     )
     # Read when torch is imported (the server's import, not the child's): a new process.
     assert not forks.compatible({**env, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
-    assert not forks.compatible({k: v for k, v in env.items() if k != "PATH"})
+    assert not forks.compatible({**env, "HOME": str(tmp_path)})  # Hugging Face's cache, found on import
+    # Not read by an import (a test's name, pytest's): forked, with its own.
+    assert forks.compatible({**env, "PYTEST_CURRENT_TEST": "another"})
 
 
 def test_the_servers_children_die_with_it(tmp_path: Path, forks: ForkServer) -> None:
@@ -97,3 +103,18 @@ def test_the_servers_children_die_with_it(tmp_path: Path, forks: ForkServer) -> 
         timeout=10,
         what="the child gone",
     )
+
+
+def test_the_supervisors_of_one_process_fork_from_one_server(tmp_path: Path) -> None:
+    """A test worker's stacks, one after another: the second pays no imports again."""
+    preload = ("tests.integration.children", "json")  # this test's own server
+    first, second = forkserver.shared(tmp_path / "forkserver.log", preload), forkserver.shared(tmp_path, preload)
+    assert first is second
+    one = first.fork(CHILD, child_env(tmp_path / "one"), tmp_path / "one.log")
+    server = report_of(tmp_path / "one")["ppid"]
+    one.terminate()
+    assert one.wait(30) == -signal.SIGTERM
+    two = second.fork(CHILD, child_env(tmp_path / "two"), tmp_path / "two.log")
+    assert report_of(tmp_path / "two")["ppid"] == server
+    two.terminate()
+    assert two.wait(30) == -signal.SIGTERM

@@ -34,11 +34,10 @@ def flaky(tmp_path: Path, mode: str, exits: int = 0) -> Child:
 
 @pytest.fixture(params=["spawned", "forked"])
 def supervisor(request: pytest.FixtureRequest, tmp_path: Path) -> Supervisor:
-    forked = request.param == "forked"
-    return Supervisor(
-        POLICY,
-        forks=ForkServer(tmp_path / "forkserver.log", preload=("tests.integration.children",)) if forked else None,
-    )
+    if request.param == "spawned":
+        return Supervisor(POLICY)
+    forks = ForkServer(tmp_path / "forkserver.log", preload=("tests.integration.children",))
+    return Supervisor(POLICY, forks={"sampler": forks})
 
 
 def starts(tmp_path: Path) -> int:
