@@ -30,6 +30,7 @@ again, is not measured on a GPU yet."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import json
@@ -255,9 +256,21 @@ def shared(log_path: Path, preload: tuple[str, ...]) -> ForkServer:
     lives as long as the process (its stdin closes when the process exits, and it is
     sent SIGKILL if the process dies), its log at ``log_path`` of the first to ask for it."""
     with _SHARED_LOCK:
+        if not _SHARED:
+            # Closed, and reaped, as the process exits: what they and their children
+            # spent reaches this process's parent's getrusage, as a new process's would.
+            atexit.register(close_shared)
         if preload not in _SHARED:
             _SHARED[preload] = ForkServer(log_path, preload=preload)
         return _SHARED[preload]
+
+
+def close_shared() -> None:
+    """Stops this process's fork servers (their children, still running, die with them)."""
+    with _SHARED_LOCK:
+        servers = list(_SHARED.values())
+    for server in servers:
+        server.close()
 
 
 def shared_cpu_seconds() -> float:

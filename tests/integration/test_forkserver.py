@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,3 +121,28 @@ def test_the_supervisors_of_one_process_fork_from_one_server(tmp_path: Path) -> 
     assert report_of(tmp_path / "two")["ppid"] == server
     two.terminate()
     assert two.wait(30) == -signal.SIGTERM
+
+
+def test_a_process_that_exits_reaps_its_servers_and_their_cpu_is_counted(tmp_path: Path) -> None:
+    """As a new process's would be: the suite's CPU per test (tests/reporting.py)
+    counts a bench script's or ``darkroom up``'s stacks once that process exits."""
+    script = (
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from services.ops import forkserver\n"
+        "server = forkserver.shared(Path(sys.argv[1]) / 'forkserver.log', ('tests.integration.children', 'torch'))\n"
+        f"child = server.fork({CHILD!r}, {{**os.environ, 'DARKROOM_TEST_EXIT': '0'}}, Path(sys.argv[1]) / 'c.log')\n"
+        "assert child.wait(60) == 0\n"
+    )
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        env=child_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # The script alone imports no torch; its server's import of it is counted with it.
+    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime > 1.0
