@@ -138,6 +138,43 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+class _Running:
+    """One server process and what it was asked: a server that died takes its own
+    requests and children with it, never those of the one started after it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
+        self.proc = proc
+        self.env = env
+        self.asked: dict[int, Future[ForkedProcess]] = {}
+        self.children: dict[int, ForkedProcess] = {}
+
+    def read(self) -> None:
+        """The server's answers and its children's exits, until it is gone."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            message = json.loads(line)
+            if "exited" in message:
+                child = self.children.pop(message["exited"], None)
+                if child is not None:
+                    child._exit(message["code"])
+                continue
+            asked = self.asked.pop(message["id"])
+            if "error" in message:
+                asked.set_exception(RuntimeError(f"the fork server could not start it: {message['error']}"))
+            else:
+                child = ForkedProcess(message["pid"])
+                self.children[child.pid] = child
+                asked.set_result(child)
+        # The server is gone, and its children with it (their parent-death signal).
+        self.proc.wait()
+        for asked in list(self.asked.values()):
+            asked.set_exception(RuntimeError(f"the fork server exited with {self.proc.returncode}"))
+        for child in list(self.children.values()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                _wait_gone(child.pid, timeout=5.0)
+            child._exit(-signal.SIGKILL)
+
+
 class ForkServer:
     """The supervisor's side: a server started on the first request (with the
     environment of that request, less the ``DARKROOM_*`` settings) and again after
@@ -147,84 +184,61 @@ class ForkServer:
         self.log_path = log_path
         self.preload = preload
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._env: dict[str, str] = {}
-        self._asked: dict[int, Future[ForkedProcess]] = {}
-        self._children: dict[int, ForkedProcess] = {}
+        self._running: _Running | None = None
         self._next_id = 0
+
+    def _alive(self) -> _Running | None:
+        running = self._running
+        return running if running is not None and running.proc.poll() is None else None
 
     def compatible(self, env: Mapping[str, str]) -> bool:
         """Whether a child of ``env`` can be forked from this server (or the server
         is yet to start): what its libraries read on import is the server's."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                return True
-            return read_on_import(env) == read_on_import(self._env)
+            running = self._alive()
+            return running is None or read_on_import(env) == read_on_import(running.env)
 
     def fork(self, module: str, env: Mapping[str, str], log_path: Path) -> ForkedProcess:
         """``python -m module`` with ``env``, its output appended to ``log_path``, forked."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start(env)
-            assert self._proc is not None and self._proc.stdin is not None
+            running = self._alive() or self._start(env)
+            assert running.proc.stdin is not None
             self._next_id += 1
             asked: Future[ForkedProcess] = Future()
-            self._asked[self._next_id] = asked
+            running.asked[self._next_id] = asked
             request = {"id": self._next_id, "module": module, "env": dict(env), "log": str(log_path)}
-            self._proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self._proc.stdin.flush()
+            try:
+                running.proc.stdin.write(json.dumps(request).encode() + b"\n")
+                running.proc.stdin.flush()
+            except OSError as exc:  # it died just now: the next start starts another
+                running.asked.pop(self._next_id, None)
+                raise RuntimeError(f"the fork server exited: {exc}") from exc
         return asked.result(START_TIMEOUT_S)
 
-    def _start(self, env: Mapping[str, str]) -> None:
-        self._env = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
+    def _start(self, env: Mapping[str, str]) -> _Running:
+        own = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            self._proc = spawn(
+            proc = spawn(
                 dying_with_parent([sys.executable, "-m", __name__, *self.preload], signal.SIGKILL),
-                env={**self._env, "PYTHONUNBUFFERED": "1"},
+                env={**own, "PYTHONUNBUFFERED": "1"},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=out,
                 start_new_session=True,
             )
-        threading.Thread(target=self._read, args=(self._proc,), name="darkroom-forkserver", daemon=True).start()
-
-    def _read(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            message = json.loads(line)
-            if "exited" in message:
-                child = self._children.pop(message["exited"], None)
-                if child is not None:
-                    child._exit(message["code"])
-                continue
-            asked = self._asked.pop(message["id"])
-            if "error" in message:
-                asked.set_exception(RuntimeError(f"the fork server could not start it: {message['error']}"))
-            else:
-                child = ForkedProcess(message["pid"])
-                self._children[child.pid] = child
-                asked.set_result(child)
-        # The server is gone, and its children with it (their parent-death signal).
-        proc.wait()
-        with self._lock:
-            for asked in self._asked.values():
-                asked.set_exception(RuntimeError(f"the fork server exited with {proc.returncode}"))
-            self._asked.clear()
-            children, self._children = self._children, {}
-        for child in children.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                _wait_gone(child.pid, timeout=5.0)
-            child._exit(-signal.SIGKILL)
+        self._running = _Running(proc, own)
+        threading.Thread(target=self._running.read, name="darkroom-forkserver", daemon=True).start()
+        return self._running
 
     def cpu_seconds(self) -> float:
         """What the running server and the children it reaped spent (0 when none runs):
         this process's ``getrusage`` counts them only once the server itself is reaped."""
-        proc = self._proc
-        if proc is None:
+        running = self._running
+        if running is None:
             return 0.0
         try:
-            with open(f"/proc/{proc.pid}/stat") as f:
+            with open(f"/proc/{running.proc.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             return 0.0
@@ -234,17 +248,17 @@ class ForkServer:
     def close(self, timeout: float = 10.0) -> None:
         """Stops the server (its children, still running, die with it)."""
         with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is None:
+            running, self._running = self._running, None
+        if running is None:
             return
-        assert proc.stdin is not None
+        assert running.proc.stdin is not None
         with contextlib.suppress(OSError):
-            proc.stdin.close()
+            running.proc.stdin.close()
         try:
-            proc.wait(timeout)
+            running.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            running.proc.kill()
+            running.proc.wait()
 
 
 _SHARED: dict[tuple[str, ...], ForkServer] = {}

@@ -146,3 +146,13 @@ def test_a_process_that_exits_reaps_its_servers_and_their_cpu_is_counted(tmp_pat
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     # The script alone imports no torch; its server's import of it is counted with it.
     assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime > 1.0
+
+
+def test_a_server_killed_takes_its_children_and_the_next_fork_starts_another(tmp_path: Path, forks: ForkServer) -> None:
+    child = forks.fork(CHILD, child_env(tmp_path), tmp_path / "child.log")
+    server = report_of(tmp_path)["ppid"]
+    os.kill(server, signal.SIGKILL)  # the OOM killer
+    assert child.wait(30) == -signal.SIGKILL
+    again = forks.fork(CHILD, child_env(tmp_path, DARKROOM_TEST_EXIT="0"), tmp_path / "child.log")
+    assert again.wait(60) == 0
+    assert report_of(tmp_path)["ppid"] not in (server, os.getpid())
