@@ -252,8 +252,8 @@ class SupervisorSettings(Section):
     restart_backoff_max_s: float = setting(30.0, "The longest restart delay.", at_least=0.0)
     fork_server: bool = setting(
         True,
-        "On a host without a GPU, fork samplers and decoders from one process that imported torch and diffusers "
-        "once, rather than starting each as a new process (services/ops/forkserver.py).",
+        "On a host without a GPU, fork the services from processes that imported their libraries (torch, diffusers, "
+        "gRPC...) once, rather than starting each as a new process (services/ops/forkserver.py).",
     )
 
 

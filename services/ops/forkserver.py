@@ -5,13 +5,10 @@ another the gateway's, the scheduler's and the HTTP API's (gRPC, SQLAlchemy,
 aiohttp...). A supervisor restarting a crashed sampler, and a test suite starting
 stacks by the dozen, then pay for a fork instead of the imports.
 
-The supervisor's side is ``ForkServer``: it starts the server on its first
-request, asks it for children over the server's stdin and reads their pids and
-their exits from its stdout (``ForkedProcess``, the part of ``subprocess.Popen``
-the supervisor uses). A forked child is the server's: it sets up what a new
-process of its own would have (a session, its environment, its log on stdout and
-stderr, death with the server as the server's with the supervisor) and runs its
-service's ``__main__``.
+This is the supervisor's side, ``ForkServer``: it starts the server
+(services/ops/forkserver_process.py) on its first request, asks it for children
+over its stdin and reads their pids and exits from its stdout (``ForkedProcess``:
+what the supervisor uses of ``subprocess.Popen``).
 
 A child's environment is its own (``os.environ`` is replaced in the child), but
 what its libraries read when they were imported is the server's: a child whose
@@ -24,7 +21,7 @@ One server of each kind (``PRELOAD_OF``) serves a whole process (``shared``): th
 supervisor of ``darkroom up`` or ``darkroom supervise``, and a test worker's
 stacks, one after another.
 
-Hosts with a GPU do not use it (``children.host_children``): whether importing
+Hosts with a GPU do not use it (``children.fork_servers``): whether importing
 torch and diffusers touches the CUDA driver, which a forked child cannot use
 again, is not measured on a GPU yet."""
 
@@ -32,30 +29,19 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import json
-import logging
 import os
-import random
-import runpy
-import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
-
-import setproctitle
 
 from services.config.fields import ENV_PREFIX
 from services.ops.processes import dying_with_parent, spawn
-
-log = logging.getLogger(__name__)
 
 # What a server imports before it forks (``module:attribute,...``: diffusers' and
 # transformers' lazy modules import theirs when an attribute is asked for): the
@@ -95,6 +81,8 @@ READ_ON_IMPORT = (
 # torch's thread count from OMP_NUM_THREADS itself (``_run_child``).
 PER_CHILD = frozenset({"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONUNBUFFERED"})
 START_TIMEOUT_S = 180.0
+# The server itself: what it runs in its process, and in each child until that runs its module.
+SERVER_MODULE = "services.ops.forkserver_process"
 
 
 def read_on_import(env: Mapping[str, str]) -> dict[str, str]:
@@ -220,7 +208,7 @@ class ForkServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             proc = spawn(
-                dying_with_parent([sys.executable, "-m", __name__, *self.preload], signal.SIGKILL),
+                dying_with_parent([sys.executable, "-m", SERVER_MODULE, *self.preload], signal.SIGKILL),
                 env={**own, "PYTHONUNBUFFERED": "1"},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -308,143 +296,3 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return "X"
-
-
-# The server's side.
-
-
-def _preload(names: list[str]) -> None:
-    import importlib
-
-    for name in names:
-        module_name, _, attributes = name.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-            for attribute in filter(None, attributes.split(",")):
-                getattr(module, attribute)
-        except Exception:  # not installed here: a child that needs it imports it itself
-            log.warning("fork server: could not preload %s", name, exc_info=True)
-
-
-def _exit_code(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def _run_child(request: dict[str, Any], server_pid: int, close: list[int]) -> None:
-    """In the forked child: becomes the process ``python -m module`` would have been
-    (a session of its own, its environment and output, default signal handling),
-    then runs it. Never returns."""
-    code = 1
-    try:
-        os.setsid()
-        signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        import ctypes
-
-        # Dies with the server, as the server does with the supervisor: no orphan serves on.
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0 or os.getppid() != server_pid:  # 1: PR_SET_PDEATHSIG
-            os._exit(1)
-        out = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        for fd in (out, null, *close):
-            os.close(fd)
-        # Named in ps, psutil and pkill as a new process would be: ``python -m module``
-        # (before the environment changes: setproctitle finds the arguments' memory by it).
-        setproctitle.setproctitle(f"{sys.executable} -m {request['module']}")
-        libc.prctl(15, os.path.basename(sys.executable).encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME, top's name
-        os.environ.clear()
-        os.environ.update(request["env"])
-        random.seed()  # not the server's sequence, shared by every child
-        # torch read the server's OMP_NUM_THREADS when the server imported it (a
-        # child that imports it itself reads its own).
-        threads, torch = request["env"].get("OMP_NUM_THREADS", ""), sys.modules.get("torch")
-        if threads.isdigit() and torch is not None:
-            torch.set_num_threads(int(threads))
-        sys.argv = [request["module"]]
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            code = exc.code or 0
-        else:
-            print(exc.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
-
-
-def serve(preload: list[str]) -> None:
-    """Imports ``preload``, then forks a child per request on stdin, answering its
-    pid, and reports each child's exit, on stdout."""
-    gc.disable()
-    _preload(preload)
-    # What the imports made lives as long as every child: set aside, so that no
-    # child's collections traverse it and copy its pages (lifecycle.imports_done).
-    gc.freeze()
-    gc.enable()
-    requests = os.dup(0)
-    answers = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)  # what the server itself prints goes to its log
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    if threading.active_count() > 1:
-        log.warning("fork server: %d threads after the imports", threading.active_count())
-    reaped, woken = os.pipe()
-    os.set_blocking(woken, False)
-    os.set_blocking(reaped, False)
-    signal.set_wakeup_fd(woken)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(requests, selectors.EVENT_READ, "request")
-    selector.register(reaped, selectors.EVENT_READ, "reaped")
-    pending = b""
-    server_pid = os.getpid()
-
-    def answer(message: dict[str, Any]) -> None:
-        answers.write(json.dumps(message).encode() + b"\n")
-
-    while True:
-        for key, _ in selector.select():
-            if key.data == "reaped":
-                with contextlib.suppress(BlockingIOError):
-                    os.read(reaped, 4096)
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
-                    answer({"exited": pid, "code": _exit_code(status)})
-                continue
-            chunk = os.read(requests, 65536)
-            if not chunk:  # the supervisor is done with it
-                return
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                try:
-                    pid = os.fork()
-                except OSError as exc:
-                    answer({"id": request["id"], "error": str(exc)})
-                    continue
-                if pid == 0:
-                    _run_child(request, server_pid, [requests, answers.fileno(), reaped, woken, selector.fileno()])
-                answer({"id": request["id"], "pid": pid})
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1:])
