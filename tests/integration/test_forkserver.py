@@ -144,8 +144,9 @@ def test_a_process_that_exits_reaps_its_servers_and_their_cpu_is_counted(tmp_pat
     )
     assert done.returncode == 0, done.stderr
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # The script alone imports no torch; its server's import of it is counted with it.
-    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime > 1.0
+    # The script alone spends about 0.1 s (it imports no torch); its server's import of torch,
+    # 1 to 2 s, is counted with it.
+    assert after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime > 0.5
 
 
 def test_a_server_killed_takes_its_children_and_the_next_fork_starts_another(tmp_path: Path, forks: ForkServer) -> None:
