@@ -3,6 +3,8 @@ placement records where it went, why, and what else was considered."""
 
 from __future__ import annotations
 
+import itertools
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,9 @@ SMALL: dict[str, Any] = {"model": "tiny", "width": 64, "height": 64, "steps": 2}
 
 
 def test_paid_job_overtakes_queued_free_jobs(tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path) -> None:
-    # No backlog and jobs of different steps (none can join another's batch): a
-    # worker is given one job at a time, so placement order is run order.
+    # No backlog: a worker holds only what it runs, so the scheduler's lane order
+    # decides which queued job runs first (jobs of different steps may still share a
+    # batch: continuous batching joins them at a step's end).
     stack = make_stack(tmp_path, postgres, models_dir, worker_backlog=0)
     stack.start()
     try:
@@ -52,7 +55,10 @@ def test_paid_job_overtakes_queued_free_jobs(tmp_path: Path, postgres: EmbeddedP
         assert all(created(f) < created(paid) for f in free)
         late = [f for f in free if started(f) <= started(paid)]
         assert not late, f"free jobs {late} started no later than the paid job submitted after them"
-        # Within a lane, first come first served.
-        assert [started(f) for f in free] == sorted(started(f) for f in free)
+        # Within a lane, first come first served. Jobs that sampled in one batch began
+        # together: their start is that batch's, to within the microsecond its rounding
+        # leaves, and their order among themselves is not a lane's to keep.
+        together = timedelta(milliseconds=1)
+        assert all(started(a) <= started(b) + together for a, b in itertools.pairwise(free)), [started(f) for f in free]
     finally:
         stack.stop()
