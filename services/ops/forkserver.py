@@ -225,10 +225,8 @@ class ForkServer:
         running = self._running
         if running is None:
             return 0.0
-        try:
-            with open(f"/proc/{running.proc.pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+        fields = _stat(running.proc.pid)
+        if not fields:
             return 0.0
         # utime, stime, cutime, cstime: fields 14-17 of proc(5), 12-15 after the name
         return sum(int(n) for n in fields[11:15]) / os.sysconf("SC_CLK_TCK")
@@ -291,8 +289,14 @@ def _wait_gone(pid: int, timeout: float) -> None:
 
 
 def _state(pid: int) -> str:
+    fields = _stat(pid)
+    return fields[0] if fields else "X"
+
+
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the process's name (its state first); none when it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return "X"
+        return []
