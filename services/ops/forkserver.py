@@ -7,11 +7,18 @@ stacks by the dozen, then pay for a fork instead of the imports.
 
 This is the supervisor's side, ``ForkServer``: it starts the server
 (services/ops/forkserver_process.py) on its first request, asks it for children
-over its stdin and reads their pids and exits from its stdout (``ForkedProcess``:
-what the supervisor uses of ``subprocess.Popen``).
+over a unix socket (its stdin) and reads their pids and exits from its stdout
+(``ForkedProcess``: what the supervisor uses of ``subprocess.Popen``).
 
-A child's environment is its own (``os.environ`` is replaced in the child), but
-what its libraries read when they were imported is the server's: a child whose
+A child's environment is its own (``os.environ`` is replaced in the child), and
+the server never holds it: a request names the module and the log, and carries a
+memory file (``memfd_create``) holding the environment, passed as a descriptor
+(``SCM_RIGHTS``) that the server hands to the forked child and closes unread. The
+child reads it after the fork, so no child's settings (a gateway's keys, its model
+store identity) are in the memory that later children are forked from. The server
+itself starts without the ``DARKROOM_*`` settings.
+
+What a child's libraries read when they were imported is the server's: a child whose
 environment differs from the server's in a variable a library may read on import
 (``READ_ON_IMPORT``: torch's, CUDA's, Python's, Hugging Face's...) is started as
 a new process instead (``compatible``). Those each child has of its own
@@ -32,11 +39,12 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -130,8 +138,9 @@ class _Running:
     """One server process and what it was asked: a server that died takes its own
     requests and children with it, never those of the one started after it."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], env: dict[str, str]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], requests: socket.socket, env: dict[str, str]) -> None:
         self.proc = proc
+        self.requests = requests
         self.env = env
         self.asked: dict[int, Future[ForkedProcess]] = {}
         self.children: dict[int, ForkedProcess] = {}
@@ -190,32 +199,35 @@ class ForkServer:
         """``python -m module`` with ``env``, its output appended to ``log_path``, forked."""
         with self._lock:
             running = self._alive() or self._start(env)
-            assert running.proc.stdin is not None
             self._next_id += 1
             asked: Future[ForkedProcess] = Future()
             running.asked[self._next_id] = asked
-            request = {"id": self._next_id, "module": module, "env": dict(env), "log": str(log_path)}
+            request = json.dumps({"id": self._next_id, "module": module, "log": str(log_path)}).encode()
             try:
-                running.proc.stdin.write(json.dumps(request).encode() + b"\n")
-                running.proc.stdin.flush()
+                with _environment_file(env) as given:
+                    socket.send_fds(running.requests, [request], [given])
             except OSError as exc:  # it died just now: the next start starts another
                 running.asked.pop(self._next_id, None)
                 raise RuntimeError(f"the fork server exited: {exc}") from exc
         return asked.result(START_TIMEOUT_S)
 
     def _start(self, env: Mapping[str, str]) -> _Running:
+        if self._running is not None:  # one that died: its socket goes with it
+            self._running.requests.close()
         own = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as out:
+        # Messages, each a request with its environment's descriptor: a socket's, as a pipe carries no descriptor.
+        requests, servers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(self.log_path, "ab") as out, servers:
             proc = spawn(
                 dying_with_parent([sys.executable, "-m", SERVER_MODULE, *self.preload], signal.SIGKILL),
                 env={**own, "PYTHONUNBUFFERED": "1"},
-                stdin=subprocess.PIPE,
+                stdin=servers,
                 stdout=subprocess.PIPE,
                 stderr=out,
                 start_new_session=True,
             )
-        self._running = _Running(proc, own)
+        self._running = _Running(proc, requests, own)
         threading.Thread(target=self._running.read, name="darkroom-forkserver", daemon=True).start()
         return self._running
 
@@ -237,9 +249,7 @@ class ForkServer:
             running, self._running = self._running, None
         if running is None:
             return
-        assert running.proc.stdin is not None
-        with contextlib.suppress(OSError):
-            running.proc.stdin.close()
+        running.requests.close()
         try:
             running.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -278,6 +288,17 @@ def shared_cpu_seconds() -> float:
     with _SHARED_LOCK:
         servers = list(_SHARED.values())
     return sum(server.cpu_seconds() for server in servers)
+
+
+@contextlib.contextmanager
+def _environment_file(env: Mapping[str, str]) -> Iterator[int]:
+    """A memory file holding ``env`` (JSON), read from its start by the child it is given to."""
+    given = os.fdopen(os.memfd_create("darkroom-child-env", os.MFD_CLOEXEC), "w+b")
+    with given:
+        given.write(json.dumps(dict(env)).encode())
+        given.flush()
+        given.seek(0)
+        yield given.fileno()
 
 
 def _wait_gone(pid: int, timeout: float) -> None:

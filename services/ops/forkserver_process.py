@@ -1,9 +1,13 @@
 """The fork server's own process (services/ops/forkserver.py is the supervisor's
-side): imports what it is told to, then forks a child per request on stdin,
-answering its pid, and reports each child's exit, on stdout. A forked child makes
-itself what a new process of its own would have been (a session, its environment,
-its log on stdout and stderr, its title, death with the server as the server's
-with the supervisor), then runs its service's ``__main__``."""
+side): imports what it is told to, then forks a child per request on stdin (a unix
+socket), answering its pid, and reports each child's exit, on stdout. A forked
+child makes itself what a new process of its own would have been (a session, its
+environment, its log on stdout and stderr, its title, death with the server as the
+server's with the supervisor), then runs its service's ``__main__``.
+
+A request's environment comes as a descriptor beside it, which the server gives
+the child and closes unread: only the child reads it, after the fork, so the
+server's memory, which every later child is a copy of, holds no child's settings."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import random
 import runpy
 import selectors
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -43,10 +48,10 @@ def _exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _run_child(request: dict[str, Any], server_pid: int, close: list[int]) -> None:
+def _run_child(request: dict[str, Any], given: int, server_pid: int, close: list[int]) -> None:
     """In the forked child: becomes the process ``python -m module`` would have been
-    (a session of its own, its environment and output, default signal handling),
-    then runs it. Never returns."""
+    (a session of its own, its environment, read from ``given``, and output, default
+    signal handling), then runs it. Never returns."""
     code = 1
     try:
         os.setsid()
@@ -64,16 +69,18 @@ def _run_child(request: dict[str, Any], server_pid: int, close: list[int]) -> No
         os.dup2(out, 2)
         for fd in (out, null, *close):
             os.close(fd)
+        with os.fdopen(given, "rb") as environment:
+            env: dict[str, str] = json.load(environment)
         # Named in ps, psutil and pkill as a new process would be: ``python -m module``
         # (before the environment changes: setproctitle finds the arguments' memory by it).
         setproctitle.setproctitle(f"{sys.executable} -m {request['module']}")
         libc.prctl(15, os.path.basename(sys.executable).encode()[:15], 0, 0, 0)  # 15: PR_SET_NAME, top's name
         os.environ.clear()
-        os.environ.update(request["env"])
+        os.environ.update(env)
         random.seed()  # not the server's sequence, shared by every child
         # torch read the server's OMP_NUM_THREADS when the server imported it (a
         # child that imports it itself reads its own).
-        threads, torch = request["env"].get("OMP_NUM_THREADS", ""), sys.modules.get("torch")
+        threads, torch = env.get("OMP_NUM_THREADS", ""), sys.modules.get("torch")
         if threads.isdigit() and torch is not None:
             torch.set_num_threads(int(threads))
         sys.argv = [request["module"]]
@@ -102,7 +109,7 @@ def serve(preload: list[str]) -> None:
     # child's collections traverse it and copy its pages (lifecycle.imports_done).
     gc.freeze()
     gc.enable()
-    requests = os.dup(0)
+    requests = socket.socket(fileno=os.dup(0))
     answers = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # what the server itself prints goes to its log
     null = os.open(os.devnull, os.O_RDONLY)
@@ -118,7 +125,6 @@ def serve(preload: list[str]) -> None:
     selector = selectors.DefaultSelector()
     selector.register(requests, selectors.EVENT_READ, "request")
     selector.register(reaped, selectors.EVENT_READ, "reaped")
-    pending = b""
     server_pid = os.getpid()
 
     def answer(message: dict[str, Any]) -> None:
@@ -138,23 +144,27 @@ def serve(preload: list[str]) -> None:
                         break
                     answer({"exited": pid, "code": _exit_code(status)})
                 continue
-            chunk = os.read(requests, 65536)
-            if not chunk:  # the supervisor is done with it
+            message, fds, _, _ = socket.recv_fds(requests, 65536, 1)
+            if not message:  # the supervisor is done with it
                 return
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                sys.stdout.flush()
-                sys.stderr.flush()
-                try:
-                    pid = os.fork()
-                except OSError as exc:
-                    answer({"id": request["id"], "error": str(exc)})
-                    continue
-                if pid == 0:
-                    _run_child(request, server_pid, [requests, answers.fileno(), reaped, woken, selector.fileno()])
-                answer({"id": request["id"], "pid": pid})
+            request = json.loads(message)
+            if not fds:  # the kernel drops a descriptor this process has no room for (EMFILE)
+                answer({"id": request["id"], "error": "its environment did not arrive"})
+                continue
+            given = fds[0]
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                os.close(given)
+                answer({"id": request["id"], "error": str(exc)})
+                continue
+            if pid == 0:
+                closed = [requests.fileno(), answers.fileno(), reaped, woken, selector.fileno()]
+                _run_child(request, given, server_pid, closed)
+            os.close(given)  # the child's to read: no later child inherits it
+            answer({"id": request["id"], "pid": pid})
 
 
 if __name__ == "__main__":

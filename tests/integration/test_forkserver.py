@@ -1,17 +1,20 @@
 """The fork server with real processes: a child forked from it is the process
 ``python -m module`` would have been (its own session, environment, output and
 torch threads), its exit and its kill are reported as a new process's would be, an
-environment the server cannot give is refused, and the server's children die with
-it. The supervisor's restarts of forked children: tests/integration/test_supervisor.py."""
+environment the server cannot give is refused, no child's environment is in the
+memory later children are forked from, and the server's children die with it.
+The supervisor's restarts of forked children: tests/integration/test_supervisor.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,46 @@ def test_a_child_is_forked_only_where_its_imports_would_read_what_the_servers_re
     assert not forks.compatible({**env, "HOME": str(tmp_path)})  # Hugging Face's cache, found on import
     # Not read by an import (a test's name, pytest's): forked, with its own.
     assert forks.compatible({**env, "PYTEST_CURRENT_TEST": "another"})
+
+
+def markers_in_memory(pid: int) -> set[str]:
+    """The markers (``darkroom-marker-`` and 32 hex digits) in the writable memory
+    (heaps, stacks, data) of process ``pid``, one of this process's descendants."""
+    found: set[str] = set()
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as memory:
+        for line in maps:
+            addresses, permissions = line.split()[:2]
+            if not permissions.startswith("rw"):
+                continue
+            start, end = (int(a, 16) for a in addresses.split("-"))
+            memory.seek(start)
+            try:
+                data = memory.read(end - start)
+            except OSError:  # a mapping gone since the list was read
+                continue
+            found.update(m.decode() for m in re.findall(rb"darkroom-marker-[0-9a-f]{32}", data))
+    return found
+
+
+def test_no_childs_environment_is_in_the_memory_later_children_are_forked_from(tmp_path: Path) -> None:
+    """As the gateway and the HTTP API forked one after the other: neither's settings
+    (its store key) enter the server, whose memory each child forked next starts as a copy of."""
+    forks = ForkServer(tmp_path / "forkserver.log", preload=("tests.integration.children", "json"))
+    gateways, https = (f"darkroom-marker-{uuid.uuid4().hex}" for _ in range(2))
+    try:
+        gateway_env = child_env(tmp_path / "gateway", DARKROOM_MODEL_STORE_SECRET_KEY=gateways)
+        forks.fork(CHILD, gateway_env, tmp_path / "gateway.log")
+        report_of(tmp_path / "gateway")
+        http = forks.fork(
+            CHILD, child_env(tmp_path / "http", DARKROOM_MODEL_STORE_SECRET_KEY=https), tmp_path / "h.log"
+        )
+        server = report_of(tmp_path / "http")["ppid"]
+        assert https in markers_in_memory(http.pid)  # found where it is: the child's own environment
+        assert markers_in_memory(server).isdisjoint({gateways, https})
+        server_environ = Path(f"/proc/{server}/environ").read_bytes().split(b"\0")
+        assert [v for v in server_environ if v.startswith(b"DARKROOM_")] == []  # the server starts without settings
+    finally:
+        forks.close()
 
 
 def test_the_servers_children_die_with_it(tmp_path: Path, forks: ForkServer) -> None:
