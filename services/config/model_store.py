@@ -23,10 +23,25 @@ class ModelStoreSettings(Section):
     model_store_region: str = setting("us-east-1", "The store's region, as its S3 signatures name it.")
     model_store_access_key: str = setting(
         "",
-        "The access key id samplers and decoders read the store with: an identity that may read and list the "
-        "bucket, nothing more (docs/security.md). Empty: requests are not signed.",
+        "The access key id this process reads the store with. A decoder's may read the bucket, nothing more; a "
+        "sampler's may also write compiled artifacts (compiled/); a gateway's may read manifests and keep tenants' "
+        "adapters (tenants/): docs/security.md. Empty: requests are not signed.",
     )
     model_store_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_ACCESS_KEY.")
+    model_store_sampler_access_key: str = setting(
+        "",
+        "For `darkroom up` and `darkroom supervise`: the identity they give their samplers as "
+        "DARKROOM_MODEL_STORE_ACCESS_KEY (it may also write compiled/). Empty: samplers get "
+        "DARKROOM_MODEL_STORE_ACCESS_KEY, the decoders' own.",
+    )
+    model_store_sampler_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_SAMPLER_ACCESS_KEY.")
+    model_store_gateway_access_key: str = setting(
+        "",
+        "For `darkroom up`: the identity it gives its gateway as DARKROOM_MODEL_STORE_ACCESS_KEY (it may read "
+        "manifests and write tenants/, nothing else). Empty: the gateway gets nothing of the store (it then "
+        "resolves no adapter and takes no upload).",
+    )
+    model_store_gateway_secret_key: str = setting("", "The secret key of DARKROOM_MODEL_STORE_GATEWAY_ACCESS_KEY.")
     model_store_writer_access_key: str = setting(
         "",
         "The access key id `darkroom models` (push, rm, list) signs with: an identity that may also write the "
@@ -78,6 +93,8 @@ class ModelStoreSettings(Section):
         for prefix, access, secret in (
             ("DARKROOM_MODEL_STORE_", self.model_store_access_key, self.model_store_secret_key),
             ("DARKROOM_MODEL_STORE_WRITER_", self.model_store_writer_access_key, self.model_store_writer_secret_key),
+            ("DARKROOM_MODEL_STORE_SAMPLER_", self.model_store_sampler_access_key, self.model_store_sampler_secret_key),
+            ("DARKROOM_MODEL_STORE_GATEWAY_", self.model_store_gateway_access_key, self.model_store_gateway_secret_key),
         ):
             if bool(access) != bool(secret):
                 raise SettingsError(f"{prefix}ACCESS_KEY and {prefix}SECRET_KEY are set together, or neither")

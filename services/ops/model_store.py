@@ -1,8 +1,9 @@
 """A real S3 server for the model store, on one box and in tests: seaweedfs's
 ``weed mini`` (master, volume, filer and S3 gateway in one process) in a data
-directory, with its bucket made and two identities: the writer (the operator's
-`darkroom models push` and `rm`) and the reader (what samplers and decoders get),
-which may not write."""
+directory, with its bucket made and an identity per role, each with only the
+rights its holder uses (``write_identities``): the writer (the operator's
+`darkroom models push` and `rm`), the samplers', the decoders' (the reader) and
+the gateway's."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from services.config.model_store import ModelStoreSettings
 from services.mesh.pki import write_private
 from services.models.store.errors import ModelStoreError
-from services.models.store.manifest import COMPILED_PREFIX
+from services.models.store.manifest import COMPILED_PREFIX, MANIFESTS_PREFIX, TENANTS_PREFIX
 from services.models.store.objects import ObjectStore
 from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn
 
@@ -53,6 +54,8 @@ SEALED = ("-disableHttp", "-admin.ui=false")
 # Where `darkroom up --model-store` keeps the identities' secrets, in the mesh directory.
 WRITER_SECRET_FILE = "model-store-writer.secret"
 READER_SECRET_FILE = "model-store-reader.secret"
+SAMPLER_SECRET_FILE = "model-store-sampler.secret"
+GATEWAY_SECRET_FILE = "model-store-gateway.secret"
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,49 @@ class StoreIdentity:
         return cls(access_key, secrets.token_urlsafe(24))
 
 
-def write_identities(path: Path, bucket: str, *, writer: StoreIdentity, reader: StoreIdentity) -> Path:
-    """seaweedfs's S3 identities (``-s3.config``, 0600): the writer may read, list and
-    write ``bucket`` (push, re-point latest, remove); the reader may read and list it,
-    and write under ``compiled/`` alone: a sampler shares the compiled artifacts of
-    what it loaded with the fleet (``services.models.compile_cache``), and can touch
-    no model. Neither may make or delete buckets, nor touch another."""
+@dataclass(frozen=True)
+class StoreIdentities:
+    """An identity per role of the store (``write_identities`` gives each its rights)."""
+
+    writer: StoreIdentity
+    sampler: StoreIdentity
+    reader: StoreIdentity
+    gateway: StoreIdentity
+
+    @classmethod
+    def random(cls) -> StoreIdentities:
+        return cls(
+            StoreIdentity.random("darkroom-writer"),
+            StoreIdentity.random("darkroom-sampler"),
+            StoreIdentity.random("darkroom-reader"),
+            StoreIdentity.random("darkroom-gateway"),
+        )
+
+
+def role_actions(bucket: str) -> dict[str, tuple[str, ...]]:
+    """Each role's rights in ``bucket``, by the ``StoreIdentities`` field that holds
+    them. The writer (the operator's) may read, list and write it all. A sampler
+    reads models and adapters, and writes under ``compiled/`` alone: it shares the
+    compiled artifacts of what it loaded (``services.models.compile_cache``, each
+    with a signed record) and can touch no model. A decoder (the reader) reads. The
+    gateway, facing the internet, reads manifests (the adapters a request names)
+    and keeps tenants' own adapters under ``tenants/``: it reads no model's bytes,
+    and writes no model, manifest or compiled artifact. Nobody but the writer lists
+    the bucket, nor may any make or delete buckets, nor touch another."""
+    return {
+        "writer": (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}"),
+        "sampler": (f"Read:{bucket}", f"Write:{bucket}/{COMPILED_PREFIX}*"),
+        "reader": (f"Read:{bucket}",),
+        "gateway": (
+            f"Read:{bucket}/{MANIFESTS_PREFIX}*",
+            *(f"{right}:{bucket}/{TENANTS_PREFIX}*" for right in ("Read", "List", "Write")),
+        ),
+    }
+
+
+def write_identities(path: Path, bucket: str, identities: StoreIdentities) -> Path:
+    """seaweedfs's S3 identities (``-s3.config``, 0600), each with its role's rights
+    (``role_actions``)."""
 
     def identity(who: StoreIdentity, actions: tuple[str, ...]) -> dict[str, object]:
         return {
@@ -81,23 +121,23 @@ def write_identities(path: Path, bucket: str, *, writer: StoreIdentity, reader: 
             "actions": list(actions),
         }
 
-    writes = identity(writer, (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}"))
-    reads = identity(reader, (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}/{COMPILED_PREFIX}*"))
-    config = {"identities": [writes, reads]}
+    config = {
+        "identities": [identity(getattr(identities, role), actions) for role, actions in role_actions(bucket).items()]
+    }
     write_private(path, json.dumps(config, indent=2).encode())
     return path
 
 
 def wait_until_listed(
-    url: str, bucket: str, reader: StoreIdentity, proc: subprocess.Popen[bytes], log_path: Path, timeout: float
+    url: str, bucket: str, writer: StoreIdentity, proc: subprocess.Popen[bytes], log_path: Path, timeout: float
 ) -> None:
-    """Until the reader lists ``bucket`` at ``url``: S3 answers (an unsigned request
+    """Until the writer lists ``bucket`` at ``url``: S3 answers (an unsigned request
     gets a 403 whether the bucket exists or not) a little before weed has made it."""
     settings = ModelStoreSettings(
         model_store_url=url,
         model_store_bucket=bucket,
-        model_store_access_key=reader.access_key,
-        model_store_secret_key=reader.secret_key,
+        model_store_access_key=writer.access_key,
+        model_store_secret_key=writer.secret_key,
     )
     store = ObjectStore.from_settings(settings)
     deadline = time.monotonic() + timeout
@@ -138,28 +178,33 @@ def weed_binary() -> str:
 
 
 class EmbeddedModelStore(ManagedProcess):
-    """``weed mini`` serving S3 at ``url`` with ``bucket`` made; requests signed by
-    ``writer`` may write, by ``reader`` only read (random identities by default).
-    ``host`` is the address it binds and announces (127.0.0.1; a fleet's hosts need
-    one they can reach)."""
+    """``weed mini`` serving S3 at ``url`` with ``bucket`` made, and an identity per
+    role (``StoreIdentities``; random ones by default). ``host`` is the address it
+    binds and announces (127.0.0.1; a fleet's hosts need one they can reach)."""
 
     def __init__(
         self,
         data_dir: Path,
         *,
         bucket: str = "darkroom-models",
-        writer: StoreIdentity | None = None,
-        reader: StoreIdentity | None = None,
+        identities: StoreIdentities | None = None,
         host: str = "127.0.0.1",
     ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir)
         self.bucket = bucket
-        self.writer = writer or StoreIdentity.random("darkroom-writer")
-        self.reader = reader or StoreIdentity.random("darkroom-reader")
+        self.identities = identities or StoreIdentities.random()
         self.host = host
         self.log_path = self.data_dir / "weed.log"
         self.ports = {flag: free_port() for flag in _PORTS}
+
+    @property
+    def writer(self) -> StoreIdentity:
+        return self.identities.writer
+
+    @property
+    def reader(self) -> StoreIdentity:
+        return self.identities.reader
 
     @property
     def url(self) -> str:
@@ -172,11 +217,32 @@ class EmbeddedModelStore(ManagedProcess):
     def env(self) -> dict[str, str]:
         """The DARKROOM_* variables that point a client at it as the writer: the
         operator's `darkroom models`, a test that pushes."""
-        return self._env_of(self.writer)
+        return self._env_of(self.identities.writer)
 
     def reader_env(self) -> dict[str, str]:
-        """The DARKROOM_* variables that point a sampler or a decoder at it: the reader."""
-        return self._env_of(self.reader)
+        """The DARKROOM_* variables that point a decoder at it: the reader."""
+        return self._env_of(self.identities.reader)
+
+    def sampler_env(self) -> dict[str, str]:
+        """The DARKROOM_* variables that point a sampler at it."""
+        return self._env_of(self.identities.sampler)
+
+    def gateway_env(self) -> dict[str, str]:
+        """The DARKROOM_* variables that point a gateway at it."""
+        return self._env_of(self.identities.gateway)
+
+    def stack_env(self) -> dict[str, str]:
+        """What a supervisor (`darkroom up`, `darkroom supervise`) is given to hand each
+        of its services its own identity (``services.ops.children``): the reader's,
+        and the samplers' and the gateway's beside it."""
+        ids = self.identities
+        return {
+            **self.reader_env(),
+            "DARKROOM_MODEL_STORE_SAMPLER_ACCESS_KEY": ids.sampler.access_key,
+            "DARKROOM_MODEL_STORE_SAMPLER_SECRET_KEY": ids.sampler.secret_key,
+            "DARKROOM_MODEL_STORE_GATEWAY_ACCESS_KEY": ids.gateway.access_key,
+            "DARKROOM_MODEL_STORE_GATEWAY_SECRET_KEY": ids.gateway.secret_key,
+        }
 
     def _env_of(self, identity: StoreIdentity) -> dict[str, str]:
         return {
@@ -188,9 +254,7 @@ class EmbeddedModelStore(ManagedProcess):
 
     def start(self, timeout: float = 60.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        identities = write_identities(
-            self.data_dir / "s3-identities.json", self.bucket, writer=self.writer, reader=self.reader
-        )
+        identities = write_identities(self.data_dir / "s3-identities.json", self.bucket, self.identities)
         args = [
             weed_binary(),
             "mini",
@@ -212,7 +276,7 @@ class EmbeddedModelStore(ManagedProcess):
         )
         log.close()
         try:
-            wait_until_listed(self.url, self.bucket, self.reader, self.proc, self.log_path, timeout)
+            wait_until_listed(self.url, self.bucket, self.writer, self.proc, self.log_path, timeout)
         except (RuntimeError, TimeoutError):
             self.stop()
             raise

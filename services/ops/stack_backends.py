@@ -20,7 +20,15 @@ from services.ops.children import fork_servers, restart_policy
 from services.ops.data_lock import DataDirLock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
-from services.ops.model_store import READER_SECRET_FILE, WRITER_SECRET_FILE, EmbeddedModelStore, StoreIdentity
+from services.ops.model_store import (
+    GATEWAY_SECRET_FILE,
+    READER_SECRET_FILE,
+    SAMPLER_SECRET_FILE,
+    WRITER_SECRET_FILE,
+    EmbeddedModelStore,
+    StoreIdentities,
+    StoreIdentity,
+)
 from services.ops.orphans import stop_nats_servers
 from services.ops.supervisor import Supervisor
 
@@ -67,15 +75,25 @@ class StackBackends:
         if self.start_model_store and not self.settings.kernel.model_store.model_store_url:
             secrets = Path(self.settings.kernel.mesh_dir)
             # Made once, kept with the others: the writer's for the operator's
-            # `darkroom models`, the reader's for the samplers and decoders.
+            # `darkroom models`, the others each for its role's services.
+            identities = StoreIdentities(
+                *(
+                    StoreIdentity(f"darkroom-{role}", password(secrets / secret))
+                    for role, secret in (
+                        ("writer", WRITER_SECRET_FILE),
+                        ("sampler", SAMPLER_SECRET_FILE),
+                        ("reader", READER_SECRET_FILE),
+                        ("gateway", GATEWAY_SECRET_FILE),
+                    )
+                )
+            )
             self.model_store = EmbeddedModelStore(
                 data / "model-store",
                 bucket=self.settings.kernel.model_store.model_store_bucket,
-                writer=StoreIdentity("darkroom-writer", password(secrets / WRITER_SECRET_FILE)),
-                reader=StoreIdentity("darkroom-reader", password(secrets / READER_SECRET_FILE)),
+                identities=identities,
             )
             self.model_store.start()
-            self.settings = self.settings.with_env(self.model_store.reader_env())
+            self.settings = self.settings.with_env(self.model_store.stack_env())
         for name, backend in (("postgres", self.postgres), ("nats", self.nats), ("model-store", self.model_store)):
             if backend is not None:
                 self.supervisor.watch(SupervisedBackend(name, backend, self.backend_metrics))

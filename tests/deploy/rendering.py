@@ -30,16 +30,17 @@ OVERLAYS = ("single-gpu-box", "fleet")
 NAMESPACE = "darkroom"
 
 
-# The model store's address and reader's identity in the stand-in reader.env.
-READER_ENV = ("https://store.darkroom.test", "darkroom-reader", "a-reader-secret")
+# The model store's address and each role's identity in the stand-in ROLE.env.
+STORE_URL = "https://store.darkroom.test"
+STORE_ENVS = {role: (STORE_URL, f"darkroom-{role}", f"a-{role}-secret") for role in ("reader", "sampler", "gateway")}
 
 
 def secret_file(name: str, mesh: Path) -> bytes:
     """A stand-in for a file the operator makes, by its name: certificates and keys
     from a real CA, passwords, the link key, the admin key, the NATS users, the
-    model store's reader."""
-    if name == "reader.env":
-        url, access_key, secret_key = READER_ENV
+    model store's identities."""
+    if name.removesuffix(".env") in STORE_ENVS:
+        url, access_key, secret_key = STORE_ENVS[name.removesuffix(".env")]
         return (
             f"DARKROOM_MODEL_STORE_URL={url}\nDARKROOM_MODEL_STORE_ACCESS_KEY={access_key}\n"
             f"DARKROOM_MODEL_STORE_SECRET_KEY={secret_key}\n"

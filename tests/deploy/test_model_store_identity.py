@@ -1,6 +1,8 @@
-"""The model store in the manifests: the sampler and decoder pods read it as the
-reader, from a Secret no other pod names; the other services are given nothing of
-the store, and no pod the writer's identity (docs/security.md)."""
+"""The model store in the manifests: each role that reads the store reads it with an
+identity of its own, from a Secret no other pod names (the decoders the reader's,
+the samplers theirs, the gateway its own: the adapters a request names resolve on
+Kubernetes too); the scheduler and the HTTP API are given nothing of the store, and
+no pod the writer's identity (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -10,31 +12,40 @@ from typing import Any
 import pytest
 
 from tests.deploy.environment import container_env, darkroom_containers, load_settings
-from tests.deploy.rendering import OVERLAYS, READER_ENV, named, pods
+from tests.deploy.rendering import OVERLAYS, STORE_ENVS, named, pods
 
-READER_SECRET = "darkroom-model-store-reader"
-STORE_READERS = {"sampler", "decoder"}
+# Which Secret, and so which identity, each component reads the store with.
+SECRET_OF = {
+    "decoder": "darkroom-model-store-reader",
+    "sampler": "darkroom-model-store-sampler",
+    "gateway": "darkroom-model-store-gateway",
+}
+ROLE_OF = {"decoder": "reader", "sampler": "sampler", "gateway": "gateway"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_samplers_and_decoders_read_the_store_as_the_reader_and_no_service_holds_the_writer(
+def test_each_role_reads_the_store_with_its_own_identity_and_no_service_holds_the_writer(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     docs = rendered[overlay]
-    secret = named(docs, "Secret", READER_SECRET)["metadata"]["name"]
+    secrets = {component: named(docs, "Secret", name)["metadata"]["name"] for component, name in SECRET_OF.items()}
     for pod in pods(docs):
         component = pod.labels["app.kubernetes.io/component"]
-        assert (secret in json.dumps(pod.spec)) == (component in STORE_READERS), pod.name
+        spec = json.dumps(pod.spec)
+        named_here = {owner for owner, secret in secrets.items() if secret in spec}
+        assert named_here == ({component} if component in SECRET_OF else set()), pod.name
 
-    readers = set()
+    holders = set()
     for pod, container, service in darkroom_containers(docs):
         env, own_names = container_env(container, pod, docs)
         store = load_settings(service, env, own_names)[0].model_store
         held = (store.model_store_url, store.model_store_access_key, store.model_store_secret_key)
-        assert not store.model_store_writer_access_key and not store.model_store_writer_secret_key, pod.name
-        if service in STORE_READERS:
-            assert held == READER_ENV, pod.name
-            readers.add(service)
+        for role in ("writer", "sampler", "gateway"):
+            assert not getattr(store, f"model_store_{role}_access_key"), (pod.name, role)
+            assert not getattr(store, f"model_store_{role}_secret_key"), (pod.name, role)
+        if service in ROLE_OF:
+            assert held == STORE_ENVS[ROLE_OF[service]], pod.name
+            holders.add(service)
         else:
             assert held == ("", "", ""), pod.name
-    assert readers == STORE_READERS
+    assert holders == set(ROLE_OF)

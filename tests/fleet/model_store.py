@@ -24,6 +24,7 @@ from services.models.host_cache.peers import CacheAnnouncement
 from services.models.store.manifest import Manifest
 from services.ops.model_store import (
     SEALED,
+    StoreIdentities,
     StoreIdentity,
     store_sent_bytes,
     wait_until_listed,
@@ -37,9 +38,15 @@ if TYPE_CHECKING:
     from tests.fleet.fleet import Fleet
 
 BUCKET = "darkroom-models"
-# The operator pushes as the writer; the GPU hosts read as the reader, which may not write.
-WRITER = StoreIdentity("fleet-writer", "fleet-writer-secret")
-READER = StoreIdentity("fleet-reader", "fleet-reader-secret")
+# The operator pushes as the writer; a GPU host's decoders read as the reader, which
+# may not write, and its samplers as theirs, which may write compiled artifacts alone.
+IDENTITIES = StoreIdentities(
+    writer=StoreIdentity("fleet-writer", "fleet-writer-secret"),
+    sampler=StoreIdentity("fleet-sampler", "fleet-sampler-secret"),
+    reader=StoreIdentity("fleet-reader", "fleet-reader-secret"),
+    gateway=StoreIdentity("fleet-gateway", "fleet-gateway-secret"),
+)
+WRITER, READER = IDENTITIES.writer, IDENTITIES.reader
 # The model the store scenarios push: the shipped tiny one and a padding file of
 # seeded random bytes, so that a transfer is long enough to measure and to cut.
 STORE_MODEL = "tiny-store"
@@ -83,12 +90,15 @@ class FleetModelStore:
         return f"http://{self.host.address}:{WEED_PORTS['metricsPort']}/metrics"
 
     def settings(self) -> dict[str, object]:
-        """The settings that point a GPU host's services at it: the reader."""
+        """The settings that point a GPU host's services at it: the reader, and the
+        samplers' identity that `darkroom supervise` gives its samplers instead."""
         return {
             "model_store_url": self.url,
             "model_store_bucket": BUCKET,
             "model_store_access_key": READER.access_key,
             "model_store_secret_key": READER.secret_key,
+            "model_store_sampler_access_key": IDENTITIES.sampler.access_key,
+            "model_store_sampler_secret_key": IDENTITIES.sampler.secret_key,
         }
 
     def operator_settings(self) -> dict[str, object]:
@@ -106,16 +116,16 @@ class FleetModelStore:
             weed_binary(), "mini", f"-dir={self.data}", f"-ip={address}", f"-ip.bind={address}",
             f"-bucket={BUCKET}", "-webdav=false", "-master.telemetry=false", *SEALED,
             f"-filer.localSocket={self.data / 'filer.sock'}", f"-s3.localSocket={self.data / 's3.sock'}",
-            f"-s3.config={write_identities(self.data / 's3-identities.json', BUCKET, writer=WRITER, reader=READER)}",
+            f"-s3.config={write_identities(self.data / 's3-identities.json', BUCKET, IDENTITIES)}",
             *(f"-{flag}={port}" for flag, port in WEED_PORTS.items()),
         ]  # fmt: skip
         self.log = logs / f"{self.host.name}-weed.log"
         self.proc = self.host.spawn(args, env={"PATH": "/usr/bin:/bin"}, log=self.log)
 
     def wait_serving(self, timeout: float = 60.0) -> None:
-        """Until the reader lists the bucket."""
+        """Until the writer lists the bucket."""
         assert self.proc is not None and self.log is not None, "spawn it first"
-        wait_until_listed(self.url, BUCKET, READER, self.proc, self.log, timeout)
+        wait_until_listed(self.url, BUCKET, WRITER, self.proc, self.log, timeout)
 
     def sent_bytes(self) -> int:
         """What its S3 server has sent for the bucket (its Prometheus counter)."""

@@ -1,8 +1,10 @@
-"""The model store's two identities, against a real S3 server (seaweedfs): the
-reader's (the samplers' and decoders') reads a model but cannot push, re-point
-latest or remove; the writer's stays with the operator's CLI; and `darkroom up
---model-store` hands the reader to the samplers and decoders only, the writer to
-no service."""
+"""The model store's identities, against a real S3 server (seaweedfs), each with
+only the rights its holder uses: the reader's (the decoders') reads a model but
+cannot push, re-point latest, remove or share compiled artifacts; the samplers'
+also writes compiled artifacts and nothing else; the gateway's reads manifests and
+keeps tenants' adapters, and reads no model's bytes nor writes a compiled artifact;
+the writer's stays with the operator's CLI; and `darkroom up --model-store` hands
+each role its own, the writer to no service."""
 
 from __future__ import annotations
 
@@ -79,16 +81,53 @@ def test_the_readers_identity_reads_a_model_but_cannot_push_repoint_or_remove_it
     writer.remove("kept")
 
 
-def test_the_readers_identity_shares_compiled_artifacts_and_writes_nothing_else(model_store: Any) -> None:
+def test_only_the_samplers_identity_shares_compiled_artifacts_and_it_writes_nothing_else(model_store: Any) -> None:
     # Samplers share what they compiled (services/models/compile_cache.py) under compiled/ alone.
-    reader = store_of(model_store.reader_env())
+    sampler = store_of(model_store.sampler_env())
     digest = os.urandom(32).hex()
-    assert reader.read_compiled(digest) is None
-    reader.write_compiled(digest, b"artifacts")
-    assert reader.read_compiled(digest) == b"artifacts"
+    assert sampler.read_compiled(digest) is None
+    sampler.write_compiled(digest, b"artifacts")
+    assert sampler.read_compiled(digest) == b"artifacts"
     assert store_of(model_store.env()).read_compiled(digest) == b"artifacts"
     with pytest.raises(ModelStoreError, match=REFUSED):
-        reader.write_manifest(Manifest("compiled", "v1", (), {}))
+        sampler.write_manifest(Manifest("compiled", "v1", (), {}))
+    # A decoder's and a gateway's identities are refused a compiled artifact: what a
+    # sampler loads from there runs, and those face the internet or the samplers' output.
+    for env in (model_store.reader_env(), model_store.gateway_env()):
+        with pytest.raises(ModelStoreError, match=REFUSED):
+            store_of(env).write_compiled(digest, b"planted")
+    assert sampler.read_compiled(digest) == b"artifacts"
+
+
+def test_the_gateways_identity_reads_manifests_and_keeps_tenants_adapters_and_nothing_else(
+    model_store: Any, tmp_path: Path
+) -> None:
+    writer, gateway = store_of(model_store.env()), store_of(model_store.gateway_env())
+    model = write_model(tmp_path / "m", {"model_index.json": b'{"gateway": 1}', "w.bin": os.urandom(20_000)})
+    pushed = push_directory(writer, model, "gateway-reads")
+    digest = next(f.digest for f in pushed.manifest.files if f.path == "w.bin")
+
+    assert gateway.read_manifest("gateway-reads") == pushed.manifest  # an adapter's entry, by its name
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        gateway.small_blob(digest)  # no model's bytes
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        gateway.read_compiled(os.urandom(32).hex())
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        gateway.write_manifest(Manifest("gateway-reads", "forged", pushed.manifest.files, {}))
+    with pytest.raises(ModelStoreError, match=REFUSED):
+        push_directory(gateway, model, "gateway-pushed")
+
+    # A tenant's own adapters: a store of their own under tenants/, pushed, read, listed and removed.
+    tenant = gateway.scoped("tenants/acme/")
+    adapter = write_model(tmp_path / "a", {"adapter.safetensors": os.urandom(5_000)})
+    kept = push_directory(tenant, adapter, "style:v1")
+    assert tenant.read_manifest("style", "v1") == kept.manifest
+    assert [v.version for v in tenant.list_models()] == ["v1"]
+    assert writer.scoped("tenants/acme/").read_manifest("style") == kept.manifest  # where samplers read it
+    assert writer.latest_version("style") is None  # not among the operator's models
+    tenant.remove("style")
+    assert tenant.list_models() == []
+    writer.remove("gateway-reads")
 
 
 def answer(url: str, data: bytes | None = None, method: str = "GET") -> tuple[int, bytes]:
@@ -122,7 +161,8 @@ def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_read
     reader_only = {**os.environ, **model_store.reader_env(), "DARKROOM_DATA_DIR": str(tmp_path / "data")}
     refused = darkroom(reader_only, "push", str(root), "by-cli")
     assert refused.returncode == 1 and "DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY" in refused.stderr, refused.stderr
-    assert "by-cli" not in darkroom(reader_only, "list").stdout  # the reader lists
+    listed = darkroom(reader_only, "list")  # no service lists the bucket: the reader may not either
+    assert listed.returncode == 1 and "refused" in listed.stderr, listed.stderr
 
     writer = model_store.env()
     operator = {
@@ -132,13 +172,13 @@ def test_the_cli_pushes_and_removes_with_the_writer_and_is_refused_with_the_read
     }
     pushed = darkroom(operator, "push", str(root), "by-cli")
     assert pushed.returncode == 0, pushed.stderr
-    assert "by-cli " in darkroom(reader_only, "list").stdout
+    assert "by-cli " in darkroom(operator, "list").stdout
     assert darkroom(reader_only, "rm", "by-cli").returncode == 1
     removed = darkroom(operator, "rm", "by-cli")
     assert removed.returncode == 0, removed.stderr
 
 
-def test_up_gives_the_reader_to_samplers_decoders_and_gateways_and_the_writer_to_no_service(
+def test_up_gives_each_role_its_own_identity_and_the_writer_to_no_service(
     tmp_path: Path, postgres: EmbeddedPostgres, models_dir: Path
 ) -> None:
     # The operator's own writer in the environment `up` runs in: no child may inherit it.
@@ -156,22 +196,34 @@ def test_up_gives_the_reader_to_samplers_decoders_and_gateways_and_the_writer_to
         stack.start()
         store = stack.model_store
         assert store is not None
-        writer_file = Path(stack.settings.kernel.mesh_dir) / "model-store-writer.secret"
-        assert stat.S_IMODE(writer_file.stat().st_mode) == 0o600
-        writer_secret = writer_file.read_text().strip()
-        assert writer_secret == store.writer.secret_key
+        secrets = Path(stack.settings.kernel.mesh_dir)
+        for role in ("writer", "sampler", "reader", "gateway"):
+            secret_file = secrets / f"model-store-{role}.secret"
+            assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600, role
+            assert secret_file.read_text().strip() == getattr(store.identities, role).secret_key, role
+        writer_secret = store.writer.secret_key
+        role_secrets = {store.identities.sampler.secret_key, store.identities.gateway.secret_key}
 
         services = {name: c.service for name, c in stack.services.items()}
         assert sorted(set(services.values())) == ["decoder", "gateway", "http", "sampler", "scheduler"]
+        identity_of = {
+            "sampler": store.identities.sampler,
+            "decoder": store.reader,
+            "gateway": store.identities.gateway,
+        }
         for name, c in stack.services.items():
             values = " ".join(c.env.values())
             assert writer_secret not in values and operator_writer not in values, name
             held = {v: c.env.get(v, "") for v in STORE_VARIABLES}
-            if c.service in ("sampler", "decoder", "gateway"):
-                reader = (store.url, store.reader.access_key, store.reader.secret_key)
-                assert held == dict(zip(STORE_VARIABLES, reader, strict=True)), name
+            own = identity_of.get(c.service)
+            if own is not None:
+                assert held == dict(zip(STORE_VARIABLES, (store.url, own.access_key, own.secret_key), strict=True)), (
+                    name
+                )
+                assert not (role_secrets - {own.secret_key}) & set(c.env.values()), name  # no other role's
             else:
                 assert held == dict.fromkeys(STORE_VARIABLES, ""), name
+                assert not role_secrets & set(c.env.values()), name
 
         # A sampler's identity, as its process reads it, may read but not push.
         sampler = next(c for c in stack.services.values() if c.service == "sampler")

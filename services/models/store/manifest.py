@@ -45,12 +45,18 @@ def blob_key(digest: str) -> str:
     return f"blobs/sha256/{digest}"
 
 
+MANIFESTS_PREFIX = "manifests/"
+# Tenants' own adapters, each tenant's a store of its own under tenants/<tenant id>/
+# (``ObjectStore.scoped``): the one prefix a gateway may write.
+TENANTS_PREFIX = "tenants/"
+
+
 def manifest_key(name: str, version: str) -> str:
-    return f"manifests/{name}/{version}.json"
+    return f"{MANIFESTS_PREFIX}{name}/{version}.json"
 
 
 def latest_key(name: str) -> str:
-    return f"manifests/{name}/latest"
+    return f"{MANIFESTS_PREFIX}{name}/latest"
 
 
 # Compiled artifacts, by their key's digest: the one prefix samplers may write.
