@@ -1,6 +1,10 @@
 """A host's supervised processes: which children a host runs (its samplers and
 decoders), with what settings, metrics ports and restart policy, and in which order
-they stop. ``darkroom up`` (``LocalStack``) and ``darkroom supervise`` share them."""
+they stop. ``darkroom up`` (``LocalStack``) and ``darkroom supervise`` share them.
+
+A child is given the settings its service reads (``variables_read``: the kernel's
+section and its own) and no other ``DARKROOM_*`` variable: the supervisor holds
+every section, a sampler needs none of the gateway's keys."""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from collections.abc import Iterable, Mapping
 
 from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
-from services.config.sections import Settings
+from services.config.http import HttpSettings
+from services.config.sections import GatewaySettings, KernelSettings, SchedulerSettings, Settings
+from services.config.workers import DecoderSettings, SamplerSettings
 from services.ops import SERVICE_MODULES, forkserver
 from services.ops.forkserver import ForkServer
 from services.ops.processes import free_port
@@ -20,6 +26,21 @@ from services.telemetry.metrics import Target
 # Stopping front to back: stop taking work first, let samplers finish (or hand
 # back) theirs, and keep the decoders up until they have.
 STOP_ORDER_RANK = {"http": 0, "gateway": 0, "scheduler": 1, "sampler": 2, "decoder": 3}
+# The variables each service reads besides the kernel's (its ``run_service`` section):
+# the gateway also the HTTP API's listener, for it is as open as the gateway is
+# (services/open_access.py), and nothing else of the HTTP API's.
+_OWN_VARIABLES = {
+    "gateway": GatewaySettings.variables() | {HttpSettings.setting("host").variable},
+    "scheduler": SchedulerSettings.variables(),
+    "sampler": SamplerSettings.variables(),
+    "decoder": DecoderSettings.variables(),
+    "http": HttpSettings.variables(),
+}
+
+
+def variables_read(service: str) -> frozenset[str]:
+    """The ``DARKROOM_*`` variables a process of ``service`` reads: the kernel's and its own."""
+    return frozenset(KernelSettings.variables() | _OWN_VARIABLES[service])
 
 
 def visible_gpus() -> int:
@@ -71,17 +92,21 @@ def _withheld_model_store(service: str) -> dict[str, str]:
 def child(settings: Settings, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
     """A supervised process of ``service`` (a key of SERVICE_MODULES) with these
     settings, changed by the ``DARKROOM_*`` variables of ``env`` (checked here,
-    so that a bad one stops the caller), and the rest of ``env`` beside them; of
-    the model store's, only what the service reads it with (``_withheld_model_store``)."""
+    so that a bad one stops the caller): those its service reads (``variables_read``)
+    and no other ``DARKROOM_*`` variable, of this process's environment either; of
+    the model store's, only what the service reads it with (``_withheld_model_store``).
+    The other variables of this process's environment and of ``env`` pass as they are."""
     env = env or {}
     changed = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
     own = settings.with_env({**changed, **_withheld_model_store(service)})
-    others = {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
+    read = variables_read(service)
+    given = {k: v for k, v in own.to_env().items() if k in read}
+    others = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith(ENV_PREFIX)}
     data = settings.kernel.data_dir
     return Child(
         name,
         SERVICE_MODULES[service],
-        {**os.environ, **own.to_env(), **others},
+        {**others, **given},
         data / "logs" / f"{name}.log",
         data / "run" / f"{name}.alive",
         service=service,
