@@ -8,7 +8,7 @@ neither tenants nor keys refuses to start (``refusal``), naming the fix.
 The gateway and ``darkroom up`` both decide here: the HTTP API is the gateway's
 client and is as open as the gateway it calls, so the gateway counts the HTTP API's
 listener as well, as ``DARKROOM_HTTP_HOST`` in its environment says (``darkroom up``
-hands every child every setting)."""
+gives the gateway that one of the HTTP API's settings: services/ops/children.py)."""
 
 from __future__ import annotations
 
