@@ -1,6 +1,6 @@
 """What a submit's model decides of its media: frames and fps for a video model,
 and whether it takes an input image, a mask, a strength and previews (an
-upscale's input checked again once read). Pure, as ``gateway.validation`` is:
+upscale's input checked again once read, and every input's sides and aspect). Pure, as ``gateway.validation`` is:
 violations named by field."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from gateway.convert import UPSCALE
 from gateway.inputs import InputImage
 from services.errors import FieldViolation
 from services.generation import GenerationParams
+from services.models.input_limits import image_violations
 from services.models.spec import MAX_FPS, ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
@@ -77,6 +78,19 @@ def _instruction_edit(req: pb.SubmitJobRequest, spec: ModelSpec) -> list[FieldVi
     if req.HasField("strength"):
         bad.append(FieldViolation("strength", f"{spec.name} edits by instruction from noise: strength does not apply"))
     return bad
+
+
+def input_shape_violations(spec: ModelSpec, image: InputImage | None, mask: InputImage | None) -> list[FieldViolation]:
+    """The input image's and mask's (once read) sides and aspect ratio past the
+    model's bounds (``services.models.input_limits``), each named by its field: on
+    every path, a size given in the request too, since a family whose text encoder
+    sees the image sees it at its own aspect, whatever the output's size."""
+    return [
+        violation
+        for field, read in (("image", image), ("mask", mask))
+        if read is not None
+        for violation in image_violations(field, read.width, read.height, spec)
+    ]
 
 
 def upscale_violations(req: pb.SubmitJobRequest, spec: ModelSpec, image: InputImage | None) -> list[FieldViolation]:

@@ -3,7 +3,8 @@ violations are collected and named by field, before anything is stored.
 ``check_submit`` checks every field that needs no input image read, cheaply, so a
 caller refuses a mistake, or a tenant past its limits, before any decoding;
 ``read_submit`` then reads (decodes) the input image and mask (``gateway.inputs``),
-and checks what they decide: a caller on an event loop runs it in a thread."""
+and checks what they decide (their sides and aspect within the model's bounds, and
+the sizes they give): a caller on an event loop runs it in a thread."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from datetime import UTC, datetime
 from gateway.adapters import violations as adapter_violations
 from gateway.convert import generation_params
 from gateway.inputs import read_inputs
-from gateway.media_checks import media_violations, upscale_violations
+from gateway.media_checks import input_shape_violations, media_violations, upscale_violations
 from gateway.names import check_lengths
 from services.config.placement import PlacementSettings
 from services.db.records import NewJob
 from services.db.tenant_records import DEFAULT_TENANT
 from services.errors import FieldViolation, InvalidArgument, PermissionDenied
 from services.generation import GenerationParams, JobInputs
+from services.models.input_limits import prompt_violations
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelSpec
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -127,7 +129,10 @@ def read_submit(req: pb.SubmitJobRequest, checked: Checked, *, max_input_bytes: 
     spec = checked.spec
     image, mask, bad = read_inputs(req.image, req.mask, max_bytes=max_input_bytes)
     params = generation_params(req, spec, image, mask)
-    if image is not None:
+    shapes = input_shape_violations(spec, image, mask)
+    if shapes:  # the sizes an input past its model's bounds gives say nothing more
+        bad += shapes
+    elif image is not None:
         bad += _sizes(params, spec) + (upscale_violations(req, spec, image) if spec.upscales else [])
     if bad:
         raise InvalidArgument(bad)
@@ -173,17 +178,24 @@ def _nul_free(req: pb.SubmitJobRequest) -> list[FieldViolation]:
 
 
 def _model_and_prompts(req: pb.SubmitJobRequest, registry: ModelRegistry, max_chars: int) -> list[FieldViolation]:
+    """The model, and the prompts within the gateway's characters and what the
+    model's text encoder reads whole (``services.models.input_limits``)."""
     bad = []
+    spec = registry.models.get(req.model)
     if not req.model:
         bad.append(FieldViolation("model", "is required"))
-    elif req.model not in registry.models:
+    elif spec is None:
         bad.append(FieldViolation("model", f"unknown model {req.model!r}; known: {', '.join(registry.names())}"))
     if not req.prompt.strip():
         bad.append(FieldViolation("prompt", "must not be empty"))
     elif len(req.prompt) > max_chars:
         bad.append(FieldViolation("prompt", f"is {len(req.prompt)} characters; the limit is {max_chars}"))
+    elif spec is not None:
+        bad += prompt_violations("prompt", req.prompt, spec)
     if len(req.negative_prompt) > max_chars:
         bad.append(FieldViolation("negative_prompt", f"is longer than {max_chars} characters"))
+    elif spec is not None:
+        bad += prompt_violations("negative_prompt", req.negative_prompt, spec)
     return bad
 
 

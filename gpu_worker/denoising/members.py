@@ -15,7 +15,7 @@ import torch
 
 from gpu_worker.checkpoints.format import Checkpoint
 from gpu_worker.denoising.prompts import Conditioning
-from services.errors import DarkroomError, JobInterrupted
+from services.errors import DarkroomError, FieldViolation, InvalidArgument, JobInterrupted
 from services.generation import GenerationParams
 
 # What a member comes out with: its latents (num_images, C, H/8, W/8), or a video
@@ -40,6 +40,12 @@ class JobSuspended(JobInterrupted):
 
     def __str__(self) -> str:
         return f"{self.job} suspended at step {self.checkpoint.step}/{self.checkpoint.total}"
+
+
+def no_input_image(model: str) -> InvalidArgument:
+    """What fails a member of an image-taking model given no input image (a job the
+    gateway would refuse): the job's own fault, named by its field, never retried."""
+    return InvalidArgument([FieldViolation("image", f"{model} takes an input image, and this job has none")])
 
 
 def _never() -> bool:

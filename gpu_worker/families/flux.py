@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
-from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.members import BatchMember, MemberInputs, no_input_image
 from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
 from gpu_worker.denoising.prompts import Conditioning
 from gpu_worker.denoising.step_groups import guidance_column
@@ -131,7 +131,7 @@ class FluxKontextDenoiser(FluxDenoiser):
         assert state is not None
         inputs = member.inputs
         if inputs is None or inputs.image_latents is None:
-            raise ValueError(f"{member.params.model} edits an input image, and this job has none")
+            raise no_input_image(member.params.model)
         params = member.params
         state.latents = self.draw_noise(pipe, params, state)
         image = inputs.image_latents.to(self.device, state.latents.dtype).repeat(params.num_images, 1, 1, 1)

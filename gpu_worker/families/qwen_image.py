@@ -32,19 +32,17 @@ import torch
 
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
-from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.members import BatchMember, MemberInputs, no_input_image
 from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
 from gpu_worker.denoising.prompts import Conditioning, prompt_key, text_length
 from services.generation import GenerationParams
 from services.models import speed
 from services.models.device import module_dtype
+from services.models.input_limits import edit_condition_size
+from services.models.prompt_encoding import QWEN_EDIT_TEXT_LEN as EDIT_TEXT_LEN  # an edit's longest text
 from services.models.prompt_encoding import QWEN_TEXT_LEN as TEXT_LEN  # the longest prompt, in tokens
 from services.models.sources import resolve_source
-from services.models.spec import ModelSpec, edit_condition_size
-
-# An edit's longest text: a prompt of QwenImageEditPipeline's 1024 tokens, and its
-# input image's at most 1,424 (EDIT_CONDITION_AREA in the processor's 28x28-pixel tokens).
-EDIT_TEXT_LEN = 1024 + 1424
+from services.models.spec import ModelSpec
 
 
 class QwenImageDenoiser(DiffusersDenoiser):
@@ -132,12 +130,14 @@ class QwenImageDenoiser(DiffusersDenoiser):
 class QwenImageEditDenoiser(QwenImageDenoiser):
     """Qwen-Image-Edit (``QwenImageEditPipeline``): instruction edits. Every job edits
     an input image (the gateway refuses one without) from noise: no strength, no mask.
-    The image is resized to ``EDIT_CONDITION_AREA`` at its own aspect ratio
-    (``gpu_worker.jobs.edit_inputs``): its pixels go to the text encoder beside the
+    The image is resized to ``EDIT_CONDITION_AREA`` at its own aspect ratio, within
+    4:1 (``gpu_worker.jobs.edit_inputs``): its pixels go to the text encoder beside the
     prompt, so the conditioning is cached under the image's digest too; its latents
     (the decoder's VAE's) are the member's extras, so its checkpoints carry them, and
     go into each call as tokens after the denoised ones, whose output is dropped.
-    Members share a call only where their images' token grids agree."""
+    Members share a call only where their images' token grids agree. Every text is at
+    most EDIT_TEXT_LEN tokens (cut there as it is encoded), the length a compiled
+    network pads them to: no prompt's length fails a call its batch shares."""
 
     compiled_text_len = EDIT_TEXT_LEN
 
@@ -153,7 +153,7 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
     ) -> Conditioning:
         """The prompt's and the input image's conditioning, cached under both."""
         if inputs is None or (inputs.prompt_image is None and inputs.conditioning is None):
-            raise ValueError(f"{params.model} edits an input image, and this job has none")
+            raise no_input_image(params.model)
         return super().encode_cached(pipe, spec, params, inputs)
 
     def conditioning_key(self, params: GenerationParams, cfg: bool) -> tuple[Any, ...]:
@@ -212,5 +212,5 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
 def _image_latents(member: BatchMember) -> torch.Tensor:
     """An edit's input latents: a job without is refused by the gateway and fails alone here."""
     if member.inputs is None or member.inputs.image_latents is None:
-        raise ValueError(f"{member.params.model} edits an input image, and this job has none")
+        raise no_input_image(member.params.model)
     return member.inputs.image_latents

@@ -13,7 +13,7 @@ import torch
 from gpu_worker.denoising.checkpoint_capture import LoopState
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
-from gpu_worker.denoising.members import BatchMember, MemberInputs
+from gpu_worker.denoising.members import BatchMember, MemberInputs, no_input_image
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models.device import module_dtype
@@ -48,7 +48,7 @@ class UpscaleDenoiser(DiffusersDenoiser):
         generator, in the pipeline's order."""
         state = _state(run)
         if member.inputs is None or member.inputs.image is None:
-            raise ValueError("an upscale needs its input image")
+            raise no_input_image(member.params.model)
         image = member.inputs.image.to(self.device, module_dtype(self.network(pipe)))
         level = torch.tensor([NOISE_LEVEL], device=self.device)
         noised = []

@@ -4,6 +4,9 @@ edit's input encoded into latents by its model's VAE and its mask brought to the
 latents' size, as diffusers' pipelines do; an upscale's input as pixels. A model
 whose text encoder sees the input (Qwen-Image-Edit's) takes it resized to its
 condition size, as pixels for the encoder and as latents beside the denoised ones.
+Each stored input is first checked as the gateway checks it now (an image whose
+sides or aspect its model's bounds refuse: a job stored before they were): a job's
+own bad input fails it alone, as its own fault (InvalidArgument), never its worker's.
 A job of a model whose text encoders are the decoder service's (``text_encoders =
 "service"``) gets its conditioning from a decoder here too, with or without an image:
 joiners of a running batch are prepared the same way."""
@@ -25,18 +28,15 @@ from gpu_worker.denoising.members import MemberInputs
 from gpu_worker.denoising.prompts import Conditioning
 from gpu_worker.jobs.job_store import JobStore
 from services.db.records import JobRecord
-from services.errors import DarkroomError
+from services.errors import FieldViolation, InvalidArgument
 from services.generation import GenerationParams, JobInputs, Task
+from services.models.input_limits import edit_condition_size, image_violations
 from services.models.registry import ModelRegistry
-from services.models.spec import edit_condition_size
+from services.models.spec import ModelSpec
 from services.models.vae import pixels_of
 
 # The VAE's spatial compression of the editing families (SD's): the mask's scale.
 LATENT_SCALE = 8
-
-
-class MissingInput(DarkroomError):
-    """A job that needs an input image has none stored."""
 
 
 def _never_guided(params: GenerationParams) -> bool:
@@ -75,7 +75,8 @@ class EditInputs:
                 inputs = MemberInputs()
                 if job.params.image_digest:
                     if found is None:
-                        raise MissingInput(f"job {job.id} has no input image stored")
+                        # Inputs are stored with their job: none ever will be.
+                        raise InvalidArgument([FieldViolation("image", "is not stored for this job")])
                     inputs = await self._prepare(job, found)
                 if self._served(job):
                     inputs = replace(inputs, conditioning=await self._conditioning(job, inputs, found))
@@ -93,9 +94,11 @@ class EditInputs:
 
     async def _prepare(self, job: JobRecord, inputs: JobInputs) -> MemberInputs:
         p = job.params
+        spec = self.registry.models.get(p.model)
+        if spec is not None:
+            check_stored(spec, inputs)
         if job.task == Task.UPSCALE:
             return MemberInputs(image=await asyncio.to_thread(image_tensor, inputs.image))
-        spec = self.registry.models.get(p.model)
         if spec is not None and spec.prompt_sees_image:
             seen = await asyncio.to_thread(condition_image, inputs.image)
             height, width = seen.shape[-2:]
@@ -107,6 +110,25 @@ class EditInputs:
         if inputs.mask is not None:
             mask = await asyncio.to_thread(mask_tensor, inputs.mask, p.width, p.height)
         return MemberInputs(image_latents=latents, mask=mask)
+
+
+def check_stored(spec: ModelSpec, inputs: JobInputs) -> None:
+    """InvalidArgument naming the stored image or mask that is no image, or whose
+    sides or aspect its model's bounds refuse. Reads their headers alone: what is
+    stored was decoded whole by the gateway."""
+    bad = []
+    for field, data in (("image", inputs.image), ("mask", inputs.mask)):
+        if data is None:
+            continue
+        try:
+            with Image.open(io.BytesIO(data)) as opened:
+                width, height = opened.size
+        except Exception as exc:  # Pillow raises many kinds for bad bytes
+            bad.append(FieldViolation(field, f"cannot be read: {exc}"))
+            continue
+        bad += image_violations(field, width, height, spec)
+    if bad:
+        raise InvalidArgument(bad)
 
 
 def image_tensor(data: bytes) -> torch.Tensor:

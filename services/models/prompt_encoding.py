@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 
+from services.errors import FieldViolation, InvalidArgument
+from services.models.input_limits import EDIT_CONDITION_TOKENS, QWEN_EDIT_PROMPT_TOKENS
 from services.models.spec import ModelFamily
 
 # The T5 prompt length of Flux.1 dev (and of FluxPipeline's default); schnell was trained with 256.
@@ -23,6 +25,12 @@ FLUX_SCHNELL_TEXT_LEN = 256
 SD3_TEXT_LEN = 256
 # The longest prompt, in tokens: QwenImagePipeline's default max_sequence_length.
 QWEN_TEXT_LEN = 512
+# An edit's longest text, in tokens: a prompt QwenImageEditPipeline reads whole, and
+# its input image's at most EDIT_CONDITION_TOKENS (the template's few around them fit
+# in what the image leaves). A longer one (a prompt past what the gateway takes) is cut
+# to it, as QwenImagePipeline cuts a long prompt's: a compiled network takes every
+# text padded to it, and a longer one would fail every call that shares it.
+QWEN_EDIT_TEXT_LEN = QWEN_EDIT_PROMPT_TOKENS + EDIT_CONDITION_TOKENS
 # ZImagePipeline's longest prompt, in tokens with its chat template.
 Z_IMAGE_TEXT_LEN = 512
 # The prompt length Wan was trained with; its pipeline pads every prompt to it.
@@ -79,7 +87,8 @@ def encode(
         return _qwen_image(pipe, params, device, cfg)
     if family == ModelFamily.QWEN_IMAGE_EDIT:
         if image is None:
-            raise ValueError(f"{getattr(params, 'model', 'the model')} edits an input image, and this job has none")
+            model = getattr(params, "model", "the model")
+            raise InvalidArgument([FieldViolation("image", f"{model} takes an input image, and this job has none")])
         return _qwen_image_edit(pipe, params, device, cfg, image)
     if family == ModelFamily.Z_IMAGE:
         return _z_image(pipe, params, device, cfg)
@@ -160,16 +169,19 @@ def _qwen_image(pipe: Any, params: Any, device: torch.device, cfg: bool) -> Tens
 
 def _qwen_image_edit(pipe: Any, params: Any, device: torch.device, cfg: bool, image: torch.Tensor) -> Tensors:
     """Each text alone with the image, as the pipeline encodes them: its processor
-    takes the image's pixels as a picture."""
+    takes the image's pixels as a picture. Each cut to QWEN_EDIT_TEXT_LEN tokens (the
+    pipeline cuts none): its encoder is causal, so the tokens kept are what the text
+    cut there would give."""
     from PIL import Image
 
     picture = Image.fromarray(image[0].permute(1, 2, 0).numpy())
+    longest = text_length(pipe.tokenizer, QWEN_EDIT_TEXT_LEN)
     embeds, _ = pipe.encode_prompt(params.prompt, image=picture, device=device)
     if not cfg:
-        return _named(embeds=embeds)
+        return _named(embeds=embeds[:, :longest])
     negative_prompt = params.negative_prompt or NO_NEGATIVE_PROMPT
     negative, _ = pipe.encode_prompt(negative_prompt, image=picture, device=device)
-    return _named(embeds=embeds, negative_embeds=negative)
+    return _named(embeds=embeds[:, :longest], negative_embeds=negative[:, :longest])
 
 
 def _z_image(pipe: Any, params: Any, device: torch.device, cfg: bool) -> Tensors:

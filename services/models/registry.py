@@ -134,6 +134,7 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     _check_checkpointing(spec)
     _check_frames(spec)
     _check_adapters(spec)
+    _check_inputs(spec)
     if spec.scheduler:
         scheduler_class(spec)
     return spec
@@ -194,6 +195,19 @@ def _check_adapters(spec: ModelSpec) -> None:
         raise ModelError(
             f"model {name!r}: adapters_per_job must be within 1..adapter_slots ({spec.adapter_slots}), "
             f"not {spec.adapters_per_job}"
+        )
+
+
+def _check_inputs(spec: ModelSpec) -> None:
+    for key in ("min_input_side", "max_prompt_bytes"):
+        value = getattr(spec, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelError(f"model {spec.name!r}: {key} must be a whole number >= 0 (0: the family's), not {value!r}")
+    aspect = spec.max_input_aspect
+    # ``not aspect >= 1`` refuses NaN too.
+    if isinstance(aspect, bool) or not isinstance(aspect, int | float) or (aspect != 0 and not aspect >= 1):
+        raise ModelError(
+            f"model {spec.name!r}: max_input_aspect must be a number >= 1 (0: the family's), not {aspect!r}"
         )
 
 

@@ -6,7 +6,6 @@ version it names."""
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +78,9 @@ EDITING_FAMILIES = frozenset(
 # what to change, denoised from noise beside the image (no strength, no mask).
 INSTRUCTION_EDIT_FAMILIES = frozenset({ModelFamily.FLUX_KONTEXT, ModelFamily.QWEN_IMAGE_EDIT})
 # The families whose text encoder sees the input image with the prompt: a job's
-# conditioning is its prompt's and its image's, the image resized to about
-# EDIT_CONDITION_AREA pixels at its own aspect ratio (``edit_condition_size``).
+# conditioning is its prompt's and its image's, the image resized to about a
+# megapixel at its own aspect ratio (``services.models.input_limits.edit_condition_size``).
 PROMPT_SEES_IMAGE_FAMILIES = frozenset({ModelFamily.QWEN_IMAGE_EDIT})
-EDIT_CONDITION_AREA = 1024 * 1024
 # The families whose latents a preview reads as colours (``gpu_worker.jobs.previews``).
 PREVIEW_FAMILIES = frozenset(
     {
@@ -147,6 +145,12 @@ class ModelSpec:
     max_steps: int = 150
     default_steps: int = 25
     max_images: int = 4
+    # What an input image (an edit's, an upscale's) and a prompt may be, 0 taking the
+    # family's (``services.models.input_limits``): the image's shortest side in pixels,
+    # its longest side over its shortest, and a prompt's UTF-8 bytes.
+    min_input_side: int = 0
+    max_input_aspect: float = 0.0
+    max_prompt_bytes: int = 0
     # First estimates, before durations are learned; 0 takes the family's default.
     step_ms_512: float = 0.0
     load_s: float = 0.0
@@ -261,15 +265,6 @@ class ModelSpec:
     @property
     def previews(self) -> bool:
         return self.family in PREVIEW_FAMILIES
-
-
-def edit_condition_size(width: int, height: int) -> tuple[int, int]:
-    """The size an input image of ``width`` x ``height`` is resized to for a family
-    whose text encoder sees it (and for its latents): ``EDIT_CONDITION_AREA`` at its
-    aspect ratio, in multiples of 32, as ``QwenImageEditPipeline``'s calculate_dimensions."""
-    ratio = width / height
-    fitted = math.sqrt(EDIT_CONDITION_AREA * ratio)
-    return round(fitted / 32) * 32, round(fitted / ratio / 32) * 32
 
 
 def scheduler_class(spec: ModelSpec) -> type[Any]:

@@ -3,7 +3,7 @@ miniature: an edit's latents are exactly ``FluxKontextPipeline``'s for the same
 input latents; in a batch of edits of other images, steps and guidance, each gets
 its solo latents; a suspended edit resumes in another engine to its uninterrupted
 latents (its input image travels in its checkpoint); a job without an input image
-fails alone, naming what it lacks; compiled, it is warmed up with a blank input image
+fails alone, as its own fault, naming what it lacks; compiled, it is warmed up with a blank input image
 as it loads and no edit compiles it again."""
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from diffusers import FluxKontextPipeline
 
 from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberInputs, MemberResult
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.jobs.failures import classify
+from services.errors import InvalidArgument
 from services.generation import GenerationParams
 from services.models.flow_tiny import TINY_TEXT_LEN
 from services.models.registry import ModelRegistry
@@ -112,7 +114,9 @@ def test_a_suspended_edit_resumes_in_another_engine_to_its_uninterrupted_latents
 
 def test_a_job_without_an_input_image_fails_alone_naming_it(engine: SamplerEngine) -> None:
     results = engine.sample_batch([member(params(1), None), member(params(2), image(2))])
-    assert isinstance(results[0], ValueError) and "input image" in str(results[0])
+    # The job's own fault: never retried, and no sign that the worker is unfit.
+    assert isinstance(results[0], InvalidArgument) and [v.field for v in results[0].violations] == ["image"]
+    assert not classify(results[0]).retryable and not classify(results[0]).blames_worker
     assert torch.equal(tensor(results[1]), solo(engine, params(2), image(2)))
 
 

@@ -24,8 +24,9 @@ from gpu_worker.denoising.members import BatchMember, MemberInputs
 from gpu_worker.denoising.prompts import Conditioning, prompt_key
 from gpu_worker.engine import SamplerEngine
 from services.generation import GenerationParams
+from services.models.input_limits import edit_condition_size
 from services.models.registry import ModelRegistry
-from services.models.spec import ModelFamily, ModelSpec, edit_condition_size
+from services.models.spec import ModelFamily, ModelSpec
 
 META = torch.device("meta")
 STEPS = 6

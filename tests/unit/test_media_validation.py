@@ -1,6 +1,8 @@
 """A media request checked before anything is stored: a video's frames and fps, an
 edit's input image, mask and strength, an upscale's input, each with the model's
-defaults where the request says nothing and a violation naming the field."""
+defaults where the request says nothing and a violation naming the field; every
+input's sides and aspect within its model's bounds, whatever size is asked, and a
+Qwen-Image-Edit prompt within what its text encoder reads whole."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from PIL import Image
 
 from gateway.inputs import fit_within, read_input
-from gateway.validation import validate_submit
+from gateway.validation import check_submit, validate_submit
 from services.errors import FieldViolation, InvalidArgument
 from services.generation import Task
 from services.models.registry import ModelRegistry
@@ -97,3 +99,40 @@ def test_fit_within_keeps_the_aspect_on_the_models_grid() -> None:
     assert fit_within(1024, 768, tiny) == (512, 384)
     assert fit_within(100, 60, tiny) == (104, 64), "scaled up to the model's least size"
     assert fit_within(100, 60, wan) == (96, 48)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-sd3", "tiny-flux-kontext", "tiny-qwen-image-edit", "tiny-upscaler"])
+def test_an_input_past_its_models_bounds_is_refused_by_name_whatever_size_is_asked(model: str) -> None:
+    """A size given in the request does not skip the check: Qwen-Image-Edit's text
+    encoder sees the input at its own aspect, whatever the output's size."""
+    asked = {} if model == "tiny-upscaler" else {"width": 128, "height": 128}
+    assert violations(model=model, image=png(4096, 1), **asked) == {
+        "image": f"is 4096x1 pixels; {model} takes an input of at least 16 px on each side"
+    }
+    said = violations(model=model, image=png(1024, 16), **asked)
+    assert said.keys() == {"image"} and "an aspect ratio of 64:1" in said["image"]
+
+
+def test_an_inpainting_mask_past_the_bounds_is_named_with_its_image() -> None:
+    said = violations(model="tiny", image=png(4096, 8), mask=png(4096, 8, "L"), width=512, height=512)
+    assert said.keys() == {"image", "mask"} and "at least 16 px" in said["mask"]
+
+
+def test_qwen_image_edit_takes_inputs_within_four_to_one() -> None:
+    assert "at most 4:1" in violations(model="tiny-qwen-image-edit", image=png(1040, 256))["image"]
+    job = check(model="tiny-qwen-image-edit", image=png(1024, 256))
+    assert (job.params.width, job.params.height) == (512, 128)
+    assert check(model="tiny", image=png(1040, 256)).params.width == 512, "16:1 for the others"
+
+
+def test_a_qwen_image_edit_prompt_past_what_its_encoder_reads_whole_is_refused_before_its_image_is_read() -> None:
+    def checked(model: str, prompt: str, negative_prompt: str = "") -> None:
+        req = pb.SubmitJobRequest(model=model, prompt=prompt, negative_prompt=negative_prompt, image=b"never read")
+        check_submit(req, REGISTRY, max_prompt_chars=2000, now=NOW)
+
+    with pytest.raises(InvalidArgument) as refused:
+        checked("tiny-qwen-image-edit", prompt="x" * 1025, negative_prompt="é" * 513)
+    assert [v.field for v in refused.value.violations] == ["prompt", "negative_prompt"]
+    assert "is 1025 bytes in UTF-8; tiny-qwen-image-edit takes at most 1024" in str(refused.value)
+    checked("tiny-qwen-image-edit", prompt="x" * 1024)
+    checked("tiny-flux-kontext", prompt="x" * 2000)

@@ -4,8 +4,9 @@ condition size, for the text encoder, and the decoder's VAE latents of them) is
 exactly ``QwenImageEditPipeline``'s of the same image, guided or not; in a batch of
 edits of other images, prompts, steps and guidance, each gets its solo latents; a
 suspended edit resumes in another engine to its uninterrupted latents; a job
-without an input image fails alone, naming what it lacks; the conditioning is
-cached under the image's digest, since the text encoder sees the image."""
+without an input image fails alone, as its own fault, naming what it lacks; the
+conditioning is cached under the image's digest, since the text encoder sees the
+image; compiled, a prompt too long for the compiled text fails no batch."""
 
 from __future__ import annotations
 
@@ -21,15 +22,23 @@ import torch
 from diffusers import QwenImageEditPipeline
 from PIL import Image
 
+from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberInputs
+from gpu_worker.denoising.prompts import text_length
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.jobs.edit_inputs import condition_image
+from gpu_worker.jobs.failures import classify
+from services.errors import InvalidArgument
 from services.generation import GenerationParams
+from services.models.input_limits import edit_condition_size
+from services.models.prompt_encoding import QWEN_EDIT_TEXT_LEN
 from services.models.qwen_processor import load_processor
 from services.models.registry import ModelRegistry
-from services.models.spec import edit_condition_size
 from services.models.vae import VaeDecoderEngine
 from tests.unit.test_flow_families import tensor
+from tests.unit.test_speed_options import TOLERANCE, Compilations, compilations
+
+__all__ = ["compilations"]  # the fixture, shared with test_speed_options
 
 MODEL = "tiny-qwen-image-edit"
 CPU = torch.device("cpu")
@@ -168,5 +177,31 @@ def test_a_suspended_edit_resumes_in_another_engine_to_its_uninterrupted_latents
 
 def test_a_job_without_an_input_image_fails_alone_naming_it(engine: SamplerEngine) -> None:
     results = engine.sample_batch([member(replace(params(1), image_digest=""), None), member(params(2), image(2))])
-    assert isinstance(results[0], ValueError) and "input image" in str(results[0])
+    # The job's own fault: never retried, and no sign that the worker is unfit.
+    assert isinstance(results[0], InvalidArgument) and [v.field for v in results[0].violations] == ["image"]
+    assert not classify(results[0]).retryable and not classify(results[0]).blames_worker
     assert torch.equal(tensor(results[1]), solo(engine, params(2), image(2)))
+
+
+def test_a_prompt_past_the_compiled_text_length_fails_no_batch(models_dir: Path, compilations: Compilations) -> None:
+    """Compiled, as on an accelerator: the members and both halves of their guided
+    steps in one call, every text padded to the compiled length (the miniature's
+    2,048 tokens, its tokenizer's). A prompt whose text with the image passes it (one
+    the gateway refuses, stored before it did) is cut to it as it is encoded: both
+    members get their images, the other one its own."""
+    spec = replace(
+        ModelRegistry.load().get(MODEL), compile=True, max_batch=2, default_width=WIDTH, default_height=HEIGHT
+    )
+    compiled = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    denoiser = compiled.denoiser_for(spec)
+    assert isinstance(denoiser, DiffusersDenoiser)
+    denoiser.fuse_batches = denoiser.halves_share_call = True
+    pipe = compiled.load(MODEL)
+    long, short = params(11, prompt="make it night, " * 150), params(12)  # 2,250 bytes: 2,533 tokens with the image
+    assert len(long.prompt.encode()) > 2048
+    embeds = denoiser.encode_cached(pipe, spec, long, image(11)).embeds
+    assert embeds is not None and embeds.shape[1] == 2048 == text_length(pipe.tokenizer, QWEN_EDIT_TEXT_LEN)
+    results = compiled.sample_batch([member(long, image(11)), member(short, image(12))])
+    assert isinstance(results[0], torch.Tensor) and bool(torch.isfinite(results[0]).all())
+    alone = new_engine(models_dir)
+    torch.testing.assert_close(tensor(results[1]), solo(alone, short, image(12)), rtol=0, atol=TOLERANCE)
