@@ -10,25 +10,27 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.models.adapters.network_layers import network_layers
+from services.models.adapters.network_layers import adaptable, network_layers
 
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def attention_layers(network: torch.nn.Module) -> list[str]:
     """The network's attention projections: what trainers adapt by default."""
-    return [n for n in network_layers(network) if n.endswith(ATTENTION)]
+    return [n for n in network_layers(network).adapted if n.endswith(ATTENTION)]
 
 
 def lora_tensors(
     network: torch.nn.Module, layers: Iterable[str], *, rank: int, seed: int
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(down, up) of each layer, drawn from ``seed``, large enough to move an image."""
-    features = network_layers(network)
+    """(down, up) of each layer (any linear or 1x1 convolution layer of the network,
+    one the sampler refuses too), drawn from ``seed``, large enough to move an image."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in sorted(layers):
-        fan_in, fan_out = features[name]
+        features = adaptable(network.get_submodule(name))
+        assert features is not None, name
+        fan_in, fan_out = features
         down, up = torch.randn(rank, fan_in, generator=g) / fan_in**0.5, torch.randn(fan_out, rank, generator=g) * 0.3
         if isinstance(network.get_submodule(name), torch.nn.Conv2d):  # a 1x1 convolution's, as trainers save it
             down, up = down[:, :, None, None], up[:, :, None, None]

@@ -83,8 +83,8 @@ class AdaptedLayer(torch.nn.Module):
         self.register_buffer("up", torch.zeros(slots, features[1], rank, dtype=dtype, device=weight.device))
         self.held: set[int] = set()  # slots with projections for this layer
 
-    # What the network's own code reads of the layer it wrapped (Z-Image reads its
-    # embedders' weight for their dtype).
+    # What the network's own code reads of the layer it wrapped (Z-Image's timestep
+    # embedder reads its first layer's weight for its dtype).
     @property
     def weight(self) -> torch.Tensor:
         weight = self.base.weight

@@ -1,5 +1,7 @@
 """A network's adapter slots: its adaptable layers wrapped once, as the model loads
-(``AdaptedLayer``), and the adapters resident in a fixed number of slots, the least
+(``AdaptedLayer``): those ``network_layers`` gives, the very list a push checks an
+adapter against (a layer the network calls with other rows than its call's is
+neither wrapped nor accepted), and the adapters resident in a fixed number of slots, the least
 recently used one that no running member holds evicted for a newcomer. Loading or
 evicting an adapter writes the layers' buffers in place: nothing is compiled again,
 and the base weights are never touched."""
@@ -14,7 +16,7 @@ import torch
 
 from gpu_worker.adapters.mixed_lora import AdaptedLayer, RowTable
 from services.models.adapters.lora_files import AdapterError, LoraWeights
-from services.models.adapters.network_layers import adaptable, check_fits
+from services.models.adapters.network_layers import check_fits, network_layers
 
 # What a member's rows carry: (adapter key, scale) pairs, its adapters in the order
 # the job named them.
@@ -35,13 +37,13 @@ class AdapterSlots:
         self.rank = rank
         self.slots = slots
         self.table = RowTable(rows, per_row, device, dtype)
+        self.network_layers = network_layers(network)
         self.layers: dict[str, AdaptedLayer] = {}
-        for name, module in list(network.named_modules()):
-            if name and adaptable(module) is not None:
-                parent, _, child = name.rpartition(".")
-                layer = AdaptedLayer(module, self.table, slots + 1, rank)  # slot 0: none
-                setattr(network.get_submodule(parent) if parent else network, child, layer)
-                self.layers[name] = layer
+        for name in self.network_layers.adapted:
+            parent, _, child = name.rpartition(".")
+            layer = AdaptedLayer(network.get_submodule(name), self.table, slots + 1, rank)  # slot 0: none
+            setattr(network.get_submodule(parent) if parent else network, child, layer)
+            self.layers[name] = layer
         self._resident: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recently used first
         self._held: Counter[str] = Counter()
 
@@ -65,7 +67,7 @@ class AdapterSlots:
         if slot is not None:
             self._resident.move_to_end(key)
             return slot
-        check_fits(weights, {name: layer.features for name, layer in self.layers.items()}, max_rank=self.rank)
+        check_fits(weights, self.network_layers, max_rank=self.rank)
         slot = self._free_slot()
         for name, layer in self.layers.items():
             adapted = weights.layers.get(name)

@@ -1,7 +1,8 @@
 """LoRA adapters as versions of the model store, against a real S3 server
 (seaweedfs): ``darkroom models push --lora`` checks an adapter against the network
 of the model it adapts before anything is uploaded, refuses one that does not fit
-by name, lists it as an adapter, and a sampler's host fetches it through its cache
+by name (Z-Image's of a layer fed every row's tokens at once, which no batch could
+apply to one job, with why), lists it as an adapter, and a sampler's host fetches it through its cache
 to the very weights that were pushed."""
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ source = "builtin:tiny-flux"
 family = "flux"
 dtype = "float32"
 size_step = 16
+
+[models.tiny-z-image]
+source = "builtin:tiny-z-image"
+family = "z_image"
+dtype = "float32"
+size_step = 16
+adapter_slots = 2
+adapter_rank = 4
 """
 
 
@@ -119,3 +128,25 @@ def test_adapters_that_do_not_fit_their_model_are_refused_by_name_and_nothing_is
         assert failed.returncode != 0 and expected in failed.stderr, failed.stderr
     stored = names(model_store)
     assert not any(n.startswith(("wide-a:", "misfit-a:", "small-a:", "absent-a:")) for n in stored)
+
+
+def test_a_z_image_adapter_of_an_embedder_of_every_rows_tokens_is_refused_at_push_naming_it(
+    env: dict[str, str], model_store: Any, tmp_path: Path, models_dir: Path
+) -> None:
+    from diffusers import ZImageTransformer2DModel
+
+    transformer: Any = ZImageTransformer2DModel.from_pretrained(models_dir / "tiny-z-image", subfolder="transformer")
+    per_row = ["layers.0.attention.to_q", "layers.0.feed_forward.w1", "t_embedder.mlp.0"]
+    embedder = write_diffusers_lora(
+        tmp_path / "embedder", transformer, [*per_row, "all_x_embedder.2-1"], prefix="transformer"
+    )
+    failed = darkroom(env, "push", "--lora", "--base", "tiny-z-image", str(embedder), "embedder-z:v1")
+    assert failed.returncode == 1, failed.stderr
+    expected = "the adapter adapts all_x_embedder.2-1, a layer no batch can adapt for one job alone: Z-Image embeds"
+    assert expected in failed.stderr
+    # Its other layers alone push: each is adapted per job.
+    fits = write_diffusers_lora(tmp_path / "fits", transformer, per_row, prefix="transformer")
+    pushed = darkroom(env, "push", "--lora", "--base", "tiny-z-image", str(fits), "fits-z:v1")
+    assert pushed.returncode == 0, pushed.stderr
+    stored = names(model_store)
+    assert "fits-z:v1" in stored and not any(n.startswith("embedder-z:") for n in stored)

@@ -1,9 +1,10 @@
 """Jobs with their own LoRA adapters through the sampler's loop, on the CPU with the
 tiny model: a batch whose members name other adapters (or none), and a joiner with
 yet another, each get exactly their solo latents; on the GPU's fused path, one call
-for them all, within float tolerance; a job suspended mid-way resumes with its
-adapters to its uninterrupted latents; and an adapter evicted to make room for
-others reloads to the same image."""
+for them all, within float tolerance (the new families' with adapters of every
+layer a push accepts); a job suspended mid-way resumes with its adapters to its
+uninterrupted latents; and an adapter evicted to make room for others reloads to
+the same image."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
 from services.errors import ModelError
 from services.generation import AdapterUse, GenerationParams
+from services.models.adapters.lora_files import read_lora
+from services.models.adapters.network_layers import check_fits, layers_of_config
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily
 from tests.lora_files import attention_layers, write_diffusers_lora, write_kohya_lora
@@ -182,16 +185,18 @@ FLOW_MODELS = ("tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-z-image")
 
 
 @pytest.mark.parametrize("model", FLOW_MODELS)
-def test_the_new_families_take_adapters_per_member_of_a_fused_call(
+def test_the_new_families_take_adapters_of_every_layer_a_push_accepts_per_member_of_a_fused_call(
     models_dir: Path, tmp_path: Path, model: str
 ) -> None:
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(models_dir / model)
+    layers = layers_of_config(models_dir / model / "transformer" / "config.json")  # as a push reads them
     directory = write_diffusers_lora(
-        tmp_path / "adapter", pipe.transformer, attention_layers(pipe.transformer), rank=4, seed=9, prefix="transformer"
+        tmp_path / "adapter", pipe.transformer, list(layers.adapted), rank=4, seed=9, prefix="transformer"
     )
     spec = replace(ModelRegistry.load().get(model), adapter_slots=2, adapter_rank=4, adapters_per_job=1)
+    check_fits(read_lora(directory, spec.family), layers, max_rank=spec.adapter_rank)  # what a push checks
     library = AdapterLibrary(lambda use: directory)
 
     def new() -> SamplerEngine:

@@ -45,7 +45,7 @@ def call(network: Any, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor) -> 
 def adapters(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     network = unet(models_dir)
     root = tmp_path_factory.mktemp("adapters")
-    every = list(network_layers(network))
+    every = list(network_layers(network).adapted)
     return {
         "style": write_kohya_lora(root / "style", network, attention_layers(network), rank=4, alpha=8.0, seed=1),
         "plain": write_kohya_lora(root / "plain", network, attention_layers(network), seed=1, text_encoder=False),
@@ -200,7 +200,7 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_layer(
     check_fits(read_lora(adapters["wide"], TINY), layers, max_rank=16)
     with pytest.raises(AdapterError, match=r"rank is 16; .* rank 8 at most"):
         check_fits(read_lora(adapters["wide"], TINY), layers, max_rank=8)
-    name = next(iter(layers))
+    name = next(iter(layers.adapted))
     wrong = LoraWeights({name: LoraLayer(torch.zeros(4, 7), torch.zeros(3, 4))}, ())
     with pytest.raises(AdapterError, match=f"layer {name} maps 7 features to 3"):
         check_fits(wrong, layers)
@@ -216,9 +216,9 @@ def test_adapters_that_do_not_fit_are_refused_naming_the_layer(
         read_lora(adapters["style"], ModelFamily.WAN)
 
 
-def test_an_sdxl_shaped_unet_takes_each_rows_adapters_with_its_added_conditions(tmp_path: Path) -> None:
-    """SDXL's UNet adds its pooled text and size conditions through linear layers of its
-    own (``add_embedding``): they are called rows first too."""
+def sdxl_shaped_unet() -> Any:
+    """SDXL's UNet in miniature: linear projections, two conditions it adds (pooled
+    text, sizes) and a block of two transformer layers."""
     from diffusers import UNet2DConditionModel
 
     torch.manual_seed(0)
@@ -236,9 +236,15 @@ def test_an_sdxl_shaped_unet_takes_each_rows_adapters_with_its_added_conditions(
         projection_class_embeddings_input_dim=32 + 6 * 8,
         transformer_layers_per_block=(1, 2),
     )
-    network.eval()
-    assert "add_embedding.linear_1" in network_layers(network)
-    directory = write_diffusers_lora(tmp_path / "xl", network, list(network_layers(network)), rank=4, seed=5)
+    return network.eval()
+
+
+def test_an_sdxl_shaped_unet_takes_each_rows_adapters_with_its_added_conditions(tmp_path: Path) -> None:
+    """SDXL's UNet adds its pooled text and size conditions through linear layers of its
+    own (``add_embedding``): they are called rows first too."""
+    network = sdxl_shaped_unet()
+    assert "add_embedding.linear_1" in network_layers(network).adapted
+    directory = write_diffusers_lora(tmp_path / "xl", network, list(network_layers(network).adapted), rank=4, seed=5)
     weights = read_lora(directory, ModelFamily.SDXL)
     slots = slots_on(network, rank=4)
     slots.load("xl", weights)
