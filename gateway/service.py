@@ -7,9 +7,10 @@ import asyncio
 import logging
 from pathlib import Path
 
-from gateway.adapters import AdapterCatalog, store_of
+from gateway.adapters import AdapterCatalog, AdapterResolver, store_of
 from gateway.expansion import Expansion
 from gateway.servicer import ImageGenerationServicer
+from gateway.tenant_adapters import TenantAdapters
 from services.bus.credentials import NatsCredentials
 from services.bus.events import Events
 from services.config.fields import SettingsError
@@ -49,7 +50,8 @@ def create_server(
         anonymous=anonymous_allowed(settings, http or HttpSettings()),
         safety=kernel.safety,
         expansion=Expansion(settings.expansion, kernel.models_dir),
-        adapters=AdapterCatalog(store_of(kernel.model_store)),
+        adapters=AdapterResolver(repo.adapters, AdapterCatalog(store_of(kernel.model_store))),
+        tenant_adapters=TenantAdapters(settings, repo, registry, store_of(kernel.model_store), kernel.models_dir),
     )
     server = build_server(
         [
@@ -91,7 +93,7 @@ class OpenAccessCheck:
 async def serve(kernel: KernelSettings, settings: GatewaySettings, stop: asyncio.Event) -> int:
     registry = kernel.registry()
     # The HTTP API's listener as this process's environment gives it (`darkroom up`
-    # gives every child every setting): it is as open as this gateway.
+    # gives the gateway the HTTP API's DARKROOM_HTTP_HOST): it is as open as this gateway.
     http = HttpSettings.from_env()
     repo = Repository(kernel.database_url, application_name="darkroom-gateway", pooled=kernel.database_pooled)
     events = Events(publisher="gateway")

@@ -13,7 +13,8 @@ from datetime import UTC, datetime, timedelta
 import grpc
 
 from gateway import pages, spans
-from gateway.adapters import AdapterCatalog
+from gateway.adapter_rpcs import AdapterRpcs
+from gateway.adapters import AdapterCatalog, AdapterResolver
 from gateway.auth import Caller, Gatekeeper
 from gateway.convert import STATUS, job_message, timestamp
 from gateway.estimates import Estimator
@@ -23,6 +24,7 @@ from gateway.metrics import STREAMS_OPEN, count_prompt_refused, count_submit
 from gateway.moderation import Limits, Moderator
 from gateway.names import check_lengths
 from gateway.streams import follow
+from gateway.tenant_adapters import TenantAdapters
 from gateway.tenant_limits import limited, look_first, refused
 from gateway.usage import fleet_stats, tenant_usage
 from gateway.validation import Checked, check_submit, read_submit, under_output_policy, violates_policy
@@ -54,7 +56,7 @@ from services.telemetry.metrics import JOBS_FINISHED
 log = logging.getLogger(__name__)
 
 
-class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer):
+class ImageGenerationServicer(AdapterRpcs, image_generation_pb2_grpc.ImageGenerationServicer):
     def __init__(
         self,
         settings: GatewaySettings,
@@ -67,11 +69,16 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         anonymous: bool = True,
         safety: SafetySettings | None = None,
         expansion: Expansion | None = None,
-        adapters: AdapterCatalog | None = None,
+        adapters: AdapterResolver | None = None,
+        tenant_adapters: TenantAdapters | None = None,
     ) -> None:
         self.settings = settings
-        # The model store's LoRA adapters a request may name (none without a store).
-        self.adapters = adapters or AdapterCatalog(lambda: None)
+        # The LoRA adapters a request may name: its tenant's own, and the published
+        # ones (the model store's: none without a store).
+        self.adapters = adapters or AdapterResolver(repo.adapters, AdapterCatalog(lambda: None))
+        self.tenant_adapters = tenant_adapters or TenantAdapters(
+            settings, repo, registry, lambda: None, KernelSettings().models_dir
+        )
         # The prompt expander (``gateway.service`` gives it the data directory's models).
         self.expansion = expansion or Expansion(settings.expansion, KernelSettings().models_dir)
         self.stale_after_s = stale_after_s
@@ -125,7 +132,7 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
             raise ContentPolicyViolation("prompt")
         self.expansion.check(request)
         new = await self._read(caller, request, checked, now)
-        adapters = await self.adapters.resolve(new.params.adapters, checked.spec)
+        adapters = await self.adapters.resolve(caller.tenant, new.params.adapters, checked.spec)
         new = replace(new, params=replace(new.params, adapters=adapters))
         tenant_policy = caller.terms.output_policy if caller.terms else None
         new = under_output_policy(new, output_policy(self.safety, new.lane, tenant_policy))
@@ -155,15 +162,16 @@ class ImageGenerationServicer(image_generation_pb2_grpc.ImageGenerationServicer)
         return await self._submitted(job, False, now, eta)
 
     async def _read(self, caller: Caller, request: pb.SubmitJobRequest, checked: Checked, now: datetime) -> NewJob:
-        """The job, its image and mask decoded off the event loop once its tenant's
-        limits would let a job in (read-only; a resubmit of a stored job always)."""
+        """The job, its image and mask decoded off the event loop, once its tenant's
+        limits would let a job in (read-only; a resubmit of a stored job always):
+        so too before its adapters are looked up, which reads the store."""
         read = functools.partial(read_submit, request, checked, max_input_bytes=self.max_input_bytes)
-        if not request.image:  # a mask alone is refused by check_submit
+        if not (request.image or request.adapters):  # a mask alone is refused by check_submit
             return read()
         key = request.idempotency_key
         if limited(caller.terms) and not (key and await self.repo.jobs.find_by_idempotency_key(caller.tenant, key)):
             await look_first(self.repo.admission, caller, checked.lane, 0.0, now, None)
-        return await asyncio.to_thread(read)
+        return await asyncio.to_thread(read) if request.image else read()
 
     async def _expanded(
         self, caller: Caller, request: pb.SubmitJobRequest, new: NewJob, now: datetime, eta: admission.Estimate | None

@@ -51,6 +51,11 @@ class PermissionDenied(RequestError):
     """The caller is known, and may not do this."""
 
 
+class FailedPrecondition(RequestError):
+    """Nothing the caller can change makes this work here until an operator does
+    (a feature this deployment was not given what it needs for)."""
+
+
 @dataclass(frozen=True)
 class QuotaViolation:
     subject: str  # whose limit: "tenant:<name>"

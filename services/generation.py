@@ -85,16 +85,19 @@ class Prompts:
 
 @dataclass(frozen=True)
 class AdapterUse:
-    """A LoRA adapter a job applies: a version of the model store's, and its scale."""
+    """A LoRA adapter a job applies: a version of the model store's, and its scale.
+    ``owner``: the tenant whose own adapter it is (in the store under its
+    tenant's prefix), "" for the operator's (the store's own)."""
 
     name: str
     version: str
     scale: float = 1.0
+    owner: str = ""
 
     @property
     def key(self) -> str:
-        """What names the adapter's bytes: one version is one content."""
-        return f"{self.name}:{self.version}"
+        """What names the adapter's bytes: one version is one content (of its owner's)."""
+        return f"{self.owner}/{self.name}:{self.version}" if self.owner else f"{self.name}:{self.version}"
 
 
 @dataclass(frozen=True)

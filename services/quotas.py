@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import date, datetime, timedelta
 
+from services.db.adapter_records import MAX_ADAPTER_MB, MAX_ADAPTERS, AdapterLimits, AdapterRefusal, AdapterUsage
+
 MAX_JOBS = "max_jobs"
 RATE = "rate"
 CREDITS = "credits"
@@ -162,3 +164,18 @@ def _short(load: TenantLoad, have: float, cost: float, now: datetime) -> Refusal
     if load.daily_credits is not None and load.daily_credits >= cost:
         return Refusal(load.name, CREDITS, description, next_refill_s(now))
     return Refusal(load.name, CREDITS, description, None)
+
+
+def adapter_room(tenant: str, size: int, usage: AdapterUsage, limits: AdapterLimits) -> AdapterRefusal | None:
+    """Why ``tenant``, keeping ``usage`` of its own adapters, may not keep one more of
+    ``size`` bytes under ``limits``; None where it may."""
+    if usage.adapters + 1 > limits.max_adapters:
+        why = f"{usage.adapters} adapter versions kept, of at most {limits.max_adapters}: remove one first"
+        return AdapterRefusal(tenant, MAX_ADAPTERS, why)
+    if usage.size_bytes + size > limits.max_bytes:
+        why = (
+            f"{usage.size_bytes / 2**20:.1f} MiB of adapters kept and {size / 2**20:.1f} MiB more asked, "
+            f"of at most {limits.max_bytes / 2**20:.1f} MiB"
+        )
+        return AdapterRefusal(tenant, MAX_ADAPTER_MB, why)
+    return None

@@ -5,7 +5,7 @@ import io
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import nats
@@ -118,6 +118,13 @@ def env_of(**values: object) -> dict[str, str]:
         else:
             env[variable] = str(value)
     return env
+
+
+def store_values(model_store: Any) -> dict[str, str]:
+    """``make_stack`` values that point a stack at ``model_store`` as `darkroom up
+    --model-store` does: the reader's identity, and each role's that the supervisor
+    hands its samplers and its gateway instead."""
+    return {k.removeprefix(ENV_PREFIX).lower(): v for k, v in model_store.stack_env().items()}
 
 
 def stub(stack: LocalStack) -> image_generation_pb2_grpc.ImageGenerationStub:

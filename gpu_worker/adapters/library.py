@@ -18,14 +18,19 @@ from gpu_worker.adapters.slots import AdapterSlots
 from services.generation import AdapterUse
 from services.models.adapters.lora_files import LoraWeights, read_lora
 from services.models.spec import ModelFamily, ModelSpec
+from services.models.store.manifest import tenant_prefix, tenant_store_name
 
 _SLOTS: weakref.WeakKeyDictionary[Any, AdapterSlots] = weakref.WeakKeyDictionary()
 
 
 def store_directory(use: AdapterUse) -> Path:
-    """An adapter version's directory in the host cache, fetched first if needed."""
+    """An adapter version's directory in the host cache, fetched first if needed: a
+    tenant's own from its tenant's part of the store."""
     from services.models.host_cache import loading  # the store's client is loaded only where used
 
+    if use.owner:
+        name, prefix = tenant_store_name(use.owner, use.name), tenant_prefix(use.owner)
+        return loading.model_dir(f"adapter:{use.key}", name, use.version, prefix=prefix)
     return loading.model_dir(f"adapter:{use.key}", use.name, use.version)
 
 

@@ -26,7 +26,7 @@ from services.models.host_cache import HostCache, loading, peers
 from services.models.host_cache.fleet import FleetSources
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import OriginLeases
-from services.models.host_cache.sources import store_only
+from services.models.host_cache.sources import SourceChain, store_only
 from services.models.host_cache.verification import verify_if_due
 from services.models.store.errors import ModelNotInStore
 from services.models.store.manifest import Manifest
@@ -119,13 +119,22 @@ class SamplerModelStore:
             )
         capacity = int(settings.model_cache_gb * 1e9)
         sources = self.fleet or store_only(self.store)
-        self.cache = HostCache(layout.root, capacity_bytes=capacity, manifests=self.store, sources=sources)
+        self.cache = HostCache(
+            layout.root, capacity_bytes=capacity, manifests=self.store, sources=sources, scopes=self.scoped
+        )
         self.announced = CachedBlobs(self.cache.layout, self.cache.host_id)
 
     @classmethod
     def of(cls, kernel: KernelSettings, mesh: MeshIdentity | None) -> SamplerModelStore | None:
         """None where no store is configured (the sampler is as it was)."""
         return cls(kernel, mesh) if kernel.model_store.model_store_url else None
+
+    def scoped(self, prefix: str) -> tuple[ObjectStore, SourceChain]:
+        """A store of its own under ``prefix`` (a tenant's adapters): its manifests,
+        and its blobs from the peers (by digest, whoever's) then from there. Made at
+        each load, once the origin leases are open."""
+        store = self.store.scoped(prefix)
+        return store, (self.fleet.reading(store) if self.fleet is not None else store_only(store))
 
     def peers_of(self, digest: str) -> list[str]:
         """The samplers of other hosts announcing ``digest``, best first."""

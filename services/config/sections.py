@@ -186,6 +186,30 @@ class GatewaySettings(Section):
         at_least=0.01,
         at_most=24.0,
     )
+    max_adapter_mb: float = setting(
+        256.0,
+        "The largest LoRA adapter file a tenant may upload (UploadAdapter, POST /v1/adapters), in MiB: a larger "
+        "one is refused before a byte of it is read.",
+        at_least=0.01,
+        at_most=8192.0,
+    )
+    tenant_adapters_max: int = setting(
+        20,
+        "How many adapter versions of its own a tenant may keep, where its terms set none (`darkroom tenants "
+        "update NAME --max-adapters N`).",
+        at_least=0,
+    )
+    tenant_adapter_mb: float = setting(
+        1024.0,
+        "How many MiB of adapters of its own a tenant may keep in all, where its terms set none (`--adapter-mb`).",
+        at_least=0.0,
+    )
+    adapter_check_timeout_s: float = setting(
+        120.0,
+        "How long the check of an uploaded adapter (its file read and matched against the base model's network, "
+        "in a process of its own) may take before the upload is refused.",
+        at_least=1.0,
+    )
     placement: PlacementSettings = setting(doc="Lanes and latency classes, for admission.", factory=PlacementSettings)
     expansion: ExpansionSettings = setting(doc="Prompt expansion.", factory=ExpansionSettings)
 

@@ -16,11 +16,14 @@ _NESTED: tuple[type, ...] = (GenerationParams, JobShape, BatchKey)
 
 
 def _adapters_to_column(adapters: tuple[AdapterUse, ...]) -> list[dict[str, Any]]:
-    return [{"name": a.name, "version": a.version, "scale": a.scale} for a in adapters]
+    return [
+        {"name": a.name, "version": a.version, "scale": a.scale, **({"owner": a.owner} if a.owner else {})}
+        for a in adapters
+    ]
 
 
 def _adapters_from_column(rows: list[dict[str, Any]]) -> tuple[AdapterUse, ...]:
-    return tuple(AdapterUse(r["name"], r["version"], float(r["scale"])) for r in rows)
+    return tuple(AdapterUse(r["name"], r["version"], float(r["scale"]), r.get("owner", "")) for r in rows)
 
 
 # Columns that hold a field in a form of their own (JSON): to it, and from it.

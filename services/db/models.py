@@ -69,7 +69,8 @@ class JobRow(Base):
     fps: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("0"))
     # An edit's share of the denoising (1: all of it, as without an input image).
     strength: Mapped[float] = mapped_column(Float, nullable=False, server_default=text("1"))
-    # Its LoRA adapters, [{"name", "version", "scale"}, ...] in the order it named them.
+    # Its LoRA adapters, [{"name", "version", "scale"[, "owner"]}, ...] in the order it
+    # named them; "owner": the tenant whose own adapter it is (none: the store's).
     adapters: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False, server_default=text("'[]'"))
     # Rough previews of each image its stream sends while it denoises (0..3).
     previews: Mapped[int] = mapped_column(Integer, nullable=False, server_default=text("0"))

@@ -1,7 +1,8 @@
 """The tenants' tables: who may submit and on what terms (``tenants``), their keys
 (``api_keys``), what they spent by day (``tenant_usage``) and for fair sharing
-(``tenant_shares``), their credit ledgers (``credit_entries``), and the admin
-actions taken on them (``admin_actions``).
+(``tenant_shares``), their credit ledgers (``credit_entries``), the admin
+actions taken on them (``admin_actions``), and their own LoRA adapters
+(``tenant_adapters``).
 Part of the one schema ``models.py`` describes, on its ``Base``."""
 
 from __future__ import annotations
@@ -57,8 +58,42 @@ class TenantRow(Base):
     output_policy: Mapped[str | None] = mapped_column(String(8))
     # Its prompts are expanded unless a request says otherwise.
     expand_prompts: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    # Its own adapters: at most this many versions stored, of at most this many MB
+    # in all; NULL: the gateway's defaults (DARKROOM_TENANT_ADAPTERS_MAX, _MB).
+    max_adapters: Mapped[int | None] = mapped_column(Integer)
+    max_adapter_mb: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class TenantAdapterRow(Base):
+    """A tenant's own LoRA adapter version, its bytes in the model store under
+    tenants/tenant.TENANT/ (``services.models.store.manifest.tenant_prefix``). Not a
+    foreign key, as ``tenant_usage``: the default tenant needs no row."""
+
+    __tablename__ = "tenant_adapters"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(48), primary_key=True)
+    version: Mapped[str] = mapped_column(String(64), primary_key=True)  # made from its bytes
+    family: Mapped[str] = mapped_column(String(32), nullable=False)
+    base_model: Mapped[str] = mapped_column(String(128), nullable=False)  # the model it was checked against
+    rank: Mapped[int] = mapped_column(Integer, nullable=False)
+    layers: Mapped[int] = mapped_column(Integer, nullable=False)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    # The parts of its file not applied (a text encoder's), comma-separated.
+    skipped: Mapped[str] = mapped_column(Text, nullable=False, server_default=text("''"))
+    # False while its upload is under way (it counts against the tenant's limits,
+    # and no job may name it); a row still false long after was an upload cut off.
+    stored: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    # Every tenant may name it (an operator's `darkroom adapters publish`).
+    published: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+    # Published names are one namespace: a request naming one finds one.
+    __table_args__ = (
+        Index("ix_tenant_adapters_published_name", "name", unique=True, postgresql_where=text("published")),
+    )
 
 
 class TenantUsageRow(Base):

@@ -27,6 +27,9 @@ class TenantTerms:
     # What the image filter's flag does to its jobs' outputs ("block", "blur",
     # "flag"); None: its lane's (DARKROOM_OUTPUT_POLICIES).
     output_policy: str | None = None
+    # Its own adapters: versions stored and their MB in all; None: the gateway's defaults.
+    max_adapters: int | None = None
+    max_adapter_mb: float | None = None
 
 
 TERMS = tuple(f.name for f in fields(TenantTerms))

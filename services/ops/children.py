@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from services.bus.dispatch import host_token
 from services.config.fields import ENV_PREFIX
 from services.config.http import HttpSettings
+from services.config.model_store import ModelStoreSettings
 from services.config.sections import GatewaySettings, KernelSettings, SchedulerSettings, Settings
 from services.config.workers import DecoderSettings, SamplerSettings
 from services.ops import SERVICE_MODULES, forkserver
@@ -73,20 +74,36 @@ def restart_policy(settings: Settings) -> RestartPolicy:
     )
 
 
-# The services that read the model store: a sampler (its host's cache), a decoder
-# (a store: model's VAE, from the same cache) and a gateway (the manifests of the
-# adapters a request names). They are given its read-only
-# identity (DARKROOM_MODEL_STORE_ACCESS_KEY); the others nothing of the store; the
-# writer's identity no service: it is the operator's `darkroom models`.
-_MODEL_STORE_READERS = frozenset({"sampler", "decoder", "gateway"})
-_STORE_WRITER = ("MODEL_STORE_WRITER_ACCESS_KEY", "MODEL_STORE_WRITER_SECRET_KEY")
-_STORE_READER = ("MODEL_STORE_URL", "MODEL_STORE_ACCESS_KEY", "MODEL_STORE_SECRET_KEY")
+# What each service reads the model store with (DARKROOM_MODEL_STORE_ACCESS_KEY): a
+# sampler its own identity, which may also write compiled artifacts (the reader's
+# where none is set); a decoder the reader's; a gateway its own, which reads
+# manifests and keeps tenants' adapters, and never the reader's (it faces the
+# internet: the reader's reads every model's bytes). The scheduler and the HTTP API
+# nothing of the store; the writer's and the roles' identities no service: they are
+# the operator's and the supervisor's to hand out.
+_STORE_ROLES = ("WRITER", "SAMPLER", "GATEWAY")
 
 
-def _withheld_model_store(service: str) -> dict[str, str]:
-    """The model store's settings ``service`` is not given, emptied."""
-    names = _STORE_WRITER if service in _MODEL_STORE_READERS else _STORE_WRITER + _STORE_READER
-    return {ENV_PREFIX + name: "" for name in names}
+def _model_store_env(service: str, store: ModelStoreSettings) -> dict[str, str]:
+    """The model store's variables as ``service`` is given them."""
+    env = {f"{ENV_PREFIX}MODEL_STORE_{role}_{part}_KEY": "" for role in _STORE_ROLES for part in ("ACCESS", "SECRET")}
+    url, access, secret = store.model_store_url, store.model_store_access_key, store.model_store_secret_key
+    if service == "sampler" and store.model_store_sampler_access_key:
+        access, secret = store.model_store_sampler_access_key, store.model_store_sampler_secret_key
+    elif service == "gateway" and (store.model_store_gateway_access_key or access):
+        # An unsigned store is read unsigned by all; a signed one by the gateway's own identity, or not at all.
+        access, secret = store.model_store_gateway_access_key, store.model_store_gateway_secret_key
+        url = url if access else ""
+    elif service not in ("sampler", "decoder", "gateway"):
+        url, access, secret = "", "", ""
+    env.update(
+        {
+            f"{ENV_PREFIX}MODEL_STORE_URL": url,
+            f"{ENV_PREFIX}MODEL_STORE_ACCESS_KEY": access,
+            f"{ENV_PREFIX}MODEL_STORE_SECRET_KEY": secret,
+        }
+    )
+    return env
 
 
 def child(settings: Settings, name: str, service: str, env: Mapping[str, str] | None = None) -> Child:
@@ -94,11 +111,12 @@ def child(settings: Settings, name: str, service: str, env: Mapping[str, str] | 
     settings, changed by the ``DARKROOM_*`` variables of ``env`` (checked here,
     so that a bad one stops the caller): those its service reads (``variables_read``)
     and no other ``DARKROOM_*`` variable, of this process's environment either; of
-    the model store's, only what the service reads it with (``_withheld_model_store``).
+    the model store's, only what the service reads it with (``_model_store_env``).
     The other variables of this process's environment and of ``env`` pass as they are."""
     env = env or {}
     changed = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
-    own = settings.with_env({**changed, **_withheld_model_store(service)})
+    asked = settings.with_env(changed)
+    own = asked.with_env(_model_store_env(service, asked.kernel.model_store))
     read = variables_read(service)
     given = {k: v for k, v in own.to_env().items() if k in read}
     others = {k: v for k, v in {**os.environ, **env}.items() if not k.startswith(ENV_PREFIX)}

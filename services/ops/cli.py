@@ -187,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.ops import tenants_cli
 
     tenants_cli.add_commands(sub, lambda args: tenants_cli.run(args, _settings(args)))
+    from services.ops import adapters_cli
+
+    adapters_cli.add_commands(sub, lambda args: tenants_cli.run(args, _settings(args)))
 
     from services.ops import certs_cli
 

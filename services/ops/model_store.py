@@ -95,16 +95,17 @@ def role_actions(bucket: str) -> dict[str, tuple[str, ...]]:
     reads models and adapters, and writes under ``compiled/`` alone: it shares the
     compiled artifacts of what it loaded (``services.models.compile_cache``, each
     with a signed record) and can touch no model. A decoder (the reader) reads. The
-    gateway, facing the internet, reads manifests (the adapters a request names)
-    and keeps tenants' own adapters under ``tenants/``: it reads no model's bytes,
-    and writes no model, manifest or compiled artifact. Nobody but the writer lists
-    the bucket, nor may any make or delete buckets, nor touch another."""
+    gateway, facing the internet, reads and lists manifests (the adapters a request
+    names, and those it lists) and keeps tenants' own
+    adapters under ``tenants/``: it reads no model's bytes, and writes no model,
+    manifest or compiled artifact. Nobody else lists the bucket, nor may any make or
+    delete buckets, nor touch another."""
     return {
         "writer": (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}"),
         "sampler": (f"Read:{bucket}", f"Write:{bucket}/{COMPILED_PREFIX}*"),
         "reader": (f"Read:{bucket}",),
         "gateway": (
-            f"Read:{bucket}/{MANIFESTS_PREFIX}*",
+            *(f"{right}:{bucket}/{MANIFESTS_PREFIX}*" for right in ("Read", "List")),
             *(f"{right}:{bucket}/{TENANTS_PREFIX}*" for right in ("Read", "List", "Write")),
         ),
     }

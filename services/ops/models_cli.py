@@ -1,5 +1,6 @@
 """``darkroom models``: push a model's directory (or a builtin) to the model store,
-list what it holds, remove a version or a model. The store is the one
+list what it holds, remove a version or a model, list and remove the fleet's
+compiled artifacts (``compiled_cli``). The store is the one
 DARKROOM_MODEL_STORE_URL (and its credentials) names; push, list and rm sign as its
 writer (DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY) where one is set. ``verify`` hashes
 this host's cache of it (DARKROOM_MODEL_CACHE_DIR) again."""
@@ -18,7 +19,8 @@ from services.models.host_cache.layout import Layout
 from services.models.host_cache.verification import verify
 from services.models.store.manifest import parse_reference
 from services.models.store.objects import ObjectStore
-from services.models.store.push import PushResult, push_directory, source_directory
+from services.models.store.push import PushResult, network_configs, push_directory, source_directory
+from services.ops import compiled_cli
 
 
 def add_commands(sub: Any, run: Any) -> None:
@@ -47,6 +49,7 @@ def add_commands(sub: Any, run: Any) -> None:
     for p in (push, listing, rm, verify):
         p.add_argument("--data-dir", help="where builtins are built (DATA_DIR/models)")
         p.set_defaults(func=run)
+    compiled_cli.add_commands(actions, run)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -57,6 +60,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             return _list(settings)
         if args.models_command == "verify":
             return _verify(settings)
+        if args.models_command == "compiled":
+            return compiled_cli.run(args, settings)
         return _rm(args, settings)
     except ModelError as exc:
         print(f"darkroom models: {exc}", file=sys.stderr)
@@ -75,7 +80,7 @@ def _push(args: argparse.Namespace, settings: Settings) -> int:
     if args.lora:
         return _push_adapter(args, settings, store)
     root = source_directory(args.source, settings.kernel.models_dir)
-    result = push_directory(store, root, args.reference, force=args.force)
+    result = push_directory(store, root, args.reference, entry=network_configs(root), force=args.force)
     _report(result, root)
     return 0
 

@@ -76,8 +76,10 @@ async def create_tenant(args: argparse.Namespace, settings: Settings, repo: Repo
         args.weight,
         expand_prompts=args.expand_prompts,
         output_policy=args.output_policy,
+        max_adapters=args.max_adapters,
+        max_adapter_mb=args.adapter_mb,
     )
-    tenant = await repo.tenants.create(args.name, terms, actor=_actor(), now=datetime.now(UTC))
+    tenant = await repo.tenants.create(args.name, terms, actor=actor(), now=datetime.now(UTC))
     _print_tenant(tenant, await repo.credits.held([tenant.name]))
     return 0
 
@@ -94,6 +96,8 @@ async def update_tenant(args: argparse.Namespace, settings: Settings, repo: Repo
             ("weight", "weight"),
             ("expand_prompts", "expand_prompts"),
             ("output_policy", "output_policy"),
+            ("max_adapters", "max_adapters"),
+            ("adapter_mb", "max_adapter_mb"),
         )
         if hasattr(args, option) and not (option == "lane" and args.lane is None)
     }
@@ -102,7 +106,7 @@ async def update_tenant(args: argparse.Namespace, settings: Settings, repo: Repo
     add = args.add_credits
     if add is not None and "credits" in given:
         raise ValueError("--credits sets the balance and --add-credits adds to it: give one of them")
-    tenant = await repo.tenants.update(args.name, given, add_credits=add, actor=_actor(), now=datetime.now(UTC))
+    tenant = await repo.tenants.update(args.name, given, add_credits=add, actor=actor(), now=datetime.now(UTC))
     _print_tenant(tenant, await repo.credits.held([tenant.name]))
     return 0
 
@@ -136,7 +140,7 @@ async def create_key(args: argparse.Namespace, settings: Settings, repo: Reposit
     from services.api_keys import new_key
 
     issued = new_key()
-    key = await repo.tenants.add_key(args.tenant, issued, admin=args.admin, actor=_actor(), now=datetime.now(UTC))
+    key = await repo.tenants.add_key(args.tenant, issued, admin=args.admin, actor=actor(), now=datetime.now(UTC))
     _print_key(key)
     print("darkroom: the key follows; it is shown this once and stored only as a digest")
     print(issued.key, flush=True)
@@ -150,11 +154,11 @@ async def list_keys(args: argparse.Namespace, settings: Settings, repo: Reposito
 
 
 async def revoke_key(args: argparse.Namespace, settings: Settings, repo: Repository) -> int:
-    _print_key(await repo.tenants.revoke(args.key_id, actor=_actor(), now=datetime.now(UTC)))
+    _print_key(await repo.tenants.revoke(args.key_id, actor=actor(), now=datetime.now(UTC)))
     return 0
 
 
-def _actor() -> str:
+def actor() -> str:
     """Who runs this command, for the record of admin actions: user and host."""
     import getpass
     import socket
@@ -185,7 +189,12 @@ def _print_tenant(tenant: TenantRecord, held: dict[str, float]) -> None:
         f"max jobs {limit(t.max_jobs)}, rate {limit(t.rate_per_s)}{'/s' if t.rate_per_s else ''}, weight {t.weight:g}"
         f"{', prompts expanded' if t.expand_prompts else ''}"
         f", output policy {t.output_policy or 'of its lane'}"
+        f", adapters {_or_default(t.max_adapters)} versions of {_or_default(t.max_adapter_mb)} MiB"
     )
+
+
+def _or_default(value: float | None) -> str:
+    return "the gateway's default" if value is None else f"{value:g}"
 
 
 def _print_key(key: KeyRecord) -> None:

@@ -91,6 +91,19 @@ def _term_options(p: argparse.ArgumentParser, *, defaults: bool) -> None:
         default=False if defaults else argparse.SUPPRESS,
         help="expand its jobs' prompts unless a request says otherwise (default: no)",
     )
+    default = "; 'none' for the gateway's default" if not defaults else ""
+    p.add_argument(
+        "--max-adapters",
+        type=_at_least(0, int),
+        default=unset,
+        help=f"adapter versions of its own it may keep (default: DARKROOM_TENANT_ADAPTERS_MAX){default}",
+    )
+    p.add_argument(
+        "--adapter-mb",
+        type=_at_least(0.0),
+        default=unset,
+        help=f"MiB of adapters of its own it may keep in all (default: DARKROOM_TENANT_ADAPTER_MB){default}",
+    )
     lane = "its lane's (DARKROOM_OUTPUT_POLICIES)"
     p.add_argument(
         "--output-policy",

@@ -19,6 +19,7 @@ from services.errors import (
     ContentPolicyViolation,
     DarkroomError,
     DegenerateOutput,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -56,6 +57,8 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         status = status_pb2.Status(code=code_pb2.UNAUTHENTICATED, message=str(exc))
     elif isinstance(exc, PermissionDenied):
         status = status_pb2.Status(code=code_pb2.PERMISSION_DENIED, message=str(exc))
+    elif isinstance(exc, FailedPrecondition):
+        status = status_pb2.Status(code=code_pb2.FAILED_PRECONDITION, message=str(exc))
     elif isinstance(exc, ResourceExhausted):
         status = status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(exc))
         if exc.quota is not None:

@@ -26,7 +26,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack, running
-from tests.helpers import count_jobs, png_size, stub, wait_terminal
+from tests.helpers import count_jobs, png_size, store_values, stub, wait_terminal
 from tests.integration.test_host_cache import object_store
 from tests.integration.test_http_api_retries import sdk
 from tests.integration.test_invalid_requests import violations
@@ -92,18 +92,14 @@ def stack(
     model_store: Any,
     adapters: dict[str, str],
 ) -> Iterator[LocalStack]:
-    env = model_store.reader_env()  # as `darkroom up --model-store` gives its samplers, decoders and gateways
     yield from running(
         make_stack(
             tmp_path_factory.mktemp("adapters-stack"),
             postgres,
             models_dir,
             http=True,
-            model_store_url=env["DARKROOM_MODEL_STORE_URL"],
-            model_store_bucket=env["DARKROOM_MODEL_STORE_BUCKET"],
-            model_store_access_key=env["DARKROOM_MODEL_STORE_ACCESS_KEY"],
-            model_store_secret_key=env["DARKROOM_MODEL_STORE_SECRET_KEY"],
             model_registry=adapters["registry"],
+            **store_values(model_store),  # each role its own identity, as `darkroom up --model-store` gives them
         )
     )
 

@@ -30,7 +30,7 @@ from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import make_stack, running
-from tests.helpers import stub, wait_for, wait_terminal, workers_heard
+from tests.helpers import store_values, stub, wait_for, wait_terminal, workers_heard
 from tests.integration.test_host_cache import cache_of, object_store
 from tests.store_registry import write_store_registry
 
@@ -65,7 +65,6 @@ def store_stack(
 ) -> Iterator[LocalStack]:
     tmp = tmp_path_factory.mktemp("store-stack")
     registry = write_store_registry(tmp / "registry.toml", MODEL, pushed.name)
-    env = model_store.reader_env()  # as `darkroom up --model-store` gives its samplers and decoders
     yield from running(
         make_stack(
             tmp / "stack",
@@ -73,11 +72,8 @@ def store_stack(
             models_dir,
             samplers=2,
             model_registry=registry,
-            model_store_url=env["DARKROOM_MODEL_STORE_URL"],
-            model_store_bucket=env["DARKROOM_MODEL_STORE_BUCKET"],
-            model_store_access_key=env["DARKROOM_MODEL_STORE_ACCESS_KEY"],
-            model_store_secret_key=env["DARKROOM_MODEL_STORE_SECRET_KEY"],
             preload_models=(MODEL,),  # both samplers resolve it at once as they start
+            **store_values(model_store),  # each role its own identity, as `darkroom up --model-store` gives them
         )
     )
 

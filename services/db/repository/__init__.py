@@ -5,6 +5,7 @@ once, in ``database``."""
 from __future__ import annotations
 
 from services.db.attempt_records import Result, Standing, StartRequest, StepReport
+from services.db.repository.adapters import Adapters
 from services.db.repository.admission import Admission
 from services.db.repository.attempts import Attempts
 from services.db.repository.checkpoints import Checkpoints
@@ -37,7 +38,8 @@ class Repository:
     the scheduler's passes; ``recovery``: stalled, expired and exhausted jobs;
     ``estimates``: learned durations; ``checkpoints``: denoising checkpoints and
     suspensions; ``tenants``: tenants and their API keys; ``admission``: submits
-    within their tenants' limits; ``credits``: settling what ended jobs cost."""
+    within their tenants' limits; ``credits``: settling what ended jobs cost;
+    ``adapters``: tenants' own LoRA adapters."""
 
     def __init__(
         self, database_url: str, *, pool_size: int = 10, application_name: str = "darkroom", pooled: bool = False
@@ -53,6 +55,7 @@ class Repository:
         self.tenants = Tenants(self.db)
         self.admission = Admission(self.db)
         self.credits = Credits(self.db)
+        self.adapters = Adapters(self.db)
 
     async def close(self) -> None:
         await self.db.close()

@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -60,13 +61,32 @@ class HeldModel:
         self.release()
 
 
+# The manifests and blob sources of a store of its own under a prefix of the bucket
+# (a tenant's adapters: ``ObjectStore.scoped``).
+Scopes = Callable[[str], tuple[ManifestReader, SourceChain]]
+
+
 class HostCache:
-    def __init__(self, root: Path, *, capacity_bytes: int, manifests: ManifestReader, sources: SourceChain) -> None:
+    """``scopes``: where a version under a prefix of the store is read from (None:
+    nothing but the store's own). Every version shares the one directory: its
+    names are the manifests' (a scoped store's are its own: ``tenant_store_name``),
+    its blobs are by digest, whoever's."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        capacity_bytes: int,
+        manifests: ManifestReader,
+        sources: SourceChain,
+        scopes: Scopes | None = None,
+    ) -> None:
         self.layout = Layout(Path(root))
         self.layout.make()
         self.capacity_bytes = capacity_bytes
         self.manifests = manifests
         self.sources = sources
+        self.scopes = scopes
         self.host_id = self.layout.host_id()
         # Bytes this cache object fetched, by source kind (the metrics count every cache of the process).
         self.fetched: collections.Counter[str] = collections.Counter()
@@ -76,9 +96,15 @@ class HostCache:
         with await self.acquire(name, version) as held:
             return held.path
 
-    async def acquire(self, name: str, version: str | None = None) -> HeldModel:
-        """The version's directory, complete, held until released."""
-        manifest = await self.manifest(name, version)
+    async def acquire(self, name: str, version: str | None = None, *, prefix: str = "") -> HeldModel:
+        """The version's directory, complete, held until released; ``prefix``: of the
+        store of its own there (``scopes``)."""
+        reader, sources = self.manifests, self.sources
+        if prefix:
+            if self.scopes is None:
+                raise ModelError(f"{name}: this host's cache reads nothing under {prefix!r} of the store")
+            reader, sources = self.scopes(prefix)
+        manifest = await self.manifest(name, version, reader=reader)
         model_dir = self.layout.model(manifest.name, manifest.version)
         missing = {d: s for d, s in manifest.blobs().items() if not blob_fetch.is_complete(self.layout.blob(d), s)}
         if missing:
@@ -88,7 +114,7 @@ class HostCache:
                 LOOKUPS.labels(result="hit").inc()
             else:
                 LOOKUPS.labels(result="miss").inc()
-                await self._fetch_all(manifest)
+                await self._fetch_all(manifest, sources)
                 async with locked(self.layout.model_lock(manifest.name, manifest.version)):
                     if not _built(self.layout, model_dir, manifest):
                         self._build(model_dir, manifest)
@@ -97,13 +123,14 @@ class HostCache:
         await self.evict()
         return HeldModel(model_dir, manifest, hold)
 
-    async def manifest(self, name: str, version: str | None) -> Manifest:
-        """From the store (a copy kept); the copy only when the store cannot be
-        reached. A version the store says it does not hold was removed: the copy
-        and its directory go too (its blobs with the next eviction), so a model
-        withdrawn from the store stops loading, and being offered to peers, here."""
+    async def manifest(self, name: str, version: str | None, *, reader: ManifestReader | None = None) -> Manifest:
+        """From the store (``reader``: a scoped one; a copy kept); the copy only when
+        the store cannot be reached. A version the store says it does not hold was
+        removed: the copy and its directory go too (its blobs with the next
+        eviction), so a model withdrawn from the store stops loading, and being
+        offered to peers, here."""
         try:
-            read = self.manifests.read_manifest
+            read = (reader or self.manifests).read_manifest
             if inspect.iscoroutinefunction(read):
                 manifest = await read(name, version)
             else:  # a blocking client's call, off the event loop
@@ -151,12 +178,12 @@ class HostCache:
                     self.layout.discard(model_dir)
                     log.warning("%s:%s was removed from the model store; dropped from the host's cache", name, version)
 
-    async def _fetch_all(self, manifest: Manifest) -> None:
+    async def _fetch_all(self, manifest: Manifest, sources: SourceChain) -> None:
         gate = asyncio.Semaphore(BLOBS_AT_ONCE)
 
         async def one(digest: str, size: int) -> None:
             async with gate:
-                await blob_fetch.ensure_blob(self.layout, digest, size, self.sources, self.fetched)
+                await blob_fetch.ensure_blob(self.layout, digest, size, sources, self.fetched)
 
         async with asyncio.TaskGroup() as tg:
             for digest, size in manifest.blobs().items():

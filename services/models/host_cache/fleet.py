@@ -5,6 +5,7 @@ reachable (``origin``), else directly."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -80,6 +81,12 @@ class FleetSources:
             )
 
         return cls(store, peer_source=peer_source, **kwargs)
+
+    def reading(self, store: Any) -> FleetSources:
+        """The same peers and leases, and ``store`` (a scoped one) last."""
+        other = copy.copy(self)
+        other.store = StoreSource(store)
+        return other
 
     async def __call__(self, digest: str, size: int) -> AsyncIterator[BlobSource]:
         tried: set[str] = set()

@@ -33,9 +33,12 @@ def check_name(what: str, value: str) -> str:
 
 
 def parse_reference(reference: str) -> tuple[str, str | None]:
-    """``NAME[:VERSION]`` as (name, version or None for the latest)."""
+    """``NAME[:VERSION]`` as (name, version or None for the latest). Names beginning
+    with the word of tenants' scopes (``tenant_store_name``) are theirs alone."""
     name, _, version = reference.partition(":")
     check_name("model name", name)
+    if name.startswith(tenant_scope("")):
+        raise ModelError(f"model name {name!r}: names beginning with {tenant_scope('')!r} are tenants' own")
     if version:
         check_name("version", version)
     return name, version or None
@@ -49,6 +52,24 @@ MANIFESTS_PREFIX = "manifests/"
 # Tenants' own adapters, each tenant's a store of its own under tenants/<tenant id>/
 # (``ObjectStore.scoped``): the one prefix a gateway may write.
 TENANTS_PREFIX = "tenants/"
+
+
+def tenant_scope(tenant: str) -> str:
+    """A tenant's own part of the store: a path segment (any tenant name, "." and
+    ".." included, is a safe one this way) and the prefix of its adapters' names."""
+    return f"tenant.{tenant}"
+
+
+def tenant_prefix(tenant: str) -> str:
+    """Where a tenant's own adapters lie in the bucket: a store of their own."""
+    return f"{TENANTS_PREFIX}{tenant_scope(tenant)}/"
+
+
+def tenant_store_name(tenant: str, name: str) -> str:
+    """A tenant's adapter ``name`` as its manifest names it: never the name of
+    another tenant's (its adapters' names have no '.'), nor of a model of the
+    store's own (``parse_reference`` lets no pushed name begin with the scope's word)."""
+    return f"{tenant_scope(tenant)}.{name}"
 
 
 def manifest_key(name: str, version: str) -> str:

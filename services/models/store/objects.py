@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from services.config.model_store import ModelStoreSettings
 from services.models.store.errors import ModelNotInStore, ModelStoreError, ModelStoreUnavailable, ModelVersionExists
 from services.models.store.manifest import (
     COMPILED_PREFIX,
+    MANIFESTS_PREFIX,
     Manifest,
     blob_key,
     check_name,
@@ -34,6 +35,7 @@ from services.models.store.manifest import (
 from services.models.store.records import Removal, StoredVersion
 
 _MB = 1024 * 1024
+_FORBIDDEN = "non-2xx status code: 403 Forbidden"
 # A store that does not answer fails a command in seconds, not after the
 # driver's default three minutes of retries.
 _RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=20)}
@@ -86,10 +88,11 @@ class ObjectStore:
         except (BaseError, OSError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             # A refusal (these credentials may not) is an answer; anything else is the store being away.
-            if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+            # The driver tells a refused listing only by its status (a generic error).
+            if isinstance(exc, PermissionDeniedError | UnauthenticatedError) or _FORBIDDEN in str(exc):
                 raise ModelStoreError(
-                    f"model store {self.url} (bucket {self.bucket}): {doing}: refused ({first}); pushing and "
-                    "removing need the writer's identity (DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY and _SECRET_KEY)"
+                    f"model store {self.url} (bucket {self.bucket}): {doing}: refused ({first}); pushing, listing "
+                    "and removing need the writer's identity (DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY and _SECRET_KEY)"
                 ) from exc
             raise ModelStoreUnavailable(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
 
@@ -101,23 +104,48 @@ class ObjectStore:
             except FileNotFoundError:
                 return False
 
-    # Compiled artifacts (services.models.compile_cache): small, whole, any identity's.
+    def scoped(self, prefix: str) -> ObjectStore:
+        """This store's client for the store of its own under ``prefix`` (a tenant's
+        adapters, under ``tenants/<tenant id>/``): the same layout of blobs and
+        manifests, every key under ``prefix``, with this client's identity."""
+        if not prefix.endswith("/") or prefix.startswith("/"):
+            raise ValueError(f"a store's prefix is a folder: {prefix!r}")
+        store = S3Store(
+            config=self._store.config,
+            client_options=self._store.client_options,
+            retry_config=self._store.retry_config,
+            prefix=f"{self._store.prefix or ''}/{prefix}".strip("/"),
+        )
+        return ObjectStore(
+            store,
+            url=self.url,
+            bucket=f"{self.bucket}/{prefix.rstrip('/')}",
+            fetch_streams=self.fetch_streams,
+            fetch_range_bytes=self.fetch_range_bytes,
+        )
 
-    def read_compiled(self, digest: str) -> bytes | None:
-        with self._errors(f"reading compiled artifacts {digest}"):
+    # Compiled artifacts and their signed records (services.models.compile_cache): small, whole, by name.
+
+    def read_compiled(self, name: str) -> bytes | None:
+        with self._errors(f"reading compiled/{name}"):
             try:
-                return bytes(obstore.get(self._store, compiled_key(digest)).bytes())
+                return bytes(obstore.get(self._store, compiled_key(name)).bytes())
             except FileNotFoundError:
                 return None
 
-    def write_compiled(self, digest: str, data: bytes) -> None:
-        with self._errors(f"writing compiled artifacts {digest}"):
-            obstore.put(self._store, compiled_key(digest), data)
+    def write_compiled(self, name: str, data: bytes) -> None:
+        with self._errors(f"writing compiled/{name}"):
+            obstore.put(self._store, compiled_key(name), data)
 
-    def compiled_digests(self) -> set[str]:
+    def compiled_names(self) -> dict[str, int]:
+        """Each object under ``compiled/`` by name, with its size."""
         with self._errors("listing compiled artifacts"):
             listed = obstore.list(self._store, COMPILED_PREFIX).collect()
-        return {meta["path"].removeprefix(COMPILED_PREFIX) for meta in listed}
+        return {meta["path"].removeprefix(COMPILED_PREFIX): meta["size"] for meta in listed}
+
+    def remove_compiled(self, names: Iterable[str]) -> None:
+        with self._errors("removing compiled artifacts"):
+            obstore.delete(self._store, [compiled_key(name) for name in names])
 
     # Blobs.
 
@@ -239,8 +267,17 @@ class ObjectStore:
     def _manifest_objects(self) -> list[ObjectMeta]:
         """Every stored manifest object (``manifests/<name>/<version>.json``)."""
         with self._errors("listing the manifests"):
-            objects = [o for chunk in obstore.list(self._store, prefix="manifests/") for o in chunk]
+            objects = [o for chunk in obstore.list(self._store, prefix=MANIFESTS_PREFIX) for o in chunk]
         return [o for o in objects if o["path"].endswith(".json") and o["path"].count("/") == 2]
+
+    def manifests(self) -> list[tuple[Manifest, datetime]]:
+        """Every version's manifest and when it was pushed, by name then by when."""
+        objects = sorted(self._manifest_objects(), key=lambda o: (o["path"].split("/")[1], o["last_modified"]))
+        found = []
+        for o in objects:
+            _, name, version = o["path"].removesuffix(".json").split("/")
+            found.append((self.read_manifest(name, version), o["last_modified"]))
+        return found
 
     def list_models(self) -> list[StoredVersion]:
         """Every version of every model, by name then by when it was pushed."""

@@ -79,6 +79,27 @@ def content_version(files: tuple[BlobRef, ...]) -> str:
     return hashlib.sha256(listing.encode()).hexdigest()[:12]
 
 
+# The denoising networks' folders whose config a model's push records in its
+# manifest (``LORA_LOADERS``' networks): a gateway checks a tenant's adapter against
+# it without reading any of the model's files, which it may not.
+NETWORK_FOLDERS = ("unet", "transformer")
+_LARGEST_CONFIG = 256 * 1024
+
+
+def network_configs(root: Path) -> dict[str, Any]:
+    """The entry a model's push records of its denoising network's config:
+    ``{"network_configs": {"transformer/config.json": {...}}}``, or nothing."""
+    found = {}
+    for folder in NETWORK_FOLDERS:
+        path = Path(root) / folder / "config.json"
+        if path.is_file() and path.stat().st_size <= _LARGEST_CONFIG:
+            try:
+                found[f"{folder}/config.json"] = json.loads(path.read_text())
+            except ValueError as exc:
+                raise ModelError(f"{path}: not a network's config: {exc}") from exc
+    return {"network_configs": found} if found else {}
+
+
 def source_directory(source: str, models_dir: Path) -> Path:
     """The directory a push reads: ``source`` itself, or a builtin (``builtin:NAME``)
     built once into ``models_dir/NAME``, where `darkroom up` builds it too."""

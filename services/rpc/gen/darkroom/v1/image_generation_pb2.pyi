@@ -649,3 +649,83 @@ class ModerateResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ModerationResult]
     def __init__(self, results: _Optional[_Iterable[_Union[ModerationResult, _Mapping]]] = ...) -> None: ...
+
+class UploadAdapterRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: AdapterUpload
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[AdapterUpload, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class AdapterUpload(_message.Message):
+    __slots__ = ("name", "base_model", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    base_model: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., base_model: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "version", "family", "base_model", "rank", "layers", "size_bytes", "own", "published", "created_time", "skipped")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_TIME_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    family: str
+    base_model: str
+    rank: int
+    layers: int
+    size_bytes: int
+    own: bool
+    published: bool
+    created_time: _timestamp_pb2.Timestamp
+    skipped: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., family: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., layers: _Optional[int] = ..., size_bytes: _Optional[int] = ..., own: _Optional[bool] = ..., published: _Optional[bool] = ..., created_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., skipped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListAdaptersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AdapterQuota(_message.Message):
+    __slots__ = ("adapters", "max_adapters", "size_bytes", "max_size_bytes")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    adapters: int
+    max_adapters: int
+    size_bytes: int
+    max_size_bytes: int
+    def __init__(self, adapters: _Optional[int] = ..., max_adapters: _Optional[int] = ..., size_bytes: _Optional[int] = ..., max_size_bytes: _Optional[int] = ...) -> None: ...
+
+class ListAdaptersResponse(_message.Message):
+    __slots__ = ("adapters", "quota")
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    quota: AdapterQuota
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., quota: _Optional[_Union[AdapterQuota, _Mapping]] = ...) -> None: ...
+
+class DeleteAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteAdapterResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, removed: _Optional[_Iterable[str]] = ...) -> None: ...

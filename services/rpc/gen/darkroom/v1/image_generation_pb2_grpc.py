@@ -77,6 +77,21 @@ class ImageGenerationStub:
                 request_serializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateRequest.SerializeToString,
                 response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateResponse.FromString,
                 _registered_method=True)
+        self.UploadAdapter = channel.stream_unary(
+                '/darkroom.v1.ImageGeneration/UploadAdapter',
+                request_serializer=darkroom_dot_v1_dot_image__generation__pb2.UploadAdapterRequest.SerializeToString,
+                response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/darkroom.v1.ImageGeneration/ListAdapters',
+                request_serializer=darkroom_dot_v1_dot_image__generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.DeleteAdapter = channel.unary_unary(
+                '/darkroom.v1.ImageGeneration/DeleteAdapter',
+                request_serializer=darkroom_dot_v1_dot_image__generation__pb2.DeleteAdapterRequest.SerializeToString,
+                response_deserializer=darkroom_dot_v1_dot_image__generation__pb2.DeleteAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class ImageGenerationServicer:
@@ -141,6 +156,32 @@ class ImageGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadAdapter(self, request_iterator, context):
+        """A LoRA adapter of the caller's own: the first message names it, the next ones
+        carry its one .safetensors file. Checked as `darkroom models push --lora`
+        checks one (its size, its rank, every layer against the base model's network)
+        before anything is stored; private to the caller's tenant unless an operator
+        publishes it (`darkroom adapters publish`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The adapters the caller may name: its own, then those published to every
+        tenant (the operator's, in the model store, and tenants' an operator published).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAdapter(self, request, context):
+        """Removes a version of one of the caller's own adapters, or every version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ImageGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +224,21 @@ def add_ImageGenerationServicer_to_server(servicer, server):
                     servicer.Moderate,
                     request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateRequest.FromString,
                     response_serializer=darkroom_dot_v1_dot_image__generation__pb2.ModerateResponse.SerializeToString,
+            ),
+            'UploadAdapter': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadAdapter,
+                    request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.UploadAdapterRequest.FromString,
+                    response_serializer=darkroom_dot_v1_dot_image__generation__pb2.AdapterInfo.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=darkroom_dot_v1_dot_image__generation__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'DeleteAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAdapter,
+                    request_deserializer=darkroom_dot_v1_dot_image__generation__pb2.DeleteAdapterRequest.FromString,
+                    response_serializer=darkroom_dot_v1_dot_image__generation__pb2.DeleteAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,6 +460,87 @@ class ImageGeneration:
             '/darkroom.v1.ImageGeneration/Moderate',
             darkroom_dot_v1_dot_image__generation__pb2.ModerateRequest.SerializeToString,
             darkroom_dot_v1_dot_image__generation__pb2.ModerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadAdapter(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/darkroom.v1.ImageGeneration/UploadAdapter',
+            darkroom_dot_v1_dot_image__generation__pb2.UploadAdapterRequest.SerializeToString,
+            darkroom_dot_v1_dot_image__generation__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.v1.ImageGeneration/ListAdapters',
+            darkroom_dot_v1_dot_image__generation__pb2.ListAdaptersRequest.SerializeToString,
+            darkroom_dot_v1_dot_image__generation__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/darkroom.v1.ImageGeneration/DeleteAdapter',
+            darkroom_dot_v1_dot_image__generation__pb2.DeleteAdapterRequest.SerializeToString,
+            darkroom_dot_v1_dot_image__generation__pb2.DeleteAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,
