@@ -108,6 +108,7 @@ def fleet_loads(
 
 
 def fleet_table(models: list[str], models_dir: Path, max_batch: int, device: torch.device) -> None:
+    from services.mesh.secrets import compile_signing_key
     from services.ops.model_store import EmbeddedModelStore
 
     print("\nRegional compilation, cold and from the fleet's compile cache (a process each, empty compiler caches):\n")
@@ -116,9 +117,11 @@ def fleet_table(models: list[str], models_dir: Path, max_batch: int, device: tor
     with tempfile.TemporaryDirectory() as tmp:
         store = EmbeddedModelStore(Path(tmp) / "store")
         store.start()
+        key = compile_signing_key(Path(tmp))  # the samplers' (services.models.compile_record)
+        sampler_env = {**store.sampler_env(), "DARKROOM_COMPILE_SIGNING_KEY_FILE": str(key)}
         try:
             for model in models:
-                cold, cached = fleet_loads(model, models_dir, max_batch, device, store.reader_env(), Path(tmp))
+                cold, cached = fleet_loads(model, models_dir, max_batch, device, sampler_env, Path(tmp))
                 if (cold["result"], cached["result"]) != ("miss", "fleet"):
                     raise SystemExit(f"{model}: the fleet's cache gave {cold['result']}, then {cached['result']}")
                 misses = [load["inductor"].get("fxgraph_cache_miss", 0) for load in (cold, cached)]

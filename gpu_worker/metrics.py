@@ -53,7 +53,9 @@ MODEL_COMPILE_CACHE = Counter(
     "darkroom_model_compile_cache",
     "Compilations of a model by what the fleet's compile cache gave them: fleet (its artifacts loaded: no code "
     "generated), miss (compiled here, then shared), corrupt (an artifact that did not load: compiled here), "
-    "unavailable (the store did not answer: compiled here, not shared).",
+    "untrusted (an artifact its signed record does not vouch for: not loaded, compiled here, shared in its place), "
+    "unavailable (the store did not answer: compiled here, not shared), local (no signing key: nothing loaded or "
+    "shared).",
     ["model", "result"],
 )
 BATCH_IMAGES = Histogram(

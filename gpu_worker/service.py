@@ -89,11 +89,14 @@ async def _drain(
     tracker.stop_all(StopReason.HANDED_BACK)
 
 
-def fleet_compile_cache(kernel: KernelSettings) -> CompileCache | None:
+def fleet_compile_cache(kernel: KernelSettings, settings: SamplerSettings, worker_id: str) -> CompileCache | None:
     """The fleet's compiled artifacts, in the model store; None without one."""
     if not kernel.model_store.model_store_url:
         return None
-    return CompileCache(ObjectStore.from_settings(kernel.model_store))
+    signing = settings.compile_signing_key
+    return CompileCache(
+        ObjectStore.from_settings(kernel.model_store), signing.key if signing is not None else None, worker_id
+    )
 
 
 def check_capabilities(settings: SamplerSettings, registry: ModelRegistry) -> None:
@@ -110,6 +113,7 @@ def check_capabilities(settings: SamplerSettings, registry: ModelRegistry) -> No
 async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio.Event) -> int:
     registry = kernel.registry()
     device = pick_device(settings.device)
+    worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
     engine = SamplerEngine(
         registry,
         kernel.models_dir,
@@ -119,10 +123,9 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         pinned=settings.preload_models,
         capabilities=settings.capabilities,
         shares_device=settings.decode_locally,
-        compile_cache=fleet_compile_cache(kernel),
+        compile_cache=fleet_compile_cache(kernel, settings, worker_id),
     )
     check_capabilities(settings, registry)
-    worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
     # Two connections: its writes are batched (a start, a decoding, a finish per batch), and a
     # fleet's samplers share the database's connections through a pooler (docs/fleet.md).
     repo = Repository(

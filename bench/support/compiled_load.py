@@ -1,9 +1,11 @@
 """One sampler's cold load of a model with ``compile = true``, in a process of its
 own, with the fleet's compile cache in the model store the environment names
-(``DARKROOM_MODEL_STORE_*``) and inductor's own cache wherever
+(``DARKROOM_MODEL_STORE_*``, the samplers' signing key in
+``DARKROOM_COMPILE_SIGNING_KEY_FILE``) and inductor's own cache wherever
 ``TORCHINDUCTOR_CACHE_DIR`` says (empty: as on another host). It prints one JSON
-line: what the fleet's cache gave it, the seconds compiling took, and inductor's
-counters (``fxgraph_cache_hit``, ``fxgraph_cache_miss``). Run by
+line: what the fleet's cache gave it, the seconds compiling took, inductor's
+counters (``fxgraph_cache_hit``, ``fxgraph_cache_miss``) and how many artifacts'
+files it dropped from its compiler cache first. Run by
 ``bench/compile_time.py --fleet`` and ``tests/integration/test_compile_cache.py``.
 
     python bench/support/compiled_load.py MODELS_DIR MODEL [--size 64] [--max-batch 1]"""
@@ -19,10 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+from prometheus_client import REGISTRY
 from torch._dynamo.utils import counters
 
 from gpu_worker.engine import SamplerEngine
 from services.config.model_store import ModelStoreSettings
+from services.config.workers import SamplerSettings
 from services.models.compile_cache import CompileCache
 from services.models.registry import ModelRegistry
 from services.models.store.objects import ObjectStore
@@ -47,12 +51,16 @@ def main() -> None:
         default_height=size,
         adapter_slots=0,
     )
-    cache = CompileCache(ObjectStore.from_settings(ModelStoreSettings.from_env()))
+    signing = SamplerSettings.from_env().compile_signing_key
+    store = ObjectStore.from_settings(ModelStoreSettings.from_env())
+    cache = CompileCache(store, signing.key if signing is not None else None, "compiled-load")
     device = torch.device(args.device)
     engine = SamplerEngine(ModelRegistry({spec.name: spec}), args.models_dir, device, compile_cache=cache)
     loaded = engine.denoiser_for(spec).load(spec)  # what the engine's model cache does on a cold load
     result = loaded.compile_cache.value if loaded.compile_cache is not None else None
-    print(json.dumps({"result": result, "compile_s": loaded.compile_s, "inductor": dict(counters["inductor"])}))
+    dropped = REGISTRY.get_sample_value("darkroom_model_compile_cache_dropped_total") or 0
+    inductor = dict(counters["inductor"])
+    print(json.dumps({"result": result, "compile_s": loaded.compile_s, "inductor": inductor, "dropped": int(dropped)}))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ from gpu_worker.denoising.step_cache import StepCache, cached_steps
 from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
 from services.generation import GenerationParams
 from services.models import loader, speed
-from services.models.compile_cache import CacheResult, CompileKey, compile_key, content_digest
+from services.models.compile_cache import CompileKey, compile_key, content_digest
 from services.models.device import module_dtype
 from services.models.loader import Loaded
 from services.models.sources import resolve_source
@@ -97,7 +97,7 @@ class DiffusersDenoiser(DiffusersFamily):
         cache, key = self.compile_cache, self._compile_key(spec, options, dtype, rows)
         cached = cache.load(key) if cache is not None and key is not None else None
         took = warm_up_buckets(self, pipe, spec, rows)
-        if cache is not None and key is not None and cached in (CacheResult.MISS, CacheResult.CORRUPT):
+        if cache is not None and key is not None and cached is not None and cached.shares:
             cache.save(key)
         if cached is not None and key is not None:
             log.info("%s: the fleet's compile cache: %s (%s)", spec.name, cached.value, key.digest())

@@ -3,9 +3,53 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from services.config.fields import Section, setting
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+from services.config.fields import Codec, Section, setting
+
+
+@dataclass(frozen=True)
+class SigningKeyFile:
+    """An Ed25519 private key read from a file, passed on by its path."""
+
+    path: Path
+    key: Ed25519PrivateKey = field(compare=False, repr=False)
+
+
+def _signing_key(raw: str) -> SigningKeyFile | None:
+    if not raw.strip():
+        return None
+    path = Path(raw).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read it ({exc.strerror})") from None
+    try:
+        key = load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise ValueError("not an unencrypted PEM private key") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ValueError(f"not an Ed25519 private key ({type(key).__name__})")
+    return SigningKeyFile(path, key)
+
+
+def _signing_key_from_toml(value: object) -> SigningKeyFile | None:
+    if not isinstance(value, str):
+        raise ValueError("expected a string")
+    return _signing_key(value)
+
+
+SIGNING_KEY = Codec(
+    "path of an Ed25519 private key (PEM)",
+    _signing_key,
+    _signing_key_from_toml,
+    lambda v: str(v.path) if v is not None else "",
+)
 
 
 @dataclass(frozen=True)
@@ -86,6 +130,16 @@ class SamplerSettings(Section):
         3,
         "Failed attempts in a row after which it reports unhealthy and exits, for its supervisor to restart it.",
         at_least=1,
+    )
+    compile_signing_key: SigningKeyFile | None = setting(
+        None,
+        "A file holding the samplers' Ed25519 private key (PEM), the same on every sampler of a fleet: a sampler "
+        "signs the record of each compiled artifact it shares through the model store with it, and loads only "
+        "artifacts whose record it verifies (docs/security.md). Empty: it neither loads nor shares the fleet's "
+        "compiled artifacts, and compiles for itself. `darkroom up` with a model store makes one in "
+        "DATA_DIR/secrets.",
+        env="COMPILE_SIGNING_KEY_FILE",
+        codec=SIGNING_KEY,
     )
     decode: DecodeSettings = setting(doc="Its local fallback decode.", factory=DecodeSettings)
 

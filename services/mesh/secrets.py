@@ -1,7 +1,8 @@
 """The secrets of one machine's stack in one directory (``DATA_DIR/secrets``):
 the fleet CA, a certificate per role for this machine's names, NATS users'
-passwords and the database password. ``darkroom up`` makes what is missing on its
-first start and keeps it; a certificate near its end is issued again."""
+passwords, the database password and the samplers' key for signing compiled
+artifacts. ``darkroom up`` makes what is missing on its first start and keeps it;
+a certificate near its end is issued again."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from services.mesh.pki import ROLES, CertificateAuthority, CertPaths, PkiError, expires_at, local_hosts, write_private
 
 # A certificate with less left than this is issued again at the next start.
 RENEW_BEFORE = dt.timedelta(days=30)
 DATABASE_USER = "postgres"
+COMPILE_SIGNING_KEY_FILE = "compile-signing.key"
 
 
 def ensure_certificates(mesh_dir: Path, hosts: Iterable[str] | None = None, roles: Iterable[str] = ROLES) -> None:
@@ -53,6 +58,21 @@ def password(path: Path) -> str:
     made = secrets.token_hex(24)
     write_private(path, made.encode() + b"\n")
     return made
+
+
+def compile_signing_key(mesh_dir: Path) -> Path:
+    """The file of the samplers' key for the compiled artifacts they share
+    (``services.models.compile_record``), made (Ed25519, PEM, 0600) if there is none;
+    deleting it makes a new key at the next start, and every artifact signed with the
+    old one untrusted."""
+    path = mesh_dir / COMPILE_SIGNING_KEY_FILE
+    if not path.exists():
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        write_private(path, pem)
+    return path
 
 
 def database_password(mesh_dir: Path) -> str:

@@ -10,17 +10,24 @@ torch's and triton's versions, the device (a GPU's name and compute capability; 
 CPU's architecture and the instructions torch uses), the speed options, the
 compiler backend and the shapes the warm-up compiles. Another key misses, and the
 sampler compiles as if there were no cache, then shares what it compiled. An
-artifact that does not load (corrupt, truncated, of another build) is skipped the
-same way, never a failed load; so is a store that cannot be reached. A sampler
-writes only under ``compiled/`` (``services.ops.model_store``): loading an artifact
-runs code it holds, so the fleet trusts its samplers' artifacts as it trusts their
-models (docs/security.md).
+artifact that does not load (corrupt, of another build) is skipped the same way,
+never a failed load; so is a store that cannot be reached.
+
+Loading an artifact runs the code it holds, so it is loaded only once the record
+beside it (``compiled/<digest>.record``), signed by the samplers' key, verifies
+and names it (``services.models.compile_record``); any other is untrusted, not
+loaded, and replaced by what this sampler compiles. A sampler without the key
+neither loads nor shares. What a loaded artifact wrote into this host's compiler
+cache is kept track of (``services.models.compile_provenance``), and deleted at
+the next load once that artifact is found bad: deleting its record from the store
+cleans every host that took it.
 
 Within one host, inductor's own cache on disk already spares a second process the
 work; without a store there is nothing more to do."""
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
 import hashlib
 import json
@@ -31,10 +38,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import Counter
 
+from services.models.compile_provenance import HostEntries, Provenance
+from services.models.compile_record import (
+    RECORD_SUFFIX,
+    UntrustedArtifact,
+    record_of,
+    signed,
+    verified_artifact,
+    verified_record,
+)
 from services.models.store.errors import ModelStoreError
 
 log = logging.getLogger(__name__)
+
+DROPPED = Counter(
+    "darkroom_model_compile_cache_dropped",
+    "Fleet compile artifacts whose files a host deleted from its compiler cache: their record gone from the store, "
+    "no longer verifying under the samplers' key, or naming other bytes.",
+)
 
 # The files whose bytes are part of a model's identity; the rest (weights) by size.
 _CONFIG_SUFFIXES = (".json", ".txt", ".model")
@@ -44,7 +68,14 @@ class CacheResult(enum.Enum):
     FLEET = "fleet"  # loaded from the store: the compilation generates nothing
     MISS = "miss"  # no artifact under the key: compiled here, then shared
     CORRUPT = "corrupt"  # an artifact that did not load: compiled here, then shared again
+    UNTRUSTED = "untrusted"  # one its signed record does not vouch for: not loaded, compiled here, shared in its place
     UNAVAILABLE = "unavailable"  # the store did not answer: compiled here, not shared
+    LOCAL = "local"  # no signing key: nothing loaded from the fleet or shared, compiled here
+
+    @property
+    def shares(self) -> bool:
+        """Whether the sampler shares what it then compiles."""
+        return self in (CacheResult.MISS, CacheResult.CORRUPT, CacheResult.UNTRUSTED)
 
 
 @dataclass(frozen=True)
@@ -99,36 +130,93 @@ def compile_key(content: str, device: torch.device, options: Any, backend: str, 
 
 class CompileCache:
     """The fleet's compiled artifacts in the model store (``ObjectStore``'s
-    ``read_compiled`` and ``write_compiled``)."""
+    ``read_compiled`` and ``write_compiled``), each beside the record that the
+    samplers' key signed (``services.models.compile_record``), published by
+    ``worker``. Without a key it neither loads nor publishes."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, key: Ed25519PrivateKey | None, worker: str) -> None:
         self.store = store
+        self.key = key
+        self.worker = worker
+        self.entries = HostEntries()
 
     def load(self, key: CompileKey) -> CacheResult:
-        """Before compiling: the artifacts under ``key`` loaded, if any load."""
+        """Before compiling: what this host took from artifacts found bad since is
+        dropped (``audit``), then the artifacts under ``key`` loaded, if their record
+        verifies and they load."""
         digest = key.digest()
+        self.audit()
+        if self.key is None:
+            return CacheResult.LOCAL
         try:
+            record = self.store.read_compiled(digest + RECORD_SUFFIX)
             data = self.store.read_compiled(digest)
         except ModelStoreError as exc:
             log.warning("the fleet's compile cache is unavailable (%s): compiling here", exc)
             return CacheResult.UNAVAILABLE
-        if data is None:
+        if record is None and data is None:
             return CacheResult.MISS
         try:
-            if torch.compiler.load_cache_artifacts(data) is None:
-                raise ValueError("no artifacts in it")
+            verified = verified_artifact(record or b"", data or b"", self.key.public_key(), digest)
+        except UntrustedArtifact as exc:
+            log.warning("compiled artifacts %s are not loaded: %s; compiling here", digest, exc)
+            return CacheResult.UNTRUSTED
+        try:
+            with self.entries.recording(digest, verified.artifact_sha256):
+                if torch.compiler.load_cache_artifacts(data or b"") is None:
+                    raise ValueError("no artifacts in it")
         except Exception as exc:  # whatever a bad artifact raises: it is only a cache
             log.warning("compiled artifacts %s do not load (%s: %s): compiling here", digest, type(exc).__name__, exc)
             return CacheResult.CORRUPT
         return CacheResult.FLEET
 
+    def audit(self) -> None:
+        """Drops the cache files this host took from each artifact found bad since
+        it loaded it (``_found_bad``). A store that does not answer changes nothing."""
+        for loaded in self.entries.loaded():
+            try:
+                why = self._found_bad(loaded)
+            except ModelStoreError as exc:
+                log.warning("the fleet's compile cache is unavailable (%s): what this host loaded is kept", exc)
+                return
+            if why is not None:
+                files = self.entries.drop(loaded)
+                DROPPED.inc()
+                log.warning(
+                    "compiled artifacts %s: %s; deleted the %d cache files it gave this host", loaded.digest, why, files
+                )
+
+    def _found_bad(self, loaded: Provenance) -> str | None:
+        """Why what ``loaded`` gave this host is to be dropped: its record gone from
+        the store (an operator deleted it), no longer verifying under the fleet's key
+        (the key was changed; or this sampler has none), or naming other bytes now.
+        None: kept."""
+        if self.key is None:
+            return "this sampler has no signing key to check it with"
+        record = self.store.read_compiled(loaded.digest + RECORD_SUFFIX)
+        if record is None:
+            return "its record is gone from the store"
+        try:
+            verified = verified_record(record, self.key.public_key(), loaded.digest)
+        except UntrustedArtifact as exc:
+            return str(exc)
+        return None if verified.artifact_sha256 == loaded.artifact_sha256 else "its record names other bytes now"
+
     def save(self, key: CompileKey) -> bool:
-        """After compiling: this process's artifacts shared under ``key``."""
+        """After compiling: this process's artifacts shared under ``key``, then
+        their signed record (a reader between the two writes sees a record of other
+        bytes, and compiles)."""
+        if self.key is None:
+            return False
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
+        digest, data = key.digest(), saved[0]
+        published_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        record = record_of(digest, data, worker=self.worker, published_at=published_at, key=self.key)
         try:
-            self.store.write_compiled(key.digest(), saved[0])
+            self.store.write_compiled(digest, data)
+            self.store.write_compiled(digest + RECORD_SUFFIX, signed(record, self.key))
         except ModelStoreError as exc:
             log.warning("compiled artifacts not shared with the fleet: %s", exc)
             return False

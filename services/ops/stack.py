@@ -14,7 +14,7 @@ from pathlib import Path
 
 from services.config.sections import Settings
 from services.mesh.nats_auth import sampler_user
-from services.mesh.secrets import password
+from services.mesh.secrets import compile_signing_key, password
 from services.ops.children import MetricsPorts, child, host_children, metrics_targets, stop_order
 from services.ops.processes import free_port
 from services.ops.stack_backends import StackBackends
@@ -103,6 +103,7 @@ class LocalStack(StackBackends):
     def start(self, timeout: float = 120.0) -> None:
         self.start_backends()
         self.check_open_access()
+        self._give_samplers_a_signing_key()
         if not self.settings.gateway.port:
             self.settings = self.settings.with_env({"DARKROOM_GATEWAY_PORT": str(free_port())})
         # Build models once, up front, rather than in every process that needs them.
@@ -133,6 +134,17 @@ class LocalStack(StackBackends):
         self._serve_own_metrics()
         self.supervisor.start()
         self.wait_ready(timeout)
+
+    def _give_samplers_a_signing_key(self) -> None:
+        """With a model store, the samplers' key for the compiled artifacts they
+        share through it (``services.models.compile_record``), unless settings name
+        one: made once beside the stack's other secrets. Only samplers read it
+        (``services.ops.children``)."""
+        kernel = self.settings.kernel
+        if not kernel.model_store.model_store_url or self.settings.sampler.compile_signing_key is not None:
+            return
+        secrets = Path(kernel.mesh_dir or kernel.data_dir / "secrets")
+        self.settings = self.settings.with_env({"DARKROOM_COMPILE_SIGNING_KEY_FILE": str(compile_signing_key(secrets))})
 
     def _add_http(self) -> None:
         """The HTTP API, speaking to this stack's gateway, signing links with a key
