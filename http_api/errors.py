@@ -2,7 +2,7 @@
 status, so that OpenAI's SDKs raise their own typed exceptions: the gateway's
 refusals (gRPC status codes with rich details: 400 naming the parameter, or
 ``content_policy_violation`` for a prompt the content policy refuses, 401, 403,
-404, 429 and 503 with Retry-After), a body too large (413), and anything
+404, 409, 429 and 503 with Retry-After), a body too large (413), and anything
 unexpected (500, never a plain-text page). Darkroom's field names become the
 request's parameter names.
 
@@ -28,6 +28,11 @@ _BY_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", "permission_denied"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    # 400, not 409: what is missing stays missing until an operator acts (the
+    # gateway has no model store, a base model must be pushed again), and OpenAI's
+    # SDKs retry a 409, an upload's whole file each time; a 400 they do not.
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "failed_precondition"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),

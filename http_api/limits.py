@@ -3,7 +3,9 @@ only once the gateway admits the caller.
 
 - Each route that takes a body has a limit: a JSON request (a generation, a
   video) ``JSON_BODY_BYTES``, an edit's form an image and its mask at the
-  gateway's input limit (``DARKROOM_MAX_INPUT_MB``) and the fields around them, a
+  gateway's input limit (``DARKROOM_MAX_INPUT_MB``) and the fields around them, an
+  adapter's upload its file at the gateway's (``DARKROOM_MAX_ADAPTER_MB``) and its
+  fields (the file read as it streams, ``adapter_upload``), a
   moderation its 32 inputs: texts at the gateway's longest, escaped, and images as
   much as an edit's in base64 (inline). A declared
   ``Content-Length`` over it is refused (413) before a byte of the body is read;
@@ -43,6 +45,11 @@ MAX_ADMITTED = 4096
 def upload_bytes(max_input_mb: float) -> int:
     """The largest edit's body: an image and its mask of ``max_input_mb`` each, and the form's fields."""
     return 2 * int(max_input_mb * 2**20) + FORM_FIELDS_BYTES
+
+
+def adapter_upload_bytes(max_adapter_mb: float) -> int:
+    """The largest adapter upload's body: its file of ``max_adapter_mb``, and the form's fields."""
+    return int(max_adapter_mb * 2**20) + FORM_FIELDS_BYTES
 
 
 def moderation_bytes(max_input_mb: float, max_prompt_chars: int) -> int:

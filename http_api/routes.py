@@ -2,7 +2,7 @@
 caller's key), and their answers into OpenAI's shapes (``images``, ``videos``).
 Here: the page, images made and edited (waited for, or streamed), moderations,
 models, the fleet and the files; jobs followed are ``job_routes``', videos
-``video_routes``'."""
+``video_routes``', a tenant's adapters ``adapters``'."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import grpc
 from aiohttp import web
 
 from http_api import files, fleet, images, moderations
+from http_api.adapters import AdapterRoutes
 from http_api.errors import (
     HttpError,
     bad_request,
@@ -25,7 +26,7 @@ from http_api.errors import (
 )
 from http_api.gateway_client import Gateway, Outputs, default_model
 from http_api.job_routes import STATUS_NAMES, JobRoutes
-from http_api.limits import JSON_BODY_BYTES, moderation_bytes, upload_bytes
+from http_api.limits import JSON_BODY_BYTES, adapter_upload_bytes, moderation_bytes, upload_bytes
 from http_api.signed_urls import UrlSigner
 from http_api.video_routes import VideoRoutes
 from http_api.wire import (
@@ -68,6 +69,7 @@ class Api:
             web.get("/v1/files/{job_id}/{index}", self.file),
             *self.job_routes.routes(),
             *VideoRoutes(self.gateway, self._submit).routes(),
+            *AdapterRoutes(self.gateway, self.settings.max_adapter_mb).routes(),
         ]
 
     def body_limits(self) -> dict[str, int]:
@@ -77,6 +79,7 @@ class Api:
             "/v1/images/edits": upload_bytes(self.settings.max_input_mb),
             "/v1/videos": JSON_BODY_BYTES,  # a form without files: an input reference is not served
             "/v1/moderations": moderation_bytes(self.settings.max_input_mb, self.settings.max_prompt_chars),
+            "/v1/adapters": adapter_upload_bytes(self.settings.max_adapter_mb),  # its file read as it streams
         }
 
     async def page(self, request: web.Request) -> web.Response:

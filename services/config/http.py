@@ -63,3 +63,12 @@ class HttpSettings(Section):
         at_least=0.01,
         at_most=24.0,
     )
+    max_adapter_mb: float = setting(
+        256.0,
+        "The gateway's largest LoRA adapter upload, read by the HTTP API from the same variable: POST /v1/adapters's "
+        "body may hold a file of this size and 1 MiB of fields; a larger one is refused (413) before a byte of it is "
+        "read where its length is declared, else as it arrives.",
+        env="MAX_ADAPTER_MB",
+        at_least=0.01,
+        at_most=8192.0,
+    )
