@@ -17,10 +17,11 @@ from services.models.spec import ModelFamily, ModelSpec
 
 # A family whose text encoder sees the input image (``ModelSpec.prompt_sees_image``)
 # sees it at about this many pixels, at its own aspect ratio up to
-# EDIT_CONDITION_MAX_ASPECT: past 4:1 the image's tokens (the Qwen2-VL processor's
-# 28x28-pixel cells, more of them the longer the image's sides) pass the 1,424 that
-# a compiled network's text holds beside a whole prompt (EDIT_CONDITION_TOKENS), and
-# past 200:1 the processor refuses the image.
+# EDIT_CONDITION_MAX_ASPECT. Within 4:1 the image's tokens (the Qwen2-VL processor's
+# 28x28-pixel cells, more of them the longer the image's sides) stay at most 1,386,
+# within the EDIT_CONDITION_TOKENS that a compiled network's text holds beside a
+# whole prompt; further out they grow past them, and past 200:1 the processor
+# refuses the image.
 EDIT_CONDITION_AREA = 1024 * 1024
 EDIT_CONDITION_MAX_ASPECT = 4.0
 EDIT_CONDITION_TOKENS = 1424

@@ -26,10 +26,11 @@ SD3_TEXT_LEN = 256
 # The longest prompt, in tokens: QwenImagePipeline's default max_sequence_length.
 QWEN_TEXT_LEN = 512
 # An edit's longest text, in tokens: a prompt QwenImageEditPipeline reads whole, and
-# its input image's at most EDIT_CONDITION_TOKENS (the template's few around them fit
-# in what the image leaves). A longer one (a prompt past what the gateway takes) is cut
-# to it, as QwenImagePipeline cuts a long prompt's: a compiled network takes every
-# text padded to it, and a longer one would fail every call that shares it.
+# its input image's at most EDIT_CONDITION_TOKENS (1,386 within 4:1: the template's
+# seven around them fit in what is left). A longer one (a prompt past what the
+# gateway takes) is cut to it, as QwenImagePipeline cuts a long prompt's: a compiled
+# network takes every text padded to it, and a longer one would fail every call that
+# shares it.
 QWEN_EDIT_TEXT_LEN = QWEN_EDIT_PROMPT_TOKENS + EDIT_CONDITION_TOKENS
 # ZImagePipeline's longest prompt, in tokens with its chat template.
 Z_IMAGE_TEXT_LEN = 512
@@ -170,8 +171,8 @@ def _qwen_image(pipe: Any, params: Any, device: torch.device, cfg: bool) -> Tens
 def _qwen_image_edit(pipe: Any, params: Any, device: torch.device, cfg: bool, image: torch.Tensor) -> Tensors:
     """Each text alone with the image, as the pipeline encodes them: its processor
     takes the image's pixels as a picture. Each cut to QWEN_EDIT_TEXT_LEN tokens (the
-    pipeline cuts none): its encoder is causal, so the tokens kept are what the text
-    cut there would give."""
+    pipeline cuts none): its encoder is causal, so a token kept holds what it would
+    had the text ended there."""
     from PIL import Image
 
     picture = Image.fromarray(image[0].permute(1, 2, 0).numpy())
