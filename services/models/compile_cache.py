@@ -134,9 +134,9 @@ class CompileCache:
     samplers' key signed (``services.models.compile_record``), published by
     ``worker``. Without a key it neither loads nor publishes."""
 
-    def __init__(self, store: Any, key: Ed25519PrivateKey | None, worker: str) -> None:
+    def __init__(self, store: Any, signing_key: Ed25519PrivateKey | None, worker: str) -> None:
         self.store = store
-        self.key = key
+        self.signing_key = signing_key
         self.worker = worker
         self.entries = HostEntries()
 
@@ -146,7 +146,7 @@ class CompileCache:
         verifies and they load."""
         digest = key.digest()
         self.audit()
-        if self.key is None:
+        if self.signing_key is None:
             return CacheResult.LOCAL
         try:
             record = self.store.read_compiled(digest + RECORD_SUFFIX)
@@ -157,7 +157,7 @@ class CompileCache:
         if record is None and data is None:
             return CacheResult.MISS
         try:
-            verified = verified_artifact(record or b"", data or b"", self.key.public_key(), digest)
+            verified = verified_artifact(record or b"", data or b"", self.signing_key.public_key(), digest)
         except UntrustedArtifact as exc:
             log.warning("compiled artifacts %s are not loaded: %s; compiling here", digest, exc)
             return CacheResult.UNTRUSTED
@@ -191,13 +191,13 @@ class CompileCache:
         the store (an operator deleted it), no longer verifying under the fleet's key
         (the key was changed; or this sampler has none), or naming other bytes now.
         None: kept."""
-        if self.key is None:
+        if self.signing_key is None:
             return "this sampler has no signing key to check it with"
         record = self.store.read_compiled(loaded.digest + RECORD_SUFFIX)
         if record is None:
             return "its record is gone from the store"
         try:
-            verified = verified_record(record, self.key.public_key(), loaded.digest)
+            verified = verified_record(record, self.signing_key.public_key(), loaded.digest)
         except UntrustedArtifact as exc:
             return str(exc)
         return None if verified.artifact_sha256 == loaded.artifact_sha256 else "its record names other bytes now"
@@ -206,17 +206,17 @@ class CompileCache:
         """After compiling: this process's artifacts shared under ``key``, then
         their signed record (a reader between the two writes sees a record of other
         bytes, and compiles)."""
-        if self.key is None:
+        if self.signing_key is None:
             return False
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:
             return False
         digest, data = key.digest(), saved[0]
         published_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-        record = record_of(digest, data, worker=self.worker, published_at=published_at, key=self.key)
+        record = record_of(digest, data, worker=self.worker, published_at=published_at, key=self.signing_key)
         try:
             self.store.write_compiled(digest, data)
-            self.store.write_compiled(digest + RECORD_SUFFIX, signed(record, self.key))
+            self.store.write_compiled(digest + RECORD_SUFFIX, signed(record, self.signing_key))
         except ModelStoreError as exc:
             log.warning("compiled artifacts not shared with the fleet: %s", exc)
             return False

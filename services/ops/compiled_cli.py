@@ -25,7 +25,7 @@ def add_commands(actions: Any, run: Any) -> None:
     which = rm.add_mutually_exclusive_group(required=True)
     which.add_argument("digest", nargs="?", metavar="DIGEST", help="the compile key's digest, as `list` shows it")
     which.add_argument("--all", action="store_true", help="every compiled artifact in the store")
-    for p in (compiled, *commands.choices.values()):
+    for p in commands.choices.values():
         p.set_defaults(func=run)
 
 
