@@ -151,7 +151,7 @@ def job_message(job: JobRecord, images: list[ImageRecord] | None = None) -> pb.J
         frames=job.params.frames,
         fps=job.params.fps,
         strength=job.params.strength,
-        adapters=[pb.Adapter(name=a.key, scale=a.scale) for a in job.params.adapters],
+        adapters=[pb.Adapter(name=f"{a.name}:{a.version}", scale=a.scale) for a in job.params.adapters],
         task=job.task.value,
         waiting_for=routing.get("waiting_for", "") if job.status == JobStatus.QUEUED else "",
         output_policy=job.output_policy,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -47,6 +48,8 @@ from services.models.store.objects import ObjectStore
 from services.models.store.push import content_version, push_directory, scan_directory
 from services.quotas import adapter_room
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 # A tenant's adapter's name: a path segment of its own, without '.' (its store name
 # is its tenant's scope, a '.', and it: ``tenant_store_name``).
@@ -119,8 +122,16 @@ class TenantAdapters:
             scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="darkroom-adapter-"))
             try:
                 await _receive(messages, scratch / FILE, header.size_bytes)
+                version = content_version(await asyncio.to_thread(scan_directory, scratch))
+                kept = await self.repo.adapters.visible(caller.tenant, header.name, version)
+                if kept is not None and kept.tenant == caller.tenant:
+                    return kept  # the same bytes, uploaded before: neither checked nor stored again
                 checked = await self._check_file(scratch, base, network)
-                return await self._keep(caller, store, scratch, header.name, base, checked, limits, now)
+                new = TenantAdapter(
+                    caller.tenant, header.name, version, str(base.family), base.name, checked.rank, checked.layers,
+                    header.size_bytes, now, checked.skipped,
+                )  # fmt: skip
+                return await self._keep(new, store, scratch, limits)
             finally:
                 await asyncio.to_thread(shutil.rmtree, scratch, True)
 
@@ -189,46 +200,34 @@ class TenantAdapters:
         return Checked(int(answer["rank"]), int(answer["layers"]), tuple(answer["skipped"]))
 
     async def _keep(
-        self,
-        caller: Caller,
-        store: ObjectStore,
-        directory: Path,
-        name: str,
-        base: ModelSpec,
-        checked: Checked,
-        limits: AdapterLimits,
-        now: datetime,
+        self, new: TenantAdapter, store: ObjectStore, directory: Path, limits: AdapterLimits
     ) -> TenantAdapter:
         """The checked file reserved, pushed and marked stored; the stored one of the
         same bytes where there is one already."""
-        await self._forget_abandoned(caller.tenant, store, now)
-        version = content_version(await asyncio.to_thread(scan_directory, directory))
-        size = (directory / FILE).stat().st_size
-        new = TenantAdapter(
-            caller.tenant, name, version, str(base.family), base.name, checked.rank, checked.layers, size,
-            now, checked.skipped,
-        )  # fmt: skip
-        reserved = await self.repo.adapters.reserve(new, limits, stale_before=now - ABANDONED_AFTER)
+        await self._forget_abandoned(new.tenant, store, new.created_at)
+        stale_before = new.created_at - ABANDONED_AFTER
+        reserved = await self.repo.adapters.reserve(new, limits, stale_before=stale_before)
         if isinstance(reserved, AdapterRefusal):
             raise quota_refusal(reserved)
         if not reserved.fresh:
             if reserved.adapter.stored:
-                return reserved.adapter  # the same bytes, uploaded before: nothing more to do
+                return reserved.adapter  # the same bytes, stored meanwhile: nothing more to do
             raise AlreadyExists(f"{new.reference} is being uploaded by another call: retry when it is done")
         entry = {
             "kind": "lora",
             "family": new.family,
-            "base": base.name,
+            "base": new.base_model,
             "rank": new.rank,
             "layers": new.layers,
             "skipped": list(new.skipped),
-            "tenant": caller.tenant,
+            "tenant": new.tenant,
         }
-        scoped = store.scoped(tenant_prefix(caller.tenant))
-        reference = f"{tenant_store_name(caller.tenant, new.name)}:{version}"
+        scoped = store.scoped(tenant_prefix(new.tenant))
+        reference = f"{tenant_store_name(new.tenant, new.name)}:{new.version}"
         try:
             await asyncio.to_thread(push_directory, scoped, directory, reference, entry=entry)
         except (ModelError, OSError) as exc:
+            log.warning("the model store did not take %s of %s: %s", new.reference, new.tenant, exc)
             await self.repo.adapters.discard(new)
             raise StoreUnavailable(f"the model store did not take {new.reference}: {exc}") from exc
         return await self.repo.adapters.stored(new)

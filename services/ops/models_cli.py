@@ -17,7 +17,7 @@ from services.config.sections import Settings
 from services.errors import ModelError
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.verification import verify
-from services.models.store.manifest import parse_reference
+from services.models.store.manifest import check_operators_name, parse_reference
 from services.models.store.objects import ObjectStore
 from services.models.store.push import PushResult, network_configs, push_directory, source_directory
 from services.ops import compiled_cli
@@ -73,7 +73,7 @@ def _mb(n: int) -> str:
 
 
 def _push(args: argparse.Namespace, settings: Settings) -> int:
-    parse_reference(args.reference)  # a bad name is refused before anything is built or read
+    check_operators_name(parse_reference(args.reference)[0])  # refused before anything is built or read
     if args.base and not args.lora:
         raise ModelError("--base names the model an adapter adapts: it comes with --lora")
     store = ObjectStore.from_settings(settings.kernel.model_store.as_writer())

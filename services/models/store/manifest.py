@@ -33,12 +33,9 @@ def check_name(what: str, value: str) -> str:
 
 
 def parse_reference(reference: str) -> tuple[str, str | None]:
-    """``NAME[:VERSION]`` as (name, version or None for the latest). Names beginning
-    with the word of tenants' scopes (``tenant_store_name``) are theirs alone."""
+    """``NAME[:VERSION]`` as (name, version or None for the latest)."""
     name, _, version = reference.partition(":")
     check_name("model name", name)
-    if name.startswith(tenant_scope("")):
-        raise ModelError(f"model name {name!r}: names beginning with {tenant_scope('')!r} are tenants' own")
     if version:
         check_name("version", version)
     return name, version or None
@@ -68,8 +65,16 @@ def tenant_prefix(tenant: str) -> str:
 def tenant_store_name(tenant: str, name: str) -> str:
     """A tenant's adapter ``name`` as its manifest names it: never the name of
     another tenant's (its adapters' names have no '.'), nor of a model of the
-    store's own (``parse_reference`` lets no pushed name begin with the scope's word)."""
+    store's own (``check_operators_name``)."""
     return f"{tenant_scope(tenant)}.{name}"
+
+
+def check_operators_name(name: str) -> str:
+    """A name the operator pushes under: never one of the form tenants' adapters
+    have in a host's cache, which holds both under their names."""
+    if name.startswith(tenant_scope("")):
+        raise ModelError(f"model name {name!r}: names beginning with {tenant_scope('')!r} are tenants' own")
+    return name
 
 
 def manifest_key(name: str, version: str) -> str:
