@@ -120,7 +120,7 @@ def env_of(**values: object) -> dict[str, str]:
     return env
 
 
-def store_values(model_store: Any) -> dict[str, str]:
+def store_values(model_store: Any) -> dict[str, Any]:
     """``make_stack`` values that point a stack at ``model_store`` as `darkroom up
     --model-store` does: the reader's identity, and each role's that the supervisor
     hands its samplers and its gateway instead."""

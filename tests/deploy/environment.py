@@ -6,9 +6,12 @@ main() hands run_service, beside the kernel's."""
 
 from __future__ import annotations
 
+import atexit
 import base64
 import importlib
+import os
 import re
+import tempfile
 from collections.abc import Iterator, Mapping
 from typing import Any
 from unittest import mock
@@ -19,7 +22,7 @@ from services.config.fields import Section
 from services.config.sections import KernelSettings, Settings
 from services.config.workers import SamplerSettings
 from services.ops import SERVICE_MODULES
-from tests.deploy.rendering import Pod, one, pods
+from tests.deploy.rendering import SIGNING_KEY, Pod, one, pods
 
 
 def section_of_each_service() -> dict[str, type[Section]]:
@@ -76,9 +79,24 @@ def container_env(container: dict[str, Any], pod: Pod, docs: list[dict[str, Any]
     return env, {var["name"] for var in container.get("env", [])}
 
 
+def _stand_in(data: bytes) -> str:
+    made = tempfile.NamedTemporaryFile(prefix="darkroom-deploy-", delete=False)
+    made.write(data)
+    made.close()
+    atexit.register(os.unlink, made.name)
+    return made.name
+
+
+# Settings read from their file as they are parsed, by a stand-in for what the pod
+# mounts there, where the pod's own path is not on this machine (test_pod_files lays
+# out each pod's volumes and reads the file the pod's path names).
+READ_AS_PARSED = {"DARKROOM_COMPILE_SIGNING_KEY_FILE": _stand_in(SIGNING_KEY)}
+
+
 def load_settings(service: str, env: Mapping[str, str], own_names: set[str]) -> tuple[KernelSettings, Section]:
     """What run_service does at start (and `darkroom migrate`), and what it cannot
     see: a DARKROOM_ variable no setting reads, silently ignored by the service."""
+    env = {k: READ_AS_PARSED[k] if k in READ_AS_PARSED and not os.path.exists(v) else v for k, v in env.items()}
     kernel = KernelSettings.from_env(env)
     section: type[Section] = SECTIONS[service] if service != "migrate" else KernelSettings
     own = section.from_env(env)

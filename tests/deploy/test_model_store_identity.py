@@ -49,3 +49,26 @@ def test_each_role_reads_the_store_with_its_own_identity_and_no_service_holds_th
         else:
             assert held == ("", "", ""), pod.name
     assert holders == set(ROLE_OF)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_samplers_hold_the_key_that_signs_compiled_artifacts(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """What a sampler loads from compiled/ runs: only the samplers hold the key whose
+    signature it must carry, and each points its setting into that key's mount."""
+    docs = rendered[overlay]
+    secret = named(docs, "Secret", "darkroom-compile-signing")["metadata"]["name"]
+    for pod in pods(docs):
+        component = pod.labels["app.kubernetes.io/component"]
+        assert (secret in json.dumps(pod.spec)) == (component == "sampler"), pod.name
+    for pod, container, service in darkroom_containers(docs):
+        env, own_names = container_env(container, pod, docs)
+        held = env.get("DARKROOM_COMPILE_SIGNING_KEY_FILE", "")
+        if service != "sampler":
+            assert not held, pod.name
+            continue
+        mounts = {v["name"]: v for v in pod.spec["volumes"]}
+        [mount] = [m for m in container["volumeMounts"] if held.startswith(m["mountPath"] + "/")]
+        assert mounts[mount["name"]]["secret"]["secretName"] == secret and mount["readOnly"], pod.name
+        assert load_settings(service, env, own_names)[1].compile_signing_key is not None  # type: ignore[attr-defined]
