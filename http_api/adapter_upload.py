@@ -9,7 +9,8 @@ any other is first spooled to a temporary file, bounded by the limit, and sent
 from there. A file over the limit is refused (413 naming ``file``) before a byte
 of it is read where its length is declared, else as it arrives; so is a body past
 its route's limit. The gateway's refusal of the first message (a bad name, no
-room left in the tenant's quota) ends the reading there."""
+room left in the tenant's quota) is answered at the next chunk sent, the rest of
+the body unread."""
 
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ class AdapterUploads:
                             await call.send(form.chunks(part))
                         else:
                             spooled, size = await form.spool(part)
+                    else:
+                        raise bad_request(name[:64] or "body", f"unknown parameter {quoted(name)}")
                 if call is None:
                     if spooled is None:
                         raise bad_request("file", "file is required: the adapter's .safetensors file")
@@ -106,6 +109,8 @@ class _Form:
     async def next(self) -> BodyPartReader | None:
         """The next part; None past the last."""
         if self.reader is None:
+            if self.request.content_type != "multipart/form-data":
+                raise bad_request("body", "the body must be a multipart/form-data form: file, name, base_model")
             self.reader = await _malformed_as_400(self.request.multipart())
         part = await _malformed_as_400(self.reader.next())
         self._within_body()

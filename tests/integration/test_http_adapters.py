@@ -22,10 +22,13 @@ import httpx
 import openai
 import pytest
 
+from gateway.tenant_adapters import FILE
+from http_api.adapter_upload import CHUNK_BYTES
 from http_api.limits import adapter_upload_bytes
 from services import api_keys
 from services.db.repository import Repository
 from services.db.tenant_records import TenantTerms
+from services.models.store.push import content_version, scan_directory
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from tests.conftest import make_stack, running
@@ -37,8 +40,8 @@ from tests.store_registry import write_store_registry
 pytestmark = pytest.mark.integration
 
 # The largest adapter (the gateway's and the HTTP API's, one variable): small, so
-# that a body over it is cheap to send. The miniature's adapters are a few KiB.
-LIMIT_MB = 1.0
+# that a body over it is cheap to send, and room for an adapter of two chunks.
+LIMIT_MB = 8.0
 LIMIT = int(LIMIT_MB * 2**20)
 # A model of the registry whose weights are not in the model store.
 UNPUSHED = "tiny-unpushed"
@@ -81,6 +84,8 @@ def door(
     tmp_path_factory: pytest.TempPathFactory, postgres: EmbeddedPostgres, models_dir: Path, model_store: Any
 ) -> Iterator[Door]:
     tmp = tmp_path_factory.mktemp("http-adapters")
+    # Each role its own identity, as `darkroom up --model-store` gives them.
+    store: dict[str, Any] = store_values(model_store)
     registry = write_store_registry(tmp / "registry.toml", UNPUSHED, f"nowhere-{uuid.uuid4().hex[:6]}")
     stack = make_stack(
         tmp / "stack",
@@ -89,7 +94,7 @@ def door(
         http=True,
         model_registry=registry,
         max_adapter_mb=LIMIT_MB,
-        **store_values(model_store),  # each role its own identity, as `darkroom up --model-store` gives them
+        **store,
     )
     # The tenants exist before the stack starts: its gateway admits no caller without a key from the first.
     keys = asyncio.run(_tenants(stack.settings.kernel.database_url))
@@ -99,14 +104,27 @@ def door(
 
 @pytest.fixture(scope="module")
 def lora_files(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
-    """Two adapter files for the miniature (diffusers' format), of different bytes."""
+    """Two adapter files for the miniature (diffusers' format), of different bytes,
+    each longer than a chunk (``CHUNK_BYTES``) for the metadata a trainer wrote in it."""
     from diffusers import UNet2DConditionModel
+    from safetensors.torch import load_file, save_file
 
     unet = UNet2DConditionModel.from_pretrained(models_dir / "tiny", subfolder="unet")
     root = tmp_path_factory.mktemp("loras")
-    layers = attention_layers(unet)
-    written = [write_diffusers_lora(root / str(seed), unet, layers, rank=4, seed=seed) for seed in (1, 2)]
-    return [(d / "pytorch_lora_weights.safetensors").read_bytes() for d in written]
+    files = []
+    for seed in (1, 2):
+        path = write_diffusers_lora(root / str(seed), unet, attention_layers(unet), rank=4, seed=seed)
+        path /= "pytorch_lora_weights.safetensors"
+        save_file(load_file(path), path, metadata={"ss_tag_frequency": "x" * (CHUNK_BYTES + 2**20)})
+        files.append(path.read_bytes())
+    assert all(CHUNK_BYTES < len(f) < LIMIT for f in files)
+    return files
+
+
+def version_of(data: bytes, tmp: Path) -> str:
+    """The version the gateway makes of a file's bytes."""
+    (tmp / FILE).write_bytes(data)
+    return content_version(scan_directory(tmp))
 
 
 def layers_of(models_dir: Path) -> int:
@@ -120,24 +138,24 @@ def own(listing: dict[str, Any]) -> list[str]:
     return sorted(f"{a['name']}:{a['version']}" for a in listing["data"] if a["own"])
 
 
-def with_declared_length(name: str, data: bytes, *after: tuple[str, str]) -> bytes:
-    """A form of ``name``, then the file in a part declaring its length, then the ``after`` fields."""
-    parts = [
-        b'--b\r\nContent-Disposition: form-data; name="name"\r\n\r\n' + name.encode() + b"\r\n",
-        b'--b\r\nContent-Disposition: form-data; name="file"; filename="style.safetensors"\r\n'
-        + f"Content-Length: {len(data)}\r\n\r\n".encode()
-        + data
-        + b"\r\n",
-        *(f'--b\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in after),
-    ]
-    return b"".join(parts) + b"--b--\r\n"
+def form(*parts: tuple[str, bytes], declared: bool = False) -> bytes:
+    """A multipart form of ``parts`` (``file``'s as a file, its length declared where ``declared``), in order."""
+    out = b""
+    for name, data in parts:
+        out += f'--b\r\nContent-Disposition: form-data; name="{name}"'.encode()
+        if name == "file":
+            out += b'; filename="style.safetensors"' + (
+                f"\r\nContent-Length: {len(data)}".encode() if declared else b""
+            )
+        out += b"\r\n\r\n" + data + b"\r\n"
+    return out + b"--b--\r\n"
 
 
 FORM = {"Content-Type": "multipart/form-data; boundary=b"}
 
 
 def test_an_upload_is_its_tenant_s_to_list_name_and_delete_and_no_other_s(
-    door: Door, lora_files: list[bytes], models_dir: Path
+    door: Door, lora_files: list[bytes], models_dir: Path, tmp_path: Path
 ) -> None:
     name = f"style-{uuid.uuid4().hex[:6]}"
     began = time.time()
@@ -150,16 +168,20 @@ def test_an_upload_is_its_tenant_s_to_list_name_and_delete_and_no_other_s(
         )
         assert uploaded.status_code == 200, uploaded.text
         first = uploaded.json()
-        assert first["object"] == "adapter" and first["name"] == name and first["version"]
+        # Its version is made from its bytes: the gateway got the file's, in order, none lost.
+        assert (first["object"], first["name"]) == ("adapter", name)
+        assert first["version"] == version_of(lora_files[0], tmp_path)
         assert (first["family"], first["base_model"], first["rank"]) == ("tiny", "tiny", 4)
         assert (first["layers"], first["size_bytes"]) == (layers_of(models_dir), len(lora_files[0]))
         assert (first["own"], first["published"], first["skipped"]) == (True, False, [])
         assert began - 1 <= first["created_at"] <= time.time() + 1
 
         # A second version, its file's part declaring its length: sent on as it arrives.
-        second = owner.post("/v1/adapters", content=with_declared_length(name, lora_files[1]), headers=FORM)
+        second = owner.post(
+            "/v1/adapters", content=form(("name", name.encode()), ("file", lora_files[1]), declared=True), headers=FORM
+        )
         assert second.status_code == 200, second.text
-        assert second.json()["name"] == name and second.json()["version"] != first["version"]
+        assert (second.json()["name"], second.json()["version"]) == (name, version_of(lora_files[1], tmp_path))
         versions = sorted([f"{name}:{first['version']}", f"{name}:{second.json()['version']}"])
 
         listing = owner.get("/v1/adapters").json()
@@ -201,15 +223,29 @@ def test_an_upload_is_its_tenant_s_to_list_name_and_delete_and_no_other_s(
         assert owner.delete(f"/v1/adapters/{name}").status_code == 404
 
 
-def test_fields_after_a_file_sent_on_as_it_came_are_refused_and_nothing_is_kept(
+def test_a_form_s_mistakes_are_refused_naming_the_parameter_and_nothing_is_kept(
     door: Door, lora_files: list[bytes]
 ) -> None:
-    name = f"late-{uuid.uuid4().hex[:6]}"
+    name = f"late-{uuid.uuid4().hex[:6]}".encode()
+    file = ("file", b"x" * 100)
     with door.client("owner") as owner:
-        body = with_declared_length(name, lora_files[0], ("base_model", "tiny"))
-        refused = owner.post("/v1/adapters", content=body, headers=FORM)
+        for parts, param in (
+            ([("base_model", b"tiny"), file], "name"),
+            ([("name", name)], "file"),
+            ([("name", name), ("purpose", b"fine-tune"), file], "purpose"),
+            ([("name", name), ("name", name), file], "name"),
+            ([("name", name), file, file], "file"),
+        ):
+            refused = owner.post("/v1/adapters", content=form(*parts), headers=FORM)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (parts, refused.text)
+        not_a_form = owner.post("/v1/adapters", json={"name": "x", "file": "eA=="})
+        assert not_a_form.status_code == 400 and not_a_form.json()["error"]["param"] == "body", not_a_form.text
+        # A field after a file whose part declared its length: that file was sent on as it came, under the header
+        # the fields before it made.
+        late = form(("name", name), ("file", lora_files[0]), ("base_model", b"tiny"), declared=True)
+        refused = owner.post("/v1/adapters", content=late, headers=FORM)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "base_model", refused.text
-        assert name not in [a["name"] for a in owner.get("/v1/adapters").json()["data"]]
+        assert own(owner.get("/v1/adapters").json()) == []
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read(door: Door) -> None:
