@@ -7,10 +7,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from gateway.adapters import AdapterCatalog, AdapterResolver, store_of
+from gateway.adapters import store_of
 from gateway.expansion import Expansion
 from gateway.servicer import ImageGenerationServicer
-from gateway.tenant_adapters import TenantAdapters
 from services.bus.credentials import NatsCredentials
 from services.bus.events import Events
 from services.config.fields import SettingsError
@@ -50,8 +49,8 @@ def create_server(
         anonymous=anonymous_allowed(settings, http or HttpSettings()),
         safety=kernel.safety,
         expansion=Expansion(settings.expansion, kernel.models_dir),
-        adapters=AdapterResolver(repo.adapters, AdapterCatalog(store_of(kernel.model_store))),
-        tenant_adapters=TenantAdapters(settings, repo, registry, store_of(kernel.model_store), kernel.models_dir),
+        store=store_of(kernel.model_store),
+        models_dir=kernel.models_dir,
     )
     server = build_server(
         [

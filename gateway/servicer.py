@@ -6,9 +6,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import grpc
 
@@ -42,6 +43,7 @@ from services.db.states import JobStatus, WorkerKind
 from services.errors import ContentPolicyViolation, PermissionDenied, ResourceExhausted
 from services.mesh.rpc import MeshIdentity
 from services.models.registry import ModelRegistry
+from services.models.store.objects import ObjectStore
 from services.presence_view import PresenceView
 from services.rpc.gen.darkroom.internal.v1 import sampler_pb2, sampler_pb2_grpc
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
@@ -69,18 +71,16 @@ class ImageGenerationServicer(AdapterRpcs, image_generation_pb2_grpc.ImageGenera
         anonymous: bool = True,
         safety: SafetySettings | None = None,
         expansion: Expansion | None = None,
-        adapters: AdapterResolver | None = None,
-        tenant_adapters: TenantAdapters | None = None,
+        store: Callable[[], ObjectStore | None] = lambda: None,
+        models_dir: Path | None = None,
     ) -> None:
         self.settings = settings
-        # The LoRA adapters a request may name: its tenant's own, and the published
-        # ones (the model store's: none without a store).
-        self.adapters = adapters or AdapterResolver(repo.adapters, AdapterCatalog(lambda: None))
-        self.tenant_adapters = tenant_adapters or TenantAdapters(
-            settings, repo, registry, lambda: None, KernelSettings().models_dir
-        )
-        # The prompt expander (``gateway.service`` gives it the data directory's models).
-        self.expansion = expansion or Expansion(settings.expansion, KernelSettings().models_dir)
+        models_dir = models_dir or KernelSettings().models_dir
+        # The LoRA adapters a request may name (its tenant's own, the published ones:
+        # the model store's, none without a store), and the tenants' own it keeps.
+        self.adapters = AdapterResolver(repo.adapters, AdapterCatalog(store))
+        self.tenant_adapters = TenantAdapters(settings, repo, registry, store, models_dir)
+        self.expansion = expansion or Expansion(settings.expansion, models_dir)
         self.stale_after_s = stale_after_s
         self.repo = repo
         self.registry = registry
@@ -111,9 +111,6 @@ class ImageGenerationServicer(AdapterRpcs, image_generation_pb2_grpc.ImageGenera
         self.moderator = Moderator(
             words, Limits(settings.max_prompt_chars, self.max_input_bytes, safety.image_filter_threshold)
         )
-
-    def _sampler(self, address: str) -> sampler_pb2_grpc.SamplerStub:
-        return sampler_pb2_grpc.SamplerStub(self._channels.to(address))
 
     async def close(self) -> None:
         await self._channels.close()
@@ -273,7 +270,7 @@ class ImageGenerationServicer(AdapterRpcs, image_generation_pb2_grpc.ImageGenera
             if worker is not None:
                 # The fast path; the worker also sees the flag in the database.
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self._sampler(worker.address).CancelJob(
+                    await sampler_pb2_grpc.SamplerStub(self._channels.to(worker.address)).CancelJob(
                         sampler_pb2.SamplerCancelRequest(job_id=job.id), timeout=5
                     )
         return pb.CancelJobResponse(job_id=job.id, status=STATUS[job.status])
