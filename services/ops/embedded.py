@@ -23,7 +23,7 @@ from services.ops.postgres_as_root import (
     is_root,
     prepare_cluster,
 )
-from services.ops.processes import ManagedProcess, as_user, free_port, spawn
+from services.ops.processes import ManagedProcess, as_user, backend_env, free_port, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class EmbeddedPostgres(ManagedProcess):
                 check=True,
                 capture_output=True,
                 cwd=cwd,
+                env=backend_env(),
             )
         if user is not None:
             note = self.pgdata / DATA_DIR_NOTE  # which data directory this cluster is of
@@ -165,7 +166,7 @@ class EmbeddedPostgres(ManagedProcess):
             args += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         log = open(self.pgdata / "server.log", "ab")
         command = as_user(user, args, death_signal=self._death_signal)
-        self.proc = spawn(command, stdout=log, stderr=log, start_new_session=True, cwd=cwd)
+        self.proc = spawn(command, stdout=log, stderr=log, start_new_session=True, cwd=cwd, env=backend_env())
         log.close()
         self._wait_ready(timeout)
         self._seal(user)

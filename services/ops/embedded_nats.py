@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.mesh.nats_auth import CONTROL_USERS, server_config
 from services.mesh.pki import write_private
-from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn, wait_for_port
+from services.ops.processes import ManagedProcess, backend_env, dying_with_parent, free_port, spawn, wait_for_port
 
 
 def nats_server_binary() -> str:
@@ -82,7 +82,13 @@ class EmbeddedNats(ManagedProcess):
         log = open(self.log_path, "ab")
         # It dies with its parent (SIGTERM: a clean stop), as no orphan of a killed
         # `darkroom up` may hold its store.
-        self.proc = spawn(dying_with_parent(args, self._death_signal), stdout=log, stderr=log, start_new_session=True)
+        self.proc = spawn(
+            dying_with_parent(args, self._death_signal),
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            env=backend_env(),
+        )
         log.close()
         wait_for_port(self.port, timeout=timeout, proc=self.proc)
 

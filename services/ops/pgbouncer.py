@@ -24,7 +24,7 @@ from urllib.parse import urlencode
 
 from services.db.repository.database import IDLE_IN_TRANSACTION_MS, libpq_url
 from services.ops.postgres_as_root import PG_USER_WHEN_ROOT, is_root
-from services.ops.processes import ManagedProcess, free_port, wait_for_port
+from services.ops.processes import ManagedProcess, backend_env, free_port, wait_for_port
 
 PGBOUNCER_BIN = "/usr/sbin/pgbouncer"
 # Connection parameters that describe the server, not the client's login: the
@@ -105,7 +105,7 @@ class PgBouncer(ManagedProcess):
             args += ["-u", PG_USER_WHEN_ROOT]
         args.append(str(self.config_path))
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True, cwd="/")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True, cwd="/", env=backend_env())
         log.close()
         try:
             wait_for_port(self.port, timeout=timeout, proc=self.proc)

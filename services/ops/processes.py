@@ -58,6 +58,22 @@ def as_user(user: str | None, args: list[str], *, death_signal: signal.Signals |
     return [sys.executable, "-I", "-S", "-c", _EXEC_AS, user or "", str(os.getpid()), str(sig), *args]
 
 
+# What a backend (PostgreSQL, nats-server, PgBouncer) is given of this process's
+# environment: where programs are, the locale and time zone (PostgreSQL's initdb and
+# messages read them), nothing else. `darkroom up` may hold DARKROOM_API_KEYS or the
+# model store writer's keys in its environment; a backend reads none of them, and
+# what it holds its user can read in /proc/<pid>/environ.
+_BACKEND_VARIABLES = frozenset({"PATH", "LANG", "LANGUAGE", "TZ"})
+
+
+def backend_env() -> dict[str, str]:
+    """This process's PATH, locale (LANG, LANGUAGE, LC_*) and TZ, for a backend's
+    process; PATH the system's where this process has none."""
+    env = {k: v for k, v in os.environ.items() if k in _BACKEND_VARIABLES or k.startswith("LC_")}
+    env.setdefault("PATH", "/usr/bin:/bin")
+    return env
+
+
 def dying_with_parent(args: list[str], death_signal: signal.Signals = signal.SIGKILL) -> list[str]:
     """``args``, sent ``death_signal`` when their parent dies."""
     return as_user(None, args, death_signal=death_signal)
