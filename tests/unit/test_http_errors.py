@@ -37,6 +37,8 @@ def retry_in(seconds: int) -> error_details_pb2.RetryInfo:
         (grpc.StatusCode.UNAUTHENTICATED, 401),
         (grpc.StatusCode.PERMISSION_DENIED, 403),
         (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.ALREADY_EXISTS, 409),
+        (grpc.StatusCode.FAILED_PRECONDITION, 400),  # not 409: the SDKs retry a 409, and only an operator fixes it
         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
         (grpc.StatusCode.UNAVAILABLE, 503),
         (grpc.StatusCode.INTERNAL, 500),
