@@ -62,12 +62,16 @@ class EditInputs:
 
     async def prepare(self, jobs: Sequence[JobRecord]) -> dict[str, MemberInputs | BaseException]:
         """Per job that has an input image, or whose conditioning a decoder encodes,
-        by id: its inputs, or what kept it from having them."""
+        by id: its inputs, or what kept it from having them (the database's absence
+        keeps them all: a job without an image would otherwise run unconditioned)."""
         with_images = [job for job in jobs if job.params.image_digest]
         wanted = [job for job in jobs if job.params.image_digest or self._served(job)]
         if not wanted:
             return {}
-        stored = await self.store.inputs(with_images) if with_images else {}
+        try:
+            stored = await self.store.inputs(with_images) if with_images else {}
+        except Exception as exc:  # the database stayed away: every job here waits for redelivery
+            return {job.id: exc for job in wanted}
         out: dict[str, MemberInputs | BaseException] = {}
         for job in wanted:
             found = stored.get(job.id)

@@ -8,15 +8,15 @@ from dataclasses import dataclass
 from gpu_worker.adapters.slots import SlotsFull
 from gpu_worker.decoding.decoders import DecodeUnavailable
 from gpu_worker.denoising.members import BadOutput
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, StoreUnavailable
 from services.models.adapters.lora_files import AdapterError
-from services.models.store.errors import ModelNotInStore
+from services.models.store.errors import ModelNotInStore, ModelStoreUnavailable
 
 
 @dataclass(frozen=True)
 class Failure:
     error: str  # what the job's record says
-    cause: str  # the metrics' label: invalid input, bad output, decoders away, timed out, error
+    cause: str  # the metrics' label: invalid input, bad output, decoders away, store away, timed out, error
     retryable: bool  # another attempt, on another GPU, may do
     blames_worker: bool  # a sign that this worker is unfit
     traceback: bool = False  # the log shows where it came from
@@ -39,6 +39,10 @@ def classify(exc: Exception) -> Failure:
     if isinstance(exc, DecodeUnavailable):
         # Decoders being away says nothing about this worker.
         return Failure(error, "decoders away", retryable=True, blames_worker=False, traceback=True)
+    if isinstance(exc, StoreUnavailable | ModelStoreUnavailable):
+        # Nor does the database or the model store being away (an adapter's
+        # manifest unread, with no copy kept): another attempt, once it is back.
+        return Failure(error, "store away", retryable=True, blames_worker=False)
     # The GPU, the model: another attempt, on another GPU, may do.
     return Failure(error, "error", retryable=True, blames_worker=True, traceback=True)
 
@@ -50,8 +54,9 @@ def timed_out(model: str, timeout_s: float) -> Failure:
 
 
 class FailureStreak:
-    """Attempts in a row that failed for reasons not the job's own; a stored result
-    ends the streak."""
+    """Attempts in a row that failed for reasons that blame the worker, each counted
+    once its failure is stored (one whose write never landed is redelivered, and
+    counts when it fails again); a stored result ends the streak."""
 
     def __init__(self, unfit_after: int) -> None:
         self.unfit_after = unfit_after

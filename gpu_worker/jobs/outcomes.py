@@ -116,9 +116,9 @@ class OutcomeRecorder:
         log.info("job %s done (stored=%s)", job.id, stored)
 
     async def _failed(self, job: JobRecord, failure: Failure, gpu_seconds: float) -> None:
-        self.failures.failed(failure)
         log.warning("job %s attempt %d failed: %s", job.id, job.attempt, failure.error, exc_info=failure.traceback)
         await self.store.fail(job, failure, gpu_seconds=gpu_seconds)
+        self.failures.failed(failure)
 
     async def _suspended(
         self, started: Started, checkpoint: Checkpoint | None, at: datetime, gpu_seconds: float

@@ -130,7 +130,7 @@ class JobRunner:
         """What the batch needs before its first step, made while the device runs the
         batch before it: its edits' and upscales' input images, and its prompts
         encoded into the prompt cache."""
-        inputs = await self._inputs(batch)
+        inputs = await self.edit_inputs.prepare([s.job for s in batch])
         for started in batch:
             started.inputs = inputs.get(started.job.id)
             started.prepared = True
@@ -211,13 +211,6 @@ class JobRunner:
         # take; nor does one that resumed a job part of the way through.
         whole = all(s.resume is None and s.job.params.first_step() == 0 for s in cohort)
         return SampledBatch(learnable=was_warm and whole, recorded=recorded)
-
-    async def _inputs(self, batch: Sequence[Started]) -> dict[str, MemberInputs | BaseException]:
-        """Each edit's and upscale's input, as its model takes it, or what kept it from it."""
-        try:
-            return await self.edit_inputs.prepare([s.job for s in batch])
-        except Exception as exc:  # the database stayed away: the outcome says so
-            return {s.job.id: exc for s in batch if s.job.params.image_digest}
 
     def member(self, started: Started, loop: asyncio.AbstractEventLoop, batch: BatchProgress) -> BatchMember:
         """The job as a batch member: its steps reported, its periodic checkpoints stored."""
