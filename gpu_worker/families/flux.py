@@ -11,6 +11,7 @@ Flux.1 Kontext (instruction edits) is dev's loop with its input image beside it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,11 @@ from services.generation import GenerationParams
 from services.models.device import module_dtype
 from services.models.spec import ModelSpec
 
+# Sizes whose position ids stay on the device. A batch's size is its jobs' (any
+# multiple of the size step within the model's bounds, thousands of them), so
+# those of sizes no longer asked for go, least recently used first.
+IMAGE_POSITIONS_KEPT = 16
+
 
 class FluxDenoiser(DiffusersDenoiser):
     network_name = "transformer"
@@ -34,7 +40,7 @@ class FluxDenoiser(DiffusersDenoiser):
         super().__init__(*args, **kwargs)
         # Position ids, made once per size on the device: a copy onto it each step
         # would wait for its queue.
-        self._image_ids: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._image_ids: OrderedDict[tuple[int, int, torch.dtype], torch.Tensor] = OrderedDict()
         self._text_ids: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def classifier_free(self, params: GenerationParams) -> bool:
@@ -103,9 +109,14 @@ class FluxDenoiser(DiffusersDenoiser):
     def _image_positions(self, pipe: Any, params: GenerationParams, dtype: torch.dtype) -> torch.Tensor:
         h, w = self._grid(pipe, params)
         key = (h, w, dtype)
-        if key not in self._image_ids:
-            self._image_ids[key] = self._new_image_positions(pipe, h, w, dtype)
-        return self._image_ids[key]
+        found = self._image_ids.get(key)
+        if found is not None:
+            self._image_ids.move_to_end(key)
+            return found
+        found = self._image_ids[key] = self._new_image_positions(pipe, h, w, dtype)
+        if len(self._image_ids) > IMAGE_POSITIONS_KEPT:
+            self._image_ids.popitem(last=False)
+        return found
 
     def _new_image_positions(self, pipe: Any, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
         return pipe._prepare_latent_image_ids(1, h, w, self.device, dtype)
