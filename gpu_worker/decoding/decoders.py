@@ -25,12 +25,13 @@ from services import reported
 from services.db.records import ImageRecord, JobRecord
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
-from services.errors import DarkroomError
+from services.errors import DarkroomError, InvalidArgument
 from services.mesh.rpc import MeshIdentity
 from services.models.encoding import mime_type_of
 from services.presence_view import PresenceView
 from services.rpc.gen.darkroom.internal.v1 import vae_decoder_pb2, vae_decoder_pb2_grpc
 from services.rpc.server import Channels
+from services.rpc.status import field_violations
 from services.telemetry import logs
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,18 @@ class DecodeUnavailable(DarkroomError):
 
 class DecoderFailed(DarkroomError):
     pass
+
+
+# What a job brings a decoder: a refusal naming it (an image that cannot be read, or
+# none where its model's text encoder sees one) is the job's, and every decoder's.
+_JOB_INPUTS = frozenset({"image", "mask"})
+
+
+def refused_input(exc: grpc.aio.AioRpcError) -> InvalidArgument | None:
+    """The job's own bad input where a decoder's refusal names it; None otherwise (a
+    model another decoder's registry may serve, the call itself failing)."""
+    own = [v for v in field_violations(exc) if v.field in _JOB_INPUTS]
+    return InvalidArgument(own) if own else None
 
 
 def estimated_finish_s(decoder: WorkerRecord, megapixels: float, in_flight: float = 0.0) -> float | None:
@@ -265,7 +278,7 @@ class Decoders:
         """An edit's input image resized to ``width`` x ``height`` as its model's
         latents (1, C, height/8, width/8), from a decoder service (or this sampler,
         where ``local_decode_fallback`` allows); DecodeUnavailable if none could
-        within the patience."""
+        within the patience; InvalidArgument where a decoder refuses the image itself."""
         p = job.params
         if self.locally:
             assert self.local is not None
@@ -279,6 +292,9 @@ class Decoders:
                 try:
                     response = await stub.Encode(request, timeout=DECODE_TIMEOUT_S)
                 except grpc.aio.AioRpcError as exc:
+                    refused = refused_input(exc)
+                    if refused is not None:
+                        raise refused from None
                     failures.append(f"decoder {decoder.id}: {exc.code().name} {exc.details()}")
                     continue
                 array = np.frombuffer(response.latents, dtype="<f4").reshape(list(response.shape))

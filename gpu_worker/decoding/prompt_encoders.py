@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from gpu_worker.decoding.decoders import DECODE_TIMEOUT_S, ROUND_PAUSE_S, Decoders, DecodeUnavailable
+from gpu_worker.decoding.decoders import DECODE_TIMEOUT_S, ROUND_PAUSE_S, Decoders, DecodeUnavailable, refused_input
 from gpu_worker.denoising.prompts import Conditioning
 from services.db.records import JobRecord
 from services.models import prompt_encoding
@@ -45,7 +45,8 @@ async def served_conditioning(
 ) -> Conditioning:
     """The job's conditioning (on the host) as a decoder encoded it; ``guided``: with
     its negative half; ``image``: the input its text encoder sees, at ``image_size``.
-    PromptEncodeUnavailable when none could within the decoders' patience."""
+    PromptEncodeUnavailable when none could within the decoders' patience;
+    InvalidArgument where a decoder refuses the job's image itself."""
     if decoders.locally:
         raise PromptEncodeUnavailable(
             f"{job.params.model}'s text encoders are the decoder service's, and this sampler calls none "
@@ -60,7 +61,10 @@ async def served_conditioning(
                 response = await decoders.stub(decoder).EncodePrompt(request, timeout=DECODE_TIMEOUT_S)
                 return Conditioning.of(prompt_encoding.from_bytes(response.conditioning))
             except grpc.aio.AioRpcError as exc:
-                # INVALID_ARGUMENT too: another decoder's registry may serve the model.
+                refused = refused_input(exc)
+                if refused is not None:
+                    raise refused from None
+                # A model refused: another decoder's registry may serve it.
                 failures.append(f"decoder {decoder.id}: {exc.code().name} {exc.details()}")
             except ValueError as exc:  # bytes that are no conditioning
                 failures.append(f"decoder {decoder.id}: {exc}")

@@ -20,6 +20,7 @@ from services.errors import (
     DarkroomError,
     DegenerateOutput,
     FailedPrecondition,
+    FieldViolation,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -77,6 +78,23 @@ def to_status(exc: BaseException) -> status_pb2.Status:
     elif isinstance(exc, DarkroomError):
         status = status_pb2.Status(code=code_pb2.INTERNAL, message=str(exc))
     return status
+
+
+def field_violations(exc: grpc.aio.AioRpcError) -> list[FieldViolation]:
+    """The fields a server's INVALID_ARGUMENT names (its ``BadRequest``, as
+    ``to_status`` packs it); none for another code, or a status without them."""
+    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return []
+    try:
+        status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    except ValueError:  # details that contradict the call's code or message
+        return []
+    found = []
+    for detail in status.details if status is not None else ():
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            found += [FieldViolation(v.field, v.description) for v in bad.field_violations]
+    return found
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
