@@ -22,7 +22,7 @@ from pathlib import Path
 from services.config.model_store import ModelStoreSettings
 from services.mesh.pki import write_private
 from services.models.store.errors import ModelStoreError
-from services.models.store.manifest import COMPILED_PREFIX, MANIFESTS_PREFIX, TENANTS_PREFIX
+from services.models.store.manifest import BLOBS_PREFIX, COMPILED_PREFIX, MANIFESTS_PREFIX, TENANTS_PREFIX
 from services.models.store.objects import ObjectStore
 from services.ops.processes import ManagedProcess, dying_with_parent, free_port, spawn
 
@@ -94,7 +94,8 @@ def role_actions(bucket: str) -> dict[str, tuple[str, ...]]:
     them. The writer (the operator's) may read, list and write it all. A sampler
     reads models and adapters, and writes under ``compiled/`` alone: it shares the
     compiled artifacts of what it loaded (``services.models.compile_cache``, each
-    with a signed record) and can touch no model. A decoder (the reader) reads. The
+    with a signed record) and can touch no model. A decoder (the reader) reads models
+    (manifests and blobs), not tenants' adapters nor compiled artifacts. The
     gateway, facing the internet, reads and lists manifests (the adapters a request
     names, and those it lists) and keeps tenants' own
     adapters under ``tenants/``: it reads no model's bytes, and writes no model,
@@ -103,7 +104,7 @@ def role_actions(bucket: str) -> dict[str, tuple[str, ...]]:
     return {
         "writer": (f"Read:{bucket}", f"List:{bucket}", f"Write:{bucket}"),
         "sampler": (f"Read:{bucket}", f"Write:{bucket}/{COMPILED_PREFIX}*"),
-        "reader": (f"Read:{bucket}",),
+        "reader": tuple(f"Read:{bucket}/{prefix}*" for prefix in (MANIFESTS_PREFIX, BLOBS_PREFIX)),
         "gateway": (
             *(f"{right}:{bucket}/{MANIFESTS_PREFIX}*" for right in ("Read", "List")),
             *(f"{right}:{bucket}/{TENANTS_PREFIX}*" for right in ("Read", "List", "Write")),

@@ -96,6 +96,8 @@ def test_only_the_samplers_identity_shares_compiled_artifacts_and_it_writes_noth
     for env in (model_store.reader_env(), model_store.gateway_env()):
         with pytest.raises(ModelStoreError, match=REFUSED):
             store_of(env).write_compiled(digest, b"planted")
+        with pytest.raises(ModelStoreError, match=REFUSED):
+            store_of(env).read_compiled(digest)  # what only samplers load
     assert sampler.read_compiled(digest) == b"artifacts"
 
 
@@ -123,7 +125,10 @@ def test_the_gateways_identity_reads_manifests_and_keeps_tenants_adapters_and_no
     kept = push_directory(tenant, adapter, "style:v1")
     assert tenant.read_manifest("style", "v1") == kept.manifest
     assert [v.version for v in tenant.list_models()] == ["v1"]
-    assert writer.scoped("tenants/acme/").read_manifest("style") == kept.manifest  # where samplers read it
+    assert writer.scoped("tenants/acme/").read_manifest("style") == kept.manifest
+    assert store_of(model_store.sampler_env()).scoped("tenants/acme/").read_manifest("style") == kept.manifest
+    with pytest.raises(ModelStoreError, match=REFUSED):  # a decoder reads models, not tenants' adapters
+        store_of(model_store.reader_env()).scoped("tenants/acme/").read_manifest("style")
     assert writer.latest_version("style") is None  # not among the operator's models
     tenant.remove("style")
     assert tenant.list_models() == []

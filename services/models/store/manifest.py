@@ -41,8 +41,11 @@ def parse_reference(reference: str) -> tuple[str, str | None]:
     return name, version or None
 
 
+BLOBS_PREFIX = "blobs/"
+
+
 def blob_key(digest: str) -> str:
-    return f"blobs/sha256/{digest}"
+    return f"{BLOBS_PREFIX}sha256/{digest}"
 
 
 MANIFESTS_PREFIX = "manifests/"
