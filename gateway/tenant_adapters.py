@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import os
 import re
 import shutil
-import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from gateway.adapter_files import FILE, Checked, header_of, receive, run_check
 from gateway.auth import Caller
 from gateway.tenant_limits import refused
 from services.config.sections import GatewaySettings
@@ -54,22 +51,12 @@ log = logging.getLogger(__name__)
 # A tenant's adapter's name: a path segment of its own, without '.' (its store name
 # is its tenant's scope, a '.', and it: ``tenant_store_name``).
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,47}$")
-FILE = "adapter.safetensors"
 # An upload begun this long ago and never stored was cut off (its gateway died):
 # another upload of the same bytes takes it over, and the tenant's next upload
 # deletes what it left.
 ABANDONED_AFTER = timedelta(minutes=10)
 # Uploads a gateway receives and checks at once; the others wait their turn.
 UPLOADS_AT_ONCE = 2
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What the check of an uploaded file found."""
-
-    rank: int
-    layers: int
-    skipped: tuple[str, ...]
 
 
 class TenantAdapters:
@@ -107,7 +94,7 @@ class TenantAdapters:
     # -- upload ------------------------------------------------------------------
 
     async def upload(self, caller: Caller, messages: AsyncIterator[pb.UploadAdapterRequest]) -> TenantAdapter:
-        header = await _header(messages)
+        header = await header_of(messages)
         base = self._check_header(header)
         store = self._the_store()
         now = datetime.now(UTC)
@@ -121,7 +108,7 @@ class TenantAdapters:
         async with self._uploads:
             scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="darkroom-adapter-"))
             try:
-                await _receive(messages, scratch / FILE, header.size_bytes)
+                await receive(messages, scratch / FILE, header.size_bytes)
                 version = content_version(await asyncio.to_thread(scan_directory, scratch))
                 kept = await self.repo.adapters.visible(caller.tenant, header.name, version)
                 if kept is not None and kept.tenant == caller.tenant:
@@ -194,7 +181,7 @@ class TenantAdapters:
             "max_rank": base.adapter_rank,
             **network,
         }
-        answer = await _run_check(request, self.settings.adapter_check_timeout_s)
+        answer = await run_check(request, self.settings.adapter_check_timeout_s)
         if "error" in answer:
             raise InvalidArgument([FieldViolation("file", str(answer["error"]))])
         return Checked(int(answer["rank"]), int(answer["layers"]), tuple(answer["skipped"]))
@@ -263,58 +250,6 @@ class TenantAdapters:
                     f"{adapter.reference} is no longer yours to name; its bytes stay: {exc}"
                 ) from exc
         return removed
-
-
-async def _header(messages: AsyncIterator[pb.UploadAdapterRequest]) -> pb.AdapterUpload:
-    first = await anext(aiter(messages), None)
-    if first is None or first.WhichOneof("part") != "header":
-        raise InvalidArgument([FieldViolation("header", "an upload's first message is its header")])
-    return first.header
-
-
-async def _receive(messages: AsyncIterator[pb.UploadAdapterRequest], path: Path, size: int) -> None:
-    """The chunks written to ``path`` (each in a thread): exactly ``size`` bytes, or InvalidArgument."""
-    received = 0
-    out = await asyncio.to_thread(open, path, "wb")
-    try:
-        async for message in messages:
-            if message.WhichOneof("part") != "chunk":
-                raise InvalidArgument([FieldViolation("header", "an upload has one header, first")])
-            received += len(message.chunk)
-            if received > size:
-                raise InvalidArgument([FieldViolation("size_bytes", f"the file is longer than its {size} bytes")])
-            await asyncio.to_thread(out.write, message.chunk)
-    finally:
-        await asyncio.to_thread(out.close)
-    if received != size:
-        raise InvalidArgument([FieldViolation("size_bytes", f"{received} bytes came of its {size}")])
-
-
-async def _run_check(request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``services.models.adapters.checking`` on ``request``, in a process of its own,
-    given none of this process's settings (it reads none)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DARKROOM_")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.models.adapters.checking",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**env, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        return {"error": f"its check took longer than {timeout_s:.0f}s"}
-    try:
-        answer = json.loads(out.decode().strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return {"error": f"it could not be read as a LoRA adapter (its reader exited with {proc.returncode})"}
-    return answer if isinstance(answer, dict) else {"error": "its check answered nothing"}
 
 
 def _remove_stored(store: ObjectStore, adapter: TenantAdapter) -> None:
