@@ -1,22 +1,29 @@
 """An uploaded adapter's file: received from the upload's stream, exactly the bytes
 its header declared, and checked (``services.models.adapters.checking``) in a
-process of its own, given none of the gateway's settings, within a deadline."""
+process of its own, given none of the gateway's settings, within a deadline. The
+request goes to the check as a file, not down a pipe: a check that ends before it
+reads is then told apart from one that refuses the file."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.errors import FieldViolation, InvalidArgument
+from services.errors import FieldViolation, InvalidArgument, ResourceExhausted
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 
+log = logging.getLogger(__name__)
+
+CHECKER = "services.models.adapters.checking"
 # What an upload's file is called in the directory it is checked and pushed from.
 FILE = "adapter.safetensors"
 
@@ -55,28 +62,54 @@ async def receive(messages: AsyncIterator[pb.UploadAdapterRequest], path: Path, 
         raise InvalidArgument([FieldViolation("size_bytes", f"{received} bytes came of its {size}")])
 
 
-async def run_check(request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """``services.models.adapters.checking`` on ``request``, in a process of its own,
-    given none of this process's settings (it reads none)."""
+# A reader killed by one of these crashed on the file it read: the file's fault. One
+# killed otherwise (SIGKILL: the kernel short of memory, an operator) or that ended
+# without an answer could not check it here now: nobody's, retried.
+_CRASHED_ON_INPUT = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL})
+
+
+async def check(request: dict[str, Any], scratch: Path, timeout_s: float, *, module: str = CHECKER) -> Checked:
+    """``services.models.adapters.checking`` on ``request`` (written into
+    ``scratch``), in a process of its own, given none of this process's settings
+    (it reads none): what it found, or InvalidArgument naming ``file`` where the
+    file is refused or crashed its reader, or ResourceExhausted (retry) where the
+    check could not run to its end."""
+    asked = scratch / "check.json"
+    await asyncio.to_thread(asked.write_text, json.dumps(request))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKROOM_")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.models.adapters.checking",
-        stdin=asyncio.subprocess.PIPE,
+        module,
+        str(asked),
+        stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
         env={**env, "OMP_NUM_THREADS": "1"},
     )
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), timeout_s)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-        return {"error": f"its check took longer than {timeout_s:.0f}s"}
+        raise InvalidArgument([FieldViolation("file", f"its check took longer than {timeout_s:.0f}s")]) from None
+    answer = _answer(out)
+    if answer is None:
+        code = proc.returncode or 0
+        if code < 0 and -code in _CRASHED_ON_INPUT:
+            why = f"it could not be read as a LoRA adapter: its reader crashed ({signal.Signals(-code).name})"
+            raise InvalidArgument([FieldViolation("file", why)])
+        log.warning("an adapter's check ended with %s and no answer: %s", code, err.decode(errors="replace")[-2000:])
+        raise ResourceExhausted(f"the gateway could not check the adapter now (its check ended with {code})", 5.0)
+    if "error" in answer:
+        raise InvalidArgument([FieldViolation("file", str(answer["error"]))])
+    return Checked(int(answer["rank"]), int(answer["layers"]), tuple(answer["skipped"]))
+
+
+def _answer(out: bytes) -> dict[str, Any] | None:
     try:
         answer = json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return {"error": f"it could not be read as a LoRA adapter (its reader exited with {proc.returncode})"}
-    return answer if isinstance(answer, dict) else {"error": "its check answered nothing"}
+        return None
+    return answer if isinstance(answer, dict) else None

@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from gateway.adapter_files import FILE, Checked, header_of, receive, run_check
+from gateway.adapter_files import FILE, Checked, check, header_of, receive
 from gateway.auth import Caller
 from gateway.tenant_limits import refused
 from services.config.sections import GatewaySettings
@@ -36,7 +36,7 @@ from services.errors import (
     ResourceExhausted,
     StoreUnavailable,
 )
-from services.models.adapters.lora_files import LORA_LOADERS
+from services.models.adapters.families import LORA_LOADERS
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelSpec, store_reference
 from services.models.store.errors import ModelNotInStore, ModelStoreError
@@ -108,17 +108,19 @@ class TenantAdapters:
         async with self._uploads:
             scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="darkroom-adapter-"))
             try:
-                await receive(messages, scratch / FILE, header.size_bytes)
-                version = content_version(await asyncio.to_thread(scan_directory, scratch))
+                folder = scratch / "adapter"  # what is pushed: the file alone
+                await asyncio.to_thread(folder.mkdir)
+                await receive(messages, folder / FILE, header.size_bytes)
+                version = content_version(await asyncio.to_thread(scan_directory, folder))
                 kept = await self.repo.adapters.visible(caller.tenant, header.name, version)
                 if kept is not None and kept.tenant == caller.tenant:
                     return kept  # the same bytes, uploaded before: neither checked nor stored again
-                checked = await self._check_file(scratch, base, network)
+                checked = await self._check_file(folder, scratch, base, network)
                 new = TenantAdapter(
                     caller.tenant, header.name, version, str(base.family), base.name, checked.rank, checked.layers,
                     header.size_bytes, now, checked.skipped,
                 )  # fmt: skip
-                return await self._keep(new, store, scratch, limits)
+                return await self._keep(new, store, folder, limits)
             finally:
                 await asyncio.to_thread(shutil.rmtree, scratch, True)
 
@@ -174,17 +176,9 @@ class TenantAdapters:
             )
         return {"network_config": config}
 
-    async def _check_file(self, directory: Path, base: ModelSpec, network: dict[str, Any]) -> Checked:
-        request = {
-            "directory": str(directory),
-            "family": str(base.family),
-            "max_rank": base.adapter_rank,
-            **network,
-        }
-        answer = await run_check(request, self.settings.adapter_check_timeout_s)
-        if "error" in answer:
-            raise InvalidArgument([FieldViolation("file", str(answer["error"]))])
-        return Checked(int(answer["rank"]), int(answer["layers"]), tuple(answer["skipped"]))
+    async def _check_file(self, folder: Path, scratch: Path, base: ModelSpec, network: dict[str, Any]) -> Checked:
+        request = {"directory": str(folder), "family": str(base.family), "max_rank": base.adapter_rank, **network}
+        return await check(request, scratch, self.settings.adapter_check_timeout_s)
 
     async def _keep(
         self, new: TenantAdapter, store: ObjectStore, directory: Path, limits: AdapterLimits

@@ -303,7 +303,7 @@ def test_admin_actions_are_recorded_with_who_did_what(stack: LocalStack, keys: d
         f"keys create key {key_id}: role=admin",
     ]
     assert actions[-1] == f"{actor}: tenants create: lane=free, credits=None, daily_credits=None, max_jobs=50, " + (
-        "rate_per_s=None, weight=1.0, expand_prompts=False, output_policy=None"
+        "rate_per_s=None, weight=1.0, expand_prompts=False, output_policy=None, max_adapters=None, max_adapter_mb=None"
     )
     assert fresh not in shown and keys["cats"] not in shown
 

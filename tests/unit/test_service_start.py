@@ -59,3 +59,15 @@ def test_the_probe_sees_collections_where_the_collector_runs_while_importing() -
     probe = _PROBE.replace("runpy.run_module(", "gc.enable(); import scheduler.service; runpy.run_module(")
     done = probed("scheduler", probe)
     assert "collections while importing: 0\n" not in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("service", ["gateway", "scheduler", "http_api"])
+def test_a_control_plane_service_imports_no_torch(service: str) -> None:
+    """The gateway, the scheduler and the HTTP API are forked from the fork server
+    that imported no torch (services/ops/forkserver.py): one that imports it pays
+    about 2 CPU seconds at each start and holds its pages. (The gateway once did,
+    through the adapters' family table: services/models/adapters/families.py.)"""
+    probe = f"import sys, {service}.service; print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

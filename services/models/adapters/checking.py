@@ -1,8 +1,8 @@
 """An uploaded adapter checked as `darkroom models push --lora` checks one (its file
 read as the base model's family reads it, every layer it adapts one the sampler
 adapts per job, of the same features, its rank at most the base model's), in a
-process of its own: ``python -m services.models.adapters.checking`` reads the
-request as JSON on stdin and answers on stdout. The gateway, which takes the file
+process of its own: ``python -m services.models.adapters.checking REQUEST`` reads
+the request, a JSON file, and answers on stdout. The gateway, which takes the file
 from the internet, never parses it itself nor imports torch and diffusers for it,
 and a file that exhausts the parser takes this process alone, within its deadline.
 
@@ -20,7 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from services.models.adapters.lora_files import LORA_LOADERS, AdapterError, LoraWeights, read_lora
+from services.errors import ModelError
+from services.models.adapters.families import LORA_LOADERS
+from services.models.adapters.lora_files import LoraWeights, read_lora
 from services.models.adapters.network_layers import check_fits, layers_of_config
 from services.models.spec import ModelFamily
 from services.models.store.push import source_directory
@@ -44,8 +46,8 @@ def check(request: dict[str, Any]) -> LoraWeights:
 
 def main() -> int:
     try:
-        weights = check(json.loads(sys.stdin.read()))
-    except (AdapterError, ValueError, KeyError, OSError) as exc:
+        weights = check(json.loads(Path(sys.argv[1]).read_text()))
+    except (ModelError, ValueError, KeyError, OSError) as exc:
         print(json.dumps({"error": str(exc)}))
         return 1
     except Exception as exc:  # a file the readers below refuse in a way of their own

@@ -17,26 +17,12 @@ from typing import Any
 import torch
 
 from services.errors import ModelError
+from services.models.adapters.families import LORA_LOADERS
 from services.models.spec import ADAPTED_FAMILIES, ModelFamily
 
 
 class AdapterError(ModelError):
     """An adapter's files cannot be read, or do not fit the network they name."""
-
-
-# Each family adapters apply to: its pipeline class (whose LoRA loader reads the
-# files) and its denoising network's prefix in a diffusers LoRA state dict.
-LORA_LOADERS: Mapping[ModelFamily, tuple[str, str]] = {
-    ModelFamily.TINY: ("StableDiffusionPipeline", "unet"),
-    ModelFamily.SD15: ("StableDiffusionPipeline", "unet"),
-    ModelFamily.SDXL: ("StableDiffusionXLPipeline", "unet"),
-    ModelFamily.SD3: ("StableDiffusion3Pipeline", "transformer"),
-    ModelFamily.FLUX: ("FluxPipeline", "transformer"),
-    ModelFamily.FLUX_KONTEXT: ("FluxKontextPipeline", "transformer"),
-    ModelFamily.QWEN_IMAGE: ("QwenImagePipeline", "transformer"),
-    ModelFamily.QWEN_IMAGE_EDIT: ("QwenImageEditPipeline", "transformer"),
-    ModelFamily.Z_IMAGE: ("ZImagePipeline", "transformer"),
-}
 
 
 @dataclass(frozen=True)

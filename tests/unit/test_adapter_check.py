@@ -1,0 +1,47 @@
+"""How the gateway reads the end of an uploaded adapter's check, run in a process of
+its own (a stand-in for it here): what the check found; the check's refusal, and a
+reader that crashed on the file, the file's fault (INVALID_ARGUMENT naming `file`);
+a check killed otherwise or ended without an answer (the kernel short of memory, a
+broken install) nobody's fault, to be retried; a check past its deadline killed."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.adapter_files import Checked, check
+from services.errors import InvalidArgument, ResourceExhausted
+
+STAND_IN = "tests.integration.children.adapter_check"
+
+
+def run(tmp_path: Path, request: dict[str, Any], timeout_s: float = 60.0) -> Checked:
+    return asyncio.run(check(request, tmp_path, timeout_s, module=STAND_IN))
+
+
+def test_what_the_check_found_and_what_it_refused(tmp_path: Path) -> None:
+    found = run(tmp_path, {"answer": {"rank": 4, "layers": 10, "skipped": ["text_encoder"]}})
+    assert found == Checked(4, 10, ("text_encoder",))
+    with pytest.raises(InvalidArgument, match="rank is 32") as refused:
+        run(tmp_path, {"answer": {"error": "the adapter's rank is 32"}, "exit": 1})
+    assert [v.field for v in refused.value.violations] == ["file"]
+
+
+def test_a_reader_that_crashed_on_the_file_is_the_files_fault(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="SIGSEGV"):
+        run(tmp_path, {"signal": "SIGSEGV"})
+
+
+@pytest.mark.parametrize("end", [{"signal": "SIGKILL"}, {"exit": 1}])
+def test_a_check_that_could_not_run_to_its_end_is_retried(tmp_path: Path, end: dict[str, Any]) -> None:
+    with pytest.raises(ResourceExhausted) as busy:
+        run(tmp_path, end)
+    assert busy.value.retry_after_s is not None
+
+
+def test_a_check_past_its_deadline_is_killed_and_refused(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="longer than 1s"):
+        run(tmp_path, {"signal": "SIGSTOP"}, timeout_s=1.0)
