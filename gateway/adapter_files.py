@@ -62,6 +62,38 @@ async def receive(messages: AsyncIterator[pb.UploadAdapterRequest], path: Path, 
         raise InvalidArgument([FieldViolation("size_bytes", f"{received} bytes came of its {size}")])
 
 
+# A safetensors header larger than this is no adapter's (its tensors' names and shapes).
+_LARGEST_HEADER = 16 * 2**20
+
+
+def check_framing(path: Path) -> None:
+    """InvalidArgument naming ``file`` unless ``path`` is framed as a safetensors file
+    (an 8-byte length, a JSON header of that length, each tensor's bytes within the
+    file): read at once, here, so that what is not one costs no check's process."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= length <= min(size - 8, _LARGEST_HEADER):
+            raise InvalidArgument([FieldViolation("file", "not a safetensors file: no header of its length")])
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        raise InvalidArgument([FieldViolation("file", "not a safetensors file: its header is no JSON object")])
+    data = size - 8 - length
+    for name, tensor in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = tensor.get("data_offsets") if isinstance(tensor, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise InvalidArgument([FieldViolation("file", f"not a safetensors file: tensor {name[:80]!r}")])
+        if not 0 <= offsets[0] <= offsets[1] <= data:
+            raise InvalidArgument([FieldViolation("file", f"tensor {name[:80]!r} lies past the file's end")])
+
+
 # A reader killed by one of these crashed on the file it read: the file's fault. One
 # killed otherwise (SIGKILL: the kernel short of memory, an operator) or that ended
 # without an answer could not check it here now: nobody's, retried.

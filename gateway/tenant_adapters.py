@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from gateway.adapter_files import FILE, Checked, check, header_of, receive
+from gateway.adapter_files import FILE, Checked, check, check_framing, header_of, receive
 from gateway.auth import Caller
 from gateway.tenant_limits import refused
 from services.config.sections import GatewaySettings
@@ -111,6 +111,7 @@ class TenantAdapters:
                 folder = scratch / "adapter"  # what is pushed: the file alone
                 await asyncio.to_thread(folder.mkdir)
                 await receive(messages, folder / FILE, header.size_bytes)
+                await asyncio.to_thread(check_framing, folder / FILE)
                 version = content_version(await asyncio.to_thread(scan_directory, folder))
                 kept = await self.repo.adapters.visible(caller.tenant, header.name, version)
                 if kept is not None and kept.tenant == caller.tenant:

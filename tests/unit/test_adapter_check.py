@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from gateway.adapter_files import Checked, check
+from gateway.adapter_files import Checked, check, check_framing
 from services.errors import InvalidArgument, ResourceExhausted
 
 STAND_IN = "tests.integration.children.adapter_check"
@@ -45,3 +45,37 @@ def test_a_check_that_could_not_run_to_its_end_is_retried(tmp_path: Path, end: d
 def test_a_check_past_its_deadline_is_killed_and_refused(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="longer than 1s"):
         run(tmp_path, {"signal": "SIGSTOP"}, timeout_s=1.0)
+
+
+def framed(header: bytes, data: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"", "no header"),
+        (b"\xff" * 64, "no header"),
+        (framed(b"[1, 2]"), "no JSON object"),
+        (framed(b"{not json}"), "no JSON object"),
+        (framed(b'{"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', b"\0" * 8), "past the file's end"),
+        (framed(b'{"w": {"dtype": "F32", "shape": [4]}}'), "tensor 'w'"),
+    ],
+)
+def test_what_is_not_framed_as_safetensors_is_refused_before_any_check_runs(
+    tmp_path: Path, content: bytes, why: str
+) -> None:
+    path = tmp_path / "adapter.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(InvalidArgument, match=why) as refused:
+        check_framing(path)
+    assert [v.field for v in refused.value.violations] == ["file"]
+
+
+def test_a_safetensors_file_passes_its_framing(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "adapter.safetensors"
+    save_file({"unet.a.lora_A.weight": torch.zeros(4, 8)}, path, metadata={"format": "pt"})
+    check_framing(path)
