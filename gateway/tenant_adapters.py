@@ -99,7 +99,6 @@ class TenantAdapters:
         store = self._the_store()
         now = datetime.now(UTC)
         limits = self.limits(caller)
-        self._check_room(caller.tenant, header.size_bytes, await self.repo.adapters.usage(caller.tenant), limits)
         if caller.terms is not None and caller.terms.rate_per_s is not None:
             refusal = await self.repo.admission.draw(caller.tenant, now)
             if refusal is not None:
@@ -111,11 +110,13 @@ class TenantAdapters:
                 folder = scratch / "adapter"  # what is pushed: the file alone
                 await asyncio.to_thread(folder.mkdir)
                 await receive(messages, folder / FILE, header.size_bytes)
-                await asyncio.to_thread(check_framing, folder / FILE)
                 version = content_version(await asyncio.to_thread(scan_directory, folder))
                 kept = await self.repo.adapters.visible(caller.tenant, header.name, version)
                 if kept is not None and kept.tenant == caller.tenant:
                     return kept  # the same bytes, uploaded before: neither checked nor stored again
+                usage = await self.repo.adapters.usage(caller.tenant)
+                self._check_room(caller.tenant, header.size_bytes, usage, limits)  # before the costly check
+                await asyncio.to_thread(check_framing, folder / FILE)
                 checked = await self._check_file(folder, scratch, base, network)
                 new = TenantAdapter(
                     caller.tenant, header.name, version, str(base.family), base.name, checked.rank, checked.layers,
@@ -151,7 +152,7 @@ class TenantAdapters:
         return base
 
     def _check_room(self, tenant: str, size: int, usage: AdapterUsage, limits: AdapterLimits) -> None:
-        """A look at the tenant's limits before the file is read (its reservation decides)."""
+        """A look at the tenant's limits before the file is checked (its reservation decides)."""
         refusal = adapter_room(tenant, size, usage, limits)
         if refusal is not None:
             raise quota_refusal(refusal)

@@ -4,7 +4,8 @@ anything is stored, and its jobs name it; it is private (another tenant's reques
 and removal are refused exactly as for a name that does not exist, or for a
 model's); listing shows a tenant its own and the published ones; an operator
 publishes it (`darkroom adapters publish`) and every tenant's jobs may name it;
-quotas bound what a tenant keeps; removal takes it out of the store."""
+quotas bound what a tenant keeps (the same bytes again are no new version); removal
+takes it out of the store and gives the room back."""
 
 from __future__ import annotations
 
@@ -39,9 +40,8 @@ from tests.lora_files import attention_layers, write_diffusers_lora
 pytestmark = pytest.mark.integration
 
 TENANTS = {
-    "acme": TenantTerms("free"),
+    "acme": TenantTerms("free", max_adapters=1),  # at most one adapter version
     "beta": TenantTerms("free"),
-    "small": TenantTerms("free", max_adapters=1),
     "slow": TenantTerms("free", rate_per_s=0.001),  # one call, then none for 1,000 s
 }
 
@@ -200,10 +200,19 @@ def test_a_tenants_adapter_is_its_own_until_an_operator_publishes_it(
     assert darkroom(stack, "adapters", "unpublish", "acme", "style").returncode == 0
     assert refusal(stack, keys["beta"], "style") == unknown
 
+    # At its limit of one version: another is refused before it is checked, nothing kept.
+    with pytest.raises(grpc.RpcError) as full:
+        upload(stack, keys["acme"], files["other"], "other")
+    [violation] = quota_failure(full.value).violations
+    assert violation.subject == "tenant:acme" and violation.description.startswith("max_adapters")
+    assert tenant_store(model_store, "acme") == [f"tenant.acme.style:{info.version}"]
+
     removed = stub(stack).DeleteAdapter(pb.DeleteAdapterRequest(name="style"), metadata=as_key(keys["acme"]))
     assert list(removed.removed) == [f"style:{info.version}"]
     assert refusal(stack, keys["acme"], "style") == unknown
     assert tenant_store(model_store, "acme") == []
+    room = listed(stack, keys["acme"]).quota
+    assert (room.adapters, room.max_adapters) == (0, 1)  # room again for one
 
 
 def test_bad_uploads_are_refused_by_field_and_nothing_is_kept(
@@ -229,23 +238,6 @@ def test_bad_uploads_are_refused_by_field_and_nothing_is_kept(
     assert (quota.adapters, quota.size_bytes) == (0, 0)
     assert tenant_store(model_store, "beta") == []
     assert count_jobs(stack) == before
-
-
-def test_a_tenant_keeps_no_more_than_its_quota(
-    stack: LocalStack, keys: dict[str, str], files: dict[str, Path], model_store: Any
-) -> None:
-    key = keys["small"]  # at most one adapter version
-    first = upload(stack, key, files["style"], "first")
-    with pytest.raises(grpc.RpcError) as full:
-        upload(stack, key, files["other"], "second")
-    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    [violation] = quota_failure(full.value).violations
-    assert violation.subject == "tenant:small" and violation.description.startswith("max_adapters")
-    assert tenant_store(model_store, "small") == [f"tenant.small.first:{first.version}"]
-    stub(stack).DeleteAdapter(pb.DeleteAdapterRequest(name="first"), metadata=as_key(key))
-    assert tenant_store(model_store, "small") == []
-    room = listed(stack, key).quota
-    assert (room.adapters, room.max_adapters) == (0, 1)  # room again for one
 
 
 def test_a_tenant_past_its_limits_has_no_adapter_looked_up(stack: LocalStack, keys: dict[str, str]) -> None:
