@@ -117,27 +117,23 @@ class AdapterCatalog:
 
     async def _manifest(self, name: str, version: str) -> Manifest | None:
         key = (name, version)
-        now = self._clock()
         cached = self._manifests.get(key)
-        if cached is not None and now - cached[0] < (self._ttl_s if cached[1] is not None else ABSENT_TTL_S):
+        if cached is not None and self._clock() - cached[0] < (self._ttl_s if cached[1] is not None else ABSENT_TTL_S):
             self._manifests.move_to_end(key)
             return cached[1]
         reading = self._reading.get(key)
-        if reading is not None:
-            return await asyncio.shield(reading)
-        reading = asyncio.get_running_loop().create_future()
-        self._reading[key] = reading
-        try:
-            async with self._reads:
-                manifest = await asyncio.to_thread(self._read, name, version)
-        except BaseException as exc:
-            reading.set_exception(exc)
-            reading.exception()  # retrieved: a failure no one else waited on is not logged as lost
-            raise
-        else:
-            reading.set_result(manifest)
-        finally:
-            del self._reading[key]
+        if reading is None:
+            # A task of its own: a caller that goes away (its client cancelled) cancels
+            # neither the read nor the others waiting on it.
+            reading = asyncio.ensure_future(self._read_and_keep(key))
+            self._reading[key] = reading
+            reading.add_done_callback(lambda _: self._reading.pop(key, None))
+        return await asyncio.shield(reading)
+
+    async def _read_and_keep(self, key: tuple[str, str]) -> Manifest | None:
+        now = self._clock()
+        async with self._reads:
+            manifest = await asyncio.to_thread(self._read, *key)
         self._manifests[key] = (now, manifest)
         self._manifests.move_to_end(key)
         while len(self._manifests) > self._max_kept:

@@ -118,6 +118,25 @@ def test_one_name_asked_for_at_once_is_read_once() -> None:
     assert store.reads == 1 and {m.version for m in found if m is not None} == {"v1"} and None not in found
 
 
+def test_a_caller_that_goes_away_cancels_neither_the_read_nor_the_others_waiting() -> None:
+    store = Store()
+    store.latest["style"] = adapter("v1")
+    store.gate = threading.Event()
+    catalog = AdapterCatalog(lambda: store)  # type: ignore[arg-type, return-value]
+
+    async def one_leaves() -> Manifest | None:
+        first = asyncio.ensure_future(catalog.adapter("style", ""))
+        second = asyncio.ensure_future(catalog.adapter("style", ""))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        assert store.gate is not None
+        store.gate.set()
+        return await second
+
+    found = asyncio.run(one_leaves())
+    assert found is not None and found.version == "v1" and store.reads == 1
+
+
 def test_adapters_that_do_not_fit_the_model_are_named() -> None:
     store = Store()
     store.latest["style"] = adapter("v1", rank=64)
