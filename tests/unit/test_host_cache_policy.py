@@ -3,7 +3,10 @@ from checked names and digests."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,7 +14,9 @@ from services.errors import ModelError
 from services.models.host_cache.eviction import CachedVersion, Snapshot, to_evict, unreferenced
 from services.models.host_cache.layout import Layout
 from services.models.host_cache.origin import Lease, Step, next_step
-from services.models.host_cache.peers import contiguous, rate_deadline
+from services.models.host_cache.peers import PeerSource, contiguous, rate_deadline
+from services.models.host_cache.sources import BlobSourceFailed
+from services.rpc.server import Channels
 
 A, B, C, D = ("a" * 64, "b" * 64, "c" * 64, "d" * 64)
 
@@ -152,3 +157,30 @@ def test_a_peer_is_given_up_when_its_average_falls_under_the_minimum_past_the_gr
     # A fast start buys time against a later trickle, bounded by what it sent.
     assert rate_deadline(0.0, 10**9, grace_s=10.0, min_bytes_per_s=10e6) == 110.0
     assert rate_deadline(0.0, 10**9, grace_s=10.0, min_bytes_per_s=0.0) is None  # no minimum set
+
+
+class _LateBytes(PeerSource):
+    """A peer whose stream hands over one more chunk as the rate deadline cancels it,
+    as a real stream does when a chunk is written while the deadline fires."""
+
+    async def _read_range(
+        self, stub: Any, digest: str, start: int, end: int, dest_fd: int, reached: Any, on_bytes: Any
+    ) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            reached[start] = start + 1
+            on_bytes()
+            raise
+
+
+async def test_bytes_that_land_as_the_rate_deadline_fires_still_give_the_peer_up(tmp_path: Path) -> None:
+    channels = Channels()
+    source = _LateBytes("127.0.0.1:1", channels, idle_s=0.05, min_bytes_per_s=1e6, range_bytes=10)
+    dest = os.open(tmp_path / "blob", os.O_CREAT | os.O_WRONLY)
+    try:
+        with pytest.raises(BlobSourceFailed, match="under the minimum"):
+            await source.fetch("a" * 64, 40, dest, 0)
+    finally:
+        os.close(dest)
+        await channels.close()

@@ -122,6 +122,8 @@ class PeerSource(BlobSource):
                 await self._read_range(stub, digest, start, end, dest_fd, reached, paced)
 
         def paced() -> None:
+            if pace.expired():  # bytes that land after the deadline fired cannot move it back
+                return
             gained = sum(reached[start] - start for start, _ in ranges)
             pace.reschedule(rate_deadline(started, gained, grace_s=self.idle_s, min_bytes_per_s=self.min_bytes_per_s))
 
