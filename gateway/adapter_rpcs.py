@@ -67,7 +67,8 @@ class AdapterRpcs:
         self, request_iterator: AsyncIterator[pb.UploadAdapterRequest], context: grpc.aio.ServicerContext
     ) -> pb.AdapterInfo:
         caller = await self.gate.caller(context, "UploadAdapter")
-        adapter = await self.tenant_adapters.upload(caller, request_iterator)
+        # The call's initial metadata answers the header: the file may come.
+        adapter = await self.tenant_adapters.upload(caller, request_iterator, lambda: context.send_initial_metadata(()))
         return adapter_info(adapter, caller.tenant)
 
     @unary_errors

@@ -14,7 +14,7 @@ import logging
 import re
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -93,7 +93,15 @@ class TenantAdapters:
 
     # -- upload ------------------------------------------------------------------
 
-    async def upload(self, caller: Caller, messages: AsyncIterator[pb.UploadAdapterRequest]) -> TenantAdapter:
+    async def upload(
+        self,
+        caller: Caller,
+        messages: AsyncIterator[pb.UploadAdapterRequest],
+        accepted: Callable[[], Awaitable[None]],
+    ) -> TenantAdapter:
+        """The adapter kept; ``accepted`` is awaited once the header passed every
+        check that needs no file, so a client may wait for it before sending the
+        file (a refusal then never meets a write in flight)."""
         header = await header_of(messages)
         base = self._check_header(header)
         store = self._the_store()
@@ -104,6 +112,7 @@ class TenantAdapters:
             if refusal is not None:
                 raise refused(refusal, None)
         network = await self._network_source(base, store)
+        await accepted()
         async with self._uploads:
             scratch = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="darkroom-adapter-"))
             try:

@@ -8,9 +8,10 @@ counts the bytes against it) and comes after ``name`` is sent on as it arrives;
 any other is first spooled to a temporary file, bounded by the limit, and sent
 from there. A file over the limit is refused (413 naming ``file``) before a byte
 of it is read where its length is declared, else as it arrives; so is a body past
-its route's limit. The gateway's refusal of the first message (a bad name, no
-room left in the tenant's quota) is answered at the next chunk sent, the rest of
-the body unread."""
+its route's limit. The gateway's refusal of the first message (a bad name, a
+base model it cannot take, the tenant's rate) is answered before a byte of the
+file is sent, the rest of the body unread: the gateway accepts the first message
+with the call's initial metadata."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class AdapterUploads:
                         declared = form.declared_length(part)
                         if declared is not None and "name" in form.fields:
                             call = _Call(self.stub, metadata, form.header(declared))
-                            await call.send(form.chunks(part))
+                            await call.send(form.chunks(part, declared))
                         else:
                             spooled, size = await form.spool(part)
                     else:
@@ -163,13 +164,16 @@ class _Form:
             raise file_too_large(self.file_bytes)
         return int(text)
 
-    async def chunks(self, part: BodyPartReader) -> AsyncIterator[bytes]:
-        """The file part's bytes in chunks of CHUNK_BYTES (the last shorter); 413 once past the limit."""
+    async def chunks(self, part: BodyPartReader, declared: int | None = None) -> AsyncIterator[bytes]:
+        """The file part's bytes in chunks of CHUNK_BYTES (the last shorter); 413 once
+        past the limit, 400 once past the length it declared."""
         buffer, received = bytearray(), 0
         while chunk := await self.read(part, CHUNK_BYTES):
             received += len(chunk)
             if received > self.file_bytes:
                 raise file_too_large(self.file_bytes)
+            if declared is not None and received > declared:
+                raise bad_request("file", f"file's part is longer than its Content-Length of {declared} bytes")
             buffer += chunk
             if len(buffer) >= CHUNK_BYTES:
                 yield bytes(buffer[:CHUNK_BYTES])
@@ -225,6 +229,12 @@ class _Call:
 
     async def send(self, chunks: AsyncIterator[bytes]) -> None:
         await self._write(self.header)
+        # The gateway's initial metadata accepts the header; its refusal ends the call
+        # instead, answered here before a byte of the file is in flight (a write that
+        # meets the call's end is reported as gRPC's own INTERNAL, the refusal lost).
+        await self.call.initial_metadata()
+        if self.call.done():
+            await self.call
         async for chunk in chunks:
             await self._write(pb.UploadAdapterRequest(chunk=chunk))
 

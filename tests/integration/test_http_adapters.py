@@ -304,3 +304,9 @@ def test_the_gateway_s_refusals_keep_their_meaning(door: Door) -> None:
             "/v1/adapters", data={"name": "x", "base_model": "no-such-model"}, files={"file": ("x", b"x")}
         )
         assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "base_model", unknown.text
+        # A file part longer than the length it declares: the door's refusal, before the gateway sees the excess.
+        lying = form(("name", b"lying"), ("file", b"x" * 100), declared=True)
+        lying = lying.replace(b"Content-Length: 100", b"Content-Length: 10")
+        longer = owner.post("/v1/adapters", content=lying, headers=FORM)
+        assert longer.status_code == 400 and longer.json()["error"]["param"] == "file", longer.text
+        assert "longer than its Content-Length of 10 bytes" in longer.json()["error"]["message"]

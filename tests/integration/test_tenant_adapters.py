@@ -31,6 +31,7 @@ from services.models.store.push import push_directory
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
+from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from tests.conftest import make_stack, running
 from tests.helpers import count_jobs, quota_failure, store_values, stub, wait_terminal
 from tests.integration.test_host_cache import object_store
@@ -257,3 +258,28 @@ def darkroom(stack: LocalStack, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.ops.cli", *args], env=env, capture_output=True, text=True, timeout=60
     )
+
+
+async def test_an_upload_s_header_is_answered_before_its_file_is_sent(stack: LocalStack, keys: dict[str, str]) -> None:
+    """The call's initial metadata accepts the header; a refused header ends the call
+    with its refusal instead. A client that waits for it (the HTTP door does) never
+    has a write in flight as the call ends, which gRPC reports as its own INTERNAL,
+    the refusal lost."""
+
+    def header(name: str) -> pb.UploadAdapterRequest:
+        return pb.UploadAdapterRequest(header=pb.AdapterUpload(name=name, base_model="tiny", size_bytes=100))
+
+    async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+        client = image_generation_pb2_grpc.ImageGenerationStub(channel)
+        accepted = client.UploadAdapter(metadata=as_key(keys["beta"]), timeout=30)
+        await accepted.write(header("early"))
+        await asyncio.wait_for(accepted.initial_metadata(), 10)
+        assert not accepted.done()  # waiting for the file
+        accepted.cancel()
+        refused = client.UploadAdapter(metadata=as_key(keys["beta"]), timeout=30)
+        await refused.write(header("a.b"))
+        await asyncio.wait_for(refused.initial_metadata(), 10)
+        with pytest.raises(grpc.aio.AioRpcError) as refusal:
+            await refused
+    assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "name" in violations(refusal.value)
