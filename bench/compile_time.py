@@ -48,7 +48,7 @@ from services.models.builtins import BUILTINS, builtin_dir, ensure_builtin
 from services.models.registry import ModelRegistry
 
 MODELS = ("tiny", "tiny-sd3", "tiny-flux", "tiny-qwen-image")
-SMOKE = {"models": "tiny", "backend": "aot_eager", "max_batch": 2}
+SMOKE = {"models": "tiny", "backend": "aot_eager", "max_batch": 1}
 
 
 class Counting:

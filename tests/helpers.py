@@ -1,10 +1,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import os
+import subprocess
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
 import grpc
@@ -220,3 +223,26 @@ def quota_failure(error: grpc.RpcError) -> error_details_pb2.QuotaFailure:
     quota = error_details_pb2.QuotaFailure()
     assert any(d.Unpack(quota) for d in status.details)
     return quota
+
+
+def cli_here(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``darkroom ARGS`` run in this process with ``env`` as its whole environment, as
+    ``python -m services.ops.cli ARGS`` runs it: its exit status and what it printed.
+    For commands that start nothing (the model store's): a process of their own
+    imports torch and diffusers again, several CPU seconds a call."""
+    from services.ops.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = main(list(args))
+            except SystemExit as exc:  # argparse's refusals
+                status = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["darkroom", *args], status, out.getvalue(), err.getvalue())

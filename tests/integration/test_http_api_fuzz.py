@@ -36,8 +36,10 @@ from tests.integration.test_tenants import darkroom
 
 pytestmark = pytest.mark.integration
 
+# 400 examples a route (the gRPC fuzz runs 300): derandomized, every run sends the
+# same ones; 1,000 cost the suite about a minute more of its two cores.
 FUZZ = settings(
-    max_examples=1000,
+    max_examples=400,
     derandomize=True,  # the same run each time
     database=None,
     deadline=None,

@@ -8,7 +8,6 @@ import asyncio
 import os
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from services.models.store.manifest import manifest_key
 from services.models.store.objects import ObjectStore
 from services.models.store.push import content_version, file_digest, push_directory, source_directory
 from services.ops.processes import free_port
+from tests.helpers import cli_here
 
 MB = 1024 * 1024
 
@@ -186,13 +186,8 @@ def test_a_store_that_is_down_or_unconfigured_fails_fast_and_clearly(tmp_path: P
 
 
 def darkroom(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "services.ops.cli", "models", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """``darkroom models ARGS`` with ``env`` as its environment (in this process: see ``cli_here``)."""
+    return cli_here(env, "models", *args)
 
 
 def test_the_cli_pushes_lists_and_removes(model_store: Any, tmp_path: Path) -> None:

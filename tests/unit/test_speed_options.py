@@ -4,9 +4,12 @@ and the decoder with the option on give what they give without it, within tolera
 the model loads, for every batch bucket, and no job compiles it again, whatever its
 batch, images or guidance.
 
-``torch.compile`` runs with the "aot_eager" backend here: it traces the very graphs
-inductor would compile (full graph, the same guards and recompilations) without
-generating code, which takes minutes on two cores."""
+``torch.compile`` runs here with a backend that counts the graphs dynamo gives it and
+runs each as traced: the very graphs inductor would be given (full graph, the same
+guards and recompilations), without AOT autograd's tracing (a third of these tests'
+time) or inductor's code, which takes minutes on two cores. Inductor itself runs in
+tests/integration/test_compile_cache.py, AOT autograd in ``bench/compile_time.py
+--smoke``."""
 
 from __future__ import annotations
 
@@ -34,17 +37,14 @@ TOLERANCE = 1e-4
 
 
 class Compilations:
-    """A compile backend that counts the graphs it is given, then runs them as aot_eager does."""
+    """A compile backend that counts the graphs it is given, then runs them as traced."""
 
     def __init__(self) -> None:
         self.graphs = 0
 
     def __call__(self, graph: Any, example_inputs: Any) -> Any:
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_compiler
-
         self.graphs += 1
-        return aot_autograd(fw_compiler=make_boxed_compiler(lambda g, _: g))(graph, example_inputs)
+        return graph.forward
 
 
 @pytest.fixture
