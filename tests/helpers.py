@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -232,16 +233,22 @@ def cli_here(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[
     imports torch and diffusers again, several CPU seconds a call."""
     from services.ops.cli import main
 
+    def run() -> int:
+        try:
+            return main(list(args))
+        except SystemExit as exc:  # argparse's refusals
+            return exc.code if isinstance(exc.code, int) else 1
+
     out, err = io.StringIO(), io.StringIO()
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                status = main(list(args))
-            except SystemExit as exc:  # argparse's refusals
-                status = exc.code if isinstance(exc.code, int) else 1
+            # A thread of its own: the caller's thread may run an event loop (Playwright's
+            # sync API does), where the command's asyncio.run would be refused.
+            with concurrent.futures.ThreadPoolExecutor(1) as thread:
+                status = thread.submit(run).result()
     finally:
         os.environ.clear()
         os.environ.update(saved)

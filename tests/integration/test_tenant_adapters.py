@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -33,7 +32,7 @@ from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from services.rpc.gen.darkroom.v1 import image_generation_pb2_grpc
 from tests.conftest import make_stack, running
-from tests.helpers import count_jobs, quota_failure, store_values, stub, wait_terminal
+from tests.helpers import cli_here, count_jobs, quota_failure, store_values, stub, wait_terminal
 from tests.integration.test_host_cache import object_store
 from tests.integration.test_invalid_requests import violations
 from tests.lora_files import attention_layers, write_diffusers_lora
@@ -255,9 +254,7 @@ def test_a_tenant_past_its_limits_has_no_adapter_looked_up(stack: LocalStack, ke
 
 def darkroom(stack: LocalStack, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DARKROOM_DATABASE_URL": stack.settings.kernel.database_url}
-    return subprocess.run(
-        [sys.executable, "-m", "services.ops.cli", *args], env=env, capture_output=True, text=True, timeout=60
-    )
+    return cli_here(env, *args)
 
 
 async def test_an_upload_s_header_is_answered_before_its_file_is_sent(stack: LocalStack, keys: dict[str, str]) -> None:
