@@ -92,7 +92,7 @@ class SuiteReport:
             total, cpu, tests = sum(self.seconds.values()), sum(self.cpu.values()), sum(self.tests.values())
             terminalreporter.write_line(f"{total:9.1f} {cpu:8.1f} {tests:6d}  all")
             terminalreporter.section("the 20 modules that spent the most CPU")
-            for module, seconds in sorted(self.module_cpu.items(), key=lambda kv: -kv[1])[:200]:
+            for module, seconds in sorted(self.module_cpu.items(), key=lambda kv: -kv[1])[:20]:
                 terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
         if self.scenarios:
             terminalreporter.section("fault injection")
