@@ -54,7 +54,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"darkroom: gateway listening on {stack.gateway_address} (data in {data_dir})", flush=True)
         print(f"darkroom: OpenAI-compatible HTTP API on {stack.http_url}/v1", flush=True)
         if stack.model_store is not None:
-            from services.ops.model_store import WRITER_SECRET_FILE
+            from services.ops.store_identities import WRITER_SECRET_FILE
 
             store, secrets = stack.model_store, Path(stack.settings.kernel.mesh_dir)
             print(f"darkroom: model store (S3) on {store.url}, bucket {store.bucket}", flush=True)

@@ -20,16 +20,16 @@ from services.ops.children import fork_servers, restart_policy
 from services.ops.data_lock import DataDirLock
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNats
-from services.ops.model_store import (
+from services.ops.model_store import EmbeddedModelStore
+from services.ops.orphans import stop_nats_servers
+from services.ops.store_identities import (
     GATEWAY_SECRET_FILE,
     READER_SECRET_FILE,
     SAMPLER_SECRET_FILE,
     WRITER_SECRET_FILE,
-    EmbeddedModelStore,
     StoreIdentities,
     StoreIdentity,
 )
-from services.ops.orphans import stop_nats_servers
 from services.ops.supervisor import Supervisor
 
 

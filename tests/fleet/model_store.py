@@ -22,15 +22,8 @@ from services.db.states import WorkerStatus
 from services.errors import BusError
 from services.models.host_cache.peers import CacheAnnouncement
 from services.models.store.manifest import Manifest
-from services.ops.model_store import (
-    SEALED,
-    StoreIdentities,
-    StoreIdentity,
-    store_sent_bytes,
-    wait_until_listed,
-    weed_binary,
-    write_identities,
-)
+from services.ops.model_store import SEALED, store_sent_bytes, wait_until_listed, weed_binary
+from services.ops.store_identities import StoreIdentities, StoreIdentity, write_identities
 from tests.fleet.network import Host
 from tests.helpers import env_of
 
