@@ -1,27 +1,26 @@
 """The one client of the model store's bucket (any S3-compatible endpoint): blobs by
 digest, manifests by name and version, and the concurrent ranged reads a host's
-cache fetches blobs with. The driver's errors become ``ModelStoreError`` here."""
+cache fetches blobs with. The driver's errors become the project's in ``services.models.store.s3``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from datetime import datetime, timedelta
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import obstore
-from obstore.exceptions import AlreadyExistsError, BaseError, PermissionDeniedError, UnauthenticatedError
+from obstore.exceptions import AlreadyExistsError
 from obstore.store import S3Store
 
 if TYPE_CHECKING:
     from obstore import ObjectMeta
-    from obstore.store import ClientConfig
 
 from services.config.model_store import ModelStoreSettings
-from services.models.store.errors import ModelNotInStore, ModelStoreError, ModelStoreUnavailable, ModelVersionExists
+from services.models.store.errors import ModelNotInStore, ModelStoreError, ModelVersionExists
 from services.models.store.manifest import (
     COMPILED_PREFIX,
     MANIFESTS_PREFIX,
@@ -33,12 +32,9 @@ from services.models.store.manifest import (
     manifest_key,
 )
 from services.models.store.records import Removal, StoredVersion
+from services.models.store.s3 import driver_errors, s3_client, scoped_client
 
 _MB = 1024 * 1024
-_FORBIDDEN = "non-2xx status code: 403 Forbidden"
-# A store that does not answer fails a command in seconds, not after the
-# driver's default three minutes of retries.
-_RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=20)}
 
 
 class ObjectStore:
@@ -53,48 +49,16 @@ class ObjectStore:
 
     @classmethod
     def from_settings(cls, settings: ModelStoreSettings) -> ObjectStore:
-        if not settings.model_store_url:
-            raise ModelStoreError("no model store is configured: set DARKROOM_MODEL_STORE_URL (and its credentials)")
-        options: ClientConfig = {"allow_http": True, "connect_timeout": timedelta(seconds=5)}
-        credentials: dict[str, Any] = {}
-        if settings.model_store_access_key:
-            credentials = {
-                "access_key_id": settings.model_store_access_key,
-                "secret_access_key": settings.model_store_secret_key,
-            }
-        else:
-            credentials = {"skip_signature": True}
-        store = S3Store(
-            settings.model_store_bucket,
-            endpoint=settings.model_store_url,
-            region=settings.model_store_region,
-            client_options=options,
-            retry_config=_RETRY,  # type: ignore[arg-type]
-            virtual_hosted_style_request=False,
-            **credentials,
-        )
         return cls(
-            store,
+            s3_client(settings),
             url=settings.model_store_url,
             bucket=settings.model_store_bucket,
             fetch_streams=settings.model_fetch_streams,
             fetch_range_bytes=settings.model_fetch_range_mb * _MB,
         )
 
-    @contextmanager
-    def _errors(self, doing: str) -> Iterator[None]:
-        try:
-            yield
-        except (BaseError, OSError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            # A refusal (these credentials may not) is an answer; anything else is the store being away.
-            # The driver tells a refused listing only by its status (a generic error).
-            if isinstance(exc, PermissionDeniedError | UnauthenticatedError) or _FORBIDDEN in str(exc):
-                raise ModelStoreError(
-                    f"model store {self.url} (bucket {self.bucket}): {doing}: refused ({first}); pushing, listing "
-                    "and removing need the writer's identity (DARKROOM_MODEL_STORE_WRITER_ACCESS_KEY and _SECRET_KEY)"
-                ) from exc
-            raise ModelStoreUnavailable(f"model store {self.url} (bucket {self.bucket}): {doing}: {first}") from exc
+    def _errors(self, doing: str) -> AbstractContextManager[None]:
+        return driver_errors(self.url, self.bucket, doing)
 
     def _exists(self, key: str) -> bool:
         with self._errors(f"looking for {key}"):
@@ -110,14 +74,8 @@ class ObjectStore:
         manifests, every key under ``prefix``, with this client's identity."""
         if not prefix.endswith("/") or prefix.startswith("/"):
             raise ValueError(f"a store's prefix is a folder: {prefix!r}")
-        store = S3Store(
-            config=self._store.config,
-            client_options=self._store.client_options,
-            retry_config=self._store.retry_config,
-            prefix=f"{self._store.prefix or ''}/{prefix}".strip("/"),
-        )
         return ObjectStore(
-            store,
+            scoped_client(self._store, prefix),
             url=self.url,
             bucket=f"{self.bucket}/{prefix.rstrip('/')}",
             fetch_streams=self.fetch_streams,
