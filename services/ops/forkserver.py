@@ -43,12 +43,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 
 from services.config.fields import ENV_PREFIX
+from services.ops.forked_child import ForkedProcess, proc_stat, wait_gone
 from services.ops.processes import dying_with_parent, spawn
 
 # What a server imports before it forks (``module:attribute,...``: diffusers' and
@@ -98,42 +98,6 @@ def read_on_import(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(READ_ON_IMPORT) and k not in PER_CHILD}
 
 
-class ForkedProcess:
-    """A child of the fork server, as the supervisor sees it: ``subprocess.Popen``'s
-    ``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate`` and
-    ``kill``. Its exit is reported by the server (it is the server's to reap)."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._exited = threading.Event()
-
-    def _exit(self, code: int) -> None:
-        if self.returncode is None:
-            self.returncode = code
-        self._exited.set()
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-
 class _Running:
     """One server process and what it was asked: a server that died takes its own
     requests and children with it, never those of the one started after it."""
@@ -168,7 +132,7 @@ class _Running:
             asked.set_exception(RuntimeError(f"the fork server exited with {self.proc.returncode}"))
         for child in list(self.children.values()):
             with contextlib.suppress(subprocess.TimeoutExpired):
-                _wait_gone(child.pid, timeout=5.0)
+                wait_gone(child.pid, timeout=5.0)
             child._exit(-signal.SIGKILL)
 
 
@@ -237,7 +201,7 @@ class ForkServer:
         running = self._running
         if running is None:
             return 0.0
-        fields = _stat(running.proc.pid)
+        fields = proc_stat(running.proc.pid)
         if not fields:
             return 0.0
         # utime, stime, cutime, cstime: fields 14-17 of proc(5), 12-15 after the name
@@ -299,25 +263,3 @@ def _environment_file(env: Mapping[str, str]) -> Iterator[int]:
         given.flush()
         given.seek(0)
         yield given.fileno()
-
-
-def _wait_gone(pid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}") and _state(pid) not in ("Z", "X"):
-        if time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(f"pid {pid}", timeout)
-        time.sleep(0.02)
-
-
-def _state(pid: int) -> str:
-    fields = _stat(pid)
-    return fields[0] if fields else "X"
-
-
-def _stat(pid: int) -> list[str]:
-    """``/proc/<pid>/stat``'s fields after the process's name (its state first); none when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
