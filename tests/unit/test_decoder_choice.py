@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_worker.decoding.decoders import estimated_finish_s, fastest_first
+from gpu_worker.decoding.decoder_choice import estimated_finish_s, fastest_first
 from services.db.states import WorkerKind
 from services.db.worker_records import WorkerRecord
 from tests.records import worker_record

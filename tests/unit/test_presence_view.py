@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from gateway.fleet_messages import worker_stats
-from gpu_worker.decoding.decoders import estimated_finish_s
+from gpu_worker.decoding.decoder_choice import estimated_finish_s
 from scheduler import facts
 from services.bus.presence_board import Announcement, decode_plan, encode_plan, plan_key, worker_key
 from services.db.states import WorkerKind, WorkerStatus
