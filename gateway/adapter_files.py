@@ -104,10 +104,31 @@ async def check(request: dict[str, Any], scratch: Path, timeout_s: float, *, mod
     """``services.models.adapters.checking`` on ``request`` (written into
     ``scratch``), in a process of its own, given none of this process's settings
     (it reads none): what it found, or InvalidArgument naming ``file`` where the
-    file is refused or crashed its reader, or ResourceExhausted (retry) where the
-    check could not run to its end."""
+    file is refused or crashed its reader (twice: a crash once is looked at again,
+    as a reader may crash for reasons of its own), or ResourceExhausted (retry)
+    where the check could not run to its end."""
     asked = scratch / "check.json"
     await asyncio.to_thread(asked.write_text, json.dumps(request))
+    for attempt in (1, 2):
+        code, out, err = await _run(module, asked, timeout_s)
+        answer = _answer(out)
+        if answer is not None:
+            break
+        crashed = code < 0 and -code in _CRASHED_ON_INPUT
+        if crashed and attempt == 2:
+            why = f"it could not be read as a LoRA adapter: its reader crashed ({signal.Signals(-code).name})"
+            raise InvalidArgument([FieldViolation("file", why)])
+        log.warning("an adapter's check ended with %s and no answer: %s", code, err.decode(errors="replace")[-2000:])
+        if not crashed:
+            raise ResourceExhausted(f"the gateway could not check the adapter now (its check ended with {code})", 5.0)
+    assert answer is not None
+    if "error" in answer:
+        raise InvalidArgument([FieldViolation("file", str(answer["error"]))])
+    return Checked(int(answer["rank"]), int(answer["layers"]), tuple(answer["skipped"]))
+
+
+async def _run(module: str, asked: Path, timeout_s: float) -> tuple[int, bytes, bytes]:
+    """The check run once: its exit code (a signal's, negative), stdout and stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DARKROOM_")}
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -126,17 +147,7 @@ async def check(request: dict[str, Any], scratch: Path, timeout_s: float, *, mod
             proc.kill()
         await proc.wait()
         raise InvalidArgument([FieldViolation("file", f"its check took longer than {timeout_s:.0f}s")]) from None
-    answer = _answer(out)
-    if answer is None:
-        code = proc.returncode or 0
-        if code < 0 and -code in _CRASHED_ON_INPUT:
-            why = f"it could not be read as a LoRA adapter: its reader crashed ({signal.Signals(-code).name})"
-            raise InvalidArgument([FieldViolation("file", why)])
-        log.warning("an adapter's check ended with %s and no answer: %s", code, err.decode(errors="replace")[-2000:])
-        raise ResourceExhausted(f"the gateway could not check the adapter now (its check ended with {code})", 5.0)
-    if "error" in answer:
-        raise InvalidArgument([FieldViolation("file", str(answer["error"]))])
-    return Checked(int(answer["rank"]), int(answer["layers"]), tuple(answer["skipped"]))
+    return proc.returncode or 0, out, err
 
 
 def _answer(out: bytes) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
 """How the gateway reads the end of an uploaded adapter's check, run in a process of
 its own (a stand-in for it here): what the check found; the check's refusal, and a
-reader that crashed on the file, the file's fault (INVALID_ARGUMENT naming `file`);
+reader that crashed on the file (twice), the file's fault (INVALID_ARGUMENT naming
+`file`), a reader that crashed once looked at again;
 a check killed otherwise or ended without an answer (the kernel short of memory, a
 broken install) nobody's fault, to be retried; a check past its deadline killed."""
 
@@ -33,6 +34,13 @@ def test_what_the_check_found_and_what_it_refused(tmp_path: Path) -> None:
 def test_a_reader_that_crashed_on_the_file_is_the_files_fault(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="SIGSEGV"):
         run(tmp_path, {"signal": "SIGSEGV"})
+
+
+def test_a_reader_that_crashed_once_is_looked_at_again(tmp_path: Path) -> None:
+    """A crash the file does not cause again (a reader's own) is not the file's."""
+    found = run(tmp_path, {"crash_once": "SIGSEGV", "answer": {"rank": 4, "layers": 10, "skipped": []}})
+    assert found == Checked(4, 10, ())
+    assert (tmp_path / "check.crashed").exists()  # it did crash the first time
 
 
 @pytest.mark.parametrize("end", [{"signal": "SIGKILL"}, {"exit": 1}])
