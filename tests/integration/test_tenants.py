@@ -33,14 +33,19 @@ def darkroom(stack: LocalStack, *args: str, check: bool = True) -> subprocess.Co
         # The gateway closes within a second of the first tenant; until then a key is
         # not looked at (the call is anonymous), so the caller waits for it, as a
         # process of its own used to by starting.
-        client = stub(stack)
-        wait_for(
-            lambda: outcome_of(lambda: client.ListModels(pb.ListModelsRequest())),
-            lambda code: code == grpc.StatusCode.UNAUTHENTICATED,
-            timeout=10,
-            what="the gateway to close",
-        )
+        wait_closed(stack, timeout=10)
     return done
+
+
+def wait_closed(stack: LocalStack, *, timeout: float) -> None:
+    """Until the gateway refuses a call without a key."""
+    client = stub(stack)
+    wait_for(
+        lambda: outcome_of(lambda: client.ListModels(pb.ListModelsRequest())),
+        lambda code: code == grpc.StatusCode.UNAUTHENTICATED,
+        timeout=timeout,
+        what="the gateway to close",
+    )
 
 
 def as_key(key: str) -> list[tuple[str, str]]:
@@ -122,12 +127,7 @@ def test_keys_are_shown_once_and_stored_as_digests(stack: LocalStack, keys: dict
 def test_a_closed_gateway_wants_a_key(stack: LocalStack, keys: dict[str, str]) -> None:
     client = stub(stack)
     # Tenants exist now: the gateway closes within a second of their creation.
-    wait_for(
-        lambda: outcome_of(lambda: client.ListModels(pb.ListModelsRequest())),
-        lambda code: code == grpc.StatusCode.UNAUTHENTICATED,
-        timeout=5,
-        what="the gateway to close",
-    )
+    wait_closed(stack, timeout=5)
     for metadata in (None, as_key("drk_0000_made-up"), as_key(keys["cats"] + "x"), [("authorization", keys["cats"])]):
         assert code_of(lambda m=metadata: client.SubmitJob(job(), metadata=m)) == grpc.StatusCode.UNAUTHENTICATED
     assert client.SubmitJob(job(), metadata=as_key(keys["cats"])).job_id
