@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,6 @@ from services.db.tenant_records import ADJUST, CHARGE, INITIAL, TOP_UP, TenantTe
 from services.errors import InvalidArgument
 from services.ops.embedded import EmbeddedPostgres
 from tests.conftest import fresh_database
-from tests.helpers import cli_here
 from tests.records import new_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.quick]
@@ -233,26 +231,29 @@ def database(postgres: EmbeddedPostgres, monkeypatch: pytest.MonkeyPatch) -> Ite
     yield url
 
 
-def darkroom(*args: str) -> tuple[int, str, str]:
-    done = cli_here(os.environ, *args)
-    return done.returncode, done.stdout, done.stderr
+def darkroom(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    from services.ops.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_the_command_sets_adds_and_shows_credits(database: str) -> None:
-    code, out, _ = darkroom("tenants", "create", "cats", "--lane", "free", "--credits", "100")
+def test_the_command_sets_adds_and_shows_credits(database: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = darkroom(capsys, "tenants", "create", "cats", "--lane", "free", "--credits", "100")
     assert code == 0 and "credits 100 (0 held by open jobs, 100 available)" in out
-    code, out, _ = darkroom("tenants", "update", "cats", "--add-credits", "-30")
+    code, out, _ = darkroom(capsys, "tenants", "update", "cats", "--add-credits", "-30")
     assert code == 0 and "credits 70 (0 held by open jobs, 70 available)" in out
-    code, out, _ = darkroom("tenants", "update", "cats", "--add-credits", "5.5")
+    code, out, _ = darkroom(capsys, "tenants", "update", "cats", "--add-credits", "5.5")
     assert code == 0 and "credits 75.5 " in out
-    code, _, err = darkroom("tenants", "update", "cats", "--credits", "3", "--add-credits", "5")
+    code, _, err = darkroom(capsys, "tenants", "update", "cats", "--credits", "3", "--add-credits", "5")
     assert code == 2 and "give one of them" in err
-    darkroom("tenants", "create", "dogs", "--lane", "free")
-    code, _, err = darkroom("tenants", "update", "dogs", "--add-credits", "5")
+    darkroom(capsys, "tenants", "create", "dogs", "--lane", "free")
+    code, _, err = darkroom(capsys, "tenants", "update", "dogs", "--add-credits", "5")
     assert code == 2 and "no credit limit" in err
-    code, out, _ = darkroom("tenants", "update", "cats", "--credits", "10")
+    code, out, _ = darkroom(capsys, "tenants", "update", "cats", "--credits", "10")
     assert code == 0 and "credits 10 (0 held by open jobs, 10 available)" in out
-    code, out, _ = darkroom("tenants", "show", "cats")
+    code, out, _ = darkroom(capsys, "tenants", "show", "cats")
     entries = [line.split(" ", 2)[2] for line in out.splitlines() if line.startswith("credits ")]
     assert entries == ["adjust -65.5", "adjust +5.5", "adjust -30", "initial +100"]
     assert "tenants update: add_credits=-30.0" in out
