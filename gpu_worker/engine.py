@@ -22,7 +22,7 @@ from gpu_worker.denoising.denoiser import Denoiser
 from gpu_worker.denoising.diffusers_family import DiffusersFamily
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
 from gpu_worker.denoising.prompts import PromptCache
-from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.running_batch import BatchJoins
 from gpu_worker.families.flux import FluxDenoiser, FluxKontextDenoiser
 from gpu_worker.families.qwen_image import QwenImageDenoiser, QwenImageEditDenoiser
 from gpu_worker.families.sd3 import SD3Denoiser
@@ -41,6 +41,14 @@ from services.models.spec import ModelFamily, ModelSpec
 WARM_UP_STEPS = 2
 
 
+def batch_model(members: Sequence[BatchMember]) -> str:
+    """The model of a batch, whose members are of one join key (model and size)."""
+    keys = {m.params.join_key for m in members}
+    if len(keys) != 1:
+        raise ValueError(f"a batch holds jobs of one model and size, not {len(keys)}")
+    return keys.pop().model
+
+
 class SamplerEngine:
     def __init__(
         self,
@@ -57,6 +65,7 @@ class SamplerEngine:
         compile_cache: CompileCache | None = None,
     ) -> None:
         self.registry = registry
+        self.models_dir = models_dir
         self.device = device
         # The kinds of work an operator lets it serve (DARKROOM_CAPABILITIES); empty: all.
         self.capabilities = frozenset(capabilities)
@@ -122,7 +131,13 @@ class SamplerEngine:
             for spec in specs
             if (not self.capabilities or spec.capability in self.capabilities)
             and (capacity is None or spec.vram_bytes <= capacity)
+            # A sharded model's vram_mb is a shard's: only a group that shards it holds it.
+            and (spec.parallel.tensor == 1 or self.spans(spec.name))
         ]
+
+    def spans(self, model: str) -> bool:
+        """Whether a batch of ``model`` runs across a group here (a group's engine)."""
+        return False
 
     def footprints(self) -> dict[str, dict[str, float]]:
         return self.models.footprints()
@@ -135,6 +150,14 @@ class SamplerEngine:
         if self.adapter_library.load_s is not None:
             facts["adapter_load_s"] = round(self.adapter_library.load_s, 4)
         return facts
+
+    def devices_for(self, model: str) -> int:
+        """The devices a batch of ``model`` runs on here: what its GPU-seconds count."""
+        return 1
+
+    def group_facts(self) -> dict[str, Any] | None:
+        """Its group's, for its heartbeat; None for a sampler alone."""
+        return None
 
     def classifier_free(self, params: GenerationParams) -> bool:
         """Whether the job's conditioning has its negative half (its family decides)."""
@@ -192,7 +215,7 @@ class SamplerEngine:
     def sample_batch(
         self,
         members: Sequence[BatchMember],
-        joins: RunningBatch | None = None,
+        joins: BatchJoins | None = None,
         on_denoising: Callable[[], None] = lambda: None,
     ) -> list[MemberResult]:
         """Runs the members' denoising loops together, and those offered to ``joins``
@@ -203,19 +226,25 @@ class SamplerEngine:
         ``joins`` each also goes out as it leaves. An error of the batch as a whole
         (the model, the device) is raised. ``on_denoising``: called (in this thread)
         once the model is loaded, as its first step begins."""
-        keys = {m.params.join_key for m in members}
-        if len(keys) != 1:
-            raise ValueError(f"a batch holds jobs of one model and size, not {len(keys)}")
-        model = keys.pop().model
-        spec = self.registry.get(model)
+        model = batch_model(members)
         if model not in self.models:  # a job waits for this load
             COLD_LOADS.labels(model=model).inc()
         with self._on_stream():
-            loaded = self.models.get(model)
-            checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
-            with self.busy.denoising():
-                on_denoising()
-                return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints, joins)
+            return self._sample(self.models.get(model), members, joins, on_denoising)
+
+    def _sample(
+        self,
+        loaded: Any,
+        members: Sequence[BatchMember],
+        joins: BatchJoins | None,
+        on_denoising: Callable[[], None],
+    ) -> list[MemberResult]:
+        """The members denoised by the model ``loaded`` (their batch's)."""
+        spec = self.registry.get(members[0].params.model)
+        checkpoints = MemberCheckpoints(self.device, CheckpointPolicy.of(spec))
+        with self.busy.denoising():
+            on_denoising()
+            return self.denoiser_for(spec).sample(loaded, spec, members, checkpoints, joins)
 
     def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Its device's work on its denoising stream (from whichever thread): the

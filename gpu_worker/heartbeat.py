@@ -34,6 +34,9 @@ class SamplerLoad:
         own.update(self.engine.adapters())  # ``adapters``: resident ones, which placement prefers
         if self.open_seats is not None:
             own["open_seats"] = self.open_seats()
+        group = self.engine.group_facts()
+        if group is not None:
+            own["group"] = group  # one worker of several devices: placement and billing count them
         if self.cache is not None:
             own.update(self.cache.telemetry())  # ``model_cache``: what peers may ask this host for
         return own

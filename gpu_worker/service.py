@@ -12,15 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+from typing import Any
 
 import torch
 
 from gpu_worker.decoding.decoders import Decoders
 from gpu_worker.decoding.local_decode import LocalDecoder
+from gpu_worker.denoising.group_mesh import form as form_group
 from gpu_worker.dispatch.consumer import DispatchConsumer
 from gpu_worker.engine import SamplerEngine
+from gpu_worker.group.engines import GroupEngine
+from gpu_worker.group.follower import follow_leader
 from gpu_worker.heartbeat import SamplerLoad
 from gpu_worker.jobs.job_store import JobStore
 from gpu_worker.jobs.runner import JobRunner
@@ -114,18 +119,29 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     registry = kernel.registry()
     device = pick_device(settings.device)
     worker_id = check_worker_id(settings.worker_id or default_worker_id(device))
-    engine = SamplerEngine(
-        registry,
-        kernel.models_dir,
-        device,
-        memory_budget_bytes=settings.memory_budget_mb * 2**20,
-        prompt_cache_bytes=settings.prompt_cache_mb * 2**20,
-        pinned=settings.preload_models,
-        capabilities=settings.capabilities,
-        shares_device=settings.decode_locally,
-        compile_cache=fleet_compile_cache(kernel, settings, worker_id),
-    )
     check_capabilities(settings, registry)
+    options: dict[str, Any] = {
+        "memory_budget_bytes": settings.memory_budget_mb * 2**20,
+        "prompt_cache_bytes": settings.prompt_cache_mb * 2**20,
+        "pinned": settings.preload_models,
+        "capabilities": settings.capabilities,
+        "shares_device": settings.decode_locally,
+        "compile_cache": fleet_compile_cache(kernel, settings, worker_id),
+    }
+    group = None
+    if settings.group.size > 1:
+        group = await asyncio.to_thread(form_group, settings.group, device)
+        if not group.leads:
+            return await follow_leader(SamplerEngine(registry, kernel.models_dir, device, **options), group, stop)
+    engine = (
+        SamplerEngine(registry, kernel.models_dir, device, **options)
+        if group is None
+        else GroupEngine(
+            registry, kernel.models_dir, device, mesh=group, stall_after_s=settings.group.stall_after_s, **options
+        )
+    )
+    if isinstance(engine, GroupEngine):
+        engine.start_watchdog()
     # Two connections: its writes are batched (a start, a decoding, a finish per batch), and a
     # fleet's samplers share the database's connections through a pooler (docs/fleet.md).
     repo = Repository(
@@ -138,12 +154,18 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
     mesh = MeshIdentity.of(kernel.mesh_dir, "sampler")
     model_store = SamplerModelStore.of(kernel, mesh)  # None without a store: nothing changes
     server = create_server(settings, tracker, mesh, model_store)
-    local = None
-    if settings.local_decode_fallback or settings.decode_locally:
+    local, keep = None, None
+    # A group holds a decoder of its own for its videos, split across it, whatever else decodes here.
+    if settings.local_decode_fallback or settings.decode_locally or isinstance(engine, GroupEngine):
+        vaes = VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device)
         local = LocalDecoder(
-            VaeDecoderEngine.from_settings(settings.decode, registry, kernel.models_dir, device),
+            vaes,
             await image_filter_of(kernel.safety, device),  # what it decodes, it checks as a decoder service does
         )
+        if isinstance(engine, GroupEngine):
+            vaes.share_tiles = engine.share_tiles  # a tiled video's tiles, across the group
+            tile_above_pixels = settings.decode.tile_above_pixels
+            keep = functools.partial(engine.decode_kept, decode=local.decode_batch, tile_above_pixels=tile_above_pixels)
     decoder_presence = PresenceView((WorkerKind.DECODER,))
     decoders = Decoders(
         decoder_presence,
@@ -151,6 +173,8 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
         local=local,
         mesh=mesh,
         locally=settings.decode_locally,
+        falls_back=settings.local_decode_fallback or settings.decode_locally,
+        keep=keep,
     )
     events = Events(publisher=sampler_user(worker_id))
     credentials = NatsCredentials.of(kernel.mesh_dir, "sampler", sampler_user(worker_id))
@@ -216,6 +240,8 @@ async def serve(kernel: KernelSettings, settings: SamplerSettings, stop: asyncio
             for task in watching:
                 task.cancel()
             await prefetch.close()
+            if isinstance(engine, GroupEngine):
+                await asyncio.to_thread(engine.close)  # its followers exit with it
 
     return await host(parts, work, stop)
 
@@ -259,7 +285,7 @@ async def _work(
     if presence.superseded.is_set():
         return EXIT_UNFIT
     if runner.unfit:
-        log.error("%d attempts in a row failed here; reporting unhealthy", runner.failures.count)
+        log.error("%s; reporting unhealthy", runner.failures.why_unfit())
         await presence.set_status(WorkerStatus.UNHEALTHY)
     return EXIT_UNFIT if runner.unfit else 0
 

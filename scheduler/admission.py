@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.policy import Fleet, JobView, WorkerView, job_seconds
+from scheduler.policy import Fleet, JobView, WorkerView, job_seconds, worker_speed
 from services.config.placement import PlacementSettings
 from services.db.states import WorkerStatus
 
@@ -49,7 +49,7 @@ def estimate(
     capable = [w for w in workers if _capable(job, w, fleet)]
     if not capable:
         return None
-    speeds = {w.id: fleet.durations.speed(w.id, w.speed) for w in capable}
+    speeds = {w.id: worker_speed(job, w, fleet) for w in capable}
     rate = sum(speeds.values())
     held_at_1 = sum(w.held_work_s * speeds[w.id] for w in capable)
     queued_at_1 = 0.0

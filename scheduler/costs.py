@@ -21,6 +21,7 @@ def costs_from(registry: ModelRegistry) -> dict[str, ModelCost]:
             vram_bytes=spec.vram_bytes,
             eviction_priority=spec.eviction_priority,
             max_batch=spec.max_batch,
+            parallel_size=spec.parallel.size,
         )
         for name, spec in registry.models.items()
     }

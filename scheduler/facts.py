@@ -86,7 +86,16 @@ def worker(w: worker_records.WorkerRecord) -> snapshot.Worker:
         open_seats=open_seats(w.telemetry),
         adapters=resident_adapters(w.telemetry),
         adapter_load_s=values.number(w.telemetry, "adapter_load_s"),
+        gpus=group_size(w.telemetry),
     )
+
+
+def group_size(telemetry: Mapping[str, Any]) -> int:
+    """A group's devices, as its heartbeat says; 1 for a single sampler (or a group
+    whose heartbeat says nothing readable)."""
+    group = telemetry.get("group")
+    size = group.get("size") if isinstance(group, Mapping) else None
+    return size if isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 64 else 1
 
 
 def held_work(g: records.HeldGroup) -> snapshot.HeldWork:

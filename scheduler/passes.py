@@ -221,7 +221,8 @@ class Passes:
 
     async def learn(self) -> int | None:
         """Folds the run times workers recorded into the learned estimates."""
-        learned = await learn_run_times(self.repo, self.costs, limit=LEARN_BATCH)
+        gpus = {w.id: w.gpus for w in self.live_samplers() if w.gpus > 1}
+        learned = await learn_run_times(self.repo, self.costs, limit=LEARN_BATCH, gpus=gpus)
         if learned:
             self._durations_read = float("-inf")  # reread at the next pass
         return learned
@@ -267,14 +268,17 @@ class Passes:
         return forgotten
 
 
-async def learn_run_times(repo: Repository, costs: Mapping[str, ModelCost], *, limit: int) -> int | None:
+async def learn_run_times(
+    repo: Repository, costs: Mapping[str, ModelCost], *, limit: int, gpus: Mapping[str, int] | None = None
+) -> int | None:
     """One learning pass: folds up to ``limit`` recorded run times into the stored
-    estimates; returns how many, or None if another replica is learning."""
+    estimates; returns how many, or None if another replica is learning. ``gpus``:
+    each live group's devices (its spanning runs are learned apart)."""
     async with repo.estimates.learn_pass(limit=limit) as learning:
         if learning is None:
             return None
         if not learning.facts:
             return 0
-        shapes, speeds = fold_run_times(costs, learning.shapes, learning.speeds, learning.facts)
+        shapes, speeds = fold_run_times(costs, learning.shapes, learning.speeds, learning.facts, gpus or {})
         await learning.store(shapes, speeds, now=datetime.now(UTC))
         return len(learning.facts)

@@ -28,6 +28,7 @@ count on its last room.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -62,9 +63,16 @@ class Refusals:
 
     @classmethod
     def of(cls, model: str, workers: Sequence[WorkerView], fleet: Fleet) -> Refusals:
-        capability = fleet.costs[model].capability
+        cost = fleet.costs[model]
         refused = {w.id: c for w in workers if (c := refusal(model, w, fleet)) is not None}
-        return cls(refused, any(w.serves(capability) for w in workers), any(model in w.models for w in workers))
+        # A group keeps its devices for the models it spans while a single worker serves
+        # this one: run alone on its leader, one job would hold every device of the group.
+        if any(w.gpus == 1 and model in w.models for w in workers):
+            for w in workers:
+                if w.gpus > 1 and not w.spans(cost) and w.id not in refused:
+                    refused[w.id] = Candidate(w.id, False, math.inf, "a group: single workers serve the model")
+        served = any(w.serves(cost.capability) for w in workers)
+        return cls(refused, served, any(model in w.models for w in workers))
 
 
 def place(
@@ -149,7 +157,10 @@ def plan(
     ordered = order_queue([j for j in jobs], config, now=now)
     waiting = Counter(fleet.costs[j.model].capability for j in ordered if j.model in fleet.costs)
     wanted = Counter(j.model for j in ordered)
-    busy = Counter(c for w in workers for c in w.held_capabilities)
+    # A cap counts GPUs: a group holding a capability's work holds each of its devices.
+    busy: Counter[str] = Counter()
+    for w in workers:
+        busy.update(dict.fromkeys(w.held_capabilities, w.gpus))
     warm = Counter(m for w in workers for m in w.warm_models)
     planned = dict(Counter(m for w in workers if w.state == WorkerStatus.READY for m in w.planned_models))
     current = list(workers)  # as the pass changes them, in the workers' order
@@ -178,7 +189,7 @@ def plan(
         i = index[target]
         w = current[i]
         if cost.capability not in w.held_capabilities:
-            busy[cost.capability] += 1
+            busy[cost.capability] += w.gpus
         after = _with_job(w, job, pass_fleet, config, placed=placement.worker_id is not None)
         warm.update(after.warm_models - w.warm_models)
         warm.subtract(w.warm_models - after.warm_models)

@@ -92,6 +92,8 @@ class Worker:
     # measured loading one (0: not yet measured), as its last heartbeat said.
     adapters: frozenset[str] = frozenset()
     adapter_load_s: float = 0.0
+    # Its devices: a group's, as its heartbeat says (``telemetry.group.size``); else 1.
+    gpus: int = 1
 
 
 @dataclass(frozen=True)

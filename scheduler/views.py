@@ -115,6 +115,7 @@ def worker_view(worker: Worker, held: Sequence[HeldWork], fleet: policy.Fleet) -
         open_seats=worker.open_seats,
         adapters=worker.adapters,
         adapter_load_s=worker.adapter_load_s or fleet.adapter_load_s,
+        gpus=worker.gpus,
     )
     work, slots = worker.loading_s, 0
     running: dict[JoinKey, list[HeldWork]] = {}
@@ -170,7 +171,7 @@ def running_views(
     what is left of it, from the learned durations at its worker's speed. A job
     of a model with no cost has infinite estimates and capability "", and is
     never chosen to make room."""
-    speeds = {w.id: w.speed for w in snapshot.workers}
+    speeds = {w.id: (w.speed, w.gpus) for w in snapshot.workers}
     placement = placement or PlacementSettings()
     rows: dict[tuple[str, JoinKey], int] = {}  # a worker runs the jobs of one join key as one batch
     for job in snapshot.running:
@@ -184,9 +185,8 @@ def running_views(
         if cost is not None and shape.steps > 0:
             batch = rows[(job.worker_id, shape.join_key)]
             view = policy.JobView(job.id, shape.model, shape.width, shape.height, shape.steps, batch)
-            worker = policy.WorkerView(
-                job.worker_id, frozenset(), frozenset(), 0, 0, speed=speeds.get(job.worker_id, 1.0)
-            )
+            speed, gpus = speeds.get(job.worker_id, (1.0, 1))
+            worker = policy.WorkerView(job.worker_id, frozenset(), frozenset(), 0, 0, speed=speed, gpus=gpus)
             seconds = policy.job_seconds(view, worker, fleet)
             step_s, left_s = seconds / shape.steps, remaining_s(seconds, job.progress)
         capability = cost.capability if cost is not None else ""

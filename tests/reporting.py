@@ -51,6 +51,7 @@ class SuiteReport:
         self.tests: dict[str, int] = defaultdict(int)
         self.cpu: dict[str, float] = defaultdict(float)
         self.module_cpu: dict[str, float] = defaultdict(float)
+        self.test_cpu: dict[str, float] = defaultdict(float)
         self._cpu_at = cpu_seconds()
         self.scenarios: list[tuple[str, list[str]]] = []
 
@@ -75,6 +76,7 @@ class SuiteReport:
         cpu = sum(cast(float, v) for name, v in report.user_properties if name == _CPU)
         self.cpu[directory] += cpu
         self.module_cpu[report.nodeid.split("::", 1)[0]] += cpu
+        self.test_cpu[report.nodeid] += cpu
         if report.when == "call":
             self.tests[directory] += 1
             for name, value in report.user_properties:
@@ -94,6 +96,10 @@ class SuiteReport:
             terminalreporter.section("the 20 modules that spent the most CPU")
             for module, seconds in sorted(self.module_cpu.items(), key=lambda kv: -kv[1])[:20]:
                 terminalreporter.write_line(f"{seconds:8.1f} s  {module}")
+            # A module's fixtures count in the first test that asked for them.
+            terminalreporter.section("the 30 tests that spent the most CPU (with the fixtures they set up)")
+            for test, seconds in sorted(self.test_cpu.items(), key=lambda kv: -kv[1])[:30]:
+                terminalreporter.write_line(f"{seconds:8.1f} s  {test}")
         if self.scenarios:
             terminalreporter.section("fault injection")
             terminalreporter.write_line(FAULT_TABLE_HEADER)

@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import numpy as np
@@ -100,6 +100,8 @@ class Decoders:
         patience_s: float = DECODE_PATIENCE_S,
         mesh: MeshIdentity | None = None,
         locally: bool = False,
+        falls_back: bool = True,
+        keep: Callable[[Sequence[tuple[JobRecord, torch.Tensor]]], Decoded | None] | None = None,
     ) -> None:
         if locally and local is None:
             raise ValueError("decoding locally needs a local decoder engine")
@@ -107,6 +109,10 @@ class Decoders:
         self.stale_after_s = stale_after_s
         self.local = local
         self.locally = locally  # always here, never on a decoder service
+        self.falls_back = falls_back and local is not None  # here where no decoder service can
+        # Decodes here a batch it keeps rather than send (a group's videos, split across
+        # it): their outcomes, or None. Run in a thread: it may wait for the device.
+        self.keep = keep
         self.patience_s = patience_s
         self._rotation = itertools.count()
         self._channels = Channels(mesh)
@@ -128,6 +134,8 @@ class Decoders:
         if self.locally:
             assert self.local is not None
             return await asyncio.to_thread(self.local.decode_batch, jobs)
+        if self.keep is not None and (kept := await asyncio.to_thread(self.keep, jobs)) is not None:
+            return kept
         out: Decoded = {}
         pending = list(jobs)
         deadline = time.monotonic() + self.patience_s
@@ -165,7 +173,8 @@ class Decoders:
                 if not pending:
                     return out
             self._known_at = float("-inf")  # none could: ask the registry again
-            if self.local is not None:
+            if self.falls_back:
+                assert self.local is not None
                 log.warning(
                     "%d jobs: no decoder service could decode them; decoding here",
                     len(pending),
@@ -279,7 +288,8 @@ class Decoders:
                 array = np.frombuffer(response.latents, dtype="<f4").reshape(list(response.shape))
                 return torch.from_numpy(array.copy())
             self._known_at = float("-inf")
-            if self.local is not None:
+            if self.falls_back:
+                assert self.local is not None
                 return await asyncio.to_thread(self.local.encode, job, image, width, height)
             if time.monotonic() >= deadline:
                 tried = "; ".join(failures[-3:]) or "no decoder is registered"

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
-from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.running_batch import BatchJoins
 from gpu_worker.models.model_cache import ModelLoader
 from services.generation import GenerationParams
 from services.models.spec import ModelSpec
@@ -48,7 +48,7 @@ class Denoiser(ModelLoader, Protocol):
         spec: ModelSpec,
         members: Sequence[BatchMember],
         checkpoints: MemberCheckpoints,
-        joins: RunningBatch | None = None,
+        joins: BatchJoins | None = None,
     ) -> list[MemberResult]:
         """Runs the members (one join key) together, and those offered to ``joins``
         from the next step boundary on; per member, its latents or what ended it:

@@ -23,7 +23,9 @@ give there).
 The GPU never waits for the host inside the loop: the noise schedulers decide on the
 host (``noise_schedulers``), progress and stops are host flags, and nothing is read
 back but at a boundary a member asks for (a preview, a checkpoint, a suspension) and
-at its end; a test runs the loop on the meta device, where any read back fails."""
+at its end; a test runs the loop on the meta device, where any read back fails.
+
+A few lines over 300: the load and the loop it prepares the network for read together."""
 
 from __future__ import annotations
 
@@ -39,10 +41,12 @@ from gpu_worker.adapters.library import attach_slots, slots_of
 from gpu_worker.denoising.checkpoint_capture import LoopState, MemberCheckpoints, MemberRun, Resumption
 from gpu_worker.denoising.diffusers_family import ConditioningNotServed, DiffusersFamily
 from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.lockstep import ALONE
 from gpu_worker.denoising.members import BatchMember, MemberResult, checked_output
 from gpu_worker.denoising.network_calls import NetworkCalls, warm_up_buckets
 from gpu_worker.denoising.noise_schedulers import host_scheduler, keep_unmasked
-from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.parallel_network import check_shares, shard_network, split_network
+from gpu_worker.denoising.running_batch import BatchJoins
 from gpu_worker.denoising.step_cache import StepCache, cached_steps
 from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
 from services.generation import GenerationParams
@@ -68,20 +72,29 @@ class DiffusersDenoiser(DiffusersFamily):
 
         dtype = loader.compute_dtype(spec, self.device)
         parts = self.pipeline_parts(spec)
-        if spec.text_encoders == "service":
-            # Loaded by the decoder service: the sampler's bytes are the network's alone.
+        if self.text_elsewhere(spec):
+            # Loaded by the decoder service (or a follower's leader): the bytes here are the network's alone.
             parts.update(dict.fromkeys(text_encoder_names(spec, self.models_dir), None))
-        host = TEXT_ENCODERS if spec.text_encoders == "host" else ()
+        host: tuple[str, ...] = TEXT_ENCODERS if spec.text_encoders == "host" else ()
+        shape = self.group.of(spec.parallel) if self.group is not None and self.group.serves(spec.parallel) else None
+        sharded = shape is not None and shape.shard_mesh is not None
+        if sharded:
+            host += (self.network_name,)  # whole on the host until sharded: a card holds its shard only
         loaded = loader.load(
             DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, host_parts=host, **parts
         )
         pipe = loaded.value
+        if shape is not None and sharded:
+            shard_network(self.network(pipe), shape, self.device)
+            loaded = replace(loaded, bytes=loaded.bytes + loader.module_bytes(self.network(pipe)))
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)
         if spec.adapter_slots:
             rows = 2 * max(spec.max_batch, spec.max_images)  # a guided call doubles its rows
             slots = attach_slots(pipe, self.network(pipe), spec, rows, module_dtype(self.network(pipe)))
             loaded = replace(loaded, bytes=loaded.bytes + slots.bytes)  # the adapters' own budget, on the device
+        if shape is not None:
+            split_network(self.network(pipe), shape)
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":
@@ -111,7 +124,11 @@ class DiffusersDenoiser(DiffusersFamily):
         if self.compile_cache is None or not isinstance(speed.COMPILE_BACKEND, str):
             return None
         source, _ = resolve_source(spec, self.models_dir)
-        shapes = (spec.default_width, spec.default_height, spec.default_frames, speed.buckets(rows), str(dtype))
+        shapes: tuple[Any, ...] = (spec.default_width, spec.default_height, spec.default_frames, speed.buckets(rows))
+        shapes += (str(dtype),)
+        if self.group is not None and self.group.serves(spec.parallel):
+            # Split, its graphs hold the group's collectives: each rank's are its own.
+            shapes += (spec.parallel.describe(), f"rank {self.group.rank} of {self.group.size}")
         compiled = replace(options, step_cache=0.0)  # the loop's, not the network's
         return compile_key(content_digest(Path(source)), self.device, compiled, speed.COMPILE_BACKEND, shapes)
 
@@ -121,7 +138,7 @@ class DiffusersDenoiser(DiffusersFamily):
         spec: ModelSpec,
         members: Sequence[BatchMember],
         checkpoints: MemberCheckpoints,
-        joins: RunningBatch | None = None,
+        joins: BatchJoins | None = None,
     ) -> list[MemberResult]:
         runs = self.denoise(pipe, spec, members, checkpoints, joins)
         for run in runs:
@@ -134,17 +151,22 @@ class DiffusersDenoiser(DiffusersFamily):
         spec: ModelSpec,
         members: Sequence[BatchMember],
         checkpoints: MemberCheckpoints,
-        joins: RunningBatch | None = None,
+        joins: BatchJoins | None = None,
     ) -> list[DiffusersRun]:
         """The members (and those that join at a step boundary) prepared and stepped
         to their ends. Without ``joins`` their latents are left on the device: nothing
         is read back but what a member's boundaries ask for; with it, each member's
         latents are read back as it leaves and handed out at once."""
-        calls = NetworkCalls(speed.SpeedOptions.of(spec, self.device), self._max_rows(spec))
+        options = speed.SpeedOptions.of(spec, self.device)
+        spans = self.group is not None and self.group.serves(spec.parallel)
+        group = self.group.of(spec.parallel) if spans and self.group is not None else None
+        lockstep = self.lockstep if group is not None else ALONE
+        calls = NetworkCalls(options, self._max_rows(spec), group, lockstep)
         runs: list[DiffusersRun] = []
         try:
             with torch.inference_mode():
                 runs.extend(self._prepare(pipe, spec, m, checkpoints) for m in members)
+                lockstep.agree(runs)
                 self._denoise(pipe, spec, runs, checkpoints, calls, joins)
         finally:
             slots = slots_of(pipe)
@@ -171,6 +193,7 @@ class DiffusersDenoiser(DiffusersFamily):
             run.result = checkpoints.stopped(run)
             return run
         try:
+            check_shares(self.network(pipe), self.image_tokens(pipe, params), params.width, params.height)
             run.adapters = self.hold_adapters(pipe, spec, params)
             run.conditioning = self.encode_cached(pipe, spec, params, member.inputs)
             if resumed is not Resumption.LATENTS:
@@ -200,7 +223,7 @@ class DiffusersDenoiser(DiffusersFamily):
         runs: list[DiffusersRun],
         checkpoints: MemberCheckpoints,
         calls: NetworkCalls,
-        joins: RunningBatch | None,
+        joins: BatchJoins | None,
     ) -> None:
         """Steps every run to its end, one step of each per round, each at its own
         step index (a resumed member finishes before a fresh one beside it); at each
@@ -209,9 +232,8 @@ class DiffusersDenoiser(DiffusersFamily):
         cache = StepCache(calls.options.step_cache) if calls.options.step_cache else None
         left: set[int] = set()
         while True:
-            for r in runs:
-                if r.result is None and r.step < r.total and r.member.stopping.is_set():
-                    r.result = checkpoints.stopped(r)
+            for r in calls.lockstep.stopping([r for r in runs if r.result is None and r.step < r.total]):
+                r.result = checkpoints.stopped(r)
             self._leave(pipe, spec, [r for r in runs if id(r) not in left and _done(r)], left, joins)
             active = [r for r in runs if not _done(r)]
             if joins is not None:
@@ -219,6 +241,7 @@ class DiffusersDenoiser(DiffusersFamily):
                 for member in joined:
                     runs.append(self._prepare(pipe, spec, member, checkpoints))
                     checkpoints.mark(runs[-1:])
+                calls.lockstep.agree(runs[len(runs) - len(joined) :])
                 if joined:
                     continue  # a joiner may have failed or stopped before its first step
                 joins.stepped([r.member for r in active], max((r.total - r.step for r in active), default=0))
@@ -243,7 +266,7 @@ class DiffusersDenoiser(DiffusersFamily):
                 checkpoints.stepped(r)
 
     def _leave(
-        self, pipe: Any, spec: ModelSpec, done: list[DiffusersRun], left: set[int], joins: RunningBatch | None
+        self, pipe: Any, spec: ModelSpec, done: list[DiffusersRun], left: set[int], joins: BatchJoins | None
     ) -> None:
         """Members done at this boundary leave: with ``joins``, read back and handed out now."""
         if joins is None or not done:

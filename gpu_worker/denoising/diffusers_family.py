@@ -18,6 +18,8 @@ import torch
 from gpu_worker.adapters.library import AdapterLibrary, slots_of
 from gpu_worker.denoising.checkpoint_capture import LoopState, MemberRun
 from gpu_worker.denoising.diffusers_run import DiffusersRun
+from gpu_worker.denoising.group_mesh import GroupMesh
+from gpu_worker.denoising.lockstep import ALONE, Lockstep
 from gpu_worker.denoising.members import BatchMember, MemberInputs
 from gpu_worker.denoising.noise_schedulers import HOST, initial_sigma, start_from_input
 from gpu_worker.denoising.prompts import Conditioning, PromptCache, prompt_key
@@ -57,6 +59,13 @@ class DiffusersFamily:
         self.generator_device = HOST if device.type == "meta" else device
         # The fleet's compiled artifacts (the engine's; None: inductor's own cache alone).
         self.compile_cache: CompileCache | None = None
+        # A group's sampler: its parallel models split over the group's ranks, their
+        # boundaries decided by the leader (``gpu_worker.group``).
+        self.group: GroupMesh | None = None
+        self.lockstep: Lockstep = ALONE
+        # A group's follower: its leader encodes the prompts of the models it spans and
+        # sends each member's conditioning, so it loads no text encoder of theirs.
+        self.text_from_leader = False
 
     # -- what a family says --------------------------------------------------------
 
@@ -71,6 +80,11 @@ class DiffusersFamily:
 
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         return Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)
+
+    def image_tokens(self, pipe: Any, params: GenerationParams) -> int:
+        """The tokens its network sees of a job's latents (what a sequence split shares
+        out): a transformer family's; 0 for the rest, which split no sequence."""
+        return 0
 
     def classifier_free(self, params: GenerationParams) -> bool:
         """Whether a member's step calls the network twice (its rows doubled), with its
@@ -212,16 +226,30 @@ class DiffusersFamily:
     ) -> Conditioning:
         """The job's conditioning from its model's text encoders: here (``encode_prompt``),
         or, where they are the decoder service's, the one a decoder encoded for it."""
-        if spec.text_encoders != "service":
+        if spec.text_encoders != "service" and not self.text_elsewhere(spec):
             return self.encode_prompt(pipe, spec, params, cfg)
         if inputs is None or inputs.conditioning is None:
+            whose = "the decoder service's" if spec.text_encoders == "service" else "its group leader's"
             raise ConditioningNotServed(
-                f"{params.model}'s text encoders are the decoder service's, and no conditioning came for this job"
+                f"{params.model}'s text encoders are {whose}, and no conditioning came for this job"
             )
         # In the dtype its own encoders would have given (a decoder on a CPU encodes in float32).
         dtype = loader.compute_dtype(spec, self.device)
         tensors = inputs.conditioning.tensors().items()
         return Conditioning.of({k: t.to(dtype) if t.is_floating_point() else t for k, t in tensors})
+
+    def text_elsewhere(self, spec: ModelSpec) -> bool:
+        """Whether ``spec``'s prompts are encoded elsewhere than here: by the decoder
+        service, or (a follower) by its leader (``leader_encodes``)."""
+        return spec.text_encoders == "service" or (self.text_from_leader and self.leader_encodes(spec))
+
+    def leader_encodes(self, spec: ModelSpec) -> bool:
+        """Whether a group's leader encodes the prompts of ``spec`` for its followers:
+        a model it spans, unless compiled (a compilation's warm-up encodes on every
+        rank) or encoded by the decoder service."""
+        spans = self.group is not None and self.group.serves(spec.parallel)
+        compiled = speed.SpeedOptions.of(spec, self.device).compile
+        return spans and not compiled and spec.text_encoders != "service"
 
     def text_device(self, pipe: Any) -> torch.device:
         """Where the pipeline's text encoders are: the device, or the host (``text_encoders``)."""

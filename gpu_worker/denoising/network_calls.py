@@ -14,6 +14,8 @@ import torch
 
 from gpu_worker.denoising.checkpoint_capture import CheckpointPolicy, MemberCheckpoints
 from gpu_worker.denoising.diffusers_run import WarmUpDenoiser
+from gpu_worker.denoising.group_mesh import ShapeMesh
+from gpu_worker.denoising.lockstep import ALONE, Lockstep
 from gpu_worker.denoising.members import BatchMember
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
@@ -34,6 +36,10 @@ class NetworkCalls:
 
     options: speed.SpeedOptions
     max_rows: int
+    # A parallel model's group (its guidance halves split across ranks where its shape
+    # says), and who decides its boundaries: the leader, for every rank.
+    group: ShapeMesh | None = None
+    lockstep: Lockstep = ALONE
 
     def padded(self, x: torch.Tensor, c: Conditioning) -> tuple[torch.Tensor, Conditioning]:
         """The network's input and conditioning padded to the bucket of their rows

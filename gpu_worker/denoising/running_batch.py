@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from gpu_worker.denoising.members import BatchMember, MemberResult
 from services.generation import JoinKey
@@ -24,6 +25,19 @@ from services.seats import OpenSeat
 
 # Members that left at one step boundary, with what each came out with.
 Cohort = list[tuple[BatchMember, MemberResult]]
+
+
+class BatchJoins(Protocol):
+    """What the denoising loop asks of a running batch at each step boundary (a
+    group's followers are sent their leader's: ``gpu_worker.group.channel``)."""
+
+    def joining(self) -> list[BatchMember]: ...
+
+    def close(self) -> list[BatchMember]: ...
+
+    def stepped(self, members: Sequence[BatchMember], steps_left: int) -> None: ...
+
+    def leave(self, cohort: Cohort) -> None: ...
 
 
 class RunningBatch:

@@ -19,6 +19,7 @@ from gpu_worker.denoising.checkpoint_capture import LoopState
 from gpu_worker.denoising.diffusers_run import DiffusersRun, NetworkStep
 from gpu_worker.denoising.network_calls import NetworkCalls
 from gpu_worker.denoising.noise_schedulers import model_input
+from gpu_worker.denoising.parallel_network import gather_halves, split_halves
 from gpu_worker.denoising.prompts import Conditioning
 from services.generation import GenerationParams
 from services.models import speed
@@ -67,7 +68,11 @@ def guided_noise(
     adapters = _adapter_rows(group, sizes, len(x))
     if not cfg:
         return list(_call(denoiser, pipe, x, t, c, group, calls, adapters)[:rows].split(sizes))
-    if denoiser.halves_share_call:
+    if split_halves(calls.group):
+        assert calls.group is not None
+        mine = c.negative() if calls.group.cfg_rank == 0 else c
+        uncond, cond = gather_halves(calls.group, _call(denoiser, pipe, x, t, mine, group, calls, adapters))
+    elif denoiser.halves_share_call:
         doubled = Conditioning.stack([c.negative(), c])
         both = t if t.dim() == 0 else torch.cat([t, t])
         call = _call(denoiser, pipe, torch.cat([x, x]), both, doubled, group, calls, adapters * 2)

@@ -50,6 +50,10 @@ class FluxDenoiser(DiffusersDenoiser):
         h, w = self._grid(pipe, params)
         return (params.num_images, h * w, pipe.transformer.config.in_channels)
 
+    def image_tokens(self, pipe: Any, params: GenerationParams) -> int:
+        h, w = self._grid(pipe, params)
+        return h * w
+
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         """Dev's T5 prompt is longer than schnell's: its network's config says which it is."""
         config = pipe.transformer.config

@@ -34,6 +34,7 @@ from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs, no_input_image
 from gpu_worker.denoising.noise_schedulers import IMAGE_LATENTS, size_shift
+from gpu_worker.denoising.parallel_network import sequence_degree
 from gpu_worker.denoising.prompts import Conditioning, prompt_key, text_length
 from services.generation import GenerationParams
 from services.models import speed
@@ -58,6 +59,10 @@ class QwenImageDenoiser(DiffusersDenoiser):
     def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
         h, w = self._grid(pipe, params)
         return (params.num_images, h * w, pipe.transformer.config.in_channels)
+
+    def image_tokens(self, pipe: Any, params: GenerationParams) -> int:
+        h, w = self._grid(pipe, params)
+        return h * w
 
     def timestep_args(self, pipe: Any, params: GenerationParams) -> dict[str, Any]:
         h, w = self._grid(pipe, params)
@@ -108,6 +113,12 @@ class QwenImageDenoiser(DiffusersDenoiser):
         network = pipe.transformer
         if network in self._compiled:
             c = c.text_padded(text_length(pipe.tokenizer, self.compiled_text_len))
+        degree = sequence_degree(network)
+        if degree > 1 and c.embeds is not None and c.embeds.shape[1] % degree:
+            # A sequence split shares the text's tokens out too: padded (masked) to share evenly.
+            length = -(-c.embeds.shape[1] // degree) * degree
+            negative = c.negative_embeds.shape[1] if c.negative_embeds is not None else length
+            c = c.text_padded(length, -(-negative // degree) * degree)
         return network(
             hidden_states=x,
             timestep=t.expand(rows).to(x.dtype) / 1000,
@@ -164,7 +175,7 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
     ) -> Conditioning:
         """Each text alone with the image, as the pipeline encodes them (the shared
         encoding's): its processor takes the image's pixels as a picture."""
-        if spec.text_encoders == "service" or inputs is None or inputs.prompt_image is None:
+        if self.text_elsewhere(spec) or inputs is None or inputs.prompt_image is None:
             return super().conditioning(pipe, spec, params, cfg, inputs)
         device = self.text_device(pipe)
         return Conditioning.encode(pipe, spec.family, params, device, cfg, image=inputs.prompt_image)

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints, MemberRun
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
-from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.running_batch import BatchJoins
 from services.generation import GenerationParams
 from services.models import sim
 from services.models.loader import Loaded
@@ -42,7 +42,7 @@ class SimDenoiser:
         spec: ModelSpec,
         members: Sequence[BatchMember],
         checkpoints: MemberCheckpoints,
-        joins: RunningBatch | None = None,
+        joins: BatchJoins | None = None,
     ) -> list[MemberResult]:
         if joins is not None:
             raise ValueError("a sim batch takes no joiners")

@@ -27,6 +27,11 @@ class WanDenoiser(DiffusersDenoiser):
         channels = pipe.transformer.config.in_channels
         return (params.num_images, channels, frames, params.height // scale, params.width // scale)
 
+    def image_tokens(self, pipe: Any, params: GenerationParams) -> int:
+        _, _, frames, h, w = self.latent_shape(pipe, params)
+        pf, ph, pw = pipe.transformer.config.patch_size
+        return (frames // pf) * (h // ph) * (w // pw)
+
     def encode_prompt(self, pipe: Any, spec: ModelSpec, params: GenerationParams, cfg: bool) -> Conditioning:
         """In its transformer's dtype, as WanPipeline casts it."""
         encoded = Conditioning.encode(pipe, spec.family, params, self.text_device(pipe), cfg)

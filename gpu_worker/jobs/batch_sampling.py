@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
+from gpu_worker.denoising.group_mesh import GroupBroken
 from gpu_worker.denoising.members import BatchMember, MemberResult
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
@@ -175,7 +176,7 @@ class BatchSampling:
 
     async def _one_by_one(self, exc: Exception) -> None:
         remaining = list(self._members.values())
-        if self._count == 1:
+        if self._count == 1 or isinstance(exc, GroupBroken):  # a broken group runs nothing more
             self._left([(m, exc) for m, _ in remaining])
             return
         extra = logs.jobs_fields(s.job.id for _, s in remaining)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpu_worker.adapters.slots import SlotsFull
 from gpu_worker.decoding.decoders import DecodeUnavailable
+from gpu_worker.denoising.group_mesh import GroupBroken
 from gpu_worker.denoising.members import BadOutput
 from services.errors import InvalidArgument, StoreUnavailable
 from services.models.adapters.lora_files import AdapterError
@@ -20,6 +21,7 @@ class Failure:
     retryable: bool  # another attempt, on another GPU, may do
     blames_worker: bool  # a sign that this worker is unfit
     traceback: bool = False  # the log shows where it came from
+    ends_worker: bool = False  # this worker can run nothing more until it restarts
 
 
 def classify(exc: Exception) -> Failure:
@@ -34,6 +36,10 @@ def classify(exc: Exception) -> Failure:
         # An adapter that does not fit the network, or is gone from the store: the
         # job's own, as a refusal at submit would have been.
         return Failure(error, "invalid input", retryable=False, blames_worker=False)
+    if isinstance(exc, GroupBroken):
+        # Another attempt may do, but not here: a broken group would fail (or take
+        # from the queue and fail) every job it is sent until it is re-formed.
+        return Failure(error, "group broken", retryable=True, blames_worker=True, ends_worker=True)
     if isinstance(exc, BadOutput):
         return Failure(error, "bad output", retryable=True, blames_worker=True)
     if isinstance(exc, DecodeUnavailable):
@@ -56,19 +62,32 @@ def timed_out(model: str, timeout_s: float) -> Failure:
 class FailureStreak:
     """Attempts in a row that failed for reasons that blame the worker, each counted
     once its failure is stored (one whose write never landed is redelivered, and
-    counts when it fails again); a stored result ends the streak."""
+    counts when it fails again); a stored result ends the streak. One failure that
+    ends the worker (``Failure.ends_worker``) makes it unfit at once, for good."""
 
     def __init__(self, unfit_after: int) -> None:
         self.unfit_after = unfit_after
         self.count = 0
+        self.ended_by: str | None = None
 
     def failed(self, failure: Failure) -> None:
         if failure.blames_worker:
             self.count += 1
+
+    def ended(self, failure: Failure) -> None:
+        """A failure that ends the worker, counted before it is stored: nothing more
+        may start here while it is written."""
+        if self.ended_by is None:
+            self.ended_by = failure.error
 
     def succeeded(self) -> None:
         self.count = 0
 
     @property
     def unfit(self) -> bool:
-        return self.count >= self.unfit_after
+        return self.ended_by is not None or self.count >= self.unfit_after
+
+    def why_unfit(self) -> str:
+        if self.ended_by is not None:
+            return f"an attempt failed in a way this worker cannot mend ({self.ended_by})"
+        return f"{self.count} attempts in a row failed here"

@@ -117,6 +117,8 @@ class OutcomeRecorder:
 
     async def _failed(self, job: JobRecord, failure: Failure, gpu_seconds: float) -> None:
         log.warning("job %s attempt %d failed: %s", job.id, job.attempt, failure.error, exc_info=failure.traceback)
+        if failure.ends_worker:
+            self.failures.ended(failure)
         await self.store.fail(job, failure, gpu_seconds=gpu_seconds)
         self.failures.failed(failure)
 

@@ -270,8 +270,9 @@ class JobRunner:
                 started.job.attempt,
                 (),
                 decoded_at,
-                # Shared by images: a job of two images in a batch of four used half of it.
-                busy_s=started.sampled_s * images / rows,
+                # Shared by images: a job of two images in a batch of four used half of it;
+                # a batch across a group used each of its devices.
+                busy_s=started.sampled_s * images / rows * self.engine.devices_for(started.job.params.model),
                 run_seconds=started.sampled_s if sampled.learnable and i == 0 else None,
                 batch_rows=rows,
                 joined_rows=started.joined_rows,

@@ -65,6 +65,7 @@ class ModelCache:
         memory_budget_bytes: int = 0,
         pinned: Sequence[str] = (),
         on_drop: Callable[[str], None] = lambda name: None,
+        evicts: bool = True,
     ) -> None:
         self.registry = registry
         self.loader_for = loader_for
@@ -73,6 +74,8 @@ class ModelCache:
         self.memory_budget_bytes = memory_budget_bytes
         self.pinned = frozenset(pinned)
         self.on_drop = on_drop  # what else goes with a dropped model (its prompts' conditioning)
+        # False: a group's follower, which drops what its leader drops and nothing else.
+        self.evicts = evicts
         self._held: dict[str, _Held] = {}
         self._measured: dict[str, int] = {}  # bytes of each model loaded here, even if evicted since
         self._lock = threading.RLock()
@@ -167,7 +170,7 @@ class ModelCache:
 
     def _make_room(self, name: str, need: int) -> None:
         """Evicts other models until ``need`` more bytes fit."""
-        free = self._free_bytes()
+        free = self._free_bytes() if self.evicts else None
         if free is None:
             return
         residents = [

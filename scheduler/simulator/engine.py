@@ -82,7 +82,7 @@ class Simulation(SimFleet):
                     break
         for gid, since in self.up_since.items():
             if self.gpus[gid].up:
-                self.up_s += now - since
+                self.up_s += (now - since) * self.gpus[gid].spec.gpus
         return Result(
             policy=self.policy.name,
             load=self.load,
@@ -91,7 +91,7 @@ class Simulation(SimFleet):
             cold_loads=self.cold_loads,
             adapter_loads=self.adapter_loads,
             preloads=self.preloads,
-            busy_s=sum(g.busy_s for g in self.gpus.values()),
+            busy_s=sum(g.busy_s * g.spec.gpus for g in self.gpus.values()),  # a group holds its every GPU
             up_s=self.up_s,
             overloaded=overloaded,
             suspensions=self.suspensions,
@@ -159,7 +159,7 @@ class Simulation(SimFleet):
         gpu.running, gpu.riders, gpu.stepped, gpu.preloading, gpu.up = None, [], None, None, False
         gpu.loaded.clear()
         gpu.generation += 1
-        self.up_s += now - self.up_since[gpu_id]
+        self.up_s += (now - self.up_since[gpu_id]) * gpu.spec.gpus
 
     def _recover(self, gpu_id: str, now: float) -> None:
         gpu = self.gpus[gpu_id]

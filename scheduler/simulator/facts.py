@@ -66,6 +66,7 @@ class WorldFacts:
             adapters=frozenset(gpu.adapters) if self.adapters else frozenset(),
             # As a sampler measures it once it has loaded one.
             adapter_load_s=sim.scenario.adapters.load_s if gpu.adapters and self.adapters else 0.0,
+            gpus=gpu.spec.gpus,
         )
 
     @staticmethod

@@ -88,6 +88,12 @@ class SimFleet:
     def speed(self, gpu: Gpu, now: float) -> float:
         return gpu.spec.speed * self.scenario.temperature(gpu.id, now)[1]
 
+    def run_speed(self, gpu: Gpu, model: str, now: float) -> float:
+        """How fast ``gpu`` runs ``model``: a group spanning it, its group's speedup."""
+        spec = self.scenario.models[model]
+        spans = gpu.spec.gpus > 1 and spec.parallel_size == gpu.spec.gpus
+        return self.speed(gpu, now) * (spec.group_speedup if spans else 1.0)
+
     def temperature(self, gpu: Gpu, now: float) -> float:
         return self.scenario.temperature(gpu.id, now)[0]
 
@@ -174,7 +180,7 @@ class SimFleet:
         if self.continuous:
             joining.start(self, gpu, (job, *riders), load_s, resume_s, now)
             return
-        run = compute_s(job, riders, model, images, self.speed(gpu, now))
+        run = compute_s(job, riders, model, images, self.run_speed(gpu, job.model, now))
         gpu.running, gpu.riders, gpu.running_since, gpu.run_s = job, riders, now, load_s + resume_s + run
         gpu.run_load_s, gpu.run_resume_s = load_s, resume_s
         gpu.busy_until = now + load_s + resume_s + run

@@ -39,6 +39,8 @@ class Stepping(Protocol):
 
     def speed(self, gpu: Gpu, now: float) -> float: ...
 
+    def run_speed(self, gpu: Gpu, model: str, now: float) -> float: ...
+
     def wake(self, gpu: Gpu, at: float) -> None: ...
 
     def finished(self, batch: list[Job], gpu: Gpu, run_s: float, now: float, *, rows: int | None = None) -> None: ...
@@ -206,7 +208,8 @@ def _step_s(sim: Stepping, gpu: Gpu, now: float) -> float:
     assert batch is not None
     jobs = [m.job for m in batch.members]
     per_image = sum(j.trace.work_s / (j.trace.type.steps * j.trace.type.batch) for j in jobs) / len(jobs)
-    return per_image * sim.scenario.models[jobs[0].model].batch_factor(batch.rows) / sim.speed(gpu, now)
+    model = jobs[0].model
+    return per_image * sim.scenario.models[model].batch_factor(batch.rows) / sim.run_speed(gpu, model, now)
 
 
 def _steps_between(batch: SteppedBatch, now: float) -> int:

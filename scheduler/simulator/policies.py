@@ -11,6 +11,7 @@ from dataclasses import replace
 from scheduler import driver
 from scheduler.estimates import Durations, Shape, observe, with_observation
 from scheduler.fair_share import charged
+from scheduler.policy import WorkerView, speed_id
 from scheduler.simulator.facts import WorldFacts
 from scheduler.simulator.fleet import SimFleet
 from scheduler.simulator.scenario import GIB, Scenario
@@ -88,8 +89,10 @@ class DarkroomPolicy:
         t = batch[0].trace.type
         shape = Shape(t.model, t.width * t.height, t.steps, images)
         cost = self.costs[batch[0].model]
-        obs = observe(self.durations, shape, cost.step_s_512, gpu.id, run_s, gpu.spec.speed)
-        self.durations = with_observation(self.durations, shape, gpu.id, obs)
+        worker = WorkerView(gpu.id, frozenset(), frozenset(), 0, 0, speed=gpu.spec.speed, gpus=gpu.spec.gpus)
+        key, declared = speed_id(worker, cost)  # a group's spanning runs are learned apart
+        obs = observe(self.durations, shape, cost.step_s_512, key, run_s, declared)
+        self.durations = with_observation(self.durations, shape, key, obs)
 
     def on_tick(self, sim: SimFleet, now: float) -> None:
         window = sim.scenario.demand_window_s

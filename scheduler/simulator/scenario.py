@@ -48,6 +48,12 @@ class SimModel:
     # some batch sizes, from 1 up; the factors are interpolated between (``curve``).
     curve_images: tuple[int, ...] = ()
     curve_images_per_s: tuple[float, ...] = ()
+    # A parallel model (docs/parallel.md): the GPUs one replica spans on a group of
+    # that size, and how much faster the group runs it than one of its GPUs (the
+    # truth; placement starts from its own guess, then learns it). A single GPU runs
+    # it unsplit, at its own speed.
+    parallel_size: int = 1
+    group_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         if self.curve_images or self.curve_images_per_s:
@@ -74,6 +80,7 @@ class SimModel:
             vram_bytes=int(self.vram_gb * GIB),
             eviction_priority=self.eviction_priority,
             max_batch=self.max_batch,
+            parallel_size=self.parallel_size,
         )
 
 
@@ -86,6 +93,10 @@ class SimGpu:
     capabilities: tuple[str, ...] = ()  # seed 000's capability tags: models it may take
     # The kinds of work its sampler is let serve, as DARKROOM_CAPABILITIES says; empty: all.
     serves: tuple[str, ...] = ()
+    # A group of this many GPUs, each of ``speed`` and ``vram_gb``, serving as one
+    # worker: it spans the models of its size (``SimModel.group_speedup``) and runs
+    # the rest on its leader alone.
+    gpus: int = 1
 
 
 @dataclass(frozen=True)
@@ -155,8 +166,8 @@ class Scenario:
 
     def phase_capacity(self, phase: Phase) -> float:
         """Jobs per second with every model warm where needed: the sum of GPU speeds
-        over the mean work per job."""
-        return sum(g.speed for g in self.gpus) / self.phase_work_s(phase)
+        (a group's, each of its GPUs) over the mean work per job."""
+        return sum(g.speed * g.gpus for g in self.gpus) / self.phase_work_s(phase)
 
     def capacity_jobs_per_s(self) -> float:
         """The capacity averaged over the trace's phases, by their length."""

@@ -5,7 +5,8 @@ all (``Settings``) and pass them down as ``DARKROOM_*`` variables. The reference
 
 Here: the kernel's, gateway's, scheduler's and supervisor's sections, and
 ``Settings``; the sampler's and decoder's are in ``workers``, the HTTP API's in
-``http``, placement and preemption in ``placement``."""
+``http``, placement and preemption in ``placement``. (A few lines over 300: the
+sections ``Settings`` holds read best beside it; a split would leave one section alone.)"""
 
 from __future__ import annotations
 
@@ -278,6 +279,13 @@ class SupervisorSettings(Section):
         True,
         "On a host without a GPU, fork the services from processes that imported their libraries (torch, diffusers, "
         "gRPC...) once, rather than starting each as a new process (services/ops/forkserver.py).",
+    )
+    gpu_groups: str = setting(
+        "auto",
+        "Which of the host's GPUs (or CPU samplers) form groups, each one sampler serving parallel models "
+        "(docs/parallel.md): `auto`, one group of the largest size the registry's parallel models name, of the "
+        "best-connected devices as NVML says, the rest single; `off`; or ranges such as `4-7` or `0-1,2-3`.",
+        env="GPU_GROUPS",
     )
 
 

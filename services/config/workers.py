@@ -72,6 +72,40 @@ class DecodeSettings(Section):
 
 
 @dataclass(frozen=True)
+class GroupSettings(Section):
+    """A sampler's place in a group of samplers that serve one parallel replica
+    together (docs/parallel.md): set by the supervisor that forms the group."""
+
+    size: int = setting(1, "Samplers in its group; 1: it serves alone.", env="GROUP_SIZE", at_least=1, at_most=8)
+    rank: int = setting(
+        0,
+        "Its rank in the group: 0 leads (dispatch, database, heartbeat); the rest follow.",
+        env="GROUP_RANK",
+        at_least=0,
+        at_most=7,
+    )
+    address: str = setting(
+        "127.0.0.1:0",
+        "HOST:PORT where the group's ranks meet (the leader's; a fresh port each formation).",
+        env="GROUP_ADDRESS",
+    )
+    epoch: int = setting(
+        0, "Which formation of the group this is (each restart takes a new one).", env="GROUP_EPOCH", at_least=0
+    )
+    members: tuple[str, ...] = setting(
+        (), "Its members' devices in rank order (the leader's heartbeat reports them).", env="GROUP_MEMBERS"
+    )
+    stall_after_s: float = setting(
+        300.0,
+        "The leader exits (its supervisor re-forms the group) when a batch across the group reaches no step "
+        "boundary for this long, or for ten of its slowest steps if longer: a rank stuck inside a collective. "
+        "Longer than a compilation of a new shape mid-batch takes (each rank compiles at its own pace).",
+        env="GROUP_STALL_AFTER_S",
+        at_least=1.0,
+    )
+
+
+@dataclass(frozen=True)
 class SamplerSettings(Section):
     """A sampler: one process per GPU (``gpu_worker/``)."""
 
@@ -142,6 +176,9 @@ class SamplerSettings(Section):
         codec=SIGNING_KEY,
     )
     decode: DecodeSettings = setting(doc="Its local fallback decode.", factory=DecodeSettings)
+    group: GroupSettings = setting(
+        doc="Its group, where it serves a parallel replica with others.", factory=GroupSettings
+    )
 
 
 @dataclass(frozen=True)

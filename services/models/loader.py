@@ -48,7 +48,9 @@ def module_bytes(obj: Any) -> int:
     for module in modules:
         if isinstance(module, torch.nn.Module):
             tensors = list(module.parameters()) + list(module.buffers())
-            total += sum(t.numel() * t.element_size() for t in tensors)
+            # A sharded parameter (a DTensor) counts its own shard: what is on this device.
+            local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+            total += sum(t.numel() * t.element_size() for t in local)
     return total
 
 

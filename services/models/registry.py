@@ -12,6 +12,7 @@ from typing import Any
 
 from services.errors import ModelError
 from services.models.builtins import BUILTINS
+from services.models.parallel import ParallelError, Parallelism, refusal
 from services.models.spec import (
     ADAPTED_FAMILIES,
     BUILTIN_SIM,
@@ -99,7 +100,10 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     if table.get("family") not in families:
         raise ModelError(f"model {name!r}: family {table.get('family')!r} is not one of {families}")
     family = ModelFamily(table["family"])
-    spec = ModelSpec(name=name, **{"capability": FAMILY_DEFAULTS[family][2], **table, "family": family})
+    parallel = _parallel(name, family, table.get("parallel", {}))
+    spec = ModelSpec(
+        name=name, **{"capability": FAMILY_DEFAULTS[family][2], **table, "family": family, "parallel": parallel}
+    )
     if "adapters_per_job" not in table and isinstance(spec.adapter_slots, int) and spec.adapter_slots > 0:
         # Unsaid, a job may name as many as the default, or as the model has slots.
         spec = replace(spec, adapters_per_job=min(spec.adapters_per_job, spec.adapter_slots))
@@ -127,6 +131,14 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     _check_speed(spec)
     if spec.cuda_graphs and not (spec.compile or spec.optimize):
         raise ModelError(f"model {name!r}: cuda_graphs come with compile (or optimize)")
+    if parallel.grouped and spec.cuda_graphs:
+        raise ModelError(
+            f"model {name!r}: a parallel model takes no cuda_graphs (a graph cannot capture its collectives)"
+        )
+    if parallel.tensor > 1 and spec.adapter_slots:
+        raise ModelError(f"model {name!r}: parallel.tensor with adapter_slots: a sharded layer takes no adapter yet")
+    if parallel.tensor > 1 and (spec.compile or spec.optimize):
+        raise ModelError(f"model {name!r}: parallel.tensor with compile (or optimize): not served yet")
     if spec.max_batch < 1:
         raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
     if not spec.price >= 0:
@@ -138,6 +150,17 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     if spec.scheduler:
         scheduler_class(spec)
     return spec
+
+
+def _parallel(name: str, family: ModelFamily, table: Any) -> Parallelism:
+    try:
+        shape = Parallelism.of(table)
+    except ParallelError as exc:
+        raise ModelError(f"model {name!r}: {exc}") from None
+    reason = refusal(family, shape)
+    if reason is not None:
+        raise ModelError(f"model {name!r}: {reason}")
+    return shape
 
 
 def _check_speed(spec: ModelSpec) -> None:
@@ -220,3 +243,17 @@ def _check_checkpointing(spec: ModelSpec) -> None:
         # ``not value >= 0`` refuses NaN too; bool is an int to Python, not to TOML users.
         if isinstance(value, bool) or not isinstance(value, kinds) or not value >= 0:
             raise ModelError(f"model {spec.name!r}: {key} must be {what} >= 0, not {value!r}")
+
+
+def toml_value(value: Any) -> str:
+    """A registry entry's value as TOML writes it (for files made of entries: the
+    miniatures' parallel twins, the benchmarks' variants)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # a ModelFamily too
+        return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, Parallelism):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    return repr(value)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.errors import ModelError
+from services.models.parallel import SINGLE, Parallelism
 
 
 class ModelFamily(enum.StrEnum):
@@ -229,6 +230,9 @@ class ModelSpec:
     # A sim model's picture (a path; relative: to the registry's directory): its
     # outputs are that picture, resized to the job's size, whatever the seed (tests).
     sim_image: str = ""
+    # How one replica spreads over GPUs (``services.models.parallel``): only a group of
+    # that shape serves it; ``vram_mb`` is then each GPU's part.
+    parallel: Parallelism = SINGLE
 
     @property
     def vram_bytes(self) -> int:

@@ -5,6 +5,7 @@ decoder can (``local_decode_fallback``)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import threading
@@ -23,6 +24,7 @@ from services.models import image_vae, loader, sim, speed
 from services.models.device import module_dtype
 from services.models.registry import ModelRegistry
 from services.models.spec import ModelFamily, ModelSpec
+from services.models.video_tiles import TileSharing
 from services.models.video_vae import decode_video
 
 # The families whose VAE is Qwen-Image's (``services.models.image_vae``).
@@ -109,6 +111,8 @@ class VaeDecoderEngine:
     device: torch.device
     tile_above_pixels: int = DEFAULT_TILE_ABOVE_PIXELS
     min_pixel_std: float = DEFAULT_MIN_PIXEL_STD
+    # Where a tiled video's tiles can be shared out: a group's ranks (gpu_worker.group).
+    share_tiles: TileSharing | None = None
     _vaes: dict[str, Any] = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     _stream: Any = field(default=None, init=False)
@@ -208,7 +212,7 @@ class VaeDecoderEngine:
         self.check_model(model)
         vae = self.load(model)
         if latents.dim() == 5:
-            return self._decode_videos(vae, latents)
+            return self._decode_videos(model, vae, latents)
         spec = self.registry.get(model)
         z = latents.to(self.device, module_dtype(vae))
         if spec.family in QWEN_VAE_FAMILIES:
@@ -250,11 +254,12 @@ class VaeDecoderEngine:
             images.append(DecodedImage(image, tiled, fault))
         return images
 
-    def _decode_videos(self, vae: Any, latents: torch.Tensor) -> list[DecodedImage]:
+    def _decode_videos(self, model: str, vae: Any, latents: torch.Tensor) -> list[DecodedImage]:
         videos = []
+        share = functools.partial(self.share_tiles, model) if self.share_tiles is not None else None
         with torch.inference_mode():
             for z in latents.to(self.device, module_dtype(vae)):
-                frames, stats, tiled = decode_video(vae, z, self.tile_above_pixels)
+                frames, stats, tiled = decode_video(vae, z, self.tile_above_pixels, share)
                 videos.append(DecodedImage(frames.numpy(), tiled, stats.fault(self.min_pixel_std)))
         return videos
 

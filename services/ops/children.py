@@ -20,6 +20,7 @@ from services.config.sections import GatewaySettings, KernelSettings, SchedulerS
 from services.config.workers import DecoderSettings, SamplerSettings
 from services.ops import SERVICE_MODULES, forkserver
 from services.ops.forkserver import ForkServer
+from services.ops.gpu_groups import group_name, nvml_distance, plan_groups
 from services.ops.processes import free_port
 from services.ops.supervisor import Child, RestartPolicy
 from services.telemetry.metrics import Target
@@ -153,49 +154,38 @@ def host_children(
 ) -> list[Child]:
     """A GPU host's processes: ``decoders`` VAE workers and one sampler per visible
     GPU (``CUDA_VISIBLE_DEVICES`` set for each), or CPU samplers when there is
-    none. Worker ids come from the host and the GPU, so a restarted sampler takes
-    back its own subject. Metrics ports go to the samplers first, by GPU, then to
-    the decoders: a sampler's port does not move when the decoders change."""
+    none; the devices of a group (``gpu_groups``) are its members, the first
+    leading. Worker ids come from the host and the GPU (a group's, from its
+    devices), so a restarted sampler takes back its own subject. Metrics ports go
+    to the samplers first, by GPU, then to the decoders: a sampler's port does not
+    move when the decoders change."""
     ports = ports or MetricsPorts(settings.kernel.metrics_port)
     host = host_token()
-    samplers = []
     gpus = visible_gpus()
+    devices = gpus or cpu_samplers
     threads: dict[str, str] = {}
-    if gpus:
-        for i in range(gpus):
-            samplers.append(
-                child(
-                    settings,
-                    f"sampler-{i}",
-                    "sampler",
-                    {
-                        "CUDA_VISIBLE_DEVICES": str(i),
-                        "DARKROOM_DEVICE": "cuda:0",
-                        "DARKROOM_WORKER_ID": f"{host}-gpu{i}",
-                        "DARKROOM_METRICS_PORT": str(ports.next()),
-                    },
-                )
-            )
-    else:
+    if not gpus:
         # Without a GPU, samplers and decoders compute on the CPU: each gets its
         # share of the cores. torch's threads, every process's on every core at
         # once, spin and wait on each other and make each step many times slower.
         share = max(1, (os.cpu_count() or 1) // max(cpu_samplers + decoders, 1))
         threads = {"OMP_NUM_THREADS": str(share)}
-        for i in range(cpu_samplers):
-            samplers.append(
-                child(
-                    settings,
-                    f"sampler-{i}",
-                    "sampler",
-                    {
-                        **threads,
-                        "DARKROOM_DEVICE": "cpu",
-                        "DARKROOM_WORKER_ID": f"{host}-cpu{i}",
-                        "DARKROOM_METRICS_PORT": str(ports.next()),
-                    },
-                )
+    groups = _groups(settings, devices, bool(gpus))
+    grouped = {i: group for group in groups for i in group}
+    meeting = {group: free_port() for group in groups}  # where each group's ranks meet
+    samplers = []
+    for i in range(devices):
+        env = {**threads, "DARKROOM_METRICS_PORT": str(ports.next())}
+        group = grouped.get(i)
+        if group is not None:
+            env.update(_member_env(host, "gpu" if gpus else "cpu", group, group.index(i), meeting[group], bool(gpus)))
+        elif gpus:
+            env.update(
+                {"CUDA_VISIBLE_DEVICES": str(i), "DARKROOM_DEVICE": "cuda:0", "DARKROOM_WORKER_ID": f"{host}-gpu{i}"}
             )
+        else:
+            env.update(DARKROOM_DEVICE="cpu", DARKROOM_WORKER_ID=f"{host}-cpu{i}")
+        samplers.append(child(settings, f"sampler-{i}", "sampler", env))
     vaes = [
         child(
             settings,
@@ -207,6 +197,40 @@ def host_children(
     ]
     # Decoders start first: a sampler that is ready has somewhere to decode.
     return vaes + samplers
+
+
+def _groups(settings: Settings, devices: int, gpus: bool) -> list[tuple[int, ...]]:
+    registry = settings.kernel.registry()
+    sizes = {spec.parallel.size for spec in registry.models.values()}
+    distance = nvml_distance(_physical(devices)) if gpus and any(s > 1 for s in sizes) else None
+    return plan_groups(settings.supervisor.gpu_groups, devices, sizes, distance)
+
+
+def _physical(devices: int) -> list[int]:
+    """NVML's index of each visible GPU (``CUDA_VISIBLE_DEVICES`` of indices; else 0..)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if len(visible) >= devices and all(v.isdigit() for v in visible):
+        return [int(v) for v in visible[:devices]]
+    return list(range(devices))
+
+
+def _member_env(host: str, kind: str, group: tuple[int, ...], rank: int, port: int, gpus: bool) -> dict[str, str]:
+    """A group member's variables: every member sees the group's devices in rank
+    order and computes on its own (``cuda:RANK``), so that NCCL keeps its peer paths;
+    the leader registers as the group."""
+    worker_id = f"{host}-{group_name(kind, group)}"
+    env = {
+        "DARKROOM_GROUP_SIZE": str(len(group)),
+        "DARKROOM_GROUP_RANK": str(rank),
+        "DARKROOM_GROUP_ADDRESS": f"127.0.0.1:{port}",
+        "DARKROOM_GROUP_MEMBERS": ",".join(f"{kind}{i}" for i in group),
+        "DARKROOM_WORKER_ID": worker_id if rank == 0 else f"{worker_id}-rank{rank}",
+    }
+    if gpus:
+        env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, group)), "DARKROOM_DEVICE": f"cuda:{rank}"})
+    else:
+        env["DARKROOM_DEVICE"] = "cpu"
+    return env
 
 
 def metrics_target(c: Child) -> Target | None:

@@ -215,24 +215,26 @@ class ManagedProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    # Both hold the process they act on: a watcher that sees it exit (a backend's
+    # supervisor) may clear ``proc`` from its own thread meanwhile.
     def stop(self, timeout: float = 15.0) -> None:
-        if not self.running:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
             return
-        assert self.proc is not None
-        self.proc.send_signal(self._stop_signal)
+        proc.send_signal(self._stop_signal)
         try:
-            self.proc.wait(timeout)
+            proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
 
     def kill(self) -> None:
         """SIGKILL to the whole process group, as a crash of the server would (a
         PostgreSQL postmaster and its backends together): for fault injection."""
-        if self.running:
-            assert self.proc is not None
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     _stop_signal = signal.SIGTERM
     _death_signal = signal.SIGTERM

@@ -175,7 +175,12 @@ class LocalStack(StackBackends):
             self.nats.set_users([*self.nats.users, *map(sampler_user, ids)])
 
     def sampler_ids(self) -> list[str]:
-        return sorted(c.env["DARKROOM_WORKER_ID"] for n, c in self.services.items() if n.startswith("sampler"))
+        """The samplers that register: each single one and each group's leader."""
+        return sorted(
+            c.env["DARKROOM_WORKER_ID"]
+            for n, c in self.services.items()
+            if n.startswith("sampler") and c.env.get("DARKROOM_GROUP_RANK", "0") == "0"
+        )
 
     def wait_ready(self, timeout: float, *, samplers: int | None = None) -> None:
         """Until the gateway answers health checks and the workers have registered.

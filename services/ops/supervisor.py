@@ -23,6 +23,7 @@ from typing import Protocol
 
 from services.config.fields import ENV_PREFIX
 from services.ops.forkserver import ForkServer
+from services.ops.group_fate import group_of, share_fate
 from services.ops.processes import ManagedProcess, dying_with_parent, spawn
 
 log = logging.getLogger(__name__)
@@ -201,6 +202,7 @@ class Supervisor:
             if self._stopping.is_set():
                 return
             watched.check(now, self.policy)
+        broken: list[str] = []
         for child in list(self.children.values()):
             with child.lock:
                 if not child.wanted or self._stopping.is_set():
@@ -220,14 +222,20 @@ class Supervisor:
                         )
                         ManagedProcess.stop(child, self.policy.kill_grace_s)
                         self._exited(child, now, "it hung")
+                        broken.append(child.name)
                     continue
                 if child.proc is not None:
                     code = child.proc.returncode
                     self._exited(child, now, f"it exited with {describe_exit(code)}")
+                    broken.append(child.name)
+                    if group_of(child) is not None:
+                        continue  # restarted with its group, at the group's time (share_fate)
                 if now >= child.next_start_at:
                     child.restarts += 1
                     log.warning("%s: restart %d (%s)", child.name, child.restarts, child.last_exit)
                     child._spawn()
+
+        share_fate(self.children, broken, self.policy.kill_grace_s)
 
     def _exited(self, child: Child, now: float, why: str) -> None:
         stable = now - child.started_at >= STABLE_AFTER_S

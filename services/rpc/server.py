@@ -21,10 +21,17 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
 ]
 # A client that keeps its connection alive with pings (every few seconds, to notice
-# a gateway gone silent: docs/fleet.md) is not told "too many pings" and cut off
-# while a stream of its waits for an event: gRPC's default allows one ping in five
-# minutes without data.
-SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000)]
+# a gateway gone silent: docs/fleet.md) is not told "too many pings" and cut off,
+# failing its calls under way: pings a second apart are fine while a stream of its
+# waits for an event (gRPC's default allows one in five minutes without data), and
+# between its calls (by default, each ping that arrives with no call open, as one
+# crossing the end of a poll on a slow link does, is a strike, and the third cuts).
+# (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS is spelt as below.)
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 
 class Server:

@@ -36,6 +36,7 @@ TABLES: dict[str, tuple[str, ...]] = {
     "http_overhead": ("| path | median s | p90 s |",),
     "media": ("| model | size | frames | steps |",),
     "placement": ("| policy | load | jobs/s |",),
+    "parallel": ("| model | size | steps | frames | devices |", "| load | layout | video p50 s |"),
     "continuous_batching": ("| load | mode | img/s |", "| load | p50 at-start / continuous |"),
     "continuous_stack": ("| load | mode | offered jobs/s |", "| load | p50 at-start / continuous |"),
     "prompt_filter": ("| prompts | characters, mean | p50 µs | p99 µs |", "| prompt | filter | p50 ms | p99 ms |"),

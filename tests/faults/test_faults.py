@@ -4,6 +4,7 @@ Real processes, a real PostgreSQL and real nats-servers; each scenario is short.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -21,8 +22,10 @@ import pytest
 from services.bus.dispatch import host_token
 from services.mesh.nats_auth import CONTROL_USERS, sampler_user
 from services.mesh.secrets import ensure_certificates
+from services.models.parallel_miniatures import write_registry
 from services.ops.embedded import EmbeddedPostgres
 from services.ops.embedded_nats import EmbeddedNatsCluster
+from services.ops.lifecycle import EXIT_UNFIT
 from services.ops.stack import LocalStack
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.conftest import fresh_database
@@ -432,3 +435,57 @@ def test_sampler_killed_during_a_video_resumes_it_from_its_checkpoint(make, tmp_
     again = wait_terminal(load.stub, load.stub.SubmitJob(request).job_id, timeout=180)
     assert again.status == pb.JOB_STATUS_SUCCEEDED and not again.resumptions
     assert job.images[0].data == again.images[0].data, "the resumed video is the uninterrupted one"
+
+
+def group_job(stack: LocalStack, group: str) -> tuple[Load, pb.Job]:
+    """Two long jobs of a parallel model that checkpoints every 5 steps, and the one
+    the group runs, once it is past step 12."""
+    load = Load.of(stack)
+    ids = load.submit(2, width=128, height=128, steps=60, model="tiny-cfg2")
+    victim = first_job(
+        load,
+        ids,
+        lambda j: j.status == pb.JOB_STATUS_RUNNING and j.worker_id == group and j.progress.step >= 12,
+        "a job running on the group past step 12",
+    )
+    return load, victim
+
+
+def test_a_group_member_killed_then_one_hung_mid_job(make, tmp_path: Path) -> None:
+    """Over 30 s: two CPU samplers, a group (``auto``), the only one serving the model
+    (a single sampler beside it could take the jobs while the group re-forms). A
+    follower of the group is killed (`kill -9`) mid-job, then, once the group has
+    re-formed, hangs (SIGSTOP, found by its hang timeout of 5 s) mid-job: each time its
+    leader is killed with it (or ends itself, its batch failed) rather than left in a
+    collective, the job goes back to the queue once, finishes from its last checkpoint,
+    and the group re-forms without the host restarting. One stack for both: its start is most of a scenario's cost."""
+    registry = write_registry(tmp_path / "registry.toml", checkpoint_every_steps=5, max_steps=150)
+    stack = make(model_registry=str(registry), samplers=2)
+    [group] = stack.sampler_ids()
+    assert group.endswith("-cpus0-1")
+    leader, follower = stack.services["sampler-0"], stack.services["sampler-1"]
+    assert follower.env["DARKROOM_GROUP_RANK"] == "1"
+    for fault in ("kill", "hang"):
+        load, victim = group_job(stack, group)
+        led, first = leader.pid, follower.pid
+        if fault == "kill":
+            follower.kill()
+        else:
+            follower.signal(signal.SIGSTOP)
+        fault_at = now()
+        what = "`kill -9`" if fault == "kill" else "`SIGSTOP` (hung)"
+        check(f"group member {what} mid-job: resumed from its checkpoint", stack.pg_url, load, fault_at=fault_at)
+        job = load.get(victim.job_id)
+        assert [f.worker_id for f in job.failed_attempts] == [group], "the broken group cost one attempt"
+        [resumption] = job.resumptions
+        assert 0 < resumption.step <= 60
+        # The leader ends itself once its batch fails (GroupBroken), or is killed with its group first.
+        assert leader.last_exit in ("its group broke", f"it exited with code {EXIT_UNFIT}"), leader.last_exit
+        assert leader.pid not in (None, led) and follower.pid not in (None, first)
+        wait_for(
+            functools.partial(worker_state, load, group), lambda state: state == "ready", timeout=60, what="it ready"
+        )
+
+
+def worker_state(load: Load, worker_id: str) -> str | None:
+    return {w.worker_id: w.state for w in load.stub.GetStats(pb.GetStatsRequest()).workers}.get(worker_id)

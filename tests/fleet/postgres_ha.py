@@ -9,7 +9,9 @@ monitor is a PostgreSQL with an extension), where Patroni needs a consensus stor
 replicates synchronously by default and never promotes a standby that was not in
 sync; and a primary cut off from both the monitor and its standby demotes itself
 (``network_partition_timeout``) before the monitor promotes the standby
-(``primary_demote_timeout``), so two primaries never take writes at once.
+(``primary_demote_timeout``), so two primaries never take writes at once. (Its
+keeper, on two loaded cores, can miss its turn: the failover scenario records whether
+the cut primary had stopped at the promotion rather than require it.)
 
 Services reach the writable node through one libpq URL naming both data nodes
 with ``target_session_attrs=read-write``."""

@@ -264,6 +264,33 @@ async def test_the_sampler_decodes_locally_in_the_jobs_format_when_no_decoder_is
             assert img.format == "WEBP"
 
 
+async def test_a_batch_the_sampler_keeps_decodes_here_and_one_it_sends_never_falls_back_unasked(
+    nats_server: EmbeddedNats, presence: PresenceView, models_dir: Path
+) -> None:
+    """A group's local decoder (its videos, split across it): what it keeps decodes
+    here before any decoder is asked; the rest waits for a decoder service, and
+    without ``local_decode_fallback`` never falls back to it."""
+    await register_unreachable_decoder(nats_server, presence)
+    local = LocalDecoder(VaeDecoderEngine(ModelRegistry.load(), models_dir, torch.device("cpu")))
+    decoders = Decoders(
+        presence,
+        stale_after_s=STALE_AFTER_S,
+        patience_s=1.0,
+        local=local,
+        falls_back=False,
+        keep=lambda jobs: local.decode_batch(jobs) if jobs[0][0].id == "kept" else None,
+    )
+    try:
+        z = latents(1, seed=6)
+        [image] = await decoders.decode(job("kept"), z)
+        with pytest.raises(DecodeUnavailable) as err:
+            await decoders.decode(job("sent"), latents(1))
+    finally:
+        await decoders.close()
+    assert image.data == encode(local.engine.decode("tiny", z)[0], "image/png")
+    assert "unreachable" in str(err.value)
+
+
 async def test_without_a_reachable_decoder_or_local_fallback_the_decode_is_unavailable(
     nats_server: EmbeddedNats, presence: PresenceView
 ) -> None:

@@ -4,6 +4,7 @@ new processes and as children of a fork server (services/ops/forkserver.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -91,5 +92,48 @@ def test_stopped_child_stays_stopped_until_started(tmp_path: Path, supervisor: S
         child.start()
         wait_for(lambda: starts(tmp_path), lambda n: n == 2, timeout=10, what="the child to start again")
         assert child.restarts == 0, "a stop and a start are not a restart"
+    finally:
+        supervisor.stop()
+
+
+def test_a_group_shares_its_fate_and_re_forms_on_a_fresh_port(tmp_path: Path) -> None:
+    """A member killed (a crash): its group's other member is killed at once, not
+    left in a collective, and both start again together, told a fresh rendezvous
+    port and the next epoch. A child of no group is left alone."""
+    supervisor = Supervisor(POLICY)
+    group = {
+        "DARKROOM_GROUP_MEMBERS": "cpu0,cpu1",
+        "DARKROOM_GROUP_ADDRESS": "127.0.0.1:1",
+        "DARKROOM_GROUP_EPOCH": "0",
+    }
+    members = []
+    for rank in range(2):
+        (tmp_path / f"m{rank}").mkdir()
+        member = flaky(tmp_path / f"m{rank}", "exit")
+        member.name, member.env = f"sampler-{rank}", {**member.env, **group, "DARKROOM_GROUP_RANK": str(rank)}
+        members.append(supervisor.add(member))
+    (tmp_path / "alone").mkdir()
+    alone = flaky(tmp_path / "alone", "exit")
+    alone.name = "sampler-2"
+    supervisor.add(alone)
+    supervisor.start()
+    try:
+        for rank in range(2):
+            wait_for(functools.partial(starts, tmp_path / f"m{rank}"), lambda n: n == 1, timeout=10, what=f"{rank}")
+        wait_for(lambda: starts(tmp_path / "alone"), lambda n: n == 1, timeout=10, what="the single sampler")
+        survivor = members[1].pid
+        members[0].kill()
+        for rank in range(2):
+            wait_for(
+                functools.partial(starts, tmp_path / f"m{rank}"), lambda n: n == 2, timeout=10, what=f"{rank} again"
+            )
+        assert survivor is not None and not (
+            psutil.pid_exists(survivor) and psutil.Process(survivor).status() != "zombie"
+        )
+        addresses = {m.env["DARKROOM_GROUP_ADDRESS"] for m in members}
+        assert len(addresses) == 1 and addresses != {"127.0.0.1:1"}
+        assert {m.env["DARKROOM_GROUP_EPOCH"] for m in members} == {"1"}
+        assert members[1].last_exit == "its group broke"
+        assert starts(tmp_path / "alone") == 1 and alone.restarts == 0
     finally:
         supervisor.stop()

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from gpu_worker.decoding.decoders import Decoders
 from gpu_worker.denoising.checkpoint_capture import MemberCheckpoints
 from gpu_worker.denoising.members import BatchMember, MemberInputs, MemberResult
-from gpu_worker.denoising.running_batch import RunningBatch
+from gpu_worker.denoising.running_batch import BatchJoins
 from gpu_worker.engine import SamplerEngine
 from gpu_worker.jobs.batch_sampling import SampledBatch
 from gpu_worker.jobs.job_store import JobStore
@@ -85,7 +85,7 @@ class HeldLoad:
         spec: ModelSpec,
         members: Sequence[BatchMember],
         checkpoints: MemberCheckpoints,
-        joins: RunningBatch | None = None,
+        joins: BatchJoins | None = None,
     ) -> list[MemberResult]:
         began = time.perf_counter()
         if joins is not None:

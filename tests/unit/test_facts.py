@@ -362,7 +362,8 @@ def test_workers_and_what_they_hold_are_the_same(sim_world: Simulated) -> None:
     produced = production(workers=WORKERS, held=HELD, running=RUNNING)
     assert simulated.workers == produced.workers
     assert [w.id for w in produced.workers] == ["fast", "slow", "small"]
-    exercised(produced.workers, but=("state", "loading_s", "measured"))
+    # gpus: a group's, in tests/unit/test_group_placement.py.
+    exercised(produced.workers, but=("state", "loading_s", "measured", "gpus"))
     seat = OpenSeat(JoinKey("img", 1024, 1024), rows=1, free_rows=3, steps_left=8)
     assert [w.open_seats for w in simulated.workers] == [(seat,), (), ()]
     assert progress_free(simulated.held) == progress_free(produced.held)

@@ -2,7 +2,8 @@
 decoders: outcomes are retried while the database is away and left for redelivery
 when it stays away; a batch that fails as a whole reruns one by one; cancelled,
 preempted and failed members store what they came to; failures in a row that are not
-the jobs' own make the worker unfit; a progress write's answer stops the job."""
+the jobs' own make the worker unfit, and a broken group at once; a progress write's
+answer stops the job."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from gpu_worker.checkpoints.format import Checkpoint
 from gpu_worker.decoding.decoders import Decoders, DecodeUnavailable
+from gpu_worker.denoising.group_mesh import GroupBroken
 from gpu_worker.denoising.members import BadOutput, BatchMember, JobSuspended, MemberResult
 from gpu_worker.denoising.running_batch import RunningBatch
 from gpu_worker.engine import SamplerEngine
@@ -68,6 +70,9 @@ class ScriptedEngine:
 
     def takes_joiners(self, model: str) -> bool:
         return self.takes_joiners_too
+
+    def devices_for(self, model: str) -> int:
+        return 1  # a single GPU's
 
     def sample_batch(
         self,
@@ -276,6 +281,35 @@ async def test_failures_in_a_row_make_the_runner_unfit_and_a_decoder_outage_does
     assert [(job_id, retryable) for job_id, _, retryable in h.repo.attempts.failed][-1] == ("j4", False)
     await h.run("j5")
     assert h.runner.unfit
+
+
+async def test_a_broken_group_fails_its_batch_once_and_ends_the_worker_at_once() -> None:
+    """A batch across a group whose rank is gone: each member's attempt fails once,
+    retryable, with no rerun one by one (the group runs nothing more), and the runner
+    is unfit before the failures are written, so that its consumer takes no job (the
+    requeued one included) into the broken group."""
+
+    def broke(members: Sequence[BatchMember]) -> None:
+        raise GroupBroken("the group broke: RuntimeError: Connection closed by peer")
+
+    h = Harness(ScriptedEngine(whole=broke), unfit_after=3)
+    for job_id in ("g1", "g2"):
+        h.submit(job_id)
+    unfit_as_written: list[bool] = []
+    fail = h.repo.attempts.fail
+
+    async def failing(*args: object, **kwargs: object) -> JobStatus | None:
+        unfit_as_written.append(h.runner.unfit)
+        return await fail(*args, **kwargs)  # type: ignore[arg-type]
+
+    h.repo.attempts.fail = failing  # type: ignore[method-assign]
+    await h.run("g1", "g2")
+    assert h.engine.batches == [["a fox", "a fox"]], "no rerun one by one"
+    assert [(job_id, retryable) for job_id, _, retryable in h.repo.attempts.failed] == [("g1", True), ("g2", True)]
+    assert unfit_as_written == [True, True] and h.runner.unfit
+    assert "Connection closed by peer" in h.runner.failures.why_unfit()
+    h.runner.failures.succeeded()
+    assert h.runner.unfit, "a stored result elsewhere does not mend a broken group"
 
 
 async def test_a_progress_write_that_learns_of_a_cancel_stops_the_job(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,8 +1,8 @@
 """Each speed option's code path on the CPU, with the miniature SD model: the sampler
 and the decoder with the option on give what they give without it, within tolerance
-(quantization: its drift is measured and bounded); a compiled network is compiled as
-the model loads, for every batch bucket, and no job compiles it again, whatever its
-batch, images or guidance.
+(quantization: its drift is measured and bounded); a compiled network is compiled by
+regions as the model loads, for every batch bucket, and no job compiles it again,
+whatever its batch, images or guidance.
 
 ``torch.compile`` runs here with a backend that counts the graphs dynamo gives it and
 runs each as traced: the very graphs inductor would be given (full graph, the same
@@ -115,13 +115,21 @@ def test_an_option_keeps_the_latents_within_tolerance(
     assert largest_difference([latents(e, p) for p in JOBS], plain) < TOLERANCE
 
 
-def test_compile_happens_as_the_model_loads_and_never_on_a_job(
+def test_compile_is_regional_happens_as_the_model_loads_and_never_on_a_job(
     models_dir: Path, plain: list[torch.Tensor], compilations: Compilations
 ) -> None:
     e = engine(models_dir, tiny(compile=True))
-    e.load("tiny")
+    network = e.load("tiny").unet
     assert compilations.graphs > 0, "compiled as it loaded"
     warmed = compilations.graphs
+    # By regions: each repeated block class compiled, the network itself left eager.
+    assert type(network).__name__ == "UNet2DConditionModel"
+    compiled = {type(m).__name__ for m in network.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled == {"BasicTransformerBlock", "ResnetBlock2D"}
+    assert speed.regions(network) == ("BasicTransformerBlock", "ResnetBlock2D")
+    # What the heartbeat tells placement: the compilation is part of what a load here costs.
+    footprint = e.footprints()["tiny"]
+    assert 0 < footprint["compile_s"] <= footprint["load_s"]
     # Batches of every bucket, images padded to one (3 to 4), guidance on and off.
     got = [latents(e, p) for p in JOBS]
     together = JOBS[:2]  # one batch key: the same guidance
@@ -192,18 +200,3 @@ def test_the_decoder_s_vae_with_the_options_decodes_alike_and_compiles_once(
     got = [i.pixels for i in fast.decode_images("tiny", z)]
     assert compilations.graphs == warmed
     assert max(int(abs(a.astype(int) - b.astype(int)).max()) for a, b in zip(reference, got, strict=True)) <= 1
-
-
-def test_compile_is_regional_each_block_class_compiled_and_the_rest_eager(
-    models_dir: Path, compilations: Compilations
-) -> None:
-    e = engine(models_dir, tiny(compile=True))
-    network = e.load("tiny").unet
-    assert type(network).__name__ == "UNet2DConditionModel", "the network itself stays eager"
-    compiled = {type(m).__name__ for m in network.modules() if getattr(m, "_compiled_call_impl", None) is not None}
-    assert compilations.graphs > 0, "compiled as it loaded"
-    assert compiled == {"BasicTransformerBlock", "ResnetBlock2D"}
-    assert speed.regions(network) == ("BasicTransformerBlock", "ResnetBlock2D")
-    # What the heartbeat tells placement: the compilation is part of what a load here costs.
-    footprint = e.footprints()["tiny"]
-    assert 0 < footprint["compile_s"] <= footprint["load_s"]

@@ -88,5 +88,10 @@ def test_every_run_ends_with_the_time_per_directory_and_the_scenarios(tmp_path: 
     assert "time per directory" in done.stdout
     [row] = [line.split() for line in done.stdout.splitlines() if line.endswith("  suite/unit")]
     assert row[2:] == ["2", "suite/unit"] and float(row[1]) > 0, row  # tests, and the CPU they spent
+    tests = done.stdout.split("the 30 tests that spent the most CPU")[1].splitlines()
+    assert {line.split()[-1] for line in tests if "::" in line} == {
+        "suite/unit/test_a.py::test_one",
+        "suite/unit/test_a.py::test_two",
+    }
     assert "| a broken thing | 3 | 3 | 0 | 0 | 0 | 1.5 s |" in done.stdout
     assert "- a broken thing: noticed after" in done.stdout
