@@ -39,6 +39,22 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used the session's PostgreSQL carries the end of the
+    server's log: a server that closed connections under it (seen once in CI, a
+    backend gone mid-query) says why only there."""
+    outcome: Any = yield
+    report = outcome.get_result()
+    if report.failed and _SESSION_POSTGRES and "postgres" in getattr(item, "fixturenames", ()):
+        log = _SESSION_POSTGRES[0].pgdata / "server.log"
+        try:
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+        except OSError as exc:
+            tail = [f"{log}: {exc}"]
+        report.sections.append(("the session's PostgreSQL log (last 40 lines)", "\n".join(tail)))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test outside the quick tier is marked ``slow``. (Under pytest-xdist,
     ``--dist loadscope`` in pyproject.toml keeps a module's tests on one worker, one
@@ -73,11 +89,16 @@ def _no_clusters_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     discard_clusters_of(tmp_path_factory.getbasetemp())
 
 
+_SESSION_POSTGRES: list[EmbeddedPostgres] = []
+
+
 @pytest.fixture(scope="session")
 def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
     pg = EmbeddedPostgres(tmp_path_factory.mktemp("pg"), durable=False)
     pg.start()
+    _SESSION_POSTGRES.append(pg)
     yield pg
+    _SESSION_POSTGRES.remove(pg)
     pg.stop()
     pg.discard()  # as root, the cluster lives outside the temporary directory
 

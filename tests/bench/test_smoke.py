@@ -10,7 +10,10 @@ The scripts start what they need themselves (PostgreSQL, NATS, the services)."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +25,7 @@ import pytest
 from services.ops.postgres_as_root import discard_clusters_of
 
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 240
+RUNNER = Path(__file__).with_name("smoke_runner.py")
 
 # Per script, the start of each table's header row: the tables its full run prints.
 TABLES: dict[str, tuple[str, ...]] = {
@@ -86,30 +89,55 @@ def test_every_benchmark_has_its_smoke_run_here() -> None:
     )
 
 
-@pytest.mark.parametrize(("script", "headers"), list(TABLES.items()), ids=list(TABLES))
-def test_smoke_run_prints_its_tables(script: str, headers: tuple[str, ...]) -> None:
-    """Over 30 s for the benchmarks that start stacks of their own (cold_start: three,
-    continuous_stack, media, gpu): each runs its smallest sizes end to end."""
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every script's smoke run, one after another in one process of their own
+    (``tests/bench/smoke_runner.py``: torch, diffusers and the fork servers imported and
+    started once, not once a script): where their outputs and exit codes are. A script
+    that ends that process (past its time, or crashing it) has its exit code written
+    here, and another process runs the scripts after it."""
+    out = tmp_path_factory.mktemp("smoke")
+    left = list(TABLES)
     # The stacks' data directories (tens of MB each) go where they are removed afterwards.
     with tempfile.TemporaryDirectory(prefix="darkroom-smoke-", ignore_cleanup_errors=True) as tmp:
-        # A session of its own: on a timeout the stack it started goes with it.
-        proc = subprocess.Popen(
-            [sys.executable, f"bench/{script}.py", "--smoke"],
-            cwd=REPO,
-            env={**os.environ, "TMPDIR": tmp},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-            pytest.fail(f"bench/{script}.py --smoke ran past {TIMEOUT_S} s:\n{stderr[-4000:]}")
-        finally:
+        while left:
+            # A session of its own: whatever a script left running goes with it.
+            proc = subprocess.Popen(
+                [sys.executable, str(RUNNER), str(out), tmp, *left],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+            said, _ = proc.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            ran = list(itertools.takewhile(lambda script: (out / f"{script}.rc").exists(), left))
+            left = left[len(ran) :]
+            if left:  # the one it was running when it ended
+                ended, left = left[0], left[1:]
+                with open(out / f"{ended}.stderr", "a") as err:
+                    err.write(f"\nthe smoke runner ended with {proc.returncode} during it:\n{said[-4000:]}")
+                (out / f"{ended}.rc").write_text(f"{proc.returncode or 1}\n")
+                for name in Path(tmp).iterdir():  # what it left there, for the next runner
+                    if name.is_dir() and not name.is_symlink():
+                        shutil.rmtree(name, ignore_errors=True)
+                    else:
+                        name.unlink()
             discard_clusters_of(Path(tmp))  # as root, a stack's cluster lives outside its data directory
-    assert proc.returncode == 0, f"bench/{script}.py --smoke exited {proc.returncode}:\n{stderr[-4000:]}"
+    return out
+
+
+# The runner's time for every script: 24 of them, the longest 40-70 s on two cores.
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize(("script", "headers"), list(TABLES.items()), ids=list(TABLES))
+def test_smoke_run_prints_its_tables(smoke_runs: Path, script: str, headers: tuple[str, ...]) -> None:
+    """Over 30 s for the benchmarks that start stacks of their own (cold_start: three,
+    continuous_stack, media, gpu): each runs its smallest sizes end to end."""
+    code = int((smoke_runs / f"{script}.rc").read_text())
+    stdout = (smoke_runs / f"{script}.stdout").read_text(errors="replace")
+    stderr = (smoke_runs / f"{script}.stderr").read_text(errors="replace")
+    assert code == 0, f"bench/{script}.py --smoke exited {code}:\n{stderr[-4000:]}"
     problems = [p for header in headers if (p := table_problem(stdout, header))]
     assert not problems, f"bench/{script}.py --smoke: {problems}\n{stdout[-4000:]}"
