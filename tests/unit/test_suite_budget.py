@@ -1,9 +1,11 @@
 """The suite guards its own time: ``.ci/within`` fails a command that runs past its
-budget, naming it, and every run prints the time per directory (tests/reporting.py)
-whether its tests ran in one process or across pytest-xdist's workers."""
+budget (scaled by how much slower than the reference the machine ran), naming it,
+and every run prints the time per directory (tests/reporting.py) whether its tests
+ran in one process or across pytest-xdist's workers."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +17,16 @@ from tests.reporting import directory_of
 REPO = Path(__file__).resolve().parents[2]
 
 
-def within(budget_s: int, *command: str) -> subprocess.CompletedProcess[str]:
+def within(budget_s: int, *command: str, reference_s: float = 1000.0) -> subprocess.CompletedProcess[str]:
+    """``.ci/within`` with short speed readings against ``reference_s`` (by default
+    a reference no machine is slower than: the budget as given)."""
+    env = {**os.environ, "CI_SPEED_SECONDS": "0.2", "CI_SPEED_REFERENCE_S": str(reference_s)}
     return subprocess.run(
-        [str(REPO / ".ci" / "within"), str(budget_s), "the work", *command], capture_output=True, text=True, timeout=30
+        [str(REPO / ".ci" / "within"), str(budget_s), "the work", *command],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
     )
 
 
@@ -32,6 +41,16 @@ def test_a_command_within_its_budget_passes_and_says_its_time() -> None:
     done = within(30, "true")
     assert done.returncode == 0, done.stderr
     assert "the work took 0 s of its budget of 30 s" in done.stdout
+
+
+def test_the_budget_is_scaled_by_how_much_slower_the_machine_ran_at_most_three_times() -> None:
+    # Against a reference a thousand times quicker than any machine: 3x, no more.
+    # (`date +%s`: whole seconds, so a sleep of 3.2 s takes 3 or 4.)
+    done = within(2, "sleep", "3.2", reference_s=0.0001)
+    assert done.returncode == 0, done.stderr
+    assert "of its budget of 2 s x 3.00 = 6 s; this machine ran 3.00x the reference's time" in done.stdout
+    past = within(1, "sleep", "4.2", reference_s=0.0001)
+    assert past.returncode == 1 and "over its budget of 1 s x 3.00 = 3 s" in past.stderr, past.stderr
 
 
 def test_a_failing_command_passes_its_own_status_on() -> None:
