@@ -90,14 +90,19 @@ def run_apart(script: str, out: Path) -> int:
     torch.set_num_threads(threads)
     for sig, handler in handlers.items():
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    # The stacks' data directories (tens of MB each) and, as root, their clusters.
-    for left in set(tmp.iterdir()) - before:
+    clear(tmp, keep=before)
+    return code
+
+
+def clear(tmp: Path, keep: set[Path] | frozenset[Path] = frozenset()) -> None:
+    """What a script left in ``tmp`` but ``keep``: its stacks' data directories (tens of
+    MB each) and, as root, their PostgreSQL clusters, which live outside them."""
+    for left in set(tmp.iterdir()) - keep:
         if left.is_dir() and not left.is_symlink():
             shutil.rmtree(left, ignore_errors=True)
         else:
             left.unlink(missing_ok=True)
     discard_clusters_of(tmp)
-    return code
 
 
 def main(argv: list[str]) -> int:

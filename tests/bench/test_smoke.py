@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from services.ops.postgres_as_root import discard_clusters_of
+from tests.bench.smoke_runner import clear
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("smoke_runner.py")
@@ -120,12 +119,7 @@ def smoke_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 with open(out / f"{ended}.stderr", "a") as err:
                     err.write(f"\nthe smoke runner ended with {proc.returncode} during it:\n{said[-4000:]}")
                 (out / f"{ended}.rc").write_text(f"{proc.returncode or 1}\n")
-                for name in Path(tmp).iterdir():  # what it left there, for the next runner
-                    if name.is_dir() and not name.is_symlink():
-                        shutil.rmtree(name, ignore_errors=True)
-                    else:
-                        name.unlink()
-            discard_clusters_of(Path(tmp))  # as root, a stack's cluster lives outside its data directory
+            clear(Path(tmp))  # what an ended runner left there, for the next one
     return out
 
 
