@@ -28,7 +28,10 @@ from services.errors import BusError
 from services.mesh.nats_auth import CONTROL_USERS, DECODER_USER, sampler_user, server_config
 from services.mesh.pki import CertificateAuthority, write_private
 from services.mesh.secrets import nats_password_path, password
+from services.models.parallel_miniatures import twins
+from services.models.registry import toml_value
 from services.ops.embedded_nats import nats_server_binary
+from services.ops.gpu_groups import group_name
 from services.presence_read import presence_now
 from tests.fleet.keyed import FLEET_API_KEY, with_key
 from tests.fleet.model_store import STORE_MODEL, FleetModelStore
@@ -55,6 +58,10 @@ FLEET_SETTINGS: dict[str, object] = {
     "nats_replicas": 3,
     "log_level": "INFO",
 }
+# The parallel models a group of two CPU samplers serves: one a single sampler serves
+# too (unsplit), so that a group's job can finish elsewhere, and one only a group
+# serves (sharded). Checkpoints every 5 steps: a job resumes where the group left it.
+GROUP_MODEL, SHARDED_MODEL = "tiny-cfg2", "tiny-tensor2"
 
 
 @dataclass
@@ -99,7 +106,9 @@ class Fleet:
         # store, and GPU hosts the store scenarios start (their NATS users declared now).
         self.model_store = FleetModelStore(add("store"), self.root)
         self.spare_gpus = [add(f"gpu{i}") for i in (3, 4, 5, 6)]
+        self.group_host = add("grp1")  # two CPU samplers as one group, started by its scenario
         self.registry = write_store_registry(self.root / "registry.toml", STORE_MODEL)
+        self._add_parallel_models()
         self.logs = self.root / "logs"
         self.operator = self.root / "operator"  # the CA and every password: the operator's, on no host
         self.ca.save(self.operator)
@@ -125,8 +134,20 @@ class Fleet:
     def worker_id(gpu: Host) -> str:
         return f"{gpu.name}-cpu0"  # darkroom supervise: the host's name and the device
 
+    @staticmethod
+    def group_id(host: Host) -> str:
+        return f"{host.name}-{group_name('cpu', (0, 1))}"  # its leader registers as the group
+
     def nats_users(self) -> list[str]:
-        return [*CONTROL_USERS, *(sampler_user(self.worker_id(g)) for g in [*self.gpus, *self.spare_gpus])]
+        samplers = [self.worker_id(g) for g in [*self.gpus, *self.spare_gpus]] + [self.group_id(self.group_host)]
+        return [*CONTROL_USERS, *map(sampler_user, samplers)]
+
+    def _add_parallel_models(self) -> None:
+        tables = twins(2, checkpoint_every_steps=5)
+        with self.registry.open("a") as registry:
+            for name in (GROUP_MODEL, SHARDED_MODEL):
+                lines = [f'[models."{name}"]', *(f"{k} = {toml_value(v)}" for k, v in tables[name].items())]
+                registry.write("\n" + "\n".join(lines) + "\n")
 
     def mesh_dir(self, host: Host | None, roles: list[str], nats_users: list[str]) -> Path:
         """The host's own secrets (None: the test process's, the operator's client):
@@ -187,16 +208,17 @@ class Fleet:
             self.start_gpu(host)
         self.wait_ready()
 
-    def start_gpu(self, host: Host, *, decoders: int = 1, **settings: object) -> Service:
-        """``darkroom supervise`` on the GPU host: a CPU sampler and ``decoders``."""
-        user = sampler_user(self.worker_id(host))
+    def start_gpu(self, host: Host, *, decoders: int = 1, samplers: int = 1, **settings: object) -> Service:
+        """``darkroom supervise`` on the GPU host: ``samplers`` CPU samplers (two: a
+        group, as the registry's parallel models ask) and ``decoders``."""
+        user = sampler_user(self.worker_id(host) if samplers == 1 else self.group_id(host))
         mesh = self.mesh_dir(host, ["sampler", "decoder"], [user, DECODER_USER])
         # The store's reader for its samplers and decoders; the control hosts get nothing of the store.
         store = self.model_store.settings()
         env = self.service_env(
             host, mesh, sampler_host=host.address, decoder_host=host.address, **{**store, **settings}
         )
-        args = ["supervise", "--cpu-workers", "1", "--decoders", str(decoders)]
+        args = ["supervise", "--cpu-workers", str(samplers), "--decoders", str(decoders)]
         return self._add(host, "supervise", [sys.executable, "-m", "services.ops.cli", *args], env)
 
     def stop_gpu(self, host: Host) -> None:

@@ -18,7 +18,7 @@ from services.db.worker_records import WorkerRecord
 from services.errors import BusError
 from services.rpc.gen.darkroom.v1 import image_generation_pb2 as pb
 from tests.faults.harness import Load, check, now
-from tests.fleet.fleet import Fleet
+from tests.fleet.fleet import GROUP_MODEL, SHARDED_MODEL, Fleet
 from tests.fleet.model_store import (
     STORE_MODEL,
     announcing,
@@ -110,6 +110,59 @@ def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
     check("fleet: the GPU host back, serving", fleet.pg_url, served)
     workers = {served.get(f.job_id).worker_id for f in served.jobs}
     assert cut_worker in workers, f"nothing ran on {cut_worker} after it came back: {workers}"
+
+
+def test_a_group_s_host_cut_off_mid_job(fleet: Fleet) -> None:
+    """A host of two CPU samplers serving as one group (formed from the registry, as
+    ``darkroom supervise`` forms it) is cut off while the group runs a parallel
+    model's job: the job finishes on a single sampler of another host from the
+    group's last checkpoint; back on the network, the group's late writes are refused
+    and it serves again, a model only a group serves.
+    Over 30 s: a third GPU host starts (two samplers), and the cut is noticed only when
+    the group's heartbeats go stale."""
+    host = fleet.group_host
+    group = fleet.group_id(host)
+    singles = {fleet.worker_id(g) for g in fleet.gpus}
+    fleet.start_gpu(host, samplers=2, decoders=0)
+    try:
+        wait_for(
+            lambda: worker_heard(fleet, group),
+            lambda w: w is not None and w.live and w.status == WorkerStatus.READY,
+            timeout=120,
+            what=f"the group {group} ready",
+        )
+        heard = worker_heard(fleet, group)
+        assert heard is not None and heard.telemetry["group"]["members"] == ["cpu0", "cpu1"], heard
+        load = Load(fleet.channel(), patience_s=180)
+        ids = load.submit(4, steps=STEPS, width=128, height=128, model=GROUP_MODEL)
+        assert all(ids), [f.error for f in load.jobs]
+        victim = running_on(load, ids, group, min_step=12)  # past its checkpoint at step 10
+        fault_at = now()
+        host.cut()
+        try:
+            load.wait(timeout=180)
+        finally:
+            host.heal()
+            healed_at = now()
+        check("fleet: a group's host cut off mid-job", fleet.pg_url, load, fault_at=fault_at)
+        moved = load.get(victim.job_id)
+        assert moved.worker_id in singles and group in [f.worker_id for f in moved.failed_attempts], moved
+        [resumption] = moved.resumptions
+        assert 0 < resumption.step <= STEPS, resumption
+        wait_for(
+            lambda: worker_heard(fleet, group),
+            lambda w: w is not None and w.live and w.status == WorkerStatus.READY and w.last_heartbeat > healed_at,
+            timeout=60,
+            what=f"the group {group} heartbeating again",
+        )
+        again = load.get(victim.job_id)
+        assert (again.worker_id, again.attempts, again.images) == (moved.worker_id, moved.attempts, moved.images)
+        served = Load(fleet.channel())
+        served.submit(2, steps=SHORT_STEPS, width=128, height=128, model=SHARDED_MODEL)
+        check("fleet: the group back, serving", fleet.pg_url, served)
+        assert {served.get(f.job_id).worker_id for f in served.jobs} == {group}
+    finally:
+        fleet.stop_gpu(host)
 
 
 def test_the_control_host_cut_off(fleet: Fleet) -> None:
