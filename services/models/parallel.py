@@ -9,7 +9,8 @@
 - ``tensor``: the weights split (the way a model bigger than a card loads): each of
   the network's blocks sharded across the ranks and gathered as it runs (FSDP2's
   ``fully_shard``, which runs over gloo as over NCCL); the compute is replicated.
-  Combines with ``cfg`` (which splits the compute), not yet with ``sequence``.
+  Combines with ``cfg`` and ``sequence``, which split the compute: each sequence (or
+  guidance) rank's weights sharded over the ranks of its ``tensor`` row.
 
 The product of the degrees is the group's size: the number of GPUs of one replica."""
 
@@ -102,11 +103,16 @@ SINGLE = Parallelism()
 
 
 def shapes_of(size: int) -> list[Parallelism]:
-    """The parallel shapes a group of ``size`` GPUs serves: its sequence split and its
-    weights sharded, and, for an even size, guidance's halves times half of either."""
+    """Every parallel shape of ``size`` GPUs, which a group of that size serves: its
+    sequence split and its weights sharded; for an even size, guidance's halves times
+    half of either; then the products of sharded weights and a split sequence (with
+    guidance's halves or not)."""
     found = [Parallelism(sequence=size), Parallelism(tensor=size)]
     if size % 2 == 0:
         found += [Parallelism(sequence=size // 2, cfg=2), Parallelism(cfg=2, tensor=size // 2)]
+    for cfg in (1, 2):
+        rest = size // cfg if size % cfg == 0 else 0
+        found += [Parallelism(sequence=rest // t, cfg=cfg, tensor=t) for t in range(2, rest) if rest % t == 0]
     return list(dict.fromkeys(found))  # a group of 2: cfg=2 once
 
 
@@ -114,8 +120,6 @@ def refusal(family: str, shape: Parallelism) -> str | None:
     """Why ``family`` cannot run as ``shape``; None where it can."""
     if shape.tensor > 1 and family not in TENSOR_FAMILIES:
         return f"parallel.tensor: a {family} model cannot shard its weights: {_NO_TENSOR}"
-    if shape.tensor > 1 and shape.sequence > 1:
-        return "parallel.tensor with parallel.sequence: not served yet (tensor combines with cfg)"
     if shape.sequence > 1 and family not in SEQUENCE_FAMILIES:
         return f"parallel.sequence: a {family} model cannot split its sequence: {_NO_SEQUENCE}"
     if shape.cfg > 1 and family not in CFG_FAMILIES:

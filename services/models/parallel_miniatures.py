@@ -45,9 +45,8 @@ def write_registry(
     of ``variants`` (a suffix: keys) adds every twin again, suffixed, with its keys."""
     sections = [DEFAULT_REGISTRY.read_text()]
     tables = twins(size, **overrides)
-    for suffix, keys in (variants or {}).items():  # of the unsharded twins (a sharded one compiles not yet)
-        unsharded = {n: t for n, t in twins(size, **overrides).items() if "tensor" not in t["parallel"]}
-        tables |= {name + suffix: {**table, **keys} for name, table in unsharded.items()}
+    for suffix, keys in (variants or {}).items():
+        tables |= {name + suffix: {**table, **keys} for name, table in twins(size, **overrides).items()}
     for name, table in tables.items():
         lines = [f'[models."{name}"]', *(f"{key} = {toml_value(value)}" for key, value in table.items())]
         sections.append("\n".join(lines))

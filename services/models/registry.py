@@ -137,8 +137,12 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         )
     if parallel.tensor > 1 and spec.adapter_slots:
         raise ModelError(f"model {name!r}: parallel.tensor with adapter_slots: a sharded layer takes no adapter yet")
-    if parallel.tensor > 1 and (spec.compile or spec.optimize):
-        raise ModelError(f"model {name!r}: parallel.tensor with compile (or optimize): not served yet")
+    unsharded = [key for key in ("fuse_qkv", "channels_last", "quantize") if getattr(spec, key)]
+    if parallel.tensor > 1 and unsharded:
+        raise ModelError(
+            f"model {name!r}: parallel.tensor with {', '.join(unsharded)}: a sharded network's weights are "
+            "gathered as each block runs, and are not fused, re-laid out or quantized yet"
+        )
     if spec.max_batch < 1:
         raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")
     if not spec.price >= 0:

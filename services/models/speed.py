@@ -12,7 +12,8 @@ option is measured against the same thing.
   regions is compiled whole. Batches are padded to buckets (1, 2, 4, ... up to the
   model's batch size) and each bucket is run once as the model loads, so that no
   user's job waits for a compilation at the model's default size (a new size compiles
-  once, when first met).
+  once, when first met). A network a group shards (``parallel.tensor``) has the
+  ``forward`` of each sharded block compiled, the gathering of its weights left eager.
 - ``cuda_graphs``: compiled with CUDA graphs (``mode="reduce-overhead"``): a step is
   replayed, not launched kernel by kernel; a network output is copied out of the
   graph's memory before the next replay overwrites it.
@@ -86,21 +87,27 @@ class SpeedOptions:
     def of(cls, spec: ModelSpec, device: torch.device) -> SpeedOptions:
         """The options ``spec`` asks for on ``device``, ``optimize`` spelled out."""
         cuda = device.type == "cuda"
+        # A graph cannot capture a group's collectives: optimize leaves them out of a
+        # parallel model (the registry refuses cuda_graphs for one).
+        graphs = cuda and not spec.parallel.grouped
+        # A sharded network's weights are gathered as each block runs: optimize neither
+        # fuses, re-lays out nor quantizes them (the registry refuses each for one).
+        whole = spec.parallel.tensor == 1
         # Adapters adapt the query, key and value projections one by one: fused into
         # one matmul, none of theirs would apply.
-        fuse = not spec.adapter_slots
+        fuse = not spec.adapter_slots and whole
         if not spec.optimize:
-            graphs = spec.cuda_graphs and cuda
+            chosen = spec.cuda_graphs and graphs
             fused = spec.fuse_qkv and fuse
-            return cls(spec.compile, graphs, spec.channels_last, spec.attention, fused, spec.quantize, spec.step_cache)
+            return cls(spec.compile, chosen, spec.channels_last, spec.attention, fused, spec.quantize, spec.step_cache)
         attention = spec.attention
         if not attention and cuda:
             attention = "cudnn" if torch.cuda.get_device_capability(device) >= (9, 0) else "flash"
         if spec.optimize != "aggressive":
-            return cls(True, cuda, True, attention, fuse, spec.quantize, spec.step_cache)
-        fp8 = cuda and torch.cuda.get_device_capability(device) >= (8, 9)
+            return cls(True, graphs, whole, attention, fuse, spec.quantize, spec.step_cache)
+        fp8 = cuda and whole and torch.cuda.get_device_capability(device) >= (8, 9)
         quantized = spec.quantize or ("fp8" if fp8 else "")
-        return cls(True, cuda, True, attention, fuse, quantized, spec.step_cache or AGGRESSIVE_STEP_CACHE)
+        return cls(True, graphs, whole, attention, fuse, quantized, spec.step_cache or AGGRESSIVE_STEP_CACHE)
 
     @property
     def any(self) -> bool:
@@ -128,9 +135,26 @@ def prepare(module: Any, options: SpeedOptions) -> Any:
         return module
     _raise_recompile_limit()
     mode = "reduce-overhead" if options.cuda_graphs else None
-    if compile_regions(module, mode=mode):
+    if compile_shards(module, mode=mode) or compile_regions(module, mode=mode):
         return module
     return torch.compile(module, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
+
+
+def compile_shards(module: Any, *, mode: str | None = None) -> int:
+    """Compiles the ``forward`` of each of ``module``'s blocks that a group shards
+    (``parallel.tensor``: FSDP2's ``fully_shard``) in place; how many (0: none is
+    sharded). Their weights' gathering and freeing stay eager around them: FSDP2's
+    hooks are not for dynamo to trace, and a graph around the whole network or a
+    block's call would hold them."""
+    from torch.distributed.fsdp import FSDPModule
+
+    compiled = 0
+    for block in module.modules():
+        if isinstance(block, FSDPModule) and block is not module:
+            traced = torch.compile(block.forward, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)  # type: ignore[attr-defined]
+            block.forward = traced  # type: ignore[attr-defined]
+            compiled += 1
+    return compiled
 
 
 def regions(module: Any) -> tuple[str, ...]:

@@ -8,13 +8,15 @@ sampler, and one suspended on one sampler resumes on the group, to the
 uninterrupted latents; previews come from the leader; compiled and step-caching
 twins, and a job with a LoRA adapter beside one without, keep one sampler's latents;
 a video's tiles decode across the group into the video one process decodes;
-a sharded twin holds half its network on each rank, and a follower no text encoder;
-last, a follower stuck as inside a collective is left by its leader's watchdog.
-A second, short group loses its follower as a batch begins: the leader runs nothing
-more across it.
+a sharded twin holds half its network on each rank (and compiled, keeps its latents),
+and a follower no text encoder; last, a follower stuck as inside a collective is left
+by its leader's watchdog. A second, short group loses its follower as a batch begins:
+the leader runs nothing more across it. A group of four runs the products of two
+modes (sharded weights with a split sequence or split halves) to the single latents.
 
-One group runs every case (its two ranks start once; they compile one twin; the
-watchdog waits 15 s: about 100 CPU s in all)."""
+One group of two runs every case but the products (its two ranks start once; they
+compile two twins; the watchdog waits 15 s: about 100 CPU s in all); the group of
+four about 30 CPU s more."""
 
 from __future__ import annotations
 
@@ -61,12 +63,21 @@ PAIRS: list[tuple[str, str, float, dict[str, Any], float]] = [
     ("tiny", "tiny-tensor2", 7.5, {}, 1e-5),
     ("tiny-wan", "tiny-wan-tensor2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
 ]
+# Products of two modes, on a group of four ranks: each shape's own mesh of two by two.
+PRODUCTS: list[tuple[str, str, float, dict[str, Any], float]] = [
+    ("tiny-flux", "tiny-flux-sequence2-tensor2", 3.5, {}, 1e-5),
+    ("tiny-wan", "tiny-wan-sequence2-tensor2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
+    ("tiny-qwen-image", "tiny-qwen-image-sequence2-cfg2", 4.0, {}, 1e-4),
+    ("tiny", "tiny-cfg2-tensor2", 7.5, {}, 1e-4),
+]
 FLUX = "tiny-flux-sequence2"
 # A video's latents (5 frames of 128x96) and the tiles (64 px, overlapping by 16) its decode takes: six.
 VIDEO = torch.randn(1, 16, 2, 12, 16, generator=torch.Generator().manual_seed(5))
 TILE = 64
 # The twin again, compiled (its blocks traced with the all-to-all inside them), and step-caching.
 SPEED_OPTIONS = ("-compiled", "-cached")
+# A sharded twin compiled: each sharded block's forward traced, its weights gathered eagerly around it.
+SHARDED_COMPILED = "tiny-flux-tensor2-compiled"
 
 
 def job(model: str, seed: int, guidance: float, steps: int = 4, **extra: Any) -> GenerationParams:
@@ -161,6 +172,7 @@ def group(
         ("resume", {"jobs": [{"params": job(FLUX, 7, 3.5, steps=5), "resume": resumed_here}]}),
         ("preview", {"jobs": [{"params": job(FLUX, 8, 3.5), "preview_at": [2]}]}),
         *((f"{FLUX}{v}", {"jobs": [speed_job(v)]}) for v in SPEED_OPTIONS),
+        (SHARDED_COMPILED, {"jobs": [replace(speed_job("-compiled"), model=SHARDED_COMPILED)]}),
         ("adapter", {"jobs": [styled(10), job("tiny-cfg2", 11, 7.5)]}),
         ("decode", {"decode": {"model": "tiny-wan", "latents": VIDEO, "tile": TILE}}),
         # Last: the follower stalls as inside a collective; the leader's watchdog (15 s) ends it.
@@ -168,6 +180,15 @@ def group(
     ]
     adapters = {n: str(p) for n, p in adapter_dirs.items()}
     return run_group(work, registry_file, models_dir, batches, adapters=adapters, stall_after_s=15.0)
+
+
+@pytest.fixture(scope="module")
+def four(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Each product's job on one group of four ranks (about 30 CPU s: four processes)."""
+    work = tmp_path_factory.mktemp("four")
+    registry_file = write_registry(work / "registry.toml", 4)
+    batches = [(twin, {"jobs": [job(twin, 1, guidance, **extra)]}) for _, twin, guidance, extra, _ in PRODUCTS]
+    return run_group(work, registry_file, models_dir, batches, size=4)
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +201,12 @@ def broken(registry_file: Path, models_dir: Path, tmp_path_factory: pytest.TempP
     return run_group(tmp_path_factory.mktemp("broken"), registry_file, models_dir, batches)
 
 
-def write_script(work: Path, registry_file: Path, models_dir: Path, batches: list[Any], **more: Any) -> Path:
-    """The script of a group of two ranks running ``batches`` (``children/group_rank.py``)."""
+def write_script(
+    work: Path, registry_file: Path, models_dir: Path, batches: list[Any], size: int = 2, **more: Any
+) -> Path:
+    """The script of a group of ``size`` ranks running ``batches`` (``children/group_rank.py``)."""
     script = {
-        "size": 2,
+        "size": size,
         "address": f"127.0.0.1:{free_port()}",
         "registry": str(registry_file),
         "models_dir": str(models_dir),
@@ -195,15 +218,22 @@ def write_script(work: Path, registry_file: Path, models_dir: Path, batches: lis
     return work / "script.pkl"
 
 
-def run_group(work: Path, registry_file: Path, models_dir: Path, batches: list[Any], **more: Any) -> dict[str, Any]:
-    """A group of two ranks running ``batches``; the leader's outcomes."""
-    script = write_script(work, registry_file, models_dir, batches, **more)
-    leader, follower = (rank_process(script, rank) for rank in range(2))
+def run_group(
+    work: Path, registry_file: Path, models_dir: Path, batches: list[Any], size: int = 2, **more: Any
+) -> dict[str, Any]:
+    """A group of ``size`` ranks running ``batches``; the leader's outcomes (and its
+    first follower's footprints)."""
+    script = write_script(work, registry_file, models_dir, batches, size, **more)
+    leader, *followers = (rank_process(script, rank) for rank in range(size))
     try:
-        outcomes: dict[str, Any] = {"leader exit": leader.wait(timeout=300), "follower alive": follower.poll() is None}
+        outcomes: dict[str, Any] = {
+            "leader exit": leader.wait(timeout=300),
+            "follower alive": any(f.poll() is None for f in followers),
+        }
     finally:
-        follower.kill()
-        follower.wait()
+        for follower in followers:
+            follower.kill()
+            follower.wait()
     outcomes |= pickle.loads((work / "outcomes.pkl").read_bytes())
     outcomes["follower footprints"] = pickle.loads((work / "outcomes.pkl.rank1").read_bytes())
     return outcomes
@@ -236,6 +266,25 @@ def test_a_group_s_latents_are_the_single_process_s(
     assert latents(on_group).shape == alone.shape
     assert torch.allclose(latents(on_group), alone, atol=tolerance, rtol=0)
     assert not torch.equal(alone, latents(solo(single(registry, models_dir), job(plain, 2, guidance, **extra))))
+
+
+@pytest.mark.parametrize(("plain", "product", "guidance", "extra", "tolerance"), PRODUCTS)
+def test_a_group_of_four_s_products_of_modes_keep_the_single_process_s_latents(
+    four: dict[str, Any],
+    registry: ModelRegistry,
+    models_dir: Path,
+    plain: str,
+    product: str,
+    guidance: float,
+    extra: dict[str, Any],
+    tolerance: float,
+) -> None:
+    """Sharded weights with a split sequence or split halves, and both splits: each
+    rank's share of the compute with its row's gathered weights."""
+    [on_group] = four[product].values()
+    alone = latents(solo(single(registry, models_dir), job(plain, 1, guidance, **extra)))
+    assert latents(on_group).shape == alone.shape
+    assert torch.allclose(latents(on_group), alone, atol=tolerance, rtol=0)
 
 
 def test_a_job_joins_a_group_s_running_batch_and_gets_its_solo_latents(
@@ -296,6 +345,20 @@ def test_a_group_s_speed_options_keep_its_latents(
     assert torch.allclose(latents(on_group), latents(solo(single(registry, models_dir), alone)), atol=1e-5, rtol=0)
 
 
+def test_a_sharded_twin_compiles_its_blocks_and_keeps_its_latents(
+    group: dict[str, Any], registry: ModelRegistry, models_dir: Path
+) -> None:
+    """Compiled as tests compile (aot_eager), its latents are the plain model's; it
+    traced its blocks (their forwards, FSDP's gathering eager around them) as it
+    loaded."""
+    p = replace(speed_job("-compiled"), model=SHARDED_COMPILED)
+    [on_group] = group[SHARDED_COMPILED].values()
+    alone = latents(solo(single(registry, models_dir), replace(p, model="tiny-flux")))
+    assert torch.allclose(latents(on_group), alone, atol=1e-5, rtol=0)
+    assert group["graphs"][SHARDED_COMPILED] >= 2  # the double-stream and the single-stream blocks
+    assert group["footprints"][SHARDED_COMPILED]["compile_s"] > 0
+
+
 def test_a_job_with_an_adapter_beside_one_without_on_a_group(
     group: dict[str, Any], registry: ModelRegistry, models_dir: Path, adapters: AdapterLibrary
 ) -> None:
@@ -350,6 +413,15 @@ def test_a_sharded_model_holds_half_its_network_on_each_rank(
     transformer = module_bytes(pipe.transformer)
     sharded = group["footprints"]["tiny-flux-tensor2"]["bytes"]
     assert whole - transformer / 2 - 1024 <= sharded <= whole - 0.45 * transformer
+
+
+def test_sharded_weights_with_a_split_sequence_hold_half_the_network_on_each_rank(
+    four: dict[str, Any], group: dict[str, Any]
+) -> None:
+    """Four ranks, two by two: a rank holds what a rank of the two-way shard holds."""
+    halves = group["footprints"]["tiny-flux-tensor2"]["bytes"]
+    assert four["footprints"]["tiny-flux-sequence2-tensor2"]["bytes"] == halves
+    assert four["leader exit"] == 0
 
 
 def test_a_follower_loads_no_text_encoder_its_leader_encodes_for(group: dict[str, Any]) -> None:

@@ -32,6 +32,11 @@ def registry_of(tmp_path: Path, body: str) -> ModelRegistry:
             "frames_step = 4\ndefault_fps = 8\nparallel = { sequence = 2, cfg = 2 }",
             "sequence=2,cfg=2",
         ),
+        (
+            'family = "flux"\nsource = "builtin:tiny-flux"\nsize_step = 16\nparallel = { tensor = 2, sequence = 2 }',
+            "sequence=2,tensor=2",
+        ),
+        ('family = "tiny"\nsource = "builtin:tiny"\ncompile = true\nparallel = { tensor = 2 }', "tensor=2"),
         ('family = "tiny"\nsource = "builtin:tiny"', "single"),
     ],
 )
@@ -50,11 +55,12 @@ def test_the_registry_reads_a_parallel_shape(tmp_path: Path, body: str, shape: s
         ('family = "flux"\nsource = "builtin:tiny-flux"\nsize_step = 16\nparallel = { cfg = 2 }', "parallel.cfg"),
         ('family = "sd_x4_upscaler"\nsource = "builtin:tiny-upscaler"\nparallel = { tensor = 2 }', "parallel.tensor"),
         (
-            'family = "flux"\nsource = "builtin:tiny-flux"\nsize_step = 16\nparallel = { tensor = 2, sequence = 2 }',
-            "tensor with parallel.sequence",
+            'family = "sd3"\nsource = "builtin:tiny-sd3"\nsize_step = 16\nparallel = { tensor = 2, sequence = 2 }',
+            "parallel.sequence",
         ),
         ('family = "tiny"\nsource = "builtin:tiny"\nadapter_slots = 4\nparallel = { tensor = 2 }', "adapter_slots"),
-        ('family = "tiny"\nsource = "builtin:tiny"\ncompile = true\nparallel = { tensor = 2 }', "compile"),
+        ('family = "tiny"\nsource = "builtin:tiny"\nfuse_qkv = true\nparallel = { tensor = 2 }', "fuse_qkv"),
+        ('family = "tiny"\nsource = "builtin:tiny"\nquantize = "int8"\nparallel = { tensor = 2 }', "quantize"),
         ('family = "tiny"\nsource = "builtin:tiny"\nparallel = { cfg = 3 }', "1 or 2"),
         ('family = "tiny"\nsource = "builtin:tiny"\nparallel = { cfg = true }', "whole number"),
         ('family = "tiny"\nsource = "builtin:tiny"\nparallel = { pipeline = 2 }', "unknown modes"),
@@ -72,15 +78,25 @@ def test_a_shape_that_cannot_be_served_is_refused_by_name(tmp_path: Path, body: 
         registry_of(tmp_path, body)
 
 
-def test_a_group_serves_its_sequence_split_its_shards_and_for_an_even_size_the_split_halves() -> None:
+def test_a_group_serves_every_shape_of_its_size() -> None:
     assert shapes_of(2) == [Parallelism(sequence=2), Parallelism(tensor=2), Parallelism(cfg=2)]
     assert shapes_of(4) == [
         Parallelism(sequence=4),
         Parallelism(tensor=4),
         Parallelism(sequence=2, cfg=2),
         Parallelism(cfg=2, tensor=2),
+        Parallelism(sequence=2, tensor=2),
     ]
     assert shapes_of(3) == [Parallelism(sequence=3), Parallelism(tensor=3)]
+    # Every shape the registry takes (cfg 1 or 2, any sequence and tensor) of each size, once.
+    for size in range(2, 9):
+        every = {
+            Parallelism(sequence=size // (cfg * tensor), cfg=cfg, tensor=tensor)
+            for cfg in (1, 2)
+            for tensor in range(1, size + 1)
+            if size % (cfg * tensor) == 0
+        }
+        assert len(shapes_of(size)) == len(set(shapes_of(size))) and set(shapes_of(size)) == every, size
 
 
 def test_the_miniatures_twins_load_and_split_no_more_than_their_two_heads(tmp_path: Path) -> None:
@@ -91,6 +107,10 @@ def test_the_miniatures_twins_load_and_split_no_more_than_their_two_heads(tmp_pa
         "tiny-qwen-image-sequence2-cfg2": Parallelism(sequence=2, cfg=2),
         **{f"{base}-tensor4": Parallelism(tensor=4) for base in ("tiny", "tiny-flux", "tiny-wan", "tiny-qwen-image")},
         **{f"{base}-cfg2-tensor2": Parallelism(cfg=2, tensor=2) for base in ("tiny", "tiny-wan", "tiny-qwen-image")},
+        **{
+            f"{base}-sequence2-tensor2": Parallelism(sequence=2, tensor=2)
+            for base in ("tiny-flux", "tiny-wan", "tiny-qwen-image")
+        },
     }
     assert all(registry.get(name).adapter_slots == 0 for name in grouped if "tensor" in name)
 

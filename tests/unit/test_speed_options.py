@@ -164,6 +164,22 @@ def test_optimize_turns_on_every_option_that_keeps_images_and_no_other(
     assert compilations.graphs == warmed
 
 
+def test_optimize_on_a_parallel_model_leaves_out_what_its_group_cannot_run() -> None:
+    """No CUDA graph around a group's collectives; neither fused, re-laid out nor
+    quantized weights where a group shards them (gathered as each block runs)."""
+    from services.models.parallel import Parallelism
+
+    cuda = torch.device("cuda")  # its capability never asked: the attention kernel is named
+    single = speed.SpeedOptions.of(tiny(optimize=True, attention="flash"), cuda)
+    assert single == speed.SpeedOptions(True, True, True, "flash", True)
+    split = tiny(optimize=True, attention="flash", parallel=Parallelism(cfg=2))
+    assert speed.SpeedOptions.of(split, cuda) == speed.SpeedOptions(True, False, True, "flash", True)
+    sharded = replace(split, parallel=Parallelism(tensor=2))
+    assert speed.SpeedOptions.of(sharded, cuda) == speed.SpeedOptions(compile=True, attention="flash")
+    aggressive = replace(sharded, optimize="aggressive")
+    assert speed.SpeedOptions.of(aggressive, cuda).quantize == ""
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantized_weights_move_the_latents_by_a_measured_bounded_amount(
     models_dir: Path, plain: list[torch.Tensor], kind: str

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 from gpu_worker.adapters.library import AdapterLibrary
 from gpu_worker.denoising.group_mesh import GroupError, form, leave
@@ -64,15 +65,18 @@ def main() -> None:
     stall_s = script.get("stall_after_s", 60.0)
     leader = GroupEngine(registry, Path(script["models_dir"]), CPU, mesh=mesh, adapters=library, stall_after_s=stall_s)
     leader.start_watchdog()
-    outcomes: dict[str, object] = {"served": leader.served_models()}
+    graphs: dict[str, int] = {}  # the graphs dynamo traced on the leader, by batch (its model's loading included)
+    outcomes: dict[str, object] = {"served": leader.served_models(), "graphs": graphs}
     for label, batch in script["batches"]:
         if batch.get("stuck"):  # its outcomes so far kept: the watchdog ends this process
             outcomes.update(previews=PREVIEWS, footprints=leader.footprints())
             Path(script["out"]).write_bytes(pickle.dumps(outcomes))
+        traced = counters["stats"]["unique_graphs"]
         try:
             outcomes[label] = _decode(leader, batch["decode"]) if "decode" in batch else _run(leader, batch)
         except GroupError as exc:
             outcomes[label] = _plain(exc)
+        graphs[label] = counters["stats"]["unique_graphs"] - traced
     outcomes.update(previews=PREVIEWS, footprints=leader.footprints())
     leader.close()
     leave()
