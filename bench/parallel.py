@@ -62,6 +62,10 @@ CASES: dict[str, Case] = {
     "group-of-one": Case("flux1-dev-random", 1024, 1024, 28, runs=((0, SINGLE), (1, SINGLE))),
     # Weights sharded per block (docs/parallel.md): memory split, compute replicated.
     "qwen-image-1328-tensor2": Case("qwen-image-random", 1328, 1328, 50, runs=((0, SINGLE), (2, SEQ(tensor=2)))),
+    # Half a card's weights on each of four, and the sequence split across each half's pair.
+    "qwen-image-1328-sequence2-tensor2": Case(
+        "qwen-image-random", 1328, 1328, 50, runs=((0, SINGLE), (4, SEQ(sequence=2, tensor=2)))
+    ),
 }
 # Each shape's path once (the video's product of sequence and guidance splits covers
 # both; its groups' processes are most of the smoke's time).
