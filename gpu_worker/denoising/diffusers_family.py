@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -245,11 +246,27 @@ class DiffusersFamily:
 
     def leader_encodes(self, spec: ModelSpec) -> bool:
         """Whether a group's leader encodes the prompts of ``spec`` for its followers:
-        a model it spans, unless compiled (a compilation's warm-up encodes on every
-        rank) or encoded by the decoder service."""
+        a model it spans, unless the decoder service encodes them."""
         spans = self.group is not None and self.group.serves(spec.parallel)
-        compiled = speed.SpeedOptions.of(spec, self.device).compile
-        return spans and not compiled and spec.text_encoders != "service"
+        return spans and spec.text_encoders != "service"
+
+    def led_inputs(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None
+    ) -> MemberInputs | None:
+        """A generation's ``inputs`` off any job (a compilation's warm-up, which every
+        rank runs alike, in the same order) with its conditioning where the leader
+        encodes for its followers: encoded on the leader, sent, and taken by each
+        follower."""
+        if not self.leader_encodes(spec):
+            return inputs
+
+        def encoded() -> Conditioning:
+            return self.encode_cached(pipe, spec, params, inputs).to(torch.device("cpu"))
+
+        conditioning = self.lockstep.shared(encoded)
+        if self.group is not None and self.group.leads:
+            return inputs
+        return replace(inputs or MemberInputs(), conditioning=conditioning)
 
     def text_device(self, pipe: Any) -> torch.device:
         """Where the pipeline's text encoders are: the device, or the host (``text_encoders``)."""

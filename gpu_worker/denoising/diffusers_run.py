@@ -77,6 +77,12 @@ class WarmUpDenoiser(Protocol):
         """The prompts the network is warmed up with for ``params``' bucket and guidance."""
         ...
 
+    def led_inputs(
+        self, pipe: Any, spec: ModelSpec, params: GenerationParams, inputs: MemberInputs | None
+    ) -> MemberInputs | None:
+        """``inputs`` with the leader's conditioning where a group's followers load no text encoder."""
+        ...
+
     def denoise(
         self, pipe: Any, spec: ModelSpec, members: Sequence[BatchMember], checkpoints: MemberCheckpoints
     ) -> list[DiffusersRun]:

@@ -5,12 +5,13 @@ A sampler alone decides for itself (``ALONE``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
 
 from gpu_worker.denoising.checkpoint_capture import MemberRun
 
 R = TypeVar("R", bound=MemberRun)
+T = TypeVar("T")
 
 
 class Lockstep(Protocol):
@@ -22,6 +23,11 @@ class Lockstep(Protocol):
         """After members are prepared: a member that ended on any rank ends on every one."""
         ...
 
+    def shared(self, leader_value: Callable[[], T]) -> T:
+        """What the leader computes (``leader_value``, called on it alone; picklable,
+        on the host), on every rank."""
+        ...
+
 
 class Alone:
     """A sampler that serves alone: its members' own flags decide."""
@@ -31,6 +37,9 @@ class Alone:
 
     def agree(self, runs: Sequence[MemberRun]) -> None:
         pass
+
+    def shared(self, leader_value: Callable[[], T]) -> T:
+        return leader_value()
 
 
 ALONE = Alone()

@@ -70,7 +70,7 @@ def warm_up_buckets(denoiser: WarmUpDenoiser, pipe: Any, spec: ModelSpec, max_ro
             )
             for prompt in denoiser.warm_up_prompts(params):
                 warm_up = replace(params, prompt=prompt)
-                inputs = denoiser.warm_up_inputs(spec, warm_up)
+                inputs = denoiser.led_inputs(pipe, spec, warm_up, denoiser.warm_up_inputs(spec, warm_up))
                 member = BatchMember(warm_up, _no_step, threading.Event(), inputs=inputs)
                 checkpoints = MemberCheckpoints(denoiser.device, CheckpointPolicy())
                 [run] = denoiser.denoise(pipe, spec, [member], checkpoints)

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from services.generation import GenerationParams
 from services.models.video_tiles import TileGrid
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,11 @@ class LeaderLockstep(_Agreement):
         self.channel.send(chosen)
         return [candidates[i] for i in chosen]
 
+    def shared(self, leader_value: Callable[[], T]) -> T:
+        value = leader_value()
+        self.channel.send(value)
+        return value
+
 
 class FollowerLockstep(_Agreement):
     """A follower stops the members its leader stops."""
@@ -141,6 +147,10 @@ class FollowerLockstep(_Agreement):
     def stopping(self, candidates: Sequence[R]) -> list[R]:
         chosen: list[int] = self.channel.receive()
         return [candidates[i] for i in chosen]
+
+    def shared(self, leader_value: Callable[[], T]) -> T:
+        value: T = self.channel.receive()
+        return value
 
 
 class SentJoins:
