@@ -32,9 +32,7 @@ def twins(size: int, **overrides: Any) -> dict[str, dict[str, Any]]:
         table = {k: v for k, v in tables[base].items() if k != "default"}
         for shape in shapes_of(size):
             if refusal(table["family"], shape) is None and HEADS % shape.sequence == 0:
-                # A sharded layer takes no adapter yet.
-                unadapted = {"adapter_slots": 0} if shape.tensor > 1 else {}
-                found[twin_name(base, shape)] = {**table, **overrides, **unadapted, "parallel": shape.as_dict()}
+                found[twin_name(base, shape)] = {**table, **overrides, "parallel": shape.as_dict()}
     return found
 
 

@@ -135,8 +135,6 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
         raise ModelError(
             f"model {name!r}: a parallel model takes no cuda_graphs (a graph cannot capture its collectives)"
         )
-    if parallel.tensor > 1 and spec.adapter_slots:
-        raise ModelError(f"model {name!r}: parallel.tensor with adapter_slots: a sharded layer takes no adapter yet")
     unsharded = [key for key in ("fuse_qkv", "channels_last", "quantize") if getattr(spec, key)]
     if parallel.tensor > 1 and unsharded:
         raise ModelError(

@@ -76,6 +76,8 @@ VIDEO = torch.randn(1, 16, 2, 12, 16, generator=torch.Generator().manual_seed(5)
 TILE = 64
 # The twin again, compiled (its blocks traced with the all-to-all inside them), and step-caching.
 SPEED_OPTIONS = ("-compiled", "-cached")
+# The twins a job with an adapter runs on beside one without: (label, twin, tolerance).
+ADAPTED = [("adapter", "tiny-cfg2", 1e-4), ("adapter-sharded", "tiny-tensor2", 1e-5)]
 # A sharded twin compiled: each sharded block's forward traced, its weights gathered eagerly around it.
 SHARDED_COMPILED = "tiny-flux-tensor2-compiled"
 
@@ -147,9 +149,10 @@ def adapters(adapter_dirs: dict[str, Path]) -> AdapterLibrary:
     return AdapterLibrary(lambda use: adapter_dirs[use.name])
 
 
-def styled(seed: int) -> GenerationParams:
-    """A job of the guided twin with a LoRA adapter: each rank adapts its own half's rows."""
-    return replace(job("tiny-cfg2", seed, 7.5), adapters=(AdapterUse("style", "v1", 0.8),))
+def styled(seed: int, model: str = "tiny-cfg2") -> GenerationParams:
+    """A job of a twin with a LoRA adapter: on the guided twin each rank adapts its own
+    half's rows; on the sharded one, each rank every row, its layers' weights gathered."""
+    return replace(job(model, seed, 7.5), adapters=(AdapterUse("style", "v1", 0.8),))
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +176,7 @@ def group(
         ("preview", {"jobs": [{"params": job(FLUX, 8, 3.5), "preview_at": [2]}]}),
         *((f"{FLUX}{v}", {"jobs": [speed_job(v)]}) for v in SPEED_OPTIONS),
         (SHARDED_COMPILED, {"jobs": [replace(speed_job("-compiled"), model=SHARDED_COMPILED)]}),
-        ("adapter", {"jobs": [styled(10), job("tiny-cfg2", 11, 7.5)]}),
+        *((label, {"jobs": [styled(10, model), job(model, 11, 7.5)]}) for label, model, _ in ADAPTED),
         ("decode", {"decode": {"model": "tiny-wan", "latents": VIDEO, "tile": TILE}}),
         # Last: the follower stalls as inside a collective; the leader's watchdog (15 s) ends it.
         ("stuck", {"jobs": [replace(job(FLUX, 12, 3.5), prompt="stuck 12")], "stuck": True}),
@@ -359,16 +362,21 @@ def test_a_sharded_twin_compiles_its_blocks_and_keeps_its_latents(
     assert group["footprints"][SHARDED_COMPILED]["compile_s"] > 0
 
 
+@pytest.mark.parametrize(("label", "model", "tolerance"), ADAPTED)
 def test_a_job_with_an_adapter_beside_one_without_on_a_group(
-    group: dict[str, Any], registry: ModelRegistry, models_dir: Path, adapters: AdapterLibrary
+    group: dict[str, Any],
+    registry: ModelRegistry,
+    models_dir: Path,
+    adapters: AdapterLibrary,
+    label: str,
+    model: str,
+    tolerance: float,
 ) -> None:
     engine = SamplerEngine(registry, models_dir, CPU, adapters=adapters)
-    plain = job("tiny-cfg2", 11, 7.5)
-    for p in (styled(10), plain):
-        assert torch.allclose(latents(group["adapter"][p.prompt]), latents(solo(engine, p)), atol=1e-4, rtol=0)
-    assert not torch.allclose(
-        latents(group["adapter"][styled(10).prompt]), latents(solo(engine, job("tiny-cfg2", 10, 7.5)))
-    )
+    adapted, plain = styled(10, model), job(model, 11, 7.5)
+    for p in (adapted, plain):
+        assert torch.allclose(latents(group[label][p.prompt]), latents(solo(engine, p)), atol=tolerance, rtol=0)
+    assert not torch.allclose(latents(group[label][adapted.prompt]), latents(solo(engine, job(model, 10, 7.5))))
 
 
 def test_a_video_s_tiles_decode_across_the_group_into_the_single_process_s_video(
