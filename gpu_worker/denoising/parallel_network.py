@@ -1,17 +1,21 @@
 """A loaded network split across its group, as its ``parallel`` shape says: the
 sequence by diffusers' own context-parallel plan (the hooks that shard its inputs at
 its entry and gather its output, and the Ulysses all-to-all inside each attention),
-and guidance's two halves by ``guided_noise`` (``split_halves``: each rank computes
-its half, the halves gathered once a step)."""
+its weights by diffusers' tensor-parallel plan (``split_heads``) or block by block
+(``shard_network``), and guidance's two halves by ``guided_noise`` (``split_halves``:
+each rank computes its half, the halves gathered once a step)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gpu_worker.denoising.group_mesh import GroupError, ShapeMesh
+
+log = logging.getLogger(__name__)
 
 
 def split_network(network: Any, mesh: ShapeMesh) -> None:
@@ -37,6 +41,31 @@ def split_network(network: Any, mesh: ShapeMesh) -> None:
     apply_context_parallel(network, config.context_parallel_config, plan)
 
 
+def split_heads(network: Any, mesh: ShapeMesh, device: torch.device) -> None:
+    """Splits ``network`` (on the host, whole, as it loaded) over the group's ``tensor``
+    ranks by diffusers' own tensor-parallel plan (``_tp_plan``): each block's
+    projections by columns and then rows (one all-reduce after each attention's and
+    each feed-forward's), each rank attending over its share of the heads; the rest
+    (embeddings, norms, modulation) replicated, then moved to ``device``. Through the
+    plan's own parts rather than ``enable_parallelism``, which refuses a CPU's gloo
+    (its device list) and takes each rank's device to be ``cuda:RANK``."""
+    from diffusers.hooks.tensor_parallel import _resolve_tp_plan, _styles, resolve_tp_shard_specs
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = getattr(type(network), "_tp_plan", None)
+    if mesh.shard_mesh is None or plan is None:
+        raise GroupError(f"{type(network).__name__} has no tensor-parallel plan: it cannot split its heads")
+    degree = mesh.shape.tensor
+    heads = getattr(network.config, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % degree:
+        raise GroupError(f"{type(network).__name__} has {heads} attention heads: {degree} ranks cannot share them out")
+    resolve_tp_shard_specs(network, plan, degree)  # every split even, checked before any is made
+    for block, block_plan in _resolve_tp_plan(network, plan):
+        parallelize_module(block, mesh.shard_mesh, _styles(block_plan))
+    network.to(device)
+    log.info("%s split by heads (diffusers' plan) across %d ranks", type(network).__name__, degree)
+
+
 def shard_network(network: Any, mesh: ShapeMesh, device: torch.device) -> None:
     """Shards ``network``'s weights over the group's ``tensor`` ranks (it is on the host,
     whole, as it loaded): each of its blocks (diffusers' ``_no_split_modules``, the
@@ -56,6 +85,7 @@ def shard_network(network: Any, mesh: ShapeMesh, device: torch.device) -> None:
             fully_shard(module, mesh=mesh.shard_mesh, reshard_after_forward=True)
     fully_shard(network, mesh=mesh.shard_mesh, reshard_after_forward=True)
     network.to(device)
+    log.info("%s sharded by blocks (%d) across %d ranks", type(network).__name__, len(taken), mesh.shape.tensor)
 
 
 def sequence_degree(network: Any) -> int:

@@ -6,11 +6,16 @@
   around each attention); the weights are replicated.
 - ``cfg``: classifier-free guidance's two halves computed on two ranks and gathered
   once a step; the weights are replicated.
-- ``tensor``: the weights split (the way a model bigger than a card loads): each of
-  the network's blocks sharded across the ranks and gathered as it runs (FSDP2's
-  ``fully_shard``, which runs over gloo as over NCCL); the compute is replicated.
-  Combines with ``cfg`` and ``sequence``, which split the compute: each sequence (or
-  guidance) rank's weights sharded over the ranks of its ``tensor`` row.
+- ``tensor``: the weights split (the way a model bigger than a card loads), in one of
+  two forms (``splits_heads``). By heads, through diffusers' own ``_tp_plan`` (Flux.1
+  and Qwen-Image): each block's projections split by columns and rows, each rank
+  attending over its share of the heads, the compute split with the weights. By
+  blocks, for every other family and where the heads cannot be split (a model that
+  takes adapters, or splits its sequence too): each of the network's blocks sharded
+  across the ranks and gathered as it runs (FSDP2's ``fully_shard``); the compute is
+  replicated. Both run over gloo as over NCCL. Combines with ``cfg`` and
+  ``sequence``: each sequence (or guidance) rank's weights sharded over the ranks of
+  its ``tensor`` row.
 
 The product of the degrees is the group's size: the number of GPUs of one replica."""
 
@@ -33,6 +38,9 @@ _NO_SEQUENCE = (
 _NO_CFG = "it makes one prediction a step (guidance-distilled or unguided): there are no halves to split"
 # Families whose network is a diffusers model with blocks to shard (``_no_split_modules``).
 TENSOR_FAMILIES = SEQUENCE_FAMILIES | CFG_FAMILIES
+# Families whose network carries diffusers' tensor-parallel plan (``_tp_plan``): its
+# heads and projections split across the ``tensor`` ranks.
+HEAD_FAMILIES = frozenset({"flux", "flux_kontext", "qwen_image", "qwen_image_edit"})
 _NO_TENSOR = "it has no diffusers network of blocks to shard"
 MAX_DEGREE = 8
 
@@ -114,6 +122,14 @@ def shapes_of(size: int) -> list[Parallelism]:
         rest = size // cfg if size % cfg == 0 else 0
         found += [Parallelism(sequence=rest // t, cfg=cfg, tensor=t) for t in range(2, rest) if rest % t == 0]
     return list(dict.fromkeys(found))  # a group of 2: cfg=2 once
+
+
+def splits_heads(family: str, shape: Parallelism, adapter_slots: int) -> bool:
+    """Whether a ``tensor`` model is split by heads (diffusers' plan) rather than by
+    blocks: where its family has a plan, it takes no adapters (an adapter's layer
+    wraps the whole projection a plan splits) and does not split its sequence too
+    (Ulysses would then split each rank's share of the heads again)."""
+    return shape.tensor > 1 and family in HEAD_FAMILIES and not adapter_slots and shape.sequence == 1
 
 
 def refusal(family: str, shape: Parallelism) -> str | None:

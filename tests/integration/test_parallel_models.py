@@ -58,8 +58,10 @@ PAIRS: list[tuple[str, str, float, dict[str, Any], float]] = [
     ("tiny-wan", "tiny-wan-cfg2", 5.0, {"frames": 5, "fps": 8.0}, 1e-4),
     ("tiny-qwen-image", "tiny-qwen-image-sequence2", 4.0, {}, 1e-5),
     ("tiny-qwen-image", "tiny-qwen-image-cfg2", 4.0, {}, 1e-4),
-    # Sharded weights gathered as each block runs: the same computation on every rank.
+    # Split by heads (diffusers' plan): each rank's share of the projections and heads.
     ("tiny-flux", "tiny-flux-tensor2", 3.5, {}, 1e-5),
+    ("tiny-qwen-image", "tiny-qwen-image-tensor2", 4.0, {}, 1e-5),
+    # Sharded by blocks, gathered as each runs: the same computation on every rank.
     ("tiny", "tiny-tensor2", 7.5, {}, 1e-5),
     ("tiny-wan", "tiny-wan-tensor2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
 ]
@@ -69,6 +71,7 @@ PRODUCTS: list[tuple[str, str, float, dict[str, Any], float]] = [
     ("tiny-wan", "tiny-wan-sequence2-tensor2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
     ("tiny-qwen-image", "tiny-qwen-image-sequence2-cfg2", 4.0, {}, 1e-4),
     ("tiny", "tiny-cfg2-tensor2", 7.5, {}, 1e-4),
+    ("tiny-qwen-image", "tiny-qwen-image-cfg2-tensor2", 4.0, {}, 1e-4),  # split by heads
 ]
 FLUX = "tiny-flux-sequence2"
 # A video's latents (5 frames of 128x96) and the tiles (64 px, overlapping by 16) its decode takes: six.
@@ -78,12 +81,18 @@ TILE = 64
 SPEED_OPTIONS = ("-compiled", "-cached")
 # The twins a job with an adapter runs on beside one without: (label, twin, tolerance).
 ADAPTED = [("adapter", "tiny-cfg2", 1e-4), ("adapter-sharded", "tiny-tensor2", 1e-5)]
-# A sharded twin compiled: each sharded block's forward traced, its weights gathered eagerly around it.
-SHARDED_COMPILED = "tiny-flux-tensor2-compiled"
+# Sharded twins compiled, (twin, its model, guidance): split by heads, its blocks traced
+# with the plan's all-reduces inside them; by blocks, each sharded block's forward
+# traced, its weights gathered eagerly around it.
+SHARDED_COMPILED = [("tiny-flux-tensor2-compiled", "tiny-flux", 3.5), ("tiny-tensor2-compiled", "tiny", 7.5)]
 
 
 def job(model: str, seed: int, guidance: float, steps: int = 4, **extra: Any) -> GenerationParams:
     return GenerationParams(model, f"a lighthouse {seed}", "", 64, 64, steps, guidance, seed, 1, **extra)
+
+
+def sharded_speed_job(model: str, guidance: float) -> GenerationParams:
+    return replace(job(model, 9, guidance, steps=8), width=128, height=128)
 
 
 def speed_job(variant: str) -> GenerationParams:
@@ -175,7 +184,7 @@ def group(
         ("resume", {"jobs": [{"params": job(FLUX, 7, 3.5, steps=5), "resume": resumed_here}]}),
         ("preview", {"jobs": [{"params": job(FLUX, 8, 3.5), "preview_at": [2]}]}),
         *((f"{FLUX}{v}", {"jobs": [speed_job(v)]}) for v in SPEED_OPTIONS),
-        (SHARDED_COMPILED, {"jobs": [replace(speed_job("-compiled"), model=SHARDED_COMPILED)]}),
+        *((twin, {"jobs": [sharded_speed_job(twin, guidance)]}) for twin, _, guidance in SHARDED_COMPILED),
         *((label, {"jobs": [styled(10, model), job(model, 11, 7.5)]}) for label, model, _ in ADAPTED),
         ("decode", {"decode": {"model": "tiny-wan", "latents": VIDEO, "tile": TILE}}),
         # Last: the follower stalls as inside a collective; the leader's watchdog (15 s) ends it.
@@ -348,18 +357,18 @@ def test_a_group_s_speed_options_keep_its_latents(
     assert torch.allclose(latents(on_group), latents(solo(single(registry, models_dir), alone)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("twin", "model", "guidance"), SHARDED_COMPILED)
 def test_a_sharded_twin_compiles_its_blocks_and_keeps_its_latents(
-    group: dict[str, Any], registry: ModelRegistry, models_dir: Path
+    group: dict[str, Any], registry: ModelRegistry, models_dir: Path, twin: str, model: str, guidance: float
 ) -> None:
     """Compiled as tests compile (aot_eager), its latents are the plain model's; it
-    traced its blocks (their forwards, FSDP's gathering eager around them) as it
-    loaded."""
-    p = replace(speed_job("-compiled"), model=SHARDED_COMPILED)
-    [on_group] = group[SHARDED_COMPILED].values()
-    alone = latents(solo(single(registry, models_dir), replace(p, model="tiny-flux")))
+    traced its blocks as it loaded (Flux.1's two kinds; the UNet's)."""
+    p = sharded_speed_job(twin, guidance)
+    [on_group] = group[twin].values()
+    alone = latents(solo(single(registry, models_dir), replace(p, model=model)))
     assert torch.allclose(latents(on_group), alone, atol=1e-5, rtol=0)
-    assert group["graphs"][SHARDED_COMPILED] >= 2  # the double-stream and the single-stream blocks
-    assert group["footprints"][SHARDED_COMPILED]["compile_s"] > 0
+    assert group["graphs"][twin] >= 2
+    assert group["footprints"][twin]["compile_s"] > 0
 
 
 @pytest.mark.parametrize(("label", "model", "tolerance"), ADAPTED)
@@ -410,25 +419,47 @@ def test_a_group_whose_follower_dies_mid_batch_runs_nothing_more_across_it(broke
     assert broken["leader exit"] == 0 and not broken["follower alive"]
 
 
-def test_a_sharded_model_holds_half_its_network_on_each_rank(
+def holds_half_its_network(engine: SamplerEngine, model: str, sharded: float) -> bool:
+    """Whether ``sharded`` (a rank's bytes of a twin of ``model``, sharded by blocks
+    over two) is ``model``'s text encoders whole and half its network (FSDP pads a
+    shard to divide evenly)."""
+    network = module_bytes(engine.load(model).transformer)
+    whole = engine.footprints()[model]["bytes"]
+    return whole - network / 2 - 1024 <= sharded <= whole - 0.45 * network
+
+
+def test_a_model_sharded_by_blocks_holds_half_its_network_on_each_rank(
     group: dict[str, Any], registry: ModelRegistry, models_dir: Path
 ) -> None:
-    """What the leader measured of the sharded Flux twin as it loaded: its text
-    encoders whole, half its transformer (FSDP pads a shard to divide evenly)."""
+    """What the leader measured of the Wan twin (no plan: sharded by blocks) as it loaded."""
+    assert holds_half_its_network(
+        single(registry, models_dir), "tiny-wan", group["footprints"]["tiny-wan-tensor2"]["bytes"]
+    )
+
+
+def test_a_model_split_by_heads_holds_half_of_each_projection_its_plan_splits(
+    group: dict[str, Any], registry: ModelRegistry, models_dir: Path
+) -> None:
+    """The Flux.1 twin, split by diffusers' plan: half of each projection the plan splits
+    by columns or rows on each rank; its embeddings, norms and modulation, and its
+    text encoders, whole."""
+    from diffusers.hooks.tensor_parallel import resolve_tp_shard_specs
+
     engine = single(registry, models_dir)
-    pipe = engine.load("tiny-flux")
-    whole = engine.footprints()["tiny-flux"]["bytes"]
-    transformer = module_bytes(pipe.transformer)
-    sharded = group["footprints"]["tiny-flux-tensor2"]["bytes"]
-    assert whole - transformer / 2 - 1024 <= sharded <= whole - 0.45 * transformer
+    network = engine.load("tiny-flux").transformer
+    params = dict(network.named_parameters())
+    specs = resolve_tp_shard_specs(network, type(network)._tp_plan, 2)
+    split = sum(params[name].nbytes for name, spec in specs.items() if spec.dim is not None)
+    assert split > module_bytes(network) / 4
+    assert group["footprints"]["tiny-flux-tensor2"]["bytes"] == engine.footprints()["tiny-flux"]["bytes"] - split // 2
 
 
 def test_sharded_weights_with_a_split_sequence_hold_half_the_network_on_each_rank(
-    four: dict[str, Any], group: dict[str, Any]
+    four: dict[str, Any], registry: ModelRegistry, models_dir: Path
 ) -> None:
-    """Four ranks, two by two: a rank holds what a rank of the two-way shard holds."""
-    halves = group["footprints"]["tiny-flux-tensor2"]["bytes"]
-    assert four["footprints"]["tiny-flux-sequence2-tensor2"]["bytes"] == halves
+    """Four ranks, two by two: a split sequence shards its weights by blocks."""
+    sharded = four["footprints"]["tiny-flux-sequence2-tensor2"]["bytes"]
+    assert holds_half_its_network(single(registry, models_dir), "tiny-flux", sharded)
     assert four["leader exit"] == 0
 
 
@@ -437,5 +468,5 @@ def test_a_follower_loads_no_text_encoder_its_leader_encodes_for(group: dict[str
     conditioning: a follower holds the network alone, a compiled twin's too (its
     compilation's warm-up takes the leader's conditioning of each warm-up prompt)."""
     leader, follower = group["footprints"], group["follower footprints"]
-    for model in (FLUX, f"{FLUX}-compiled", SHARDED_COMPILED):
+    for model in (FLUX, f"{FLUX}-compiled", *(twin for twin, _, _ in SHARDED_COMPILED)):
         assert follower[model]["bytes"] < leader[model]["bytes"], model

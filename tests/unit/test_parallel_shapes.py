@@ -10,7 +10,7 @@ import pytest
 from gpu_worker.group.engines import tiles_video
 from services.errors import ModelError
 from services.generation import JobShape
-from services.models.parallel import Parallelism, shapes_of
+from services.models.parallel import Parallelism, shapes_of, splits_heads
 from services.models.parallel_miniatures import twins, write_registry
 from services.models.registry import ModelRegistry
 from services.ops.gpu_groups import GroupPlanError, group_name, plan_groups
@@ -76,6 +76,23 @@ def test_the_registry_reads_a_parallel_shape(tmp_path: Path, body: str, shape: s
 def test_a_shape_that_cannot_be_served_is_refused_by_name(tmp_path: Path, body: str, named: str) -> None:
     with pytest.raises(ModelError, match=f"model 'm': .*{named}"):
         registry_of(tmp_path, body)
+
+
+@pytest.mark.parametrize(
+    ("family", "shape", "adapter_slots", "by_heads"),
+    [
+        ("flux", Parallelism(tensor=2), 0, True),
+        ("qwen_image", Parallelism(cfg=2, tensor=2), 0, True),
+        ("flux", Parallelism(tensor=2), 8, False),  # an adapter wraps a whole projection
+        ("flux", Parallelism(sequence=2, tensor=2), 0, False),  # Ulysses would split the heads again
+        ("wan", Parallelism(tensor=2), 0, False),  # no plan
+        ("flux", Parallelism(sequence=2), 0, False),  # nothing sharded
+    ],
+)
+def test_a_sharded_model_is_split_by_heads_where_its_plan_can_run(
+    family: str, shape: Parallelism, adapter_slots: int, by_heads: bool
+) -> None:
+    assert splits_heads(family, shape, adapter_slots) is by_heads
 
 
 def test_a_group_serves_every_shape_of_its_size() -> None:
