@@ -60,9 +60,9 @@ CASES: dict[str, Case] = {
         "wan-random", 832, 480, 40, 81, runs=((4, SEQ(4)), (8, SEQ(8))), source="DARKROOM_BENCH_WAN14B"
     ),
     "group-of-one": Case("flux1-dev-random", 1024, 1024, 28, runs=((0, SINGLE), (1, SINGLE))),
-    # Weights sharded per block (docs/parallel.md): memory split, compute replicated.
+    # Split by heads (diffusers' plan, docs/parallel.md): weights and compute split.
     "qwen-image-1328-tensor2": Case("qwen-image-random", 1328, 1328, 50, runs=((0, SINGLE), (2, SEQ(tensor=2)))),
-    # Half a card's weights on each of four, and the sequence split across each half's pair.
+    # Sharded by blocks on two (a split sequence shards by blocks), the sequence split on two: four cards.
     "qwen-image-1328-sequence2-tensor2": Case(
         "qwen-image-random", 1328, 1328, 50, runs=((0, SINGLE), (4, SEQ(sequence=2, tensor=2)))
     ),
