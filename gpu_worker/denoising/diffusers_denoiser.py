@@ -45,7 +45,7 @@ from gpu_worker.denoising.lockstep import ALONE
 from gpu_worker.denoising.members import BatchMember, MemberResult, checked_output
 from gpu_worker.denoising.network_calls import NetworkCalls, warm_up_buckets
 from gpu_worker.denoising.noise_schedulers import host_scheduler, keep_unmasked
-from gpu_worker.denoising.parallel_network import check_shares, shard_network, split_heads, split_network
+from gpu_worker.denoising.parallel_network import check_shares, shard_weights, split_network
 from gpu_worker.denoising.running_batch import BatchJoins
 from gpu_worker.denoising.step_cache import StepCache, cached_steps
 from gpu_worker.denoising.step_groups import guided_noise, step_groups, takes_generator
@@ -85,7 +85,7 @@ class DiffusersDenoiser(DiffusersFamily):
         )
         pipe = loaded.value
         if shape is not None and sharded:
-            (split_heads if spec.splits_heads else shard_network)(self.network(pipe), shape, self.device)
+            shard_weights(self.network(pipe), spec, shape, self.device)
             loaded = replace(loaded, bytes=loaded.bytes + loader.module_bytes(self.network(pipe)))
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)

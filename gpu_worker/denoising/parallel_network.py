@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.denoising.group_mesh import GroupError, ShapeMesh
+from services.models.parallel import splits_heads
+from services.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,13 @@ def split_network(network: Any, mesh: ShapeMesh) -> None:
             processor._parallel_config = config
     network._parallel_config = config
     apply_context_parallel(network, config.context_parallel_config, plan)
+
+
+def shard_weights(network: Any, spec: ModelSpec, mesh: ShapeMesh, device: torch.device) -> None:
+    """``network``'s weights split over the group's ``tensor`` ranks: by heads or by
+    blocks, as ``splits_heads`` says for ``spec``."""
+    by_heads = splits_heads(spec.family, spec.parallel, spec.adapter_slots)
+    (split_heads if by_heads else shard_network)(network, mesh, device)
 
 
 def split_heads(network: Any, mesh: ShapeMesh, device: torch.device) -> None:

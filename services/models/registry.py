@@ -138,8 +138,8 @@ def _spec(name: str, table: dict[str, Any], path: Path) -> ModelSpec:
     unsharded = [key for key in ("fuse_qkv", "channels_last", "quantize") if getattr(spec, key)]
     if parallel.tensor > 1 and unsharded:
         raise ModelError(
-            f"model {name!r}: parallel.tensor with {', '.join(unsharded)}: a sharded network's weights are "
-            "gathered as each block runs, and are not fused, re-laid out or quantized yet"
+            f"model {name!r}: parallel.tensor with {', '.join(unsharded)}: a network's weights split across "
+            "its group are not fused, re-laid out or quantized yet"
         )
     if spec.max_batch < 1:
         raise ModelError(f"model {name!r}: max_batch must be at least 1, not {spec.max_batch}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.errors import ModelError
-from services.models.parallel import SINGLE, Parallelism, splits_heads
+from services.models.parallel import SINGLE, Parallelism
 
 
 class ModelFamily(enum.StrEnum):
@@ -237,11 +237,6 @@ class ModelSpec:
     @property
     def vram_bytes(self) -> int:
         return self.vram_mb * 1024 * 1024
-
-    @property
-    def splits_heads(self) -> bool:
-        """A ``tensor`` model split by heads (diffusers' plan), not sharded by blocks."""
-        return splits_heads(self.family, self.parallel, self.adapter_slots)
 
     @property
     def step_s_512(self) -> float:

@@ -87,12 +87,8 @@ class SpeedOptions:
     def of(cls, spec: ModelSpec, device: torch.device) -> SpeedOptions:
         """The options ``spec`` asks for on ``device``, ``optimize`` spelled out."""
         cuda = device.type == "cuda"
-        # A graph cannot capture a group's collectives: optimize leaves them out of a
-        # parallel model (the registry refuses cuda_graphs for one).
-        graphs = cuda and not spec.parallel.grouped
-        # A sharded network's weights are gathered as each block runs: optimize neither
-        # fuses, re-lays out nor quantizes them (the registry refuses each for one).
-        whole = spec.parallel.tensor == 1
+        graphs = cuda and not spec.parallel.grouped  # no graph can capture a group's collectives
+        whole = spec.parallel.tensor == 1  # sharded weights are not fused, re-laid out or quantized
         # Adapters adapt the query, key and value projections one by one: fused into
         # one matmul, none of theirs would apply.
         fuse = not spec.adapter_slots and whole
@@ -141,18 +137,16 @@ def prepare(module: Any, options: SpeedOptions) -> Any:
 
 
 def compile_shards(module: Any, *, mode: str | None = None) -> int:
-    """Compiles the ``forward`` of each of ``module``'s blocks that a group shards
-    (``parallel.tensor``: FSDP2's ``fully_shard``) in place; how many (0: none is
-    sharded). Their weights' gathering and freeing stay eager around them: FSDP2's
-    hooks are not for dynamo to trace, and a graph around the whole network or a
-    block's call would hold them."""
+    """Compiles in place the ``forward`` of each of ``module``'s blocks a group shards
+    by blocks (FSDP2); how many (0: none). The gathering and freeing of their weights
+    stay eager around them: dynamo does not trace FSDP2's hooks."""
     from torch.distributed.fsdp import FSDPModule
 
     compiled = 0
     for block in module.modules():
         if isinstance(block, FSDPModule) and block is not module:
-            traced = torch.compile(block.forward, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)  # type: ignore[attr-defined]
-            block.forward = traced  # type: ignore[attr-defined]
+            sharded: Any = block  # FSDP2 mixes its class into the block's own
+            sharded.forward = torch.compile(sharded.forward, fullgraph=True, mode=mode, backend=COMPILE_BACKEND)
             compiled += 1
     return compiled
 

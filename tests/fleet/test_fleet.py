@@ -74,6 +74,19 @@ def worker_heard(fleet: Fleet, worker_id: str) -> WorkerRecord | None:
     return next((w for w in fleet.workers_heard() if w.id == worker_id), None)
 
 
+def back_with_its_outcome_refused(fleet: Fleet, worker_id: str, healed_at: datetime, load: Load, moved: pb.Job) -> None:
+    """Back on the network, ``worker_id`` heartbeats again, ready, and what it finished
+    while cut off of ``moved`` (a job now another attempt's) was refused."""
+    wait_for(
+        lambda: worker_heard(fleet, worker_id),
+        lambda w: w is not None and w.live and w.status == WorkerStatus.READY and w.last_heartbeat > healed_at,
+        timeout=60,
+        what=f"{worker_id} heartbeating again",
+    )
+    again = load.get(moved.job_id)
+    assert (again.worker_id, again.attempts, again.images) == (moved.worker_id, moved.attempts, moved.images)
+
+
 def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
     """Its jobs finish on the other GPU host; when it comes back its late writes
     are refused (the job is another attempt's) and it rejoins, serving again.
@@ -97,14 +110,7 @@ def test_a_gpu_host_cut_off_mid_job(fleet: Fleet) -> None:
     assert moved.worker_id == fleet.worker_id(other) and moved.attempts >= 2, moved
     # Back on the network, the host's sampler heartbeats again and is given work;
     # what it finished while cut off was refused (the job is another attempt's).
-    wait_for(
-        lambda: worker_heard(fleet, cut_worker),
-        lambda w: w is not None and w.live and w.status == WorkerStatus.READY and w.last_heartbeat > healed_at,
-        timeout=60,
-        what=f"{cut_worker} heartbeating again",
-    )
-    again = load.get(victim.job_id)
-    assert (again.worker_id, again.attempts, again.images) == (moved.worker_id, moved.attempts, moved.images)
+    back_with_its_outcome_refused(fleet, cut_worker, healed_at, load, moved)
     served = Load(fleet.channel())
     served.submit(6, steps=STEPS // 2, width=128, height=128)
     check("fleet: the GPU host back, serving", fleet.pg_url, served)
@@ -149,14 +155,7 @@ def test_a_group_s_host_cut_off_mid_job(fleet: Fleet) -> None:
         assert moved.worker_id in singles and group in [f.worker_id for f in moved.failed_attempts], moved
         [resumption] = moved.resumptions
         assert 0 < resumption.step <= STEPS, resumption
-        wait_for(
-            lambda: worker_heard(fleet, group),
-            lambda w: w is not None and w.live and w.status == WorkerStatus.READY and w.last_heartbeat > healed_at,
-            timeout=60,
-            what=f"the group {group} heartbeating again",
-        )
-        again = load.get(victim.job_id)
-        assert (again.worker_id, again.attempts, again.images) == (moved.worker_id, moved.attempts, moved.images)
+        back_with_its_outcome_refused(fleet, group, healed_at, load, moved)
         served = Load(fleet.channel())
         served.submit(2, steps=SHORT_STEPS, width=128, height=128, model=SHARDED_MODEL)
         check("fleet: the group back, serving", fleet.pg_url, served)

@@ -274,10 +274,18 @@ def test_a_group_s_latents_are_the_single_process_s(
     tolerance: float,
 ) -> None:
     [on_group] = group[parallel].values()
-    alone = latents(solo(single(registry, models_dir), job(plain, 1, guidance, **extra)))
+    alone = single_latents(on_group, registry, models_dir, job(plain, 1, guidance, **extra), tolerance)
+    assert not torch.equal(alone, latents(solo(single(registry, models_dir), job(plain, 2, guidance, **extra))))
+
+
+def single_latents(
+    on_group: Any, registry: ModelRegistry, models_dir: Path, p: GenerationParams, tolerance: float
+) -> torch.Tensor:
+    """The latents of ``p`` on one sampler, checked against ``on_group``'s (the same job's on a group)."""
+    alone = latents(solo(single(registry, models_dir), p))
     assert latents(on_group).shape == alone.shape
     assert torch.allclose(latents(on_group), alone, atol=tolerance, rtol=0)
-    assert not torch.equal(alone, latents(solo(single(registry, models_dir), job(plain, 2, guidance, **extra))))
+    return alone
 
 
 @pytest.mark.parametrize(("plain", "product", "guidance", "extra", "tolerance"), PRODUCTS)
@@ -294,9 +302,7 @@ def test_a_group_of_four_s_products_of_modes_keep_the_single_process_s_latents(
     """Sharded weights with a split sequence or split halves, and both splits: each
     rank's share of the compute with its row's gathered weights."""
     [on_group] = four[product].values()
-    alone = latents(solo(single(registry, models_dir), job(plain, 1, guidance, **extra)))
-    assert latents(on_group).shape == alone.shape
-    assert torch.allclose(latents(on_group), alone, atol=tolerance, rtol=0)
+    single_latents(on_group, registry, models_dir, job(plain, 1, guidance, **extra), tolerance)
 
 
 def test_a_job_joins_a_group_s_running_batch_and_gets_its_solo_latents(
