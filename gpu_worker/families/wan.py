@@ -1,8 +1,12 @@
-"""Wan 2.1 text to video (``WanPipeline``): a UMT5 text encoder, a 3D transformer
-over latents of (16, latent frames, H/8, W/8), and a flow-matching UniPC noise
-scheduler, in ``gpu_worker.denoising.diffusers_denoiser``'s loop: a video job is denoised,
+"""Wan text to video (``WanPipeline``): a UMT5 text encoder, a 3D transformer over
+latents of (16, latent frames, H/8, W/8), and a flow-matching UniPC noise scheduler,
+in ``gpu_worker.denoising.diffusers_denoiser``'s loop: a video job is denoised,
 checkpointed, suspended and resumed like an image job, its latents one dimension
-deeper."""
+deeper. Wan 2.2 A14B's two experts (``transformer_2`` and the pipeline's
+``boundary_ratio``): a step whose timestep is at or above the boundary is the
+high-noise expert's, the rest the low-noise one's, as ``WanPipeline`` switches them;
+members of one call on both sides of it (a job that joined a running batch) are
+split between the two, each row to its own expert."""
 
 from __future__ import annotations
 
@@ -13,13 +17,32 @@ import torch
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.prompts import Conditioning
+from services.errors import ModelError
 from services.generation import GenerationParams
+from services.models import speed
 from services.models.device import module_dtype
+from services.models.loader import Loaded
 from services.models.spec import ModelSpec
 
 
 class WanDenoiser(DiffusersDenoiser):
     network_name = "transformer"
+
+    def load(self, spec: ModelSpec) -> Loaded:
+        loaded = super().load(spec)
+        if second_expert(loaded.value) is not None:
+            # Each is done on the first expert alone: an adapter would adapt only the
+            # early steps, a split sequence or sharded weights hold the second whole.
+            if spec.adapter_slots:
+                raise ModelError(f"model {spec.name!r}: a model of two experts takes no adapter_slots yet")
+            if spec.parallel.sequence > 1 or spec.parallel.tensor > 1:
+                raise ModelError(f"model {spec.name!r}: a model of two experts splits across a group by cfg only yet")
+        return loaded
+
+    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
+        super().prepare_network(pipe, spec, options)
+        if second_expert(pipe) is not None:
+            pipe.transformer_2 = speed.prepare(pipe.transformer_2, options)
 
     def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
         frames = (params.frames - 1) // pipe.vae_scale_factor_temporal + 1
@@ -41,10 +64,40 @@ class WanDenoiser(DiffusersDenoiser):
     def call_network(
         self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
     ) -> Any:
-        timestep = t.expand(x.shape[0])
-        return pipe.transformer(
-            hidden_states=x.to(module_dtype(pipe.transformer)),
-            timestep=timestep,
-            encoder_hidden_states=c.embeds,
-            return_dict=False,
-        )[0]
+        timestep, embeds = t.expand(x.shape[0]), c.embeds
+        assert embeds is not None
+        low = late_rows(pipe, timestep)
+        if low is None or not low.any():
+            return _predict(pipe.transformer, x, timestep, embeds)
+        if low.all():
+            return _predict(pipe.transformer_2, x, timestep, embeds)
+        out = torch.empty_like(x, dtype=module_dtype(pipe.transformer))
+        for expert, rows in ((pipe.transformer, ~low), (pipe.transformer_2, low)):
+            out[rows] = _predict(expert, x[rows], timestep[rows], embeds[rows])
+        return out
+
+
+def second_expert(pipe: Any) -> Any:
+    """Wan 2.2 A14B's low-noise expert; None for a model of one (Wan 2.1)."""
+    if getattr(pipe, "transformer_2", None) is None or pipe.config.get("boundary_ratio") is None:
+        return None
+    return pipe.transformer_2
+
+
+def late_rows(pipe: Any, timestep: torch.Tensor) -> torch.Tensor | None:
+    """Per row, whether its timestep is past the boundary (the low-noise expert's);
+    None for a model of one expert."""
+    if second_expert(pipe) is None:
+        return None
+    boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
+    return timestep < boundary
+
+
+def _predict(network: Any, x: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+    prediction: torch.Tensor = network(
+        hidden_states=x.to(module_dtype(network)),
+        timestep=timestep,
+        encoder_hidden_states=embeds,
+        return_dict=False,
+    )[0]
+    return prediction

@@ -31,6 +31,7 @@ BUILTINS = {
     # Miniatures with random weights, for tests and the demo: they run on a CPU in seconds.
     "builtin:tiny": Builtin("services.models.tiny", "build_tiny_model", "darkroom_tiny.json"),
     "builtin:tiny-wan": Builtin("services.models.wan", "build_tiny_wan", "darkroom_tiny_wan.json"),
+    "builtin:tiny-wan22": Builtin("services.models.wan", "build_tiny_wan22", "darkroom_tiny_wan22.json"),
     "builtin:tiny-upscaler": Builtin("services.models.upscaler", "build_tiny_upscaler", "darkroom_tiny_upscaler.json"),
     "builtin:tiny-sd3": Builtin(_FLOW_TINY, "build_tiny_sd3", "darkroom_tiny_sd3.json"),
     "builtin:tiny-flux": Builtin(_FLOW_TINY, "build_tiny_flux_dev", "darkroom_tiny_flux.json"),

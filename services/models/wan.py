@@ -32,6 +32,11 @@ from typing import Any
 from services.models.presets import PRESET_MARKER, _diffusers_version, save_network
 
 WAN_TINY_MARKER = "darkroom_tiny_wan.json"
+WAN22_TINY_MARKER = "darkroom_tiny_wan22.json"
+# Wan 2.2 A14B text-to-video: the high-noise expert (``transformer``) predicts the steps
+# whose timestep is at least this share of the training timesteps, the low-noise one
+# (``transformer_2``) the rest (Wan-AI/Wan2.2-T2V-A14B-Diffusers' model_index.json).
+WAN22_T2V_BOUNDARY = 0.875
 WAN_PRESET_MARKER = PRESET_MARKER
 TEXT_LEN = 512  # Wan's text_len: the prompt length it was trained with
 UMT5_VOCAB = 256384
@@ -89,6 +94,20 @@ def build_tiny_wan(path: Path, *, seed: int = 0) -> Path:
     return Path(path)
 
 
+def build_tiny_wan22(path: Path, *, seed: int = 0) -> Path:
+    """The tiny Wan as Wan 2.2 A14B is made: two experts of the same architecture, each
+    with its own random weights, switched at ``WAN22_T2V_BOUNDARY`` (diffusers' ``WanPipeline``
+    with ``transformer_2`` and ``boundary_ratio``)."""
+    import torch
+
+    tokenizer = t5_tokenizer()
+    text = {**TINY_TEXT, "vocab_size": len(tokenizer)}
+    _build(Path(path), seed, tokenizer, text, TINY_TRANSFORMER, TINY_VAE, torch.float32, boundary=WAN22_T2V_BOUNDARY)
+    note = "random weights: output is noise"
+    (Path(path) / WAN22_TINY_MARKER).write_text(json.dumps({"seed": seed, "note": note}))
+    return Path(path)
+
+
 def build_wan_preset(path: Path, *, seed: int = 0) -> Path:
     """Builds the Wan 2.1 T2V 1.3B architecture (with its UMT5-XXL text encoder) with random
     weights and saves it as a bfloat16 diffusers directory at ``path``, one component at a time:
@@ -140,7 +159,10 @@ def _build(
     transformer: dict[str, Any],
     vae: dict[str, Any],
     dtype: Any,
+    *,
+    boundary: float | None = None,
 ) -> None:
+    """The directory of a Wan pipeline; with ``boundary``, a second expert (Wan 2.2)."""
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
@@ -150,19 +172,21 @@ def _build(
     tokenizer.save_pretrained(path / "tokenizer")
     save_network(path / "text_encoder", lambda: UMT5EncoderModel(UMT5Config(**text)), dtype)
     save_network(path / "transformer", lambda: WanTransformer3DModel(**transformer), dtype)
+    if boundary is not None:
+        save_network(path / "transformer_2", lambda: WanTransformer3DModel(**transformer), dtype)
     save_network(path / "vae", lambda: AutoencoderKLWan(**vae), dtype)
     scheduler: Any = UniPCMultistepScheduler(**WAN_SCHEDULER)
     scheduler.save_pretrained(path / "scheduler")
     index = {
         "_class_name": "WanPipeline",
         "_diffusers_version": _diffusers_version(),
-        "boundary_ratio": None,  # Wan 2.2's two-expert switch: off
+        "boundary_ratio": boundary,  # Wan 2.2's two-expert switch (None: one expert, Wan 2.1)
         "expand_timesteps": False,
         "scheduler": ["diffusers", type(scheduler).__name__],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", type(tokenizer).__name__],
         "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"] if boundary is not None else [None, None],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
