@@ -79,14 +79,15 @@ class DiffusersDenoiser(DiffusersFamily):
         shape = self.group.of(spec.parallel) if self.group is not None and self.group.serves(spec.parallel) else None
         sharded = shape is not None and shape.shard_mesh is not None
         if sharded:
-            host += (self.network_name,)  # whole on the host until sharded: a card holds its shard only
+            host += (self.network_name, *self.more_network_names)  # whole on the host until sharded
         loaded = loader.load(
             DiffusionPipeline, spec, self.models_dir, self.device, dtype=dtype, host_parts=host, **parts
         )
         pipe = loaded.value
         if shape is not None and sharded:
-            shard_weights(self.network(pipe), spec, shape, self.device)
-            loaded = replace(loaded, bytes=loaded.bytes + loader.module_bytes(self.network(pipe)))
+            for network in self.networks(pipe):  # a card holds its shards only
+                shard_weights(network, spec, shape, self.device)
+            loaded = replace(loaded, bytes=loaded.bytes + sum(map(loader.module_bytes, self.networks(pipe))))
         pipe.set_progress_bar_config(disable=True)
         options = speed.SpeedOptions.of(spec, self.device)
         if spec.adapter_slots:
@@ -94,7 +95,8 @@ class DiffusersDenoiser(DiffusersFamily):
             slots = attach_slots(pipe, self.network(pipe), spec, rows, module_dtype(self.network(pipe)))
             loaded = replace(loaded, bytes=loaded.bytes + slots.bytes)  # the adapters' own budget, on the device
         if shape is not None:
-            split_network(self.network(pipe), shape)
+            for network in self.networks(pipe):
+                split_network(network, shape)
         self.prepare_network(pipe, spec, options)
         # A warm-up has no conditioning where a decoder encodes it: the first jobs compile.
         if options.compile and spec.text_encoders != "service":

@@ -45,6 +45,9 @@ class DiffusersFamily:
     takes_joiners = True  # a running batch takes jobs in at its step boundaries
     reads_prompts = True
     network_name = "unet"
+    # Its other denoising networks, where a pipeline may hold more than one (Wan 2.2's
+    # second expert): split across a group and sped up as the first.
+    more_network_names: tuple[str, ...] = ()
     halves_share_call = True  # a guided step: one call, its rows doubled
 
     def __init__(
@@ -176,9 +179,16 @@ class DiffusersFamily:
     def network(self, pipe: Any) -> Any:
         return getattr(pipe, self.network_name)
 
+    def networks(self, pipe: Any) -> list[Any]:
+        """Every denoising network ``pipe`` holds: its first, and its others'."""
+        found = (getattr(pipe, name, None) for name in (self.network_name, *self.more_network_names))
+        return [network for network in found if network is not None]
+
     def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
-        """The denoising network with the model's speed options applied."""
-        setattr(pipe, self.network_name, speed.prepare(self.network(pipe), options))
+        """Its denoising networks with the model's speed options applied."""
+        for name in (self.network_name, *self.more_network_names):
+            if getattr(pipe, name, None) is not None:
+                setattr(pipe, name, speed.prepare(getattr(pipe, name), options))
 
     def _max_rows(self, spec: ModelSpec) -> int:
         """The most rows one network call takes (before guidance doubles them): a

@@ -19,7 +19,6 @@ from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.prompts import Conditioning
 from services.errors import ModelError
 from services.generation import GenerationParams
-from services.models import speed
 from services.models.device import module_dtype
 from services.models.loader import Loaded
 from services.models.spec import ModelSpec
@@ -27,22 +26,14 @@ from services.models.spec import ModelSpec
 
 class WanDenoiser(DiffusersDenoiser):
     network_name = "transformer"
+    more_network_names = ("transformer_2",)
 
     def load(self, spec: ModelSpec) -> Loaded:
         loaded = super().load(spec)
-        if second_expert(loaded.value) is not None:
-            # Each is done on the first expert alone: an adapter would adapt only the
-            # early steps, a split sequence or sharded weights hold the second whole.
-            if spec.adapter_slots:
-                raise ModelError(f"model {spec.name!r}: a model of two experts takes no adapter_slots yet")
-            if spec.parallel.sequence > 1 or spec.parallel.tensor > 1:
-                raise ModelError(f"model {spec.name!r}: a model of two experts splits across a group by cfg only yet")
+        if second_expert(loaded.value) is not None and spec.adapter_slots:
+            # Slots are the first network's alone: an adapter would adapt the early steps only.
+            raise ModelError(f"model {spec.name!r}: a model of two experts takes no adapter_slots yet")
         return loaded
-
-    def prepare_network(self, pipe: Any, spec: ModelSpec, options: speed.SpeedOptions) -> None:
-        super().prepare_network(pipe, spec, options)
-        if second_expert(pipe) is not None:
-            pipe.transformer_2 = speed.prepare(pipe.transformer_2, options)
 
     def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
         frames = (params.frames - 1) // pipe.vae_scale_factor_temporal + 1

@@ -24,12 +24,20 @@ def twin_name(base: str, shape: Parallelism) -> str:
     return f"{base}-{shape.describe().replace('=', '').replace(',', '-')}"
 
 
-def twins(size: int, **overrides: Any) -> dict[str, dict[str, Any]]:
-    """Each twin's registry table, by name (``overrides``: keys set on every twin)."""
-    tables = tomllib.loads(DEFAULT_REGISTRY.read_text())["models"]
+def shipped(base: str, **keys: Any) -> dict[str, Any]:
+    """The shipped registry's table of ``base`` (not as the default), with ``keys``."""
+    table = tomllib.loads(DEFAULT_REGISTRY.read_text())["models"][base]
+    return {**{k: v for k, v in table.items() if k != "default"}, **keys}
+
+
+def twins(
+    size: int, more: Mapping[str, Mapping[str, Any]] | None = None, **overrides: Any
+) -> dict[str, dict[str, Any]]:
+    """Each twin's registry table, by name: of the shipped ``BASES`` and of ``more``
+    (name: table) (``overrides``: keys set on every twin)."""
+    bases = {base: shipped(base) for base in BASES} | dict(more or {})
     found: dict[str, dict[str, Any]] = {}
-    for base in BASES:
-        table = {k: v for k, v in tables[base].items() if k != "default"}
+    for base, table in bases.items():
         for shape in shapes_of(size):
             if refusal(table["family"], shape) is None and HEADS % shape.sequence == 0:
                 found[twin_name(base, shape)] = {**table, **overrides, "parallel": shape.as_dict()}
@@ -37,14 +45,19 @@ def twins(size: int, **overrides: Any) -> dict[str, dict[str, Any]]:
 
 
 def write_registry(
-    path: Path, size: int = 2, variants: Mapping[str, Mapping[str, Any]] | None = None, **overrides: Any
+    path: Path,
+    size: int = 2,
+    variants: Mapping[str, Mapping[str, Any]] | None = None,
+    more: Mapping[str, Mapping[str, Any]] | None = None,
+    **overrides: Any,
 ) -> Path:
-    """The shipped registry and the twins of ``size`` in one file at ``path``; each
-    of ``variants`` (a suffix: keys) adds every twin again, suffixed, with its keys."""
+    """The shipped registry, ``more`` models (name: table) and the twins of ``size`` of
+    both in one file at ``path``; each of ``variants`` (a suffix: keys) adds every twin
+    again, suffixed, with its keys."""
     sections = [DEFAULT_REGISTRY.read_text()]
-    tables = twins(size, **overrides)
+    tables = {name: dict(table) for name, table in (more or {}).items()} | twins(size, more, **overrides)
     for suffix, keys in (variants or {}).items():
-        tables |= {name + suffix: {**table, **keys} for name, table in twins(size, **overrides).items()}
+        tables |= {name + suffix: {**table, **keys} for name, table in twins(size, more, **overrides).items()}
     for name, table in tables.items():
         lines = [f'[models."{name}"]', *(f"{key} = {toml_value(value)}" for key, value in table.items())]
         sections.append("\n".join(lines))

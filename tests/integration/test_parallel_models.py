@@ -38,7 +38,7 @@ from gpu_worker.denoising.members import BatchMember, JobSuspended
 from gpu_worker.engine import SamplerEngine
 from services.generation import AdapterUse, GenerationParams
 from services.models.loader import module_bytes
-from services.models.parallel_miniatures import write_registry
+from services.models.parallel_miniatures import shipped, write_registry
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.models.video_tiles import set_tile_size
@@ -64,7 +64,11 @@ PAIRS: list[tuple[str, str, float, dict[str, Any], float]] = [
     # Sharded by blocks, gathered as each runs: the same computation on every rank.
     ("tiny", "tiny-tensor2", 7.5, {}, 1e-5),
     ("tiny-wan", "tiny-wan-tensor2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
+    # Wan 2.2's two experts (its four steps cross the boundary), both split alike.
+    ("tiny-wan22", "tiny-wan22-sequence2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
+    ("tiny-wan22", "tiny-wan22-tensor2", 5.0, {"frames": 5, "fps": 8.0}, 1e-5),
 ]
+WAN22 = "tiny-wan22"
 # Products of two modes, on a group of four ranks: each shape's own mesh of two by two.
 PRODUCTS: list[tuple[str, str, float, dict[str, Any], float]] = [
     ("tiny-flux", "tiny-flux-sequence2-tensor2", 3.5, {}, 1e-5),
@@ -129,7 +133,8 @@ def registry_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "-compiled": {"compile": True, "max_batch": 1, "max_images": 1},
         "-cached": {"step_cache": 0.2},
     }
-    return write_registry(tmp_path_factory.mktemp("registry") / "registry.toml", variants=variants)
+    path = tmp_path_factory.mktemp("registry") / "registry.toml"
+    return write_registry(path, variants=variants, more={WAN22: shipped("tiny-wan", source="builtin:tiny-wan22")})
 
 
 @pytest.fixture(scope="module")
@@ -429,7 +434,8 @@ def holds_half_its_network(engine: SamplerEngine, model: str, sharded: float) ->
     """Whether ``sharded`` (a rank's bytes of a twin of ``model``, sharded by blocks
     over two) is ``model``'s text encoders whole and half its network (FSDP pads a
     shard to divide evenly)."""
-    network = module_bytes(engine.load(model).transformer)
+    pipe = engine.load(model)
+    network = sum(module_bytes(n) for n in (pipe.transformer, getattr(pipe, "transformer_2", None)) if n is not None)
     whole = engine.footprints()[model]["bytes"]
     return whole - network / 2 - 1024 <= sharded <= whole - 0.45 * network
 
@@ -437,10 +443,11 @@ def holds_half_its_network(engine: SamplerEngine, model: str, sharded: float) ->
 def test_a_model_sharded_by_blocks_holds_half_its_network_on_each_rank(
     group: dict[str, Any], registry: ModelRegistry, models_dir: Path
 ) -> None:
-    """What the leader measured of the Wan twin (no plan: sharded by blocks) as it loaded."""
-    assert holds_half_its_network(
-        single(registry, models_dir), "tiny-wan", group["footprints"]["tiny-wan-tensor2"]["bytes"]
-    )
+    """What the leader measured of the Wan twins (no plan: sharded by blocks) as they
+    loaded: Wan 2.2's holds half of each of its experts."""
+    engine = single(registry, models_dir)
+    for model in ("tiny-wan", WAN22):
+        assert holds_half_its_network(engine, model, group["footprints"][f"{model}-tensor2"]["bytes"]), model
 
 
 def test_a_model_split_by_heads_holds_half_of_each_projection_its_plan_splits(

@@ -5,8 +5,9 @@ high-noise expert's and its late ones the low-noise one's; a job that joins a ru
 batch on the other side of the boundary (one call, its rows split between the
 experts) gets its solo latents, as does the member already running; one suspended
 before the boundary resumes after it, in another engine, to its uninterrupted
-latents; and a model of two experts refuses adapters and a split it would do on one
-expert alone. About 15 CPU s (the miniature is built once)."""
+latents; and a model of two experts refuses adapters (its slots would adapt one
+expert). A group splits both experts alike (``tests/integration/test_parallel_models.py``).
+About 15 CPU s (the miniature is built once)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from gpu_worker.families import wan
 from services.errors import ModelError
 from services.generation import GenerationParams
 from services.models.builtins import BUILTINS, builtin_dir, ensure_builtin
-from services.models.parallel import Parallelism
 from services.models.prompt_encoding import WAN_TEXT_LEN
 from services.models.registry import ModelRegistry
 from services.models.wan import WAN22_T2V_BOUNDARY
@@ -181,14 +181,10 @@ def test_a_job_suspended_before_the_boundary_resumes_after_it_in_another_engine(
     assert torch.equal(tensor(resumed), solo(SamplerEngine(registry, models_dir, CPU), p))
 
 
-@pytest.mark.parametrize(
-    ("change", "named"),
-    [({"adapter_slots": 4}, "adapter_slots"), ({"parallel": Parallelism(sequence=2)}, "by cfg only")],
-)
-def test_a_model_of_two_experts_refuses_what_it_would_do_on_one(
-    registry: ModelRegistry, models_dir: Path, model_dir: Path, change: dict[str, Any], named: str
+def test_a_model_of_two_experts_refuses_adapters_which_would_adapt_one(
+    registry: ModelRegistry, models_dir: Path, model_dir: Path
 ) -> None:
-    spec = replace(registry.get(MODEL), **change)
+    spec = replace(registry.get(MODEL), adapter_slots=4)
     engine = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
-    with pytest.raises(ModelError, match=f"model '{MODEL}': .*{named}"):
+    with pytest.raises(ModelError, match=f"model '{MODEL}': .*adapter_slots"):
         engine.load(MODEL)
