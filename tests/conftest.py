@@ -70,6 +70,7 @@ _db_names = itertools.count()
 MINIATURE_MODELS = {
     "tiny": "builtin:tiny",
     "tiny-wan": "builtin:tiny-wan",
+    "tiny-wan22": "builtin:tiny-wan22",
     "tiny-upscaler": "builtin:tiny-upscaler",
     "tiny-sd3": "builtin:tiny-sd3",
     "tiny-flux": "builtin:tiny-flux",

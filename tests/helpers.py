@@ -93,6 +93,23 @@ default_fps = 8
 default_guidance = 5.0
 checkpoint_every_steps = 1
 
+[models.tiny-wan22]
+source = "builtin:tiny-wan22"
+family = "wan"
+dtype = "float32"
+vram_mb = 48
+min_size = 32
+max_width = 256
+max_height = 256
+size_step = 16
+max_steps = 200
+max_frames = 33
+default_frames = 9
+frames_step = 4
+default_fps = 8
+default_guidance = 5.0
+checkpoint_every_steps = 1
+
 [models.tiny-upscaler]
 source = "builtin:tiny-upscaler"
 family = "sd_x4_upscaler"

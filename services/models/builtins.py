@@ -59,6 +59,7 @@ MINIATURES = frozenset(
     {
         "builtin:tiny",
         "builtin:tiny-wan",
+        "builtin:tiny-wan22",
         "builtin:tiny-upscaler",
         "builtin:tiny-sd3",
         "builtin:tiny-flux",

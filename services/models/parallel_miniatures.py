@@ -15,7 +15,7 @@ from typing import Any
 from services.models.parallel import Parallelism, refusal, shapes_of
 from services.models.registry import DEFAULT_REGISTRY, toml_value
 
-BASES = ("tiny", "tiny-flux", "tiny-wan", "tiny-qwen-image")
+BASES = ("tiny", "tiny-flux", "tiny-wan", "tiny-wan22", "tiny-qwen-image")
 # The miniatures' attention heads: Ulysses splits them, so no twin splits its sequence more.
 HEADS = 2
 
@@ -30,14 +30,11 @@ def shipped(base: str, **keys: Any) -> dict[str, Any]:
     return {**{k: v for k, v in table.items() if k != "default"}, **keys}
 
 
-def twins(
-    size: int, more: Mapping[str, Mapping[str, Any]] | None = None, **overrides: Any
-) -> dict[str, dict[str, Any]]:
-    """Each twin's registry table, by name: of the shipped ``BASES`` and of ``more``
-    (name: table) (``overrides``: keys set on every twin)."""
-    bases = {base: shipped(base) for base in BASES} | dict(more or {})
+def twins(size: int, **overrides: Any) -> dict[str, dict[str, Any]]:
+    """Each twin's registry table, by name (``overrides``: keys set on every twin)."""
     found: dict[str, dict[str, Any]] = {}
-    for base, table in bases.items():
+    for base in BASES:
+        table = shipped(base)
         for shape in shapes_of(size):
             if refusal(table["family"], shape) is None and HEADS % shape.sequence == 0:
                 found[twin_name(base, shape)] = {**table, **overrides, "parallel": shape.as_dict()}
@@ -45,19 +42,14 @@ def twins(
 
 
 def write_registry(
-    path: Path,
-    size: int = 2,
-    variants: Mapping[str, Mapping[str, Any]] | None = None,
-    more: Mapping[str, Mapping[str, Any]] | None = None,
-    **overrides: Any,
+    path: Path, size: int = 2, variants: Mapping[str, Mapping[str, Any]] | None = None, **overrides: Any
 ) -> Path:
-    """The shipped registry, ``more`` models (name: table) and the twins of ``size`` of
-    both in one file at ``path``; each of ``variants`` (a suffix: keys) adds every twin
-    again, suffixed, with its keys."""
+    """The shipped registry and the twins of ``size`` in one file at ``path``; each
+    of ``variants`` (a suffix: keys) adds every twin again, suffixed, with its keys."""
     sections = [DEFAULT_REGISTRY.read_text()]
-    tables = {name: dict(table) for name, table in (more or {}).items()} | twins(size, more, **overrides)
+    tables = twins(size, **overrides)
     for suffix, keys in (variants or {}).items():
-        tables |= {name + suffix: {**table, **keys} for name, table in twins(size, more, **overrides).items()}
+        tables |= {name + suffix: {**table, **keys} for name, table in twins(size, **overrides).items()}
     for name, table in tables.items():
         lines = [f'[models."{name}"]', *(f"{key} = {toml_value(value)}" for key, value in table.items())]
         sections.append("\n".join(lines))

@@ -46,9 +46,15 @@ def test_a_job_no_sampler_serves_waits_saying_why_and_runs_once_one_joins(
             *((name, "image", False) for name in images if name != "tiny"),
             ("tiny-upscaler", "upscale", True),
             ("tiny-wan", "video", True),
+            ("tiny-wan22", "video", False),
         ]
         served = {m.name: list(m.served_by) for m in models}
-        assert served == {**{name: [sampler.worker_id] for name in images}, "tiny-upscaler": [], "tiny-wan": []}
+        assert served == {
+            **{name: [sampler.worker_id] for name in images},
+            "tiny-upscaler": [],
+            "tiny-wan": [],
+            "tiny-wan22": [],
+        }
 
         request = pb.SubmitJobRequest(model="tiny-upscaler", prompt="sharp", image=small_png(), steps=2)
         job_id = client.SubmitJob(request).job_id

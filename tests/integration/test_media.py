@@ -84,6 +84,17 @@ def test_a_video_job_comes_back_as_an_mp4_of_its_frames_size_and_fps(stack: Loca
     assert (info.mime_type, info.frames, info.width, info.height, info.fps) == ("image/webp", 9, 64, 48, 8.0)
 
 
+def test_a_video_of_wan22_s_two_experts_comes_back_as_an_mp4(stack: LocalStack) -> None:
+    """Its four steps cross the boundary: two on each expert (tests/unit/test_wan22.py)."""
+    client = stub(stack)
+    job = wait_terminal(client, client.SubmitJob(pb.SubmitJobRequest(**{**VIDEO, "model": "tiny-wan22"})).job_id)
+    assert job.status == pb.JOB_STATUS_SUCCEEDED, job.error
+    [video] = job.images
+    info = probe_video(video.data)
+    assert (info.mime_type, info.frames, info.width, info.height, info.fps) == ("video/mp4", 9, 64, 48, 8.0)
+    assert read_frames(video.data).std() > 1.0
+
+
 def test_a_video_preempted_by_urgent_image_work_resumes_to_its_uninterrupted_video(stack: LocalStack) -> None:
     client = stub(stack)
     # Seconds of work left when the urgent job comes, well past its lane's 0.5 s

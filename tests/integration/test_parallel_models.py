@@ -38,7 +38,7 @@ from gpu_worker.denoising.members import BatchMember, JobSuspended
 from gpu_worker.engine import SamplerEngine
 from services.generation import AdapterUse, GenerationParams
 from services.models.loader import module_bytes
-from services.models.parallel_miniatures import shipped, write_registry
+from services.models.parallel_miniatures import write_registry
 from services.models.registry import ModelRegistry
 from services.models.vae import VaeDecoderEngine
 from services.models.video_tiles import set_tile_size
@@ -133,8 +133,7 @@ def registry_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "-compiled": {"compile": True, "max_batch": 1, "max_images": 1},
         "-cached": {"step_cache": 0.2},
     }
-    path = tmp_path_factory.mktemp("registry") / "registry.toml"
-    return write_registry(path, variants=variants, more={WAN22: shipped("tiny-wan", source="builtin:tiny-wan22")})
+    return write_registry(tmp_path_factory.mktemp("registry") / "registry.toml", variants=variants)
 
 
 @pytest.fixture(scope="module")

@@ -116,17 +116,21 @@ def test_a_group_serves_every_shape_of_its_size() -> None:
         assert len(shapes_of(size)) == len(set(shapes_of(size))) and set(shapes_of(size)) == every, size
 
 
+WANS = ("tiny-wan", "tiny-wan22")
+
+
 def test_the_miniatures_twins_load_and_split_no_more_than_their_two_heads(tmp_path: Path) -> None:
     registry = ModelRegistry.load(write_registry(tmp_path / "r.toml", 4))
     grouped = {name: registry.get(name).parallel for name in twins(4)}
     assert grouped == {
         "tiny-wan-sequence2-cfg2": Parallelism(sequence=2, cfg=2),
+        "tiny-wan22-sequence2-cfg2": Parallelism(sequence=2, cfg=2),
         "tiny-qwen-image-sequence2-cfg2": Parallelism(sequence=2, cfg=2),
-        **{f"{base}-tensor4": Parallelism(tensor=4) for base in ("tiny", "tiny-flux", "tiny-wan", "tiny-qwen-image")},
-        **{f"{base}-cfg2-tensor2": Parallelism(cfg=2, tensor=2) for base in ("tiny", "tiny-wan", "tiny-qwen-image")},
+        **{f"{base}-tensor4": Parallelism(tensor=4) for base in (*WANS, "tiny", "tiny-flux", "tiny-qwen-image")},
+        **{f"{base}-cfg2-tensor2": Parallelism(cfg=2, tensor=2) for base in (*WANS, "tiny", "tiny-qwen-image")},
         **{
             f"{base}-sequence2-tensor2": Parallelism(sequence=2, tensor=2)
-            for base in ("tiny-flux", "tiny-wan", "tiny-qwen-image")
+            for base in (*WANS, "tiny-flux", "tiny-qwen-image")
         },
     }
 

@@ -7,7 +7,7 @@ experts) gets its solo latents, as does the member already running; one suspende
 before the boundary resumes after it, in another engine, to its uninterrupted
 latents; and a model of two experts refuses adapters (its slots would adapt one
 expert). A group splits both experts alike (``tests/integration/test_parallel_models.py``).
-About 15 CPU s (the miniature is built once)."""
+About 10 CPU s."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from gpu_worker.engine import SamplerEngine
 from gpu_worker.families import wan
 from services.errors import ModelError
 from services.generation import GenerationParams
-from services.models.builtins import BUILTINS, builtin_dir, ensure_builtin
 from services.models.prompt_encoding import WAN_TEXT_LEN
 from services.models.registry import ModelRegistry
 from services.models.wan import WAN22_T2V_BOUNDARY
@@ -40,13 +39,12 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def registry() -> ModelRegistry:
-    tiny = ModelRegistry.load().get("tiny-wan")
-    return ModelRegistry({MODEL: replace(tiny, name=MODEL, source="builtin:tiny-wan22")})
+    return ModelRegistry({MODEL: ModelRegistry.load().get(MODEL)})
 
 
 @pytest.fixture(scope="module")
 def model_dir(models_dir: Path) -> Path:
-    return ensure_builtin(BUILTINS["builtin:tiny-wan22"], builtin_dir(models_dir, "builtin:tiny-wan22"))
+    return models_dir / MODEL
 
 
 @pytest.fixture(scope="module")
