@@ -5,9 +5,10 @@ high-noise expert's and its late ones the low-noise one's; a job that joins a ru
 batch on the other side of the boundary (one call, its rows split between the
 experts) gets its solo latents, as does the member already running; one suspended
 before the boundary resumes after it, in another engine, to its uninterrupted
-latents; and a model of two experts refuses adapters (its slots would adapt one
-expert). A group splits both experts alike (``tests/integration/test_parallel_models.py``).
-About 10 CPU s."""
+latents; compiled, both experts compile as it loads; and a model of two experts
+refuses adapters (its slots would adapt one expert). A group splits both experts
+alike (``tests/integration/test_parallel_models.py``). About 25 CPU s, most of it the
+compilation."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from gpu_worker.engine import SamplerEngine
 from gpu_worker.families import wan
 from services.errors import ModelError
 from services.generation import GenerationParams
+from services.models import speed
 from services.models.prompt_encoding import WAN_TEXT_LEN
 from services.models.registry import ModelRegistry
 from services.models.wan import WAN22_T2V_BOUNDARY
@@ -177,6 +179,21 @@ def test_a_job_suspended_before_the_boundary_resumes_after_it_in_another_engine(
     assert isinstance(result, JobSuspended) and result.checkpoint.step == 2
     [resumed] = SamplerEngine(registry, models_dir, CPU).sample_batch([member(p, resume=result.checkpoint)])
     assert torch.equal(tensor(resumed), solo(SamplerEngine(registry, models_dir, CPU), p))
+
+
+def test_compiled_both_experts_compile_as_the_model_loads_and_keep_the_latents(
+    registry: ModelRegistry, models_dir: Path, model_dir: Path, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Their blocks compiled (as tests compile: ``aot_eager``, the traced graphs run as
+    they are), the warm-up's two steps one on each expert."""
+    monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
+    spec = replace(registry.get(MODEL), compile=True, max_batch=1, max_images=1)
+    engine = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    pipe = engine.load(MODEL)
+    for expert in (pipe.transformer, pipe.transformer_2):
+        assert all(block._compiled_call_impl is not None for block in expert.blocks)
+    p = params(31)
+    assert torch.allclose(solo(engine, p), solo(SamplerEngine(registry, models_dir, CPU), p), atol=1e-5, rtol=0)
 
 
 def test_a_model_of_two_experts_refuses_adapters_which_would_adapt_one(
