@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -231,7 +232,8 @@ class DiffusersDenoiser(DiffusersFamily):
         step index (a resumed member finishes before a fresh one beside it); at each
         boundary the members offered to ``joins`` come in, and those done leave."""
         checkpoints.mark([r for r in runs if r.result is None])
-        cache = StepCache(calls.options.step_cache) if calls.options.step_cache else None
+        threshold = calls.options.step_cache
+        cache = StepCache(threshold, partial(self.step_phase, pipe)) if threshold else None
         left: set[int] = set()
         while True:
             for r in calls.lockstep.stopping([r for r in runs if r.result is None and r.step < r.total]):

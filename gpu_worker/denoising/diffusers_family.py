@@ -4,7 +4,8 @@ starts (its noise drawn, an edit's input noised to its first step), how one step
 network call is made and its guided halves combined, and its prompts' conditioning:
 encoded where its text encoders are (the device, the host) or handed over by the
 decoder service that serves them, and kept in the prompt cache. Each family in
-``gpu_worker.families`` overrides what differs."""
+``gpu_worker.families`` overrides what differs. A few lines over 300: one class, every
+hook a family may override in one place."""
 
 from __future__ import annotations
 
@@ -118,6 +119,10 @@ class DiffusersFamily:
     def model_input(self, run: DiffusersRun, latents: torch.Tensor) -> torch.Tensor:
         """What the network takes for a member's (scaled) latents."""
         return latents
+
+    def step_phase(self, pipe: Any, run: MemberRun) -> int:
+        """Which of its networks computes ``run``'s step (step caching reuses within one)."""
+        return 0
 
     def call_key(self, run: DiffusersRun) -> Any:
         """What members that share a network call agree on besides their guidance mode

@@ -13,6 +13,10 @@ times the steps since stays within the threshold. It needs no hook inside the
 network, so it serves every family alike (the UNets, the transformers, video) and
 leaves a compiled network's graphs as they are.
 
+A step's prediction is reused only from its own network: where a model switches
+networks between steps (Wan 2.2's two experts: its ``phase``), a member's first step
+on the next computes, and its rate starts again there.
+
 Each member decides alone, from its own predictions: a batch runs its network on
 the rows of the members that compute, so a member's image never depends on what
 it is batched with (on a CPU it is exactly its solo image), and joiners and
@@ -25,7 +29,7 @@ place the loop waits for the device, and only where step caching is on."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,15 +41,22 @@ PREDICTION = "step_cache.prediction"  # the last computed (guided) prediction
 RATE = "step_cache.rate"  # how far the prediction moved per step, at the last computation
 COMPUTED_AT = "step_cache.computed_at"  # the step of the last computation
 CACHED = "step_cache.cached"  # steps that reused a prediction, so far
+PHASE = "step_cache.phase"  # the phase (the network) of the last computation
+
+
+def one_phase(run: MemberRun) -> int:
+    return 0
 
 
 @dataclass(frozen=True)
 class StepCache:
     threshold: float  # the largest estimated change a reused prediction may stand for
+    # Which network computes a run's step (Wan 2.2's expert); one for most models.
+    phase: Callable[[MemberRun], int] = one_phase
 
     def reusing(self, runs: Sequence[MemberRun]) -> set[int]:
         """The runs (by identity) whose step reuses their last prediction."""
-        candidates = [r for r in runs if r.step < r.total - 1 and RATE in _state(r).extras]
+        candidates = [r for r in runs if r.step < r.total - 1 and RATE in _state(r).extras and self._same_phase(r)]
         if not candidates:
             return set()
         rates = torch.stack([_state(r).extras[RATE] for r in candidates]).tolist()  # one read back for all
@@ -55,16 +66,25 @@ class StepCache:
             if rate * (r.step - int(_state(r).extras[COMPUTED_AT])) <= self.threshold
         }
 
-    @staticmethod
-    def computed(run: MemberRun, prediction: torch.Tensor) -> None:
-        """``run`` computed ``prediction`` at its step: the next decisions' rate."""
+    def computed(self, run: MemberRun, prediction: torch.Tensor) -> None:
+        """``run`` computed ``prediction`` at its step: the next decisions' rate (none
+        yet at its first step of a phase)."""
         extras = _state(run).extras
         last = extras.get(PREDICTION)
-        if last is not None:
+        if last is not None and self._same_phase(run):
             steps = run.step - int(extras[COMPUTED_AT])
             extras[RATE] = relative_change(prediction, last) / steps
+        else:
+            extras.pop(RATE, None)
         extras[PREDICTION] = prediction
         extras[COMPUTED_AT] = torch.tensor(run.step)
+        extras[PHASE] = torch.tensor(self.phase(run))
+
+    def _same_phase(self, run: MemberRun) -> bool:
+        """Whether ``run``'s step is of the phase of its last computation (a state
+        from before phases were kept: yes)."""
+        last = _state(run).extras.get(PHASE)
+        return last is None or int(last) == self.phase(run)
 
     @staticmethod
     def reused(run: MemberRun) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.denoising.checkpoint_capture import MemberRun
 from gpu_worker.denoising.diffusers_denoiser import DiffusersDenoiser
 from gpu_worker.denoising.diffusers_run import DiffusersRun
 from gpu_worker.denoising.prompts import Conditioning
@@ -34,6 +35,12 @@ class WanDenoiser(DiffusersDenoiser):
             # Slots are the first network's alone: an adapter would adapt the early steps only.
             raise ModelError(f"model {spec.name!r}: a model of two experts takes no adapter_slots yet")
         return loaded
+
+    def step_phase(self, pipe: Any, run: MemberRun) -> int:
+        """1 where ``run``'s step is the low-noise expert's, else 0."""
+        assert run.state is not None
+        low = late_rows(pipe, run.state.scheduler.timesteps[run.step : run.step + 1])
+        return int(low is not None and bool(low.all()))
 
     def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
         frames = (params.frames - 1) // pipe.vae_scale_factor_temporal + 1

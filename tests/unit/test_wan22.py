@@ -5,7 +5,8 @@ high-noise expert's and its late ones the low-noise one's; a job that joins a ru
 batch on the other side of the boundary (one call, its rows split between the
 experts) gets its solo latents, as does the member already running; one suspended
 before the boundary resumes after it, in another engine, to its uninterrupted
-latents; compiled, both experts compile as it loads; and a model of two experts
+latents; compiled, both experts compile as it loads; step caching reuses no
+prediction across the boundary; and a model of two experts
 refuses adapters (its slots would adapt one expert). A group splits both experts
 alike (``tests/integration/test_parallel_models.py``). About 25 CPU s, most of it the
 compilation."""
@@ -194,6 +195,34 @@ def test_compiled_both_experts_compile_as_the_model_loads_and_keep_the_latents(
         assert all(block._compiled_call_impl is not None for block in expert.blocks)
     p = params(31)
     assert torch.allclose(solo(engine, p), solo(SamplerEngine(registry, models_dir, CPU), p), atol=1e-5, rtol=0)
+
+
+def test_step_caching_never_reuses_the_other_expert_s_prediction(
+    registry: ModelRegistry, models_dir: Path, model_dir: Path, one_thread: None
+) -> None:
+    """With a threshold that reuses every step it may: the first step past the boundary
+    computes on the low-noise expert, and that expert's own rate starts there (its next
+    step computes too), the last step computing as always. Eight steps: 0-2 early, 3-7
+    late."""
+    spec = replace(registry.get(MODEL), step_cache=0.99)
+    engine = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    pipe = engine.load(MODEL)
+    early: list[float] = []
+    late: list[float] = []
+    hooks = [calls_of(pipe.transformer, early), calls_of(pipe.transformer_2, late)]
+    try:
+        solo(engine, params(41, steps=8))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    boundary = WAN22_T2V_BOUNDARY * 1000
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(8)
+    timesteps = [float(t) for t in scheduler.timesteps]
+    first_late = next(t for t in timesteps if t < boundary)
+    assert early == timesteps[:2] and min(timesteps[:3]) >= boundary  # the third early step reused
+    assert late[:2] == [first_late, timesteps[timesteps.index(first_late) + 1]] and late[-1] == timesteps[-1]
+    assert len(early) + len(late) < 8  # some steps were reused
 
 
 def test_a_model_of_two_experts_refuses_adapters_which_would_adapt_one(
