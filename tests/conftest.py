@@ -113,6 +113,17 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a module: the miniatures' operations are so small that
+    two threads spend their time waiting for each other (on a busy two-core machine a
+    tiny Wan generation took 7 s with two, 1 s with one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     models = tmp_path_factory.mktemp("models")

@@ -63,8 +63,23 @@ load_s = 0.5
 checkpoint_every_steps = 5
 """
 
+# The keys of both Wan miniatures, checkpointed every step.
+_CHECKPOINTED_WAN = """family = "wan"
+dtype = "float32"
+min_size = 32
+max_width = 256
+max_height = 256
+size_step = 16
+max_steps = 200
+max_frames = 33
+default_frames = 9
+frames_step = 4
+default_fps = 8
+default_guidance = 5.0
+checkpoint_every_steps = 1
+"""
 # The default registry's miniatures, each checkpointing at every step.
-CHECKPOINTED_MEDIA = """
+CHECKPOINTED_MEDIA = f"""
 [models.tiny]
 source = "builtin:tiny"
 family = "tiny"
@@ -77,39 +92,13 @@ checkpoint_every_steps = 1
 
 [models.tiny-wan]
 source = "builtin:tiny-wan"
-family = "wan"
 default = true
-dtype = "float32"
 vram_mb = 32
-min_size = 32
-max_width = 256
-max_height = 256
-size_step = 16
-max_steps = 200
-max_frames = 33
-default_frames = 9
-frames_step = 4
-default_fps = 8
-default_guidance = 5.0
-checkpoint_every_steps = 1
-
+{_CHECKPOINTED_WAN}
 [models.tiny-wan22]
 source = "builtin:tiny-wan22"
-family = "wan"
-dtype = "float32"
 vram_mb = 48
-min_size = 32
-max_width = 256
-max_height = 256
-size_step = 16
-max_steps = 200
-max_frames = 33
-default_frames = 9
-frames_step = 4
-default_fps = 8
-default_guidance = 5.0
-checkpoint_every_steps = 1
-
+{_CHECKPOINTED_WAN}
 [models.tiny-upscaler]
 source = "builtin:tiny-upscaler"
 family = "sd_x4_upscaler"

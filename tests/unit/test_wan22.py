@@ -14,7 +14,7 @@ compilation."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,14 +53,6 @@ def model_dir(models_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def engine(registry: ModelRegistry, models_dir: Path, model_dir: Path) -> SamplerEngine:
     return SamplerEngine(registry, models_dir, CPU)
-
-
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def params(seed: int, steps: int = STEPS, guidance: float = 5.0) -> GenerationParams:

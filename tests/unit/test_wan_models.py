@@ -3,7 +3,6 @@ own ``WanPipeline``; the full-size preset has the real architecture's parameter 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -16,16 +15,6 @@ from services.models.wan import WAN_TINY_MARKER, build_tiny_wan, wan_parameter_c
 # its float32 safetensors of 5,676,070,424 bytes), the UMT5-XXL encoder Wan ships
 # (models_t5_umt5-xxl-enc-bf16), and the Wan 2.1 VAE.
 PUBLISHED = {"transformer": 1_418_996_800, "text_encoder": 5_680_910_336, "vae": 126_892_531}
-
-
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    # The tiny model's operations are so small that two threads spend their time waiting for
-    # each other: on a busy two-core machine a generation took 7 s with two, 1 s with one.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
