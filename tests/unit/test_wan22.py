@@ -6,7 +6,8 @@ batch on the other side of the boundary (one call, its rows split between the
 experts) gets its solo latents, as does the member already running; one suspended
 before the boundary resumes after it, in another engine, to its uninterrupted
 latents; compiled, both experts compile as it loads; step caching reuses no
-prediction across the boundary; and a model of two experts
+prediction across the boundary, and a job suspended there resumes as uninterrupted;
+and a model of two experts
 refuses adapters (its slots would adapt one expert). A group splits both experts
 alike (``tests/integration/test_parallel_models.py``). About 25 CPU s, most of it the
 compilation."""
@@ -215,6 +216,28 @@ def test_step_caching_never_reuses_the_other_expert_s_prediction(
     assert early == timesteps[:2] and min(timesteps[:3]) >= boundary  # the third early step reused
     assert late[:2] == [first_late, timesteps[timesteps.index(first_late) + 1]] and late[-1] == timesteps[-1]
     assert len(early) + len(late) < 8  # some steps were reused
+
+
+def test_step_caching_suspended_at_the_boundary_resumes_as_uninterrupted(
+    registry: ModelRegistry, models_dir: Path, model_dir: Path, one_thread: None
+) -> None:
+    """Suspended with its next step the first past the boundary: the phase of its last
+    computation travels in the checkpoint, so the resumed job computes that step and
+    reuses as it would have, to the uninterrupted latents."""
+    cached = ModelRegistry({MODEL: replace(registry.get(MODEL), step_cache=0.99)})
+    p = params(51, steps=8)
+    stop = threading.Event()
+
+    def on_step(step: int, total: int) -> None:
+        if step == 3:
+            stop.set()
+
+    [result] = SamplerEngine(cached, models_dir, CPU).sample_batch(
+        [member(p, on_step, stopping=stop, suspend=lambda: True)]
+    )
+    assert isinstance(result, JobSuspended) and result.checkpoint.step == 3
+    [resumed] = SamplerEngine(cached, models_dir, CPU).sample_batch([member(p, resume=result.checkpoint)])
+    assert torch.equal(tensor(resumed), solo(SamplerEngine(cached, models_dir, CPU), p))
 
 
 def test_a_model_of_two_experts_refuses_adapters_which_would_adapt_one(
