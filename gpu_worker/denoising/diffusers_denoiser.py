@@ -253,7 +253,8 @@ class DiffusersDenoiser(DiffusersFamily):
                 return
             reusing = cache.reusing(active) if cache is not None else set()
             computing = [r for r in active if id(r) not in reusing]
-            for group in step_groups(computing, fuse=self.fuse_batches, guided=self.classifier_free, key=self.call_key):
+            key = partial(self.call_key, pipe)
+            for group in step_groups(computing, fuse=self.fuse_batches, guided=self.classifier_free, key=key):
                 for r, eps in zip(group, guided_noise(self, pipe, group, calls), strict=True):
                     if cache is not None:
                         cache.computed(r, eps)

@@ -124,9 +124,10 @@ class DiffusersFamily:
         """Which of its networks computes ``run``'s step (step caching reuses within one)."""
         return 0
 
-    def call_key(self, run: DiffusersRun) -> Any:
+    def call_key(self, pipe: Any, run: DiffusersRun) -> Any:
         """What members that share a network call agree on besides their guidance mode
-        (members of a batch have one size): an edit's input image's token grid."""
+        (members of a batch have one size): an edit's input image's token grid, the
+        network of their step (Wan 2.2's expert)."""
         return None
 
     def call_network(

@@ -180,7 +180,7 @@ class QwenImageEditDenoiser(QwenImageDenoiser):
         device = self.text_device(pipe)
         return Conditioning.encode(pipe, spec.family, params, device, cfg, image=inputs.prompt_image)
 
-    def call_key(self, run: DiffusersRun) -> Any:
+    def call_key(self, pipe: Any, run: DiffusersRun) -> Any:
         return self._condition_grid(run)
 
     def start(self, pipe: Any, run: DiffusersRun, member: BatchMember) -> None:

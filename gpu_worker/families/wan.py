@@ -4,9 +4,10 @@ in ``gpu_worker.denoising.diffusers_denoiser``'s loop: a video job is denoised,
 checkpointed, suspended and resumed like an image job, its latents one dimension
 deeper. Wan 2.2 A14B's two experts (``transformer_2`` and the pipeline's
 ``boundary_ratio``): a step whose timestep is at or above the boundary is the
-high-noise expert's, the rest the low-noise one's, as ``WanPipeline`` switches them;
-members of one call on both sides of it (a job that joined a running batch) are
-split between the two, each row to its own expert."""
+high-noise expert's, the rest the low-noise one's, as ``WanPipeline`` switches them.
+Members on both sides of it in one step (a job that joined a running batch) never
+share a call: each expert has its own call in that step (``call_key``), chosen on the
+host from the members' own timesteps, so the loop reads nothing back to choose."""
 
 from __future__ import annotations
 
@@ -37,10 +38,14 @@ class WanDenoiser(DiffusersDenoiser):
         return loaded
 
     def step_phase(self, pipe: Any, run: MemberRun) -> int:
-        """1 where ``run``'s step is the low-noise expert's, else 0."""
+        """1 where ``run``'s step is the low-noise expert's, else 0 (from the host's
+        timesteps: nothing read back)."""
         assert run.state is not None
-        low = late_rows(pipe, run.state.scheduler.timesteps[run.step : run.step + 1])
-        return int(low is not None and bool(low.all()))
+        boundary = boundary_timestep(pipe)
+        return int(boundary is not None and float(run.state.scheduler.timesteps[run.step]) < boundary)
+
+    def call_key(self, pipe: Any, run: DiffusersRun) -> Any:
+        return self.step_phase(pipe, run)
 
     def latent_shape(self, pipe: Any, params: GenerationParams) -> tuple[int, ...]:
         frames = (params.frames - 1) // pipe.vae_scale_factor_temporal + 1
@@ -62,17 +67,10 @@ class WanDenoiser(DiffusersDenoiser):
     def call_network(
         self, pipe: Any, x: torch.Tensor, t: torch.Tensor, c: Conditioning, runs: list[DiffusersRun]
     ) -> Any:
-        timestep, embeds = t.expand(x.shape[0]), c.embeds
-        assert embeds is not None
-        low = late_rows(pipe, timestep)
-        if low is None or not low.any():
-            return _predict(pipe.transformer, x, timestep, embeds)
-        if low.all():
-            return _predict(pipe.transformer_2, x, timestep, embeds)
-        out = torch.empty_like(x, dtype=module_dtype(pipe.transformer))
-        for expert, rows in ((pipe.transformer, ~low), (pipe.transformer_2, low)):
-            out[rows] = _predict(expert, x[rows], timestep[rows], embeds[rows])
-        return out
+        assert c.embeds is not None
+        # A call's members share their step's expert (``call_key``).
+        expert = pipe.transformer_2 if self.step_phase(pipe, runs[0]) else pipe.transformer
+        return _predict(expert, x, t.expand(x.shape[0]), c.embeds)
 
 
 def second_expert(pipe: Any) -> Any:
@@ -82,13 +80,11 @@ def second_expert(pipe: Any) -> Any:
     return pipe.transformer_2
 
 
-def late_rows(pipe: Any, timestep: torch.Tensor) -> torch.Tensor | None:
-    """Per row, whether its timestep is past the boundary (the low-noise expert's);
-    None for a model of one expert."""
+def boundary_timestep(pipe: Any) -> float | None:
+    """The timestep below which a step is the low-noise expert's; None for a model of one."""
     if second_expert(pipe) is None:
         return None
-    boundary = pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps
-    return timestep < boundary
+    return float(pipe.config.boundary_ratio * pipe.scheduler.config.num_train_timesteps)
 
 
 def _predict(network: Any, x: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,7 @@ CASES = {
     "sd-ddim-no-guidance": ("tiny", "DDIMScheduler", 1.0),
     "sd-unipc": ("tiny", "UniPCMultistepScheduler", 5.0),
     "wan": ("tiny-wan", "", 5.0),
+    "wan22-two-experts": ("tiny-wan22", "", 5.0),  # members on both sides of the boundary in a step
     "sd3": ("tiny-sd3", "", 4.5),
     "flux-dev": ("tiny-flux", "", 3.5),
     "flux-schnell": ("tiny-flux-schnell", "", 1.0),

@@ -26,7 +26,6 @@ import torch
 from gpu_worker.denoising.members import BatchMember, JobSuspended, MemberResult
 from gpu_worker.denoising.running_batch import Cohort, RunningBatch
 from gpu_worker.engine import SamplerEngine
-from gpu_worker.families import wan
 from services.errors import ModelError
 from services.generation import GenerationParams
 from services.models import speed
@@ -121,27 +120,28 @@ def test_a_job_crossing_the_boundary_gets_the_pipelines_latents(
 
 
 def test_a_job_joining_on_the_other_side_of_the_boundary_gets_its_solo_latents(
-    engine: SamplerEngine, one_thread: None, monkeypatch: pytest.MonkeyPatch
+    engine: SamplerEngine, one_thread: None
 ) -> None:
-    """Fused as on a GPU: the step the joiner takes its first (high-noise) step in is
-    one call whose rows the two experts share with the running member's late step."""
+    """Fused as on a GPU, where members share calls: in the steps the joiner takes on the
+    high-noise expert while the running member is on the low-noise one, each expert has
+    a call of its own (never one of both: each would compute the other's rows), so each
+    member's latents are its solo ones."""
     running, late = params(10), params(11, guidance=4.0)
     left: list[Cohort] = []
-    masks: list[list[bool]] = []
-    late_rows = wan.late_rows
-
-    def noted(pipe: Any, timestep: torch.Tensor) -> torch.Tensor | None:
-        rows = late_rows(pipe, timestep)
-        masks.append([] if rows is None else rows.tolist())
-        return rows
-
-    monkeypatch.setattr(wan, "late_rows", noted)
 
     def on_step(step: int, total: int) -> None:
         if step == 2:  # the running member's next step is past the boundary
             assert batch.offer([member(late)]) == 1
 
     denoiser: Any = engine.denoiser_for(engine.registry.get(MODEL))
+    pipe = engine.load(MODEL)
+    rows: list[int] = []
+    hooks = [
+        expert.register_forward_pre_hook(
+            lambda _module, _args, kwargs: rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
+        )
+        for expert in (pipe.transformer, pipe.transformer_2)
+    ]
     first = member(running, on_step)
     batch = RunningBatch(running.join_key, 8, [first], left.append)
     denoiser.fuse_batches = True
@@ -149,12 +149,13 @@ def test_a_job_joining_on_the_other_side_of_the_boundary_gets_its_solo_latents(
         results = engine.sample_batch([first], batch)
     finally:
         denoiser.fuse_batches = False
+        for hook in hooks:
+            hook.remove()
+    # Four steps each, every call one member's two rows (its prompt's and its negative's).
+    assert rows == [2] * 8
     joined = next(result for cohort in left for m, result in cohort if m.params.prompt == late.prompt)
-    assert torch.allclose(tensor(joined), solo(engine, late), atol=1e-5, rtol=0)
-    assert torch.allclose(tensor(results[0]), solo(engine, running), atol=1e-5, rtol=0)
-    # One call split between the experts: the negative prompts' rows, then the prompts',
-    # each the running member's (late) and the joiner's (early).
-    assert [True, False, True, False] in masks
+    assert torch.equal(tensor(joined), solo(engine, late))
+    assert torch.equal(tensor(results[0]), solo(engine, running))
 
 
 def test_a_job_suspended_before_the_boundary_resumes_after_it_in_another_engine(
