@@ -158,22 +158,32 @@ def test_a_job_joining_on_the_other_side_of_the_boundary_gets_its_solo_latents(
     assert torch.equal(tensor(results[0]), solo(engine, running))
 
 
-def test_a_job_suspended_before_the_boundary_resumes_after_it_in_another_engine(
-    registry: ModelRegistry, models_dir: Path, model_dir: Path, one_thread: None
-) -> None:
-    p = params(21, steps=6)
+def resumes_as_uninterrupted(registry: ModelRegistry, models_dir: Path, p: GenerationParams, at: int) -> None:
+    """``p`` suspended once step ``at`` is done resumes, in another engine, to the
+    latents a third engine makes of it uninterrupted."""
     stop = threading.Event()
 
     def on_step(step: int, total: int) -> None:
-        if step == 2:
+        if step == at:
             stop.set()
 
     [result] = SamplerEngine(registry, models_dir, CPU).sample_batch(
         [member(p, on_step, stopping=stop, suspend=lambda: True)]
     )
-    assert isinstance(result, JobSuspended) and result.checkpoint.step == 2
+    assert isinstance(result, JobSuspended) and result.checkpoint.step == at
     [resumed] = SamplerEngine(registry, models_dir, CPU).sample_batch([member(p, resume=result.checkpoint)])
     assert torch.equal(tensor(resumed), solo(SamplerEngine(registry, models_dir, CPU), p))
+
+
+def with_options(registry: ModelRegistry, **options: Any) -> ModelRegistry:
+    """The miniature alone, with ``options``."""
+    return ModelRegistry({MODEL: replace(registry.get(MODEL), **options)})
+
+
+def test_a_job_suspended_before_the_boundary_resumes_after_it_in_another_engine(
+    registry: ModelRegistry, models_dir: Path, model_dir: Path, one_thread: None
+) -> None:
+    resumes_as_uninterrupted(registry, models_dir, params(21, steps=6), at=2)
 
 
 def test_compiled_both_experts_compile_as_the_model_loads_and_keep_the_latents(
@@ -182,8 +192,7 @@ def test_compiled_both_experts_compile_as_the_model_loads_and_keep_the_latents(
     """Their blocks compiled (as tests compile: ``aot_eager``, the traced graphs run as
     they are), the warm-up's two steps one on each expert."""
     monkeypatch.setattr(speed, "COMPILE_BACKEND", "aot_eager")
-    spec = replace(registry.get(MODEL), compile=True, max_batch=1, max_images=1)
-    engine = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    engine = SamplerEngine(with_options(registry, compile=True, max_batch=1, max_images=1), models_dir, CPU)
     pipe = engine.load(MODEL)
     for expert in (pipe.transformer, pipe.transformer_2):
         assert all(block._compiled_call_impl is not None for block in expert.blocks)
@@ -198,8 +207,7 @@ def test_step_caching_never_reuses_the_other_expert_s_prediction(
     computes on the low-noise expert, and that expert's own rate starts there (its next
     step computes too), the last step computing as always. Eight steps: 0-2 early, 3-7
     late."""
-    spec = replace(registry.get(MODEL), step_cache=0.99)
-    engine = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    engine = SamplerEngine(with_options(registry, step_cache=0.99), models_dir, CPU)
     pipe = engine.load(MODEL)
     early: list[float] = []
     late: list[float] = []
@@ -225,26 +233,12 @@ def test_step_caching_suspended_at_the_boundary_resumes_as_uninterrupted(
     """Suspended with its next step the first past the boundary: the phase of its last
     computation travels in the checkpoint, so the resumed job computes that step and
     reuses as it would have, to the uninterrupted latents."""
-    cached = ModelRegistry({MODEL: replace(registry.get(MODEL), step_cache=0.99)})
-    p = params(51, steps=8)
-    stop = threading.Event()
-
-    def on_step(step: int, total: int) -> None:
-        if step == 3:
-            stop.set()
-
-    [result] = SamplerEngine(cached, models_dir, CPU).sample_batch(
-        [member(p, on_step, stopping=stop, suspend=lambda: True)]
-    )
-    assert isinstance(result, JobSuspended) and result.checkpoint.step == 3
-    [resumed] = SamplerEngine(cached, models_dir, CPU).sample_batch([member(p, resume=result.checkpoint)])
-    assert torch.equal(tensor(resumed), solo(SamplerEngine(cached, models_dir, CPU), p))
+    resumes_as_uninterrupted(with_options(registry, step_cache=0.99), models_dir, params(51, steps=8), at=3)
 
 
 def test_a_model_of_two_experts_refuses_adapters_which_would_adapt_one(
     registry: ModelRegistry, models_dir: Path, model_dir: Path
 ) -> None:
-    spec = replace(registry.get(MODEL), adapter_slots=4)
-    engine = SamplerEngine(ModelRegistry({MODEL: spec}), models_dir, CPU)
+    engine = SamplerEngine(with_options(registry, adapter_slots=4), models_dir, CPU)
     with pytest.raises(ModelError, match=f"model '{MODEL}': .*adapter_slots"):
         engine.load(MODEL)
